@@ -1,0 +1,126 @@
+"""`flash_attention`: attention that returns a differentiable log-sum-exp, on every backend.
+
+One `jax.custom_vjp` wraps all the fast backends; its backward consumes the cotangents of BOTH outputs:
+with D_i = rowsum(dO o O) and the LSE cotangent g_i, dS = P o (dP - D_i + g_i). This is what lets the sink and
+gate terms of sink-aware training (all functions of the LSE) send gradient into q and k.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+
+from sinkjax.kernels import reference
+
+IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
+_BACKEND_MODULES = {"xla": "sinkjax.kernels.xla", "pallas_tpu": "sinkjax.kernels.pallas_tpu",
+                    "pallas_gpu": "sinkjax.kernels.pallas_gpu"}
+_HARDWARE = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  impl: str
+  causal: bool
+  scale: float
+  block_q: int | None
+  block_k: int | None
+  interpret: bool
+
+
+def _backend(impl: str):
+  return importlib.import_module(_BACKEND_MODULES[impl])
+
+
+def default_impl(platform: str | None = None) -> str:
+  """The backend `impl="auto"` picks: Pallas on TPU and NVIDIA GPU, blockwise XLA elsewhere."""
+  platform = platform or jax.default_backend()
+  if platform == "tpu":
+    return "pallas_tpu"
+  if platform in ("gpu", "cuda"):
+    return "pallas_gpu"
+  return "xla"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_seg, kv_seg, st: _Static):
+  return _fwd(q, k, v, q_seg, kv_seg, st)[0]
+
+
+def _kw(st):
+  return dict(causal=st.causal, scale=st.scale, block_q=st.block_q, block_k=st.block_k, interpret=st.interpret)
+
+
+def _fwd(q, k, v, q_seg, kv_seg, st):
+  out, lse = _backend(st.impl).fwd(q, k, v, q_seg, kv_seg, **_kw(st))
+  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _bwd(st, res, cts):
+  q, k, v, q_seg, kv_seg, out, lse = res
+  dout, dlse = cts
+  dq, dk, dv = _backend(st.impl).bwd(q, k, v, q_seg, kv_seg, out, lse, dout.astype(q.dtype),
+                                     dlse.astype(jnp.float32), **_kw(st))
+  return dq, dk, dv, None, None
+
+
+_flash.defvjp(_fwd, _bwd)
+
+
+def _segments(segment_ids, B, T, S):
+  if segment_ids is None:
+    return jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
+  if isinstance(segment_ids, (tuple, list)):
+    q_seg, kv_seg = segment_ids
+  else:
+    if T != S:
+      raise ValueError(f"segment_ids of shape [B,T] needs T == S (got T={T}, S={S}); "
+                       "pass a (q_segment_ids, kv_segment_ids) pair instead")
+    q_seg = kv_seg = segment_ids
+  if q_seg.shape != (B, T) or kv_seg.shape != (B, S):
+    raise ValueError(f"segment ids must be [B,T]={B, T} and [B,S]={B, S}; got {q_seg.shape} and {kv_seg.shape}")
+  return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+
+
+def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: float | None = None,
+                    impl: str = "auto", interpret: bool | None = None, block_q: int | None = None,
+                    block_k: int | None = None):
+  """Multi-head attention returning `(out, lse)`, differentiable through both.
+
+  Args:
+    q: [B, T, Hq, D] queries. k, v: [B, S, Hkv, D] keys and values, Hq % Hkv == 0 (GQA/MQA).
+    causal: bottom-right aligned causal mask (query t sees keys s <= t + S - T).
+    segment_ids: int [B, T] (self-attention, T == S) or a pair ([B, T], [B, S]). Tokens attend only within equal
+      ids; id 0 is padding: its rows give zero output and lse = -inf, with zero (never NaN) gradients.
+    scale: logit scale, default 1/sqrt(D).
+    impl: "auto" | "reference" | "xla" | "pallas_tpu" | "pallas_gpu".
+    interpret: Pallas interpret mode; None = only when the backend's hardware is absent.
+    block_q, block_k: tile sizes (backend defaults when None).
+
+  Returns:
+    out [B, T, Hq, D] in q.dtype and lse float32 [B, Hq, T] (natural log).
+  """
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be [batch, time, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
+  B, T, Hq, D = q.shape
+  if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+    raise ValueError(f"k and v must be [B, S, Hkv, D] matching q {q.shape}; got k {k.shape}, v {v.shape}")
+  S, Hkv = k.shape[1], k.shape[2]
+  if Hq % Hkv:
+    raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+  scale = float(1.0 / math.sqrt(D) if scale is None else scale)
+  q_seg, kv_seg = _segments(segment_ids, B, T, S)
+  if impl == "auto":
+    impl = default_impl()
+  if impl == "reference":
+    return reference.attention(q, k, v, q_seg, kv_seg, causal=causal, scale=scale)
+  if interpret is None:
+    interpret = impl in _HARDWARE and jax.default_backend() not in (_HARDWARE[impl], "cuda")
+  st = _Static(impl, bool(causal), scale, block_q, block_k, bool(interpret))
+  return _flash(q, k, v, q_seg, kv_seg, st)
