@@ -1,0 +1,139 @@
+"""The three attention variants of the paper (000 §2-3) as pure functions over `flash_attention`.
+
+Each returns `(out, gate)`: `out` [B,T,Hq,D] and the per-head gate G [B,T,Hq] (or [B,T,Hq,D] for an elementwise
+gate) that the load-balancing loss averages into head importance (eq. 5). None materializes attention weights: the
+implicit gates of vanilla and sink attention are functions of the kernel's LSE (eq. 4, App. B), and gradient flows
+through it.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from sinkjax.kernels import flash_attention
+
+
+def _heads_last(lse):
+  return jnp.swapaxes(lse, 1, 2)      # [B,Hq,T] -> [B,T,Hq]
+
+
+def document_first_index(segment_ids, T: int):
+  """For each position, the index of the first token of its segment (packed batches); shape [B, T].
+
+  Segments are contiguous runs of equal ids. With no segment ids every position's first token is 0.
+  """
+  if segment_ids is None:
+    return jnp.zeros((1, T), jnp.int32)
+  idx = jnp.arange(T, dtype=jnp.int32)
+  prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  starts = segment_ids != prev
+  return jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+def vanilla_attention(q, k, v, *, segment_ids=None, scale=None, impl="auto", **kernel_kwargs):
+  """Causal softmax attention; gate G_t = 1 - A_{t,first} (eq. 4), first = first key of t's document.
+
+  Stable form (SPEC): G = -expm1(z_first - LSE), exact as A_first -> 1, no attention weights needed.
+  A query that is its document's first token (or padding) has G = 0.
+  """
+  B, T, Hq, D = q.shape
+  Hkv = k.shape[2]
+  scale = 1.0 / math.sqrt(D) if scale is None else scale
+  out, lse = flash_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=scale, impl=impl,
+                             **kernel_kwargs)
+  first = jnp.broadcast_to(document_first_index(segment_ids, T), (B, T))
+  k_first = jnp.take_along_axis(k, first[:, :, None, None], axis=1)          # [B,T,Hkv,D]
+  k_first = jnp.repeat(k_first, Hq // Hkv, axis=2)
+  z_first = jnp.einsum("bthd,bthd->bth", q.astype(jnp.float32), k_first.astype(jnp.float32)) * scale
+  lse_t = _heads_last(lse)
+  valid = (first != jnp.arange(T)[None, :])[:, :, None] & jnp.isfinite(lse_t)
+  # z_first <= LSE in exact arithmetic; the clamp keeps rounding from producing a negative gate.
+  delta = jnp.minimum(jnp.where(valid, z_first - lse_t, 0.0), 0.0)
+  gate = jnp.where(valid, -jnp.expm1(delta), 0.0)
+  return out, gate
+
+
+def sink_attention(q, k, v, sink, *, segment_ids=None, scale=None, impl="auto", **kernel_kwargs):
+  """GPT-OSS sink attention: a learnable logit `sink` [Hq] joins each softmax denominator with zero value.
+
+  out = flash_out * sigma(LSE - sink), gate = sigma(LSE - sink) (eq. 23): identical in value and gradient to
+  appending a sink column to the logits, taking the softmax and dropping the column.
+  """
+  out, lse = flash_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=scale, impl=impl,
+                             **kernel_kwargs)
+  gate = jax.nn.sigmoid(_heads_last(lse) - sink.astype(jnp.float32))          # [B,T,Hq]; 0 on padding
+  out = (out.astype(jnp.float32) * gate[..., None]).astype(q.dtype)
+  return out, gate
+
+
+def gated_attention(q, k, v, gate_logits, *, segment_ids=None, scale=None, impl="auto", **kernel_kwargs):
+  """Qwen-style gated attention (G1, after SDPA): out = sdpa_out * sigmoid(gate_logits).
+
+  gate_logits: [B,T,Hq] (headwise, paper eq. 2) or [B,T,Hq,D] (elementwise, Qwen3-Next).
+  """
+  out, _ = flash_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=scale, impl=impl,
+                           **kernel_kwargs)
+  gate = jax.nn.sigmoid(gate_logits.astype(jnp.float32))
+  g = gate[..., None] if gate.ndim == 3 else gate
+  return (out.astype(jnp.float32) * g).astype(q.dtype), gate
+
+
+def _bos_and_counts(segment_ids, bos_mask, B: int, T: int):
+  """BOS flags [B,T] and, per query, the number of visible non-BOS keys (ReLU attention's divisor)."""
+  if segment_ids is None:
+    seg = jnp.ones((B, T), jnp.int32)
+  else:
+    seg = jnp.broadcast_to(segment_ids, (B, T)).astype(jnp.int32)
+  if bos_mask is None:
+    first = jnp.broadcast_to(document_first_index(segment_ids, T), (B, T))
+    bos = first == jnp.arange(T, dtype=jnp.int32)[None, :]
+  else:
+    bos = jnp.broadcast_to(bos_mask, (B, T)).astype(bool)
+  bos = bos & (seg != 0)
+  return seg, bos
+
+
+def relu_attention_weights(q, k, *, segment_ids=None, scale=None, bos_mask=None):
+  """Materialized causal ReLU attention weights (paper 004 §3.4), float32 [B,Hq,T,S=T].
+
+  alpha_{t,j} = ReLU(z_tj) / n_t for visible keys j <= t (same segment), z_tj = q_t.k_j * scale, where
+  n_t = max(1, #{j <= t in t's segment : j is not BOS}). The BOS key is NOT removed from the numerator: it
+  receives ReLU(z_t,BOS)/n_t like any other key (this is the "BOS attention" that the paper shows can be zero);
+  it is only left out of the count. At a BOS query n_t would be 0, so it is clamped to 1 (as in the paper's code).
+  BOS defaults to the first token of each segment (position 0 without segment ids); `bos_mask` [B,T] bool overrides.
+  Padding rows (segment id 0) are all zero.
+  """
+  from sinkjax.kernels.reference import attention_mask
+  B, T, Hq, D = q.shape
+  Hkv = k.shape[2]
+  scale = 1.0 / math.sqrt(D) if scale is None else scale
+  seg, bos = _bos_and_counts(segment_ids, bos_mask, B, T)
+  kk = jnp.repeat(k, Hq // Hkv, axis=2)
+  z = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), kk.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST) * scale
+  mask = attention_mask(seg, seg, True)                                          # [B,T,S]
+  n = jnp.sum(mask & ~bos[:, None, :], axis=-1).astype(jnp.float32)             # [B,T]
+  n = jnp.maximum(n, 1.0)
+  return jnp.where(mask[:, None], jax.nn.relu(z), 0.0) / n[:, None, :, None]
+
+
+def relu_attention(q, k, v, *, segment_ids=None, scale=None, bos_mask=None):
+  """Causal ReLU attention of paper 004 §3.4 (not a softmax, so weights are materialized and there is no LSE).
+
+  out_t = sum_{j<=t} ReLU(q_t.k_j * scale) / n_t * v_j with n_t the number of non-BOS positions up to t (see
+  `relu_attention_weights`). Layout [B,T,H,D]; GQA (Hq % Hkv == 0) is allowed.
+
+  Returns (out [B,T,Hq,D] in q.dtype, gate [B,T,Hq] float32). The gate is the attention mass on non-BOS keys,
+  G_t = sum_{j not BOS} alpha_tj: the analogue of vanilla attention's 1 - A_{t,first} (it is 0 at a BOS query and
+  on padding). Unlike the softmax gates it is not bounded by 1 (ReLU weights are unnormalized).
+  """
+  B, T, Hq, D = q.shape
+  Hkv = k.shape[2]
+  w = relu_attention_weights(q, k, segment_ids=segment_ids, scale=scale, bos_mask=bos_mask)   # [B,H,T,S]
+  _, bos = _bos_and_counts(segment_ids, bos_mask, B, T)
+  vv = jnp.repeat(v, Hq // Hkv, axis=2).astype(jnp.float32)
+  out = jnp.einsum("bhts,bshd->bthd", w, vv, precision=jax.lax.Precision.HIGHEST)
+  gate = jnp.swapaxes(jnp.sum(jnp.where(bos[:, None, None, :], 0.0, w), axis=-1), 1, 2)   # [B,T,Hq]
+  return out.astype(q.dtype), gate

@@ -1,0 +1,62 @@
+"""Head importance, head imbalance and the sink-aware load-balancing loss (000 §4, eq. 5-8)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def head_importance(gate, mask=None):
+  """Imp[h] = mean of the gate over the valid tokens of the batch (eq. 5).
+
+  gate: [B,T,H] or [B,T,H,D] (an elementwise gate is averaged over the head dimension first).
+  mask: [B,T] bool of valid tokens (padding and, for vanilla attention, document-first tokens excluded).
+  """
+  gate = gate.astype(jnp.float32)
+  if gate.ndim == 4:
+    gate = gate.mean(-1)
+  if mask is None:
+    return gate.mean((0, 1))
+  m = mask.astype(jnp.float32)[..., None]
+  return (gate * m).sum((0, 1)) / jnp.maximum(m.sum((0, 1)), 1.0)
+
+
+def _cv_squared(x, weights=None):
+  """Squared coefficient of variation along the last axis (population variance), optionally over a subset."""
+  if weights is None:
+    weights = jnp.ones_like(x)
+  n = weights.sum(-1)
+  mean = (x * weights).sum(-1) / n
+  var = (((x - mean[..., None]) ** 2) * weights).sum(-1) / n
+  return var / jnp.maximum(mean, 1e-12) ** 2
+
+
+def head_imbalance(imp_lh):
+  """Mean over layers of CV(Imp[l, :]) = std/mean across heads, population std (eq. 6)."""
+  return jnp.sqrt(_cv_squared(jnp.asarray(imp_lh, jnp.float32))).mean()
+
+
+def shared_head_mask(imp_lh, num_shared: int):
+  """[L,H] bool, True for the top-`num_shared` heads of each layer by importance (no gradient)."""
+  imp = jax.lax.stop_gradient(jnp.asarray(imp_lh))
+  if num_shared == 0:
+    return jnp.zeros(imp.shape, bool)
+  _, top = jax.lax.top_k(imp, num_shared)
+  return jnp.zeros(imp.shape, bool).at[jnp.arange(imp.shape[0])[:, None], top].set(True)
+
+
+def aux_loss(imp_lh, weight: float = 1e-4, num_shared: int = 0, shared=None):
+  """Sink-aware load-balancing loss.
+
+  num_shared == 0: eq. 7, weight * sum_l N_h * CV(Imp[l,:])^2.
+  num_shared == m > 0: eq. 8, the top-m heads per layer are "shared" (chosen without gradient, or given as
+  `shared`, an [L,H] bool mask fixed up front) and weight * sum_l (N_h - m) * CV(routed)^2 balances the rest.
+  """
+  imp = jnp.asarray(imp_lh, jnp.float32)
+  L, H = imp.shape
+  if shared is None:
+    shared = shared_head_mask(imp, num_shared)
+  else:
+    shared = jnp.asarray(shared, bool)
+  routed = (~shared).astype(jnp.float32)
+  n_routed = routed.sum(-1)
+  return weight * (n_routed * _cv_squared(imp, routed)).sum()

@@ -1,0 +1,482 @@
+"""Trigger-conditional averaging task of paper 004 ("Attention sinks are provably necessary in softmax
+transformers"), trained with softmax, ReLU, sink and gated attention.
+
+    python -m sinkjax.experiments.trigger [--quick] [--out DIR] [--seed N]
+
+Task (004 §3.2). A sequence of T tokens in R^d (1-indexed positions here, as in the paper; the code is 0-indexed):
+  * position 1 is BOS: coordinate 1 = 1, every other coordinate 0 (no content);
+  * the trigger position t* is uniform on {2, ..., T}: coordinate 2 = 1, content coordinates 4..d i.i.d. U(-1, 1);
+  * every other position: coordinate 3 = 1 (non-trigger non-BOS indicator), content i.i.d. U(-1, 1).
+  The target is the zero vector everywhere except at t*, where it is the mean of the (full) token vectors
+  x_2, ..., x_{t*}: all non-BOS tokens up to and including the trigger.
+
+Models (004 §3.4, §4.2, App. A). Attention-only, no norms, no MLPs, every head of width d (head_dim = d_model,
+as in the paper's code), unscaled scores (scale 1, as in the paper). Each layer adds W_O·attn(x) to the residual
+stream; the prediction is what the layers wrote, h_L - x. For one layer that is the paper's single-layer model
+f(X) = W_O·attn(X) exactly; for L > 1 it is the paper's residual model with its target x + y.
+  * softmax: `sinkjax.attention.vanilla_attention`;
+  * relu:    `sinkjax.attention.relu_attention` (ReLU(z)/#non-BOS positions up to t, 004 §3.4);
+  * sink:    `sinkjax.attention.sink_attention` with a learnable logit per head (initialized to 0);
+  * gated:   `sinkjax.attention.gated_attention` with a headwise gate sigmoid(h W_g) from the layer input.
+Training (App. A): Adam(b1=0.9, b2=0.95), batch 128, MSE loss, d = T = 16, weights N(0, 0.02), lr 1e-3 for one
+layer and 1e-4 for deeper models, until the largest absolute error over the whole training batch is below
+5e-3 (or a step cap).
+
+Outputs in --out: results.json (one record per variant x depth, schema in SPEC.md plus extra keys), attention
+map figures (mean/std over 1000 test sequences with the trigger at position 8 for 1x1 models, as 004 Fig. 3; one
+example per head for deeper models, as Fig. 4-5), and a printed table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sinkjax.attention import (gated_attention, relu_attention, relu_attention_weights, sink_attention,
+                               vanilla_attention)
+from sinkjax.kernels import attention_weights
+
+VARIANTS = ("softmax", "relu", "sink", "gated")
+FULL_CONFIGS = ((1, 1), (2, 2), (4, 4))     # (layers, heads)
+QUICK_CONFIGS = ((1, 1),)
+BOS, TRIG, OTHER = 0, 1, 2                   # indicator coordinates (paper's 1, 2, 3)
+
+
+# ----------------------------------------------------------------------------------------------------- task
+
+def task_targets(x):
+  """Targets of 004 §3.2 for inputs x [..., T, d]: zero except at the trigger, where it is the mean of the
+  non-BOS tokens up to and including the trigger. The trigger is read from coordinate 2 (index 1)."""
+  x = jnp.asarray(x)
+  T = x.shape[-2]
+  is_trig = x[..., TRIG] > 0.5                                            # [..., T]
+  non_bos = (x[..., BOS] < 0.5)[..., None]
+  csum = jnp.cumsum(jnp.where(non_bos, x, 0.0), axis=-2)                  # sum of non-BOS tokens up to t
+  count = jnp.cumsum(non_bos.astype(x.dtype), axis=-2)                    # number of them
+  mean = csum / jnp.maximum(count, 1.0)
+  del T
+  return jnp.where(is_trig[..., None], mean, 0.0)
+
+
+def make_batch(key, batch: int, seq_len: int, dim: int, trigger_pos: int | None = None):
+  """(x [B,T,d], y [B,T,d], trigger index [B], 0-indexed) for the task of 004 §3.2.
+
+  trigger_pos: fixed 0-indexed trigger position (1..T-1); None samples it uniformly from {1, ..., T-1}, i.e. the
+  paper's {2, ..., T} 1-indexed.
+  """
+  k_pos, k_content = jax.random.split(key)
+  if trigger_pos is None:
+    tpos = jax.random.randint(k_pos, (batch,), 1, seq_len)
+  else:
+    tpos = jnp.full((batch,), trigger_pos, jnp.int32)
+  pos = jnp.arange(seq_len)[None, :]
+  is_bos = jnp.broadcast_to(pos == 0, (batch, seq_len))
+  is_trig = pos == tpos[:, None]
+  is_other = ~is_bos & ~is_trig
+  content = jax.random.uniform(k_content, (batch, seq_len, dim - 3), minval=-1.0, maxval=1.0)
+  content = jnp.where(is_bos[..., None], 0.0, content)
+  ind = jnp.stack([is_bos, is_trig, is_other], axis=-1).astype(jnp.float32)
+  x = jnp.concatenate([ind, content], axis=-1)
+  return x, task_targets(x), tpos
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+def init_params(key, variant: str, layers: int, heads: int, dim: int, init_std: float = 0.02):
+  """A list (one per layer) of dicts: wq, wk, wv [d, H, d], wo [H, d, d]; `sink` [H] (sink); `wg` [d, H] (gated)."""
+  params = []
+  for lk in jax.random.split(key, layers):
+    ks = jax.random.split(lk, 5)
+    p = {name: init_std * jax.random.normal(k, (dim, heads, dim)) for name, k in zip(("wq", "wk", "wv"), ks)}
+    p["wo"] = init_std * jax.random.normal(ks[3], (heads, dim, dim))
+    if variant == "sink":
+      p["sink"] = jnp.zeros((heads,))
+    elif variant == "gated":
+      p["wg"] = init_std * jax.random.normal(ks[4], (dim, heads))
+    params.append(p)
+  return params
+
+
+def _layer(p, h, variant: str, impl: str, want_maps: bool):
+  q = jnp.einsum("btd,dhe->bthe", h, p["wq"])
+  k = jnp.einsum("btd,dhe->bthe", h, p["wk"])
+  v = jnp.einsum("btd,dhe->bthe", h, p["wv"])
+  maps = {}
+  if variant == "softmax":
+    out, gate = vanilla_attention(q, k, v, scale=1.0, impl=impl)
+  elif variant == "relu":
+    out, gate = relu_attention(q, k, v, scale=1.0)
+  elif variant == "sink":
+    out, gate = sink_attention(q, k, v, p["sink"], scale=1.0, impl=impl)
+  elif variant == "gated":
+    out, gate = gated_attention(q, k, v, jnp.einsum("btd,dh->bth", h, p["wg"]), scale=1.0, impl=impl)
+  else:
+    raise ValueError(f"unknown variant {variant!r}")
+  if want_maps:
+    B, T = h.shape[:2]
+    if variant == "relu":
+      attn = relu_attention_weights(q, k, scale=1.0)                          # [B,H,T,T]
+    else:
+      seg = jnp.ones((B, T), jnp.int32)
+      _, _, probs, _ = attention_weights(q, k, seg, seg, causal=True, scale=1.0)
+      # sink: the sink logit sits in the denominator, so the real keys share sigma(LSE - sink) = gate.
+      attn = probs * jnp.swapaxes(gate, 1, 2)[..., None] if variant == "sink" else probs
+    maps = {"attn": attn, "gate": gate}
+  return jnp.einsum("bthe,hed->btd", out, p["wo"]), maps
+
+
+def forward(params, x, variant: str, impl: str = "reference", return_maps: bool = False):
+  """Prediction h_L - x [B,T,d]; with return_maps also per-layer maps {'attn': [L,B,H,T,T], 'gate': [L,B,T,H]}.
+
+  'attn' holds the attention weights (softmax probabilities; for sink attention with the sink in the denominator,
+  so rows sum to 1 - sink mass; for ReLU the unnormalized ReLU weights). 'gate' is what the attention function
+  returns: 1 - A_BOS (softmax), non-BOS ReLU mass (relu), sigma(LSE - sink) = mass on real keys (sink), the
+  sigmoid output gate (gated).
+  """
+  h = x
+  all_maps = []
+  for p in params:
+    delta, maps = _layer(p, h, variant, impl, return_maps)
+    h = h + delta
+    all_maps.append(maps)
+  pred = h - x
+  if not return_maps:
+    return pred
+  return pred, {k: jnp.stack([m[k] for m in all_maps]) for k in ("attn", "gate")}
+
+
+def mse(params, x, y, variant, impl):
+  pred = forward(params, x, variant, impl)
+  return jnp.mean((pred - y) ** 2), pred
+
+
+# ------------------------------------------------------------------------------------------------- training
+
+def make_train_chunk(variant: str, opt, *, batch: int, seq_len: int, dim: int, stop_linf: float, impl: str,
+                     chunk: int):
+  """A jitted function running `chunk` Adam steps in a lax.scan. Steps after the stopping criterion is met
+  (max |pred - y| over a whole training batch < stop_linf, checked on each step's batch, after which that step's
+  update is still applied, as in the paper's code) or past the step limit are no-ops."""
+  grad_fn = jax.value_and_grad(mse, has_aux=True)
+
+  def step(carry, key):
+    params, opt_state, done, n, limit = carry
+    x, y, _ = make_batch(key, batch, seq_len, dim)
+    (loss, pred), grads = grad_fn(params, x, y, variant, impl)
+    linf = jnp.max(jnp.abs(pred - y))
+    updates, new_opt_state = opt.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    active = ~done & (n < limit)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(active, a, b), new, old)
+    params, opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+    n = n + active.astype(n.dtype)
+    done = done | (active & (linf < stop_linf))
+    return (params, opt_state, done, n, limit), (loss, linf)
+
+  @jax.jit
+  def run(params, opt_state, done, n, limit, key):
+    keys = jax.random.split(key, chunk)
+    (params, opt_state, done, n, _), (losses, linfs) = jax.lax.scan(
+        step, (params, opt_state, done, n, limit), keys)
+    return params, opt_state, done, n, losses, linfs
+
+  return run
+
+
+def train(variant: str, layers: int, heads: int, *, lr: float, max_steps: int, seed: int, batch: int = 128,
+          seq_len: int = 16, dim: int = 16, stop_linf: float = 5e-3, impl: str = "reference", chunk: int = 250,
+          init_std: float = 0.02, progress: bool = True):
+  """Train one model; returns (params, info) with info = steps, converged, last batch loss / max error, time."""
+  from tqdm import tqdm
+  key = jax.random.key(seed)
+  k_init, k_data = jax.random.split(key)
+  params = init_params(k_init, variant, layers, heads, dim, init_std)
+  opt = optax.adam(lr, b1=0.9, b2=0.95)
+  opt_state = opt.init(params)
+  chunk = max(1, min(chunk, max_steps))
+  run = make_train_chunk(variant, opt, batch=batch, seq_len=seq_len, dim=dim, stop_linf=stop_linf, impl=impl,
+                         chunk=chunk)
+  done, n = jnp.array(False), jnp.array(0, jnp.int32)
+  curve = []
+  t0 = time.perf_counter()
+  bar = tqdm(total=max_steps, desc=f"{variant:7s} {layers}L x {heads}H", unit="step", disable=not progress,
+             dynamic_ncols=True, file=sys.stderr)
+  steps_done, loss, linf = 0, float("nan"), float("nan")
+  i = 0
+  while steps_done < max_steps and not bool(done):
+    params, opt_state, done, n, losses, linfs = run(params, opt_state, done, n, jnp.int32(max_steps),
+                                                    jax.random.fold_in(k_data, i))
+    i += 1
+    new_steps = int(n)
+    last = max(new_steps - steps_done - 1, 0)
+    loss, linf = float(losses[last]), float(linfs[last])
+    curve.append([new_steps, loss, linf])
+    bar.update(new_steps - steps_done)
+    bar.set_postfix(loss=f"{loss:.2e}", max_err=f"{linf:.3f}")
+    steps_done = new_steps
+  bar.close()
+  info = {"steps": int(n), "converged": bool(done), "train_loss": loss, "train_max_abs_error": linf,
+          "train_time_s": time.perf_counter() - t0, "lr": lr, "curve": curve}
+  return params, info
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+
+def _masked_mean(a, m, axes):
+  m = jnp.broadcast_to(m, a.shape).astype(jnp.float32)
+  return jnp.sum(a * m, axis=axes) / jnp.maximum(jnp.sum(m, axis=axes), 1.0)
+
+
+def evaluate(params, variant: str, x, y, tpos, impl: str = "reference") -> dict[str, Any]:
+  """Loss, zero-prediction baseline and attention statistics on evaluation data (see module docstring)."""
+  pred, maps = jax.jit(lambda p, x: forward(p, x, variant, impl, return_maps=True))(params, x)
+  attn, gate = maps["attn"], maps["gate"]                                  # [L,B,H,T,T], [L,B,T,H]
+  B, T = x.shape[:2]
+  pos = jnp.arange(T)[None, :]
+  trig = pos == tpos[:, None]                                              # [B,T]
+  nontrig = (pos >= 1) & ~trig                                             # non-BOS non-trigger queries
+  pre, post = nontrig & (pos < tpos[:, None]), nontrig & (pos > tpos[:, None])
+  bos = jnp.swapaxes(attn[..., 0], 2, 3)                                   # [L,B,T,H]: weight on the BOS key
+  per_head = lambda a, m: _masked_mean(a, m[None, :, :, None], (1, 2))    # -> [L,H]
+  bos_nt, bos_tr = per_head(bos, nontrig), per_head(bos, trig)
+  rec = {
+      "final_loss": float(jnp.mean((pred - y) ** 2)),
+      "baseline_loss": float(jnp.mean(y ** 2)),
+      "bos_attention_nontrigger": float(bos_nt.mean()),
+      "bos_attention_trigger": float(bos_tr.mean()),
+      "max_abs_error": float(jnp.max(jnp.abs(pred - y))),
+      "trigger_loss": float(_masked_mean(jnp.mean((pred - y) ** 2, -1), trig, (0, 1))),
+      "nontrigger_loss": float(_masked_mean(jnp.mean((pred - y) ** 2, -1), nontrig, (0, 1))),
+      "bos_attention_pretrigger": float(per_head(bos, pre).mean()),
+      "bos_attention_posttrigger": float(per_head(bos, post).mean()),
+      "bos_attention_nontrigger_per_head": np.asarray(bos_nt).tolist(),
+      "bos_attention_trigger_per_head": np.asarray(bos_tr).tolist(),
+  }
+  mass = jnp.swapaxes(attn.sum(-1), 2, 3)                                  # [L,B,T,H]: total weight on real keys
+  if variant == "sink":
+    sink_mass = 1.0 - gate                                                 # sigma(sink - LSE)
+    rec.update({
+        "sink_attention_nontrigger": float(per_head(sink_mass, nontrig).mean()),
+        "sink_attention_trigger": float(per_head(sink_mass, trig).mean()),
+        "sink_attention_nontrigger_per_head": np.asarray(per_head(sink_mass, nontrig)).tolist(),
+        "sink_attention_trigger_per_head": np.asarray(per_head(sink_mass, trig)).tolist(),
+        "sink_logits": [np.asarray(p["sink"]).tolist() for p in params],
+    })
+  elif variant == "gated":
+    rec.update({
+        "gate_nontrigger": float(per_head(gate, nontrig).mean()),
+        "gate_trigger": float(per_head(gate, trig).mean()),
+        "gate_nontrigger_per_head": np.asarray(per_head(gate, nontrig)).tolist(),
+        "gate_trigger_per_head": np.asarray(per_head(gate, trig)).tolist(),
+    })
+  elif variant == "relu":
+    rec.update({
+        "attention_mass_nontrigger": float(per_head(mass, nontrig).mean()),
+        "attention_mass_trigger": float(per_head(mass, trig).mean()),
+    })
+  return rec
+
+
+# ------------------------------------------------------------------------------------------------- figures
+
+def _heatmap(fig, ax, a, title, T, vmax=1.0):
+  im = ax.imshow(a, aspect="equal", interpolation="nearest", vmin=0.0, vmax=vmax, cmap="Blues")
+  ax.set_title(title, fontsize=9)
+  ticks = list(range(0, T, 2))
+  ax.set_xticks(ticks)
+  ax.set_yticks(ticks)
+  ax.set_xticklabels([str(t + 1) for t in ticks], fontsize=7)
+  ax.set_yticklabels([str(t + 1) for t in ticks], fontsize=7)
+  ax.set_xlabel("key position", fontsize=8)
+  ax.set_ylabel("query position", fontsize=8)
+  fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+
+
+def plot_mean_std(maps: dict[str, np.ndarray], T: int, trigger: int, path: str):
+  """004 Fig. 3: mean and std over test sequences of the 1x1 attention maps, one row per variant."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  names = list(maps)
+  fig, axes = plt.subplots(len(names), 2, figsize=(8, 3.6 * len(names)), squeeze=False)
+  for r, name in enumerate(names):
+    a = maps[name]                                                          # [N,T,T]
+    _heatmap(fig, axes[r, 0], a.mean(0), f"{name}: mean attention", T)
+    _heatmap(fig, axes[r, 1], a.std(0), f"{name}: std", T)
+  fig.suptitle(f"1 layer x 1 head, {maps[names[0]].shape[0]} test sequences, trigger at position {trigger + 1}",
+               fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_heads(attn: np.ndarray, title: str, T: int, path: str):
+  """004 Fig. 4-5: one example's attention map for every (layer, head); attn [L,H,T,T]."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  L, H = attn.shape[:2]
+  fig, axes = plt.subplots(L, H, figsize=(3.6 * H, 3.3 * L), squeeze=False)
+  for l in range(L):
+    for h in range(H):
+      _heatmap(fig, axes[l, h], attn[l, h], f"layer {l + 1}, head {h + 1}", T)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------- driver
+
+def format_table(records: list[dict[str, Any]]) -> str:
+  head = (f"{'variant':8s} {'L':>2s} {'H':>2s} {'steps':>6s} {'conv':>4s} {'final_loss':>10s} {'baseline':>9s} "
+          f"{'BOS@non-trig':>12s} {'BOS@trigger':>11s}  extra")
+  lines = [head, "-" * len(head)]
+  for r in records:
+    extra = ""
+    if r["variant"] == "sink":
+      extra = f"sink@non-trig={r['sink_attention_nontrigger']:.3f} sink@trig={r['sink_attention_trigger']:.3f}"
+    elif r["variant"] == "gated":
+      extra = f"gate@non-trig={r['gate_nontrigger']:.3f} gate@trig={r['gate_trigger']:.3f}"
+    elif r["variant"] == "relu":
+      extra = f"mass@non-trig={r['attention_mass_nontrigger']:.3f} mass@trig={r['attention_mass_trigger']:.3f}"
+    lines.append(f"{r['variant']:8s} {r['layers']:2d} {r['heads']:2d} {r['steps']:6d} "
+                 f"{'yes' if r['converged'] else 'no':>4s} {r['final_loss']:10.2e} {r['baseline_loss']:9.2e} "
+                 f"{r['bos_attention_nontrigger']:12.3f} {r['bos_attention_trigger']:11.3f}  {extra}")
+  return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):                                   # one-line error, exit status 2
+    self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(s):
+  try:
+    v = int(s)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+  if v <= 0:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+  return v
+
+
+def _nonneg_int(s):
+  try:
+    v = int(s)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}") from None
+  if v < 0:
+    raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}")
+  return v
+
+
+def _positive_float(s):
+  try:
+    v = float(s)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
+  if not (v > 0 and math.isfinite(v)):
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
+  return v
+
+
+def build_parser():
+  p = _Parser(prog="python -m sinkjax.experiments.trigger",
+              description="Trigger-conditional task of paper 004: softmax / ReLU / sink / gated attention.")
+  p.add_argument("--quick", action="store_true", help="only the 1-layer 1-head models, with a smaller step cap")
+  p.add_argument("--out", default="runs/trigger", help="output directory (default: runs/trigger)")
+  p.add_argument("--seed", type=_nonneg_int, default=0, help="random seed (default 0)")
+  p.add_argument("--variants", default=",".join(VARIANTS),
+                 help="comma-separated subset of softmax,relu,sink,gated (default: all)")
+  p.add_argument("--max-steps", type=_positive_int, default=None,
+                 help="step cap per model (default 50000; 20000 with --quick)")
+  p.add_argument("--lr-single", type=_positive_float, default=1e-3, help="Adam lr, 1-layer models (App. A: 1e-3)")
+  p.add_argument("--lr-multi", type=_positive_float, default=1e-4, help="Adam lr, deeper models (App. A: 1e-4)")
+  p.add_argument("--batch-size", type=_positive_int, default=128)
+  p.add_argument("--seq-len", type=_positive_int, default=16)
+  p.add_argument("--dim", type=_positive_int, default=16, help="token dimension d (3 indicators + d-3 content)")
+  p.add_argument("--stop-error", type=_positive_float, default=5e-3,
+                 help="stop when max |pred - target| over a training batch is below this (default 5e-3)")
+  p.add_argument("--eval-size", type=_positive_int, default=1000, help="evaluation sequences (default 1000)")
+  p.add_argument("--impl", choices=("reference", "xla"), default="reference",
+                 help="flash_attention backend for the softmax-based variants (default reference)")
+  p.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bars")
+  return p
+
+
+def main(argv=None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+  bad = [v for v in variants if v not in VARIANTS]
+  if bad or not variants:
+    parser.error(f"--variants: unknown variant(s) {bad or args.variants!r}; choose from {','.join(VARIANTS)}")
+  if args.seq_len < 3:
+    parser.error(f"--seq-len must be at least 3 (BOS, a token and a trigger); got {args.seq_len}")
+  if args.dim < 4:
+    parser.error(f"--dim must be at least 4 (3 indicator coordinates + content); got {args.dim}")
+  max_steps = args.max_steps or (20000 if args.quick else 50000)
+  configs = QUICK_CONFIGS if args.quick else FULL_CONFIGS
+  try:
+    os.makedirs(args.out, exist_ok=True)
+  except OSError as e:
+    parser.error(f"--out: cannot create {args.out!r}: {e.strerror or e}")
+
+  T, d = args.seq_len, args.dim
+  fig_trigger = min(7, T - 1)                                               # position 8 (1-indexed), as in 004
+  eval_key, fig_key = jax.random.split(jax.random.key(10_000 + args.seed))
+  x_ev, y_ev, t_ev = make_batch(eval_key, args.eval_size, T, d)
+  x_fig, y_fig, t_fig = make_batch(fig_key, args.eval_size, T, d, trigger_pos=fig_trigger)
+
+  records, figures = [], []
+  t_start = time.perf_counter()
+  for layers, heads in configs:
+    lr = args.lr_single if layers == 1 else args.lr_multi
+    single_maps = {}
+    for vi, variant in enumerate(variants):
+      run_seed = args.seed * 1000 + 17 * layers + heads
+      params, info = train(variant, layers, heads, lr=lr, max_steps=max_steps, seed=run_seed,
+                           batch=args.batch_size, seq_len=T, dim=d, stop_linf=args.stop_error, impl=args.impl,
+                           progress=not args.no_progress)
+      rec = {"variant": variant, "layers": layers, "heads": heads}
+      rec.update(evaluate(params, variant, x_ev, y_ev, t_ev, args.impl))
+      rec.update({k: v for k, v in info.items() if k != "curve"})
+      rec["train_curve"] = info["curve"]
+      records.append(rec)
+      _, maps = jax.jit(lambda p, x: forward(p, x, variant, args.impl, return_maps=True))(params, x_fig)
+      attn = np.asarray(maps["attn"])                                       # [L,N,H,T,T]
+      if layers == 1 and heads == 1:
+        single_maps[variant] = attn[0, :, 0]
+      else:
+        path = os.path.join(args.out, f"attention_{variant}_{layers}L{heads}H.png")
+        plot_heads(attn[:, 0], f"{variant} attention, {layers} layers x {heads} heads, one test sequence, "
+                   f"trigger at position {fig_trigger + 1}", T, path)
+        figures.append(path)
+      with open(os.path.join(args.out, "results.json"), "w") as f:        # rewritten after every model
+        json.dump(records, f, indent=1)
+    if single_maps:
+      path = os.path.join(args.out, "attention_1L1H.png")
+      plot_mean_std(single_maps, T, fig_trigger, path)
+      figures.append(path)
+
+  table = format_table(records)
+  with open(os.path.join(args.out, "table.txt"), "w") as f:
+    f.write(table + "\n")
+  print(table)
+  print(f"\nwrote {os.path.join(args.out, 'results.json')} and {len(figures)} figure(s) in {args.out} "
+        f"({time.perf_counter() - t_start:.0f} s)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

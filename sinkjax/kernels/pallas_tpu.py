@@ -1,0 +1,372 @@
+"""Flash attention as Pallas TPU (Mosaic) kernels, forward and backward, with a differentiable LSE.
+
+Backend contract: see `xla.py`. Layout inside the kernels is head-major ([B, H, T, D]); sequences are padded
+to a multiple of the block (padded keys get segment 0 and are never attended, padded query rows are sliced
+off). Three kernels:
+
+  forward   grid (B, Hq, nq, nk), kv axis "arbitrary"; online softmax with m/l/acc in VMEM scratch.
+  dk/dv     grid (B, Hkv, nk, G * nq): the reduction axis walks the G query heads of a kv head and all query
+            blocks, so GQA groups are summed inside the kernel. Scores are computed transposed ([bk, bq]) so
+            that per-query-row quantities (lse, dlse - D) are lane vectors.
+  dq        grid (B, Hq, nq, nk), kv axis "arbitrary".
+
+With D_i = rowsum(dO o O) and g_i = dlse_i: dS = P o (dP - D_i + g_i), dq = scale dS K, dk = scale dS^T Q,
+dv = P^T dO. Rows whose lse is not finite (nothing visible) have P = 0 and their dlse is ignored.
+
+Causal masking is bottom-right aligned (query t sees keys s <= t + S - T). Under causal masking kv blocks that
+are entirely above the diagonal are skipped (`pl.when`), and their index maps are clamped to the last/first
+needed block so no DMA is issued for them.
+
+Block-size rule (Mosaic tiling): a block smaller than its (padded) sequence must be a multiple of 128; a
+single block covering the whole sequence only needs a multiple of 8.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+NUM_LANES = 128
+NUM_SUBLANES = 8
+_F32 = jnp.float32
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)   # finite "minus infinity" for the running max
+_NT = (((1,), (1,)), ((), ()))                      # a @ b.T
+_NN = (((1,), (0,)), ((), ()))                      # a @ b
+
+
+def _round_up(x, m):
+  return -(-x // m) * m
+
+
+def _block(n, requested, default):
+  """(block, padded length) for a sequence of length n (see the block-size rule in the module docstring)."""
+  b = requested or default
+  if b >= n:
+    b = _round_up(n, NUM_SUBLANES)
+    return b, b
+  b = _round_up(b, NUM_LANES)
+  if b >= n:
+    b = _round_up(n, NUM_SUBLANES)
+    return b, b
+  return b, _round_up(n, b)
+
+
+def _interpret(interpret):
+  return pltpu.InterpretParams() if interpret else False
+
+
+def _precision(dtype):
+  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _dot(a, b, dims, precision):
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=_F32)
+
+
+def _kv_last(i, bq, bk, nk, off):
+  """Last kv block that query block i can see under causal masking (clamped to [0, nk-1])."""
+  return jnp.minimum(lax.div(jnp.maximum(i * bq + bq - 1 + off, 0), bk), nk - 1)
+
+
+def _q_first(j, bq, bk, nq, off):
+  """First query block that can see kv block j under causal masking (clamped to [0, nq-1])."""
+  return jnp.minimum(lax.div(jnp.maximum(j * bk - off, 0), bq), nq - 1)
+
+
+def _visible(i, j, bq, bk, off):
+  """Whether kv block j has any key visible (causally) to query block i."""
+  return j * bk <= i * bq + bq - 1 + off
+
+
+class _Geom:
+  """Static shapes, block sizes and the padded / transposed layouts shared by forward and backward."""
+
+  def __init__(self, q, k, block_q, block_k, causal):
+    self.B, self.T, self.Hq, self.D = q.shape
+    self.S, self.Hkv = k.shape[1], k.shape[2]
+    self.G = self.Hq // self.Hkv
+    self.bq, self.Tp = _block(self.T, block_q, DEFAULT_BLOCK_Q)
+    self.bk, self.Sp = _block(self.S, block_k, DEFAULT_BLOCK_K)
+    self.nq, self.nk = self.Tp // self.bq, self.Sp // self.bk
+    self.off = self.S - self.T
+    self.causal = causal
+
+  def heads(self, x, n, n_pad):
+    """[B, n, H, D] -> [B, H, n_pad, D]."""
+    x = jnp.swapaxes(x, 1, 2)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, n_pad - n), (0, 0))) if n_pad != n else x
+
+  def seg_col(self, seg, n, n_pad):
+    """[B, n] -> [B, n_pad, 128] (ids along sublanes, for a [rows, 1] column)."""
+    seg = jnp.pad(seg, ((0, 0), (0, n_pad - n)))
+    return jnp.broadcast_to(seg[:, :, None], (self.B, n_pad, NUM_LANES))
+
+  def seg_row(self, seg, n, n_pad):
+    """[B, n] -> [B, 8, n_pad] (ids along lanes, for a [1, cols] row)."""
+    seg = jnp.pad(seg, ((0, 0), (0, n_pad - n)))
+    return jnp.broadcast_to(seg[:, None, :], (self.B, NUM_SUBLANES, n_pad))
+
+  def row_stat(self, x):
+    """[B, Hq, T] f32 -> [B, Hq, 8, Tp] (per-query-row statistic along lanes), padding with 0."""
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, self.Tp - self.T)))
+    return jnp.broadcast_to(x[:, :, None, :], (self.B, self.Hq, NUM_SUBLANES, self.Tp))
+
+
+def _mask(q_seg_col, kv_seg_row, q_start, k_start, shape, causal, off):
+  """[rows=q, cols=k] visibility from a [bq, 1] column and a [1, bk] row of segment ids."""
+  mask = (q_seg_col == kv_seg_row) & (q_seg_col != 0)
+  if causal:
+    row = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+    col = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    mask &= col <= row + off
+  return mask
+
+
+def _mask_t(kv_seg_col, q_seg_row, q_start, k_start, shape, causal, off):
+  """Transposed visibility [rows=k, cols=q] from a [bk, 1] column and a [1, bq] row of segment ids."""
+  mask = (kv_seg_col == q_seg_row) & (q_seg_row != 0)
+  if causal:
+    col = k_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+    row = q_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    mask &= col <= row + off
+  return mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward.
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, scale, causal, off,
+                bq, bk, nk, precision):
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, _MASK, _F32)
+    l_sc[...] = jnp.zeros(l_sc.shape, _F32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, _F32)
+
+  def _step():
+    q = q_ref[0, 0]                                           # [bq, D]
+    k = k_ref[0, 0]                                           # [bk, D]
+    s = _dot(q, k, _NT, precision) * scale                    # [bq, bk] f32
+    mask = _mask(qs_ref[0, :, 0:1], ks_ref[0, 0:1, :], i * bq, j * bk, s.shape, causal, off)
+    s = jnp.where(mask, s, _MASK)
+    m_prev = m_sc[:, 0:1]                                     # [bq, 1]
+    m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
+    l_next = alpha * l_sc[:, 0:1] + p.sum(axis=1, keepdims=True)
+    v = v_ref[0, 0]
+    pv = _dot(p.astype(v.dtype), v, _NN, precision)           # [bq, D]
+    acc_sc[...] = alpha * acc_sc[...] + pv
+    m_sc[...] = jnp.broadcast_to(m_next, m_sc.shape)
+    l_sc[...] = jnp.broadcast_to(l_next, l_sc.shape)
+
+  if causal:
+    pl.when(_visible(i, j, bq, bk, off))(_step)
+  else:
+    _step()
+
+  @pl.when(j == nk - 1)
+  def _finish():
+    l = l_sc[:, 0:1]
+    valid = l > 0.0
+    l_safe = jnp.where(valid, l, 1.0)
+    o_ref[0, 0] = jnp.where(valid, acc_sc[...] / l_safe, 0.0).astype(o_ref.dtype)
+    lse = jnp.where(valid, m_sc[:, 0:1] + jnp.log(l_safe), -jnp.inf)
+    lse_ref[0, 0] = jnp.broadcast_to(lse, lse_ref.shape[2:])
+
+
+def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_q=None, block_k=None, interpret=False):
+  g = _Geom(q, k, block_q, block_k, causal)
+  B, Hq, G, D, bq, bk, nq, nk, off = g.B, g.Hq, g.G, g.D, g.bq, g.bk, g.nq, g.nk, g.off
+  qh = g.heads(q, g.T, g.Tp)
+  kh, vh = g.heads(k, g.S, g.Sp), g.heads(v, g.S, g.Sp)
+  qs = g.seg_col(q_seg, g.T, g.Tp)
+  ks = g.seg_row(kv_seg, g.S, g.Sp)
+
+  if causal:
+    kv_j = lambda i, j: jnp.minimum(j, _kv_last(i, bq, bk, nk, off))
+  else:
+    kv_j = lambda i, j: j
+
+  kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, off=off, bq=bq, bk=bk, nk=nk,
+                             precision=_precision(q.dtype))
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(B, Hq, nq, nk),
+      in_specs=[
+          pl.BlockSpec((1, 1, bq, D), lambda b, h, i, j: (b, h, i, 0)),
+          pl.BlockSpec((1, 1, bk, D), lambda b, h, i, j: (b, lax.div(h, G), kv_j(i, j), 0)),
+          pl.BlockSpec((1, 1, bk, D), lambda b, h, i, j: (b, lax.div(h, G), kv_j(i, j), 0)),
+          pl.BlockSpec((1, bq, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
+          pl.BlockSpec((1, NUM_SUBLANES, bk), lambda b, h, i, j: (b, 0, kv_j(i, j))),
+      ],
+      out_specs=[
+          pl.BlockSpec((1, 1, bq, D), lambda b, h, i, j: (b, h, i, 0)),
+          pl.BlockSpec((1, 1, bq, NUM_LANES), lambda b, h, i, j: (b, h, i, 0)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((B, Hq, g.Tp, D), q.dtype),
+                 jax.ShapeDtypeStruct((B, Hq, g.Tp, NUM_LANES), _F32)],
+      scratch_shapes=[pltpu.VMEM((bq, NUM_LANES), _F32), pltpu.VMEM((bq, NUM_LANES), _F32),
+                      pltpu.VMEM((bq, D), _F32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=_interpret(interpret),
+      name="sinkjax_flash_fwd",
+  )(qh, kh, vh, qs, ks)
+  out = jnp.swapaxes(out[:, :, :g.T], 1, 2)
+  return out, lse[:, :, :g.T, 0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backward.
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, kss_ref, qsr_ref, lse_ref, rt_ref, dk_ref, dv_ref, dk_sc, dv_sc, *,
+                scale, causal, off, bq, bk, nq, G, precision):
+  j, t = pl.program_id(2), pl.program_id(3)
+  i = lax.rem(t, jnp.int32(nq))
+
+  @pl.when(t == 0)
+  def _init():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, _F32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, _F32)
+
+  def _step():
+    q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
+    s_t = _dot(k, q, _NT, precision) * scale                  # [bk, bq]
+    mask = _mask_t(kss_ref[0, :, 0:1], qsr_ref[0, 0:1, :], i * bq, j * bk, s_t.shape, causal, off)
+    lse = lse_ref[0, 0, 0:1, :]                               # [1, bq], 0 on rows with nothing visible
+    p_t = jnp.where(mask, jnp.exp(s_t - lse), 0.0)
+    dv_sc[...] += _dot(p_t.astype(do.dtype), do, _NN, precision)
+    dp_t = _dot(v, do, _NT, precision)                        # [bk, bq]
+    ds_t = p_t * (dp_t + rt_ref[0, 0, 0:1, :])                # rt = dlse - rowsum(dO o O)
+    dk_sc[...] += _dot(ds_t.astype(q.dtype), q, _NN, precision)
+
+  if causal:
+    pl.when(_visible(i, j, bq, bk, off))(_step)
+  else:
+    _step()
+
+  @pl.when(t == G * nq - 1)
+  def _finish():
+    dk_ref[0, 0] = (dk_sc[...] * scale).astype(dk_ref.dtype)
+    dv_ref[0, 0] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, qs_ref, ksr_ref, lse_ref, rt_ref, dq_ref, dq_sc, *, scale, causal,
+               off, bq, bk, nk, precision):
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _init():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, _F32)
+
+  def _step():
+    q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
+    s = _dot(q, k, _NT, precision) * scale                    # [bq, bk]
+    mask = _mask(qs_ref[0, :, 0:1], ksr_ref[0, 0:1, :], i * bq, j * bk, s.shape, causal, off)
+    lse = lse_ref[0, 0, 0, :][:, None]                        # [bq, 1]
+    p = jnp.where(mask, jnp.exp(s - lse), 0.0)
+    dp = _dot(do, v, _NT, precision)                          # [bq, bk]
+    ds = p * (dp + rt_ref[0, 0, 0, :][:, None])
+    dq_sc[...] += _dot(ds.astype(k.dtype), k, _NN, precision)
+
+  if causal:
+    pl.when(_visible(i, j, bq, bk, off))(_step)
+  else:
+    _step()
+
+  @pl.when(j == nk - 1)
+  def _finish():
+    dq_ref[0, 0] = (dq_sc[...] * scale).astype(dq_ref.dtype)
+
+
+def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_q=None, block_k=None,
+        interpret=False):
+  g = _Geom(q, k, block_q, block_k, causal)
+  B, Hq, Hkv, G, D, bq, bk, nq, nk, off = g.B, g.Hq, g.Hkv, g.G, g.D, g.bq, g.bk, g.nq, g.nk, g.off
+  precision = _precision(q.dtype)
+
+  finite = jnp.isfinite(lse)
+  delta = jnp.einsum("bthd,bthd->bht", dout.astype(_F32), out.astype(_F32), precision=lax.Precision.HIGHEST)
+  lse_r = g.row_stat(jnp.where(finite, lse, 0.0))
+  rt_r = g.row_stat(jnp.where(finite, dlse.astype(_F32) - delta, 0.0))
+  qh, doh = g.heads(q, g.T, g.Tp), g.heads(dout.astype(q.dtype), g.T, g.Tp)
+  kh, vh = g.heads(k, g.S, g.Sp), g.heads(v, g.S, g.Sp)
+  q_col, q_row = g.seg_col(q_seg, g.T, g.Tp), g.seg_row(q_seg, g.T, g.Tp)
+  k_col, k_row = g.seg_col(kv_seg, g.S, g.Sp), g.seg_row(kv_seg, g.S, g.Sp)
+  sem = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+  # dk, dv: grid (B, Hkv, nk, G * nq); step t covers query head kh * G + t // nq, query block t % nq.
+  if causal:
+    q_i = lambda j, t: jnp.maximum(lax.rem(t, nq), _q_first(j, bq, bk, nq, off))
+  else:
+    q_i = lambda j, t: lax.rem(t, nq)
+  q_map = lambda b, kh_, j, t: (b, kh_ * G + lax.div(t, nq), q_i(j, t), 0)
+  kv_map = lambda b, kh_, j, t: (b, kh_, j, 0)
+  stat_map = lambda b, kh_, j, t: (b, kh_ * G + lax.div(t, nq), 0, q_i(j, t))
+  dkv = functools.partial(_dkv_kernel, scale=scale, causal=causal, off=off, bq=bq, bk=bk, nq=nq, G=G,
+                          precision=precision)
+  dk, dv = pl.pallas_call(
+      dkv,
+      grid=(B, Hkv, nk, G * nq),
+      in_specs=[
+          pl.BlockSpec((1, 1, bq, D), q_map),
+          pl.BlockSpec((1, 1, bk, D), kv_map),
+          pl.BlockSpec((1, 1, bk, D), kv_map),
+          pl.BlockSpec((1, 1, bq, D), q_map),
+          pl.BlockSpec((1, bk, NUM_LANES), lambda b, kh_, j, t: (b, j, 0)),
+          pl.BlockSpec((1, NUM_SUBLANES, bq), lambda b, kh_, j, t: (b, 0, q_i(j, t))),
+          pl.BlockSpec((1, 1, NUM_SUBLANES, bq), stat_map),
+          pl.BlockSpec((1, 1, NUM_SUBLANES, bq), stat_map),
+      ],
+      out_specs=[pl.BlockSpec((1, 1, bk, D), kv_map), pl.BlockSpec((1, 1, bk, D), kv_map)],
+      out_shape=[jax.ShapeDtypeStruct((B, Hkv, g.Sp, D), k.dtype),
+                 jax.ShapeDtypeStruct((B, Hkv, g.Sp, D), v.dtype)],
+      scratch_shapes=[pltpu.VMEM((bk, D), _F32), pltpu.VMEM((bk, D), _F32)],
+      compiler_params=sem,
+      interpret=_interpret(interpret),
+      name="sinkjax_flash_bwd_dkv",
+  )(qh, kh, vh, doh, k_col, q_row, lse_r, rt_r)
+
+  # dq: grid (B, Hq, nq, nk).
+  if causal:
+    kv_j = lambda i, j: jnp.minimum(j, _kv_last(i, bq, bk, nk, off))
+  else:
+    kv_j = lambda i, j: j
+  dqk = functools.partial(_dq_kernel, scale=scale, causal=causal, off=off, bq=bq, bk=bk, nk=nk,
+                          precision=precision)
+  dq = pl.pallas_call(
+      dqk,
+      grid=(B, Hq, nq, nk),
+      in_specs=[
+          pl.BlockSpec((1, 1, bq, D), lambda b, h, i, j: (b, h, i, 0)),
+          pl.BlockSpec((1, 1, bk, D), lambda b, h, i, j: (b, lax.div(h, G), kv_j(i, j), 0)),
+          pl.BlockSpec((1, 1, bk, D), lambda b, h, i, j: (b, lax.div(h, G), kv_j(i, j), 0)),
+          pl.BlockSpec((1, 1, bq, D), lambda b, h, i, j: (b, h, i, 0)),
+          pl.BlockSpec((1, bq, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
+          pl.BlockSpec((1, NUM_SUBLANES, bk), lambda b, h, i, j: (b, 0, kv_j(i, j))),
+          pl.BlockSpec((1, 1, NUM_SUBLANES, bq), lambda b, h, i, j: (b, h, 0, i)),
+          pl.BlockSpec((1, 1, NUM_SUBLANES, bq), lambda b, h, i, j: (b, h, 0, i)),
+      ],
+      out_specs=pl.BlockSpec((1, 1, bq, D), lambda b, h, i, j: (b, h, i, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, Hq, g.Tp, D), q.dtype),
+      scratch_shapes=[pltpu.VMEM((bq, D), _F32)],
+      compiler_params=sem,
+      interpret=_interpret(interpret),
+      name="sinkjax_flash_bwd_dq",
+  )(qh, kh, vh, doh, q_col, k_row, lse_r, rt_r)
+
+  dq = jnp.swapaxes(dq[:, :, :g.T], 1, 2)
+  dk = jnp.swapaxes(dk[:, :, :g.S], 1, 2)
+  dv = jnp.swapaxes(dv[:, :, :g.S], 1, 2)
+  return dq, dk, dv
