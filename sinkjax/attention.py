@@ -19,6 +19,50 @@ def _heads_last(lse):
   return jnp.swapaxes(lse, 1, 2)      # [B,Hq,T] -> [B,T,Hq]
 
 
+def attend_prefix(q, out, lse, prefix, *, scale, q_valid=None):
+  """Merges attention over `prefix` keys into a flash result through the two LSEs (learnable sink tokens, 001).
+
+  prefix = (k_p, v_p), each [B or 1, n, Hkv, D]: n keys visible to EVERY query (every segment of a packed row and
+  every cache slot), which segment-equality masking cannot express. Their attention is a tiny closed-form [T, n]
+  softmax, merged as lse = logaddexp(lse_seq, lse_p), out = e^(lse_seq - lse) out_seq + e^(lse_p - lse) out_p:
+  exactly softmax over [prefix; keys], differentiable through both LSEs. Padding queries (q_valid False) keep a
+  zero output and lse = -inf. Returns (out in q.dtype, lse [B,Hq,T], prefix logits z_p [B,Hq,T,n] float32).
+  """
+  k_p, v_p = prefix
+  B, T, Hq, D = q.shape
+  n, Hkv = k_p.shape[1], k_p.shape[2]
+  kk = jnp.broadcast_to(jnp.repeat(k_p, Hq // Hkv, axis=2), (B, n, Hq, D)).astype(jnp.float32)
+  vv = jnp.broadcast_to(jnp.repeat(v_p, Hq // Hkv, axis=2), (B, n, Hq, D)).astype(jnp.float32)
+  z_p = jnp.einsum("bthd,bnhd->bhtn", q.astype(jnp.float32), kk, precision=jax.lax.Precision.HIGHEST) * scale
+  lse_p = jax.nn.logsumexp(z_p, axis=-1)                                           # [B,Hq,T]
+  out_p = jnp.einsum("bhtn,bnhd->bthd", jax.nn.softmax(z_p, axis=-1), vv, precision=jax.lax.Precision.HIGHEST)
+  lse_all = jnp.logaddexp(lse, lse_p)
+  w_seq, w_p = (_heads_last(jnp.exp(x - lse_all))[..., None] for x in (lse, lse_p))
+  merged = w_seq * out.astype(jnp.float32) + w_p * out_p
+  if q_valid is not None:
+    merged = jnp.where(q_valid[:, :, None, None], merged, 0.0)
+    lse_all = jnp.where(q_valid[:, None, :], lse_all, -jnp.inf)
+  return merged.astype(q.dtype), lse_all, z_p
+
+
+def _query_valid(segment_ids, B: int, T: int):
+  if segment_ids is None:
+    return None
+  q_seg = segment_ids[0] if isinstance(segment_ids, (tuple, list)) else segment_ids
+  return jnp.broadcast_to(q_seg, (B, T)) != 0
+
+
+def _flash(q, k, v, segment_ids, scale, impl, prefix, kernel_kwargs):
+  """flash_attention (causal) plus the optional always-visible prefix keys: (out, lse, prefix logits or None)."""
+  B, T, _, D = q.shape
+  scale = 1.0 / math.sqrt(D) if scale is None else scale
+  out, lse = flash_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=scale, impl=impl,
+                             **kernel_kwargs)
+  if prefix is None:
+    return out, lse, None
+  return attend_prefix(q, out, lse, prefix, scale=scale, q_valid=_query_valid(segment_ids, B, T))
+
+
 def document_first_index(segment_ids, T: int):
   """For each position, the index of the first token of its segment (packed batches); shape [B, T].
 
@@ -32,49 +76,60 @@ def document_first_index(segment_ids, T: int):
   return jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
 
 
-def vanilla_attention(q, k, v, *, segment_ids=None, scale=None, impl="auto", **kernel_kwargs):
+def vanilla_attention(q, k, v, *, segment_ids=None, scale=None, impl="auto", prefix=None, **kernel_kwargs):
   """Causal softmax attention; gate G_t = 1 - A_{t,first} (eq. 4), first = first key of t's document.
 
   Stable form (SPEC): G = -expm1(z_first - LSE), exact as A_first -> 1, no attention weights needed.
   A query that is its document's first token (or padding) has G = 0.
+  With learnable sink tokens (`prefix`, see `attend_prefix`) the "first token" is the first sink token, which every
+  query sees: G_t = 1 - A_{t,sink_0} is then defined (and usually > 0) for every non-padding query.
+  With a (q_seg, kv_seg) pair (decoding against a KV cache) the first key is the first slot of the query's segment.
   """
   B, T, Hq, D = q.shape
-  Hkv = k.shape[2]
+  S, Hkv = k.shape[1], k.shape[2]
   scale = 1.0 / math.sqrt(D) if scale is None else scale
-  out, lse = flash_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=scale, impl=impl,
-                             **kernel_kwargs)
-  first = jnp.broadcast_to(document_first_index(segment_ids, T), (B, T))
+  out, lse, z_p = _flash(q, k, v, segment_ids, scale, impl, prefix, kernel_kwargs)
+  lse_t = _heads_last(lse)
+  if prefix is not None:
+    delta = jnp.minimum(jnp.where(jnp.isfinite(lse_t), _heads_last(z_p[..., 0]) - lse_t, 0.0), 0.0)
+    return out, jnp.where(jnp.isfinite(lse_t), -jnp.expm1(delta), 0.0)
+  if isinstance(segment_ids, (tuple, list)):
+    q_seg, kv_seg = (jnp.broadcast_to(s, shape) for s, shape in zip(segment_ids, ((B, T), (B, S))))
+    first = jnp.argmax(q_seg[:, :, None] == kv_seg[:, None, :], axis=-1).astype(jnp.int32)   # [B,T]
+    own = jnp.arange(T, dtype=jnp.int32)[None, :] + (S - T)            # bottom-right aligned key index of t
+  else:
+    first = jnp.broadcast_to(document_first_index(segment_ids, T), (B, T))
+    own = jnp.arange(T)[None, :]
   k_first = jnp.take_along_axis(k, first[:, :, None, None], axis=1)          # [B,T,Hkv,D]
   k_first = jnp.repeat(k_first, Hq // Hkv, axis=2)
   z_first = jnp.einsum("bthd,bthd->bth", q.astype(jnp.float32), k_first.astype(jnp.float32)) * scale
-  lse_t = _heads_last(lse)
-  valid = (first != jnp.arange(T)[None, :])[:, :, None] & jnp.isfinite(lse_t)
+  valid = (first != own)[:, :, None] & jnp.isfinite(lse_t)
   # z_first <= LSE in exact arithmetic; the clamp keeps rounding from producing a negative gate.
   delta = jnp.minimum(jnp.where(valid, z_first - lse_t, 0.0), 0.0)
   gate = jnp.where(valid, -jnp.expm1(delta), 0.0)
   return out, gate
 
 
-def sink_attention(q, k, v, sink, *, segment_ids=None, scale=None, impl="auto", **kernel_kwargs):
+def sink_attention(q, k, v, sink, *, segment_ids=None, scale=None, impl="auto", prefix=None, **kernel_kwargs):
   """GPT-OSS sink attention: a learnable logit `sink` [Hq] joins each softmax denominator with zero value.
 
   out = flash_out * sigma(LSE - sink), gate = sigma(LSE - sink) (eq. 23): identical in value and gradient to
-  appending a sink column to the logits, taking the softmax and dropping the column.
+  appending a sink column to the logits, taking the softmax and dropping the column. With sink tokens (`prefix`)
+  LSE covers them too (they are ordinary keys, unlike the value-less sink logit).
   """
-  out, lse = flash_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=scale, impl=impl,
-                             **kernel_kwargs)
+  out, lse, _ = _flash(q, k, v, segment_ids, scale, impl, prefix, kernel_kwargs)
   gate = jax.nn.sigmoid(_heads_last(lse) - sink.astype(jnp.float32))          # [B,T,Hq]; 0 on padding
   out = (out.astype(jnp.float32) * gate[..., None]).astype(q.dtype)
   return out, gate
 
 
-def gated_attention(q, k, v, gate_logits, *, segment_ids=None, scale=None, impl="auto", **kernel_kwargs):
+def gated_attention(q, k, v, gate_logits, *, segment_ids=None, scale=None, impl="auto", prefix=None,
+                    **kernel_kwargs):
   """Qwen-style gated attention (G1, after SDPA): out = sdpa_out * sigmoid(gate_logits).
 
-  gate_logits: [B,T,Hq] (headwise, paper eq. 2) or [B,T,Hq,D] (elementwise, Qwen3-Next).
+  gate_logits: [B,T,Hq] (headwise, paper eq. 2) or [B,T,Hq,D] (elementwise, Qwen3-Next). `prefix`: sink tokens.
   """
-  out, _ = flash_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=scale, impl=impl,
-                           **kernel_kwargs)
+  out, _, _ = _flash(q, k, v, segment_ids, scale, impl, prefix, kernel_kwargs)
   gate = jax.nn.sigmoid(gate_logits.astype(jnp.float32))
   g = gate[..., None] if gate.ndim == 3 else gate
   return (out.astype(jnp.float32) * g).astype(q.dtype), gate

@@ -41,6 +41,29 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False
   attn_impl: str = "auto"           # flash_attention backend
+  # Architecture options of imported Hugging Face models (sinkjax.convert.hf); the defaults are the nanochat model.
+  mlp_hidden: int = 0               # MLP hidden width; 0 = mlp_ratio * d_model
+  mlp_bias: bool = False            # biases in the MLP / expert projections (GPT-OSS)
+  swiglu_limit: float = 7.0         # clamped_swiglu: gate <= limit, |up| <= limit (GPT-OSS)
+  swiglu_alpha: float = 1.702       # clamped_swiglu: gate * sigmoid(alpha * gate) * (up + 1)
+  moe_experts: int = 0              # > 0: the MLP is a top-k routed mixture of this many experts (GPT-OSS)
+  moe_top_k: int = 1                # experts per token; their softmaxed router logits weight the outputs
+  norm_scale: bool = False          # learnable RMSNorm scales (block, final and QK norms), as HF Llama/Qwen
+  norm_eps: float = 1e-6            # RMSNorm epsilon (HF: rms_norm_eps)
+  embed_norm: bool = True           # RMSNorm on the embedding output (nanochat does; HF models do not)
+  attn_bias: bool = False           # biases in the q/k/v/o projections (GPT-OSS)
+  rope_scaling: str = "none"        # none | llama3 | yarn (HF rope_type), applied to rope_theta's frequencies
+  rope_factor: float = 1.0          # llama3 / yarn: context extension factor
+  rope_low_freq_factor: float = 1.0     # llama3
+  rope_high_freq_factor: float = 4.0    # llama3
+  rope_original_max_seq_len: int = 0    # llama3 / yarn: pretraining context; 0 = max_seq_len
+  rope_beta_fast: float = 32.0      # yarn
+  rope_beta_slow: float = 1.0       # yarn
+  rope_truncate: bool = True        # yarn: round the correction range to whole dimensions
+  rope_attention_factor: float = 0.0    # yarn: cos/sin multiplier; 0 = 0.1 ln(factor) + 1
+  sliding_window: int = 0           # > 0: "sliding" layers see only the last sliding_window keys (incl. self)
+  layer_types: list = dataclasses.field(default_factory=list)   # per layer full|sliding; [] = all full
+                                    # (all sliding when sliding_window > 0)
 
 
 @dataclasses.dataclass
@@ -48,6 +71,15 @@ class LossConfig:
   aux_weight: float = 0.0           # lambda of eq. 7/8 (paper: 1e-4 from scratch, 1e-2 fine-tuning)
   num_shared_heads: int = 0         # m of eq. 8; 0 = eq. 7
   shared_heads_from: str = ""       # a run dir / report.json whose importances fix the shared set up front
+
+
+@dataclasses.dataclass
+class LoRAConfig:
+  """Low-rank adapters (Hu et al. 2021) on the named projections; the base weights are frozen (sinkjax.lora)."""
+  rank: int = 0                     # 0 = off (full training); the paper fine-tunes with rank 16
+  alpha: float = 32.0               # the update is (alpha / rank) * x A B
+  targets: list = dataclasses.field(
+      default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
 
 @dataclasses.dataclass
@@ -84,14 +116,16 @@ class TrainConfig:
   grad_clip: float = 1.0
   warmup_steps: int = 0
   decay_frac: float = 0.2           # linear decay to 0 over the final fraction of steps
-  max_nonfinite: int = 5            # consecutive non-finite losses before the run stops
+  max_nonfinite: int = 5            # consecutive non-finite steps (loss, gradient or update) before the run stops
+  stop_at_step: int = 0             # end this invocation after this step with a checkpoint, schedule unchanged
+                                    # (chunked jobs on preemptible machines); 0 = run to train.steps
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
-  every: int = 200
-  keep: int = 3
-  async_save: bool = True
+  every: int = 200                  # save every this many steps, and always at the end / on SIGTERM or SIGINT
+  keep: int = 3                     # most recent checkpoints kept in RUN_DIR/checkpoints
+  async_save: bool = True           # write in a background thread while training continues
 
 
 @dataclasses.dataclass
@@ -113,6 +147,7 @@ class Config:
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
   run: RunConfig = dataclasses.field(default_factory=RunConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
@@ -120,7 +155,8 @@ class Config:
 CHOICES = {
     "model.attention": ("vanilla", "sink", "gated", "relu"),
     "model.gate": ("headwise", "elementwise"),
-    "model.mlp": ("relu2", "swiglu"),
+    "model.mlp": ("relu2", "swiglu", "clamped_swiglu"),
+    "model.rope_scaling": ("none", "llama3", "yarn"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.attn_impl": ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu"),
@@ -244,3 +280,39 @@ def validate(cfg: Config) -> None:
                       f"got {cfg.loss.num_shared_heads}")
   if cfg.loss.aux_weight < 0:
     raise ConfigError(f"loss.aux_weight must be >= 0, got {cfg.loss.aux_weight}")
+  _validate_architecture(m)
+  _validate_lora(cfg.lora)
+
+
+LAYER_TYPES = ("full", "sliding")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _validate_architecture(m: ModelConfig) -> None:
+  """The options of imported models (HF architectures): values in range and combinations the model supports."""
+  if m.mlp_hidden < 0 or m.moe_experts < 0 or m.sliding_window < 0:
+    raise ConfigError("model.mlp_hidden, model.moe_experts and model.sliding_window must be >= 0")
+  if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
+    raise ConfigError(f"model.moe_top_k must be in [1, model.moe_experts={m.moe_experts}], got {m.moe_top_k}")
+  if m.norm_eps <= 0:
+    raise ConfigError(f"model.norm_eps must be > 0, got {m.norm_eps}")
+  if m.rope_scaling != "none" and m.rope_factor <= 0:
+    raise ConfigError(f"model.rope_factor must be > 0 with model.rope_scaling={m.rope_scaling}")
+  bad = [t for t in m.layer_types if t not in LAYER_TYPES]
+  if bad:
+    raise ConfigError(f"model.layer_types entries must be {'|'.join(LAYER_TYPES)}, got {bad[0]!r}")
+  if m.layer_types and len(m.layer_types) != m.num_layers:
+    raise ConfigError(f"model.layer_types has {len(m.layer_types)} entries but model.num_layers is {m.num_layers}")
+  if "sliding" in m.layer_types and not m.sliding_window:
+    raise ConfigError("model.layer_types names sliding layers: set model.sliding_window > 0")
+  if m.sliding_window and m.attention in ("vanilla", "relu"):
+    raise ConfigError(f"model.sliding_window needs model.attention sink or gated (with {m.attention} attention the "
+                      "implicit gate needs the document's first key, which a window can drop)")
+
+
+def _validate_lora(lora: LoRAConfig) -> None:
+  if lora.rank < 0:
+    raise ConfigError(f"lora.rank must be >= 0 (0 = off), got {lora.rank}")
+  bad = [t for t in lora.targets if t not in LORA_TARGETS]
+  if bad or (lora.rank and not lora.targets):
+    raise ConfigError(f"lora.targets must be a non-empty list of {'|'.join(LORA_TARGETS)}, got {lora.targets!r}")

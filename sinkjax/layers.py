@@ -9,6 +9,9 @@ importances land in the `intermediates` collection.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -35,14 +38,64 @@ class RMSNorm(nnx.Module):
     return y.astype(x.dtype)
 
 
-def rope_frequencies(head_dim: int, theta: float):
-  return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Long-context RoPE frequency scaling, as Hugging Face's `rope_type` (modeling_rope_utils): "llama3" (Llama 3.1)
+  or "yarn" (GPT-OSS, YaRN). `original_max_seq_len` is the pretraining context the correction is relative to."""
+  kind: str = "none"
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_seq_len: int = 8192
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+  attention_factor: float = 0.0     # yarn: multiplier of cos/sin; 0 = 0.1 ln(factor) + 1
+
+  def cos_sin_scale(self) -> float:
+    if self.kind != "yarn":
+      return 1.0
+    if self.attention_factor:
+      return self.attention_factor
+    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
-def apply_rope(x, positions, inv_freq):
-  """Rotary embedding, split-halves convention (Llama / nanochat). x [B,T,H,D], positions int [B,T]."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
+  """Inverse frequencies [head_dim/2] of RoPE, optionally rescaled for long context (llama3 / yarn)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if scaling is None or scaling.kind == "none":
+    return inv_freq
+  if scaling.kind == "llama3":
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, and the band between interpolated.
+    old = scaling.original_max_seq_len
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+  if scaling.kind == "yarn":
+    # YaRN: interpolate (divide by factor) the low frequencies, extrapolate the high ones, linear ramp between.
+    def correction_dim(rotations):
+      return head_dim * math.log(scaling.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+      high += 0.001
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq / scaling.factor * (1 - extrapolation) + inv_freq * extrapolation
+  raise ValueError(f"unknown RoPE scaling {scaling.kind!r} (none|llama3|yarn)")
+
+
+def apply_rope(x, positions, inv_freq, scale: float = 1.0):
+  """Rotary embedding, split-halves convention (Llama / nanochat). x [B,T,H,D], positions int [B,T].
+  `scale` multiplies cos and sin (YaRN's attention factor)."""
   angles = positions[..., None].astype(jnp.float32) * inv_freq          # [B,T,D/2]
-  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  cos, sin = jnp.cos(angles)[:, :, None, :] * scale, jnp.sin(angles)[:, :, None, :] * scale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -64,13 +117,22 @@ class Attention(nnx.Module):
     sink_init: initial sink logit per head (sink attention).
     gate_bias_init: initial bias of the gate projection (gated attention); sigmoid(0) = 0.5.
     impl: `flash_attention` backend ("auto" picks Pallas on TPU/GPU, blockwise XLA on CPU).
+    norm_scale, norm_eps: learnable scale and epsilon of the QK-norms (Qwen3: scaled; nanochat: parameter-free).
+    rope_scaling: a `RopeScaling` (llama3 / yarn long-context frequencies), None = plain RoPE.
+    sliding_window: > 0 makes this a sliding-window layer: query t sees keys t - window < s <= t (GPT-OSS).
+    sink_tokens: n learnable sink tokens (seed 001): n d_model vectors `sink_states` of this layer, projected by
+      its own k_proj/v_proj (and k_norm), prepended to the keys/values at RoPE positions 0..n-1 while the sequence
+      is shifted to positions n, n+1, ...; every query sees them (all packed segments, all cache slots) and a
+      streaming KV cache never evicts them (they are parameters, not cache entries). Not for ReLU attention.
   """
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                *, attention: str = "vanilla", gate: str = "headwise", qk_norm: bool = True,
                rope_theta: float = 10000.0, use_bias: bool = False, sink_init: float = 0.0,
                gate_bias_init: float = 0.0, impl: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32,
-               zero_init_output: bool = True, rngs: nnx.Rngs):
+               zero_init_output: bool = True, sink_tokens: int = 0, norm_scale: bool = False,
+               norm_eps: float = 1e-6, rope_scaling: RopeScaling | None = None, sliding_window: int = 0,
+               rngs: nnx.Rngs):
     if attention not in ATTENTION_VARIANTS:
       raise ValueError(f"attention must be one of {ATTENTION_VARIANTS}, got {attention!r}")
     if gate not in GATE_KINDS:
@@ -82,61 +144,118 @@ class Attention(nnx.Module):
     self.attention, self.gate_kind, self.impl = attention, gate, impl
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.rope_theta = rope_theta
+    self.rope_scaling = rope_scaling
+    if sliding_window and attention in ("vanilla", "relu"):
+      raise ValueError(f"sliding_window needs sink or gated attention (got {attention!r}: its gate needs the "
+                       "document's first key, which the window can drop)")
+    self.sliding_window = sliding_window
     lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.q_proj = nnx.Linear(d_model, num_heads * head_dim, **lin)
     self.k_proj = nnx.Linear(d_model, num_kv_heads * head_dim, **lin)
     self.v_proj = nnx.Linear(d_model, num_kv_heads * head_dim, **lin)
     out_init = nnx.initializers.zeros_init() if zero_init_output else nnx.initializers.lecun_normal()
     self.o_proj = nnx.Linear(num_heads * head_dim, d_model, kernel_init=out_init, **lin)
-    self.q_norm = RMSNorm(head_dim) if qk_norm else None
-    self.k_norm = RMSNorm(head_dim) if qk_norm else None
+    norm = dict(eps=norm_eps, use_scale=norm_scale, param_dtype=param_dtype)
+    self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else None
+    self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else None
     self.sink = nnx.Param(jnp.full((num_heads,), sink_init, param_dtype)) if attention == "sink" else None
     width = num_heads if gate == "headwise" else num_heads * head_dim
     self.gate_proj = nnx.Linear(d_model, width, use_bias=True, dtype=dtype, param_dtype=param_dtype,
                                 bias_init=nnx.initializers.constant(gate_bias_init),
                                 rngs=rngs) if attention == "gated" else None
+    if sink_tokens < 0 or (sink_tokens and attention == "relu"):
+      raise ValueError(f"sink_tokens must be >= 0 and needs a softmax variant (got {sink_tokens}, {attention!r})")
+    self.num_sink_tokens = sink_tokens
+    self.sink_states = nnx.Param(0.02 * jax.random.normal(rngs.params(), (sink_tokens, d_model), param_dtype)
+                                 ) if sink_tokens else None
 
   def project(self, x, positions):
     """q [B,T,Hq,D], k/v [B,T,Hkv,D] with QK-norm and RoPE applied."""
+    q, k, v = self.project_unrotated(x)
+    return self.rotate(q, positions), self.rotate(k, positions), v
+
+  def project_unrotated(self, x):
+    """q, k, v after QK-norm, before RoPE (what a KV cache stores, see `sinkjax.cache`)."""
     B, T, _ = x.shape
     q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    inv_freq = rope_frequencies(self.head_dim, self.rope_theta)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return q, k, v
 
-  def attend(self, x, q, k, v, segment_ids):
-    """The variant switch: (out [B,T,Hq,D], gate [B,T,Hq] or [B,T,Hq,D])."""
+  def rotate(self, x, positions):
+    """RoPE at int positions [B,T] (the one place this layer's rotary settings apply)."""
+    scaling = self.rope_scaling
+    return apply_rope(x, positions, rope_frequencies(self.head_dim, self.rope_theta, scaling),
+                      1.0 if scaling is None else scaling.cos_sin_scale())
+
+  def sink_kv(self, B: int):
+    """Keys/values of the learnable sink tokens, ([B,n,Hkv,D] rotated to positions 0..n-1, [B,n,Hkv,D]), or None."""
+    if self.sink_states is None:
+      return None
+    n = self.num_sink_tokens
+    _, k, v = self.project_unrotated(self.sink_states[...][None])
+    k = self.rotate(k, jnp.arange(n, dtype=jnp.int32)[None])
+    return tuple(jnp.broadcast_to(a, (B,) + a.shape[1:]) for a in (k, v))
+
+  def attend(self, x, q, k, v, segment_ids, *, impl=None):
+    """The variant switch: (out [B,T,Hq,D], gate [B,T,Hq] or [B,T,Hq,D]). Sink tokens join every variant here."""
+    impl = impl or self.impl
     kw = dict(segment_ids=segment_ids)
+    if self.sliding_window:
+      kw["window"] = self.sliding_window
+    if self.sink_states is not None:
+      kw["prefix"] = self.sink_kv(x.shape[0])
     if self.attention == "vanilla":
-      return variants.vanilla_attention(q, k, v, impl=self.impl, **kw)
+      return variants.vanilla_attention(q, k, v, impl=impl, **kw)
     if self.attention == "sink":
-      return variants.sink_attention(q, k, v, self.sink[...], impl=self.impl, **kw)
+      return variants.sink_attention(q, k, v, self.sink[...], impl=impl, **kw)
     if self.attention == "gated":
       B, T, _ = x.shape
       logits = self.gate_proj(x).astype(jnp.float32)
       shape = (B, T, self.num_heads) if self.gate_kind == "headwise" else (B, T, self.num_heads, self.head_dim)
-      return variants.gated_attention(q, k, v, logits.reshape(shape), impl=self.impl, **kw)
+      return variants.gated_attention(q, k, v, logits.reshape(shape), impl=impl, **kw)
     return variants.relu_attention(q, k, v, **kw)
 
   def importance_mask(self, segment_ids, B: int, T: int):
-    """Tokens that count for head importance: non-padding, and for vanilla not a document's first token."""
+    """Tokens that count for head importance: non-padding, and for vanilla not a document's first token (unless
+    there are sink tokens: the gate's "first token" is then sink token 0, so no query has G = 0 by construction)."""
     valid = jnp.ones((B, T), bool) if segment_ids is None else segment_ids != 0
-    if self.attention == "vanilla":
+    if self.attention == "vanilla" and self.sink_states is None:
       first = variants.document_first_index(segment_ids, T)
       valid &= first != jnp.arange(T)[None, :]
     return valid
 
-  def __call__(self, x, *, segment_ids=None, positions=None):
+  def __call__(self, x, *, segment_ids=None, positions=None, cache=None):
+    """y [B,T,d_model]; with `cache` (a `sinkjax.cache.LayerCache`) returns (y, updated cache) instead: T == 1
+    decodes one token against the cache, T > 1 prefills an empty cache (plain causal self-attention over x)."""
     B, T, _ = x.shape
+    if cache is not None and T == 1:
+      return self._decode(x, cache)
     if positions is None:
       positions = default_positions(segment_ids, B, T)
-    q, k, v = self.project(x, positions)
-    out, gate = self.attend(x, q, k, v, segment_ids)
+    q, k, v = self.project_unrotated(x)
+    positions = positions + self.num_sink_tokens           # sink tokens hold positions 0..n-1
+    out, gate = self.attend(x, self.rotate(q, positions), self.rotate(k, positions), v, segment_ids)
+    y = self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+    if cache is not None:
+      return y, cache.prefill(k, v)
     self.sow(nnx.Intermediate, "head_importance", head_importance(gate, self.importance_mask(segment_ids, B, T)))
-    return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+    return y
+
+  def _decode(self, x, cache):
+    """One new token: store its un-rotated k/v in the cache, rotate every cached key to its position within the
+    cache (StreamingLLM), and attend the whole fixed-size cache (empty slots masked by kv segment 0)."""
+    B = x.shape[0]
+    q, k, v = self.project_unrotated(x)
+    cache = cache.write(k, v)
+    n, C = self.num_sink_tokens, cache.capacity
+    q = self.rotate(q, jnp.full((B, 1), cache.query_position + n, jnp.int32))
+    k_all = self.rotate(cache.k, jnp.broadcast_to(cache.key_positions + n, (B, C)))
+    seg = (jnp.ones((B, 1), jnp.int32), jnp.broadcast_to(cache.valid, (B, C)).astype(jnp.int32))
+    out, _ = self.attend(x, q, k_all, cache.v, seg, impl="reference")       # T = 1: a [C]-wide softmax per head
+    return self.o_proj(out.reshape(B, 1, self.num_heads * self.head_dim)), cache
 
 
 def pop_head_importance(model: nnx.Module):
@@ -180,19 +299,90 @@ def collect_linen_importance(intermediates) -> jax.Array:
   return jnp.stack(found)
 
 
-class MLP(nnx.Module):
-  """ReLU^2 MLP (nanochat baseline) or SwiGLU (Llama/Qwen), no biases."""
+MLP_KINDS = ("relu2", "swiglu", "clamped_swiglu")
 
-  def __init__(self, d_model: int, hidden: int, *, kind: str = "relu2", dtype=jnp.float32,
-               param_dtype=jnp.float32, zero_init_output: bool = True, rngs: nnx.Rngs):
-    lin = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.kind = kind
+
+def mlp_activation(kind: str, gate, up, *, limit: float = 7.0, alpha: float = 1.702):
+  """The MLP nonlinearity on the up (and gate) projections.
+
+  relu2: ReLU(up)^2 (nanochat; no gate). swiglu: SiLU(gate) * up (Llama, Qwen).
+  clamped_swiglu (GPT-OSS experts): gate <= limit, -limit <= up <= limit, then gate * sigmoid(alpha gate) * (up + 1).
+  """
+  if kind == "relu2":
+    return jnp.square(jax.nn.relu(up))
+  if kind == "swiglu":
+    return jax.nn.silu(gate) * up
+  if kind == "clamped_swiglu":
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(gate * alpha) * (up + 1)
+  raise ValueError(f"MLP kind must be one of {MLP_KINDS}, got {kind!r}")
+
+
+class MLP(nnx.Module):
+  """ReLU^2 MLP (nanochat baseline), SwiGLU (Llama/Qwen) or clamped SwiGLU (GPT-OSS); biases optional."""
+
+  def __init__(self, d_model: int, hidden: int, *, kind: str = "relu2", use_bias: bool = False,
+               limit: float = 7.0, alpha: float = 1.702, dtype=jnp.float32, param_dtype=jnp.float32,
+               zero_init_output: bool = True, rngs: nnx.Rngs):
+    if kind not in MLP_KINDS:
+      raise ValueError(f"MLP kind must be one of {MLP_KINDS}, got {kind!r}")
+    lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.kind, self.limit, self.alpha = kind, limit, alpha
     self.up_proj = nnx.Linear(d_model, hidden, **lin)
-    self.gate_proj = nnx.Linear(d_model, hidden, **lin) if kind == "swiglu" else None
+    self.gate_proj = nnx.Linear(d_model, hidden, **lin) if kind != "relu2" else None
     out_init = nnx.initializers.zeros_init() if zero_init_output else nnx.initializers.lecun_normal()
     self.down_proj = nnx.Linear(hidden, d_model, kernel_init=out_init, **lin)
 
   def __call__(self, x):
-    h = self.up_proj(x)
-    h = jax.nn.silu(self.gate_proj(x)) * h if self.kind == "swiglu" else jnp.square(jax.nn.relu(h))
-    return self.down_proj(h)
+    gate = self.gate_proj(x) if self.gate_proj is not None else None
+    return self.down_proj(mlp_activation(self.kind, gate, self.up_proj(x), limit=self.limit, alpha=self.alpha))
+
+
+class MoE(nnx.Module):
+  """Top-k routed mixture of MLP experts (GPT-OSS): router logits -> top-k -> softmax over the k -> weighted sum.
+
+  Expert weights are stacked [E, ...]; tokens are sorted by expert and run through `jax.lax.ragged_dot`, so the
+  compute is that of the k chosen experts per token (not all E).
+  """
+
+  def __init__(self, d_model: int, hidden: int, num_experts: int, top_k: int, *, kind: str = "clamped_swiglu",
+               use_bias: bool = True, limit: float = 7.0, alpha: float = 1.702, dtype=jnp.float32,
+               param_dtype=jnp.float32, zero_init_output: bool = True, rngs: nnx.Rngs):
+    if kind == "relu2":
+      raise ValueError("MoE experts need a gated kind (swiglu | clamped_swiglu)")
+    self.kind, self.limit, self.alpha, self.top_k, self.dtype = kind, limit, alpha, top_k, dtype
+    self.router = nnx.Linear(d_model, num_experts, use_bias=True, dtype=jnp.float32, param_dtype=param_dtype,
+                             rngs=rngs)
+    init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+    E = num_experts
+    self.gate_kernel = nnx.Param(init(rngs.params(), (E, d_model, hidden), param_dtype))
+    self.up_kernel = nnx.Param(init(rngs.params(), (E, d_model, hidden), param_dtype))
+    down = jnp.zeros((E, hidden, d_model), param_dtype) if zero_init_output else \
+        init(rngs.params(), (E, hidden, d_model), param_dtype)
+    self.down_kernel = nnx.Param(down)
+    zeros = lambda n: nnx.Param(jnp.zeros((E, n), param_dtype)) if use_bias else None
+    self.gate_bias, self.up_bias, self.down_bias = zeros(hidden), zeros(hidden), zeros(d_model)
+
+  def __call__(self, x):
+    B, T, D = x.shape
+    xf = x.reshape(B * T, D)
+    logits = self.router(xf.astype(jnp.float32))                          # [N, E]
+    top_logits, experts = jax.lax.top_k(logits, self.top_k)               # [N, k]
+    weights = jax.nn.softmax(top_logits, axis=-1)
+    flat = experts.reshape(-1)                                            # [N*k], token-major
+    order = jnp.argsort(flat, stable=True)
+    expert_of_row = flat[order]
+    token_of_row = order // self.top_k
+    sizes = jnp.bincount(flat, length=self.gate_kernel.shape[0]).astype(jnp.int32)
+    dt = self.dtype
+    rows = xf[token_of_row].astype(dt)
+
+    def proj(h, kernel, bias):
+      y = jax.lax.ragged_dot(h, kernel[...].astype(dt), sizes, preferred_element_type=jnp.float32)
+      return y if bias is None else y + bias[...][expert_of_row].astype(jnp.float32)
+
+    h = mlp_activation(self.kind, proj(rows, self.gate_kernel, self.gate_bias),
+                       proj(rows, self.up_kernel, self.up_bias), limit=self.limit, alpha=self.alpha)
+    y = proj(h.astype(dt), self.down_kernel, self.down_bias) * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros((B * T, D), jnp.float32).at[token_of_row].add(y)
+    return out.reshape(B, T, D).astype(x.dtype)

@@ -11,25 +11,53 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sinkjax.config import ModelConfig
-from sinkjax.layers import MLP, Attention, RMSNorm, default_positions, pop_head_importance
+from sinkjax.layers import MLP, Attention, MoE, RMSNorm, RopeScaling, default_positions, pop_head_importance
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def rope_scaling(cfg: ModelConfig) -> RopeScaling | None:
+  if cfg.rope_scaling == "none":
+    return None
+  return RopeScaling(cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                     cfg.rope_original_max_seq_len or cfg.max_seq_len, cfg.rope_beta_fast, cfg.rope_beta_slow,
+                     cfg.rope_truncate, cfg.rope_attention_factor)
+
+
+def layer_window(cfg: ModelConfig, layer: int) -> int:
+  """The sliding window of layer `layer` (0 = full attention): model.layer_types, else every layer alike."""
+  kind = cfg.layer_types[layer] if cfg.layer_types else "sliding"
+  return cfg.sliding_window if kind == "sliding" else 0
+
+
+def mlp_hidden(cfg: ModelConfig) -> int:
+  return cfg.mlp_hidden or cfg.mlp_ratio * cfg.d_model
+
+
 class Block(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, layer: int = 0, rngs: nnx.Rngs):
     dt, pdt = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
-    self.attn_norm = RMSNorm(cfg.d_model)
+    norm = dict(eps=cfg.norm_eps, use_scale=cfg.norm_scale, param_dtype=pdt)
+    self.attn_norm = RMSNorm(cfg.d_model, **norm)
     self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, attention=cfg.attention,
                           gate=cfg.gate, qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, sink_init=cfg.sink_init,
                           gate_bias_init=cfg.gate_bias_init, impl=cfg.attn_impl, dtype=dt, param_dtype=pdt,
-                          rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model)
-    self.mlp = MLP(cfg.d_model, cfg.mlp_ratio * cfg.d_model, kind=cfg.mlp, dtype=dt, param_dtype=pdt, rngs=rngs)
+                          sink_tokens=cfg.sink_tokens, use_bias=cfg.attn_bias, norm_scale=cfg.norm_scale,
+                          norm_eps=cfg.norm_eps, rope_scaling=rope_scaling(cfg),
+                          sliding_window=layer_window(cfg, layer), rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+    mlp = dict(kind=cfg.mlp, use_bias=cfg.mlp_bias, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha, dtype=dt,
+               param_dtype=pdt, rngs=rngs)
+    self.mlp = MoE(cfg.d_model, mlp_hidden(cfg), cfg.moe_experts, cfg.moe_top_k, **mlp) if cfg.moe_experts else \
+        MLP(cfg.d_model, mlp_hidden(cfg), **mlp)
 
-  def __call__(self, x, segment_ids, positions):
-    x = x + self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions)
-    return x + self.mlp(self.mlp_norm(x))
+  def __call__(self, x, segment_ids, positions, cache=None):
+    """x -> x; with a `LayerCache`, (x, updated cache)."""
+    h = self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions, cache=cache)
+    h, cache = h if cache is not None else (h, None)
+    x = x + h
+    x = x + self.mlp(self.mlp_norm(x))
+    return x if cache is None else (x, cache)
 
 
 class Transformer(nnx.Module):
@@ -42,22 +70,34 @@ class Transformer(nnx.Module):
     dt, pdt = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt,
                            embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
-    self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.final_norm = RMSNorm(cfg.d_model)
+    self.layers = nnx.List([Block(cfg, layer=i, rngs=rngs) for i in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, use_scale=cfg.norm_scale, param_dtype=pdt)
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt,
         kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
 
-  def __call__(self, tokens, *, segment_ids=None, positions=None):
+  def __call__(self, tokens, *, segment_ids=None, positions=None, cache=None):
+    """logits; with a `sinkjax.cache.KVCache`, (logits, updated cache): T == 1 decodes one token against the cache,
+    T > 1 prefills an EMPTY cache with a prompt (positions 0..T-1). Generation lives in `sinkjax.generate`."""
     B, T = tokens.shape
     if positions is None:
       positions = default_positions(segment_ids, B, T)
-    x = _norm(self.embed(tokens))            # nanochat normalizes the embedding output
+    x = self.embed(tokens)
+    if self.cfg.embed_norm:                  # nanochat normalizes the embedding output (HF models do not)
+      x = _norm(x, self.cfg.norm_eps)
+    if cache is not None:
+      layer_caches = cache.layers(T)
+      for i, block in enumerate(self.layers):
+        x, layer_caches[i] = block(x, segment_ids, positions, cache=layer_caches[i])
+      return self._logits(x), cache.advance(layer_caches, T)
     for block in self.layers:
       if self.cfg.remat:
         x = nnx.remat(lambda blk, h: blk(h, segment_ids, positions))(block, x)
       else:
         x = block(x, segment_ids, positions)
+    return self._logits(x)
+
+  def _logits(self, x):
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
     logits = logits.astype(jnp.float32)
@@ -86,8 +126,18 @@ def param_count_formula(cfg: ModelConfig) -> int:
   attn = d * hq * hd + 2 * d * hkv * hd + hq * hd * d
   if cfg.attention == "sink":
     attn += hq
+  attn += cfg.sink_tokens * d              # learnable sink tokens (sink_states of each layer)
   if cfg.attention == "gated":
     w = hq if cfg.gate == "headwise" else hq * hd
     attn += d * w + w
-  mlp = (3 if cfg.mlp == "swiglu" else 2) * d * cfg.mlp_ratio * d
-  return v * d * (1 if cfg.tie_embeddings else 2) + cfg.num_layers * (attn + mlp)
+  if cfg.attn_bias:
+    attn += hq * hd + 2 * hkv * hd + d
+  if cfg.norm_scale:                       # attention/MLP norms per block (+ QK-norms); final norm below
+    attn += 2 * d + (2 * hd if cfg.qk_norm else 0)
+  h = mlp_hidden(cfg)
+  gated = cfg.mlp != "relu2"
+  mlp = (3 if gated else 2) * d * h + (((2 if gated else 1) * h + d) if cfg.mlp_bias else 0)
+  if cfg.moe_experts:
+    mlp = cfg.moe_experts * mlp + d * cfg.moe_experts + cfg.moe_experts     # experts + router
+  final = d if cfg.norm_scale else 0
+  return v * d * (1 if cfg.tie_embeddings else 2) + cfg.num_layers * (attn + mlp) + final

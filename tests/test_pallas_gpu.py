@@ -66,7 +66,8 @@ CASES = [
     ("large_logits", 2, 80, 80, 4, 2, 64, True, "packed", 32, 16, 30.0),
     ("noncausal_large_logits_d48", 2, 48, 48, 2, 1, 48, False, "packed", 16, 16, 30.0),
     ("cross_causal_s_gt_t", 2, 40, 90, 4, 2, 64, True, "none", 16, 32, 1.0),
-    ("default_blocks", 1, 200, 200, 2, 1, 32, True, "packed", None, None, 1.0),
+    ("cross_causal_t_gt_s", 2, 90, 40, 4, 2, 64, True, "none", 16, 16, 1.0),
+    ("default_blocks", 2, 200, 200, 2, 1, 32, True, "packed", None, None, 1.0),
 ]
 
 
@@ -89,11 +90,11 @@ def test_matches_reference(case, dtype):
     assert x.dtype == ref.dtype and x.shape == ref.shape
   tol = 2e-5 if dtype == jnp.float32 else 2e-2
   # Large logits amplify the last-bit differences of the scores (~|s| * eps) in softmax and its gradients.
-  gtol = tol * (20 if q_mult > 1 and dtype == jnp.float32 else 1)
+  gtol = tol * (2 if q_mult > 1 and dtype == jnp.float32 else 1)
   _close("out", out, ref_out, tol)
   _close("lse", lse, ref_lse, tol)
   for name, x, ref in zip(("dq", "dk", "dv"), g, ref_g):
-    _close(name, x, ref, gtol if dtype == jnp.float32 else 3 * tol)
+    _close(name, x, ref, gtol)
 
   if seg is not None:
     pad = np.asarray(seg) == 0

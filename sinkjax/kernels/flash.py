@@ -47,8 +47,12 @@ def default_impl(platform: str | None = None) -> str:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, st: _Static):
+def _flash_vjp(q, k, v, q_seg, kv_seg, st: _Static):
   return _fwd(q, k, v, q_seg, kv_seg, st)[0]
+
+
+def _flash(q, k, v, q_seg, kv_seg, st: _Static):
+  return _flash_vjp(q, k, v, q_seg, kv_seg, st)
 
 
 def _kw(st):
@@ -68,7 +72,7 @@ def _bwd(st, res, cts):
   return dq, dk, dv, None, None
 
 
-_flash.defvjp(_fwd, _bwd)
+_flash_vjp.defvjp(_fwd, _bwd)
 
 
 def _segments(segment_ids, B, T, S):
@@ -88,7 +92,7 @@ def _segments(segment_ids, B, T, S):
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: float | None = None,
                     impl: str = "auto", interpret: bool | None = None, block_q: int | None = None,
-                    block_k: int | None = None):
+                    block_k: int | None = None, window: int | None = None):
   """Multi-head attention returning `(out, lse)`, differentiable through both.
 
   Args:
@@ -100,6 +104,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
     impl: "auto" | "reference" | "xla" | "pallas_tpu" | "pallas_gpu".
     interpret: Pallas interpret mode; None = only when the backend's hardware is absent.
     block_q, block_k: tile sizes (backend defaults when None).
+    window: sliding-window attention (causal only): query t also needs s > t + S - T - window. Runs the blockwise
+      jnp `local` kernel (self-attention) or the reference (T != S), both differentiated by autodiff.
 
   Returns:
     out [B, T, Hq, D] in q.dtype and lse float32 [B, Hq, T] (natural log).
@@ -116,6 +122,13 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
   scale = float(1.0 / math.sqrt(D) if scale is None else scale)
   q_seg, kv_seg = _segments(segment_ids, B, T, S)
+  if window:
+    if not causal:
+      raise ValueError("window (sliding-window attention) needs causal=True")
+    if T == S:
+      from sinkjax.kernels import local  # pylint: disable=import-outside-toplevel
+      return local.attention(q, k, v, q_seg, kv_seg, scale=scale, window=int(window))
+    return reference.attention(q, k, v, q_seg, kv_seg, causal=True, scale=scale, window=int(window))
   if impl == "auto":
     impl = default_impl()
   if impl == "reference":
@@ -123,4 +136,32 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
   if interpret is None:
     interpret = impl in _HARDWARE and jax.default_backend() not in (_HARDWARE[impl], "cuda")
   st = _Static(impl, bool(causal), scale, block_q, block_k, bool(interpret))
-  return _flash(q, k, v, q_seg, kv_seg, st)
+  fn = functools.partial(_flash, st=st)
+  return _per_shard(fn, B, Hkv)(q, k, v, q_seg, kv_seg)
+
+
+BATCH_AXES = ("data", "fsdp")
+HEAD_AXIS = "tensor"
+
+
+def _per_shard(fn, batch: int, kv_heads: int):
+  """Runs the kernel once per shard when a mesh is active (`jax.set_mesh`): batch split over the data/fsdp axes,
+  heads over the tensor axis. Attention is independent per (batch row, head), so no communication is needed.
+  Without an active mesh (or when the shapes don't divide) the kernel is left to XLA's partitioner."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn
+  batch_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+  head_axis = HEAD_AXIS if HEAD_AXIS in mesh.axis_names and mesh.shape[HEAD_AXIS] > 1 else None
+  n_batch = math.prod(mesh.shape[a] for a in batch_axes)
+  if batch % n_batch:
+    batch_axes = ()
+  if head_axis and kv_heads % mesh.shape[head_axis]:
+    head_axis = None
+  if not batch_axes and head_axis is None:
+    return fn
+  P = jax.sharding.PartitionSpec
+  b = batch_axes or None
+  qkv, seg = P(b, None, head_axis, None), P(b, None)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg),
+                       out_specs=(qkv, P(b, head_axis, None)), check_vma=False)

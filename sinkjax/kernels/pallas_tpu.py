@@ -158,16 +158,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, m_sc, l_sc,
     s = _dot(q, k, _NT, precision) * scale                    # [bq, bk] f32
     mask = _mask(qs_ref[0, :, 0:1], ks_ref[0, 0:1, :], i * bq, j * bk, s.shape, causal, off)
     s = jnp.where(mask, s, _MASK)
-    m_prev = m_sc[:, 0:1]                                     # [bq, 1]
-    m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    m_prev = m_sc[...]                                        # [bq, 128], lane-replicated
+    m_next = jnp.maximum(m_prev, s.max(axis=1)[:, None])
     alpha = jnp.exp(m_prev - m_next)
-    p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
-    l_next = alpha * l_sc[:, 0:1] + p.sum(axis=1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - m_next[:, 0:1]), 0.0)
+    l_sc[...] = alpha * l_sc[...] + p.sum(axis=1)[:, None]
+    m_sc[...] = m_next
     v = v_ref[0, 0]
     pv = _dot(p.astype(v.dtype), v, _NN, precision)           # [bq, D]
-    acc_sc[...] = alpha * acc_sc[...] + pv
-    m_sc[...] = jnp.broadcast_to(m_next, m_sc.shape)
-    l_sc[...] = jnp.broadcast_to(l_next, l_sc.shape)
+    acc_sc[...] = alpha[:, 0:1] * acc_sc[...] + pv
 
   if causal:
     pl.when(_visible(i, j, bq, bk, off))(_step)
@@ -176,12 +175,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, m_sc, l_sc,
 
   @pl.when(j == nk - 1)
   def _finish():
-    l = l_sc[:, 0:1]
-    valid = l > 0.0
+    l = l_sc[...]                                             # [bq, 128]
+    valid = l > 0.0                                           # false on rows with no visible key
     l_safe = jnp.where(valid, l, 1.0)
-    o_ref[0, 0] = jnp.where(valid, acc_sc[...] / l_safe, 0.0).astype(o_ref.dtype)
-    lse = jnp.where(valid, m_sc[:, 0:1] + jnp.log(l_safe), -jnp.inf)
-    lse_ref[0, 0] = jnp.broadcast_to(lse, lse_ref.shape[2:])
+    o_ref[0, 0] = jnp.where(valid[:, 0:1], acc_sc[...] / l_safe[:, 0:1], 0.0).astype(o_ref.dtype)
+    lse_ref[0, 0] = jnp.where(valid, m_sc[...] + jnp.log(l_safe), -jnp.inf)
 
 
 def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_q=None, block_k=None, interpret=False):

@@ -1,0 +1,254 @@
+"""Attention-sink diagnostics of a trained `Transformer`: an instrumented forward pass and per-batch statistics.
+
+The instrumented forward runs the model block by block through the model's own modules (`attn_norm`,
+`Attention.project`, `Attention.attend`, `o_proj`, `mlp_norm`, `mlp`), so its logits are the model's logits, and
+on the way it keeps what the fused forward throws away: q/k/v, the gate, the hidden state after every block and
+the *materialized* attention weights of each layer (from `kernels.reference.attention_weights`). It can also zero
+the first token's value in chosen heads (paper 000 App. A). Everything here is a pure function of the model and a
+batch; nothing in the model is modified.
+
+Statistics (all accumulated as sums and counts so that several batches combine into exact means):
+- first-token attention per layer/head, the F-Attn of paper 003 Table 4: mean over the valid, non-first queries of
+  the attention weight A_{t,first(t)} on the first token of the query's own document. For sink attention the
+  weight is taken in the softmax that includes the sink logit, and the weight on the sink itself (= 1 - G) is
+  reported beside it.
+- sink ratio alpha[l,h] (paper 000 eq. 9): (1/T) sum_i A_{i,first} over ALL valid queries, the first one included;
+  selective value zeroing acts on heads with alpha > tau.
+- value norms (paper 000 Fig. 2): ||v_t||_2 (per KV head, averaged over heads) at documents' first tokens, at the
+  other tokens, and by in-document position.
+- gate statistics (paper 003 Table 4 "Gate Score", Fig. 3): mean of G over the tokens that count for head
+  importance, the fraction of gate values below `SPARSE_GATE` and a histogram on [0, 1]; an elementwise gate
+  contributes each of its elements.
+- massive activations (paper 003 Table 4 "M-Act"): max |h| of the hidden state after each block over valid tokens,
+  also split into documents' first tokens and the rest.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sinkjax.attention import document_first_index, relu_attention_weights
+from sinkjax.kernels.reference import attention_weights
+from sinkjax.layers import default_positions
+from sinkjax.model import Transformer, _norm
+
+SPARSE_GATE = 0.1        # a gate value below this counts as "closed" (gate sparsity)
+GATE_BINS = 20           # histogram bins on [0, 1]
+POSITION_BINS = 64       # value norm by in-document position: positions 0 .. POSITION_BINS-1
+
+
+class LayerTrace(NamedTuple):
+  """What one block computed. Shapes: q [B,T,Hq,D], k/v [B,T,Hkv,D] (Hq when values were zeroed), gate [B,T,Hq]
+  or [B,T,Hq,D], weights [B,Hq,T,T], sink_weight [B,T,Hq], hidden [B,T,d_model] (after the block)."""
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  gate: jax.Array
+  weights: jax.Array
+  sink_weight: jax.Array
+  hidden: jax.Array
+
+
+def _segments(segment_ids, B: int, T: int):
+  return jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.broadcast_to(segment_ids, (B, T))
+
+
+def document_starts(segment_ids):
+  """[B,T] bool: the token is the first of its document (and not padding)."""
+  T = segment_ids.shape[1]
+  first = document_first_index(segment_ids, T)
+  return (first == jnp.arange(T)[None, :]) & (segment_ids != 0)
+
+
+def attention_probs(attn, q, k, segment_ids):
+  """Materialized attention weights of one `Attention` layer: (A [B,Hq,T,S], sink weight [B,T,Hq]).
+
+  A is the weight each query puts on each key in the softmax the variant actually uses (for gated attention the
+  plain softmax before the output gate; for ReLU attention the ReLU weights). For sink attention the sink logit
+  joins the softmax as an extra column with zero value (GPT-OSS), built here from the materialized logits, so
+  A sums to 1 - sink weight. Padding rows are all zero.
+  """
+  B, T, Hq, D = q.shape
+  if attn.attention == "relu":
+    return relu_attention_weights(q, k, segment_ids=segment_ids), jnp.zeros((B, T, Hq), jnp.float32)
+  logits, mask, probs, _ = attention_weights(q, k, segment_ids, segment_ids, causal=True, scale=1.0 / math.sqrt(D))
+  if attn.attention != "sink":
+    return probs, jnp.zeros((B, T, Hq), jnp.float32)
+  valid_row = mask.any(-1)[:, None, :, None]                                     # [B,1,T,1]
+  sink = jnp.broadcast_to(attn.sink[...].astype(jnp.float32)[None, :, None, None], (B, Hq, T, 1))
+  full = jnp.concatenate([jnp.where(mask[:, None], logits, -jnp.inf), sink], axis=-1)
+  p = jax.nn.softmax(full, axis=-1) * valid_row
+  return p[..., :-1], jnp.swapaxes(p[..., -1], 1, 2)
+
+
+def instrumented_forward(model: Transformer, tokens, *, segment_ids=None, positions=None, zero_first_value=None,
+                         keep_weights: bool = True):
+  """(logits [B,T,V], [LayerTrace per layer]): the model's forward pass, block by block.
+
+  zero_first_value: optional bool [L, Hq]; where True, the value vector of every document's first token is set to
+  zero in that layer and query head before attention (paper 000 App. A). K/V are repeated to Hq heads for this so
+  that a single query head of a GQA group can be zeroed (repeating K/V does not change the attention output).
+  keep_weights=False skips materializing attention weights (weights/sink_weight are None), for BPB-only passes.
+  """
+  B, T = tokens.shape
+  if positions is None:
+    positions = default_positions(segment_ids, B, T)
+  seg = _segments(segment_ids, B, T)
+  starts = document_starts(seg)
+  x = _norm(model.embed(tokens))                       # as in Transformer.__call__
+  traces = []
+  for l, block in enumerate(model.layers):
+    attn = block.attn
+    h = block.attn_norm(x)
+    q, k, v = attn.project(h, positions)
+    if zero_first_value is not None:
+      rep = attn.num_heads // attn.num_kv_heads
+      k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+      kill = starts[:, :, None, None] & zero_first_value[l][None, None, :, None]
+      v = jnp.where(kill, jnp.zeros_like(v), v)
+    out, gate = attn.attend(h, q, k, v, segment_ids)
+    x = x + attn.o_proj(out.reshape(B, T, attn.num_heads * attn.head_dim))
+    x = x + block.mlp(block.mlp_norm(x))
+    weights = sink_weight = None
+    if keep_weights:
+      weights, sink_weight = attention_probs(attn, q, k, seg)
+    traces.append(LayerTrace(q, k, v, gate, weights, sink_weight, x))
+  x = model.final_norm(x)
+  logits = (model.embed.attend(x) if model.lm_head is None else model.lm_head(x)).astype(jnp.float32)
+  cap = model.cfg.logit_softcap
+  return (cap * jnp.tanh(logits / cap) if cap > 0 else logits), traces
+
+
+def token_nll(logits, targets):
+  """Per-token negative log-likelihood in nats, [B,T]."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def lm_sums(logits, batch):
+  """Sums behind val_loss and BPB: (sum of NLL over loss_mask in nats, number of loss tokens, target bytes)."""
+  mask = batch["loss_mask"].astype(jnp.float32)
+  nll = token_nll(logits, batch["targets"])
+  return {"nll": (nll * mask).sum(), "tokens": mask.sum(),
+          "bytes": batch["target_bytes"].astype(jnp.float32).sum()}
+
+
+def _first_token_weight(weights, first):
+  """A[b,h,t,first(t)] -> [B,T,H]."""
+  w = jnp.take_along_axis(weights, first[:, None, :, None], axis=-1)[..., 0]      # [B,H,T]
+  return jnp.swapaxes(w, 1, 2)
+
+
+def layer_statistics(attn, trace: LayerTrace, segment_ids, importance_mask):
+  """Sums and counts of one layer's diagnostics (see the module docstring); every entry is an array."""
+  seg = segment_ids
+  B, T = seg.shape
+  first = document_first_index(seg, T)
+  valid = seg != 0
+  starts = document_starts(seg)
+  later = valid & ~starts                                                        # non-first queries
+  f = lambda m: m.astype(jnp.float32)
+
+  a_first = _first_token_weight(trace.weights, first)                            # [B,T,H]
+  stats = {
+      "first_attn_sum": (a_first * f(later)[..., None]).sum((0, 1)),             # [H]
+      "sink_weight_sum": (trace.sink_weight * f(later)[..., None]).sum((0, 1)),
+      "later_count": f(later).sum(),
+      "alpha_sum": (a_first * f(valid)[..., None]).sum((0, 1)),                  # eq. 9, all valid queries
+      "valid_count": f(valid).sum(),
+  }
+
+  vnorm = jnp.linalg.norm(trace.v.astype(jnp.float32), axis=-1).mean(-1)         # [B,T], mean over heads
+  pos = jnp.arange(T)[None, :] - first
+  in_range = valid & (pos < POSITION_BINS)
+  onehot = jax.nn.one_hot(jnp.where(in_range, pos, 0), POSITION_BINS) * f(in_range)[..., None]
+  stats.update({
+      "vnorm_first_sum": (vnorm * f(starts)).sum(), "first_count": f(starts).sum(),
+      "vnorm_later_sum": (vnorm * f(later)).sum(),
+      "vnorm_pos_sum": (onehot * vnorm[..., None]).sum((0, 1)), "vnorm_pos_count": onehot.sum((0, 1)),
+  })
+
+  g = trace.gate.astype(jnp.float32)
+  gmask = importance_mask if g.ndim == 3 else importance_mask[..., None]
+  gmask = jnp.broadcast_to(gmask[..., None], g.shape).astype(jnp.float32)
+  bins = jnp.clip(jnp.floor(g * GATE_BINS), 0, GATE_BINS - 1).astype(jnp.int32)
+  stats.update({
+      "gate_sum": (g * gmask).sum(), "gate_count": gmask.sum(),
+      "gate_closed": ((g < SPARSE_GATE) * gmask).sum(),
+      "gate_hist": (jax.nn.one_hot(bins, GATE_BINS) * gmask[..., None]).reshape(-1, GATE_BINS).sum(0),
+  })
+
+  act = jnp.abs(trace.hidden.astype(jnp.float32)).max(-1)                        # [B,T]
+  stats.update({
+      "max_act": jnp.where(valid, act, 0.0).max(),
+      "max_act_first": jnp.where(starts, act, 0.0).max(),
+      "max_act_later": jnp.where(later, act, 0.0).max(),
+  })
+  return stats
+
+
+def batch_statistics(model: Transformer, batch):
+  """Instrumented forward on one batch -> dict of per-layer stacked sums/counts (leading axis L)."""
+  tokens = batch["inputs"]
+  B, T = tokens.shape
+  seg = _segments(batch.get("segment_ids"), B, T)
+  _, traces = instrumented_forward(model, tokens, segment_ids=seg, positions=batch.get("positions"))
+  per_layer = []
+  for block, trace in zip(model.layers, traces):
+    per_layer.append(layer_statistics(block.attn, trace, seg, block.attn.importance_mask(seg, B, T)))
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+
+def zeroed_lm_sums(model: Transformer, batch, zero_first_value):
+  """`lm_sums` of the instrumented forward with the first token's value zeroed where `zero_first_value` [L,Hq]."""
+  tokens = batch["inputs"]
+  logits, _ = instrumented_forward(model, tokens, segment_ids=batch.get("segment_ids"),
+                                   positions=batch.get("positions"), zero_first_value=zero_first_value,
+                                   keep_weights=False)
+  return lm_sums(logits, batch)
+
+
+def combine(totals, new):
+  """Adds one batch's statistics to running totals (max for the activation maxima)."""
+  if totals is None:
+    return new
+  return {k: (jnp.maximum if k.startswith("max_act") else jnp.add)(totals[k], new[k]) for k in totals}
+
+
+def summarize(totals) -> dict:
+  """Turns accumulated statistics into the report's per-layer quantities (plain Python lists)."""
+  t = {k: np.asarray(v, np.float64) for k, v in totals.items()}
+  first_attn = t["first_attn_sum"] / t["later_count"][:, None]      # [L,H]
+  sink_w = t["sink_weight_sum"] / t["later_count"][:, None]
+  alpha = t["alpha_sum"] / t["valid_count"][:, None]
+  v_first = t["vnorm_first_sum"] / t["first_count"]
+  v_later = t["vnorm_later_sum"] / t["later_count"]
+  with_pos = t["vnorm_pos_count"][0] > 0
+  hist = t["gate_hist"]
+  return {
+      "first_token_attention": first_attn.mean(-1).tolist(),
+      "first_token_attention_per_head": first_attn.tolist(),
+      "sink_logit_attention": sink_w.mean(-1).tolist(),
+      "sink_ratio_alpha": alpha.tolist(),
+      "first_token_value_norm": v_first.tolist(),
+      "other_value_norm": v_later.tolist(),
+      "value_norm_ratio": (v_first / v_later).tolist(),
+      "value_norm_by_position": (t["vnorm_pos_sum"][:, with_pos] / t["vnorm_pos_count"][:, with_pos]).tolist(),
+      "gate_mean": (t["gate_sum"] / t["gate_count"]).tolist(),
+      "gate_sparsity": (t["gate_closed"] / t["gate_count"]).tolist(),
+      "gate_histogram": {"edges": [i / GATE_BINS for i in range(GATE_BINS + 1)],
+                         "density": (hist / hist.sum(-1, keepdims=True)).tolist()},
+      "max_activation": t["max_act"].tolist(),
+      "max_activation_first_token": t["max_act_first"].tolist(),
+      "max_activation_other": t["max_act_later"].tolist(),
+      "m_act": float(t["max_act"].mean()),
+  }
+
+
+batch_statistics_jit = nnx.jit(batch_statistics)
+zeroed_lm_sums_jit = nnx.jit(zeroed_lm_sums)

@@ -1,0 +1,306 @@
+"""Grain pipelines: packed, fixed-length training / evaluation batches of token ids.
+
+Training pipeline (per JAX process):
+
+  blocks of documents (sources.py)             grain.MapDataset.source
+  -> this process' shard                       ds[process_index::process_count]
+  -> shuffle blocks, new order every epoch     .shuffle(seed).repeat()      (epochs forever)
+  -> tokenize (+ shuffle docs inside a block)  .map_with_index(...)         (read threads)
+  -> pack into rows of seq_len + 1 tokens      PackIterDataset              (checkpointable, exact)
+  -> batch                                     .batch(batch_size)
+  -> prefetch                                  .mp_prefetch(num_workers) or a prefetch thread
+
+Packing (greedy concatenate-and-split, deterministic): documents are taken in shuffled order, each preceded by BOS,
+and written one after another into a row of seq_len + 1 tokens `x`. When a document does not fit in what is left of
+the row, the row is filled with its beginning and the rest continues at the start of the next row behind a fresh BOS
+(position 0 again). So a document longer than a row is split into pieces of at most seq_len tokens, each starting
+with BOS; no token is lost or duplicated. A row ends in padding only when a single slot is left (a lone BOS would
+carry no target) or when a finite (validation) stream runs out.
+
+Batch features (all [batch, seq_len]): `inputs = x[:-1]`, `targets = x[1:]`, `segment_ids` (1, 2, ... per document
+piece in the row, 0 = padding) and `positions` (0 at BOS) of the inputs, `loss_mask` (float32: 1 iff the target
+belongs to the same piece as its input, i.e. is a real next token; 0 on padding, at a piece's last token and
+wherever the target is a BOS) and `target_bytes` (UTF-8 bytes of the target text where loss_mask, else 0; its sum
+over a pass is the UTF-8 size of the text, so BPB = sum(loss_nats) / (ln 2 * sum(target_bytes)) exactly).
+
+Resuming: the packer's state is (the parent's state before the current block, document index in the block, token
+offset in the document); restoring re-reads and re-tokenizes that block and continues from the same token, so a
+restored iterator yields exactly the batches an uninterrupted one would. With `data.num_workers > 0` each Grain worker
+packs its own slice of the block stream; output is deterministic for a fixed worker count (resume with the same
+`data.num_workers`).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import grain
+import numpy as np
+
+from sinkjax.data.sources import DataError, build_source
+from sinkjax.data.tokenizers import ByteTokenizer
+
+FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "target_bytes")
+_READ_THREADS = 2
+_READ_BUFFER = 16
+
+
+class _Tokenize:
+  """Block of texts -> list of (ids int32, nbytes int32) per non-empty document, docs shuffled by (seed, index)."""
+
+  def __init__(self, tokenizer, seed: int | None):
+    self._tok = tokenizer
+    self._seed = seed
+
+  def __call__(self, index: int, docs: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    if self._seed is not None and len(docs) > 1:
+      order = np.random.default_rng([self._seed, int(index)]).permutation(len(docs))
+      docs = [docs[i] for i in order]
+    out = []
+    for text in docs:
+      if not text:
+        continue
+      ids, nbytes = self._tok.encode_with_bytes(text)
+      if len(ids):
+        out.append((ids, nbytes))
+    return out
+
+
+def row_features(tokens: np.ndarray, segs: np.ndarray, pos: np.ndarray, nbytes: np.ndarray) -> dict:
+  """Batch features of one packed row x of seq_len + 1 tokens (see module docstring)."""
+  same = (segs[1:] == segs[:-1]) & (segs[:-1] != 0)
+  return {
+      "inputs": tokens[:-1].copy(),
+      "targets": tokens[1:].copy(),
+      "segment_ids": segs[:-1].copy(),
+      "positions": pos[:-1].copy(),
+      "loss_mask": same.astype(np.float32),
+      "target_bytes": np.where(same, nbytes[1:], 0).astype(np.int32),
+  }
+
+
+class _PackIterator(grain.DatasetIterator):
+  """Greedy concatenate-and-split packer over a stream of tokenized blocks (exactly checkpointable)."""
+
+  def __init__(self, parent: grain.DatasetIterator, seq_len: int, bos_id: int, max_empty: int | None):
+    super().__init__(parent)
+    self._row = seq_len + 1
+    self._bos = bos_id
+    self._max_empty = max_empty
+    self._block_state = self._parent.get_state()
+    self._block: list | None = None
+    self._doc = 0
+    self._off = 0
+    self._empty = 0
+
+  def _next_block(self) -> bool:
+    self._block_state = self._parent.get_state()
+    try:
+      self._block = next(self._parent)
+    except StopIteration:
+      self._block = None
+      return False
+    self._doc = 0
+    self._off = 0
+    if not self._block:
+      self._empty += 1
+      if self._max_empty is not None and self._empty > self._max_empty:
+        raise DataError(f"the data pipeline read {self._empty} blocks in a row without any text (every document "
+                        "empty or in the other split); check data.source, data.text_field and data.val_fraction")
+    return True
+
+  def __next__(self) -> dict:
+    r = self._row
+    tokens = np.zeros(r, np.int32)
+    segs = np.zeros(r, np.int32)
+    pos = np.zeros(r, np.int32)
+    nbytes = np.zeros(r, np.int32)
+    fill = 0
+    seg = 0
+    while r - fill >= 2:
+      if self._block is None or self._doc >= len(self._block):
+        if not self._next_block():
+          break
+        continue
+      ids, nb = self._block[self._doc]
+      take = min(r - fill - 1, len(ids) - self._off)
+      seg += 1
+      tokens[fill] = self._bos
+      tokens[fill + 1:fill + 1 + take] = ids[self._off:self._off + take]
+      nbytes[fill + 1:fill + 1 + take] = nb[self._off:self._off + take]
+      segs[fill:fill + 1 + take] = seg
+      pos[fill:fill + 1 + take] = np.arange(take + 1, dtype=np.int32)
+      fill += take + 1
+      self._off += take
+      self._empty = 0
+      if self._off >= len(ids):
+        self._doc += 1
+        self._off = 0
+    if fill == 0:
+      raise StopIteration
+    return row_features(tokens, segs, pos, nbytes)
+
+  def get_state(self) -> dict[str, Any]:
+    return {"parent": self._block_state, "loaded": self._block is not None, "doc": self._doc, "offset": self._off}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._parent.set_state(state["parent"])
+    self._block_state = state["parent"]
+    self._block = None
+    self._empty = 0
+    if state["loaded"]:
+      try:
+        self._block = next(self._parent)
+      except StopIteration:
+        self._block = None
+    self._doc = int(state["doc"])
+    self._off = int(state["offset"])
+
+  def __str__(self) -> str:
+    return f"_PackIterator(row={self._row})"
+
+
+class PackIterDataset(grain.IterDataset):
+  """Packs tokenized blocks (lists of (ids, nbytes)) into rows of `seq_len + 1` tokens; yields feature dicts."""
+
+  def __init__(self, parent: grain.IterDataset, *, seq_len: int, bos_id: int, max_empty: int | None = None):
+    super().__init__(parent)
+    self._seq_len = seq_len
+    self._bos = bos_id
+    self._max_empty = max_empty
+
+  def __iter__(self) -> _PackIterator:
+    return _PackIterator(self._parent.__iter__(), self._seq_len, self._bos, self._max_empty)
+
+  def __str__(self) -> str:
+    return f"PackIterDataset(seq_len={self._seq_len})"
+
+
+def _check(data_cfg, tokenizer, batch_size: int) -> None:
+  if data_cfg.seq_len < 1:
+    raise DataError(f"data.seq_len must be >= 1, got {data_cfg.seq_len}")
+  if batch_size < 1:
+    raise DataError(f"batch size must be >= 1, got {batch_size}")
+  if not hasattr(tokenizer, "encode_with_bytes"):
+    raise TypeError(f"tokenizer must come from sinkjax.data.build_tokenizer, got {type(tokenizer).__name__}")
+
+
+def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+  if process_index is None or process_count is None:
+    import jax  # pylint: disable=import-outside-toplevel
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index {process_index} must be in [0, process_count={process_count})")
+  return int(process_index), int(process_count)
+
+
+def _ensure_absl_flags() -> None:
+  """Grain's worker processes read absl flags; programs not started through absl.app never parse them."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+def _read_options() -> grain.ReadOptions:
+  return grain.ReadOptions(num_threads=_READ_THREADS, prefetch_buffer_size=_READ_BUFFER)
+
+
+def make_train_dataset(data_cfg, tokenizer=None, *, batch_size: int, seed: int = 0,
+                       process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
+  """The infinite training `grain.IterDataset` of this process (see the module docstring)."""
+  tokenizer = tokenizer or ByteTokenizer()
+  _check(data_cfg, tokenizer, batch_size)
+  pi, pc = _process(process_index, process_count)
+  src = build_source(data_cfg, "train")
+  if len(src) < pc:
+    raise DataError(f"data.source {data_cfg.source!r} has {len(src)} training block(s), fewer than the "
+                    f"{pc} JAX processes that each need a shard; add documents (or, for parquet, row groups)")
+  ds = grain.MapDataset.source(src)
+  if pc > 1:
+    ds = ds[pi::pc]
+  n_blocks = len(ds)
+  seed32 = int(seed) % 2**32
+  ds = ds.shuffle(seed=seed32).repeat(None)
+  ds = ds.map_with_index(_Tokenize(tokenizer, seed32))
+  ds = ds.to_iter_dataset(_read_options())
+  # Every block is visited once per epoch; with worker slicing a worker sees them all within ~num_workers epochs.
+  max_empty = 4 * n_blocks * max(1, data_cfg.num_workers) + 64
+  ds = PackIterDataset(ds, seq_len=data_cfg.seq_len, bos_id=tokenizer.bos_id, max_empty=max_empty)
+  ds = ds.batch(batch_size, drop_remainder=True)
+  if data_cfg.num_workers > 0:
+    _ensure_absl_flags()
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.num_workers,
+                                                     per_worker_buffer_size=max(1, data_cfg.prefetch)))
+  elif data_cfg.prefetch > 0:
+    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=data_cfg.prefetch)
+  return ds
+
+
+def make_train_iterator(data_cfg, tokenizer=None, *, batch_size: int, seed: int = 0,
+                        process_index: int | None = None, process_count: int | None = None):
+  """Grain iterator of this process' training batches, forever.
+
+  `batch_size` is the per-process (local) batch: the global batch divided by `jax.process_count()`. The process
+  reads its own shard of the corpus (`process_index`/`process_count` default to JAX's). The iterator supports
+  `get_state()` / `set_state()` (JSON-serializable) and `grain.checkpoint.CheckpointSave/Restore`.
+  """
+  return iter(make_train_dataset(data_cfg, tokenizer, batch_size=batch_size, seed=seed,
+                                 process_index=process_index, process_count=process_count))
+
+
+def _empty_row(seq_len: int) -> dict:
+  z = np.zeros(seq_len + 1, np.int32)
+  return row_features(z, z, z, z)
+
+
+def make_eval_batches(data_cfg, tokenizer=None, *, batch_size: int, num_batches: int,
+                      process_index: int | None = None, process_count: int | None = None) -> list[dict]:
+  """Deterministic validation batches (this process' part of each global batch), packed like training.
+
+  The validation split is read in its stored order (no shuffle) and packed into rows; global batch k consists of
+  rows [k * G, (k + 1) * G) with G = batch_size * process_count, of which this process gets its `batch_size` rows.
+  Returns `num_batches` batches, or fewer if the split is smaller (the last one padded with all-padding rows,
+  loss_mask 0). DataError if the split has no text.
+  """
+  tokenizer = tokenizer or ByteTokenizer()
+  _check(data_cfg, tokenizer, batch_size)
+  if num_batches < 1:
+    raise DataError(f"number of eval batches must be >= 1, got {num_batches}")
+  pi, pc = _process(process_index, process_count)
+  src = build_source(data_cfg, "val")
+  ds = grain.MapDataset.source(src).map_with_index(_Tokenize(tokenizer, None))
+  ds = PackIterDataset(ds.to_iter_dataset(_read_options()), seq_len=data_cfg.seq_len, bos_id=tokenizer.bos_id)
+  g = batch_size * pc
+  need = num_batches * g
+  rows = []
+  it = iter(ds)
+  for row in it:
+    rows.append(row)
+    if len(rows) >= need:
+      break
+  if not rows:
+    raise DataError(f"the validation split of data.source {data_cfg.source!r} has no text; raise "
+                    "data.val_fraction or add documents")
+  n = -(-len(rows) // g)
+  rows += [_empty_row(data_cfg.seq_len)] * (n * g - len(rows))
+  batches = []
+  for k in range(n):
+    mine = rows[k * g + pi * batch_size:k * g + (pi + 1) * batch_size]
+    batches.append({f: np.stack([r[f] for r in mine]) for f in FEATURES})
+  return batches
+
+
+def to_global_batch(batch: Mapping[str, np.ndarray], sharding) -> dict:
+  """Assembles each process' local batch into global `jax.Array`s (leading axis = global batch).
+
+  `sharding` is a `jax.sharding.Sharding` (e.g. `NamedSharding(mesh, P(('data', 'fsdp')))`) or a mapping from feature
+  name to sharding. Every process must call this with its own local batch of the same shape.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  out = {}
+  for k, v in batch.items():
+    s = sharding[k] if isinstance(sharding, Mapping) else sharding
+    out[k] = jax.make_array_from_process_local_data(s, np.asarray(v))
+  return out
+

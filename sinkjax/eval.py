@@ -1,0 +1,318 @@
+"""Evaluate a checkpoint: validation BPB, head importance / imbalance and attention-sink diagnostics.
+
+    python -m sinkjax.eval --checkpoint RUN_DIR [--out DIR] [--data SOURCE] [--batches N] [--batch-size B]
+                           [--tau 0.75] [--step S] [--mc FILE.jsonl]
+
+Restores the parameters of RUN_DIR's latest (or --step) checkpoint, runs held-out batches (the validation split
+of the run's data, or of --data) through the model and writes into --out (default RUN_DIR/eval/):
+  report.json   numbers (keys below), report.md   a short summary with the figures,
+  importance.png, first_token_attention.png, value_norm.png, gate_histogram.png, and, from RUN_DIR/metrics.jsonl
+  when present, loss.png and head_imbalance.png.
+
+report.json: val_loss (nats/token), val_bpb; importance [L][H] (eq. 5), head_imbalance (eq. 6), cv_per_layer;
+first_token_attention [L] (+ _per_head [L][H]), sink_logit_attention [L] (sink attention only, else null),
+sink_ratio_alpha [L][H] (eq. 9); first_token_value_norm / other_value_norm / value_norm_ratio [L],
+value_norm_by_position [L][P]; gate_mean, gate_sparsity [L] (fraction of gate values < gate_sparsity_threshold),
+gate_histogram; max_activation [L] (+ _first_token / _other), m_act; value_zeroing {tau, bpb_none, bpb_all,
+bpb_selected, heads_selected, ...}; multiple_choice (with --mc); definitions (what each quantity means).
+
+BPB and importance use the model's own forward pass (the training kernel path, `forward_with_importance`);
+the diagnostics use `sinkjax.analysis.instrumented_forward`, which materializes the attention weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sinkjax import analysis
+from sinkjax.balance import head_imbalance
+from sinkjax.model import forward_with_importance
+
+MODEL_FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "target_bytes")
+
+DEFINITIONS = {
+    "val_bpb": "sum of next-token NLL over loss_mask tokens / ln 2 / sum of the targets' UTF-8 bytes",
+    "val_loss": "mean next-token NLL in nats over loss_mask tokens",
+    "importance": "Imp[l,h] = mean gate G over the batch's valid tokens (eq. 5; padding and, for vanilla, "
+                  "documents' first tokens excluded), token-weighted over all eval batches",
+    "head_imbalance": "mean over layers of CV(Imp[l,:]) = std/mean over heads, population std (eq. 6)",
+    "cv_per_layer": "CV(Imp[l,:]) per layer",
+    "first_token_attention": "mean over heads and over valid non-first queries t of A[t, first(t)], the attention "
+                             "weight on the first token of t's own document (003 Table 4 F-Attn); for sink "
+                             "attention A is the softmax including the sink logit",
+    "sink_logit_attention": "sink attention only: mean weight on the sink logit (= 1 - G) over the same queries",
+    "sink_ratio_alpha": "alpha[l,h] = (1/T) sum_i A[i, first(i)] over all valid queries i, the document's first "
+                        "included (000 eq. 9)",
+    "value_norm": "||v_t||_2 of the value projection, mean over KV heads; first = documents' first tokens, "
+                  "other = the remaining valid tokens; by position = in-document position 0..63",
+    "gate_mean": "mean gate value G over the importance tokens (implicit gate 1 - A_first for vanilla, "
+                 "sigma(LSE - sink) for sink, sigmoid(x W) for gated; elementwise gates count every element)",
+    "gate_sparsity": f"fraction of gate values below {analysis.SPARSE_GATE} over the same tokens",
+    "max_activation": "max |h| of the hidden state after each block over valid tokens (003 Table 4 M-Act); m_act "
+                      "is its mean over layers",
+    "value_zeroing": "BPB of the instrumented forward with every document's first-token value vector set to zero "
+                     "in no head (bpb_none), all heads (bpb_all), or heads with alpha > tau (bpb_selected), "
+                     "000 App. A",
+}
+
+
+class EvalError(ValueError):
+  """A user-facing evaluation problem (bad arguments or inputs)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------------------------------------------
+
+def _lm_batch(model, batch):
+  """Model forward (training kernel path): LM sums, importance [L,H] and the number of importance tokens."""
+  logits, imp = forward_with_importance(model, batch["inputs"], segment_ids=batch["segment_ids"],
+                                        positions=batch["positions"])
+  B, T = batch["inputs"].shape
+  count = model.layers[0].attn.importance_mask(batch["segment_ids"], B, T).sum().astype(jnp.float32)
+  return analysis.lm_sums(logits, batch), imp, count
+
+
+_lm_batch_jit = nnx.jit(_lm_batch)
+
+
+def _device_batch(batch) -> dict:
+  missing = [k for k in MODEL_FEATURES if k not in batch]
+  assert not missing, f"batch lacks {missing}"
+  return {k: jnp.asarray(batch[k]) for k in MODEL_FEATURES}
+
+
+def language_model_metrics(model, batches) -> dict:
+  """val_loss, val_bpb and the token-weighted importance over the batches (model forward)."""
+  nll = tokens = nbytes = 0.0
+  imp_sum, imp_count = None, 0.0
+  for b in batches:
+    sums, imp, count = jax.device_get(_lm_batch_jit(model, _device_batch(b)))
+    nll, tokens, nbytes = nll + float(sums["nll"]), tokens + float(sums["tokens"]), nbytes + float(sums["bytes"])
+    weighted = np.asarray(imp, np.float64) * float(count)
+    imp_sum = weighted if imp_sum is None else imp_sum + weighted
+    imp_count += float(count)
+  if tokens == 0 or nbytes == 0:
+    raise EvalError("the evaluation batches hold no target tokens; give more or longer documents")
+  imp = imp_sum / max(imp_count, 1.0)
+  cv = imp.std(-1) / np.maximum(imp.mean(-1), 1e-12)
+  return {"val_loss": nll / tokens, "val_bpb": nll / math.log(2) / nbytes, "eval_tokens": int(tokens),
+          "eval_bytes": int(nbytes), "importance": imp.tolist(), "head_imbalance": float(head_imbalance(imp)),
+          "cv_per_layer": cv.tolist()}
+
+
+def sink_diagnostics(model, batches) -> dict:
+  """Per-layer diagnostics of `sinkjax.analysis` accumulated over the batches."""
+  totals = None
+  for b in batches:
+    totals = analysis.combine(totals, jax.device_get(analysis.batch_statistics_jit(model, _device_batch(b))))
+  return analysis.summarize(totals)
+
+
+def zeroed_bpb(model, batches, zero_lh) -> float:
+  """BPB with the first token's value zeroed in the heads where zero_lh [L,Hq] is True (000 App. A)."""
+  zero = jnp.asarray(zero_lh, bool)
+  nll = nbytes = 0.0
+  for b in batches:
+    s = jax.device_get(analysis.zeroed_lm_sums_jit(model, _device_batch(b), zero))
+    nll, nbytes = nll + float(s["nll"]), nbytes + float(s["bytes"])
+  return nll / math.log(2) / nbytes
+
+
+def value_zeroing(model, batches, alpha_lh, tau: float) -> dict:
+  alpha = np.asarray(alpha_lh)
+  selected = alpha > tau
+  return {
+      "tau": tau,
+      "bpb_none": zeroed_bpb(model, batches, np.zeros_like(selected)),
+      "bpb_all": zeroed_bpb(model, batches, np.ones_like(selected)),
+      "bpb_selected": zeroed_bpb(model, batches, selected),
+      "heads_selected": [[int(l), int(h)] for l, h in zip(*np.nonzero(selected))],
+      "num_heads_selected": int(selected.sum()),
+      "num_heads": int(selected.size),
+  }
+
+
+def evaluate(model, batches, *, tau: float = 0.75) -> dict:
+  """Every number of the report except run metadata and multiple choice."""
+  report = language_model_metrics(model, batches)
+  report.update(sink_diagnostics(model, batches))
+  if model.cfg.attention != "sink":
+    report["sink_logit_attention"] = None
+  report["gate_sparsity_threshold"] = analysis.SPARSE_GATE
+  report["value_zeroing"] = value_zeroing(model, batches, report["sink_ratio_alpha"], tau)
+  return report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------------------------
+
+def write_figures(report: dict, out_dir: pathlib.Path, metrics_path: pathlib.Path | None) -> list[pathlib.Path]:
+  from sinkjax import plots
+  variant = report.get("attention", "")
+  paths = [
+      plots.plot_importance_heatmap(report["importance"], out_dir / "importance.png",
+                                    f"head importance ({variant}), head imbalance {report['head_imbalance']:.3f}"),
+      plots.plot_first_token_attention(report["first_token_attention_per_head"], out_dir / "first_token_attention.png",
+                                       sink_weight=report["sink_logit_attention"],
+                                       title=f"attention on the document's first token ({variant})"),
+      plots.plot_value_norms(report["value_norm_by_position"], out_dir / "value_norm.png",
+                             f"value norm by position ({variant})"),
+      plots.plot_gate_histogram(report["gate_histogram"]["edges"], report["gate_histogram"]["density"],
+                                out_dir / "gate_histogram.png", f"gate distribution ({variant})"),
+  ]
+  if metrics_path is not None and metrics_path.is_file():
+    paths += plots.plot_training_curves(metrics_path, out_dir)
+  return paths
+
+
+def _fmt(x, nd=3):
+  return "-" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(report: dict, figures: list[pathlib.Path]) -> str:
+  r = report
+  vz = r["value_zeroing"]
+  lines = [
+      f"# Evaluation of `{r['run_dir']}` (step {r['step']})",
+      "",
+      f"{r['attention']} attention, {len(r['importance'])} layers x {len(r['importance'][0])} heads; "
+      f"{r['eval_batches']} batches, {r['eval_tokens']:,} tokens, {r['eval_bytes']:,} bytes of `{r['data_source']}`.",
+      "",
+      "| metric | value |", "|---|---|",
+      f"| val BPB | {r['val_bpb']:.4f} |",
+      f"| val loss (nats/token) | {r['val_loss']:.4f} |",
+      f"| head imbalance (eq. 6) | {r['head_imbalance']:.4f} |",
+      f"| first-token attention, mean over layers | {np.mean(r['first_token_attention']):.3f} |",
+      f"| M-Act (mean over layers of max abs hidden) | {r['m_act']:.1f} |",
+      f"| value zeroing: BPB none / all heads / alpha > {vz['tau']} ({vz['num_heads_selected']} of "
+      f"{vz['num_heads']} heads) | {vz['bpb_none']:.4f} / {vz['bpb_all']:.4f} / {vz['bpb_selected']:.4f} |",
+  ]
+  if r.get("multiple_choice"):
+    mc = r["multiple_choice"]
+    lines.append(f"| multiple choice `{mc['file']}` ({mc['num_items']} items): acc / acc_norm | "
+                 f"{mc['accuracy']:.3f} / {mc['accuracy_norm']:.3f} |")
+  lines += ["", "Per layer:", "",
+            "| layer | first-token attn | sink logit | CV(Imp) | value norm first / other | gate mean | "
+            f"gate < {r['gate_sparsity_threshold']} | max abs h |",
+            "|---|---|---|---|---|---|---|---|"]
+  sink = r["sink_logit_attention"]
+  for l in range(len(r["importance"])):
+    lines.append(f"| {l} | {r['first_token_attention'][l]:.3f} | {_fmt(sink[l] if sink else None)} | "
+                 f"{r['cv_per_layer'][l]:.3f} | {r['first_token_value_norm'][l]:.2f} / {r['other_value_norm'][l]:.2f}"
+                 f" | {r['gate_mean'][l]:.3f} | {r['gate_sparsity'][l]:.3f} | {r['max_activation'][l]:.1f} |")
+  lines += ["", "Definitions are in `report.json` under `definitions`.", ""]
+  for p in figures:
+    lines += [f"![{p.stem}]({p.name})", ""]
+  return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):
+    print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="python -m sinkjax.eval",
+              description="Evaluate a checkpoint: validation BPB, head importance and imbalance, attention-sink "
+                          "diagnostics (first-token attention, value norms, gates, massive activations, value "
+                          "zeroing) and optional multiple-choice accuracy; writes report.json, report.md and PNGs.")
+  p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory of a training run")
+  p.add_argument("--out", default=None, metavar="DIR", help="output directory (default RUN_DIR/eval)")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  p.add_argument("--data", default=None, metavar="SOURCE",
+                 help="held-out data: a data.source (path/glob of .txt/.jsonl/.parquet, default, tfds:NAME); "
+                      "its validation split is used (default: the run's data.source)")
+  p.add_argument("--batches", type=int, default=None, help="number of eval batches (default train.eval_batches)")
+  p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the training micro-batch)")
+  p.add_argument("--tau", type=float, default=0.75, help="sink-ratio threshold of selective value zeroing (000 App. A)")
+  p.add_argument("--mc", default=None, metavar="FILE.jsonl",
+                 help='multiple-choice items, one JSON object per line: {"context": str, "choices": [str, ...], '
+                      '"label": int}')
+  return p
+
+
+def run(args) -> dict:
+  from sinkjax import mc
+  from sinkjax.checkpoint import load_run
+  from sinkjax.data import make_eval_batches
+
+  for name in ("batches", "batch_size"):
+    if getattr(args, name) is not None and getattr(args, name) < 1:
+      raise EvalError(f"--{name.replace('_', '-')} must be >= 1")
+  if not 0.0 <= args.tau <= 1.0:
+    raise EvalError(f"--tau must be in [0, 1], got {args.tau}")
+  run_dir = pathlib.Path(args.checkpoint)
+  mc_items = mc.load_items(args.mc) if args.mc else None      # fail fast, before restoring
+  t0 = time.perf_counter()
+  model, cfg, tokenizer = load_run(run_dir, args.step)
+  if args.data is not None:
+    cfg.data.source = args.data
+  batch_size = args.batch_size or max(cfg.train.batch_size // cfg.train.grad_accum, 1)
+  num_batches = args.batches or max(cfg.train.eval_batches, 1)
+  batches = make_eval_batches(cfg.data, tokenizer, batch_size=batch_size, num_batches=num_batches)
+
+  report = {"run_dir": str(run_dir), "step": _restored_step(run_dir, args.step), "attention": cfg.model.attention,
+            "data_source": cfg.data.source, "eval_batches": len(batches), "batch_size": batch_size,
+            "seq_len": cfg.data.seq_len}
+  report.update(evaluate(model, batches, tau=args.tau))
+  if mc_items is not None:
+    res = mc.score(model, tokenizer, mc_items, max_len=cfg.model.max_seq_len)
+    report["multiple_choice"] = {"file": str(args.mc), **res}
+  report["definitions"] = DEFINITIONS
+  report["eval_seconds"] = time.perf_counter() - t0
+
+  out = pathlib.Path(args.out) if args.out else run_dir / "eval"
+  out.mkdir(parents=True, exist_ok=True)
+  figures = write_figures(report, out, run_dir / "metrics.jsonl")
+  report["figures"] = [p.name for p in figures]
+  (out / "report.json").write_text(json.dumps(report, indent=1))
+  (out / "report.md").write_text(markdown(report, figures))
+  return report
+
+
+def _restored_step(run_dir: pathlib.Path, step):
+  if step is not None:
+    return step
+  steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+  return max(steps) if steps else None
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  from sinkjax.checkpoint import CheckpointError
+  from sinkjax.config import ConfigError
+  from sinkjax.data import DataError
+  from sinkjax.mc import MCError
+  try:
+    report = run(args)
+  except (EvalError, CheckpointError, ConfigError, DataError, MCError) as e:
+    print(f"sinkjax.eval: error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 1
+  out = pathlib.Path(args.out) if args.out else pathlib.Path(args.checkpoint) / "eval"
+  vz = report["value_zeroing"]
+  print(f"sinkjax.eval: val_bpb {report['val_bpb']:.4f}  head_imbalance {report['head_imbalance']:.4f}  "
+        f"first-token attention {np.mean(report['first_token_attention']):.3f}  value zeroing all/selected "
+        f"{vz['bpb_all']:.4f}/{vz['bpb_selected']:.4f}"
+        + (f"  mc acc {report['multiple_choice']['accuracy']:.3f}" if "multiple_choice" in report else "")
+        + f"; wrote {out}/report.json")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,371 @@
+"""Text generation and streaming perplexity with a fixed-shape KV cache (`python -m sinkjax.generate`).
+
+    python -m sinkjax.generate --checkpoint RUN_DIR --prompt TEXT --max-new-tokens N \\
+        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--cache full|streaming --sink-size S --window W]
+    python -m sinkjax.generate --ppl FILE --checkpoint RUN_DIR [--sink-size S --window W] [--max-tokens N]
+
+Works for every attention variant (vanilla, sink, gated) and for models with learnable sink tokens.
+
+Cache (see `sinkjax.cache`): per layer fixed-size [B, C, Hkv, D] key/value arrays plus a token counter, so the
+prefill compiles once (for this prompt's length) and the decode step compiles once and is reused for every token.
+- `--cache full`: C = prompt + N tokens; nothing is evicted (positions past `model.max_seq_len` are allowed, with a
+  warning: the model never saw them in training).
+- `--cache streaming --sink-size S --window W`: StreamingLLM. C = W: the first S tokens ("attention sinks") stay
+  forever, the other W - S slots are a ring buffer of the most recent tokens (the middle is evicted). Memory is
+  constant in the number of generated tokens and generation can run past `model.max_seq_len`.
+RoPE: keys are stored un-rotated and rotated at each step to their position *within the cache* (sinks 0..S-1, then
+the window in age order), the query to the last position: StreamingLLM's position shift, so relative distances
+never exceed W and the eviction leaves no gap. Learnable sink tokens (`model.sink_tokens` = n) are parameters of
+each attention layer, not cache entries: they are never evicted and hold positions 0..n-1, shifting everything
+else by n.
+
+A prompt longer than a streaming cache is prefilled up to W tokens and the rest is fed through the decode step
+(the same compiled function), which is exactly what token-by-token streaming would compute.
+
+`--ppl FILE` scores the file (BOS + its tokens, first `--max-tokens`) token by token under three caches: full,
+window-only (S = 0, the same W) and sinks + window, and prints a StreamingLLM-style table.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sinkjax.cache import KVCache
+
+
+class UsageError(ValueError):
+  """A bad command line (the message says what to change)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling
+
+
+def sample_logits(logits, key, temperature, top_k, top_p):
+  """Next tokens [B] from logits [B, V]: greedy when temperature <= 0, else softmax(logits / temperature)
+  restricted to the top_k largest (0 = all) and to the smallest set of tokens with mass >= top_p (1 = all).
+
+  All three knobs may be traced scalars, so changing them never recompiles.
+  """
+  logits = logits.astype(jnp.float32)
+  V = logits.shape[-1]
+  greedy = jnp.argmax(logits, axis=-1)
+  scaled = logits / jnp.maximum(temperature, 1e-6)
+  desc = jnp.sort(scaled, axis=-1)[..., ::-1]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+  kth = jnp.take_along_axis(desc, jnp.broadcast_to(k - 1, desc.shape[:-1] + (1,)).astype(jnp.int32), axis=-1)
+  scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+  # nucleus: keep sorted token i if the mass strictly before it is < top_p (so the top token always stays)
+  probs = jax.nn.softmax(jnp.sort(scaled, axis=-1)[..., ::-1], axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs
+  kept = jnp.where(before < top_p, probs, jnp.inf).min(axis=-1, keepdims=True)
+  scaled = jnp.where(jax.nn.softmax(scaled, axis=-1) < kept, -jnp.inf, scaled)
+  sampled = jax.random.categorical(key, scaled, axis=-1)
+  return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Generation
+
+
+class Generator:
+  """A model with a jitted prefill and a jitted decode step over a fixed-shape `KVCache`.
+
+  The model is split once into (graphdef, state); both functions take the state as an argument, so one compile of
+  each serves a whole generation (`prefill_fn` / `decode_fn` are the `jax.jit` objects, for inspection).
+  """
+
+  def __init__(self, model: nnx.Module, *, capacity: int, sink_size: int = 0, batch: int = 1):
+    self.cfg = model.cfg
+    self.capacity, self.sink_size, self.batch = capacity, sink_size, batch
+    self.graphdef, self.state = nnx.split(model)
+    graphdef = self.graphdef
+
+    def prefill(state, cache, tokens, key, temperature, top_k, top_p):
+      logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
+      return sample_logits(logits[:, -1], key, temperature, top_k, top_p), logits, cache
+
+    def decode(state, cache, token, key, temperature, top_k, top_p):
+      logits, cache = nnx.merge(graphdef, state)(token[:, None], cache=cache)
+      return sample_logits(logits[:, -1], key, temperature, top_k, top_p), logits[:, -1], cache
+
+    self.prefill_fn = jax.jit(prefill, donate_argnums=(1,))
+    self.decode_fn = jax.jit(decode, donate_argnums=(1,))
+
+  def new_cache(self) -> KVCache:
+    return KVCache.for_model(self.cfg, self.batch, self.capacity, sink_size=self.sink_size)
+
+  def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, stop_token: int | None = None, on_token=None,
+               on_step=None) -> list[int]:
+    """Samples up to `max_new_tokens` tokens after `prompt_ids` (a list starting with BOS); returns them.
+
+    on_token(token_id) is called as each token is produced (for streaming output); on_step(cache) after every
+    decode step. Stops early after producing `stop_token` (not included in the result).
+    """
+    prompt = np.asarray(prompt_ids, np.int32).reshape(self.batch, -1)
+    P = prompt.shape[1]
+    head = min(P, self.capacity)
+    knobs = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+    base = jax.random.key(seed)
+    cache = self.new_cache()
+    nxt, _, cache = self.prefill_fn(self.state, cache, jnp.asarray(prompt[:, :head]), jax.random.fold_in(base, 0),
+                                    *knobs)
+    for t in range(head, P):               # a prompt longer than the cache: feed the rest token by token
+      nxt, _, cache = self.decode_fn(self.state, cache, jnp.asarray(prompt[:, t]), jax.random.fold_in(base, 0),
+                                     *knobs)
+    out = []
+    for i in range(max_new_tokens):
+      tok = int(nxt[0])
+      if stop_token is not None and tok == stop_token:
+        break
+      out.append(tok)
+      if on_token is not None:
+        on_token(tok)
+      if i == max_new_tokens - 1:
+        break
+      nxt, _, cache = self.decode_fn(self.state, cache, nxt, jax.random.fold_in(base, i + 1), *knobs)
+      if on_step is not None:
+        on_step(cache)
+    return out
+
+
+def cache_plan(cache: str, prompt_len: int, max_new_tokens: int, sink_size: int | None, window: int | None,
+               default_window: int) -> tuple[int, int]:
+  """(capacity, sink_size) for the CLI's cache options; raises UsageError on bad combinations."""
+  if cache == "full":
+    if sink_size is not None or window is not None:
+      raise UsageError("--sink-size/--window only apply to --cache streaming")
+    return prompt_len + max_new_tokens, 0
+  sink_size = 4 if sink_size is None else sink_size
+  window = default_window if window is None else window
+  check_window(sink_size, window)
+  return window, sink_size
+
+
+def check_window(sink_size: int, window: int) -> None:
+  if sink_size < 0:
+    raise UsageError(f"--sink-size must be >= 0, got {sink_size}")
+  if window <= sink_size:
+    raise UsageError(f"--window (the whole cache, sinks included) must exceed --sink-size; got window {window}, "
+                     f"sink size {sink_size}")
+
+
+class TextStream:
+  """Prints decoded text as tokens arrive, holding back an incomplete UTF-8 character (shown as U+FFFD)."""
+
+  def __init__(self, tokenizer, out=sys.stdout):
+    self.tok, self.out, self.ids, self.printed = tokenizer, out, [], ""
+
+  def __call__(self, token: int) -> None:
+    self.ids.append(token)
+    text = self.tok.decode(self.ids)
+    stable = text[:-1] if text.endswith("\ufffd") else text
+    if stable.startswith(self.printed) and len(stable) > len(self.printed):
+      self.out.write(stable[len(self.printed):])
+      self.out.flush()
+      self.printed = stable
+
+  def finish(self) -> None:
+    text = self.tok.decode(self.ids)
+    if text.startswith(self.printed):
+      self.out.write(text[len(self.printed):])
+    self.out.write("\n")
+    self.out.flush()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Streaming perplexity
+
+
+def streaming_nll(model: nnx.Module, ids, *, capacity: int, sink_size: int = 0) -> np.ndarray:
+  """Negative log-likelihood of ids[1:] given everything before, token by token through a `KVCache` of
+  `capacity` slots with `sink_size` sinks (float64 [N-1], natural log).
+
+  The first min(N, capacity) tokens are prefilled at once (nothing is evicted before the cache is full, so this
+  equals feeding them one by one); the rest go through the decode step inside one `lax.scan`.
+  """
+  ids = np.asarray(ids, np.int32)
+  N = len(ids)
+  head = min(N, capacity)
+  graphdef, state = nnx.split(model)
+  cache = KVCache.for_model(model.cfg, 1, capacity, sink_size=sink_size)
+
+  def logprob(logits, targets):
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
+
+  @jax.jit
+  def prefill(state, cache, tokens, targets):
+    logits, cache = nnx.merge(graphdef, state)(tokens[None], cache=cache)
+    return logprob(logits[0, :-1], targets), logits[0, -1], cache
+
+  @jax.jit
+  def scan(state, cache, inputs, targets):
+    model = nnx.merge(graphdef, state)
+
+    def step(cache, xs):
+      tok, target = xs
+      logits, cache = model(tok[None, None], cache=cache)
+      return cache, logprob(logits[0, 0], target)
+
+    return jax.lax.scan(step, cache, (inputs, targets))[1]
+
+  lp_head, last, cache = prefill(state, cache, jnp.asarray(ids[:head]), jnp.asarray(ids[1:head]))
+  parts = [np.asarray(lp_head, np.float64)]
+  if head < N:
+    parts.append([float(logprob(last, jnp.int32(ids[head])))])
+    if head + 1 < N:
+      parts.append(np.asarray(scan(state, cache, jnp.asarray(ids[head:N - 1]), jnp.asarray(ids[head + 1:])),
+                              np.float64))
+  return -np.concatenate(parts)
+
+
+def perplexity_table(model, ids, *, sink_size: int, window: int) -> list[dict]:
+  """Full cache, window-only (S = 0) and sinks + window over the same tokens; one record per mode."""
+  n_learned = getattr(model.cfg, "sink_tokens", 0)
+  modes = [("full cache", len(ids), 0), (f"window only (S=0, W={window})", window, 0),
+           (f"sinks + window (S={sink_size}, W={window})", window, sink_size)]
+  rows = []
+  for name, capacity, sinks in modes:
+    t0 = time.perf_counter()
+    nll = streaming_nll(model, ids, capacity=capacity, sink_size=sinks)
+    beyond = nll[window - 1:]              # targets at positions >= window: predicted after eviction began
+    rows.append(dict(mode=name, tokens=len(ids), ppl=math.exp(nll.mean()),
+                     ppl_first_window=math.exp(nll[:window - 1].mean()),
+                     ppl_beyond_window=math.exp(beyond.mean()) if len(beyond) else float("nan"),
+                     peak_cache=min(len(ids), capacity), learned_sinks=n_learned,
+                     seconds=time.perf_counter() - t0))
+  return rows
+
+
+def format_table(rows: list[dict], window: int) -> str:
+  extra = f" (+{rows[0]['learned_sinks']} learned sink tokens)" if rows and rows[0]["learned_sinks"] else ""
+  lines = [f"| mode | tokens | PPL | PPL (first {window}) | PPL (after {window}) | peak cache{extra} |",
+           "|---|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r['mode']} | {r['tokens']} | {r['ppl']:.3f} | {r['ppl_first_window']:.3f} | "
+                 f"{r['ppl_beyond_window']:.3f} | {r['peak_cache']} |")
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):               # one line, not argparse's usage block
+    raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="python -m sinkjax.generate", description=__doc__.split("\n\n")[0],
+              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--checkpoint", required=True, help="run directory of a training run")
+  p.add_argument("--prompt", help="text to continue (BOS is prepended)")
+  p.add_argument("--max-new-tokens", type=int, help="number of tokens to generate (>= 1)")
+  p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+  p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
+  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = all)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--cache", choices=("full", "streaming"), default="full")
+  p.add_argument("--sink-size", type=int, help="streaming: first tokens kept forever (default 4)")
+  p.add_argument("--window", type=int, help="streaming: cache size W incl. sinks (default: training data.seq_len)")
+  p.add_argument("--no-stop", action="store_true", help="keep going after the model emits BOS (end of document)")
+  p.add_argument("--ppl", metavar="FILE", help="score FILE under full / window-only / sink+window caches instead")
+  p.add_argument("--max-tokens", type=int, default=4096, help="--ppl: score at most this many tokens (default 4096)")
+  return p
+
+
+def _validate(args) -> None:
+  if args.ppl is not None:
+    if args.prompt is not None or args.max_new_tokens is not None:
+      raise UsageError("--ppl scores a file; do not combine it with --prompt/--max-new-tokens")
+    if not pathlib.Path(args.ppl).is_file():
+      raise UsageError(f"--ppl file {args.ppl} does not exist")
+    if args.max_tokens < 2:
+      raise UsageError(f"--max-tokens must be >= 2, got {args.max_tokens}")
+    if args.cache != "full":
+      raise UsageError("--ppl always compares full, window-only and sink+window caches; drop --cache")
+    return
+  if args.prompt is None or args.max_new_tokens is None:
+    raise UsageError("give --prompt TEXT and --max-new-tokens N (or --ppl FILE)")
+  if not args.prompt:
+    raise UsageError("--prompt is empty; give some text to continue")
+  if args.max_new_tokens < 1:
+    raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  if args.temperature < 0:
+    raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+  if args.top_k < 0:
+    raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+  if not 0 < args.top_p <= 1:
+    raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+  if args.cache == "full" and (args.sink_size is not None or args.window is not None):
+    raise UsageError("--sink-size/--window only apply to --cache streaming")
+  if args.cache == "streaming" and args.sink_size is not None and args.window is not None:
+    check_window(args.sink_size, args.window)
+
+
+def run(args) -> None:
+  from sinkjax.checkpoint import load_run
+  model, cfg, tok = load_run(args.checkpoint)
+  default_window = cfg.data.seq_len
+  if args.ppl is not None:
+    sink_size = 4 if args.sink_size is None else args.sink_size
+    window = default_window if args.window is None else args.window
+    check_window(sink_size, window)
+    text = pathlib.Path(args.ppl).read_text(encoding="utf-8", errors="replace")
+    ids = ([tok.bos_id] + tok.encode(text))[:args.max_tokens]
+    if len(ids) <= window:
+      print(f"note: {len(ids)} tokens do not exceed the window ({window}); all modes see the same context",
+            file=sys.stderr)
+    rows = perplexity_table(model, ids, sink_size=sink_size, window=window)
+    print(f"streaming perplexity of {args.ppl} ({len(ids)} tokens) under {args.checkpoint} "
+          f"(attention={cfg.model.attention}, sink_tokens={cfg.model.sink_tokens}, trained at "
+          f"seq_len {cfg.data.seq_len})")
+    print(format_table(rows, window))
+    return
+  ids = [tok.bos_id] + tok.encode(args.prompt)
+  capacity, sink_size = cache_plan(args.cache, len(ids), args.max_new_tokens, args.sink_size, args.window,
+                                   default_window)
+  if args.cache == "full" and capacity > cfg.model.max_seq_len:
+    print(f"warning: a full cache of {capacity} tokens exceeds model.max_seq_len={cfg.model.max_seq_len}; "
+          "positions past it were never trained (try --cache streaming)", file=sys.stderr)
+  gen = Generator(model, capacity=capacity, sink_size=sink_size)
+  sys.stdout.write(args.prompt)
+  stream = TextStream(tok)
+  t0 = time.perf_counter()
+  out = gen.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                     seed=args.seed, stop_token=None if args.no_stop else tok.bos_id, on_token=stream)
+  stream.finish()
+  dt = time.perf_counter() - t0
+  print(f"[{len(out)} tokens in {dt:.2f}s incl. compilation; {args.cache} cache of {capacity} slots"
+        f"{f', {sink_size} sinks' if args.cache == 'streaming' else ''}]", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+  parser = build_parser()
+  try:
+    args = parser.parse_args(argv)
+    _validate(args)
+    if not pathlib.Path(args.checkpoint).is_dir():
+      raise UsageError(f"run directory {args.checkpoint} does not exist")
+    run(args)
+  except ValueError as e:                  # UsageError, CheckpointError, ConfigError, DataError
+    print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("", file=sys.stderr)
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
