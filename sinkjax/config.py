@@ -104,8 +104,8 @@ class TrainConfig:
   tokens_per_param: float = 20.0
   seed: int = 0
   log_every: int = 10
-  eval_every: int = 100
-  eval_batches: int = 8
+  eval_every: int = 100             # validation BPB every this many steps and at the end (0 = only at the end)
+  eval_batches: int = 8             # validation batches of train.batch_size / train.grad_accum rows (0 = none)
   optimizer: str = "muon"           # muon | adamw
   matrix_lr: float = 0.02           # Muon, for hidden weight matrices
   embed_lr: float = 0.2             # AdamW, embeddings (nanochat-style)

@@ -292,7 +292,8 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
 
   # Data: validated before anything is written to run.dir.
   train_iter = make_train_iterator(cfg.data, tok, batch_size=cfg.train.batch_size // procs, seed=seed)
-  eval_batches = make_eval_batches(cfg.data, tok, batch_size=micro // procs, num_batches=max(cfg.train.eval_batches, 1))
+  eval_batches = make_eval_batches(cfg.data, tok, batch_size=micro // procs, num_batches=cfg.train.eval_batches) \
+      if cfg.train.eval_batches > 0 else []
   run_dir, has_ckpt = prepare_run_dir(cfg)
 
   def init_state():
@@ -404,7 +405,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
           finish_step(*pending)
         t0 = time.perf_counter()
         val_bpb = None
-        if (cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0) or step == steps:
+        if eval_batches and ((cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0) or step == steps):
           val_bpb = evaluate(state["params"])
         if step % cfg.checkpoint.every == 0 or step == stop_at or sig.signum is not None:
           ckpt.save(step, state["params"], {k: v for k, v in state.items() if k != "params"}, train_iter,

@@ -52,15 +52,17 @@ def assert_close(a, b, rtol, atol, what):
 def compare(impl, *, causal=True, seg=None, block_k=None, tol=(2e-5, 2e-5), **shape):
   q, k, v, w, u = make_inputs(**shape)
   kw = dict(causal=causal, segment_ids=seg)
-  out, lse = flash_attention(q, k, v, impl=impl, block_k=block_k, **kw)
-  out_r, lse_r = flash_attention(q, k, v, impl="reference", **kw)
+  fwd = jax.jit(flash_attention, static_argnames=("impl", "block_k", "causal"))
+  out, lse = fwd(q, k, v, impl=impl, block_k=block_k, **kw)
+  out_r, lse_r = fwd(q, k, v, impl="reference", **kw)
   rtol, atol = tol
   finite = np.isfinite(np.asarray(lse_r))
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
   assert_close(out, out_r, rtol, atol, "out")
   assert_close(np.where(finite, lse, 0), np.where(finite, lse_r, 0), rtol, atol, "lse")
-  g = jax.grad(loss_both_outputs, (0, 1, 2))(q, k, v, w, u, impl=impl, block_k=block_k, **kw)
-  g_r = jax.grad(loss_both_outputs, (0, 1, 2))(q, k, v, w, u, impl="reference", **kw)
+  grad = jax.jit(jax.grad(loss_both_outputs, (0, 1, 2)), static_argnames=("impl", "block_k", "causal"))
+  g = grad(q, k, v, w, u, impl=impl, block_k=block_k, **kw)
+  g_r = grad(q, k, v, w, u, impl="reference", **kw)
   scale = max(float(jnp.abs(x.astype(jnp.float32)).max()) for x in g_r)
   for name, a, b in zip("qkv", g, g_r):
     assert_close(a, b, rtol, atol * scale, f"d{name}")

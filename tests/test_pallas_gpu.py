@@ -63,21 +63,22 @@ CASES = [
     ("noncausal_packed_gqa", 3, 100, 100, 4, 2, 64, False, "packed", 16, 32, 1.0),
     ("causal_plain_mha", 2, 64, 64, 2, 2, 64, True, "none", 16, 16, 1.0),
     ("causal_d48", 2, 72, 72, 4, 2, 48, True, "packed", 32, 32, 1.0),
-    ("large_logits", 2, 80, 80, 4, 2, 64, True, "packed", 32, 16, 30.0),
+    ("large_logits", 2, 64, 64, 4, 2, 64, True, "packed", 32, 16, 30.0),
     ("noncausal_large_logits_d48", 2, 48, 48, 2, 1, 48, False, "packed", 16, 16, 30.0),
-    ("cross_causal_s_gt_t", 2, 40, 90, 4, 2, 64, True, "none", 16, 32, 1.0),
-    ("cross_causal_t_gt_s", 2, 90, 40, 4, 2, 64, True, "none", 16, 16, 1.0),
+    ("cross_causal_s_gt_t", 1, 40, 90, 4, 2, 64, True, "none", 16, 32, 1.0),
+    ("cross_causal_t_gt_s", 1, 90, 40, 4, 2, 64, True, "none", 16, 16, 1.0),
     ("default_blocks", 2, 200, 200, 2, 1, 32, True, "packed", None, None, 1.0),
 ]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+_BF16_CASES = ("causal_packed_gqa", "noncausal_packed_gqa", "causal_d48", "large_logits")  # keeps the suite quick
+_PARAMS = [pytest.param(c, jnp.float32, id=f"{c[0]}-f32") for c in CASES] + [
+    pytest.param(c, jnp.bfloat16, id=f"{c[0]}-bf16") for c in CASES if c[0] in _BF16_CASES]
+
+
+@pytest.mark.parametrize("case,dtype", _PARAMS)
 def test_matches_reference(case, dtype):
   _, B, T, S, Hq, Hkv, D, causal, seg_pattern, bq, bk, q_mult = case
-  if dtype == jnp.bfloat16 and case[0] not in ("causal_packed_gqa", "noncausal_packed_gqa", "causal_d48",
-                                               "large_logits"):
-    pytest.skip("bf16 covered by a subset to keep the suite quick")
   q, k, v, w, u = _inputs(B, T, S, Hq, Hkv, D, dtype, q_mult)
   seg = _segments(B, T, seg_pattern) if S == T else None
   kw = dict(causal=causal, segment_ids=seg)
@@ -114,7 +115,7 @@ def test_lse_cotangent_alone_reaches_q_and_k():
     def loss(q, k, v):
       lse = flash_attention(q, k, v, causal=True, segment_ids=seg, impl=impl, **kw)[1]
       return jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u)
-    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
   ref = grads("reference")
   got = grads("pallas_gpu", interpret=True, block_q=16, block_k=16)

@@ -34,7 +34,7 @@ def test_targets_hand_checked_sequence():
 
 
 def test_make_batch_matches_section_3_2():
-  B, T, d = 256, 8, 6
+  B, T, d = 96, 8, 6
   x, y, tpos = map(np.asarray, tr.make_batch(jax.random.key(3), B, T, d))
   assert x.shape == y.shape == (B, T, d) and tpos.shape == (B,)
   assert set(np.unique(tpos)) == set(range(1, T))                  # uniform on {2..T} (1-indexed)
@@ -47,6 +47,11 @@ def test_make_batch_matches_section_3_2():
     want = np.zeros((T, d), np.float32)
     want[t] = x[b, 1:t + 1].mean(0)
     np.testing.assert_allclose(y[b], want, atol=1e-6)
+  # Ablation without BOS: position 1 is an ordinary token and is averaged too.
+  xn, yn, tn = map(np.asarray, tr.make_batch(jax.random.key(5), 16, T, d, bos=False))
+  assert np.all(xn[:, :, 0] == 0) and np.all(xn[:, 0, 3:] != 0)
+  for b in range(16):
+    np.testing.assert_allclose(yn[b, tn[b]], xn[b, :tn[b] + 1].mean(0), atol=1e-6)
   # Fixed trigger position for the figures.
   _, _, tfix = tr.make_batch(jax.random.key(4), 4, T, d, trigger_pos=5)
   np.testing.assert_array_equal(np.asarray(tfix), 5)
@@ -137,7 +142,7 @@ def test_theorem3_relu_construction_zero_loss_no_sink():
   assert rec["final_loss"] < 1e-12 and rec["max_abs_error"] < 1e-5
   assert rec["baseline_loss"] > 1e-3
   assert rec["bos_attention_nontrigger"] == 0.0 and rec["bos_attention_trigger"] == 0.0
-  _, maps = tr.forward(params, x, "relu", return_maps=True)
+  _, maps = tr.forward_maps(params, x, "relu")
   attn = np.asarray(maps["attn"])[0, :, 0]                          # [B,T,T]
   t = np.asarray(tpos)
   for b in range(8):
@@ -154,8 +159,9 @@ def test_sink_and_gated_maps_consistent():
     params = tr.init_params(jax.random.key(2), variant, 2, 2, d, init_std=0.3)
     if variant == "sink":
       params = [dict(p, sink=jnp.array([0.5, -1.0])) for p in params]
-    pred, maps = tr.forward(params, x, variant, return_maps=True)
-    np.testing.assert_allclose(np.asarray(pred), np.asarray(tr.forward(params, x, variant)), atol=1e-6)
+    pred, maps = tr.forward_maps(params, x, variant)
+    np.testing.assert_allclose(np.asarray(pred), np.asarray(jax.jit(tr.forward, static_argnums=2)(params, x, variant)),
+                               atol=1e-6)
     rows = np.asarray(maps["attn"]).sum(-1)                         # [L,B,H,T]
     if variant == "sink":                                           # real keys share the gate sigma(LSE - sink)
       np.testing.assert_allclose(rows, np.swapaxes(np.asarray(maps["gate"]), 2, 3), atol=1e-5)
@@ -169,7 +175,8 @@ def test_sink_and_gated_maps_consistent():
 # -------------------------------------------------------------------------------------------------- CLI
 
 def test_cli_bad_arguments(capsys):
-  for argv in (["--seq-len", "2"], ["--variants", "softmax,foo"], ["--max-steps", "-3"], ["--bogus"]):
+  for argv in (["--seq-len", "2"], ["--variants", "softmax,foo"], ["--max-steps", "-3"], ["--bogus"],
+               ["--configs", "2y2"]):
     with pytest.raises(SystemExit) as e:
       tr.main(argv)
     assert e.value.code != 0

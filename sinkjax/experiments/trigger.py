@@ -67,11 +67,13 @@ def task_targets(x):
   return jnp.where(is_trig[..., None], mean, 0.0)
 
 
-def make_batch(key, batch: int, seq_len: int, dim: int, trigger_pos: int | None = None):
+def make_batch(key, batch: int, seq_len: int, dim: int, trigger_pos: int | None = None, bos: bool = True):
   """(x [B,T,d], y [B,T,d], trigger index [B], 0-indexed) for the task of 004 §3.2.
 
   trigger_pos: fixed 0-indexed trigger position (1..T-1); None samples it uniformly from {1, ..., T-1}, i.e. the
   paper's {2, ..., T} 1-indexed.
+  bos=False is an ablation beyond the paper: position 1 is then an ordinary non-trigger token (coordinate 3 and
+  content), there is no BOS anywhere, and the target at the trigger is the mean of all tokens up to it.
   """
   k_pos, k_content = jax.random.split(key)
   if trigger_pos is None:
@@ -79,7 +81,7 @@ def make_batch(key, batch: int, seq_len: int, dim: int, trigger_pos: int | None 
   else:
     tpos = jnp.full((batch,), trigger_pos, jnp.int32)
   pos = jnp.arange(seq_len)[None, :]
-  is_bos = jnp.broadcast_to(pos == 0, (batch, seq_len))
+  is_bos = jnp.broadcast_to((pos == 0) & bos, (batch, seq_len))
   is_trig = pos == tpos[:, None]
   is_other = ~is_bos & ~is_trig
   content = jax.random.uniform(k_content, (batch, seq_len, dim - 3), minval=-1.0, maxval=1.0)
@@ -106,7 +108,7 @@ def init_params(key, variant: str, layers: int, heads: int, dim: int, init_std: 
   return params
 
 
-def _layer(p, h, variant: str, impl: str, want_maps: bool):
+def _layer(p, h, bos, variant: str, impl: str, want_maps: bool):
   q = jnp.einsum("btd,dhe->bthe", h, p["wq"])
   k = jnp.einsum("btd,dhe->bthe", h, p["wk"])
   v = jnp.einsum("btd,dhe->bthe", h, p["wv"])
@@ -114,7 +116,7 @@ def _layer(p, h, variant: str, impl: str, want_maps: bool):
   if variant == "softmax":
     out, gate = vanilla_attention(q, k, v, scale=1.0, impl=impl)
   elif variant == "relu":
-    out, gate = relu_attention(q, k, v, scale=1.0)
+    out, gate = relu_attention(q, k, v, scale=1.0, bos_mask=bos)
   elif variant == "sink":
     out, gate = sink_attention(q, k, v, p["sink"], scale=1.0, impl=impl)
   elif variant == "gated":
@@ -124,7 +126,7 @@ def _layer(p, h, variant: str, impl: str, want_maps: bool):
   if want_maps:
     B, T = h.shape[:2]
     if variant == "relu":
-      attn = relu_attention_weights(q, k, scale=1.0)                          # [B,H,T,T]
+      attn = relu_attention_weights(q, k, scale=1.0, bos_mask=bos)                        # [B,H,T,T]
     else:
       seg = jnp.ones((B, T), jnp.int32)
       _, _, probs, _ = attention_weights(q, k, seg, seg, causal=True, scale=1.0)
@@ -143,15 +145,24 @@ def forward(params, x, variant: str, impl: str = "reference", return_maps: bool 
   sigmoid output gate (gated).
   """
   h = x
+  bos = x[..., BOS] > 0.5                      # BOS flags from the input (ReLU attention's divisor skips them)
   all_maps = []
   for p in params:
-    delta, maps = _layer(p, h, variant, impl, return_maps)
+    delta, maps = _layer(p, h, bos, variant, impl, return_maps)
     h = h + delta
     all_maps.append(maps)
   pred = h - x
   if not return_maps:
     return pred
   return pred, {k: jnp.stack([m[k] for m in all_maps]) for k in ("attn", "gate")}
+
+
+_forward_jit = jax.jit(forward, static_argnames=("variant", "impl", "return_maps"))
+
+
+def forward_maps(params, x, variant: str, impl: str = "reference"):
+  """Jitted `forward(..., return_maps=True)` (one compilation per variant, depth and data shape)."""
+  return _forward_jit(params, x, variant=variant, impl=impl, return_maps=True)
 
 
 def mse(params, x, y, variant, impl):
@@ -162,7 +173,7 @@ def mse(params, x, y, variant, impl):
 # ------------------------------------------------------------------------------------------------- training
 
 def make_train_chunk(variant: str, opt, *, batch: int, seq_len: int, dim: int, stop_linf: float, impl: str,
-                     chunk: int):
+                     chunk: int, bos: bool = True):
   """A jitted function running `chunk` Adam steps in a lax.scan. Steps after the stopping criterion is met
   (max |pred - y| over a whole training batch < stop_linf, checked on each step's batch, after which that step's
   update is still applied, as in the paper's code) or past the step limit are no-ops."""
@@ -170,7 +181,7 @@ def make_train_chunk(variant: str, opt, *, batch: int, seq_len: int, dim: int, s
 
   def step(carry, key):
     params, opt_state, done, n, limit = carry
-    x, y, _ = make_batch(key, batch, seq_len, dim)
+    x, y, _ = make_batch(key, batch, seq_len, dim, bos=bos)
     (loss, pred), grads = grad_fn(params, x, y, variant, impl)
     linf = jnp.max(jnp.abs(pred - y))
     updates, new_opt_state = opt.update(grads, opt_state, params)
@@ -194,7 +205,7 @@ def make_train_chunk(variant: str, opt, *, batch: int, seq_len: int, dim: int, s
 
 def train(variant: str, layers: int, heads: int, *, lr: float, max_steps: int, seed: int, batch: int = 128,
           seq_len: int = 16, dim: int = 16, stop_linf: float = 5e-3, impl: str = "reference", chunk: int = 250,
-          init_std: float = 0.02, progress: bool = True):
+          init_std: float = 0.02, progress: bool = True, bos: bool = True):
   """Train one model; returns (params, info) with info = steps, converged, last batch loss / max error, time."""
   from tqdm import tqdm
   key = jax.random.key(seed)
@@ -204,7 +215,7 @@ def train(variant: str, layers: int, heads: int, *, lr: float, max_steps: int, s
   opt_state = opt.init(params)
   chunk = max(1, min(chunk, max_steps))
   run = make_train_chunk(variant, opt, batch=batch, seq_len=seq_len, dim=dim, stop_linf=stop_linf, impl=impl,
-                         chunk=chunk)
+                         chunk=chunk, bos=bos)
   done, n = jnp.array(False), jnp.array(0, jnp.int32)
   curve = []
   t0 = time.perf_counter()
@@ -238,7 +249,7 @@ def _masked_mean(a, m, axes):
 
 def evaluate(params, variant: str, x, y, tpos, impl: str = "reference") -> dict[str, Any]:
   """Loss, zero-prediction baseline and attention statistics on evaluation data (see module docstring)."""
-  pred, maps = jax.jit(lambda p, x: forward(p, x, variant, impl, return_maps=True))(params, x)
+  pred, maps = forward_maps(params, x, variant, impl)
   attn, gate = maps["attn"], maps["gate"]                                  # [L,B,H,T,T], [L,B,T,H]
   B, T = x.shape[:2]
   pos = jnp.arange(T)[None, :]
@@ -398,6 +409,8 @@ def build_parser():
   p.add_argument("--seed", type=_nonneg_int, default=0, help="random seed (default 0)")
   p.add_argument("--variants", default=",".join(VARIANTS),
                  help="comma-separated subset of softmax,relu,sink,gated (default: all)")
+  p.add_argument("--configs", default=None,
+                 help="comma-separated LAYERSxHEADS list, e.g. 2x2,4x4 (default: 1x1,2x2,4x4; 1x1 with --quick)")
   p.add_argument("--max-steps", type=_positive_int, default=None,
                  help="step cap per model (default 50000; 20000 with --quick)")
   p.add_argument("--lr-single", type=_positive_float, default=1e-3, help="Adam lr, 1-layer models (App. A: 1e-3)")
@@ -410,6 +423,9 @@ def build_parser():
   p.add_argument("--eval-size", type=_positive_int, default=1000, help="evaluation sequences (default 1000)")
   p.add_argument("--impl", choices=("reference", "xla"), default="reference",
                  help="flash_attention backend for the softmax-based variants (default reference)")
+  p.add_argument("--no-bos", action="store_true",
+                 help="ablation beyond the paper: no BOS token (position 1 is an ordinary token); the "
+                      "'bos_attention' values then measure attention on that first token")
   p.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bars")
   return p
 
@@ -427,6 +443,12 @@ def main(argv=None) -> int:
     parser.error(f"--dim must be at least 4 (3 indicator coordinates + content); got {args.dim}")
   max_steps = args.max_steps or (20000 if args.quick else 50000)
   configs = QUICK_CONFIGS if args.quick else FULL_CONFIGS
+  if args.configs is not None:
+    try:
+      configs = tuple(tuple(int(n) for n in c.lower().split("x")) for c in args.configs.split(",") if c.strip())
+      assert configs and all(len(c) == 2 and min(c) >= 1 for c in configs)
+    except (ValueError, AssertionError):
+      parser.error(f"--configs: expected a list like 1x1,2x2,4x4; got {args.configs!r}")
   try:
     os.makedirs(args.out, exist_ok=True)
   except OSError as e:
@@ -435,8 +457,9 @@ def main(argv=None) -> int:
   T, d = args.seq_len, args.dim
   fig_trigger = min(7, T - 1)                                               # position 8 (1-indexed), as in 004
   eval_key, fig_key = jax.random.split(jax.random.key(10_000 + args.seed))
-  x_ev, y_ev, t_ev = make_batch(eval_key, args.eval_size, T, d)
-  x_fig, y_fig, t_fig = make_batch(fig_key, args.eval_size, T, d, trigger_pos=fig_trigger)
+  bos = not args.no_bos
+  x_ev, y_ev, t_ev = make_batch(eval_key, args.eval_size, T, d, bos=bos)
+  x_fig, y_fig, t_fig = make_batch(fig_key, args.eval_size, T, d, trigger_pos=fig_trigger, bos=bos)
 
   records, figures = [], []
   t_start = time.perf_counter()
@@ -447,13 +470,13 @@ def main(argv=None) -> int:
       run_seed = args.seed * 1000 + 17 * layers + heads
       params, info = train(variant, layers, heads, lr=lr, max_steps=max_steps, seed=run_seed,
                            batch=args.batch_size, seq_len=T, dim=d, stop_linf=args.stop_error, impl=args.impl,
-                           progress=not args.no_progress)
-      rec = {"variant": variant, "layers": layers, "heads": heads}
+                           progress=not args.no_progress, bos=bos)
+      rec = {"variant": variant, "layers": layers, "heads": heads, "bos_token": bos}
       rec.update(evaluate(params, variant, x_ev, y_ev, t_ev, args.impl))
       rec.update({k: v for k, v in info.items() if k != "curve"})
       rec["train_curve"] = info["curve"]
       records.append(rec)
-      _, maps = jax.jit(lambda p, x: forward(p, x, variant, args.impl, return_maps=True))(params, x_fig)
+      _, maps = forward_maps(params, x_fig, variant, args.impl)
       attn = np.asarray(maps["attn"])                                       # [L,N,H,T,T]
       if layers == 1 and heads == 1:
         single_maps[variant] = attn[0, :, 0]
@@ -472,6 +495,8 @@ def main(argv=None) -> int:
   table = format_table(records)
   with open(os.path.join(args.out, "table.txt"), "w") as f:
     f.write(table + "\n")
+  if not bos:
+    table += "\n(--no-bos: there is no BOS token; the BOS columns are the attention on position 1, an ordinary token)"
   print(table)
   print(f"\nwrote {os.path.join(args.out, 'results.json')} and {len(figures)} figure(s) in {args.out} "
         f"({time.perf_counter() - t_start:.0f} s)")

@@ -17,8 +17,9 @@ Causal masking is bottom-right aligned (query t sees keys s <= t + S - T). Under
 are entirely above the diagonal are skipped (`pl.when`), and their index maps are clamped to the last/first
 needed block so no DMA is issued for them.
 
-Block-size rule (Mosaic tiling): a block smaller than its (padded) sequence must be a multiple of 128; a
-single block covering the whole sequence only needs a multiple of 8.
+Blocks are multiples of 128 (rounded up; both sequence axes appear as the lane axis of some tile) and at most
+the sequence length rounded up to 128. Defaults: 512 x 512 for the forward, 256 x 256 for the backward (which
+keeps several [bq, bk] f32 tiles live); explicit block_q / block_k apply to both.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
+DEFAULT_BWD_BLOCK_Q = 256
+DEFAULT_BWD_BLOCK_K = 256
 NUM_LANES = 128
 NUM_SUBLANES = 8
 _F32 = jnp.float32
@@ -45,15 +48,8 @@ def _round_up(x, m):
 
 
 def _block(n, requested, default):
-  """(block, padded length) for a sequence of length n (see the block-size rule in the module docstring)."""
-  b = requested or default
-  if b >= n:
-    b = _round_up(n, NUM_SUBLANES)
-    return b, b
-  b = _round_up(b, NUM_LANES)
-  if b >= n:
-    b = _round_up(n, NUM_SUBLANES)
-    return b, b
+  """(block, padded length) for a sequence of length n: blocks are multiples of 128, at most round_up(n, 128)."""
+  b = min(_round_up(requested or default, NUM_LANES), _round_up(n, NUM_LANES))
   return b, _round_up(n, b)
 
 
@@ -79,20 +75,30 @@ def _q_first(j, bq, bk, nq, off):
   return jnp.minimum(lax.div(jnp.maximum(j * bk - off, 0), bq), nq - 1)
 
 
-def _visible(i, j, bq, bk, off):
-  """Whether kv block j has any key visible (causally) to query block i."""
-  return j * bk <= i * bq + bq - 1 + off
+def _run_block(step, causal, i, j, bq, bk, off):
+  """Runs step(diag) for the (query block i, kv block j) tile unless causal masking hides all of it.
+
+  diag says whether the tile straddles the causal diagonal and so needs the elementwise causal mask; tiles
+  entirely below it only apply the segment mask.
+  """
+  if not causal:
+    step(False)
+    return
+  visible = j * bk <= i * bq + bq - 1 + off                  # some key visible to the last query row
+  full = j * bk + bk - 1 <= i * bq + off                     # every key visible to the first query row
+  pl.when(visible & jnp.logical_not(full))(lambda: step(True))
+  pl.when(full)(lambda: step(False))
 
 
 class _Geom:
   """Static shapes, block sizes and the padded / transposed layouts shared by forward and backward."""
 
-  def __init__(self, q, k, block_q, block_k, causal):
+  def __init__(self, q, k, block_q, block_k, causal, defaults=(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)):
     self.B, self.T, self.Hq, self.D = q.shape
     self.S, self.Hkv = k.shape[1], k.shape[2]
     self.G = self.Hq // self.Hkv
-    self.bq, self.Tp = _block(self.T, block_q, DEFAULT_BLOCK_Q)
-    self.bk, self.Sp = _block(self.S, block_k, DEFAULT_BLOCK_K)
+    self.bq, self.Tp = _block(self.T, block_q, defaults[0])
+    self.bk, self.Sp = _block(self.S, block_k, defaults[1])
     self.nq, self.nk = self.Tp // self.bq, self.Sp // self.bk
     self.off = self.S - self.T
     self.causal = causal
@@ -152,11 +158,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, m_sc, l_sc,
     l_sc[...] = jnp.zeros(l_sc.shape, _F32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, _F32)
 
-  def _step():
+  def _step(diag):
     q = q_ref[0, 0]                                           # [bq, D]
     k = k_ref[0, 0]                                           # [bk, D]
     s = _dot(q, k, _NT, precision) * scale                    # [bq, bk] f32
-    mask = _mask(qs_ref[0, :, 0:1], ks_ref[0, 0:1, :], i * bq, j * bk, s.shape, causal, off)
+    mask = _mask(qs_ref[0, :, 0:1], ks_ref[0, 0:1, :], i * bq, j * bk, s.shape, diag, off)
     s = jnp.where(mask, s, _MASK)
     m_prev = m_sc[...]                                        # [bq, 128], lane-replicated
     m_next = jnp.maximum(m_prev, s.max(axis=1)[:, None])
@@ -168,10 +174,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, m_sc, l_sc,
     pv = _dot(p.astype(v.dtype), v, _NN, precision)           # [bq, D]
     acc_sc[...] = alpha[:, 0:1] * acc_sc[...] + pv
 
-  if causal:
-    pl.when(_visible(i, j, bq, bk, off))(_step)
-  else:
-    _step()
+  _run_block(_step, causal, i, j, bq, bk, off)
 
   @pl.when(j == nk - 1)
   def _finish():
@@ -238,10 +241,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, kss_ref, qsr_ref, lse_ref, rt_ref, 
     dk_sc[...] = jnp.zeros(dk_sc.shape, _F32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, _F32)
 
-  def _step():
+  def _step(diag):
     q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
     s_t = _dot(k, q, _NT, precision) * scale                  # [bk, bq]
-    mask = _mask_t(kss_ref[0, :, 0:1], qsr_ref[0, 0:1, :], i * bq, j * bk, s_t.shape, causal, off)
+    mask = _mask_t(kss_ref[0, :, 0:1], qsr_ref[0, 0:1, :], i * bq, j * bk, s_t.shape, diag, off)
     lse = lse_ref[0, 0, 0:1, :]                               # [1, bq], 0 on rows with nothing visible
     p_t = jnp.where(mask, jnp.exp(s_t - lse), 0.0)
     dv_sc[...] += _dot(p_t.astype(do.dtype), do, _NN, precision)
@@ -249,10 +252,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, kss_ref, qsr_ref, lse_ref, rt_ref, 
     ds_t = p_t * (dp_t + rt_ref[0, 0, 0:1, :])                # rt = dlse - rowsum(dO o O)
     dk_sc[...] += _dot(ds_t.astype(q.dtype), q, _NN, precision)
 
-  if causal:
-    pl.when(_visible(i, j, bq, bk, off))(_step)
-  else:
-    _step()
+  _run_block(_step, causal, i, j, bq, bk, off)
 
   @pl.when(t == G * nq - 1)
   def _finish():
@@ -268,20 +268,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, qs_ref, ksr_ref, lse_ref, rt_ref, dq
   def _init():
     dq_sc[...] = jnp.zeros(dq_sc.shape, _F32)
 
-  def _step():
+  def _step(diag):
     q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
     s = _dot(q, k, _NT, precision) * scale                    # [bq, bk]
-    mask = _mask(qs_ref[0, :, 0:1], ksr_ref[0, 0:1, :], i * bq, j * bk, s.shape, causal, off)
+    mask = _mask(qs_ref[0, :, 0:1], ksr_ref[0, 0:1, :], i * bq, j * bk, s.shape, diag, off)
     lse = lse_ref[0, 0, 0, :][:, None]                        # [bq, 1]
     p = jnp.where(mask, jnp.exp(s - lse), 0.0)
     dp = _dot(do, v, _NT, precision)                          # [bq, bk]
     ds = p * (dp + rt_ref[0, 0, 0, :][:, None])
     dq_sc[...] += _dot(ds.astype(k.dtype), k, _NN, precision)
 
-  if causal:
-    pl.when(_visible(i, j, bq, bk, off))(_step)
-  else:
-    _step()
+  _run_block(_step, causal, i, j, bq, bk, off)
 
   @pl.when(j == nk - 1)
   def _finish():
@@ -290,7 +287,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, qs_ref, ksr_ref, lse_ref, rt_ref, dq
 
 def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_q=None, block_k=None,
         interpret=False):
-  g = _Geom(q, k, block_q, block_k, causal)
+  g = _Geom(q, k, block_q, block_k, causal, defaults=(DEFAULT_BWD_BLOCK_Q, DEFAULT_BWD_BLOCK_K))
   B, Hq, Hkv, G, D, bq, bk, nq, nk, off = g.B, g.Hq, g.Hkv, g.G, g.D, g.bq, g.bk, g.nq, g.nk, g.off
   precision = _precision(q.dtype)
 

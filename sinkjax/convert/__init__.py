@@ -1,0 +1,1 @@
+"""Checkpoint conversion to and from other frameworks (`hf`: Hugging Face transformers, safetensors only)."""

@@ -1,0 +1,289 @@
+"""Generation with a KV cache, StreamingLLM's sink + window cache, learnable sink tokens, the generate CLI.
+
+References are independent of the cache code: a full causal forward pass over the whole sequence, a forward pass
+over exactly the tokens a streaming cache keeps, and a materialized-softmax attention written out here in numpy.
+"""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from sinkjax import generate as gen_lib
+from sinkjax.cache import KVCache, slot_of, slot_positions
+from sinkjax.config import ModelConfig
+from sinkjax.layers import Attention, pop_head_importance
+from sinkjax.model import Transformer
+
+VOCAB = 50
+
+
+def random_model(num_layers=2, seed=0, **kw):
+  """A small f32 model with every parameter random (the default init zeroes the output projections, which would
+  make all logits equal and greedy decoding a sequence of ties)."""
+  cfg = ModelConfig(num_layers=num_layers, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=VOCAB,
+                    dtype="float32", **kw)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  leaves = [jax.random.normal(k, x.shape, x.dtype) * (0.5 if x.ndim < 2 else x.shape[0] ** -0.5)
+            for k, x in zip(keys, leaves)]
+  return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), cfg
+
+
+PROMPT = [3, 14, 15, 9, 26, 5]
+
+
+@pytest.mark.parametrize("attention", ["vanilla", "sink", "gated"])
+@pytest.mark.parametrize("sink_tokens", [0, 2])
+def test_greedy_with_cache_is_argmax_of_full_recomputation(attention, sink_tokens):
+  model, _ = random_model(attention=attention, sink_tokens=sink_tokens)
+  n_new = 12
+  gen = gen_lib.Generator(model, capacity=len(PROMPT) + n_new)
+  out = gen.generate(PROMPT, n_new, temperature=0.0)
+  assert len(out) == n_new
+  seq = jnp.asarray([PROMPT + out])
+  logits = model(seq)                     # causal: position t's logits are a recomputation over tokens <= t
+  expect = np.asarray(jnp.argmax(logits[0, len(PROMPT) - 1:-1], axis=-1))
+  np.testing.assert_array_equal(np.asarray(out), expect)
+  assert gen.prefill_fn._cache_size() == 1 and gen.decode_fn._cache_size() == 1     # one compile each
+
+
+@pytest.mark.parametrize("sink_tokens", [0, 2])
+def test_streaming_with_window_larger_than_text_equals_full_cache(sink_tokens):
+  model, _ = random_model(attention="gated", sink_tokens=sink_tokens)
+  ids = np.random.RandomState(0).randint(0, VOCAB, size=40)
+  full = gen_lib.streaming_nll(model, ids, capacity=40)
+  stream = gen_lib.streaming_nll(model, ids, capacity=40, sink_size=4)
+  np.testing.assert_array_equal(stream, full)
+  wider = gen_lib.streaming_nll(model, ids, capacity=64, sink_size=4)
+  np.testing.assert_allclose(wider, full, rtol=0, atol=1e-5)
+  logp = jax.nn.log_softmax(model(jnp.asarray(ids[None]))[0, :-1])
+  ref = -np.take_along_axis(np.asarray(logp), ids[1:, None], axis=1)[:, 0]
+  np.testing.assert_allclose(full, ref, rtol=0, atol=1e-5)
+
+
+def test_slot_layout_keeps_sinks_and_the_most_recent_tokens():
+  S, C = 2, 6
+  slots = [int(slot_of(a, S, C)) for a in range(12)]
+  assert slots == [0, 1, 2, 3, 4, 5, 2, 3, 4, 5, 2, 3]
+  # after 9 tokens the cache holds tokens 0, 1 (sinks) and 5, 6, 7, 8, in slots 0, 1, 5, 2, 3, 4
+  pos, valid = slot_positions(9, S, C)
+  assert valid.all()
+  token_in_slot = {0: 0, 1: 1, 5: 5, 2: 6, 3: 7, 4: 8}
+  rank = {tok: r for r, tok in enumerate([0, 1, 5, 6, 7, 8])}
+  assert [int(p) for p in pos] == [rank[token_in_slot[j]] for j in range(C)]
+  pos, valid = slot_positions(3, S, C)
+  assert list(np.asarray(pos)) == list(range(C)) and list(np.asarray(valid)) == [1, 1, 1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("attention,sink_tokens", [("vanilla", 0), ("sink", 2)])
+def test_streaming_decode_equals_forward_over_kept_tokens(attention, sink_tokens):
+  """One layer: cached k/v depend only on their own token, so after eviction a decode step must equal a plain
+  forward pass over [first S tokens; last W - S tokens] at positions 0..W-1 (StreamingLLM's position shift)."""
+  model, _ = random_model(num_layers=1, attention=attention, sink_tokens=sink_tokens)
+  S, W, N = 3, 10, 31
+  ids = np.random.RandomState(1).randint(0, VOCAB, size=N)
+  nll = gen_lib.streaming_nll(model, ids, capacity=W, sink_size=S)
+  for t in (W, W + 1, W + 7, N - 2):      # predicting ids[t + 1] after tokens 0..t
+    kept = np.concatenate([ids[:S], ids[t + 1 - (W - S):t + 1]])
+    logp = jax.nn.log_softmax(model(jnp.asarray(kept[None]))[0, -1])
+    np.testing.assert_allclose(nll[t], -float(logp[ids[t + 1]]), rtol=0, atol=1e-5)
+
+
+def test_streaming_memory_is_flat_and_runs_past_max_seq_len():
+  model, cfg = random_model(attention="sink", sink_tokens=2, max_seq_len=32)
+  gen = gen_lib.Generator(model, capacity=16, sink_size=4)
+  seen = []
+  out = gen.generate(PROMPT, 60, temperature=1.0, seed=1,
+                     on_step=lambda c: seen.append((jax.tree.map(lambda x: x.shape, c), c.nbytes, int(c.length))))
+  assert len(out) == 60
+  assert len(PROMPT) + 60 > cfg.max_seq_len
+  shapes, nbytes, lengths = zip(*seen)
+  assert all(s == shapes[0] for s in shapes) and len(set(nbytes)) == 1
+  assert lengths[-1] == len(PROMPT) + 59 > 16
+  assert gen.decode_fn._cache_size() == 1
+
+
+def test_prompt_longer_than_streaming_cache_is_streamed():
+  model, _ = random_model(num_layers=1, attention="vanilla")
+  prompt = list(np.random.RandomState(2).randint(0, VOCAB, size=25))
+  S, W = 2, 8
+  out = gen_lib.Generator(model, capacity=W, sink_size=S).generate(prompt, 1, temperature=0.0)
+  kept = prompt[:S] + prompt[-(W - S):]
+  assert out == [int(jnp.argmax(model(jnp.asarray([kept]))[0, -1]))]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Learnable sink tokens
+
+
+def _rope(x, pos, theta=10000.0):
+  """Split-halves RoPE written out independently: pairs (x_i, x_{i+D/2}) rotated by pos * theta^(-2i/D)."""
+  D = x.shape[-1]
+  ang = pos[:, None] * theta ** (-np.arange(0, D, 2) / D)
+  c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+  a, b = x[..., :D // 2], x[..., D // 2:]
+  return np.concatenate([a * c - b * s, b * c + a * s], -1)
+
+
+def _rms(x, eps=1e-6):
+  return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("attention", ["vanilla", "sink"])
+def test_sink_tokens_hand_built_positions_and_visibility(attention):
+  """Packed row [doc 1 (3 tokens), doc 2 (2 tokens), padding]: each query sees the 2 sink tokens (keys at RoPE
+  positions 0, 1, projected by the layer's own k/v and k-norm) plus its own document's earlier tokens at positions
+  2, 3, ... (restarting per document). Everything is recomputed in float64 numpy from the layer's weights."""
+  n, d, H, D = 2, 16, 2, 8
+  layer = Attention(d, H, H, D, attention=attention, sink_tokens=n, sink_init=0.3, impl="xla",
+                    zero_init_output=False, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (1, 6, d))
+  seg = jnp.asarray([[1, 1, 1, 2, 2, 0]])
+  y = np.asarray(layer(x, segment_ids=seg))
+  imp = pop_head_importance(layer)
+
+  W = lambda lin: np.asarray(lin.kernel[...], np.float64)
+  xs, sinks = np.asarray(x[0], np.float64), np.asarray(layer.sink_states[...], np.float64)
+  proj = lambda z, lin, h: (z @ W(lin)).reshape(len(z), h, D)
+  q = _rope(_rms(proj(xs, layer.q_proj, H)), np.array([0, 1, 2, 0, 1, 0]) + n)
+  k = _rope(_rms(proj(xs, layer.k_proj, H)), np.array([0, 1, 2, 0, 1, 0]) + n)
+  v = proj(xs, layer.v_proj, H)
+  ks = _rope(_rms(proj(sinks, layer.k_proj, H)), np.arange(n))
+  vs = proj(sinks, layer.v_proj, H)
+  docs, out, gates = [1, 1, 1, 2, 2, 0], np.zeros((6, H, D)), np.zeros((6, H))
+  for t in range(5):
+    own = [s for s in range(t + 1) if docs[s] == docs[t]]
+    keys, vals = np.concatenate([ks, k[own]]), np.concatenate([vs, v[own]])
+    z = np.einsum("hd,shd->hs", q[t], keys) / np.sqrt(D)
+    if attention == "sink":                    # the GPT-OSS logit joins the denominator with zero value
+      sink = np.asarray(layer.sink[...], np.float64)
+      zmax = np.maximum(z.max(-1), sink)
+      p = np.exp(z - zmax[:, None]) / (np.exp(z - zmax[:, None]).sum(-1) + np.exp(sink - zmax))[:, None]
+      gates[t] = p.sum(-1)
+    else:
+      p = np.exp(z - z.max(-1, keepdims=True))
+      p /= p.sum(-1, keepdims=True)
+      gates[t] = 1 - p[:, 0]                  # vanilla: 1 - attention on sink token 0
+    out[t] = np.einsum("hs,shd->hd", p, vals)
+  ref = out.reshape(6, H * D) @ W(layer.o_proj)
+  np.testing.assert_allclose(y[0], ref, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(imp)[0], gates[:5].mean(0), rtol=1e-4, atol=1e-5)
+
+
+def test_sink_prefix_gradients_match_concatenated_softmax():
+  """attend_prefix merges through the two LSEs; its gradients (through output AND LSE, via a vanilla gate loss)
+  equal autodiff of a softmax over the explicitly concatenated [sink keys; causal keys]."""
+  from sinkjax.attention import vanilla_attention
+  B, T, H, D, n = 1, 7, 2, 8, 3
+  kq, kk, kv, kp, kpv = jax.random.split(jax.random.key(0), 5)
+  q, k, v = (jax.random.normal(key, (B, T, H, D)) for key in (kq, kk, kv))
+  pk, pv = (jax.random.normal(key, (B, n, H, D)) for key in (kp, kpv))
+
+  def ours(q, k, v, pk, pv):
+    out, gate = vanilla_attention(q, k, v, prefix=(pk, pv), impl="xla")
+    return jnp.sum(out * jnp.cos(out)) + jnp.sum(gate ** 2)
+
+  def concat(q, k, v, pk, pv):
+    kk_, vv_ = jnp.concatenate([pk, k], 1), jnp.concatenate([pv, v], 1)
+    z = jnp.einsum("bthd,bshd->bhts", q, kk_) / np.sqrt(D)
+    mask = np.concatenate([np.ones((T, n), bool), np.tril(np.ones((T, T), bool))], 1)
+    p = jax.nn.softmax(jnp.where(mask, z, -jnp.inf), -1)
+    out = jnp.einsum("bhts,bshd->bthd", p, vv_)
+    gate = jnp.swapaxes(1 - p[..., 0], 1, 2)
+    return jnp.sum(out * jnp.cos(out)) + jnp.sum(gate ** 2)
+
+  np.testing.assert_allclose(ours(q, k, v, pk, pv), concat(q, k, v, pk, pv), rtol=1e-5)
+  for g1, g2 in zip(jax.grad(ours, argnums=range(5))(q, k, v, pk, pv),
+                    jax.grad(concat, argnums=range(5))(q, k, v, pk, pv)):
+    np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["vanilla", "sink", "gated"])
+def test_sink_token_model_trains(attention):
+  cfg = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=VOCAB,
+                    dtype="float32", attention=attention, sink_tokens=2)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  rng = np.random.RandomState(0)
+  tokens = jnp.asarray(np.tile(rng.randint(0, VOCAB, size=(1, 8)), (4, 3)))      # a repeated pattern, packed
+  seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 10 + [3] * 3 + [0]], 4, 0))
+
+  def loss_fn(model):
+    logits = model(tokens[:, :-1], segment_ids=seg[:, :-1])
+    pop_head_importance(model)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+    return jnp.sum(nll * valid) / valid.sum()
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, grads)
+    return loss, grads
+
+  before = np.asarray(model.layers[0].attn.sink_states[...])
+  losses = []
+  for _ in range(8):
+    loss, grads = step(model, opt)
+    losses.append(float(loss))
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+  assert np.abs(np.asarray(grads["layers"][0]["attn"]["sink_states"])).sum() > 0
+  assert losses[-1] < losses[0] - 0.5
+  assert not np.allclose(before, np.asarray(model.layers[0].attn.sink_states[...]))
+
+
+def test_param_count_includes_sink_tokens():
+  from sinkjax.model import count_params, param_count_formula
+  cfg = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=VOCAB,
+                    attention="gated", sink_tokens=3)
+  assert count_params(Transformer(cfg, rngs=nnx.Rngs(0))) == param_count_formula(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling and the command line
+
+
+def test_sampling_knobs():
+  logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0, -1.0]])
+  key = jax.random.key(0)
+  s = lambda t, k, p, key=key: int(gen_lib.sample_logits(logits, key, jnp.float32(t), jnp.int32(k),
+                                                           jnp.float32(p))[0])
+  assert s(0.0, 0, 1.0) == 1                            # temperature 0 = greedy
+  keys = jax.random.split(key, 200)
+  assert {s(1.0, 1, 1.0, kk) for kk in keys[:20]} == {1}              # top-1
+  assert {s(1.0, 2, 1.0, kk) for kk in keys} == {1, 3}               # top-2
+  # probabilities ~ [.03, .64, .09, .23, .01]: top-p 0.8 keeps {1, 3}, top-p 0.5 only {1}
+  assert {s(1.0, 0, 0.8, kk) for kk in keys} == {1, 3}
+  assert {s(1.0, 0, 0.5, kk) for kk in keys[:20]} == {1}
+  assert {s(5.0, 0, 1.0, kk) for kk in keys} == {0, 1, 2, 3, 4}     # high temperature: everything
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--checkpoint", "/nonexistent/run", "--prompt", "hi", "--max-new-tokens", "3"], "does not exist"),
+    (["--checkpoint", "{tmp}", "--prompt", "", "--max-new-tokens", "3"], "prompt is empty"),
+    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--cache", "streaming",
+      "--sink-size", "8", "--window", "8"], "must exceed --sink-size"),
+    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--sink-size", "-1", "--window", "8",
+      "--cache", "streaming"], "sink-size must be >= 0"),
+    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--window", "8"], "only apply to"),
+    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--cache", "ring"], "invalid choice"),
+    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--top-p", "0"], "top-p"),
+    (["--checkpoint", "{tmp}", "--ppl", "/nonexistent.txt"], "does not exist"),
+    (["--prompt", "hi", "--max-new-tokens", "3"], "--checkpoint"),
+    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3"], "not a run directory"),
+])
+def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
+  argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+  assert gen_lib.main(argv) != 0
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and err.startswith("error:") and message in err, err
+
+
+def test_cli_help(capsys):
+  with pytest.raises(SystemExit) as e:
+    gen_lib.main(["--help"])
+  assert e.value.code == 0 and "--sink-size" in capsys.readouterr().out
