@@ -1,0 +1,92 @@
+"""Benchmark: forward+backward time, peak memory and FLOP/s of each attention backend.
+
+    python -m sinkjax.bench.attention [--seq 512 1024 ...] [--heads 4] [--head-dim 64] [--dtype float32]
+
+The loss differentiates through both outputs (out and LSE), as sink-aware training does. Peak memory is XLA's
+compiled memory analysis (temporaries + outputs + arguments of the fwd+bwd program); on GPU/TPU the device's
+peak allocator statistic is shown too when available. FLOP/s counts the useful causal FLOPs:
+fwd 2 matmuls + bwd 5 matmuls over the lower triangle = 7 * 2 * B*H*T^2*D / 2.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from sinkjax.kernels import default_impl, flash_attention
+
+
+def _loss_fn(impl, block_k):
+  if impl == "jax.nn.dpa":
+    def loss(q, k, v):
+      out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      return jnp.sum(out.astype(jnp.float32) ** 2)
+    return loss
+
+  def loss(q, k, v):
+    out, lse = flash_attention(q, k, v, causal=True, impl=impl, block_k=block_k)
+    return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jax.nn.sigmoid(lse))
+  return loss
+
+
+def bench_one(impl, B, T, H, D, dtype, block_k, repeats, max_bytes):
+  ks = jax.random.split(jax.random.PRNGKey(0), 3)
+  q, k, v = (jax.random.normal(x, (B, T, H, D), dtype) for x in ks)
+  f = jax.jit(jax.value_and_grad(_loss_fn(impl, block_k), (0, 1, 2)))
+  compiled = f.lower(q, k, v).compile()
+  mem = compiled.memory_analysis()
+  peak = None
+  if mem is not None:
+    peak = mem.temp_size_in_bytes + mem.output_size_in_bytes + mem.argument_size_in_bytes
+  if peak is not None and peak > max_bytes:
+    return dict(impl=impl, T=T, skipped=f"needs {peak / 2**30:.1f} GiB")
+  jax.block_until_ready(compiled(q, k, v))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(q, k, v))
+    times.append(time.perf_counter() - t0)
+  t = min(times)
+  flops = 7 * 2 * B * H * T * T * D / 2
+  return dict(impl=impl, T=T, ms=t * 1e3, peak_mib=None if peak is None else peak / 2**20,
+              tflops=flops / t / 1e12)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--head-dim", type=int, default=64)
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--block-k", type=int, default=None)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--impls", nargs="+", default=None,
+                 help="backends to run (default: reference, xla, the platform's Pallas backend, jax.nn.dpa)")
+  p.add_argument("--max-gib", type=float, default=12.0, help="skip configurations whose program needs more")
+  args = p.parse_args(argv)
+  platform = jax.default_backend()
+  impls = args.impls or ["reference", "xla"] + ([default_impl()] if default_impl() != "xla" else []) + ["jax.nn.dpa"]
+  dtype = jnp.dtype(args.dtype)
+  print(f"# attention fwd+bwd, causal, B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}, "
+        f"platform={platform} ({jax.devices()[0].device_kind})")
+  print(f"{'T':>6} {'backend':>12} {'time ms':>10} {'peak MiB':>10} {'TFLOP/s':>9} {'vs ref':>7}")
+  for T in args.seq:
+    ref_ms = None
+    for impl in impls:
+      r = bench_one(impl, args.batch, T, args.heads, args.head_dim, dtype, args.block_k, args.repeats,
+                    args.max_gib * 2**30)
+      if "skipped" in r:
+        print(f"{T:>6} {impl:>12} {'-':>10} {'-':>10} {'-':>9} {'-':>7}  ({r['skipped']})")
+        continue
+      if impl == "reference":
+        ref_ms = r["ms"]
+      rel = f"{r['ms'] / ref_ms:.2f}x" if ref_ms else "-"
+      peak = f"{r['peak_mib']:.1f}" if r["peak_mib"] is not None else "n/a"
+      print(f"{T:>6} {impl:>12} {r['ms']:>10.1f} {peak:>10} {r['tflops']:>9.4f} {rel:>7}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
