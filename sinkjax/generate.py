@@ -64,10 +64,11 @@ def sample_logits(logits, key, temperature, top_k, top_p):
   kth = jnp.take_along_axis(desc, jnp.broadcast_to(k - 1, desc.shape[:-1] + (1,)).astype(jnp.int32), axis=-1)
   scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
   # nucleus: keep sorted token i if the mass strictly before it is < top_p (so the top token always stays)
-  probs = jax.nn.softmax(jnp.sort(scaled, axis=-1)[..., ::-1], axis=-1)
-  before = jnp.cumsum(probs, axis=-1) - probs
-  kept = jnp.where(before < top_p, probs, jnp.inf).min(axis=-1, keepdims=True)
-  scaled = jnp.where(jax.nn.softmax(scaled, axis=-1) < kept, -jnp.inf, scaled)
+  probs = jax.nn.softmax(scaled, axis=-1)
+  desc = jnp.sort(probs, axis=-1)[..., ::-1]            # the same values, so the threshold compares exactly
+  before = jnp.cumsum(desc, axis=-1) - desc
+  kept = jnp.where(before < top_p, desc, jnp.inf).min(axis=-1, keepdims=True)
+  scaled = jnp.where(probs < kept, -jnp.inf, scaled)
   sampled = jax.random.categorical(key, scaled, axis=-1)
   return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 

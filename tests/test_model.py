@@ -32,15 +32,24 @@ def expected_params(layers, heads, width, head_dim, vocab, attention):
 @pytest.mark.parametrize("size", sorted(SIZES))
 @pytest.mark.parametrize("variant", ["vanilla", "sink", "gated"])
 @pytest.mark.parametrize("loss", ["base", "aux"])
-def test_paper_config_shapes_and_param_count(size, variant, loss):
-  cfg = load_config(str(CONFIGS / f"{size}_{variant}_{loss}.yaml"), [f"model.vocab_size={VOCAB}"])
+def test_paper_run_configs(size, variant, loss):
+  cfg = load_config(str(CONFIGS / f"{size}_{variant}_{loss}.yaml"))
   layers, heads, width = SIZES[size]
   m = cfg.model
   assert (m.num_layers, m.num_heads, m.num_kv_heads, m.d_model, m.head_dim) == (layers, heads, heads, width, 128)
   assert m.attention == variant and (variant != "gated" or m.gate == "headwise")
   assert cfg.loss.aux_weight == (1e-4 if loss == "aux" else 0.0)
-  abstract = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
-  assert count_params(abstract) == expected_params(layers, heads, width, 128, VOCAB, variant)
+  assert cfg.train.optimizer == "muon" and cfg.train.matrix_lr == 0.02 and cfg.train.decay_frac == 0.2
+  assert cfg.train.steps == 0 and cfg.train.tokens_per_param == 20        # Chinchilla budget
+  assert cfg.run.dir == f"runs/{size}_{variant}_{loss}"
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+@pytest.mark.parametrize("variant", ["vanilla", "sink", "gated"])
+def test_paper_param_count(size, variant):
+  cfg = load_config(str(CONFIGS / f"{size}_{variant}_base.yaml"), [f"model.vocab_size={VOCAB}"])
+  abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+  assert count_params(abstract) == expected_params(*SIZES[size], 128, VOCAB, variant)
 
 
 def test_paper_sizes_match_their_names():
