@@ -123,16 +123,74 @@ def sink_attention(q, k, v, sink, *, segment_ids=None, scale=None, impl="auto", 
   return out, gate
 
 
-def gated_attention(q, k, v, gate_logits, *, segment_ids=None, scale=None, impl="auto", prefix=None,
-                    **kernel_kwargs):
-  """Qwen-style gated attention (G1, after SDPA): out = sdpa_out * sigmoid(gate_logits).
+GATE_ACTIVATIONS = ("sigmoid", "ns_sigmoid", "silu", "silu_additive")
 
-  gate_logits: [B,T,Hq] (headwise, paper eq. 2) or [B,T,Hq,D] (elementwise, Qwen3-Next). `prefix`: sink tokens.
+
+def gate_score(gate_logits, activation: str = "sigmoid"):
+  """The gate score G of gate logits z (what head importance averages, 000 eq. 5; 003 Table 4 "Gate Score").
+
+  sigmoid: sigma(z). ns_sigmoid: 0.5 + 0.5 sigma(z), the factor itself (003 §4.2, Table 4 row 7).
+  silu / silu_additive: sigma(z), the sigmoid factor of SiLU(z) = z sigma(z). SiLU multiplies (silu) by an unbounded,
+  possibly negative factor, or adds (silu_additive) without any factor, so neither has a gate score of its own;
+  sigma(z) keeps G in [0, 1] (importance and its CV stay defined) and is the share of z that SiLU lets through.
+  """
+  if activation not in GATE_ACTIVATIONS:
+    raise ValueError(f"gate activation must be one of {GATE_ACTIVATIONS}, got {activation!r}")
+  s = jax.nn.sigmoid(gate_logits.astype(jnp.float32))
+  return 0.5 + 0.5 * s if activation == "ns_sigmoid" else s
+
+
+def apply_gate(y, gate_logits, activation: str = "sigmoid"):
+  """Gating of paper 003 eq. 5 and its variants on y [B,T,H,D] (SDPA output at G1, values at G2) -> (y', G).
+
+  gate_logits z: [B,T,Hg] (headwise: one score per head, broadcast over D) or [B,T,Hg,D] (elementwise), with
+  Hg = H (head-specific) or 1 (head-shared: the same score for every head); B and T may be 1 (input-independent).
+  Multiplicative: y' = y * f(z), f = sigmoid | ns_sigmoid (0.5 + 0.5 sigmoid) | silu (Table 1 row 15).
+  Additive (silu_additive, Table 1 row 14): y' = y + SiLU(z) (003 §2.2 (4b) with the SiLU of (5)).
+  G = `gate_score(z)` broadcast to [B,T,H] (headwise) or [B,T,H,D] (elementwise), float32.
+  """
+  z = gate_logits.astype(jnp.float32)
+  headwise = z.ndim == 3
+  zz = z[..., None] if headwise else z
+  yf = y.astype(jnp.float32)
+  if activation == "silu_additive":
+    out = yf + jax.nn.silu(zz)
+  elif activation == "silu":
+    out = yf * jax.nn.silu(zz)
+  else:
+    out = yf * gate_score(zz, activation)
+  score = gate_score(z, activation)
+  score = jnp.broadcast_to(score, y.shape[:3] if headwise else y.shape)
+  return out.astype(y.dtype), score
+
+
+def gated_attention(q, k, v, gate_logits, *, activation="sigmoid", segment_ids=None, scale=None, impl="auto",
+                    prefix=None, **kernel_kwargs):
+  """Qwen-style gated attention (003 G1, after SDPA): out = sdpa_out * sigmoid(gate_logits) (`apply_gate`).
+
+  gate_logits: [B,T,Hq] (headwise, paper eq. 2) or [B,T,Hq,D] (elementwise, Qwen3-Next); Hq may be 1
+  (head-shared). `activation`: see `apply_gate`. Returns (out, G [B,T,Hq] or [B,T,Hq,D]). `prefix`: sink tokens.
   """
   out, _, _ = _flash(q, k, v, segment_ids, scale, impl, prefix, kernel_kwargs)
-  gate = jax.nn.sigmoid(gate_logits.astype(jnp.float32))
-  g = gate[..., None] if gate.ndim == 3 else gate
-  return (out.astype(jnp.float32) * g).astype(q.dtype), gate
+  return apply_gate(out, gate_logits, activation)
+
+
+def value_gated_attention(q, k, v, gate_logits, *, activation="sigmoid", values_gated=False, segment_ids=None,
+                          scale=None, impl="auto", prefix=None, **kernel_kwargs):
+  """003 G2, gating after the value projection: v'_j = v_j * sigmoid(x_j W) (`apply_gate`), then causal SDPA.
+
+  gate_logits: [B,S,Hkv] or [B,S,Hkv,D] (Hkv may be 1, head-shared), from each KEY token's own input x_j, so the
+  gate is fixed per value and cannot depend on the query (003 §4.2 (iii)). values_gated=True: `v` already holds the
+  gated values (a layer gates them where they are projected, so that a KV cache stores gated values) and only the
+  score of `gate_logits` is computed; it may then belong to the query tokens (T) instead.
+  Returns (out [B,T,Hq,D], G): the value gate of each token repeated to the query heads of its KV group,
+  [B,·,Hq] or [B,·,Hq,D] (the gate a head applies to that token's value).
+  """
+  if not values_gated:
+    v, _ = apply_gate(v, gate_logits, activation)
+  out, _, _ = _flash(q, k, v, segment_ids, scale, impl, prefix, kernel_kwargs)
+  score = gate_score(gate_logits, activation)                      # [B,·,Hkv or 1(,D)]
+  return out, jnp.repeat(score, q.shape[2] // score.shape[2], axis=2)
 
 
 def _bos_and_counts(segment_ids, bos_mask, B: int, T: int):

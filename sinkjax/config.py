@@ -36,6 +36,14 @@ class ModelConfig:
   sink_tokens: int = 0              # learnable sink tokens prepended to K/V (seed 001)
   sink_init: float = 0.0            # initial sink logit (sink attention)
   gate_bias_init: float = 0.0       # initial gate bias (gated attention): sigmoid(0) = 0.5
+  # Gating ablations of paper 003 (Table 1 / Table 4), gated attention only; the defaults are its best gate (G1).
+  gate_position: str = "sdpa"       # sdpa: out = SDPA * g(x_t) (G1) | value: v_j * g(x_j) before attention (G2)
+  gate_shared: bool = False         # head-shared: one score per token (headwise) / per dim (elementwise) for all
+                                    # heads, from a projection with 1/H of the outputs
+  gate_activation: str = "sigmoid"  # y * sigmoid(z) | y * ns_sigmoid(z) = 0.5 + 0.5 sigmoid | y * silu(z)
+                                    # | silu_additive: y + SiLU(z)  (z = x W + b)
+  gate_input: str = "dependent"     # dependent: z = x W + b | independent: z = a learned logit per head (and dim),
+                                    # initialized to gate_bias_init (003 Table 4 row 6: 0)
   tie_embeddings: bool = False
   dtype: str = "bfloat16"           # compute dtype; params stay in param_dtype
   param_dtype: str = "float32"
@@ -155,6 +163,9 @@ class Config:
 CHOICES = {
     "model.attention": ("vanilla", "sink", "gated", "relu"),
     "model.gate": ("headwise", "elementwise"),
+    "model.gate_position": ("sdpa", "value"),
+    "model.gate_activation": ("sigmoid", "ns_sigmoid", "silu", "silu_additive"),
+    "model.gate_input": ("dependent", "independent"),
     "model.mlp": ("relu2", "swiglu", "clamped_swiglu"),
     "model.rope_scaling": ("none", "llama3", "yarn"),
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -281,6 +292,7 @@ def validate(cfg: Config) -> None:
   if cfg.loss.aux_weight < 0:
     raise ConfigError(f"loss.aux_weight must be >= 0, got {cfg.loss.aux_weight}")
   _validate_architecture(m)
+  _validate_gate(m)
   _validate_lora(cfg.lora)
 
 
@@ -308,6 +320,16 @@ def _validate_architecture(m: ModelConfig) -> None:
   if m.sliding_window and m.attention in ("vanilla", "relu"):
     raise ConfigError(f"model.sliding_window needs model.attention sink or gated (with {m.attention} attention the "
                       "implicit gate needs the document's first key, which a window can drop)")
+
+
+def _validate_gate(m: ModelConfig) -> None:
+  """The gating ablations (003) configure the gate of gated attention; elsewhere there is no gate to configure."""
+  default = ModelConfig()
+  changed = [k for k in ("gate_position", "gate_shared", "gate_activation", "gate_input")
+             if getattr(m, k) != getattr(default, k)]
+  if changed and m.attention != "gated":
+    raise ConfigError(f"model.{changed[0]} configures the gate of gated attention: set model.attention=gated "
+                      f"(got {m.attention!r}) or leave it at its default")
 
 
 def _validate_lora(lora: LoRAConfig) -> None:

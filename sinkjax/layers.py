@@ -6,6 +6,25 @@ records the per-head importance of its gate (eq. 5) with `nnx.sow` under the nam
 model collects them after its forward pass with `pop_head_importance(model)` -> [L, H] and adds
 `sinkjax.balance.aux_loss`. Linen users get the same layer from `linen_attention(...)` (via `nnx.bridge`), whose
 importances land in the `intermediates` collection.
+
+Gating ablations (paper 003 Table 1 / Table 4; gated attention only, `Attention(...)` arguments and the same-named
+`model.*` config keys). With z = x W + b from the layer's normed input x (the defaults give the G1 gate,
+out = SDPA(q, k, v) * sigmoid(z), headwise or elementwise as `gate`):
+- gate_position: "sdpa" (G1, the gate of the query token scales the SDPA output) | "value" (G2: each value is gated
+  by its own token, v'_j = v_j * g(x_j), before attention; one score per KV head, shape n x k (x dk) in Table 1).
+  G2 is applied in `project_unrotated`, so KV caches and sink tokens hold gated values.
+- gate_shared: head-shared (Table 1 rows 12-13): W maps to one score per token (headwise) or dk scores (elementwise)
+  used by every head, 1/H of the head-specific gate's parameters. (The paper obtains it by averaging a head-specific
+  projection over heads, which is the same function class.)
+- gate_activation: "sigmoid" | "ns_sigmoid" (y * (0.5 + 0.5 sigmoid(z)), Table 4 row 7) | "silu" (y * SiLU(z),
+  Table 1 row 15) | "silu_additive" (y + SiLU(z), Table 1 row 14).
+- gate_input: "dependent" | "independent" (Table 4 row 6): z is a learned logit per gate head (and dim), initialized
+  to gate_bias_init (the paper: 0), with no projection.
+The gate G recorded as head importance (and reported by `sinkjax.eval` as gate_mean) is
+`sinkjax.attention.gate_score`: the sigmoid score (0.5 + 0.5 sigmoid for ns_sigmoid); for the SiLU forms sigma(z),
+the sigmoid factor of SiLU(z) = z sigma(z), since SiLU has no [0, 1] score of its own. At G2 each query head reports
+its KV group's gate of the query token's own value (the gate a token's value carries); a shared gate is the same
+for every head, so its importance CV is 0 and the aux loss has nothing to balance.
 """
 from __future__ import annotations
 
@@ -21,6 +40,8 @@ from sinkjax.balance import head_importance
 
 ATTENTION_VARIANTS = ("vanilla", "sink", "gated", "relu")
 GATE_KINDS = ("headwise", "elementwise")
+GATE_POSITIONS = ("sdpa", "value")          # 003 G1 | G2
+GATE_INPUTS = ("dependent", "independent")
 
 
 class RMSNorm(nnx.Module):
@@ -116,6 +137,8 @@ class Attention(nnx.Module):
     gate: "headwise" (one gate per head, paper eq. 2) | "elementwise" (one per head dim, Qwen3-Next); gated only.
     sink_init: initial sink logit per head (sink attention).
     gate_bias_init: initial bias of the gate projection (gated attention); sigmoid(0) = 0.5.
+    gate_position, gate_shared, gate_activation, gate_input: the gating ablations of paper 003 (gated only; the
+      defaults are the G1 gate above; see the module docstring, "Gating ablations").
     impl: `flash_attention` backend ("auto" picks Pallas on TPU/GPU, blockwise XLA on CPU).
     norm_scale, norm_eps: learnable scale and epsilon of the QK-norms (Qwen3: scaled; nanochat: parameter-free).
     rope_scaling: a `RopeScaling` (llama3 / yarn long-context frequencies), None = plain RoPE.
@@ -128,6 +151,8 @@ class Attention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                *, attention: str = "vanilla", gate: str = "headwise", qk_norm: bool = True,
+               gate_position: str = "sdpa", gate_shared: bool = False, gate_activation: str = "sigmoid",
+               gate_input: str = "dependent",
                rope_theta: float = 10000.0, use_bias: bool = False, sink_init: float = 0.0,
                gate_bias_init: float = 0.0, impl: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32,
                zero_init_output: bool = True, sink_tokens: int = 0, norm_scale: bool = False,
@@ -137,6 +162,13 @@ class Attention(nnx.Module):
       raise ValueError(f"attention must be one of {ATTENTION_VARIANTS}, got {attention!r}")
     if gate not in GATE_KINDS:
       raise ValueError(f"gate must be one of {GATE_KINDS}, got {gate!r}")
+    for name, val, allowed in (("gate_position", gate_position, GATE_POSITIONS),
+                               ("gate_activation", gate_activation, variants.GATE_ACTIVATIONS),
+                               ("gate_input", gate_input, GATE_INPUTS)):
+      if val not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {val!r}")
+    self.gate_position, self.gate_shared = gate_position, gate_shared
+    self.gate_activation, self.gate_input = gate_activation, gate_input
     num_kv_heads = num_kv_heads or num_heads
     head_dim = head_dim or d_model // num_heads
     if num_heads % num_kv_heads:
@@ -159,10 +191,17 @@ class Attention(nnx.Module):
     self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else None
     self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else None
     self.sink = nnx.Param(jnp.full((num_heads,), sink_init, param_dtype)) if attention == "sink" else None
-    width = num_heads if gate == "headwise" else num_heads * head_dim
+    # Gate heads Hg: the heads of the gated tensor (query heads at G1, KV heads at G2), 1 when head-shared.
+    self.gate_heads = 1 if gate_shared else (num_heads if gate_position == "sdpa" else num_kv_heads)
+    width = self.gate_heads * (1 if gate == "headwise" else head_dim)
+    dependent = attention == "gated" and gate_input == "dependent"
     self.gate_proj = nnx.Linear(d_model, width, use_bias=True, dtype=dtype, param_dtype=param_dtype,
                                 bias_init=nnx.initializers.constant(gate_bias_init),
-                                rngs=rngs) if attention == "gated" else None
+                                rngs=rngs) if dependent else None
+    # Input-independent gate: learned logits, flat [width] like gate_proj's bias (a vector, so the optimizer gives it
+    # AdamW at the scalar rate, not Muon).
+    self.gate_logit = nnx.Param(jnp.full((width,), gate_bias_init, param_dtype)
+                                ) if attention == "gated" and not dependent else None
     if sink_tokens < 0 or (sink_tokens and attention == "relu"):
       raise ValueError(f"sink_tokens must be >= 0 and needs a softmax variant (got {sink_tokens}, {attention!r})")
     self.num_sink_tokens = sink_tokens
@@ -170,8 +209,10 @@ class Attention(nnx.Module):
                                  ) if sink_tokens else None
 
   def project(self, x, positions):
-    """q [B,T,Hq,D], k/v [B,T,Hkv,D] with QK-norm and RoPE applied."""
+    """q [B,T,Hq,D], k/v [B,T,Hkv,D] with QK-norm and RoPE applied; `positions` are document positions (0 at a
+    document's first token), shifted here by the number of sink tokens, which hold positions 0..n-1."""
     q, k, v = self.project_unrotated(x)
+    positions = positions + self.num_sink_tokens
     return self.rotate(q, positions), self.rotate(k, positions), v
 
   def project_unrotated(self, x):
@@ -180,6 +221,9 @@ class Attention(nnx.Module):
     q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+    if self.attention == "gated" and self.gate_position == "value":
+      # G2 gates each value where it is made, so KV caches and sink tokens hold gated values; `attend` reports it.
+      v, _ = variants.apply_gate(v, self.gate_logits(x), self.gate_activation)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     return q, k, v
@@ -199,11 +243,23 @@ class Attention(nnx.Module):
     k = self.rotate(k, jnp.arange(n, dtype=jnp.int32)[None])
     return tuple(jnp.broadcast_to(a, (B,) + a.shape[1:]) for a in (k, v))
 
-  def attend(self, x, q, k, v, segment_ids, *, impl=None):
-    """The variant switch: (out [B,T,Hq,D], gate [B,T,Hq] or [B,T,Hq,D]). Sink tokens join every variant here."""
+  def gate_logits(self, x):
+    """Gate logits z (gated attention) for inputs x [B,T,d_model]: [B,T,Hg] (headwise) or [B,T,Hg,D] (elementwise),
+    Hg = `gate_heads`; an input-independent gate broadcasts its learned logits over B and T."""
+    B, T, _ = x.shape
+    if self.gate_proj is not None:
+      z = self.gate_proj(x)
+    else:
+      z = jnp.broadcast_to(self.gate_logit[...], (B, T) + self.gate_logit.shape)
+    shape = (B, T, self.gate_heads) + (() if self.gate_kind == "headwise" else (self.head_dim,))
+    return z.astype(jnp.float32).reshape(shape)
+
+  def attend(self, x, q, k, v, segment_ids, *, impl=None, slide=True):
+    """The variant switch: (out [B,T,Hq,D], gate [B,T,Hq] or [B,T,Hq,D]). Sink tokens join every variant here.
+    slide=False leaves out the sliding window (the KV-cache decode step applies it by cache position instead)."""
     impl = impl or self.impl
     kw = dict(segment_ids=segment_ids)
-    if self.sliding_window:
+    if self.sliding_window and slide:
       kw["window"] = self.sliding_window
     if self.sink_states is not None:
       kw["prefix"] = self.sink_kv(x.shape[0])
@@ -212,10 +268,10 @@ class Attention(nnx.Module):
     if self.attention == "sink":
       return variants.sink_attention(q, k, v, self.sink[...], impl=impl, **kw)
     if self.attention == "gated":
-      B, T, _ = x.shape
-      logits = self.gate_proj(x).astype(jnp.float32)
-      shape = (B, T, self.num_heads) if self.gate_kind == "headwise" else (B, T, self.num_heads, self.head_dim)
-      return variants.gated_attention(q, k, v, logits.reshape(shape), impl=impl, **kw)
+      gate_kw = dict(activation=self.gate_activation, impl=impl, **kw)
+      if self.gate_position == "value":                  # G2: v was gated in project_unrotated
+        return variants.value_gated_attention(q, k, v, self.gate_logits(x), values_gated=True, **gate_kw)
+      return variants.gated_attention(q, k, v, self.gate_logits(x), **gate_kw)
     return variants.relu_attention(q, k, v, **kw)
 
   def importance_mask(self, segment_ids, B: int, T: int):
@@ -253,8 +309,11 @@ class Attention(nnx.Module):
     n, C = self.num_sink_tokens, cache.capacity
     q = self.rotate(q, jnp.full((B, 1), cache.query_position + n, jnp.int32))
     k_all = self.rotate(cache.k, jnp.broadcast_to(cache.key_positions + n, (B, C)))
-    seg = (jnp.ones((B, 1), jnp.int32), jnp.broadcast_to(cache.valid, (B, C)).astype(jnp.int32))
-    out, _ = self.attend(x, q, k_all, cache.v, seg, impl="reference")       # T = 1: a [C]-wide softmax per head
+    visible = cache.valid
+    if self.sliding_window:                 # slots are not in age order once a streaming ring wraps
+      visible &= cache.key_positions > cache.query_position - self.sliding_window
+    seg = (jnp.ones((B, 1), jnp.int32), jnp.broadcast_to(visible, (B, C)).astype(jnp.int32))
+    out, _ = self.attend(x, q, k_all, cache.v, seg, impl="reference", slide=False)   # T = 1: [C]-wide softmax
     return self.o_proj(out.reshape(B, 1, self.num_heads * self.head_dim)), cache
 
 

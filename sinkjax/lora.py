@@ -142,11 +142,14 @@ def head_importance_of(model: nnx.Module, batches) -> np.ndarray:
   """Mean [L, H] head importance (eq. 5) of `model` over `batches` (dicts with inputs, segment_ids, positions)."""
   from sinkjax.model import forward_with_importance  # pylint: disable=import-outside-toplevel
 
-  @nnx.jit
-  def one(m, inputs, segment_ids, positions):
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def one(state, inputs, segment_ids, positions):
+    m = nnx.merge(graphdef, state)
     return forward_with_importance(m, inputs, segment_ids=segment_ids, positions=positions)[1]
 
-  imps = [np.asarray(one(model, jnp.asarray(b["inputs"]), jnp.asarray(b["segment_ids"]), jnp.asarray(b["positions"])))
+  imps = [np.asarray(one(state, jnp.asarray(b["inputs"]), jnp.asarray(b["segment_ids"]), jnp.asarray(b["positions"])))
           for b in batches]
   if not imps:
     raise ValueError("head_importance_of needs at least one batch")

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sinkjax.model import forward_with_importance
+
 
 class MCError(ValueError):
   """A malformed multiple-choice file (the message names the file and line)."""
@@ -69,7 +71,9 @@ def encode_pair(tokenizer, context: str, choice: str, max_len: int) -> tuple[lis
 
 def _sequence_logprobs(model, tokens, segment_ids):
   """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t, [B, T-1]."""
-  logits = model(tokens[:, :-1], segment_ids=segment_ids[:, :-1])
+  # forward_with_importance pops the importances the layers sow, so the model's graph (and the jit cache key)
+  # stays the same from call to call
+  logits, _ = forward_with_importance(model, tokens[:, :-1], segment_ids=segment_ids[:, :-1])
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 

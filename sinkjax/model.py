@@ -42,6 +42,8 @@ class Block(nnx.Module):
     self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, attention=cfg.attention,
                           gate=cfg.gate, qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, sink_init=cfg.sink_init,
                           gate_bias_init=cfg.gate_bias_init, impl=cfg.attn_impl, dtype=dt, param_dtype=pdt,
+                          gate_position=cfg.gate_position, gate_shared=cfg.gate_shared,
+                          gate_activation=cfg.gate_activation, gate_input=cfg.gate_input,
                           sink_tokens=cfg.sink_tokens, use_bias=cfg.attn_bias, norm_scale=cfg.norm_scale,
                           norm_eps=cfg.norm_eps, rope_scaling=rope_scaling(cfg),
                           sliding_window=layer_window(cfg, layer), rngs=rngs)
@@ -127,9 +129,10 @@ def param_count_formula(cfg: ModelConfig) -> int:
   if cfg.attention == "sink":
     attn += hq
   attn += cfg.sink_tokens * d              # learnable sink tokens (sink_states of each layer)
-  if cfg.attention == "gated":
-    w = hq if cfg.gate == "headwise" else hq * hd
-    attn += d * w + w
+  if cfg.attention == "gated":            # gate heads: Hq at G1, Hkv at G2, 1 head-shared (layers.Attention)
+    gh = 1 if cfg.gate_shared else (hq if cfg.gate_position == "sdpa" else hkv)
+    w = gh if cfg.gate == "headwise" else gh * hd
+    attn += (d * w + w) if cfg.gate_input == "dependent" else w
   if cfg.attn_bias:
     attn += hq * hd + 2 * hkv * hd + d
   if cfg.norm_scale:                       # attention/MLP norms per block (+ QK-norms); final norm below

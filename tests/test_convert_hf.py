@@ -82,6 +82,51 @@ def _tokens(n=2, t=21, seed=0):
   return np.random.default_rng(seed).integers(0, VOCAB, (n, t))
 
 
+def _forward(model, tokens):
+  """model(tokens), jitted (functional split/merge: the model's graph is static, its state an argument)."""
+  graphdef, state = nnx.split(model)
+  return _apply_jit(graphdef)(state, tokens)
+
+
+_JITS = {}
+
+
+def _apply_jit(graphdef, what="logits"):
+  key = (id(graphdef), what)
+  if key not in _JITS:
+    def f(state, tokens):
+      model = nnx.merge(graphdef, state)
+      return model(tokens) if what == "logits" else forward_with_importance(model, tokens)[1]
+    _JITS[key] = (graphdef, jax.jit(f))           # keep graphdef alive so its id is not reused
+  return _JITS[key][1]
+
+
+def _importance(model, tokens):
+  graphdef, state = nnx.split(model)
+  return _apply_jit(graphdef, "importance")(state, tokens)
+
+
+def _finetune(model, loss_of_model, steps: int, lr: float):
+  """Adam on the LoRA adapters only: the optimizer state and the gradient cover nnx.LoRAParam, the base weights
+  ride along frozen in `rest`. Updates `model` in place; returns the losses."""
+  graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+  tx = optax.adam(lr)
+  opt_state = tx.init(adapters)
+
+  @jax.jit
+  def step(adapters, opt_state):
+    loss, grads = jax.value_and_grad(lambda a: loss_of_model(nnx.merge(graphdef, a, rest)))(adapters)
+    updates, opt_state = tx.update(grads, opt_state, adapters)
+    return optax.apply_updates(adapters, updates), opt_state, loss
+
+  losses = []
+  for _ in range(steps):
+    adapters, opt_state, loss = step(adapters, opt_state)
+    losses.append(float(loss))
+  nnx.update(model, adapters)
+  return losses
+
+
 def _hf_logits(model, tokens):
   with torch.no_grad():
     return model(torch.tensor(tokens)).logits.float().numpy()
@@ -92,7 +137,7 @@ def test_import_matches_transformers_logits(hf_model):
   tokens = _tokens()
   model = load_hf(path)
   assert model.cfg.logit_softcap == 0 and not model.cfg.embed_norm
-  ours = np.asarray(model(jnp.asarray(tokens)))
+  ours = np.asarray(_forward(model, jnp.asarray(tokens)))
   ref = _hf_logits(ref_model, tokens)
   np.testing.assert_allclose(ours, ref, atol=ATOL, rtol=0)
   if family == "gpt_oss":     # the sliding window really restricts: T > window, and layer 0 is a sliding layer
@@ -109,7 +154,7 @@ def test_export_round_trip_loads_in_transformers(hf_model, tmp_path):
   np.testing.assert_allclose(_hf_logits(back, tokens), _hf_logits(ref_model, tokens), atol=ATOL, rtol=0)
 
 
-def test_cli_run_dir_then_export(hf_model, tmp_path):
+def test_cli_run_dir_then_export(hf_model, tmp_path, capsys):
   """--hf-dir writes a run directory that load_run reads (tokenizer included); --export gives it back."""
   family, path, ref_model = hf_model
   if family != "llama":
@@ -121,12 +166,15 @@ def test_cli_run_dir_then_export(hf_model, tmp_path):
   model, cfg, tok = load_run(run)
   assert cfg.data.tokenizer.endswith("tokenizer.json") and tok.vocab_size == VOCAB
   tokens = _tokens(seed=2)
-  np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), _hf_logits(ref_model, tokens), atol=ATOL)
+  np.testing.assert_allclose(np.asarray(_forward(model, jnp.asarray(tokens))), _hf_logits(ref_model, tokens),
+                             atol=ATOL)
   subprocess.run(cmd + ["--export", str(run), "--out", str(tmp_path / "hf")], check=True)
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
   np.testing.assert_allclose(_hf_logits(back, tokens), _hf_logits(ref_model, tokens), atol=ATOL)
-  again = subprocess.run(cmd + ["--hf-dir", str(path), "--out", str(run)], capture_output=True, text=True)
-  assert again.returncode != 0 and again.stderr.strip().count("\n") == 0 and "already holds" in again.stderr
+  capsys.readouterr()
+  assert convert_hf.main(["--hf-dir", str(path), "--out", str(run)]) != 0
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error:") and "already holds" in err and "\n" not in err
 
 
 def test_sharded_checkpoint_with_index(hf_model, tmp_path):
@@ -136,19 +184,19 @@ def test_sharded_checkpoint_with_index(hf_model, tmp_path):
   ref_model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="60KB")
   assert (tmp_path / "model.safetensors.index.json").is_file()
   tokens = _tokens(seed=3)
-  np.testing.assert_allclose(np.asarray(load_hf(tmp_path)(jnp.asarray(tokens))), _hf_logits(ref_model, tokens),
-                             atol=ATOL)
+  np.testing.assert_allclose(np.asarray(_forward(load_hf(tmp_path), jnp.asarray(tokens))),
+                             _hf_logits(ref_model, tokens), atol=ATOL)
 
 
-def test_refuses_pickled_weights(tmp_path):
+def test_refuses_pickled_weights(tmp_path, capsys):
   cfg = _hf_config("llama")
   cfg.save_pretrained(tmp_path)
   (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
   with pytest.raises(ConvertError, match="pickled"):
     load_hf(tmp_path)
-  out = subprocess.run([sys.executable, "-m", "sinkjax.convert.hf", "--hf-dir", str(tmp_path), "--out",
-                        str(tmp_path / "run")], capture_output=True, text=True)
-  assert out.returncode != 0 and out.stderr.startswith("error:") and out.stderr.strip().count("\n") == 0
+  assert convert_hf.main(["--hf-dir", str(tmp_path), "--out", str(tmp_path / "run")]) != 0
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error:") and "pickled" in err and "\n" not in err
 
 
 def test_mxfp4_dequantization_matches_transformers():
@@ -177,7 +225,7 @@ def test_nanochat_model_unchanged_by_new_defaults():
 def _tiny(attention="vanilla", **kw):
   cfg = ModelConfig(vocab_size=VOCAB, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
                     mlp="swiglu", mlp_hidden=48, logit_softcap=0.0, embed_norm=False, norm_scale=True,
-                    qk_norm=False, dtype="float32", attention=attention, **kw)
+                    qk_norm=False, dtype="float32", attention=attention, attn_impl="reference", **kw)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   # Non-zero output projections (the nanochat init zeroes them), so every layer affects the logits.
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -201,28 +249,19 @@ def test_lora_trains_only_adapters_and_merges_exactly(tmp_path):
   adapters = nnx.state(model, nnx.LoRAParam)
   assert len(jax.tree.leaves(adapters)) == 2 * 2 * 7        # A and B on q,k,v,o,gate,up,down of 2 layers
   tokens = jnp.asarray(_tokens(4, 17))
-  before = float(_lm_loss(model, tokens))
-  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=lora.trainable(lcfg))
-
-  @nnx.jit
-  def step(model, opt):
-    loss, grads = nnx.value_and_grad(_lm_loss, argnums=nnx.DiffState(0, lora.trainable(lcfg)))(model, tokens)
-    opt.update(model, grads)
-    return loss
-
-  for _ in range(5):
-    step(model, opt)
-  assert float(_lm_loss(model, tokens)) < before
+  assert lora.trainable(lcfg) is nnx.LoRAParam
+  losses = _finetune(model, lambda m: _lm_loss(m, tokens), steps=6, lr=1e-2)
+  assert losses[-1] < losses[0]
   for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     if isinstance(v, nnx.LoRAParam):
       continue
     np.testing.assert_array_equal(np.asarray(v.get_value()), base[p], err_msg=str(p))
   assert any(np.abs(np.asarray(v)).max() > 0 for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
              if p[-1] == "lora_b")
-  adapted = np.asarray(model(tokens))
+  adapted = np.asarray(_forward(model, tokens))
   lora.merge(model)
   assert not jax.tree.leaves(nnx.state(model, nnx.LoRAParam))
-  np.testing.assert_allclose(np.asarray(model(tokens)), adapted, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(_forward(model, tokens)), adapted, atol=1e-5)
   # ... and the merged export gives transformers the adapted model.
   out = convert_hf.save_hf(model, tmp_path / "merged")
   back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -245,14 +284,10 @@ def test_shared_heads_from_pretrained_importance():
   batches = [{"inputs": _tokens(2, 16, s), "segment_ids": np.ones((2, 16), np.int32),
               "positions": np.tile(np.arange(16), (2, 1))} for s in range(2)]
   imp = lora.head_importance_of(model, batches)
-  expected = np.mean([np.asarray(forward_with_importance(model, jnp.asarray(b["inputs"]))[1]) for b in batches], 0)
+  expected = np.mean([np.asarray(_importance(model, jnp.asarray(b["inputs"]))) for b in batches], 0)
   np.testing.assert_allclose(imp, expected, rtol=1e-5)
   mask = np.asarray(balance.shared_head_mask(imp, 1))
   assert (mask.sum(1) == 1).all() and (np.argmax(imp, 1) == np.argmax(mask, 1)).all()
-
-
-def _importance(model, tokens):
-  return forward_with_importance(model, tokens)[1]
 
 
 @pytest.mark.slow
@@ -267,22 +302,14 @@ def test_eq8_keeps_shared_heads_while_eq7_pins():
     for block in model.layers:
       block.attn.sink.set_value(sinks)
     imp0 = np.asarray(_importance(model, tokens))
-    lcfg = LoRAConfig(rank=4, alpha=8.0)
-    lora.apply(model, lcfg, nnx.Rngs(3))
-    opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.LoRAParam)
+    lora.apply(model, LoRAConfig(rank=4, alpha=8.0), nnx.Rngs(3))
 
     def loss_fn(m):
       logits, imp = forward_with_importance(m, tokens[:, :-1])
       ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
       return ce + balance.aux_loss(imp, 1.0, num_shared)
 
-    @nnx.jit
-    def step(model, opt):
-      _, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
-      opt.update(model, grads)
-
-    for _ in range(150):
-      step(model, opt)
+    _finetune(model, loss_fn, steps=150, lr=3e-3)
     return imp0, np.asarray(_importance(model, tokens))
 
   def routed_cv(imp):

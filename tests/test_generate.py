@@ -24,11 +24,11 @@ def random_model(num_layers=2, seed=0, **kw):
   make all logits equal and greedy decoding a sequence of ties)."""
   cfg = ModelConfig(num_layers=num_layers, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=VOCAB,
                     dtype="float32", **kw)
-  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed))))
   leaves, treedef = jax.tree.flatten(state)
-  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  leaves = [jax.random.normal(k, x.shape, x.dtype) * (0.5 if x.ndim < 2 else x.shape[0] ** -0.5)
-            for k, x in zip(keys, leaves)]
+  rng = np.random.RandomState(seed)
+  leaves = [jnp.asarray(rng.normal(size=x.shape) * (0.5 if x.ndim < 2 else x.shape[0] ** -0.5), x.dtype)
+            for x in leaves]
   return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), cfg
 
 
@@ -38,7 +38,9 @@ PROMPT = [3, 14, 15, 9, 26, 5]
 @nnx.jit
 def forward(model, tokens):
   """The plain causal forward pass (the reference the cache paths are compared with)."""
-  return model(tokens)
+  logits = model(tokens)
+  pop_head_importance(model)              # keep the model's graph unchanged, so this compiles once per shape
+  return logits
 
 
 @pytest.mark.parametrize("attention,sink_tokens", [("vanilla", 0), ("sink", 0), ("gated", 0), ("vanilla", 2)])
@@ -55,15 +57,13 @@ def test_greedy_with_cache_is_argmax_of_full_recomputation(attention, sink_token
   assert gen.prefill_fn._cache_size() == 1 and gen.decode_fn._cache_size() == 1     # one compile each
 
 
-@pytest.mark.parametrize("sink_tokens", [0, 2])
-def test_streaming_with_window_larger_than_text_equals_full_cache(sink_tokens):
-  model, _ = random_model(attention="gated", sink_tokens=sink_tokens)
+@pytest.mark.parametrize("attention,sink_tokens", [("vanilla", 0), ("gated", 2)])
+def test_streaming_with_window_larger_than_text_equals_full_cache(attention, sink_tokens):
+  model, _ = random_model(attention=attention, sink_tokens=sink_tokens)
   ids = np.random.RandomState(0).randint(0, VOCAB, size=40)
   full = gen_lib.streaming_nll(model, ids, capacity=40)
-  stream = gen_lib.streaming_nll(model, ids, capacity=40, sink_size=4)
-  np.testing.assert_array_equal(stream, full)
-  wider = gen_lib.streaming_nll(model, ids, capacity=64, sink_size=4)
-  np.testing.assert_allclose(wider, full, rtol=0, atol=1e-5)
+  stream = gen_lib.streaming_nll(model, ids, capacity=64, sink_size=4)
+  np.testing.assert_array_equal(stream, full)         # bit for bit: empty slots contribute exactly nothing
   logp = jax.nn.log_softmax(forward(model, jnp.asarray(ids[None]))[0, :-1])
   ref = -np.take_along_axis(np.asarray(logp), ids[1:, None], axis=1)[:, 0]
   np.testing.assert_allclose(full, ref, rtol=0, atol=1e-5)
@@ -109,6 +109,15 @@ def test_streaming_memory_is_flat_and_runs_past_max_seq_len():
   assert all(s == shapes[0] for s in shapes) and len(set(nbytes)) == 1
   assert lengths[-1] == len(PROMPT) + 59 > 16
   assert gen.decode_fn._cache_size() == 1
+
+
+def test_sliding_window_layers_decode_like_the_full_forward():
+  """Sliding-window layers (HF option) keep their window in the decode step, where it is applied by position."""
+  model, _ = random_model(attention="sink", sliding_window=5, layer_types=["sliding", "full"])
+  n_new = 10
+  out = gen_lib.Generator(model, capacity=len(PROMPT) + n_new).generate(PROMPT, n_new, temperature=0.0)
+  logits = forward(model, jnp.asarray([PROMPT + out]))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.argmax(logits[0, len(PROMPT) - 1:-1], axis=-1)))
 
 
 def test_prompt_longer_than_streaming_cache_is_streamed():
@@ -207,7 +216,8 @@ def test_sink_prefix_gradients_match_concatenated_softmax():
     np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["vanilla", "sink", "gated"])
+@pytest.mark.parametrize("attention", ["vanilla", pytest.param("sink", marks=pytest.mark.slow),
+                                       pytest.param("gated", marks=pytest.mark.slow)])
 def test_sink_token_model_trains(attention):
   cfg = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=VOCAB,
                     dtype="float32", attention=attention, sink_tokens=2)
@@ -254,17 +264,19 @@ def test_param_count_includes_sink_tokens():
 
 def test_sampling_knobs():
   logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0, -1.0]])
-  key = jax.random.key(0)
-  s = lambda t, k, p, key=key: int(gen_lib.sample_logits(logits, key, jnp.float32(t), jnp.int32(k),
-                                                           jnp.float32(p))[0])
-  assert s(0.0, 0, 1.0) == 1                            # temperature 0 = greedy
-  keys = jax.random.split(key, 200)
-  assert {s(1.0, 1, 1.0, kk) for kk in keys[:20]} == {1}              # top-1
-  assert {s(1.0, 2, 1.0, kk) for kk in keys} == {1, 3}               # top-2
+  keys = jax.random.split(jax.random.key(0), 400)
+  draw = jax.jit(jax.vmap(lambda key, t, k, p: gen_lib.sample_logits(logits, key, t, k, p)[0],
+                          in_axes=(0, None, None, None)))
+  s = lambda t, k, p: set(np.asarray(draw(keys, jnp.float32(t), jnp.int32(k), jnp.float32(p))).tolist())
+  assert s(0.0, 0, 1.0) == {1}                          # temperature 0 = greedy
+  assert s(1.0, 1, 1.0) == {1}                          # top-1
+  assert s(1.0, 2, 1.0) == {1, 3}                       # top-2
   # probabilities ~ [.03, .64, .09, .23, .01]: top-p 0.8 keeps {1, 3}, top-p 0.5 only {1}
-  assert {s(1.0, 0, 0.8, kk) for kk in keys} == {1, 3}
-  assert {s(1.0, 0, 0.5, kk) for kk in keys[:20]} == {1}
-  assert {s(5.0, 0, 1.0, kk) for kk in keys} == {0, 1, 2, 3, 4}     # high temperature: everything
+  assert s(1.0, 0, 0.8) == {1, 3}
+  assert s(1.0, 0, 0.5) == {1}
+  assert s(5.0, 0, 1.0) == {0, 1, 2, 3, 4}              # high temperature: everything
+  frac = np.mean(np.asarray(draw(keys, jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0))) == 1)
+  assert abs(frac - 0.636) < 0.08                       # plain sampling follows softmax(logits)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -1,0 +1,438 @@
+"""Evaluation (`sinkjax.eval`, `sinkjax.analysis`, `sinkjax.mc`) checked against independent computations.
+
+The models are trained in this file on a byte-level "memorize a phrase" task with optax (a few dozen steps), so
+that the numbers are those of a model that has learned something, not of an initialization. Batches are built
+here by hand (BOS-prefixed packed documents), independently of the data pipeline.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from sinkjax import analysis, mc
+from sinkjax import eval as ev
+from sinkjax.config import ModelConfig
+from sinkjax.model import Transformer, forward_with_importance
+
+BOS = 256                                     # byte tokenizer: ids 0..255 are bytes, BOS = 256
+PHRASE = "the quick brown fox jumps over the lazy dog. "
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hand-built data and training
+# ---------------------------------------------------------------------------------------------------------------
+
+def phrase_doc(rng, n: int) -> bytes:
+  """n bytes of the repeated phrase starting at a random offset."""
+  start = int(rng.integers(len(PHRASE)))
+  return ((PHRASE * (n // len(PHRASE) + 2))[start:start + n]).encode()
+
+
+def packed_batch(docs_per_row: list[list[bytes]], T: int) -> dict:
+  """Rows of BOS-prefixed documents packed one after another (padding at the end), in the pipeline's format."""
+  B = len(docs_per_row)
+  x = np.zeros((B, T + 1), np.int32)
+  seg = np.zeros((B, T + 1), np.int32)
+  pos = np.zeros((B, T + 1), np.int32)
+  for b, docs in enumerate(docs_per_row):
+    t = 0
+    for d, doc in enumerate(docs, 1):
+      ids = [BOS] + list(doc)
+      n = min(len(ids), T + 1 - t)
+      x[b, t:t + n], seg[b, t:t + n], pos[b, t:t + n] = ids[:n], d, np.arange(n)
+      t += n
+  same = (seg[:, :-1] == seg[:, 1:]) & (seg[:, :-1] != 0)
+  return {"inputs": x[:, :-1], "targets": x[:, 1:], "segment_ids": seg[:, :-1], "positions": pos[:, :-1],
+          "loss_mask": same.astype(np.float32), "target_bytes": same.astype(np.int32)}
+
+
+def phrase_batch(rng, B: int = 8, T: int = 48) -> dict:
+  """Two or three phrase documents per row, the last row ending in padding."""
+  rows = []
+  for b in range(B):
+    lens = rng.integers(8, 24, size=3)
+    docs = [phrase_doc(rng, int(n)) for n in lens]
+    rows.append(docs[:2] if b == B - 1 else docs)
+  return packed_batch(rows, T)
+
+
+def tiny_config(attention: str, **kw) -> ModelConfig:
+  base = dict(attention=attention, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
+              vocab_size=257, dtype="float32", max_seq_len=64, attn_impl="reference")
+  base.update(kw)
+  return ModelConfig(**base)
+
+
+def train(cfg: ModelConfig, make_batch, steps: int, lr: float = 1e-2, seed: int = 0) -> Transformer:
+  """Plain optax Adam on the mean next-token cross-entropy (the model forward of training)."""
+  model = Transformer(cfg, rngs=nnx.Rngs(seed))
+  opt = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt, batch):
+    def loss_fn(model):
+      logits, _ = forward_with_importance(model, batch["inputs"], segment_ids=batch["segment_ids"],
+                                          positions=batch["positions"])   # pops the sown importances
+      nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+      return (nll * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, grads)
+    return loss
+
+  rng = np.random.default_rng(seed)
+  for _ in range(steps):
+    step(model, opt, {k: jnp.asarray(v) for k, v in make_batch(rng).items()})
+  return model
+
+
+@pytest.fixture(scope="module")
+def models():
+  """A vanilla and a sink model trained the same way on the phrase task."""
+  return {a: train(tiny_config(a), phrase_batch, steps=60) for a in ("vanilla", "sink")}
+
+
+@pytest.fixture(scope="module")
+def eval_batches():
+  rng = np.random.default_rng(123)
+  return [phrase_batch(rng) for _ in range(2)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Independent references (numpy)
+# ---------------------------------------------------------------------------------------------------------------
+
+def np_log_softmax(logits):
+  logits = np.asarray(logits, np.float64)
+  m = logits.max(-1, keepdims=True)
+  return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+
+
+def direct_bpb(model, batches) -> float:
+  """Sum of token NLL in bits over real next tokens / UTF-8 bytes of those targets (bytes counted from the ids)."""
+  bits = nbytes = 0.0
+  for b in batches:
+    logits, _ = forward_with_importance(model, jnp.asarray(b["inputs"]), segment_ids=jnp.asarray(b["segment_ids"]),
+                                        positions=jnp.asarray(b["positions"]))
+    logits = np.asarray(logits)
+    logp = np_log_softmax(logits)
+    seg = b["segment_ids"]
+    for r in range(seg.shape[0]):
+      for t in range(seg.shape[1] - 1):
+        if seg[r, t] != 0 and seg[r, t] == seg[r, t + 1]:        # the target is the next token of the document
+          tok = int(b["targets"][r, t])
+          bits += -logp[r, t, tok] / math.log(2)
+          nbytes += len(bytes([tok]))
+    # the final position's target (beyond the row) belongs to the document when the mask says so
+    last = b["loss_mask"][:, -1] > 0
+    for r in np.nonzero(last)[0]:
+      tok = int(b["targets"][r, -1])
+      bits += -logp[r, -1, tok] / math.log(2)
+      nbytes += 1
+  return bits / nbytes
+
+
+def layer_inputs(model, batch):
+  """The normed input of every attention layer: embedding for layer 0, the previous block's output after that."""
+  tokens = jnp.asarray(batch["inputs"])
+  seg = jnp.asarray(batch["segment_ids"])
+  _, traces = analysis.instrumented_forward(model, tokens, segment_ids=seg, positions=jnp.asarray(batch["positions"]))
+  e = np.asarray(model.embed(tokens), np.float64)
+  x0 = e / np.sqrt((e * e).mean(-1, keepdims=True) + 1e-6)
+  xs = [jnp.asarray(x0, jnp.float32)] + [t.hidden for t in traces[:-1]]
+  return [model.layers[l].attn_norm(x) for l, x in enumerate(xs)]
+
+
+def np_first_token_attention(model, batch) -> np.ndarray:
+  """[L]: softmax(q k^T / sqrt(D)) over causal same-document keys (plus the sink column for sink attention),
+  weight on the document's first key, averaged over heads and non-first valid queries."""
+  seg = np.asarray(batch["segment_ids"])
+  B, T = seg.shape
+  out = []
+  for l, h in enumerate(layer_inputs(model, batch)):
+    attn = model.layers[l].attn
+    q, k, _ = (np.asarray(a, np.float64) for a in attn.project(h, jnp.asarray(batch["positions"])))
+    k = np.repeat(k, attn.num_heads // attn.num_kv_heads, axis=2)
+    vals = []
+    for b in range(B):
+      for t in range(T):
+        if seg[b, t] == 0:
+          continue
+        keys = [s for s in range(t + 1) if seg[b, s] == seg[b, t]]
+        if keys[0] == t:                                          # the document's first token as query
+          continue
+        for hh in range(attn.num_heads):
+          z = np.array([q[b, t, hh] @ k[b, s, hh] for s in keys]) / math.sqrt(attn.head_dim)
+          if attn.attention == "sink":
+            z = np.append(z, float(attn.sink[...][hh]))
+          p = np.exp(z - z.max())
+          p /= p.sum()
+          vals.append(p[0])
+    out.append(np.mean(vals))
+  return np.array(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Language-model metrics
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_val_bpb_equals_direct_token_nll_in_bits_per_byte(models, eval_batches):
+  for model in models.values():
+    got = ev.language_model_metrics(model, eval_batches)
+    want = direct_bpb(model, eval_batches)
+    np.testing.assert_allclose(got["val_bpb"], want, rtol=1e-5)
+    assert got["val_bpb"] < 5.0, "the trained model should beat the uniform 8 bits/byte clearly"
+    np.testing.assert_allclose(got["val_loss"], want * math.log(2), rtol=1e-5)   # 1 byte per token here
+
+
+def test_importance_equals_training_time_importance(models, eval_batches):
+  for model in models.values():
+    b = eval_batches[0]
+    _, imp = forward_with_importance(model, jnp.asarray(b["inputs"]), segment_ids=jnp.asarray(b["segment_ids"]),
+                                     positions=jnp.asarray(b["positions"]))
+    got = ev.language_model_metrics(model, [b])
+    np.testing.assert_allclose(np.array(got["importance"]), np.asarray(imp), rtol=1e-6, atol=1e-7)
+    imp = np.asarray(imp, np.float64)
+    cv = imp.std(-1) / imp.mean(-1)
+    np.testing.assert_allclose(got["cv_per_layer"], cv, rtol=1e-5)
+    np.testing.assert_allclose(got["head_imbalance"], cv.mean(), rtol=1e-5)
+
+
+def test_importance_over_batches_is_token_weighted(models, eval_batches):
+  model = models["vanilla"]
+  imps, counts = [], []
+  for b in eval_batches:
+    _, imp = forward_with_importance(model, jnp.asarray(b["inputs"]), segment_ids=jnp.asarray(b["segment_ids"]),
+                                     positions=jnp.asarray(b["positions"]))
+    seg = b["segment_ids"]
+    starts = (b["positions"] == 0) & (seg != 0)
+    imps.append(np.asarray(imp))
+    counts.append(((seg != 0) & ~starts).sum())                # vanilla: document-first tokens do not count
+  want = sum(i * c for i, c in zip(imps, counts)) / sum(counts)
+  np.testing.assert_allclose(ev.language_model_metrics(model, eval_batches)["importance"], want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Instrumented forward and sink diagnostics
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("attention,gate", [("vanilla", "headwise"), ("sink", "headwise"), ("gated", "headwise"),
+                                            ("gated", "elementwise"), ("relu", "headwise")])
+def test_instrumented_forward_is_the_model_forward(attention, gate):
+  model = Transformer(tiny_config(attention, gate=gate, attn_impl="auto"), rngs=nnx.Rngs(1))
+  # output projections start at zero; perturb every parameter so that every block matters
+  params = nnx.state(model, nnx.Param)
+  leaves, tdef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(2), len(leaves))
+  nnx.update(model, jax.tree.unflatten(tdef, [p + 0.2 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)]))
+  b = phrase_batch(np.random.default_rng(0))
+  args = dict(segment_ids=jnp.asarray(b["segment_ids"]), positions=jnp.asarray(b["positions"]))
+  want, _ = forward_with_importance(model, jnp.asarray(b["inputs"]), **args)
+  got, traces = analysis.instrumented_forward(model, jnp.asarray(b["inputs"]), **args)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # the materialized weights reproduce each layer's attention output: out = sum_s A_ts v_s (times the output gate
+  # for gated attention); this is what makes them "the attention weights of the model"
+  for block, tr, h in zip(model.layers, traces, layer_inputs(model, b)):
+    attn = block.attn
+    out, _ = attn.attend(h, tr.q, tr.k, tr.v, args["segment_ids"])
+    v = jnp.repeat(tr.v, attn.num_heads // attn.num_kv_heads, axis=2)
+    mixed = jnp.einsum("bhts,bshd->bthd", tr.weights, v)
+    if attention == "gated":
+      mixed = mixed * (tr.gate if tr.gate.ndim == 4 else tr.gate[..., None])
+    np.testing.assert_allclose(mixed, out, rtol=1e-4, atol=1e-5)
+
+
+def test_first_token_attention_equals_materialized_softmax_first_column(models, eval_batches):
+  for name, model in models.items():
+    b = eval_batches[0]
+    got = ev.sink_diagnostics(model, [b])
+    np.testing.assert_allclose(got["first_token_attention"], np_first_token_attention(model, b), rtol=1e-4,
+                               atol=1e-6, err_msg=name)
+
+
+def test_vanilla_first_token_attention_is_one_minus_importance(models, eval_batches):
+  """For vanilla attention G = 1 - A_first (eq. 4): the diagnostics (materialized weights) and the importance
+  (the kernel's LSE) measure the same thing over the same tokens."""
+  model = models["vanilla"]
+  d = ev.sink_diagnostics(model, eval_batches)
+  imp = np.array(ev.language_model_metrics(model, eval_batches)["importance"])
+  np.testing.assert_allclose(d["first_token_attention"], 1.0 - imp.mean(-1), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(d["gate_mean"], imp.mean(-1), rtol=1e-4, atol=1e-5)
+
+
+def test_sink_weight_is_one_minus_gate(models, eval_batches):
+  model = models["sink"]
+  b = eval_batches[0]
+  d = ev.sink_diagnostics(model, [b])
+  seg = jnp.asarray(b["segment_ids"])
+  _, traces = analysis.instrumented_forward(model, jnp.asarray(b["inputs"]), segment_ids=seg,
+                                            positions=jnp.asarray(b["positions"]))
+  later = np.asarray((seg != 0) & (jnp.asarray(b["positions"]) != 0))
+  for l, tr in enumerate(traces):
+    want = (1.0 - np.asarray(tr.gate))[later].mean()             # G = sigma(LSE - sink) from the kernel
+    np.testing.assert_allclose(d["sink_logit_attention"][l], want, rtol=1e-4)
+    total = np.asarray(tr.weights).sum(-1)                        # [B,H,T]: A sums to 1 - sink weight
+    np.testing.assert_allclose(total + np.swapaxes(np.asarray(tr.sink_weight), 1, 2), 1.0 * later[:, None, :],
+                               atol=1e-5)
+
+
+def test_value_norm_and_activation_statistics(models, eval_batches):
+  model = models["vanilla"]
+  b = eval_batches[0]
+  d = ev.sink_diagnostics(model, [b])
+  seg, pos = b["segment_ids"], b["positions"]
+  _, traces = analysis.instrumented_forward(model, jnp.asarray(b["inputs"]), segment_ids=jnp.asarray(seg),
+                                            positions=jnp.asarray(pos))
+  first, other = (seg != 0) & (pos == 0), (seg != 0) & (pos != 0)
+  for l, tr in enumerate(traces):
+    vn = np.linalg.norm(np.asarray(tr.v, np.float64), axis=-1).mean(-1)
+    np.testing.assert_allclose(d["first_token_value_norm"][l], vn[first].mean(), rtol=1e-5)
+    np.testing.assert_allclose(d["other_value_norm"][l], vn[other].mean(), rtol=1e-5)
+    np.testing.assert_allclose(d["value_norm_by_position"][l][3], vn[(seg != 0) & (pos == 3)].mean(), rtol=1e-5)
+    np.testing.assert_allclose(d["max_activation"][l], np.abs(np.asarray(tr.hidden))[seg != 0].max(), rtol=1e-6)
+  hist = np.array(d["gate_histogram"]["density"])
+  np.testing.assert_allclose(hist.sum(-1), 1.0, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Value zeroing (000 App. A)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_value_zeroing_all_heads_changes_bpb_and_tau_one_changes_nothing(models, eval_batches):
+  model = models["vanilla"]
+  d = ev.sink_diagnostics(model, eval_batches)
+  bpb = ev.language_model_metrics(model, eval_batches)["val_bpb"]
+  vz = ev.value_zeroing(model, eval_batches, d["sink_ratio_alpha"], tau=1.0)
+  assert vz["num_heads_selected"] == 0
+  np.testing.assert_allclose(vz["bpb_none"], bpb, rtol=1e-6)
+  np.testing.assert_allclose(vz["bpb_selected"], bpb, rtol=1e-6)
+  assert abs(vz["bpb_all"] - bpb) > 1e-4
+  vz0 = ev.value_zeroing(model, eval_batches, d["sink_ratio_alpha"], tau=0.0)   # every head has alpha > 0
+  assert vz0["num_heads_selected"] == vz0["num_heads"]
+  np.testing.assert_allclose(vz0["bpb_selected"], vz0["bpb_all"], rtol=1e-6)
+
+
+def test_value_zeroing_matches_zeroing_the_value_by_hand(models, eval_batches):
+  """One layer, one head: zeroing by the instrumented forward = attention recomputed with v_first := 0."""
+  model = models["vanilla"]
+  b = eval_batches[0]
+  seg, pos = jnp.asarray(b["segment_ids"]), jnp.asarray(b["positions"])
+  L, H = len(model.layers), model.cfg.num_heads
+  zero = np.zeros((L, H), bool)
+  zero[0, 1] = True
+  _, traces = analysis.instrumented_forward(model, jnp.asarray(b["inputs"]), segment_ids=seg, positions=pos,
+                                            zero_first_value=jnp.asarray(zero))
+  tr = traces[0]
+  v = np.asarray(tr.v)                                                 # [B,T,Hq,D] after zeroing
+  starts = np.asarray(b["positions"] == 0) & np.asarray(b["segment_ids"] != 0)
+  assert np.all(v[starts][:, 1] == 0)
+  assert np.all(np.abs(v[starts][:, 0]) > 0) and np.all(np.abs(v[~starts][:, 1]).sum(-1) > 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multiple choice
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Bytes:
+  bos_id = BOS
+
+  def encode(self, text):
+    return list(text.encode())
+
+
+def test_choice_logprobs_equal_direct_computation(models, tmp_path):
+  model = models["sink"]
+  items = [{"context": "the quick brown", "choices": [" fox", " dog jumps", "x"], "label": 0},
+           {"context": "lazy", "choices": [" dog.", " cat"], "label": 0}]
+  got = mc.choice_logprobs(model, _Bytes(), items, max_len=64, batch_size=2)
+  for it, lps in zip(items, got):
+    for choice, lp in zip(it["choices"], lps):
+      ids = [BOS] + list(it["context"].encode()) + list(choice.encode())
+      logp = np_log_softmax(forward_with_importance(model, jnp.asarray([ids[:-1]]))[0])[0]
+      n_ctx = 1 + len(it["context"].encode())
+      want = sum(logp[t - 1, ids[t]] for t in range(n_ctx, len(ids)))
+      np.testing.assert_allclose(lp, want, rtol=1e-5, atol=1e-4)
+
+
+def test_mc_scorer_picks_the_memorized_continuation(models, tmp_path):
+  """The models were trained to continue one fixed phrase: the phrase's continuation is the forced answer."""
+  path = tmp_path / "mc.jsonl"
+  items = [{"context": "the quick brown", "choices": [" cat jumps", " fox jumps", " dog jumps"], "label": 1},
+           {"context": "jumps over the", "choices": [" lazy dog.", " quick dog", " lazy fox."], "label": 0},
+           {"context": "fox jumps", "choices": [" under", " after", " over "], "label": 2}]
+  path.write_text("\n".join(json.dumps(i) for i in items) + "\n\n")
+  loaded = mc.load_items(path)
+  assert loaded == items
+  for model in models.values():
+    res = mc.score(model, _Bytes(), loaded, max_len=64)
+    assert res["accuracy"] == 1.0 and res["accuracy_norm"] == 1.0, res
+
+
+@pytest.mark.parametrize("line,msg", [("{not json", "not valid JSON"), ("[1, 2]", "expected an object"),
+                                      ('{"context": 1, "choices": ["a"], "label": 0}', "'context'"),
+                                      ('{"context": "a", "choices": [], "label": 0}', "'choices'"),
+                                      ('{"context": "a", "choices": ["a", "b"], "label": 2}', "'label'")])
+def test_mc_file_errors_name_the_line(tmp_path, line, msg):
+  path = tmp_path / "bad.jsonl"
+  path.write_text('{"context": "a", "choices": ["b"], "label": 0}\n' + line + "\n")
+  with pytest.raises(mc.MCError, match=msg) as e:
+    mc.load_items(path)
+  assert f"{path}:2" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------
+
+def _cli_error(capsys, argv) -> str:
+  assert ev.main(argv) == 1
+  err = capsys.readouterr().err.strip()
+  assert "\n" not in err and err.startswith("sinkjax.eval: error:"), err
+  return err
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+  assert "does not exist" in _cli_error(capsys, ["--checkpoint", str(tmp_path / "nope")])
+  (tmp_path / "run").mkdir()
+  assert "not a run directory" in _cli_error(capsys, ["--checkpoint", str(tmp_path / "run")])
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text("{oops\n")
+  assert "bad.jsonl:1" in _cli_error(capsys, ["--checkpoint", str(tmp_path / "run"), "--mc", str(bad)])
+  assert "--tau" in _cli_error(capsys, ["--checkpoint", str(tmp_path / "run"), "--tau", "1.5"])
+  with pytest.raises(SystemExit) as e:
+    ev.main([])                                                         # --checkpoint is required
+  assert e.value.code == 2
+
+
+@pytest.mark.slow
+def test_sink_model_puts_less_attention_on_the_first_token_than_vanilla():
+  """On a task whose heads have nothing useful to read most of the time (runs of repeated bytes: the next byte is
+  the current one), vanilla attention parks its attention on the first token (a sink forms), while sink
+  attention can park it on the sink logit instead."""
+  def runs_batch(rng, B=16, T=64):
+    rows = []
+    for _ in range(B):
+      doc = b""
+      while len(doc) < T:
+        doc += bytes([int(rng.integers(97, 123))]) * int(rng.integers(3, 9))
+      rows.append([doc[:T]])
+    return packed_batch(rows, T)
+
+  test = [runs_batch(np.random.default_rng(7))]
+  fta = {}
+  for a in ("vanilla", "sink"):
+    model = train(tiny_config(a, d_model=64, num_heads=4, num_kv_heads=4, head_dim=16), runs_batch, steps=150,
+                  lr=3e-3)
+    d = ev.sink_diagnostics(model, test)
+    fta[a] = float(np.mean(d["first_token_attention"]))
+  assert fta["vanilla"] > 0.3 and fta["vanilla"] > 2 * fta["sink"], fta
