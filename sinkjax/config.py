@@ -102,6 +102,8 @@ class DataConfig:
   val_fraction: float = 0.02        # for sources without a validation split
   num_workers: int = 0              # grain worker processes (0 = in-process)
   prefetch: int = 2
+  format: str = "text"              # text (packed documents) | sft (JSONL prompt/response or chat messages; loss
+                                    # on the response tokens, sinkjax.data.sft)
 
 
 @dataclasses.dataclass
@@ -126,6 +128,7 @@ class TrainConfig:
   decay_frac: float = 0.2           # linear decay to 0 over the final fraction of steps
   max_nonfinite: int = 5            # consecutive non-finite steps (loss, gradient or update) before the run stops
   stop_at_step: int = 0             # end this invocation after this step with a checkpoint, schedule unchanged
+  init_from: str = ""               # fine-tuning: a run dir (e.g. from sinkjax.convert.hf) whose weights start the run
                                     # (chunked jobs on preemptible machines); 0 = run to train.steps
 
 
@@ -172,6 +175,7 @@ CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "model.attn_impl": ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu"),
     "train.optimizer": ("muon", "adamw"),
+    "data.format": ("text", "sft"),
 }
 
 

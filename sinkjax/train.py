@@ -327,7 +327,9 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   metrics_path = run_dir / "metrics.jsonl"
   writer = None
   if is_main:
-    _write_atomic(run_dir / ckpt_lib.CONFIG_FILE, yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
+    resolved = config_lib.to_dict(cfg)
+    resolved["train"]["stop_at_step"] = 0           # a property of this invocation, not of the run
+    _write_atomic(run_dir / ckpt_lib.CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False))
     _truncate_metrics(metrics_path, start)
     from tensorboardX import SummaryWriter
     writer = SummaryWriter(str(run_dir / "tb"))
@@ -427,6 +429,8 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
       metrics_file.close()
       writer.close()
 
+  if is_main and start >= stop_at:
+    print(f"nothing to do: {run_dir} is already at step {start} of {steps} (raise train.steps to continue)")
   if is_main and summary["last_importance"] is not None:
     plots.plot_training_curves(metrics_path, run_dir)
     plots.plot_importance_heatmap(summary["last_importance"], run_dir / "importance.png",

@@ -322,3 +322,27 @@ def test_eq8_keeps_shared_heads_while_eq7_pins():
   drift7, drift8 = np.abs(imp7[:, 0] - imp0[:, 0]).mean(), np.abs(imp8[:, 0] - imp0[:, 0]).mean()
   assert drift8 < 0.5 * drift7, (drift7, drift8)
   assert routed_cv(imp8) < 0.5 * routed_cv(imp0), (routed_cv(imp0), routed_cv(imp8))
+
+
+def test_sft_batches_put_loss_on_response_tokens_only(tmp_path):
+  from sinkjax.config import DataConfig
+  from sinkjax.data import build_tokenizer
+  from sinkjax.data.sft import ChatFormat, make_sft_iterator
+  recs = [{"prompt": f"add {i} and {i}", "response": f"{2 * i}"} for i in range(9)]
+  recs.append({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+  (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+  cfg = DataConfig(source=str(tmp_path / "d.jsonl"), seq_len=48, val_fraction=0.2, prefetch=0)
+  tok = build_tokenizer(cfg)
+  batch = next(make_sft_iterator(cfg, tok, batch_size=4, seed=0))
+  for row in range(4):
+    m = batch["loss_mask"][row] > 0
+    seg = batch["segment_ids"][row]
+    learned = tok.decode(batch["targets"][row][m])
+    assert learned and "add" not in learned and "User" not in learned        # prompts are context only
+    assert set(seg[m]) <= set(seg[seg > 0]) and batch["target_bytes"][row].sum() == len(learned.encode())
+  # A chat template renders turns incrementally; the assistant turn (with its end marker) is the response.
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+      "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                       "{% if add_generation_prompt %}<assistant>{% endif %}"}))
+  pieces = ChatFormat(str(tmp_path / "tokenizer.json")).pieces(recs[-1]["messages"])
+  assert pieces == [("<user>hi</s>", False), ("<assistant>", False), ("hello</s>", True)]

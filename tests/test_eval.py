@@ -112,6 +112,20 @@ def eval_batches():
 # Independent references (numpy)
 # ---------------------------------------------------------------------------------------------------------------
 
+_forward = nnx.jit(lambda model, x, seg, pos: forward_with_importance(model, x, segment_ids=seg, positions=pos))
+_instrumented = nnx.jit(lambda model, x, seg, pos: analysis.instrumented_forward(model, x, segment_ids=seg,
+                                                                                  positions=pos))
+
+
+def forward(model, batch):
+  """(logits, importance) of the model's own forward pass (jitted; the importances are popped)."""
+  return _forward(model, *(jnp.asarray(batch[k]) for k in ("inputs", "segment_ids", "positions")))
+
+
+def instrumented(model, batch):
+  return _instrumented(model, *(jnp.asarray(batch[k]) for k in ("inputs", "segment_ids", "positions")))
+
+
 def np_log_softmax(logits):
   logits = np.asarray(logits, np.float64)
   m = logits.max(-1, keepdims=True)
@@ -122,9 +136,7 @@ def direct_bpb(model, batches) -> float:
   """Sum of token NLL in bits over real next tokens / UTF-8 bytes of those targets (bytes counted from the ids)."""
   bits = nbytes = 0.0
   for b in batches:
-    logits, _ = forward_with_importance(model, jnp.asarray(b["inputs"]), segment_ids=jnp.asarray(b["segment_ids"]),
-                                        positions=jnp.asarray(b["positions"]))
-    logits = np.asarray(logits)
+    logits = np.asarray(forward(model, b)[0])
     logp = np_log_softmax(logits)
     seg = b["segment_ids"]
     for r in range(seg.shape[0]):
@@ -144,10 +156,8 @@ def direct_bpb(model, batches) -> float:
 
 def layer_inputs(model, batch):
   """The normed input of every attention layer: embedding for layer 0, the previous block's output after that."""
-  tokens = jnp.asarray(batch["inputs"])
-  seg = jnp.asarray(batch["segment_ids"])
-  _, traces = analysis.instrumented_forward(model, tokens, segment_ids=seg, positions=jnp.asarray(batch["positions"]))
-  e = np.asarray(model.embed(tokens), np.float64)
+  _, traces = instrumented(model, batch)
+  e = np.asarray(model.embed(jnp.asarray(batch["inputs"])), np.float64)
   x0 = e / np.sqrt((e * e).mean(-1, keepdims=True) + 1e-6)
   xs = [jnp.asarray(x0, jnp.float32)] + [t.hidden for t in traces[:-1]]
   return [model.layers[l].attn_norm(x) for l, x in enumerate(xs)]
@@ -166,18 +176,15 @@ def np_first_token_attention(model, batch) -> np.ndarray:
     vals = []
     for b in range(B):
       for t in range(T):
-        if seg[b, t] == 0:
+        keys = [j for j in range(t + 1) if seg[b, j] == seg[b, t]]
+        if seg[b, t] == 0 or keys[0] == t:                       # padding, or the document's first token as query
           continue
-        keys = [s for s in range(t + 1) if seg[b, s] == seg[b, t]]
-        if keys[0] == t:                                          # the document's first token as query
-          continue
-        for hh in range(attn.num_heads):
-          z = np.array([q[b, t, hh] @ k[b, s, hh] for s in keys]) / math.sqrt(attn.head_dim)
-          if attn.attention == "sink":
-            z = np.append(z, float(attn.sink[...][hh]))
-          p = np.exp(z - z.max())
-          p /= p.sum()
-          vals.append(p[0])
+        z = np.einsum("hd,shd->hs", q[b, t], k[b, keys]) / math.sqrt(attn.head_dim)     # [H, keys]
+        if attn.attention == "sink":
+          z = np.concatenate([z, np.asarray(attn.sink[...], np.float64)[:, None]], axis=1)
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        vals.extend(p[:, 0])
     out.append(np.mean(vals))
   return np.array(out)
 
@@ -198,8 +205,7 @@ def test_val_bpb_equals_direct_token_nll_in_bits_per_byte(models, eval_batches):
 def test_importance_equals_training_time_importance(models, eval_batches):
   for model in models.values():
     b = eval_batches[0]
-    _, imp = forward_with_importance(model, jnp.asarray(b["inputs"]), segment_ids=jnp.asarray(b["segment_ids"]),
-                                     positions=jnp.asarray(b["positions"]))
+    _, imp = forward(model, b)
     got = ev.language_model_metrics(model, [b])
     np.testing.assert_allclose(np.array(got["importance"]), np.asarray(imp), rtol=1e-6, atol=1e-7)
     imp = np.asarray(imp, np.float64)
@@ -212,8 +218,7 @@ def test_importance_over_batches_is_token_weighted(models, eval_batches):
   model = models["vanilla"]
   imps, counts = [], []
   for b in eval_batches:
-    _, imp = forward_with_importance(model, jnp.asarray(b["inputs"]), segment_ids=jnp.asarray(b["segment_ids"]),
-                                     positions=jnp.asarray(b["positions"]))
+    _, imp = forward(model, b)
     seg = b["segment_ids"]
     starts = (b["positions"] == 0) & (seg != 0)
     imps.append(np.asarray(imp))
@@ -237,8 +242,8 @@ def test_instrumented_forward_is_the_model_forward(attention, gate):
   nnx.update(model, jax.tree.unflatten(tdef, [p + 0.2 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)]))
   b = phrase_batch(np.random.default_rng(0))
   args = dict(segment_ids=jnp.asarray(b["segment_ids"]), positions=jnp.asarray(b["positions"]))
-  want, _ = forward_with_importance(model, jnp.asarray(b["inputs"]), **args)
-  got, traces = analysis.instrumented_forward(model, jnp.asarray(b["inputs"]), **args)
+  want, _ = forward(model, b)
+  got, traces = instrumented(model, b)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   # the materialized weights reproduce each layer's attention output: out = sum_s A_ts v_s (times the output gate
   # for gated attention); this is what makes them "the attention weights of the model"
@@ -275,15 +280,14 @@ def test_sink_weight_is_one_minus_gate(models, eval_batches):
   b = eval_batches[0]
   d = ev.sink_diagnostics(model, [b])
   seg = jnp.asarray(b["segment_ids"])
-  _, traces = analysis.instrumented_forward(model, jnp.asarray(b["inputs"]), segment_ids=seg,
-                                            positions=jnp.asarray(b["positions"]))
+  _, traces = instrumented(model, b)
   later = np.asarray((seg != 0) & (jnp.asarray(b["positions"]) != 0))
   for l, tr in enumerate(traces):
     want = (1.0 - np.asarray(tr.gate))[later].mean()             # G = sigma(LSE - sink) from the kernel
     np.testing.assert_allclose(d["sink_logit_attention"][l], want, rtol=1e-4)
-    total = np.asarray(tr.weights).sum(-1)                        # [B,H,T]: A sums to 1 - sink weight
-    np.testing.assert_allclose(total + np.swapaxes(np.asarray(tr.sink_weight), 1, 2), 1.0 * later[:, None, :],
-                               atol=1e-5)
+    total = np.asarray(tr.weights).sum(-1) + np.swapaxes(np.asarray(tr.sink_weight), 1, 2)   # [B,H,T]
+    valid = np.asarray(b["segment_ids"] != 0)
+    np.testing.assert_allclose(total, np.broadcast_to(valid[:, None, :], total.shape), atol=1e-5)
 
 
 def test_value_norm_and_activation_statistics(models, eval_batches):
@@ -291,8 +295,7 @@ def test_value_norm_and_activation_statistics(models, eval_batches):
   b = eval_batches[0]
   d = ev.sink_diagnostics(model, [b])
   seg, pos = b["segment_ids"], b["positions"]
-  _, traces = analysis.instrumented_forward(model, jnp.asarray(b["inputs"]), segment_ids=jnp.asarray(seg),
-                                            positions=jnp.asarray(pos))
+  _, traces = instrumented(model, b)
   first, other = (seg != 0) & (pos == 0), (seg != 0) & (pos != 0)
   for l, tr in enumerate(traces):
     vn = np.linalg.norm(np.asarray(tr.v, np.float64), axis=-1).mean(-1)
@@ -355,13 +358,18 @@ def test_choice_logprobs_equal_direct_computation(models, tmp_path):
   items = [{"context": "the quick brown", "choices": [" fox", " dog jumps", "x"], "label": 0},
            {"context": "lazy", "choices": [" dog.", " cat"], "label": 0}]
   got = mc.choice_logprobs(model, _Bytes(), items, max_len=64, batch_size=2)
-  for it, lps in zip(items, got):
-    for choice, lp in zip(it["choices"], lps):
-      ids = [BOS] + list(it["context"].encode()) + list(choice.encode())
-      logp = np_log_softmax(forward_with_importance(model, jnp.asarray([ids[:-1]]))[0])[0]
-      n_ctx = 1 + len(it["context"].encode())
-      want = sum(logp[t - 1, ids[t]] for t in range(n_ctx, len(ids)))
-      np.testing.assert_allclose(lp, want, rtol=1e-5, atol=1e-4)
+  seqs = [([BOS] + list(it["context"].encode()) + list(ch.encode()), 1 + len(it["context"].encode()))
+          for it in items for ch in it["choices"]]
+  # one unpadded-style forward for all: every row is filled up to a common length with ordinary tokens of the
+  # same document (no padding segment), which causal attention keeps from influencing the positions scored
+  T = max(len(ids) for ids, _ in seqs)
+  x = np.full((len(seqs), T), ord("z"), np.int32)
+  for r, (ids, _) in enumerate(seqs):
+    x[r, :len(ids)] = ids
+  logp = np_log_softmax(forward(model, {"inputs": x, "segment_ids": np.ones_like(x), "positions":
+                                        np.broadcast_to(np.arange(T), x.shape)})[0])
+  want = [sum(logp[r, t - 1, ids[t]] for t in range(start, len(ids))) for r, (ids, start) in enumerate(seqs)]
+  np.testing.assert_allclose([lp for lps in got for lp in lps], want, rtol=1e-5, atol=1e-4)
 
 
 def test_mc_scorer_picks_the_memorized_continuation(models, tmp_path):

@@ -1,0 +1,205 @@
+"""Supervised fine-tuning data: JSONL conversations with the loss on the response tokens only.
+
+Each line of a `.jsonl` file is one example, either
+  {"prompt": "...", "response": "..."}                       (also "completion" for "response")
+  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+A prompt/response pair is the conversation [user: prompt, assistant: response]. Conversations are rendered with the
+tokenizer's chat template when its directory has a tokenizer_config.json with `chat_template` (rendered in Jinja's
+sandbox, as transformers does), else with a plain "User: ... / Assistant: ..." layout. The text of each assistant
+turn (and the template's end-of-turn after it) carries loss; everything else is context (loss_mask 0).
+
+Batches have the features of `sinkjax.data.pipeline` (inputs, targets, segment_ids, positions, loss_mask,
+target_bytes), examples packed greedily into rows of seq_len + 1 tokens with one segment each (an example longer than
+a row is truncated), so the trainer, the model and the BPB accounting need nothing new:
+
+    it = make_sft_iterator(cfg.data, tokenizer, batch_size=8, seed=0)      # Grain iterator (checkpointable)
+    batches = make_sft_eval_batches(cfg.data, tokenizer, batch_size=8, num_batches=4)
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import grain
+import numpy as np
+
+from sinkjax.data.pipeline import FEATURES
+from sinkjax.data.sources import DataError, expand_files
+
+_PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+
+def read_examples(pattern: str) -> list[list[dict]]:
+  """Conversations (lists of {role, content}) of the JSONL files matching `pattern`, in file and line order."""
+  files = [f for f in expand_files(pattern) if f.endswith(".jsonl")]
+  if not files:
+    raise DataError(f"data.source {pattern!r} matches no .jsonl file (SFT data is JSONL: prompt/response or messages)")
+  out = []
+  for f in files:
+    with open(f, encoding="utf-8") as fh:
+      for n, line in enumerate(fh, 1):
+        if not line.strip():
+          continue
+        try:
+          rec = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise DataError(f"{f}:{n} is not valid JSON ({e.msg})") from None
+        out.append(_conversation(rec, f"{f}:{n}"))
+  if not out:
+    raise DataError(f"data.source {pattern!r} holds no examples")
+  return out
+
+
+def _conversation(rec, where: str) -> list[dict]:
+  if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+    msgs = rec["messages"]
+    if not all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in _PLAIN_ROLES
+               for m in msgs) or not any(m["role"] == "assistant" for m in msgs):
+      raise DataError(f"{where}: messages must be {{role: system|user|assistant, content: str}} with at least one "
+                      "assistant turn")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+  if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+    response = rec.get("response", rec.get("completion"))
+    if isinstance(response, str):
+      return [{"role": "user", "content": rec["prompt"]}, {"role": "assistant", "content": response}]
+  raise DataError(f"{where}: an SFT example needs 'prompt' and 'response' strings or a 'messages' list")
+
+
+class ChatFormat:
+  """Renders a conversation into (text, is_response) pieces: the tokenizer's chat template, or a plain layout."""
+
+  def __init__(self, tokenizer_path: str | None):
+    self.template, self.special = None, {}
+    cfg_path = pathlib.Path(tokenizer_path).parent / "tokenizer_config.json" if tokenizer_path else None
+    if cfg_path is not None and cfg_path.is_file():
+      tc = json.loads(cfg_path.read_text())
+      template = tc.get("chat_template")
+      if isinstance(template, list):          # [{name, template}, ...]: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+      if isinstance(template, str):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self.template = env.from_string(template)
+        for key in ("bos_token", "eos_token"):
+          tok = tc.get(key)
+          self.special[key] = tok.get("content", "") if isinstance(tok, dict) else (tok or "")
+
+  def _render(self, msgs, add_generation_prompt: bool) -> str:
+    return self.template.render(messages=msgs, add_generation_prompt=add_generation_prompt, **self.special)
+
+  def pieces(self, msgs: list[dict]) -> list[tuple[str, bool]]:
+    if self.template is None:
+      out = []
+      for m in msgs:
+        out.append((f"{_PLAIN_ROLES[m['role']]}: ", False))
+        out.append((m["content"] + "\n\n", m["role"] == "assistant"))
+      return out
+    # Render growing prefixes: what an assistant turn adds after its generation prompt is response text.
+    out, done = [], ""
+    for i, m in enumerate(msgs):
+      if m["role"] == "assistant":
+        prompt = self._render(msgs[:i], True)
+        if not prompt.startswith(done):
+          raise DataError("the chat template does not render conversations incrementally; use prompt/response "
+                          "data with a tokenizer without chat_template")
+        out.append((prompt[len(done):], False))
+        done = prompt
+      full = self._render(msgs[:i + 1], False)
+      if not full.startswith(done):
+        raise DataError("the chat template does not render conversations incrementally")
+      out.append((full[len(done):], m["role"] == "assistant"))
+      done = full
+    return [(t, r) for t, r in out if t]
+
+
+def _raise(message):
+  raise DataError(f"chat template: {message}")
+
+
+def tokenize_example(msgs, tokenizer, fmt: ChatFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(ids, is_response, nbytes) of one conversation, BOS first (unless the template already put it there)."""
+  ids, resp, nbytes = [], [], []
+  for text, is_resp in fmt.pieces(msgs):
+    t, b = tokenizer.encode_with_bytes(text)
+    ids.append(t)
+    nbytes.append(b)
+    resp.append(np.full(len(t), is_resp))
+  ids, resp, nbytes = (np.concatenate(x) if x else np.zeros(0) for x in (ids, resp, nbytes))
+  if not len(ids) or ids[0] != tokenizer.bos_id:
+    ids, resp, nbytes = np.r_[tokenizer.bos_id, ids], np.r_[False, resp], np.r_[0, nbytes]
+  return ids.astype(np.int32), resp.astype(bool), nbytes.astype(np.int32)
+
+
+def pack_rows(examples, seq_len: int) -> list[dict]:
+  """Greedy packing of (ids, is_response, nbytes) examples into rows of seq_len + 1 tokens (one segment each)."""
+  rows, cur = [], []
+
+  def flush():
+    if not cur:
+      return
+    x = np.zeros(seq_len + 1, np.int32)
+    seg, pos, resp, nb = (np.zeros(seq_len + 1, np.int32) for _ in range(4))
+    at = 0
+    for s, (ids, r, b) in enumerate(cur, 1):
+      n = len(ids)
+      x[at:at + n], seg[at:at + n], pos[at:at + n] = ids, s, np.arange(n)
+      resp[at:at + n], nb[at:at + n] = r, b
+      at += n
+    same = (seg[1:] == seg[:-1]) & (seg[:-1] != 0)
+    mask = same & (resp[1:] > 0)
+    rows.append({"inputs": x[:-1], "targets": x[1:], "segment_ids": seg[:-1], "positions": pos[:-1],
+                 "loss_mask": mask.astype(np.float32), "target_bytes": np.where(mask, nb[1:], 0).astype(np.int32)})
+    cur.clear()
+
+  used = 0
+  for ids, r, b in examples:
+    ids, r, b = ids[:seq_len + 1], r[:seq_len + 1], b[:seq_len + 1]
+    if len(ids) < 2 or not r[1:].any():
+      continue                                    # nothing to learn from (no response token left after truncation)
+    if used + len(ids) > seq_len + 1:
+      flush()
+      used = 0
+    cur.append((ids, r, b))
+    used += len(ids)
+  flush()
+  return rows
+
+
+def _split(convs: list, data_cfg, split: str) -> list:
+  """Deterministic train/val split by example index (every k-th example is validation)."""
+  k = max(2, round(1 / max(data_cfg.val_fraction, 1e-9)))
+  keep = [c for i, c in enumerate(convs) if (i % k == k - 1) == (split == "val")]
+  if not keep:
+    raise DataError(f"the {split} split of data.source {data_cfg.source!r} is empty ({len(convs)} examples, "
+                    f"data.val_fraction {data_cfg.val_fraction}); add examples or change data.val_fraction")
+  return keep
+
+
+def sft_rows(data_cfg, tokenizer, split: str = "train") -> list[dict]:
+  convs = _split(read_examples(data_cfg.source), data_cfg, split)
+  tok_path = data_cfg.tokenizer if data_cfg.tokenizer != "bytes" else None
+  fmt = ChatFormat(tok_path)
+  rows = pack_rows((tokenize_example(c, tokenizer, fmt) for c in convs), data_cfg.seq_len)
+  if not rows:
+    raise DataError(f"data.source {data_cfg.source!r}: no {split} example keeps a response token within "
+                    f"data.seq_len={data_cfg.seq_len}")
+  return rows
+
+
+def _stack(rows):
+  return {f: np.stack([r[f] for r in rows]) for f in FEATURES}
+
+
+def make_sft_iterator(data_cfg, tokenizer, *, batch_size: int, seed: int = 0):
+  """Grain iterator of shuffled (new order each epoch) training batches of packed SFT rows, forever."""
+  rows = sft_rows(data_cfg, tokenizer, "train")
+  ds = grain.MapDataset.source(rows).shuffle(seed=seed).repeat().batch(batch_size, batch_fn=_stack)
+  return iter(ds.to_iter_dataset())
+
+
+def make_sft_eval_batches(data_cfg, tokenizer, *, batch_size: int, num_batches: int) -> list[dict]:
+  rows = sft_rows(data_cfg, tokenizer, "val")[:batch_size * num_batches]
+  pad = {f: np.zeros_like(v) for f, v in rows[0].items()}
+  rows += [pad] * (-len(rows) % batch_size)
+  return [_stack(rows[i:i + batch_size]) for i in range(0, len(rows), batch_size)]
