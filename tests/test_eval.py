@@ -424,23 +424,66 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_sink_model_puts_less_attention_on_the_first_token_than_vanilla():
-  """On a task whose heads have nothing useful to read most of the time (runs of repeated bytes: the next byte is
-  the current one), vanilla attention parks its attention on the first token (a sink forms), while sink
-  attention can park it on the sink logit instead."""
-  def runs_batch(rng, B=16, T=64):
+  """A trigger-conditional LM task (after paper 004): documents are BOS, a key letter, then a deterministic
+  alphabet walk (the next letter is the current one + 1, no attention needed) interrupted by '#' triggers after
+  which the key letter must be copied. Attention is useful only at triggers; elsewhere a vanilla head has to park
+  its weight somewhere harmless and forms a sink on the first token, while a sink-attention head parks it on
+  its sink logit. Both models are trained identically (1 layer, 600 Adam steps)."""
+  def trigger_batch(rng, B=16, T=64):
     rows = []
     for _ in range(B):
-      doc = b""
+      key = int(rng.integers(97, 123))
+      doc, c = [key], int(rng.integers(97, 123))
       while len(doc) < T:
-        doc += bytes([int(rng.integers(97, 123))]) * int(rng.integers(3, 9))
-      rows.append([doc[:T]])
+        if rng.random() < 0.15:
+          doc += [ord("#"), key]
+          c = key
+        else:
+          c = 97 + (c - 97 + 1) % 26
+          doc.append(c)
+      rows.append([bytes(doc[:T])])
     return packed_batch(rows, T)
 
-  test = [runs_batch(np.random.default_rng(7))]
+  test = [trigger_batch(np.random.default_rng(99))]
   fta = {}
   for a in ("vanilla", "sink"):
-    model = train(tiny_config(a, d_model=64, num_heads=4, num_kv_heads=4, head_dim=16), runs_batch, steps=150,
-                  lr=3e-3)
-    d = ev.sink_diagnostics(model, test)
-    fta[a] = float(np.mean(d["first_token_attention"]))
-  assert fta["vanilla"] > 0.3 and fta["vanilla"] > 2 * fta["sink"], fta
+    model = train(tiny_config(a, num_layers=1, d_model=64, num_heads=4, num_kv_heads=4, head_dim=16),
+                  trigger_batch, steps=600, lr=1e-2)
+    fta[a] = np.array(ev.sink_diagnostics(model, test)["first_token_attention_per_head"])
+  # the strongest first-token head of vanilla is a sink; no sink-attention head comes close
+  assert fta["vanilla"].max() > 0.15 and fta["vanilla"].max() > 2 * fta["sink"].max(), fta
+  assert fta["vanilla"].mean() > fta["sink"].mean(), fta
+
+
+@pytest.mark.slow
+def test_cli_end_to_end_on_a_run_of_the_training_cli(tmp_path):
+  """python -m sinkjax.train on a small text corpus, then python -m sinkjax.eval with --mc: every report key and
+  figure exists, and val_bpb on the training's validation batches equals the trainer's own last val_bpb."""
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  rng = np.random.default_rng(0)
+  for i in range(40):
+    (corpus / f"doc{i:02d}.txt").write_bytes(phrase_doc(rng, int(rng.integers(100, 400))))
+  run_dir = tmp_path / "run"
+  train_cmd = [sys.executable, "-m", "sinkjax.train", "--config", str(REPO / "configs" / "tiny.yaml"),
+               "model.num_layers=2", "model.d_model=64", "model.head_dim=16", "data.seq_len=64",
+               f"data.source={corpus}", "data.val_fraction=0.3", "train.batch_size=8", "train.steps=20",
+               "train.eval_every=20", "train.eval_batches=2", "checkpoint.every=20", f"run.dir={run_dir}"]
+  subprocess.run(train_cmd, check=True, capture_output=True, cwd=tmp_path)
+  mc_file = tmp_path / "mc.jsonl"
+  mc_file.write_text(json.dumps({"context": "the quick", "choices": [" brown", " green"], "label": 0}) + "\n")
+  out = tmp_path / "eval"
+  res = subprocess.run([sys.executable, "-m", "sinkjax.eval", "--checkpoint", str(run_dir), "--out", str(out),
+                        "--mc", str(mc_file)], capture_output=True, text=True, cwd=tmp_path)
+  assert res.returncode == 0, res.stderr
+  report = json.loads((out / "report.json").read_text())
+  for key in ("val_bpb", "val_loss", "importance", "head_imbalance", "cv_per_layer", "first_token_attention",
+              "sink_logit_attention", "first_token_value_norm", "other_value_norm", "gate_mean", "gate_sparsity",
+              "max_activation", "value_zeroing", "multiple_choice"):
+    assert key in report, key
+  assert np.array(report["importance"]).shape == (2, 4)
+  for name in ("importance", "first_token_attention", "value_norm", "gate_histogram", "loss", "head_imbalance"):
+    assert (out / f"{name}.png").stat().st_size > 1000, name
+  assert "![importance](importance.png)" in (out / "report.md").read_text()
+  last = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if "val_bpb" in l][-1]
+  np.testing.assert_allclose(report["val_bpb"], last["val_bpb"], rtol=1e-5)

@@ -197,6 +197,13 @@ MODEL_OPTIONS = [      # every option at least once (the default model is test_m
 ]
 
 
+@nnx.jit
+def forward(model, tokens):
+  """Logits and [L, H] importances of the plain forward pass."""
+  logits = model(tokens)
+  return logits, pop_head_importance(model)
+
+
 def tiny_model(seed=0, num_layers=1, **opts):
   cfg = ModelConfig(num_layers=num_layers, d_model=DM, num_heads=HQ, num_kv_heads=HKV, head_dim=D, vocab_size=VOCAB,
                     dtype="float32", attention="gated", **opts)
@@ -217,11 +224,17 @@ def test_tiny_model_trains_one_step(opts):
     imp = pop_head_importance(model)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), imp
 
-  (loss, imp), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-  opt.update(model, grads)
-  loss2, _ = loss_fn(model)
-  assert np.isfinite(loss) and np.isfinite(loss2)
-  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+  @nnx.jit
+  def step(model, opt):
+    (loss, imp), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    opt.update(model, grads)
+    return loss, imp, grads
+
+  before = jax.tree.leaves(nnx.state(model, nnx.Param))
+  loss, imp, grads = step(model, opt)
+  after = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert np.isfinite(loss) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+  assert all(np.all(np.isfinite(a)) for a in after) and any(np.any(a != b) for a, b in zip(after, before))
   attn_grads = grads["layers"][0]["attn"]
   g = attn_grads["gate_logit" if opts.get("gate_input") == "independent" else "gate_proj"]
   assert any(np.abs(np.asarray(a)).max() > 0 for a in jax.tree.leaves(g))
@@ -233,9 +246,8 @@ def test_eval_statistics_report_table4_columns():
   the gate mean is the mean of the gate score the layers record as importance."""
   model, _ = tiny_model(gate_position="value", gate="elementwise")
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 16), 0, VOCAB)
-  report = analysis.summarize(analysis.batch_statistics(model, {"inputs": tokens}))
-  model(tokens)
-  imp = np.asarray(pop_head_importance(model))
+  report = analysis.summarize(analysis.batch_statistics_jit(model, {"inputs": tokens}))
+  imp = np.asarray(forward(model, tokens)[1])
   np.testing.assert_allclose(report["gate_mean"], imp.mean(-1), rtol=1e-4)     # equal-sized heads, no padding
   assert all(0 <= a <= 1 for a in report["first_token_attention"])
   assert all(np.isfinite(m) and m > 0 for m in report["max_activation"])
@@ -246,12 +258,11 @@ def test_value_gate_with_kv_cache_matches_full_forward():
   give the logits of the full causal forward pass."""
   model, cfg = tiny_model(gate_position="value", gate="elementwise")
   tokens = jax.random.randint(jax.random.PRNGKey(4), (1, 8), 0, VOCAB)
-  full = model(tokens)
-  pop_head_importance(model)
-  cache = KVCache.for_model(cfg, 1, 8)
-  logits, cache = model(tokens[:, :6], cache=cache)
+  full, _ = forward(model, tokens)
+  with_cache = nnx.jit(lambda model, tokens, cache: model(tokens, cache=cache))
+  logits, cache = with_cache(model, tokens[:, :6], KVCache.for_model(cfg, 1, 8))
   steps = [logits]
   for t in range(6, 8):
-    logits, cache = model(tokens[:, t:t + 1], cache=cache)
+    logits, cache = with_cache(model, tokens[:, t:t + 1], cache)
     steps.append(logits)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-4, rtol=1e-4)
