@@ -29,7 +29,7 @@ def test_tpu_dry_runs():
   assert "gcloud compute tpus tpu-vm create pod1 --zone=us-central2-b --accelerator-type=v4-32" in out
   assert "--spot" in out
   out = sh(*base, "setup", *common).stdout
-  assert "--worker=all" in out and "pip\\ install" in out and "[tpu]" in out
+  assert "--worker=all" in out and "pip\\ install" in out and "\\[tpu\\]" in out
   out = sh(*base, "run", *common, "--", "--config", "configs/d20_sink_aux.yaml", "train.steps=10").stdout
   assert "--worker=all" in out and "sinkjax.train" in out and "configs/d20_sink_aux.yaml" in out
   assert "train.steps=10" in out
