@@ -162,7 +162,7 @@ def write_figures(report: dict, out_dir: pathlib.Path, metrics_path: pathlib.Pat
   variant = report.get("attention", "")
   paths = [
       plots.plot_importance_heatmap(report["importance"], out_dir / "importance.png",
-                                    f"head importance ({variant}), head imbalance {report['head_imbalance']:.3f}"),
+                                    f"head importance ({variant})"),
       plots.plot_first_token_attention(report["first_token_attention_per_head"], out_dir / "first_token_attention.png",
                                        sink_weight=report["sink_logit_attention"],
                                        title=f"attention on the document's first token ({variant})"),

@@ -428,7 +428,9 @@ def test_sink_model_puts_less_attention_on_the_first_token_than_vanilla():
   alphabet walk (the next letter is the current one + 1, no attention needed) interrupted by '#' triggers after
   which the key letter must be copied. Attention is useful only at triggers; elsewhere a vanilla head has to park
   its weight somewhere harmless and forms a sink on the first token, while a sink-attention head parks it on
-  its sink logit. Both models are trained identically (1 layer, 600 Adam steps)."""
+  its sink logit. Both models are trained identically (1 layer, 600 Adam steps, seed 0). The sink that forms in
+  this short run is partial (the strongest vanilla head puts ~0.28 of its weight on the first token) and its size
+  depends on the seed; the test pins the seed rather than claiming every seed separates this clearly."""
   def trigger_batch(rng, B=16, T=64):
     rows = []
     for _ in range(B):
