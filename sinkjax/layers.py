@@ -297,7 +297,10 @@ class Attention(nnx.Module):
     y = self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
     if cache is not None:
       return y, cache.prefill(k, v)
-    self.sow(nnx.Intermediate, "head_importance", head_importance(gate, self.importance_mask(segment_ids, B, T)))
+    # Each call replaces the previous record (instead of sow's default of appending to a tuple), so a model that is
+    # called repeatedly without popping keeps a fixed graph: no growth and no re-tracing under nnx.jit.
+    self.sow(nnx.Intermediate, "head_importance", head_importance(gate, self.importance_mask(segment_ids, B, T)),
+             reduce_fn=lambda _, new: new, init_fn=lambda: None)
     return y
 
   def _decode(self, x, cache):
@@ -323,7 +326,7 @@ def pop_head_importance(model: nnx.Module):
   imps = []
   for _, node in nnx.iter_graph(model):
     if isinstance(node, Attention) and hasattr(node, "head_importance"):
-      imps.append(node.head_importance.get_value()[-1])
+      imps.append(node.head_importance.get_value())
       del node.head_importance
   if not imps:
     raise ValueError("no Attention layer recorded head importance; call the model before pop_head_importance")

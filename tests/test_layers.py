@@ -132,3 +132,21 @@ def test_rope_rotates_pairs_and_preserves_relative_positions():
   inv = 1.0 / 10000 ** (jnp.arange(0, 8, 2) / 8)
   dot = lambda i, j: float(jnp.sum(apply_rope(q, jnp.array([[i]]), inv) * apply_rope(k, jnp.array([[j]]), inv)))
   np.testing.assert_allclose(dot(7, 3), dot(104, 100), rtol=1e-4)
+
+
+def test_repeated_calls_without_pop_keep_a_fixed_graph():
+  """Calling a model under nnx.jit without popping must not grow the record or re-trace every call."""
+  model = NNXHost("vanilla", nnx.Rngs(0))
+  traces = []
+
+  @nnx.jit
+  def fwd(model, tokens):
+    traces.append(1)
+    return model(tokens)
+
+  tokens = batch(jax.random.PRNGKey(0))[:, :-1]
+  for _ in range(4):
+    fwd(model, tokens)
+  assert len(traces) <= 2, f"traced {len(traces)} times"
+  assert model.layers[0].head_importance.get_value().shape == (H,)
+  assert pop_head_importance(model).shape == (2, H)

@@ -229,8 +229,8 @@ def test_cli_smoke_and_user_errors(tmp_path, compile_cache):
   """configs/tiny.yaml through the CLI leaves a complete run directory; user errors are one line on stderr with
   a non-zero exit and leave an existing run directory untouched. The error cases run concurrently."""
   run_dir = tmp_path / "tiny"
-  smoke = cli(["--config", "configs/tiny.yaml", "train.steps=4", "train.log_every=2", "train.eval_every=2",
-               "train.eval_batches=1", "checkpoint.every=2", f"run.dir={run_dir}"], compile_cache)
+  smoke = cli(["--config", "configs/tiny.yaml", "train.steps=4", "train.batch_size=4", "train.log_every=2",
+               "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2", f"run.dir={run_dir}"], compile_cache)
   blocker = tmp_path / "a_file"
   blocker.write_text("")
   bad = {
