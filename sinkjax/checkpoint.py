@@ -29,7 +29,8 @@ class CheckpointError(ValueError):
   """A user-facing checkpoint problem (missing run dir / checkpoint, mismatching run)."""
 
 
-def _abstract(tree, shardings):
+def abstract_with_shardings(tree, shardings):
+  """`jax.ShapeDtypeStruct`s of `tree` (arrays or shapes) placed by the matching tree of `shardings`."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
@@ -59,13 +60,12 @@ class Checkpointer:
                               data=grain.checkpoint.CheckpointSave(data_iterator))
     return self.manager.save(step, args=args, force=force)
 
-  def restore(self, step: int, params, train_state, data_iterator):
-    """Restores (params, train_state) shaped and sharded like the given (abstract or concrete) trees, and sets
-    `data_iterator` to the saved position in place."""
-    args = ocp.args.Composite(
-        params=ocp.args.StandardRestore(_abstract(params, jax.tree.map(lambda x: x.sharding, params))),
-        train=ocp.args.StandardRestore(_abstract(train_state, jax.tree.map(lambda x: x.sharding, train_state))),
-        data=grain.checkpoint.CheckpointRestore(data_iterator))
+  def restore(self, step: int, abstract_params, abstract_train, data_iterator):
+    """Restores (params, train_state) into the shapes and shardings of the given `jax.ShapeDtypeStruct` trees,
+    and sets `data_iterator` to the saved position in place."""
+    args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params),
+                              train=ocp.args.StandardRestore(abstract_train),
+                              data=grain.checkpoint.CheckpointRestore(data_iterator))
     out = self.manager.restore(step, args=args)
     return out["params"], out["train"]
 
@@ -116,7 +116,7 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None):
   mesh = sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
   abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
   graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
-  params = ckpt.restore_params(step, _abstract(abstract_params,
-                                               sharding_lib.state_shardings(mesh, abstract_params)))
+  params = ckpt.restore_params(step, abstract_with_shardings(abstract_params,
+                                                              sharding_lib.state_shardings(mesh, abstract_params)))
   ckpt.close()
   return nnx.merge(graphdef, params, rest), cfg, tokenizer

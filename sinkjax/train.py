@@ -17,6 +17,7 @@ loss.png, head_imbalance.png, importance.png. Only process 0 writes logs.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -24,6 +25,7 @@ import os
 import pathlib
 import signal
 import sys
+import threading
 import time
 
 import jax
@@ -233,7 +235,7 @@ class _SignalFlag:
     self._old = {}
 
   def __enter__(self):
-    if threading_main():
+    if threading.current_thread() is threading.main_thread():   # signal handlers only work there
       for s in (signal.SIGTERM, signal.SIGINT):
         self._old[s] = signal.signal(s, self._handle)
     return self
@@ -249,11 +251,6 @@ class _SignalFlag:
       signal.signal(s, h)
 
 
-def threading_main() -> bool:
-  import threading
-  return threading.current_thread() is threading.main_thread()
-
-
 # --------------------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------------------
@@ -262,6 +259,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   """Trains (or resumes) the run of `cfg`; returns a summary {steps, final_loss, val_bpb, run_dir, ...}."""
   from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator, to_global_batch
 
+  cfg = copy.deepcopy(cfg)          # filled in below (vocab_size, steps); the caller's config stays as given
   t_start = time.perf_counter()
   is_main = jax.process_index() == 0
   tok = build_tokenizer(cfg.data)
@@ -314,12 +312,9 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   ckpt = ckpt_lib.Checkpointer(run_dir, cfg.checkpoint)
   start = ckpt.latest_step() if has_ckpt else None
   if start is not None:
-    abstract_train = {k: v for k, v in state_shapes.items() if k != "params"}
-    with_sh = lambda t, s: jax.tree.map(lambda x, y: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=y), t, s)
-    params, rest_state = ckpt.restore(start, with_sh(state_shapes["params"], state_sh["params"]),
-                                      with_sh(abstract_train, {k: v for k, v in state_sh.items() if k != "params"}),
-                                      train_iter)
-    state = {"params": params, **rest_state}
+    target = ckpt_lib.abstract_with_shardings(state_shapes, state_sh)
+    params, train_state = ckpt.restore(start, target.pop("params"), target, train_iter)
+    state = {"params": params, **train_state}
   else:
     start = 0
     state = jax.jit(init_state, out_shardings=state_sh)()
