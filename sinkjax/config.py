@@ -19,6 +19,12 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass
 class ModelConfig:
+  # Hashable by value (lists as tuples): the model keeps its config as static graph metadata, and nnx.jit / jax.jit
+  # caches key on it, so an unhashable config would re-trace on every call.
+  def __hash__(self):
+    return hash(tuple((f.name, tuple(v) if isinstance(v, list) else v)
+                      for f in dataclasses.fields(self) for v in [getattr(self, f.name)]))
+
   attention: str = "vanilla"        # vanilla | sink | gated | relu
   gate: str = "headwise"            # headwise | elementwise (gated attention)
   num_layers: int = 4

@@ -150,3 +150,22 @@ def test_repeated_calls_without_pop_keep_a_fixed_graph():
   assert len(traces) <= 2, f"traced {len(traces)} times"
   assert model.layers[0].head_importance.get_value().shape == (H,)
   assert pop_head_importance(model).shape == (2, H)
+
+
+def test_transformer_under_nnx_jit_traces_once():
+  """The model keeps its config as static metadata; it must hash by value so jit caches hit."""
+  from sinkjax.config import ModelConfig
+  from sinkjax.model import Transformer, forward_with_importance
+  cfg = ModelConfig(vocab_size=50, num_layers=2, d_model=32, num_heads=2, num_kv_heads=2, head_dim=16,
+                    dtype="float32", layer_types=[])
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  traces = []
+
+  @nnx.jit
+  def fwd(model, tokens):
+    traces.append(1)
+    return forward_with_importance(model, tokens)[0]
+
+  for _ in range(3):
+    fwd(model, jnp.zeros((1, 8), jnp.int32))
+  assert len(traces) == 1
