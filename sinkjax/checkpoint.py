@@ -9,7 +9,11 @@ number of devices, without knowing the optimizer.
 """
 from __future__ import annotations
 
+import errno
+import os
 import pathlib
+import time
+import warnings
 
 import grain
 import jax
@@ -39,6 +43,7 @@ class Checkpointer:
 
   def __init__(self, run_dir: str | pathlib.Path, cfg: CheckpointConfig, *, read_only: bool = False):
     self.directory = pathlib.Path(run_dir).absolute() / CHECKPOINT_DIR
+    self.read_only = read_only
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
                                            create=not read_only, read_only=read_only)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -58,7 +63,10 @@ class Checkpointer:
     assert bool(finite), f"refusing to checkpoint non-finite parameters at step {step}"
     args = ocp.args.Composite(params=ocp.args.StandardSave(params), train=ocp.args.StandardSave(train_state),
                               data=grain.checkpoint.CheckpointSave(data_iterator))
-    return self.manager.save(step, args=args, force=force)
+    try:
+      return self.manager.save(step, args=args, force=force)
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.directory, step, e) from e
 
   def restore(self, step: int, abstract_params, abstract_train, data_iterator):
     """Restores (params, train_state) into the shapes and shardings of the given `jax.ShapeDtypeStruct` trees,
@@ -69,16 +77,94 @@ class Checkpointer:
     out = self.manager.restore(step, args=args)
     return out["params"], out["train"]
 
+  def restore_latest(self, abstract_params, abstract_train, data_iterator):
+    """(step, params, train_state) of the newest checkpoint that restores; see `_restore_newest`."""
+    return _restore_newest(self, lambda s: self.restore(s, abstract_params, abstract_train, data_iterator))
+
   def restore_params(self, step: int, abstract_params):
     out = self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
     return out["params"]
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.directory, self.latest_step(), e) from e
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
+
+  def set_aside(self, step: int) -> pathlib.Path | None:
+    """Renames an unreadable step directory to STEP.corrupt-TIME (kept for inspection; Orbax ignores it, so the
+    step can be saved again) and returns the new path; None when read-only or the rename fails."""
+    src = self.directory / str(step)
+    if self.read_only or not src.is_dir():
+      return None
+    dst = self.directory / f"{step}.corrupt-{int(time.time())}"
+    try:
+      os.rename(src, dst)
+    except OSError:
+      return None
+    self.manager.reload()
+    return dst
+
+
+def _first_line(e: BaseException) -> str:
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+def _os_error(e: BaseException) -> OSError | None:
+  """The OSError somewhere in the cause / context chain of `e` (Orbax wraps errors of its writer threads)."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno is not None:
+      return e
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def _write_error(directory: pathlib.Path, step, e: BaseException) -> "CheckpointError":
+  """A one-line CheckpointError for a failed checkpoint write (full disk, unwritable directory, ...)."""
+  os_err = _os_error(e)
+  if os_err is not None and os_err.errno == errno.ENOSPC:
+    why = "the disk is full (No space left on device); free space or set run.dir on a larger disk"
+  elif os_err is not None and os_err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    why = f"{os_err.strerror or 'permission denied'}; set run.dir=SOMEWHERE_WRITABLE"
+  elif os_err is not None:
+    why = os_err.strerror or _first_line(os_err)
+  else:
+    why = _first_line(e)
+  return CheckpointError(f"could not write the checkpoint of step {step} to {directory}: {why}")
+
+
+def _restore_newest(ckpt: "Checkpointer", restore_one, max_fallbacks: int | None = None):
+  """Restores the newest step that restores cleanly: a step whose restore raises (a truncated or corrupted file,
+  a step directory that lost an item) is reported with a warning, set aside when writable, and the next older one
+  is tried. Raises CheckpointError when none restores. Returns (step, *restored)."""
+  steps = sorted(ckpt.all_steps(), reverse=True)
+  if not steps:
+    raise CheckpointError(f"{ckpt.directory} holds no complete checkpoint")
+  errors = []
+  for step in steps[:max_fallbacks]:
+    try:
+      out = restore_one(step)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(f"step {step}: {_first_line(e)}")
+      moved = ckpt.set_aside(step)
+      warnings.warn(f"checkpoint step {step} in {ckpt.directory} could not be restored ({_first_line(e)}); "
+                    + (f"moved it to {moved.name} and " if moved else "") + "trying the previous checkpoint",
+                    RuntimeWarning, stacklevel=3)
+      continue
+    if errors:
+      warnings.warn(f"resumed from checkpoint step {step} instead of the newer, unreadable "
+                    f"{', '.join(e.split(':')[0] for e in errors)}", RuntimeWarning, stacklevel=3)
+    return (step, *(out if isinstance(out, tuple) else (out,)))
+  raise CheckpointError(f"no checkpoint in {ckpt.directory} could be restored ({'; '.join(errors)})")
 
 
 def read_run_config(run_dir: str | pathlib.Path) -> Config:
@@ -90,6 +176,8 @@ def read_run_config(run_dir: str | pathlib.Path) -> Config:
 
 def load_run(run_dir: str | pathlib.Path, step: int | None = None):
   """(model, cfg, tokenizer) of a training run, parameters restored from its latest (or given) checkpoint.
+
+  A run with lora.rank > 0 comes back with its adapters (`sinkjax.lora.LoRALinear`; `lora.merge` folds them in).
 
   Restores only the parameters, replicated over the devices of this process, whatever mesh trained them.
   """
@@ -106,6 +194,7 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None):
   steps = ckpt.all_steps()
   if not steps:
     raise CheckpointError(f"{run_dir} has no checkpoint in {CHECKPOINT_DIR}/; train it first")
+  explicit = step is not None
   if step is None:
     step = max(steps)
   elif step not in steps:
@@ -114,9 +203,15 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None):
   if cfg.model.vocab_size == 0:
     cfg.model.vocab_size = tokenizer.vocab_size
   mesh = sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
-  abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+  from sinkjax import lora  # pylint: disable=import-outside-toplevel
+  # A LoRA run (lora.rank > 0) saved its adapters beside the frozen base: add them before restoring.
+  abstract_model = nnx.eval_shape(lambda: lora.apply(Transformer(cfg.model, rngs=nnx.Rngs(0)), cfg.lora,
+                                                     nnx.Rngs(1)))
   graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
-  params = ckpt.restore_params(step, abstract_with_shardings(abstract_params,
-                                                              sharding_lib.state_shardings(mesh, abstract_params)))
+  target = abstract_with_shardings(abstract_params, sharding_lib.state_shardings(mesh, abstract_params))
+  if explicit:
+    params = ckpt.restore_params(step, target)
+  else:
+    _, params = _restore_newest(ckpt, lambda s: ckpt.restore_params(s, target))
   ckpt.close()
   return nnx.merge(graphdef, params, rest), cfg, tokenizer

@@ -103,35 +103,10 @@ def trainable(lora_cfg: LoRAConfig):
 
 
 def load_run(run_dir: str | pathlib.Path, step: int | None = None):
-  """`sinkjax.checkpoint.load_run` for runs that may hold LoRA adapters: (model, cfg, tokenizer)."""
+  """(model, cfg, tokenizer) of a run, adapters included: `sinkjax.checkpoint.load_run`, which applies LoRA
+  itself when the run's lora.rank > 0 (kept here for callers that import it from sinkjax.lora)."""
   from sinkjax import checkpoint  # pylint: disable=import-outside-toplevel
-  from sinkjax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
-  from sinkjax.config import MeshConfig  # pylint: disable=import-outside-toplevel
-  from sinkjax.data import build_tokenizer  # pylint: disable=import-outside-toplevel
-  from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
-
-  cfg = checkpoint.read_run_config(run_dir)
-  if cfg.lora.rank == 0:
-    return checkpoint.load_run(run_dir, step)
-  # As checkpoint.load_run, with the adapters added to the abstract model before restoring.
-  run_dir = pathlib.Path(run_dir)
-  ckpt = checkpoint.Checkpointer(run_dir, cfg.checkpoint, read_only=True)
-  steps = ckpt.all_steps()
-  if not steps or (step is not None and step not in steps):
-    ckpt.close()
-    raise checkpoint.CheckpointError(f"{run_dir} has no checkpoint" + (f" at step {step}" if step is not None else ""))
-  step = max(steps) if step is None else step
-  tokenizer = build_tokenizer(cfg.data)
-  if cfg.model.vocab_size == 0:
-    cfg.model.vocab_size = tokenizer.vocab_size
-  mesh = sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
-  abstract = nnx.eval_shape(lambda: apply(Transformer(cfg.model, rngs=nnx.Rngs(0)), cfg.lora, nnx.Rngs(0)))
-  graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
-  shardings = sharding_lib.state_shardings(mesh, abstract_params)
-  target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings)
-  params = ckpt.restore_params(step, target)
-  ckpt.close()
-  return nnx.merge(graphdef, params, rest), cfg, tokenizer
+  return checkpoint.load_run(run_dir, step)
 
 
 # ------------------------------------------------------------------------------------------------------------------

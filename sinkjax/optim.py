@@ -2,7 +2,7 @@
 
 Parameters are routed by their nnx path (`param_labels`):
   matrix   2-D kernels inside the blocks (attention q/k/v/o and gate projections, MLP)  -> Muon, train.matrix_lr
-  embed    the token embedding                                                          -> AdamW, train.embed_lr
+  embed    the token embedding and the learnable sink tokens (`sink_states`, embedding-like) -> AdamW, train.embed_lr
   unembed  the LM head                                                                  -> AdamW, train.unembed_lr
   scalar   everything else: sinks, gate biases, norm scales                             -> AdamW, train.scalar_lr
 As in nanochat, the AdamW learning rates of the embedding and unembedding are scaled by (d_model / 768) ** -0.5
@@ -42,7 +42,7 @@ def _path_names(path) -> list[str]:
 
 def param_label(path, leaf) -> str:
   names = _path_names(path)
-  if names[0] == "embed":
+  if names[0] == "embed" or "sink_states" in names:
     return "embed"
   if names[0] == "lm_head":
     return "unembed"

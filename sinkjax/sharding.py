@@ -2,9 +2,12 @@
 
 The mesh has the axes ("data", "fsdp", "tensor") from `cfg.mesh`; -1 in one of them takes the devices the others
 leave. It is built with `jax.sharding.Mesh`, whose axes are *Auto*: we place the inputs and the state, and GSPMD
-propagates shardings through the step. Batches are split over ("data", "fsdp"); parameters and optimizer state are
-replicated for now. `param_spec` is the single function to extend for FSDP / tensor parallelism (logical axis
-rules): everything else asks it.
+propagates shardings through the step. Batches are split over ("data", "fsdp"). Parameters and optimizer state are
+sharded by logical axis rules (MaxText style), all in `param_spec`: each parameter gets logical axes from its path
+(`logical_axes`), and `LOGICAL_RULES` maps them to mesh axes: embed -> "fsdp" (FSDP: every weight matrix is split
+along d_model), heads / mlp / vocab -> "tensor". A dimension the mesh axis does not divide stays whole; vectors and
+scalars are replicated. Optimizer-state leaves carry their parameter's path as a suffix (optax keeps the params
+tree inside mu / nu / momentum), so they get the same spec.
 """
 from __future__ import annotations
 
@@ -48,20 +51,76 @@ def batch_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def param_spec(path: tuple, shape: tuple) -> P:
+# Logical axis -> mesh axis. An axis missing here (or None) is not sharded.
+LOGICAL_RULES = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "q_heads": "tensor", "kv_heads": "tensor",
+                 "mlp": "tensor", "expert": None}
+
+# (path suffix, logical axes), first match wins; the suffix is matched against the end of the parameter's path.
+_PARAM_AXES = (
+    (("embed", "embedding"), ("vocab", "embed")),
+    (("lm_head", "kernel"), ("embed", "vocab")),
+    (("q_proj", "kernel"), ("embed", "q_heads")),
+    (("k_proj", "kernel"), ("embed", "kv_heads")),
+    (("v_proj", "kernel"), ("embed", "kv_heads")),
+    (("o_proj", "kernel"), ("q_heads", "embed")),
+    (("attn", "gate_proj", "kernel"), ("embed", "heads")),
+    (("sink_states",), (None, "embed")),
+    (("up_proj", "kernel"), ("embed", "mlp")),
+    (("gate_proj", "kernel"), ("embed", "mlp")),
+    (("down_proj", "kernel"), ("mlp", "embed")),
+    (("router", "kernel"), ("embed", None)),
+    (("gate_kernel",), ("expert", "embed", "mlp")),
+    (("up_kernel",), ("expert", "embed", "mlp")),
+    (("down_kernel",), ("expert", "mlp", "embed")),
+)
+
+
+def _names(path) -> tuple:
+  """A pytree / nnx path as plain names and indices, without nnx's trailing "value"."""
+  out = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+  return out[:-1] if out and out[-1] == "value" else out
+
+
+def logical_axes(path: tuple, shape: tuple) -> tuple | None:
+  """The logical axes of a parameter (or of an optimizer-state leaf holding its path), or None (replicate)."""
+  if len(shape) < 2:
+    return None
+  names = _names(path)
+  for suffix, axes in _PARAM_AXES:
+    if len(axes) == len(shape) and names[-len(suffix):] == suffix:
+      return axes
+  return None
+
+
+def param_spec(path: tuple, shape: tuple, mesh_shape=None) -> P:
   """The partition spec of one parameter (or of an optimizer-state leaf shaped like it), from its nnx path.
 
-  Replicated for now. A later change maps logical axes (embed, heads, mlp, vocab) to ("fsdp", "tensor") here.
+  `mesh_shape` ({axis: size}) lets a dimension the mesh axis does not divide stay unsharded; without it every
+  rule applies. Unknown parameters, vectors and scalars are replicated.
   """
-  del path, shape
-  return P()
+  axes = logical_axes(path, tuple(shape))
+  if axes is None:
+    return P()
+  spec, used = [], set()
+  for dim, logical in zip(shape, axes):
+    mesh_axis = LOGICAL_RULES.get(logical) if logical else None
+    if mesh_axis is not None and mesh_shape is not None:
+      size = mesh_shape.get(mesh_axis)
+      if size is None or dim % size:
+        mesh_axis = None
+    if mesh_axis in used:
+      mesh_axis = None
+    used.add(mesh_axis)
+    spec.append(mesh_axis)
+  while spec and spec[-1] is None:
+    spec.pop()
+  return P(*spec)
 
 
 def state_shardings(mesh: Mesh, tree):
   """NamedShardings for a pytree of (abstract) arrays: params, optimizer state, or the whole train state."""
   def one(path, leaf):
-    return NamedSharding(mesh, param_spec(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path),
-                                          getattr(leaf, "shape", ())))
+    return NamedSharding(mesh, param_spec(_names(path), getattr(leaf, "shape", ()), dict(mesh.shape)))
   return jax.tree_util.tree_map_with_path(one, tree)
 
 

@@ -35,7 +35,8 @@ import optax
 import yaml
 from flax import nnx
 
-from sinkjax import balance, optim, plots
+from sinkjax import balance, distributed, optim, plots
+from sinkjax import lora as lora_lib
 from sinkjax import checkpoint as ckpt_lib
 from sinkjax import config as config_lib
 from sinkjax import sharding as sharding_lib
@@ -89,11 +90,18 @@ def _all_finite(tree):
 
 
 def make_train_step(cfg: Config, graphdef, rest, tx: optax.GradientTransformation, shared=None):
-  """train_step(state, batch) -> (state, metrics); batch arrays are [global_batch, T]."""
+  """train_step(state, batch, rest=None) -> (state, metrics); batch arrays are [global_batch, T].
+
+  `state["params"]` holds the trained parameters (the LoRA adapters when lora.rank > 0); `rest` is the rest of the
+  model (the frozen base weights with LoRA, empty otherwise). Pass it as the third argument so that jit sees it as
+  an input rather than a constant baked into the program; None falls back to the `rest` given here.
+  """
+  default_rest = rest
   A = cfg.train.grad_accum
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def train_step(state, batch):
+  def train_step(state, batch, rest=None):
+    rest = default_rest if rest is None else rest
     params = state["params"]
     total = jnp.maximum(batch["loss_mask"].sum(), 1.0)
     run = lambda mb: grad_fn(params, graphdef, rest, mb, total, cfg.loss, shared, A)
@@ -134,9 +142,12 @@ def make_train_step(cfg: Config, graphdef, rest, tx: optax.GradientTransformatio
 
 
 def make_eval_step(graphdef, rest):
-  """eval_step(params, batch) -> (sum of NLL in nats, sum of target bytes) over the batch's loss-mask tokens."""
-  def eval_step(params, batch):
-    nll, _ = token_losses(nnx.merge(graphdef, params, rest), batch)
+  """eval_step(params, batch, rest=None) -> (sum of NLL in nats, sum of target bytes) over the batch's loss-mask
+  tokens (`rest` as in `make_train_step`)."""
+  default_rest = rest
+
+  def eval_step(params, batch, rest=None):
+    nll, _ = token_losses(nnx.merge(graphdef, params, default_rest if rest is None else rest), batch)
     return jnp.sum(nll * batch["loss_mask"]), jnp.sum(batch["target_bytes"] * (batch["loss_mask"] > 0))
   return eval_step
 
@@ -178,6 +189,52 @@ def _fixed_shared_heads(cfg: Config):
   if cfg.loss.num_shared_heads == 0:
     raise ConfigError("loss.shared_heads_from needs loss.num_shared_heads > 0 (how many heads per layer to share)")
   return np.asarray(balance.shared_head_mask(imp, cfg.loss.num_shared_heads))
+
+
+# Model keys that a fine-tuning config repeats for reference; they must equal the train.init_from run's.
+INIT_CHECKED_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
+
+
+def _adopt_init_model(cfg: Config) -> Config | None:
+  """train.init_from: reads that run's config and makes its model section this run's (model.dtype, remat and
+  attn_impl stay this config's), after checking the shape keys (INIT_CHECKED_KEYS) this config repeats.
+
+  Returns the init run's config, or None without train.init_from. Changes `cfg` in place.
+  """
+  src = cfg.train.init_from
+  if not src:
+    return None
+  try:
+    init_cfg = ckpt_lib.read_run_config(src)
+  except (ckpt_lib.CheckpointError, ConfigError) as e:
+    raise ConfigError(f"train.init_from {src!r}: {e}") from None
+  if init_cfg.lora.rank:
+    raise ConfigError(f"train.init_from {src!r} is a LoRA run; export it with merged adapters (python -m "
+                      "sinkjax.convert.hf --export RUN --out HF_DIR), import that (--hf-dir HF_DIR --out NEW_RUN) and "
+                      "start from NEW_RUN")
+  diff = [f"model.{k}={getattr(init_cfg.model, k)} (this config: {getattr(cfg.model, k)})"
+          for k in INIT_CHECKED_KEYS if getattr(cfg.model, k) != getattr(init_cfg.model, k)]
+  if diff:
+    raise ConfigError(f"train.init_from {src!r} holds a different model: {', '.join(diff)}; set these keys to the "
+                      "imported model's (e.g. as overrides)")
+  cfg.model = dataclasses.replace(init_cfg.model, **{k: getattr(cfg.model, k) for k in RESUMABLE_MODEL_KEYS})
+  config_lib.validate(cfg)
+  return init_cfg
+
+
+def _restore_init_params(cfg: Config, init_cfg: Config, mesh):
+  """The parameters (nnx.State of nnx.Param, no adapters) of the latest checkpoint of train.init_from, placed with
+  the training shardings."""
+  abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
+  target = ckpt_lib.abstract_with_shardings(abstract, sharding_lib.state_shardings(mesh, abstract))
+  init_ckpt = ckpt_lib.Checkpointer(cfg.train.init_from, init_cfg.checkpoint, read_only=True)
+  try:
+    step = init_ckpt.latest_step()
+    if step is None:
+      raise ConfigError(f"train.init_from {cfg.train.init_from!r} has no checkpoint")
+    return init_ckpt.restore_params(step, target)
+  finally:
+    init_ckpt.close()
 
 
 def _params_signature(model_cfg) -> dict:
@@ -262,6 +319,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   cfg = copy.deepcopy(cfg)          # filled in below (vocab_size, steps); the caller's config stays as given
   t_start = time.perf_counter()
   is_main = jax.process_index() == 0
+  init_cfg = _adopt_init_model(cfg)  # fine-tuning: the model section of train.init_from
   tok = build_tokenizer(cfg.data)
   if cfg.model.vocab_size == 0:
     cfg.model.vocab_size = tok.vocab_size
@@ -279,45 +337,75 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
 
   # Model and optimizer state, created directly with their shardings.
   seed = cfg.train.seed
-  abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(seed)))
-  graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
-  assert not jax.tree.leaves(rest), "the model holds non-parameter state; the trainer needs to carry it"
+  # With lora.rank > 0 the targeted projections get adapters; the optimizer then sees only them (nnx.LoRAParam)
+  # and the frozen base weights travel as `rest`, an argument of the jitted step. Without LoRA `rest` is empty.
+  trainable = lora_lib.trainable(cfg.lora)
+
+  def build_model():
+    return lora_lib.apply(Transformer(cfg.model, rngs=nnx.Rngs(seed)), cfg.lora, nnx.Rngs(seed + 1))
+
+  abstract_model = nnx.eval_shape(build_model)
+  assert not jax.tree.leaves(nnx.state(abstract_model, nnx.Not(nnx.Param))), \
+      "the model holds non-parameter state; the trainer needs to carry it"
+  graphdef, abstract_params, abstract_rest = nnx.split(abstract_model, trainable, ...)
+  has_rest = bool(jax.tree.leaves(abstract_rest))
   num_params = count_params(abstract_model)
+  num_trainable = sum(x.size for x in jax.tree.leaves(abstract_params))
   steps = total_steps(cfg, num_params)
   cfg.train.steps = steps
   stop_at = min(cfg.train.stop_at_step or steps, steps)
   tx, lr_schedule = optim.build_optimizer(cfg, steps)
 
   # Data: validated before anything is written to run.dir.
+  if cfg.data.format == "sft":     # JSONL prompt/response or chat; loss on the response tokens
+    from sinkjax.data.sft import make_sft_eval_batches as make_eval_batches  # noqa: F811
+    from sinkjax.data.sft import make_sft_iterator as make_train_iterator  # noqa: F811
   train_iter = make_train_iterator(cfg.data, tok, batch_size=cfg.train.batch_size // procs, seed=seed)
   eval_batches = make_eval_batches(cfg.data, tok, batch_size=micro // procs, num_batches=cfg.train.eval_batches) \
       if cfg.train.eval_batches > 0 else []
   run_dir, has_ckpt = prepare_run_dir(cfg)
 
   def init_state():
-    params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(seed)), nnx.Param, ...)[1]
+    _, params, rest = nnx.split(build_model(), trainable, ...)
     return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-            "rng": jax.random.PRNGKey(seed), "nonfinite": jnp.zeros((), jnp.int32)}
+            "rng": jax.random.PRNGKey(seed), "nonfinite": jnp.zeros((), jnp.int32)}, rest
 
-  state_shapes = jax.eval_shape(init_state)
+  state_shapes, rest_shapes = jax.eval_shape(init_state)
   state_sh = sharding_lib.state_shardings(mesh, state_shapes)
+  rest_sh = sharding_lib.state_shardings(mesh, rest_shapes)
+
+  # The checkpoint's params item holds every parameter (adapters and frozen base), so that load_run, evaluation
+  # and export read a LoRA run on its own.
+  def full_params(params, rest):
+    return nnx.merge_state(params, rest) if has_rest else params
+
+  def split_params(full):
+    return tuple(nnx.split_state(full, trainable, ...)) if has_rest else (full, rest_shapes)
   batch_sh = sharding_lib.batch_sharding(mesh)
   donate = (0,) if jax.default_backend() != "cpu" else ()  # CPU: async checkpoints may alias the buffers
-  train_step = jax.jit(make_train_step(cfg, graphdef, rest, tx, None if shared is None else jnp.asarray(shared)),
-                       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, sharding_lib.replicated(mesh)),
-                       donate_argnums=donate)
-  eval_step = jax.jit(make_eval_step(graphdef, rest), in_shardings=(state_sh["params"], batch_sh),
+  train_step = jax.jit(make_train_step(cfg, graphdef, None, tx, None if shared is None else jnp.asarray(shared)),
+                       in_shardings=(state_sh, batch_sh, rest_sh),
+                       out_shardings=(state_sh, sharding_lib.replicated(mesh)), donate_argnums=donate)
+  eval_step = jax.jit(make_eval_step(graphdef, None), in_shardings=(state_sh["params"], batch_sh, rest_sh),
                       out_shardings=sharding_lib.replicated(mesh))
 
   ckpt = ckpt_lib.Checkpointer(run_dir, cfg.checkpoint)
   start = ckpt.latest_step() if has_ckpt else None
   if start is not None:
     target = ckpt_lib.abstract_with_shardings(state_shapes, state_sh)
-    params, train_state = ckpt.restore(start, target.pop("params"), target, train_iter)
+    params_target = full_params(target.pop("params"), ckpt_lib.abstract_with_shardings(rest_shapes, rest_sh))
+    start, params, train_state = ckpt.restore_latest(params_target, target, train_iter)
+    params, rest = split_params(params)
     state = {"params": params, **train_state}
   else:
     start = 0
-    state = jax.jit(init_state, out_shardings=state_sh)()
+    state, rest = jax.jit(init_state, out_shardings=(state_sh, rest_sh))()
+    if init_cfg is not None:       # fine-tuning: the base weights of train.init_from (fresh adapters with LoRA)
+      base = _restore_init_params(cfg, init_cfg, mesh)
+      if has_rest:
+        rest = jax.device_put(base, rest_sh)
+      else:
+        state["params"] = jax.device_put(base, state_sh["params"])
 
   metrics_path = run_dir / "metrics.jsonl"
   writer = None
@@ -329,7 +417,9 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
     from tensorboardX import SummaryWriter
     writer = SummaryWriter(str(run_dir / "tb"))
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-    print(f"sinkjax.train: {cfg.model.attention} attention, {num_params:,} params, {steps} steps x "
+    print(f"sinkjax.train: {cfg.model.attention} attention, {num_params:,} params"
+          + (f" ({num_trainable:,} trained: LoRA rank {cfg.lora.rank})" if cfg.lora.rank else "")
+          + (f" from {cfg.train.init_from}" if cfg.train.init_from else "") + f", {steps} steps x "
           f"{tokens_per_step:,} tokens ({steps * tokens_per_step / num_params:.1f} tokens/param), mesh "
           f"{dict(mesh.shape)}, run dir {run_dir}" + (f", resuming from step {start}" if start else ""), flush=True)
 
@@ -339,13 +429,14 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   metrics_file = open(metrics_path, "a") if is_main else None
   tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
   summary = {"run_dir": str(run_dir), "steps": steps, "start_step": start, "num_params": num_params,
+             "trainable_params": num_trainable,
              "final_loss": None, "val_bpb": None, "last_importance": None}
   ema = [None]
 
   def evaluate(params) -> float:
     nll = nbytes = 0.0
     for b in eval_batches:
-      n, by = jax.device_get(eval_step(params, to_global_batch({k: b[k] for k in EVAL_FEATURES}, batch_sh)))
+      n, by = jax.device_get(eval_step(params, to_global_batch({k: b[k] for k in EVAL_FEATURES}, batch_sh), rest))
       nll, nbytes = nll + float(n), nbytes + float(by)
     return nll / math.log(2) / max(nbytes, 1.0)
 
@@ -394,10 +485,10 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   pending = None       # (step, metrics, val_bpb) of the previous step, handled once the next one is queued
   timer = {"t": time.perf_counter(), "step": start, "paused": 0.0}
   try:
-    with _SignalFlag() as sig:
+    with _SignalFlag() as sig, jax.set_mesh(mesh):   # the mesh is active: attention runs per shard
       for step in range(start + 1, stop_at + 1):
         batch = next(train_iter)
-        state, m = train_step(state, to_global_batch({k: batch[k] for k in TRAIN_FEATURES}, batch_sh))
+        state, m = train_step(state, to_global_batch({k: batch[k] for k in TRAIN_FEATURES}, batch_sh), rest)
         if pending is not None:
           finish_step(*pending)
         t0 = time.perf_counter()
@@ -405,8 +496,8 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
         if eval_batches and ((cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0) or step == steps):
           val_bpb = evaluate(state["params"])
         if step % cfg.checkpoint.every == 0 or step == stop_at or sig.signum is not None:
-          ckpt.save(step, state["params"], {k: v for k, v in state.items() if k != "params"}, train_iter,
-                    force=True)
+          ckpt.save(step, full_params(state["params"], rest), {k: v for k, v in state.items() if k != "params"},
+                    train_iter, force=True)
         timer["paused"] += time.perf_counter() - t0
         pending = (step, m, val_bpb)
         if sig.signum is not None:
@@ -455,6 +546,7 @@ def main(argv=None) -> int:
   parser.add_argument("--config", required=True, help="YAML config file (see configs/; tiny.yaml runs on a CPU)")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
   args = parser.parse_args(argv)
+  distributed.maybe_initialize()    # before anything touches JAX devices
   from sinkjax.data import DataError
   try:
     train(config_lib.load_config(args.config, args.overrides))

@@ -4,9 +4,10 @@
                                   [--seq 256 --batch 16] [--dtype float32] [--repeats 10] [--no-torch]
 
 For each attention variant the full jitted train step (forward, backward through the LSE, optimizer) is timed with
-loss.aux_weight = 0 (the aux term is not even traced) and 1e-4 (eq. 7). The two are timed interleaved, step by
-step, and compared by their medians (wall time, and this process' CPU time, which a busy machine disturbs less), so
-drifts in machine load hit both alike. The paper claims < 2 % overhead.
+loss.aux_weight = 0 (the aux term is not even traced) and 1e-4 (eq. 7). Everything (every variant with and without
+the aux loss, the matmul reference, the PyTorch peer) is timed round-robin, one step of each per round, and reported
+by medians over the rounds, so that drifts in the load of a shared machine hit all rows alike. Besides wall time the
+tables give this process' CPU time per step, which a busy machine disturbs less. The paper claims < 2 % overhead.
 
 Throughput: tokens/s and achieved FLOP/s with nanochat's estimate, 6 * (params - embedding) + 12 * L * H * D * T
 per token (matmuls forward and backward; attention counted in full, not halved for causality), also as a fraction of
@@ -42,16 +43,11 @@ def flops_per_token(num_params: int, cfg) -> float:
   return 6 * (num_params - embedding) + 12 * m.num_layers * m.num_heads * m.head_dim * cfg.data.seq_len
 
 
-def matmul_flops_per_s(n: int = 2048, dtype=jnp.float32, repeats: int = 10) -> float:
+def matmul_runner(n: int = 2048, dtype=jnp.float32):
+  """(run_once, FLOPs per run) of an n x n jnp matmul: the machine's own matmul rate is the reference."""
   a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
   f = jax.jit(lambda x, y: x @ y)
-  jax.block_until_ready(f(a, a))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(a, a))
-    times.append(time.perf_counter() - t0)
-  return 2 * n ** 3 / statistics.median(times)
+  return (lambda: jax.block_until_ready(f(a, a))), 2 * n ** 3
 
 
 def random_batch(B: int, T: int, seed: int = 0) -> dict:
@@ -63,43 +59,29 @@ def random_batch(B: int, T: int, seed: int = 0) -> dict:
           "loss_mask": np.ones((B, T), np.float32)}
 
 
-def build_step(cfg):
-  """(jitted step, initial state, parameter count) for a config."""
+def jax_runner(cfg, batch):
+  """(run_once, parameter count): one blocking sinkjax train step per call, on its own evolving state."""
   model = Transformer(cfg.model, rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx, _ = optim.build_optimizer(cfg, 1000)
-  state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-           "rng": jax.random.PRNGKey(0), "nonfinite": jnp.zeros((), jnp.int32)}
-  return jax.jit(make_train_step(cfg, graphdef, rest, tx)), state, count_params(model)
+  box = [{"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+          "rng": jax.random.PRNGKey(0), "nonfinite": jnp.zeros((), jnp.int32)}]
+  step = jax.jit(make_train_step(cfg, graphdef, rest, tx))
+  batch = jax.device_put(batch)
 
-
-def time_interleaved(runs: dict, batch, repeats: int, warmup: int = 2) -> dict:
-  """{name: (median wall s, median process-CPU s)} per step, the runs timed alternately step by step."""
-  states = {}
-  for name, (step, state) in runs.items():
-    for _ in range(warmup):
-      state, m = step(state, batch)
+  def run_once():
+    box[0], m = step(box[0], batch)
     jax.block_until_ready(m)
-    states[name] = state
-  wall = {n: [] for n in runs}
-  cpu = {n: [] for n in runs}
-  for _ in range(repeats):
-    for name, (step, _) in runs.items():
-      t0, c0 = time.perf_counter(), time.process_time()
-      states[name], m = step(states[name], batch)
-      jax.block_until_ready(m)
-      wall[name].append(time.perf_counter() - t0)
-      cpu[name].append(time.process_time() - c0)
-  return {n: (statistics.median(wall[n]), statistics.median(cpu[n])) for n in runs}
+  return run_once, count_params(model)
 
 
-def torch_peer(cfg, repeats: int, warmup: int = 2):
-  """(median s per step, params) of HF LlamaForCausalLM trained with AdamW, or (None, reason)."""
+def torch_runner(cfg, batch):
+  """(run_once, parameter count, description) of HF LlamaForCausalLM + torch AdamW, or (None, None, reason)."""
   try:
     import torch
     import transformers
   except ImportError as e:
-    return None, f"not run ({e.name} is not installed: pip install torch transformers)"
+    return None, None, f"not run ({e.name} is not installed: pip install torch transformers)"
   m = cfg.model
   torch.manual_seed(0)
   lcfg = transformers.LlamaConfig(
@@ -109,27 +91,33 @@ def torch_peer(cfg, repeats: int, warmup: int = 2):
   lcfg._attn_implementation = "sdpa"
   model = transformers.LlamaForCausalLM(lcfg).float().train()
   opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95))
-  b = random_batch(cfg.train.batch_size, cfg.data.seq_len)
-  x, y = torch.from_numpy(b["inputs"]).long(), torch.from_numpy(b["targets"]).long()
+  x, y = torch.from_numpy(batch["inputs"]).long(), torch.from_numpy(batch["targets"]).long()
 
-  def step():
+  def run_once():
     logits = model(input_ids=x).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
+  return run_once, sum(p.numel() for p in model.parameters()), \
+      f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, sdpa"
 
-  for _ in range(warmup):
-    step()
-  times = []
+
+def time_round_robin(runners: dict, repeats: int, warmup: int = 2) -> dict:
+  """{name: (median wall s, median process-CPU s)} per call, one call of each runner per round."""
+  for run in runners.values():
+    for _ in range(warmup):
+      run()
+  wall = {n: [] for n in runners}
+  cpu = {n: [] for n in runners}
   for _ in range(repeats):
-    t0 = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - t0)
-  params = sum(p.numel() for p in model.parameters())
-  return (statistics.median(times), params), f"torch {torch.__version__}, transformers {transformers.__version__}, " \
-      f"{torch.get_num_threads()} threads"
+    for name, run in runners.items():
+      t0, c0 = time.perf_counter(), time.process_time()
+      run()
+      wall[name].append(time.perf_counter() - t0)
+      cpu[name].append(time.process_time() - c0)
+  return {n: (statistics.median(wall[n]), statistics.median(cpu[n])) for n in runners}
 
 
 def main(argv=None):
@@ -144,7 +132,7 @@ def main(argv=None):
   p.add_argument("--batch", type=int)
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
   p.add_argument("--variants", nargs="+", default=["vanilla", "sink", "gated"])
-  p.add_argument("--repeats", type=int, default=10, help="timed steps per configuration")
+  p.add_argument("--repeats", type=int, default=12, help="timed rounds")
   p.add_argument("--no-torch", action="store_true", help="skip the PyTorch / transformers peer")
   args = p.parse_args(argv)
 
@@ -159,45 +147,50 @@ def main(argv=None):
   m = base.model
   B, T = base.train.batch_size, base.data.seq_len
   tokens = B * T
-  peak = matmul_flops_per_s()
-  print(f"shape: {m.num_layers} layers x {m.num_heads} heads x {m.head_dim} head_dim, width {m.d_model}, vocab "
-        f"{m.vocab_size}, seq {T}, batch {B} ({tokens} tokens/step), compute {args.dtype}; "
-        f"{jax.device_count()} {jax.default_backend()} device(s); f32 2048^2 matmul: {peak / 1e9:.1f} GFLOP/s")
   batch = random_batch(B, T)
 
-  print("\n| variant | optimizer | params | step, aux off (ms) | step, aux on (ms) | aux overhead (wall) | "
-        "aux overhead (CPU time) | tokens/s (aux on) | GFLOP/s | of matmul peak |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
-  rows = [(v, "muon") for v in args.variants] + [("vanilla", "adamw")]
+  runners, params, rows = {}, {}, [(v, "muon") for v in args.variants] + [("vanilla", "adamw")]
   for variant, opt_name in rows:
-    runs, n_params = {}, None
     for aux in (0.0, 1e-4):
       cfg = load_config(args.config, ov + [f"model.attention={variant}", f"loss.aux_weight={aux!r}",
                                            f"train.optimizer={opt_name}"])
-      step, state, n_params = build_step(cfg)
-      runs[aux] = (step, state)
-    res = time_interleaved(runs, batch, args.repeats)
-    (off, cpu_off), (on, cpu_on) = res[0.0], res[1e-4]
-    flops = flops_per_token(n_params, cfg) * tokens / on
-    print(f"| {variant} | {opt_name} | {n_params:,} | {off * 1e3:.1f} | {on * 1e3:.1f} | "
-          f"{(on / off - 1) * 100:+.1f} % | {(cpu_on / cpu_off - 1) * 100:+.1f} % | {tokens / on:,.0f} | "
-          f"{flops / 1e9:.1f} | {flops / peak:.0%} |", flush=True)
-    if variant == "vanilla" and opt_name == "adamw":
-      jax_adamw = (off, n_params)
-
+      runners[(variant, opt_name, aux)], params[(variant, opt_name)] = jax_runner(cfg, batch)
+  runners["matmul"], mm_flops = matmul_runner()
+  torch_note = "skipped (--no-torch)"
   if not args.no_torch:
-    res, note = torch_peer(base, args.repeats)
-    print(f"\nPeer ({note}), float32, same shapes and batch:")
-    print("\n| implementation | params | step (ms) | tokens/s | GFLOP/s |")
-    print("|---|---|---|---|---|")
-    t, n = jax_adamw
-    cfg = load_config(args.config, ov + ["model.attention=vanilla"])
-    print(f"| sinkjax vanilla, AdamW, aux off | {n:,} | {t * 1e3:.1f} | {tokens / t:,.0f} | "
-          f"{flops_per_token(n, cfg) * tokens / t / 1e9:.1f} |")
-    if res is not None:
-      t, n = res
-      print(f"| HF LlamaForCausalLM, torch AdamW | {n:,} | {t * 1e3:.1f} | {tokens / t:,.0f} | "
-            f"{flops_per_token(n, cfg) * tokens / t / 1e9:.1f} |")
+    run, n, torch_note = torch_runner(base, batch)
+    if run is not None:
+      runners["torch"], params["torch"] = run, n
+  res = time_round_robin(runners, args.repeats)
+
+  peak = mm_flops / res["matmul"][0]
+  print(f"shape: {m.num_layers} layers x {m.num_heads} heads x {m.head_dim} head_dim, width {m.d_model}, vocab "
+        f"{m.vocab_size}, seq {T}, batch {B} ({tokens} tokens/step), compute {args.dtype}; "
+        f"{jax.device_count()} {jax.default_backend()} device(s); f32 2048^2 jnp matmul: {peak / 1e9:.1f} GFLOP/s "
+        f"(median of {args.repeats} rounds)")
+  print("\n| variant | optimizer | params | step, aux off (ms) | step, aux on (ms) | aux overhead (wall) | "
+        "aux overhead (CPU time) | tokens/s (aux on) | GFLOP/s | of matmul rate |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for variant, opt_name in rows:
+    (off, cpu_off), (on, cpu_on) = res[(variant, opt_name, 0.0)], res[(variant, opt_name, 1e-4)]
+    n = params[(variant, opt_name)]
+    flops = flops_per_token(n, base) * tokens / on
+    print(f"| {variant} | {opt_name} | {n:,} | {off * 1e3:.1f} | {on * 1e3:.1f} | {(on / off - 1) * 100:+.1f} % | "
+          f"{(cpu_on / cpu_off - 1) * 100:+.1f} % | {tokens / on:,.0f} | {flops / 1e9:.1f} | {flops / peak:.0%} |")
+
+  print(f"\nPeer: {torch_note}; float32, same shapes and batch, timed in the same rounds:")
+  print("\n| implementation | params | step (ms) | CPU s / step | tokens/s | GFLOP/s | of matmul rate |")
+  print("|---|---|---|---|---|---|---|")
+  peers = [("sinkjax vanilla, AdamW, aux off", ("vanilla", "adamw", 0.0), params[("vanilla", "adamw")]),
+           ("sinkjax vanilla, Muon, aux off", ("vanilla", "muon", 0.0), params.get(("vanilla", "muon")))]
+  if "torch" in runners:
+    peers.append(("HF LlamaForCausalLM, torch AdamW", "torch", params["torch"]))
+  for label, key, n in peers:
+    if key not in res:
+      continue
+    t, c = res[key]
+    flops = flops_per_token(n, base) * tokens / t
+    print(f"| {label} | {n:,} | {t * 1e3:.1f} | {c:.2f} | {tokens / t:,.0f} | {flops / 1e9:.1f} | {flops / peak:.0%} |")
 
 
 if __name__ == "__main__":
