@@ -192,6 +192,11 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
       value = yaml.safe_load(value)
     except yaml.YAMLError:
       pass
+  if typ is float and isinstance(value, str):
+    try:
+      value = float(value)              # YAML 1.1 reads "1e-2" (no dot) as a string
+    except ValueError:
+      pass
   if typ is float and isinstance(value, int) and not isinstance(value, bool):
     value = float(value)
   if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
