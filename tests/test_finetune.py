@@ -121,3 +121,21 @@ def test_sink_states_go_to_adamw_with_the_embeddings():
   full.train.steps = 2
   tx, _ = optim.build_optimizer(full, 2)
   tx.init(params)            # the partition covers every label
+
+
+def test_eval_on_imported_model_gives_importance_heatmap(finetuned):
+  """sinkjax.eval on a converted Hugging Face model: the layer x head importance (paper Fig. 4) and its heatmap,
+  with importance = 1 - mean first-token attention per head (vanilla gate) as reported alongside."""
+  base, _, tmp = finetuned
+  rng = np.random.default_rng(2)
+  with open(tmp / "text.jsonl", "w") as f:
+    for _ in range(400):           # the eval reads the validation split (2 % of the documents)
+      f.write(json.dumps({"text": " ".join(f"w{i}" for i in rng.integers(2, VOCAB, 20))}) + "\n")
+  out = tmp / "eval_base"
+  _cli("sinkjax.eval", "--checkpoint", str(base), "--data", str(tmp / "text.jsonl"), "--batches", "2",
+       "--batch-size", "4", "--out", str(out))
+  report = json.loads((out / "report.json").read_text())
+  imp = np.asarray(report["importance"])
+  assert imp.shape == (2, 4) and np.all((imp > 0) & (imp < 1))
+  assert (out / "importance.png").stat().st_size > 0
+  np.testing.assert_allclose(np.asarray(report["first_token_attention_per_head"]), 1 - imp, atol=2e-3)
