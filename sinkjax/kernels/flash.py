@@ -51,10 +51,6 @@ def _flash_vjp(q, k, v, q_seg, kv_seg, st: _Static):
   return _fwd(q, k, v, q_seg, kv_seg, st)[0]
 
 
-def _flash(q, k, v, q_seg, kv_seg, st: _Static):
-  return _flash_vjp(q, k, v, q_seg, kv_seg, st)
-
-
 def _kw(st):
   return dict(causal=st.causal, scale=st.scale, block_q=st.block_q, block_k=st.block_k, interpret=st.interpret)
 
@@ -136,7 +132,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
   if interpret is None:
     interpret = impl in _HARDWARE and jax.default_backend() not in (_HARDWARE[impl], "cuda")
   st = _Static(impl, bool(causal), scale, block_q, block_k, bool(interpret))
-  fn = functools.partial(_flash, st=st)
+  fn = lambda q, k, v, q_seg, kv_seg: _flash_vjp(q, k, v, q_seg, kv_seg, st)
   return _per_shard(fn, B, Hkv)(q, k, v, q_seg, kv_seg)
 
 
