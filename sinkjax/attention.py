@@ -76,6 +76,43 @@ def document_first_index(segment_ids, T: int):
   return jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
 
 
+def document_last_index(segment_ids, T: int):
+  """For each position, the index of the last token of its segment; shape [B, T] (see document_first_index)."""
+  if segment_ids is None:
+    return jnp.full((1, T), T - 1, jnp.int32)
+  return T - 1 - jnp.flip(document_first_index(jnp.flip(segment_ids, axis=1), T), axis=1)
+
+
+@jax.custom_vjp
+def _take_segment_first(x, first, last):
+  """x[b, first[b, t]] for every t ([B,T,...]), first/last = the bounds of t's contiguous segment.
+
+  The same as `jnp.take_along_axis`, but its gradient is a segmented sum by prefix sums instead of the gather's
+  transpose, a scatter-add in which every token of a document adds into the same row (atomics that serialize on
+  GPUs: +12 % on the whole train step of a vanilla model with the aux loss, docs/PERF.md).
+  """
+  return jnp.take_along_axis(x, first.reshape(first.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def _take_segment_first_fwd(x, first, last):
+  return _take_segment_first(x, first, last), (first, last)
+
+
+def _take_segment_first_bwd(res, g):
+  first, last = res
+  expand = lambda i: i.reshape(i.shape + (1,) * (g.ndim - 2))
+  csum = jnp.cumsum(g.astype(jnp.float32), axis=1)
+  upto_last = jnp.take_along_axis(csum, expand(last), axis=1)
+  before_first = jnp.where(expand(first) > 0, jnp.take_along_axis(csum, expand(jnp.maximum(first - 1, 0)), axis=1),
+                           0.0)
+  is_first = first == jnp.arange(first.shape[1], dtype=first.dtype)[None, :]
+  dx = jnp.where(expand(is_first), upto_last - before_first, 0.0).astype(g.dtype)  # g: x's dtype
+  return dx, None, None
+
+
+_take_segment_first.defvjp(_take_segment_first_fwd, _take_segment_first_bwd)
+
+
 def vanilla_attention(q, k, v, *, segment_ids=None, scale=None, impl="auto", prefix=None, **kernel_kwargs):
   """Causal softmax attention; gate G_t = 1 - A_{t,first} (eq. 4), first = first key of t's document.
 
@@ -97,10 +134,16 @@ def vanilla_attention(q, k, v, *, segment_ids=None, scale=None, impl="auto", pre
     q_seg, kv_seg = (jnp.broadcast_to(s, shape) for s, shape in zip(segment_ids, ((B, T), (B, S))))
     first = jnp.argmax(q_seg[:, :, None] == kv_seg[:, None, :], axis=-1).astype(jnp.int32)   # [B,T]
     own = jnp.arange(T, dtype=jnp.int32)[None, :] + (S - T)            # bottom-right aligned key index of t
+    k_first = jnp.take_along_axis(k, first[:, :, None, None], axis=1)        # [B,T,Hkv,D]
+  elif segment_ids is None:
+    first = jnp.zeros((B, T), jnp.int32)
+    own = jnp.arange(T)[None, :]
+    k_first = jnp.broadcast_to(k[:, :1], (B, T) + k.shape[2:])
   else:
     first = jnp.broadcast_to(document_first_index(segment_ids, T), (B, T))
+    last = jnp.broadcast_to(document_last_index(segment_ids, T), (B, T))
     own = jnp.arange(T)[None, :]
-  k_first = jnp.take_along_axis(k, first[:, :, None, None], axis=1)          # [B,T,Hkv,D]
+    k_first = _take_segment_first(k, first, last)                            # [B,T,Hkv,D]
   k_first = jnp.repeat(k_first, Hq // Hkv, axis=2)
   z_first = jnp.einsum("bthd,bthd->bth", q.astype(jnp.float32), k_first.astype(jnp.float32)) * scale
   valid = (first != own)[:, :, None] & jnp.isfinite(lse_t)

@@ -207,3 +207,21 @@ def test_aux_loss_gradient_through_kernel_matches_materialized():
   d2 = jax.grad(via_formula, (0, 1))(q, k)
   for a, b in zip(d1, d2):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_segment_first_gather_gradient_matches_scatter():
+  """The prefix-sum gradient of the vanilla gate's first-key gather equals the gather's own transpose (scatter-add)."""
+  from sinkjax.attention import _take_segment_first, document_first_index, document_last_index
+  seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 3, 3, 0, 0],
+                     [5, 5, 5, 5, 5, 5, 5, 5, 5, 5],
+                     [1, 2, 3, 4, 5, 6, 7, 8, 9, 0]], jnp.int32)
+  T = seg.shape[1]
+  first, last = document_first_index(seg, T), document_last_index(seg, T)
+  np.testing.assert_array_equal(np.asarray(last[0]), [2, 2, 2, 4, 4, 7, 7, 7, 9, 9])
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, T, 2, 4))
+  w = jax.random.normal(jax.random.PRNGKey(1), (3, T, 2, 4))
+  ref = jax.grad(lambda x: jnp.sum(jnp.take_along_axis(x, first[:, :, None, None], axis=1) * w))(x)
+  got = jax.grad(lambda x: jnp.sum(_take_segment_first(x, first, last) * w))(x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(_take_segment_first(x, first, last)),
+                                np.asarray(jnp.take_along_axis(x, first[:, :, None, None], axis=1)))

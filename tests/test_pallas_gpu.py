@@ -1,5 +1,12 @@
 """The Pallas/Triton GPU backend against the materialized reference (interpret mode on CPU), plus lowering checks
-for the real CUDA target (Triton lowering runs on CPU; nothing is compiled or executed for the GPU)."""
+for the real CUDA target (Triton lowering runs on CPU; nothing is compiled or executed for the GPU).
+
+On a machine with a GPU the same tests run the compiled kernels for real:
+
+    JAX_PLATFORMS=cuda python -m pytest tests/test_pallas_gpu.py
+
+(the conftest's default JAX_PLATFORMS=cpu is only a default). The reference then runs with float32 matmuls at
+HIGHEST precision, since XLA's default on GPUs is TF32, while the kernel keeps float32 dots exact for f32 inputs."""
 import functools
 
 import jax
@@ -8,6 +15,11 @@ import numpy as np
 import pytest
 
 from sinkjax.kernels import flash_attention
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU            # interpret mode on CPU; the compiled Triton kernels on a GPU
+if ON_GPU:
+  jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def _segments(B, T, pattern):
@@ -36,7 +48,7 @@ def _inputs(B, T, S, Hq, Hkv, D, dtype, q_mult=1.0, seed=0):
 
 def _run(impl, q, k, v, w, u, **kw):
   if impl != "reference":
-    kw = dict(kw, interpret=True)
+    kw = dict(kw, interpret=INTERPRET)
 
   def loss(q, k, v):
     out, lse = flash_attention(q, k, v, impl=impl, **kw)
@@ -118,7 +130,7 @@ def test_lse_cotangent_alone_reaches_q_and_k():
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
   ref = grads("reference")
-  got = grads("pallas_gpu", interpret=True, block_q=16, block_k=16)
+  got = grads("pallas_gpu", interpret=INTERPRET, block_q=16, block_k=16)
   for name, x, r in zip(("dq", "dk", "dv"), got, ref):
     _close(name, x, r, 2e-5)
   assert float(jnp.abs(got[0]).max()) > 0 and float(jnp.abs(got[2]).max()) == 0.0
@@ -161,3 +173,19 @@ def test_lowers_for_cuda_odd_shapes():
 
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "triton" in text
+
+
+@pytest.mark.skipif(not ON_GPU, reason="runs the compiled kernels; needs a GPU (JAX_PLATFORMS=cuda)")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_odd_shapes_on_gpu(dtype):
+  """The odd shapes of the lowering test above, compiled and run on the GPU against the reference."""
+  q, k, v, w, u = _inputs(2, 1100, 1300, 6, 2, 80, dtype)
+  segs = (jnp.ones((2, 1100), jnp.int32).at[1, 900:].set(0), jnp.ones((2, 1300), jnp.int32).at[1, 1000:].set(0))
+  kw = dict(causal=True, segment_ids=segs)
+  ref_out, ref_lse, ref_g = _run("reference", q, k, v, w, u, **kw)
+  out, lse, g = _run("pallas_gpu", q, k, v, w, u, block_q=32, block_k=128, **kw)
+  tol = 5e-5 if dtype == jnp.float32 else 3e-2
+  _close("out", out, ref_out, tol)
+  _close("lse", lse, ref_lse, tol)
+  for name, x, ref in zip(("dq", "dk", "dv"), g, ref_g):
+    _close(name, x, ref, tol)
