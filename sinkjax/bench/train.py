@@ -11,7 +11,8 @@ tables give this process' CPU time per step, which a busy machine disturbs less.
 
 Throughput: tokens/s and achieved FLOP/s with nanochat's estimate, 6 * (params - embedding) + 12 * L * H * D * T
 per token (matmuls forward and backward; attention counted in full, not halved for causality), also as a fraction of
-this machine's own float32 matmul rate (a 2048 x 2048 jnp matmul, timed the same way).
+this machine's own matmul rate in the compute dtype (a jnp matmul of 2048^2 on CPU, 8192^2 on accelerators, timed the
+same way).
 
 Peer: a Hugging Face `LlamaForCausalLM` of equal layers, width, heads, head_dim, vocabulary, sequence length and
 batch (SwiGLU hidden size 8/3 * width, so its parameter count matches our ReLU^2 4x MLP), trained with
@@ -155,7 +156,8 @@ def main(argv=None):
       cfg = load_config(args.config, ov + [f"model.attention={variant}", f"loss.aux_weight={aux!r}",
                                            f"train.optimizer={opt_name}"])
       runners[(variant, opt_name, aux)], params[(variant, opt_name)] = jax_runner(cfg, batch)
-  runners["matmul"], mm_flops = matmul_runner()
+  mm_n = 2048 if jax.default_backend() == "cpu" else 8192
+  runners["matmul"], mm_flops = matmul_runner(mm_n, jnp.dtype(args.dtype))
   torch_note = "skipped (--no-torch)"
   if not args.no_torch:
     run, n, torch_note = torch_runner(base, batch)
@@ -166,7 +168,8 @@ def main(argv=None):
   peak = mm_flops / res["matmul"][0]
   print(f"shape: {m.num_layers} layers x {m.num_heads} heads x {m.head_dim} head_dim, width {m.d_model}, vocab "
         f"{m.vocab_size}, seq {T}, batch {B} ({tokens} tokens/step), compute {args.dtype}; "
-        f"{jax.device_count()} {jax.default_backend()} device(s); f32 2048^2 jnp matmul: {peak / 1e9:.1f} GFLOP/s "
+        f"{jax.device_count()} {jax.default_backend()} device(s); {args.dtype} {mm_n}^2 jnp matmul: {peak / 1e9:.1f} "
+        f"GFLOP/s "
         f"(median of {args.repeats} rounds)")
   print("\n| variant | optimizer | params | step, aux off (ms) | step, aux on (ms) | aux overhead (wall) | "
         "aux overhead (CPU time) | tokens/s (aux on) | GFLOP/s | of matmul rate |")
