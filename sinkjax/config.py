@@ -108,6 +108,8 @@ class DataConfig:
   val_fraction: float = 0.02        # for sources without a validation split
   num_workers: int = 0              # grain worker processes (0 = in-process)
   prefetch: int = 2
+  shuffle_batches: int = 8          # packed rows are shuffled within windows of this many batches (0 = off): the
+                                    # rows of one long document land in different batches
   format: str = "text"              # text (packed documents) | sft (JSONL prompt/response or chat messages; loss
                                     # on the response tokens, sinkjax.data.sft)
 

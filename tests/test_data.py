@@ -146,7 +146,7 @@ def test_exact_packing_one_epoch(tmp_path, fmt):
     import pyarrow.parquet as pq
     src = tmp_path / "c.parquet"
     pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), src, row_group_size=7)
-  cfg = _cfg(src, seq_len=32, val_fraction=0.0)
+  cfg = _cfg(src, seq_len=32, val_fraction=0.0, shuffle_batches=0)   # rows in packing order: the stream is whole
   it = make_train_iterator(cfg, build_tokenizer(cfg), batch_size=3, seed=5, process_index=0, process_count=1)
   total = sum(len(d.encode()) for d in docs)
   stream = _stream(it, 2 * total + 1)
@@ -212,6 +212,20 @@ def test_hf_tokenizer_target_bytes(tmp_path, lossy):
                                                                 for b in batches]))
 
 
+def test_row_shuffle_mixes_rows_of_long_documents(tmp_path):
+  """With data.shuffle_batches the rows are those of the unshuffled packing, window by window, in another order."""
+  docs = ["<d%d>" % i + ("abcdefghij" * 30)[i:] for i in range(4)]       # each document spans ~10 rows of 32
+  cfg = _cfg(_write_txt(tmp_path, docs), seq_len=32, val_fraction=0.0, shuffle_batches=0)
+  tok = build_tokenizer(cfg)
+  mk = lambda c: make_train_iterator(c, tok, batch_size=4, seed=1, process_index=0, process_count=1)
+  key = lambda b: [bytes(r.astype(np.uint8).tolist()) for r in b["inputs"]]
+  plain = [r for b in _take(mk(cfg), 12) for r in key(b)]
+  mixed = [r for b in _take(mk(dataclasses.replace(cfg, shuffle_batches=3)), 12) for r in key(b)]
+  for w in range(0, 48, 12):                                              # windows of 3 batches x 4 rows
+    assert sorted(mixed[w:w + 12]) == sorted(plain[w:w + 12])
+  assert mixed != plain
+
+
 # ------------------------------------------------------------------------------- determinism, resume, shards
 def test_determinism_by_seed(tmp_path):
   cfg = _cfg(_write_jsonl(tmp_path, _docs(40, seed=4)), seq_len=16, val_fraction=0.0, prefetch=2)
@@ -260,7 +274,7 @@ def test_resume_with_grain_checkpoint_handler(tmp_path):
 
 def test_process_shards_disjoint_and_complete(tmp_path):
   docs = _docs(23, seed=7)
-  cfg = _cfg(_write_jsonl(tmp_path, docs), seq_len=32, val_fraction=0.0)
+  cfg = _cfg(_write_jsonl(tmp_path, docs), seq_len=32, val_fraction=0.0, shuffle_batches=0)
   tok = build_tokenizer(cfg)
   seen = []
   for p in range(2):
@@ -335,7 +349,7 @@ def test_tfds_array_record(tmp_path):
         yield i, {"text": t, "idx": i}
 
   TinySinkText(data_dir=str(tmp_path / "tfds"), file_format="array_record").download_and_prepare()
-  cfg = _cfg("tfds:tiny_sink_text", tfds_dir=str(tmp_path / "tfds"), seq_len=32)
+  cfg = _cfg("tfds:tiny_sink_text", tfds_dir=str(tmp_path / "tfds"), seq_len=32, shuffle_batches=0)
   tok = build_tokenizer(cfg)
   it = make_train_iterator(cfg, tok, batch_size=2, seed=0, process_index=0, process_count=1)
   order = _parse_docs(_stream(it, sum(len(d.encode()) for d in train_docs)), train_docs, len(train_docs))

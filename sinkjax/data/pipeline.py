@@ -7,6 +7,7 @@ Training pipeline (per JAX process):
   -> shuffle blocks, new order every epoch     .shuffle(seed).repeat()      (epochs forever)
   -> tokenize (+ shuffle docs inside a block)  .map_with_index(...)         (read threads)
   -> pack into rows of seq_len + 1 tokens      PackIterDataset              (checkpointable, exact)
+  -> shuffle rows in windows of a few batches  WindowShuffleIterDataset     (data.shuffle_batches)
   -> batch                                     .batch(batch_size)
   -> prefetch                                  .mp_prefetch(num_workers) or a prefetch thread
 
@@ -181,6 +182,8 @@ def _check(data_cfg, tokenizer, batch_size: int) -> None:
     raise DataError(f"data.seq_len must be >= 1, got {data_cfg.seq_len}")
   if batch_size < 1:
     raise DataError(f"batch size must be >= 1, got {batch_size}")
+  if getattr(data_cfg, "shuffle_batches", 0) < 0:
+    raise DataError(f"data.shuffle_batches must be >= 0 (0 = no row shuffle), got {data_cfg.shuffle_batches}")
   if not hasattr(tokenizer, "encode_with_bytes"):
     raise TypeError(f"tokenizer must come from sinkjax.data.build_tokenizer, got {type(tokenizer).__name__}")
 
@@ -227,6 +230,11 @@ def make_train_dataset(data_cfg, tokenizer=None, *, batch_size: int, seed: int =
   # Every block is visited once per epoch; with worker slicing a worker sees them all within ~num_workers epochs.
   max_empty = 4 * n_blocks * max(1, data_cfg.num_workers) + 64
   ds = PackIterDataset(ds, seq_len=data_cfg.seq_len, bos_id=tokenizer.bos_id, max_empty=max_empty)
+  if data_cfg.shuffle_batches > 0:
+    # Packing puts a long document's pieces in consecutive rows; mixing rows over several batches keeps one document
+    # from filling a batch. Grain's window shuffle restores exactly (it re-reads the window from its start state).
+    ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=data_cfg.shuffle_batches * batch_size,
+                                                     seed=seed32)
   ds = ds.batch(batch_size, drop_remainder=True)
   if data_cfg.num_workers > 0:
     _ensure_absl_flags()
