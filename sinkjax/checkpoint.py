@@ -33,6 +33,10 @@ class CheckpointError(ValueError):
   """A user-facing checkpoint problem (missing run dir / checkpoint, mismatching run)."""
 
 
+class DataStateMismatch(CheckpointError):
+  """A checkpoint whose data-iterator state does not fit this run's data pipeline: a settings change, not damage."""
+
+
 def abstract_with_shardings(tree, shardings):
   """`jax.ShapeDtypeStruct`s of `tree` (arrays or shapes) placed by the matching tree of `shardings`."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
@@ -72,9 +76,17 @@ class Checkpointer:
     """Restores (params, train_state) into the shapes and shardings of the given `jax.ShapeDtypeStruct` trees,
     and sets `data_iterator` to the saved position in place."""
     args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params),
-                              train=ocp.args.StandardRestore(abstract_train),
-                              data=grain.checkpoint.CheckpointRestore(data_iterator))
+                              train=ocp.args.StandardRestore(abstract_train))
     out = self.manager.restore(step, args=args)
+    try:
+      self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator)))
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+      # The state file was read (a damaged one fails to parse: ValueError) but does not fit this pipeline.
+      raise DataStateMismatch(
+          f"checkpoint step {step} in {self.directory} holds the position of a data pipeline built with other "
+          f"settings ({_first_line(e)}): resume with the data.* settings it was trained with (data.shuffle_batches, "
+          f"data.num_workers, data.source; runs made before row shuffling existed need data.shuffle_batches=0)"
+      ) from e
     return out["params"], out["train"]
 
   def restore_latest(self, abstract_params, abstract_train, data_iterator):
@@ -153,6 +165,8 @@ def _restore_newest(ckpt: "Checkpointer", restore_one, max_fallbacks: int | None
   for step in steps[:max_fallbacks]:
     try:
       out = restore_one(step)
+    except DataStateMismatch:
+      raise                      # the checkpoint is fine; the settings differ: nothing is set aside
     except Exception as e:  # pylint: disable=broad-except
       errors.append(f"step {step}: {_first_line(e)}")
       moved = ckpt.set_aside(step)

@@ -158,6 +158,21 @@ def test_exact_resume(tmp_path, compile_cache):
   assert cfg.model.vocab_size == tok.vocab_size == 257
 
 
+def test_resume_with_other_data_settings_is_refused_not_set_aside(tmp_path, compile_cache):
+  """A checkpoint whose data-iterator state does not fit the pipeline (data.shuffle_batches changed) is a settings
+  error: one clear message, and the checkpoint stays where it is (it is not damaged, so it is not moved away)."""
+  from sinkjax.checkpoint import DataStateMismatch
+  ov = SMALL + ["train.steps=2", f"run.dir={tmp_path}"]
+  train(load_config(TINY, ov + ["data.shuffle_batches=0"]), progress=False)
+  before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+  with pytest.raises(DataStateMismatch, match="data.shuffle_batches"):
+    train(load_config(TINY, SMALL + ["train.steps=3", f"run.dir={tmp_path}"]), progress=False)
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+  again = train(load_config(TINY, SMALL + ["train.steps=3", f"run.dir={tmp_path}", "data.shuffle_batches=0"]),
+                progress=False)
+  assert again["start_step"] == 2 and again["end_step"] == 3
+
+
 def test_load_run_errors(tmp_path):
   from sinkjax.checkpoint import CheckpointError, load_run
   with pytest.raises(CheckpointError, match="does not exist"):
