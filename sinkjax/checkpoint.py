@@ -33,8 +33,21 @@ class CheckpointError(ValueError):
   """A user-facing checkpoint problem (missing run dir / checkpoint, mismatching run)."""
 
 
-class DataStateMismatch(CheckpointError):
-  """A checkpoint whose data-iterator state does not fit this run's data pipeline: a settings change, not damage."""
+class SettingsMismatch(CheckpointError):
+  """A readable checkpoint that does not fit this run's settings: a configuration change, not damage (it is never
+  set aside)."""
+
+
+class DataStateMismatch(SettingsMismatch):
+  """A checkpoint whose data-iterator state does not fit this run's data pipeline."""
+
+
+class TrainStateMismatch(SettingsMismatch):
+  """A checkpoint whose optimizer / train state has another structure than this run's."""
+
+
+def _shapes(tree) -> list[tuple[int, ...]]:
+  return sorted(tuple(int(d) for d in x.shape) for x in jax.tree.leaves(tree))
 
 
 def abstract_with_shardings(tree, shardings):
@@ -75,9 +88,15 @@ class Checkpointer:
   def restore(self, step: int, abstract_params, abstract_train, data_iterator):
     """Restores (params, train_state) into the shapes and shardings of the given `jax.ShapeDtypeStruct` trees,
     and sets `data_iterator` to the saved position in place."""
+    self._check_train_structure(step, abstract_train)
     args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params),
                               train=ocp.args.StandardRestore(abstract_train))
-    out = self.manager.restore(step, args=args)
+    try:
+      out = self.manager.restore(step, args=args)
+    except ValueError as e:
+      if "tree structures do not match" not in str(e):
+        raise
+      raise self._train_mismatch(step, "another tree structure") from e
     try:
       self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator)))
     except (KeyError, TypeError, AttributeError, IndexError) as e:
@@ -88,6 +107,24 @@ class Checkpointer:
           f"data.num_workers, data.source; runs made before row shuffling existed need data.shuffle_batches=0)"
       ) from e
     return out["params"], out["train"]
+
+  def _check_train_structure(self, step: int, abstract_train) -> None:
+    """Raises TrainStateMismatch when the saved train state's leaves (shapes) differ from the target's."""
+    try:
+      md = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "train")
+      saved = _shapes(getattr(getattr(md, "item_metadata", md), "tree", md))
+    except Exception:  # pylint: disable=broad-except
+      return           # unreadable metadata: the restore itself reports it (and sets the step aside)
+    want = _shapes(abstract_train)
+    if saved != want:
+      raise self._train_mismatch(step, f"{len(saved)} arrays where this run expects {len(want)}")
+
+  def _train_mismatch(self, step: int, what: str) -> TrainStateMismatch:
+    return TrainStateMismatch(
+        f"checkpoint step {step} in {self.directory} holds an optimizer state of another structure ({what}): "
+        f"train.optimizer, train.grad_clip (on/off) or lora.* changed since it was written; resume with the "
+        f"settings it was trained with, or start a new run.dir with train.init_from={self.directory.parent} to "
+        f"begin from its weights")
 
   def restore_latest(self, abstract_params, abstract_train, data_iterator):
     """(step, params, train_state) of the newest checkpoint that restores; see `_restore_newest`."""
@@ -165,7 +202,7 @@ def _restore_newest(ckpt: "Checkpointer", restore_one, max_fallbacks: int | None
   for step in steps[:max_fallbacks]:
     try:
       out = restore_one(step)
-    except DataStateMismatch:
+    except SettingsMismatch:
       raise                      # the checkpoint is fine; the settings differ: nothing is set aside
     except Exception as e:  # pylint: disable=broad-except
       errors.append(f"step {step}: {_first_line(e)}")

@@ -173,6 +173,16 @@ def test_resume_with_other_data_settings_is_refused_not_set_aside(tmp_path, comp
   assert again["start_step"] == 2 and again["end_step"] == 3
 
 
+def test_resume_with_another_optimizer_is_refused_not_set_aside(tmp_path, compile_cache):
+  from sinkjax.checkpoint import TrainStateMismatch
+  train(load_config(TINY, SMALL + ["train.steps=2", f"run.dir={tmp_path}"]), progress=False)
+  before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+  for change in ("train.optimizer=adamw", "train.grad_clip=0"):
+    with pytest.raises(TrainStateMismatch, match="train.optimizer"):
+      train(load_config(TINY, SMALL + ["train.steps=3", f"run.dir={tmp_path}", change]), progress=False)
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
 def test_load_run_errors(tmp_path):
   from sinkjax.checkpoint import CheckpointError, load_run
   with pytest.raises(CheckpointError, match="does not exist"):
