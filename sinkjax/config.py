@@ -136,8 +136,10 @@ class TrainConfig:
   decay_frac: float = 0.2           # linear decay to 0 over the final fraction of steps
   max_nonfinite: int = 5            # consecutive non-finite steps (loss, gradient or update) before the run stops
   stop_at_step: int = 0             # end this invocation after this step with a checkpoint, schedule unchanged
-  init_from: str = ""               # fine-tuning: a run dir (e.g. from sinkjax.convert.hf) whose weights start the run
                                     # (chunked jobs on preemptible machines); 0 = run to train.steps
+  init_from: str = ""               # fine-tuning: a run dir (e.g. from sinkjax.convert.hf) whose weights start the run
+  profile_start: int = 0            # jax.profiler trace of steps [profile_start, profile_start + profile_steps)
+  profile_steps: int = 0            # into RUN_DIR/profile (TensorBoard's profile plugin, or Perfetto); 0 = off
 
 
 @dataclasses.dataclass
@@ -308,6 +310,10 @@ def validate(cfg: Config) -> None:
                       f"got {cfg.loss.num_shared_heads}")
   if cfg.loss.aux_weight < 0:
     raise ConfigError(f"loss.aux_weight must be >= 0, got {cfg.loss.aux_weight}")
+  if cfg.train.profile_steps < 0 or (cfg.train.profile_steps > 0 and cfg.train.profile_start < 1):
+    raise ConfigError(f"train.profile_steps must be >= 0 and, when > 0, train.profile_start >= 1 (a step number; "
+                      f"pick one after the first, which compiles), got {cfg.train.profile_steps} / "
+                      f"{cfg.train.profile_start}")
   _validate_architecture(m)
   _validate_gate(m)
   _validate_lora(cfg.lora)

@@ -484,13 +484,26 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
 
   pending = None       # (step, metrics, val_bpb) of the previous step, handled once the next one is queued
   timer = {"t": time.perf_counter(), "step": start, "paused": 0.0}
+  prof_first = cfg.train.profile_start if cfg.train.profile_steps > 0 else 0
+  prof_last = prof_first + cfg.train.profile_steps - 1
+  profiling = False
   try:
     with _SignalFlag() as sig, jax.set_mesh(mesh):   # the mesh is active: attention runs per shard
       for step in range(start + 1, stop_at + 1):
+        if step == prof_first:
+          jax.profiler.start_trace(str(run_dir / "profile"))
+          profiling = True
         batch = next(train_iter)
         state, m = train_step(state, to_global_batch({k: batch[k] for k in TRAIN_FEATURES}, batch_sh), rest)
         if pending is not None:
           finish_step(*pending)
+        if profiling and (step == prof_last or step == stop_at):
+          jax.block_until_ready(m)
+          jax.profiler.stop_trace()
+          profiling = False
+          if is_main:
+            bar.write(f"profile of steps {prof_first}-{step} written to {run_dir / 'profile'} "
+                      f"(tensorboard --logdir {run_dir}, or ui.perfetto.dev with its trace.json.gz)")
         t0 = time.perf_counter()
         val_bpb = None
         if eval_batches and ((cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0) or step == steps):
@@ -507,6 +520,8 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
       if pending is not None:
         finish_step(*pending)
   finally:
+    if profiling:
+      jax.profiler.stop_trace()
     bar.close()
     ckpt.close()
     if hasattr(train_iter, "close"):

@@ -183,6 +183,20 @@ def test_resume_with_another_optimizer_is_refused_not_set_aside(tmp_path, compil
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
 
 
+def test_profiler_trace_of_chosen_steps(tmp_path, compile_cache):
+  from sinkjax.config import ConfigError
+  with pytest.raises(ConfigError, match="train.profile_start"):
+    load_config(TINY, SMALL + ["train.profile_steps=2"])
+  train(load_config(TINY, SMALL + ["train.steps=3", "train.profile_start=2", "train.profile_steps=1",
+                                   f"run.dir={tmp_path}"]), progress=False)
+  files = [p for p in (tmp_path / "profile").rglob("*") if p.is_file()]
+  assert any(p.name.endswith(".xplane.pb") for p in files), files
+  traces = [p for p in files if p.name.endswith(".trace.json.gz")]
+  if traces:   # the Chrome/Perfetto trace holds the jitted train step
+    import gzip
+    assert "train_step" in gzip.decompress(traces[0].read_bytes()).decode(errors="replace")
+
+
 def test_load_run_errors(tmp_path):
   from sinkjax.checkpoint import CheckpointError, load_run
   with pytest.raises(CheckpointError, match="does not exist"):
