@@ -101,7 +101,8 @@ def _take_segment_first_fwd(x, first, last):
 def _take_segment_first_bwd(res, g):
   first, last = res
   expand = lambda i: i.reshape(i.shape + (1,) * (g.ndim - 2))
-  csum = jnp.cumsum(g.astype(jnp.float32), axis=1)
+  # Prefix sums in (at least) float32; a segment's sum is a difference of two of them, exact to ~eps * |row sum|.
+  csum = jnp.cumsum(g.astype(jnp.promote_types(g.dtype, jnp.float32)), axis=1)
   upto_last = jnp.take_along_axis(csum, expand(last), axis=1)
   before_first = jnp.where(expand(first) > 0, jnp.take_along_axis(csum, expand(jnp.maximum(first - 1, 0)), axis=1),
                            0.0)

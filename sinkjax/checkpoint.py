@@ -10,6 +10,7 @@ number of devices, without knowing the optimizer.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pathlib
 import time
@@ -44,6 +45,21 @@ class DataStateMismatch(SettingsMismatch):
 
 class TrainStateMismatch(SettingsMismatch):
   """A checkpoint whose optimizer / train state has another structure than this run's."""
+
+
+def _key_structure(state, out=None) -> set[str]:
+  """The names of the fields anywhere in a JSON-like iterator state: which transformations the pipeline has, without
+  what varies as it runs (values, list lengths, index-keyed buffers)."""
+  out = set() if out is None else out
+  if isinstance(state, dict):
+    for k, v in state.items():
+      if not str(k).lstrip("-").isdigit():
+        out.add(str(k))
+      _key_structure(v, out)
+  elif isinstance(state, (list, tuple)):
+    for v in state:
+      _key_structure(v, out)
+  return out
 
 
 def _shapes(tree) -> list[tuple[int, ...]]:
@@ -97,16 +113,42 @@ class Checkpointer:
       if "tree structures do not match" not in str(e):
         raise
       raise self._train_mismatch(step, "another tree structure") from e
+    self._check_data_state(step, data_iterator)
     try:
       self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator)))
     except (KeyError, TypeError, AttributeError, IndexError) as e:
       # The state file was read (a damaged one fails to parse: ValueError) but does not fit this pipeline.
-      raise DataStateMismatch(
-          f"checkpoint step {step} in {self.directory} holds the position of a data pipeline built with other "
-          f"settings ({_first_line(e)}): resume with the data.* settings it was trained with (data.shuffle_batches, "
-          f"data.num_workers, data.source; runs made before row shuffling existed need data.shuffle_batches=0)"
-      ) from e
+      raise self._data_mismatch(step, _first_line(e)) from e
     return out["params"], out["train"]
+
+  def _data_mismatch(self, step: int, what: str) -> DataStateMismatch:
+    return DataStateMismatch(
+        f"checkpoint step {step} in {self.directory} holds the position of a data pipeline built with other "
+        f"settings ({what}): resume with the data.* settings and the number of JAX processes it was trained with "
+        f"(data.shuffle_batches, data.num_workers, data.source)")
+
+  def _check_data_state(self, step: int, data_iterator) -> None:
+    """Raises DataStateMismatch when the saved iterator state of this process does not have the structure (nested
+    keys) of `data_iterator`'s, or was written by another number of processes. Unreadable files are left to the
+    restore (a damaged checkpoint is set aside there)."""
+    folder = self.directory / str(step) / "data"
+    pi, pc = jax.process_index(), jax.process_count()
+    path = folder / f"process_{pi}-of-{pc}.json"
+    if not path.is_file():
+      others = sorted(p.name for p in folder.glob("process_*-of-*.json")) if folder.is_dir() else []
+      if others:
+        raise self._data_mismatch(step, f"written by another number of processes: {others[0]}, this is "
+                                        f"process {pi} of {pc}")
+      return
+    try:
+      saved = json.loads(path.read_text())
+      if isinstance(saved, str):          # grain stores the state as a JSON string inside the file
+        saved = json.loads(saved)
+      want = data_iterator.get_state()
+    except Exception:  # pylint: disable=broad-except
+      return
+    if _key_structure(saved) != _key_structure(want):
+      raise self._data_mismatch(step, "its iterator state has other fields")
 
   def _check_train_structure(self, step: int, abstract_train) -> None:
     """Raises TrainStateMismatch when the saved train state's leaves (shapes) differ from the target's."""

@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -271,6 +272,23 @@ def prepare_run_dir(cfg: Config) -> tuple[pathlib.Path, bool]:
   return run_dir, has_ckpt
 
 
+def _legacy_data_settings(cfg: Config) -> None:
+  """Resuming a run whose config.yaml predates data.shuffle_batches: its iterator state is of the unshuffled
+  pipeline, so keep it unshuffled (with a note) rather than refuse to resume."""
+  path = pathlib.Path(cfg.run.dir) / ckpt_lib.CONFIG_FILE
+  if not path.is_file():
+    return
+  try:
+    data = (yaml.safe_load(path.read_text()) or {}).get("data") or {}
+  except (OSError, yaml.YAMLError, AttributeError):
+    return             # prepare_run_dir reports an unreadable config.yaml
+  if isinstance(data, dict) and "shuffle_batches" not in data and cfg.data.shuffle_batches:
+    if jax.process_index() == 0:
+      print(f"sinkjax.train: {path} predates data.shuffle_batches; resuming with data.shuffle_batches=0 "
+            "(the order it was trained with)", flush=True)
+    cfg.data.shuffle_batches = 0
+
+
 def _write_atomic(path: pathlib.Path, text: str) -> None:
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_text(text)
@@ -357,6 +375,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   tx, lr_schedule = optim.build_optimizer(cfg, steps)
 
   # Data: validated before anything is written to run.dir.
+  _legacy_data_settings(cfg)
   if cfg.data.format == "sft":     # JSONL prompt/response or chat; loss on the response tokens
     from sinkjax.data.sft import make_sft_eval_batches as make_eval_batches  # noqa: F811
     from sinkjax.data.sft import make_sft_iterator as make_train_iterator  # noqa: F811
@@ -484,14 +503,16 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
 
   pending = None       # (step, metrics, val_bpb) of the previous step, handled once the next one is queued
   timer = {"t": time.perf_counter(), "step": start, "paused": 0.0}
-  prof_first = cfg.train.profile_start if cfg.train.profile_steps > 0 else 0
-  prof_last = prof_first + cfg.train.profile_steps - 1
+  prof_last = cfg.train.profile_start + cfg.train.profile_steps - 1
+  # A resumed run past profile_start traces what is left of the range; past it, nothing.
+  prof_first = max(cfg.train.profile_start, start + 1) if cfg.train.profile_steps > 0 else 0
+  prof_dir = run_dir / "profile" / (f"process_{jax.process_index()}" if jax.process_count() > 1 else "")
   profiling = False
   try:
     with _SignalFlag() as sig, jax.set_mesh(mesh):   # the mesh is active: attention runs per shard
       for step in range(start + 1, stop_at + 1):
-        if step == prof_first:
-          jax.profiler.start_trace(str(run_dir / "profile"))
+        if step == prof_first and step <= prof_last:
+          jax.profiler.start_trace(str(prof_dir))
           profiling = True
         batch = next(train_iter)
         state, m = train_step(state, to_global_batch({k: batch[k] for k in TRAIN_FEATURES}, batch_sh), rest)
@@ -502,7 +523,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
           jax.profiler.stop_trace()
           profiling = False
           if is_main:
-            bar.write(f"profile of steps {prof_first}-{step} written to {run_dir / 'profile'} "
+            bar.write(f"profile of steps {prof_first}-{step} written to {prof_dir} "
                       f"(tensorboard --logdir {run_dir}, or ui.perfetto.dev with its trace.json.gz)")
         t0 = time.perf_counter()
         val_bpb = None
@@ -520,8 +541,6 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
       if pending is not None:
         finish_step(*pending)
   finally:
-    if profiling:
-      jax.profiler.stop_trace()
     bar.close()
     ckpt.close()
     if hasattr(train_iter, "close"):
@@ -529,6 +548,11 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
     if is_main:
       metrics_file.close()
       writer.close()
+    if profiling:        # last: a failing profiler must not keep the checkpoint from being committed
+      try:
+        jax.profiler.stop_trace()
+      except Exception as e:  # pylint: disable=broad-except
+        warnings.warn(f"could not finish the profile in {prof_dir}: {e}", RuntimeWarning, stacklevel=2)
 
   if is_main and start >= stop_at:
     print(f"nothing to do: {run_dir} is already at step {start} of {steps} (raise train.steps to continue)")

@@ -7,6 +7,7 @@ On a machine with a GPU the same tests run the compiled kernels for real:
 
 (the conftest's default JAX_PLATFORMS=cpu is only a default). The reference then runs with float32 matmuls at
 HIGHEST precision, since XLA's default on GPUs is TF32, while the kernel keeps float32 dots exact for f32 inputs."""
+import contextlib
 import functools
 
 import jax
@@ -18,8 +19,11 @@ from sinkjax.kernels import flash_attention
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU            # interpret mode on CPU; the compiled Triton kernels on a GPU
-if ON_GPU:
-  jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _reference_precision():
+  """Exact float32 matmuls for the reference on a GPU (XLA's default there is TF32); a no-op on CPU."""
+  return jax.default_matmul_precision("highest") if ON_GPU else contextlib.nullcontext()
 
 
 def _segments(B, T, pattern):
@@ -54,7 +58,8 @@ def _run(impl, q, k, v, w, u, **kw):
     out, lse = flash_attention(q, k, v, impl=impl, **kw)
     return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jax.nn.sigmoid(lse - 0.3) * u), (out, lse)
 
-  (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  with _reference_precision() if impl == "reference" else contextlib.nullcontext():
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   return out, lse, grads
 
 
@@ -129,7 +134,8 @@ def test_lse_cotangent_alone_reaches_q_and_k():
       return jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
-  ref = grads("reference")
+  with _reference_precision():
+    ref = grads("reference")
   got = grads("pallas_gpu", interpret=INTERPRET, block_q=16, block_k=16)
   for name, x, r in zip(("dq", "dk", "dv"), got, ref):
     _close(name, x, r, 2e-5)

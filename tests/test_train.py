@@ -173,6 +173,43 @@ def test_resume_with_other_data_settings_is_refused_not_set_aside(tmp_path, comp
   assert again["start_step"] == 2 and again["end_step"] == 3
 
 
+def test_data_state_checked_before_restore(tmp_path):
+  """The saved iterator state is checked against this pipeline before grain restores it: other transformations
+  (worker processes, row shuffle) or another process count are settings errors, found before any batch is drawn,
+  and restore_latest leaves the checkpoint in place."""
+  import dataclasses
+  from sinkjax.checkpoint import Checkpointer, DataStateMismatch
+  from sinkjax.config import CheckpointConfig
+  cfg = load_config(TINY, SMALL)
+  tok = build_tokenizer(cfg.data)
+  mk = lambda **kw: make_train_iterator(dataclasses.replace(cfg.data, **kw), tok, batch_size=4, seed=0)
+  params = {"w": jnp.ones((2, 3))}
+  train_state = {"step": jnp.zeros((), jnp.int32)}
+  ck = Checkpointer(tmp_path, CheckpointConfig(async_save=False))
+  it = mk()
+  next(it)
+  ck.save(1, params, train_state, it, force=True)
+  ck.wait()
+  it.close()
+  abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+  for kw in ({"shuffle_batches": 0}, {"num_workers": 1}):
+    other = mk(**kw)
+    try:
+      with pytest.raises(DataStateMismatch, match="data.shuffle_batches"):
+        ck.restore_latest(abstract(params), abstract(train_state), other)
+    finally:
+      other.close()
+  same = mk()
+  assert ck.restore_latest(abstract(params), abstract(train_state), same)[0] == 1
+  same.close()
+  data = tmp_path / "checkpoints" / "1" / "data"
+  (data / "process_0-of-1.json").rename(data / "process_0-of-2.json")
+  with pytest.raises(DataStateMismatch, match="another number of processes"):
+    ck.restore_latest(abstract(params), abstract(train_state), mk())
+  assert ck.all_steps() == [1]
+  ck.close()
+
+
 def test_resume_with_another_optimizer_is_refused_not_set_aside(tmp_path, compile_cache):
   from sinkjax.checkpoint import TrainStateMismatch
   train(load_config(TINY, SMALL + ["train.steps=2", f"run.dir={tmp_path}"]), progress=False)

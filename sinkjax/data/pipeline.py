@@ -234,7 +234,7 @@ def make_train_dataset(data_cfg, tokenizer=None, *, batch_size: int, seed: int =
     # Packing puts a long document's pieces in consecutive rows; mixing rows over several batches keeps one document
     # from filling a batch. Grain's window shuffle restores exactly (it re-reads the window from its start state).
     ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=data_cfg.shuffle_batches * batch_size,
-                                                     seed=seed32)
+                                                     seed=seed32 % 2**30)   # grain adds the window index
   ds = ds.batch(batch_size, drop_remainder=True)
   if data_cfg.num_workers > 0:
     _ensure_absl_flags()
