@@ -136,11 +136,7 @@ def vanilla_attention(q, k, v, *, segment_ids=None, scale=None, impl="auto", pre
     first = jnp.argmax(q_seg[:, :, None] == kv_seg[:, None, :], axis=-1).astype(jnp.int32)   # [B,T]
     own = jnp.arange(T, dtype=jnp.int32)[None, :] + (S - T)            # bottom-right aligned key index of t
     k_first = jnp.take_along_axis(k, first[:, :, None, None], axis=1)        # [B,T,Hkv,D]
-  elif segment_ids is None:
-    first = jnp.zeros((B, T), jnp.int32)
-    own = jnp.arange(T)[None, :]
-    k_first = jnp.broadcast_to(k[:, :1], (B, T) + k.shape[2:])
-  else:
+  else:                         # packed segments, or none (one document: first = 0, last = T - 1)
     first = jnp.broadcast_to(document_first_index(segment_ids, T), (B, T))
     last = jnp.broadcast_to(document_last_index(segment_ids, T), (B, T))
     own = jnp.arange(T)[None, :]

@@ -17,6 +17,7 @@ import jax
 import optax
 
 from sinkjax.config import Config
+from sinkjax.sharding import path_names
 
 LABELS = ("matrix", "embed", "unembed", "scalar")
 
@@ -36,12 +37,8 @@ def lr_schedule(peak: float, steps: int, warmup_steps: int = 0, decay_frac: floa
   return optax.join_schedules(parts, boundaries) if boundaries else parts[0]
 
 
-def _path_names(path) -> list[str]:
-  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-
-
 def param_label(path, leaf) -> str:
-  names = _path_names(path)
+  names = path_names(path)
   if names[0] == "embed" or "sink_states" in names:
     return "embed"
   if names[0] == "lm_head":

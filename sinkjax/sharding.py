@@ -75,7 +75,7 @@ _PARAM_AXES = (
 )
 
 
-def _names(path) -> tuple:
+def path_names(path) -> tuple:
   """A pytree / nnx path as plain names and indices, without nnx's trailing "value"."""
   out = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
   return out[:-1] if out and out[-1] == "value" else out
@@ -85,7 +85,7 @@ def logical_axes(path: tuple, shape: tuple) -> tuple | None:
   """The logical axes of a parameter (or of an optimizer-state leaf holding its path), or None (replicate)."""
   if len(shape) < 2:
     return None
-  names = _names(path)
+  names = path_names(path)
   for suffix, axes in _PARAM_AXES:
     if len(axes) == len(shape) and names[-len(suffix):] == suffix:
       return axes
@@ -120,7 +120,7 @@ def param_spec(path: tuple, shape: tuple, mesh_shape=None) -> P:
 def state_shardings(mesh: Mesh, tree):
   """NamedShardings for a pytree of (abstract) arrays: params, optimizer state, or the whole train state."""
   def one(path, leaf):
-    return NamedSharding(mesh, param_spec(_names(path), getattr(leaf, "shape", ()), dict(mesh.shape)))
+    return NamedSharding(mesh, param_spec(path_names(path), getattr(leaf, "shape", ()), dict(mesh.shape)))
   return jax.tree_util.tree_map_with_path(one, tree)
 
 
