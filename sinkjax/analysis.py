@@ -35,7 +35,7 @@ from flax import nnx
 from sinkjax.attention import document_first_index, relu_attention_weights
 from sinkjax.kernels.reference import attention_weights
 from sinkjax.layers import default_positions
-from sinkjax.model import Transformer, _norm
+from sinkjax.model import Transformer
 
 SPARSE_GATE = 0.1        # a gate value below this counts as "closed" (gate sparsity)
 GATE_BINS = 20           # histogram bins on [0, 1]
@@ -100,10 +100,11 @@ def instrumented_forward(model: Transformer, tokens, *, segment_ids=None, positi
     positions = default_positions(segment_ids, B, T)
   seg = _segments(segment_ids, B, T)
   starts = document_starts(seg)
-  x = _norm(model.embed(tokens))                       # as in Transformer.__call__
+  x = x0 = model.embed_tokens(tokens)                  # as in Transformer.__call__
   traces = []
   for l, block in enumerate(model.layers):
     attn = block.attn
+    x = model.block_input(l, x, x0)
     h = block.attn_norm(x)
     q, k, v = attn.project(h, positions)
     if zero_first_value is not None:
@@ -118,10 +119,7 @@ def instrumented_forward(model: Transformer, tokens, *, segment_ids=None, positi
     if keep_weights:
       weights, sink_weight = attention_probs(attn, q, k, seg)
     traces.append(LayerTrace(q, k, v, gate, weights, sink_weight, x))
-  x = model.final_norm(x)
-  logits = (model.embed.attend(x) if model.lm_head is None else model.lm_head(x)).astype(jnp.float32)
-  cap = model.cfg.logit_softcap
-  return (cap * jnp.tanh(logits / cap) if cap > 0 else logits), traces
+  return model.logits(x), traces
 
 
 def token_nll(logits, targets):

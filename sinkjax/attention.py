@@ -122,6 +122,8 @@ def vanilla_attention(q, k, v, *, segment_ids=None, scale=None, impl="auto", pre
   With learnable sink tokens (`prefix`, see `attend_prefix`) the "first token" is the first sink token, which every
   query sees: G_t = 1 - A_{t,sink_0} is then defined (and usually > 0) for every non-padding query.
   With a (q_seg, kv_seg) pair (decoding against a KV cache) the first key is the first slot of the query's segment.
+  With a sliding `window` (nanochat's later architecture), a query whose window has left its first key behind puts
+  no weight on it: G = 1 there (eq. 4 literally).
   """
   B, T, Hq, D = q.shape
   S, Hkv = k.shape[1], k.shape[2]
@@ -147,6 +149,9 @@ def vanilla_attention(q, k, v, *, segment_ids=None, scale=None, impl="auto", pre
   # z_first <= LSE in exact arithmetic; the clamp keeps rounding from producing a negative gate.
   delta = jnp.minimum(jnp.where(valid, z_first - lse_t, 0.0), 0.0)
   gate = jnp.where(valid, -jnp.expm1(delta), 0.0)
+  window = kernel_kwargs.get("window")
+  if window:                    # a sliding window that no longer sees the first key: A[t, first] = 0, G = 1
+    gate = jnp.where(((own - first) >= window)[:, :, None] & jnp.isfinite(lse_t), 1.0, gate)
   return out, gate
 
 

@@ -78,6 +78,17 @@ class ModelConfig:
   sliding_window: int = 0           # > 0: "sliding" layers see only the last sliding_window keys (incl. self)
   layer_types: list = dataclasses.field(default_factory=list)   # per layer full|sliding; [] = all full
                                     # (all sliding when sliding_window > 0)
+  # nanochat (configs/nanochat.yaml, sinkjax.convert.nanochat); the defaults are this project's earlier choices.
+  depth: int = 0                    # > 0: nanochat base_train's shapes from the depth: num_layers = depth,
+                                    # d_model = 64 depth, heads = the divisor of d_model nearest d_model / 128,
+                                    # num_kv_heads = num_heads, head_dim = d_model / heads (`resolve_depth`)
+  vocab_pad_to: int = 1             # embedding / LM-head rows rounded up to a multiple (nanochat: 64); logits are
+                                    # sliced back to vocab_size before the soft-cap
+  init: str = "default"             # default | nanochat: LM head N(0, 0.001) instead of zeros, block input
+                                    # matrices uniform with std 1/sqrt(d_model) instead of truncated normal
+  rope_style: str = "llama"         # llama | nanochat: nanochat's rotation sign, bfloat16 cos/sin tables and
+                                    # QK-norm after RoPE (layers.apply_rope)
+  residual_scalars: bool = False    # per-layer resid_lambdas / x0_lambdas of nanochat's later GPT (6bb9240)
 
 
 @dataclasses.dataclass
@@ -110,6 +121,7 @@ class DataConfig:
   prefetch: int = 2
   shuffle_batches: int = 8          # packed rows are shuffled within windows of this many batches (0 = off): the
                                     # rows of one long document land in different batches
+  packing: str = "document"         # document | stream (see sinkjax/data/pipeline.py)
   format: str = "text"              # text (packed documents) | sft (JSONL prompt/response or chat messages; loss
                                     # on the response tokens, sinkjax.data.sft)
 
@@ -134,6 +146,10 @@ class TrainConfig:
   grad_clip: float = 1.0
   warmup_steps: int = 0
   decay_frac: float = 0.2           # linear decay to 0 over the final fraction of steps
+  muon_momentum: float = 0.95       # Muon's momentum after warmup
+  muon_momentum_start: float = 0.85 # ... linearly from this value over muon_momentum_warmup steps (nanochat)
+  muon_momentum_warmup: int = 300   # 0 = muon_momentum from the first step
+  muon_ns_dtype: str = "bfloat16"   # dtype of Muon's Newton-Schulz iteration (nanochat: bfloat16)
   max_nonfinite: int = 5            # consecutive non-finite steps (loss, gradient or update) before the run stops
   stop_at_step: int = 0             # end this invocation after this step with a checkpoint, schedule unchanged
                                     # (chunked jobs on preemptible machines); 0 = run to train.steps
@@ -184,6 +200,9 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.attn_impl": ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu"),
+    "model.init": ("default", "nanochat"),
+    "model.rope_style": ("llama", "nanochat"),
+    "train.muon_ns_dtype": ("bfloat16", "float32"),
     "train.optimizer": ("muon", "adamw"),
     "data.format": ("text", "sft"),
 }
@@ -280,19 +299,42 @@ def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> C
   return cfg
 
 
-def from_dict(tree: dict) -> Config:
-  cfg = Config()
-  _apply(cfg, tree)
-  validate(cfg)
-  return cfg
-
-
 def to_dict(cfg: Config) -> dict:
   return dataclasses.asdict(cfg)
 
 
+SHAPE_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
+
+
+def depth_shapes(depth: int, head_dim: int = 128) -> dict:
+  """nanochat base_train's model shape for a depth: d_model = 64 depth, the head count nearest d_model / head_dim
+  that divides d_model (search outward from the ideal, larger first), no GQA."""
+  d = 64 * depth
+  ideal = max(1, round(d / head_dim))
+  heads = next(c for off in range(d) for c in (ideal + off, ideal - off) if c > 0 and d % c == 0)
+  return dict(num_layers=depth, d_model=d, num_heads=heads, num_kv_heads=heads, head_dim=d // heads)
+
+
+def resolve_depth(m: ModelConfig) -> None:
+  """Fills the shape keys from model.depth (> 0); a shape key set to something else is an error naming both."""
+  if m.depth <= 0:
+    return
+  default = ModelConfig()
+  for key, value in depth_shapes(m.depth).items():
+    given = getattr(m, key)
+    if given not in (value, getattr(default, key)):
+      raise ConfigError(f"model.{key}={given} contradicts model.depth={m.depth} (which gives {value}): drop one, "
+                        f"or set model.depth=0 to give every shape key yourself")
+    setattr(m, key, value)
+
+
 def validate(cfg: Config) -> None:
   m = cfg.model
+  resolve_depth(m)
+  if m.vocab_pad_to < 1:
+    raise ConfigError(f"model.vocab_pad_to must be >= 1, got {m.vocab_pad_to}")
+  if not 0 <= cfg.train.muon_momentum_start <= 1 or not 0 <= cfg.train.muon_momentum < 1:
+    raise ConfigError("train.muon_momentum and train.muon_momentum_start must be in [0, 1)")
   if m.num_heads % max(m.num_kv_heads, 1) or m.num_kv_heads < 1:
     raise ConfigError(f"model.num_heads ({m.num_heads}) must be a positive multiple of model.num_kv_heads "
                       f"({m.num_kv_heads})")
@@ -340,9 +382,8 @@ def _validate_architecture(m: ModelConfig) -> None:
     raise ConfigError(f"model.layer_types has {len(m.layer_types)} entries but model.num_layers is {m.num_layers}")
   if "sliding" in m.layer_types and not m.sliding_window:
     raise ConfigError("model.layer_types names sliding layers: set model.sliding_window > 0")
-  if m.sliding_window and m.attention in ("vanilla", "relu"):
-    raise ConfigError(f"model.sliding_window needs model.attention sink or gated (with {m.attention} attention the "
-                      "implicit gate needs the document's first key, which a window can drop)")
+  if m.sliding_window and m.attention == "relu":
+    raise ConfigError("model.sliding_window needs a softmax variant (vanilla, sink or gated), got relu")
 
 
 def _validate_gate(m: ModelConfig) -> None:

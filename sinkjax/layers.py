@@ -112,12 +112,24 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
   raise ValueError(f"unknown RoPE scaling {scaling.kind!r} (none|llama3|yarn)")
 
 
-def apply_rope(x, positions, inv_freq, scale: float = 1.0):
-  """Rotary embedding, split-halves convention (Llama / nanochat). x [B,T,H,D], positions int [B,T].
-  `scale` multiplies cos and sin (YaRN's attention factor)."""
+ROPE_STYLES = ("llama", "nanochat")
+
+
+def apply_rope(x, positions, inv_freq, scale: float = 1.0, style: str = "llama"):
+  """Rotary embedding, split-halves convention. x [B,T,H,D], positions int [B,T].
+  `scale` multiplies cos and sin (YaRN's attention factor).
+
+  style "llama" (Hugging Face): (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+  style "nanochat" (nanochat's `apply_rotary_emb`): the opposite rotation, (x1 cos + x2 sin, x2 cos - x1 sin), with
+  cos/sin tables rounded to bfloat16 as nanochat keeps them. The two are not interchangeable for trained weights:
+  q R(-a) . k R(-b) = q . k R(a - b) while q R(a) . k R(b) = q . k R(b - a).
+  """
   angles = positions[..., None].astype(jnp.float32) * inv_freq          # [B,T,D/2]
   cos, sin = jnp.cos(angles)[:, :, None, :] * scale, jnp.sin(angles)[:, :, None, :] * scale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  if style == "nanochat":
+    cos, sin = (t.astype(jnp.bfloat16).astype(jnp.float32) for t in (cos, sin))
+    sin = -sin
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
@@ -127,6 +139,18 @@ def default_positions(segment_ids, B: int, T: int):
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   first = variants.document_first_index(segment_ids, T)
   return jnp.arange(T, dtype=jnp.int32)[None, :] - first
+
+
+INITS = ("default", "nanochat")
+
+
+def matrix_init(init: str, fan_in: int) -> dict:
+  """kernel_init for the input-side matrices of a block: nanochat's uniform(-s, s), s = sqrt(3 / fan_in) (std
+  1/sqrt(fan_in), no outliers), or flax's default (lecun normal, the same std, truncated) for init="default"."""
+  if init == "default":
+    return {}
+  s = math.sqrt(3.0 / fan_in)
+  return {"kernel_init": lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -s, s)}
 
 
 class Attention(nnx.Module):
@@ -141,6 +165,10 @@ class Attention(nnx.Module):
       defaults are the G1 gate above; see the module docstring, "Gating ablations").
     impl: `flash_attention` backend ("auto" picks Pallas on TPU/GPU, blockwise XLA on CPU).
     norm_scale, norm_eps: learnable scale and epsilon of the QK-norms (Qwen3: scaled; nanochat: parameter-free).
+    rope_style: "llama" (HF sign, QK-norm before RoPE) | "nanochat" (nanochat's rotation sign and bfloat16 tables,
+      QK-norm after RoPE; see `apply_rope`).
+    init: "default" (flax's lecun-normal kernels) | "nanochat" (q/k/v and gate projections uniform with std
+      1/sqrt(d_model), as nanochat's `init_weights`); output projections start at zero either way.
     rope_scaling: a `RopeScaling` (llama3 / yarn long-context frequencies), None = plain RoPE.
     sliding_window: > 0 makes this a sliding-window layer: query t sees keys t - window < s <= t (GPT-OSS).
     sink_tokens: n learnable sink tokens (seed 001): n d_model vectors `sink_states` of this layer, projected by
@@ -157,7 +185,7 @@ class Attention(nnx.Module):
                gate_bias_init: float = 0.0, impl: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32,
                zero_init_output: bool = True, sink_tokens: int = 0, norm_scale: bool = False,
                norm_eps: float = 1e-6, rope_scaling: RopeScaling | None = None, sliding_window: int = 0,
-               rngs: nnx.Rngs):
+               rope_style: str = "llama", init: str = "default", rngs: nnx.Rngs):
     if attention not in ATTENTION_VARIANTS:
       raise ValueError(f"attention must be one of {ATTENTION_VARIANTS}, got {attention!r}")
     if gate not in GATE_KINDS:
@@ -173,18 +201,21 @@ class Attention(nnx.Module):
     head_dim = head_dim or d_model // num_heads
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if rope_style not in ROPE_STYLES or init not in INITS:
+      raise ValueError(f"rope_style must be one of {ROPE_STYLES} and init one of {INITS}, got {rope_style!r}, "
+                       f"{init!r}")
+    self.rope_style = rope_style
     self.attention, self.gate_kind, self.impl = attention, gate, impl
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.rope_theta = rope_theta
     self.rope_scaling = rope_scaling
-    if sliding_window and attention in ("vanilla", "relu"):
-      raise ValueError(f"sliding_window needs sink or gated attention (got {attention!r}: its gate needs the "
-                       "document's first key, which the window can drop)")
+    if sliding_window and attention == "relu":
+      raise ValueError("sliding_window needs a softmax variant (vanilla, sink or gated), got 'relu'")
     self.sliding_window = sliding_window
     lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.q_proj = nnx.Linear(d_model, num_heads * head_dim, **lin)
-    self.k_proj = nnx.Linear(d_model, num_kv_heads * head_dim, **lin)
-    self.v_proj = nnx.Linear(d_model, num_kv_heads * head_dim, **lin)
+    self.q_proj = nnx.Linear(d_model, num_heads * head_dim, **lin, **matrix_init(init, d_model))
+    self.k_proj = nnx.Linear(d_model, num_kv_heads * head_dim, **lin, **matrix_init(init, d_model))
+    self.v_proj = nnx.Linear(d_model, num_kv_heads * head_dim, **lin, **matrix_init(init, d_model))
     out_init = nnx.initializers.zeros_init() if zero_init_output else nnx.initializers.lecun_normal()
     self.o_proj = nnx.Linear(num_heads * head_dim, d_model, kernel_init=out_init, **lin)
     norm = dict(eps=norm_eps, use_scale=norm_scale, param_dtype=param_dtype)
@@ -196,8 +227,8 @@ class Attention(nnx.Module):
     width = self.gate_heads * (1 if gate == "headwise" else head_dim)
     dependent = attention == "gated" and gate_input == "dependent"
     self.gate_proj = nnx.Linear(d_model, width, use_bias=True, dtype=dtype, param_dtype=param_dtype,
-                                bias_init=nnx.initializers.constant(gate_bias_init),
-                                rngs=rngs) if dependent else None
+                                bias_init=nnx.initializers.constant(gate_bias_init), rngs=rngs,
+                                **matrix_init(init, d_model)) if dependent else None
     # Input-independent gate: learned logits, flat [width] like gate_proj's bias (a vector, so the optimizer gives it
     # AdamW at the scalar rate, not Muon).
     self.gate_logit = nnx.Param(jnp.full((width,), gate_bias_init, param_dtype)
@@ -213,10 +244,11 @@ class Attention(nnx.Module):
     document's first token), shifted here by the number of sink tokens, which hold positions 0..n-1."""
     q, k, v = self.project_unrotated(x)
     positions = positions + self.num_sink_tokens
-    return self.rotate(q, positions), self.rotate(k, positions), v
+    return self.rotate(q, positions, "q"), self.rotate(k, positions, "k"), v
 
   def project_unrotated(self, x):
-    """q, k, v after QK-norm, before RoPE (what a KV cache stores, see `sinkjax.cache`)."""
+    """q, k, v before RoPE (what a KV cache stores, see `sinkjax.cache`); QK-norm applied here unless it comes after
+    RoPE (rope_style "nanochat"), in which case `rotate` applies it."""
     B, T, _ = x.shape
     q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
@@ -224,15 +256,19 @@ class Attention(nnx.Module):
     if self.attention == "gated" and self.gate_position == "value":
       # G2 gates each value where it is made, so KV caches and sink tokens hold gated values; `attend` reports it.
       v, _ = variants.apply_gate(v, self.gate_logits(x), self.gate_activation)
-    if self.q_norm is not None:
+    if self.q_norm is not None and self.rope_style != "nanochat":
       q, k = self.q_norm(q), self.k_norm(k)
     return q, k, v
 
-  def rotate(self, x, positions):
-    """RoPE at int positions [B,T] (the one place this layer's rotary settings apply)."""
+  def rotate(self, x, positions, which: str):
+    """RoPE at int positions [B,T] of queries (which="q") or keys ("k"), then their QK-norm where it follows RoPE
+    (the one place this layer's rotary settings apply)."""
     scaling = self.rope_scaling
-    return apply_rope(x, positions, rope_frequencies(self.head_dim, self.rope_theta, scaling),
-                      1.0 if scaling is None else scaling.cos_sin_scale())
+    y = apply_rope(x, positions, rope_frequencies(self.head_dim, self.rope_theta, scaling),
+                   1.0 if scaling is None else scaling.cos_sin_scale(), self.rope_style)
+    if self.q_norm is not None and self.rope_style == "nanochat":
+      y = (self.q_norm if which == "q" else self.k_norm)(y)
+    return y
 
   def sink_kv(self, B: int):
     """Keys/values of the learnable sink tokens, ([B,n,Hkv,D] rotated to positions 0..n-1, [B,n,Hkv,D]), or None."""
@@ -240,7 +276,7 @@ class Attention(nnx.Module):
       return None
     n = self.num_sink_tokens
     _, k, v = self.project_unrotated(self.sink_states[...][None])
-    k = self.rotate(k, jnp.arange(n, dtype=jnp.int32)[None])
+    k = self.rotate(k, jnp.arange(n, dtype=jnp.int32)[None], "k")
     return tuple(jnp.broadcast_to(a, (B,) + a.shape[1:]) for a in (k, v))
 
   def gate_logits(self, x):
@@ -293,7 +329,7 @@ class Attention(nnx.Module):
       positions = default_positions(segment_ids, B, T)
     q, k, v = self.project_unrotated(x)
     positions = positions + self.num_sink_tokens           # sink tokens hold positions 0..n-1
-    out, gate = self.attend(x, self.rotate(q, positions), self.rotate(k, positions), v, segment_ids)
+    out, gate = self.attend(x, self.rotate(q, positions, "q"), self.rotate(k, positions, "k"), v, segment_ids)
     y = self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
     if cache is not None:
       return y, cache.prefill(k, v)
@@ -310,8 +346,8 @@ class Attention(nnx.Module):
     q, k, v = self.project_unrotated(x)
     cache = cache.write(k, v)
     n, C = self.num_sink_tokens, cache.capacity
-    q = self.rotate(q, jnp.full((B, 1), cache.query_position + n, jnp.int32))
-    k_all = self.rotate(cache.k, jnp.broadcast_to(cache.key_positions + n, (B, C)))
+    q = self.rotate(q, jnp.full((B, 1), cache.query_position + n, jnp.int32), "q")
+    k_all = self.rotate(cache.k, jnp.broadcast_to(cache.key_positions + n, (B, C)), "k")
     visible = cache.valid
     if self.sliding_window:                 # slots are not in age order once a streaming ring wraps
       visible &= cache.key_positions > cache.query_position - self.sliding_window
@@ -385,13 +421,13 @@ class MLP(nnx.Module):
 
   def __init__(self, d_model: int, hidden: int, *, kind: str = "relu2", use_bias: bool = False,
                limit: float = 7.0, alpha: float = 1.702, dtype=jnp.float32, param_dtype=jnp.float32,
-               zero_init_output: bool = True, rngs: nnx.Rngs):
+               zero_init_output: bool = True, init: str = "default", rngs: nnx.Rngs):
     if kind not in MLP_KINDS:
       raise ValueError(f"MLP kind must be one of {MLP_KINDS}, got {kind!r}")
     lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.kind, self.limit, self.alpha = kind, limit, alpha
-    self.up_proj = nnx.Linear(d_model, hidden, **lin)
-    self.gate_proj = nnx.Linear(d_model, hidden, **lin) if kind != "relu2" else None
+    self.up_proj = nnx.Linear(d_model, hidden, **lin, **matrix_init(init, d_model))
+    self.gate_proj = nnx.Linear(d_model, hidden, **lin, **matrix_init(init, d_model)) if kind != "relu2" else None
     out_init = nnx.initializers.zeros_init() if zero_init_output else nnx.initializers.lecun_normal()
     self.down_proj = nnx.Linear(hidden, d_model, kernel_init=out_init, **lin)
 

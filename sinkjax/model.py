@@ -46,12 +46,13 @@ class Block(nnx.Module):
                           gate_activation=cfg.gate_activation, gate_input=cfg.gate_input,
                           sink_tokens=cfg.sink_tokens, use_bias=cfg.attn_bias, norm_scale=cfg.norm_scale,
                           norm_eps=cfg.norm_eps, rope_scaling=rope_scaling(cfg),
-                          sliding_window=layer_window(cfg, layer), rngs=rngs)
+                          sliding_window=layer_window(cfg, layer), rope_style=cfg.rope_style, init=cfg.init,
+                          rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, **norm)
     mlp = dict(kind=cfg.mlp, use_bias=cfg.mlp_bias, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha, dtype=dt,
                param_dtype=pdt, rngs=rngs)
     self.mlp = MoE(cfg.d_model, mlp_hidden(cfg), cfg.moe_experts, cfg.moe_top_k, **mlp) if cfg.moe_experts else \
-        MLP(cfg.d_model, mlp_hidden(cfg), **mlp)
+        MLP(cfg.d_model, mlp_hidden(cfg), init=cfg.init, **mlp)
 
   def __call__(self, x, segment_ids, positions, cache=None):
     """x -> x; with a `LayerCache`, (x, updated cache)."""
@@ -62,21 +63,48 @@ class Block(nnx.Module):
     return x if cache is None else (x, cache)
 
 
+def padded_vocab(cfg: ModelConfig) -> int:
+  """Rows of the embedding / LM head: vocab_size rounded up to a multiple of model.vocab_pad_to (nanochat: 64)."""
+  return -(-cfg.vocab_size // cfg.vocab_pad_to) * cfg.vocab_pad_to
+
+
 class Transformer(nnx.Module):
-  """tokens [B,T] -> logits [B,T,V] (float32, soft-capped). Records per-layer head importance (see layers)."""
+  """tokens [B,T] -> logits [B,T,V] (float32, soft-capped). Records per-layer head importance (see layers).
+
+  nanochat options (configs/nanochat.yaml, `sinkjax.convert.nanochat`): model.vocab_pad_to pads the embedding and
+  LM head rows (logits are sliced back to vocab_size before the soft-cap); model.init=nanochat draws the LM head from
+  N(0, 0.001) instead of zeros; model.residual_scalars adds the per-layer `resid_lambdas` (init 1) and `x0_lambdas`
+  (init 0) of nanochat's later GPT: block i sees resid_lambdas[i] * x + x0_lambdas[i] * x0, x0 the normed embedding.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     if cfg.vocab_size < 1:
       raise ValueError("model.vocab_size must be set (the trainer fills it from the tokenizer)")
     self.cfg = cfg
     dt, pdt = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt,
+    vocab = padded_vocab(cfg)
+    self.embed = nnx.Embed(vocab, cfg.d_model, dtype=dt, param_dtype=pdt,
                            embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
     self.layers = nnx.List([Block(cfg, layer=i, rngs=rngs) for i in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, use_scale=cfg.norm_scale, param_dtype=pdt)
+    head_init = nnx.initializers.normal(0.001) if cfg.init == "nanochat" else nnx.initializers.zeros_init()
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
-        cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt,
-        kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
+        cfg.d_model, vocab, use_bias=False, dtype=dt, param_dtype=pdt, kernel_init=head_init, rngs=rngs)
+    L = cfg.num_layers
+    self.resid_lambdas = nnx.Param(jnp.ones((L,), pdt)) if cfg.residual_scalars else None
+    self.x0_lambdas = nnx.Param(jnp.zeros((L,), pdt)) if cfg.residual_scalars else None
+
+  def embed_tokens(self, tokens):
+    """The residual stream's start x0 [B,T,d_model] (the normed embedding where model.embed_norm, as nanochat)."""
+    x = self.embed(tokens)
+    return _norm(x, self.cfg.norm_eps) if self.cfg.embed_norm else x
+
+  def block_input(self, i: int, x, x0):
+    """What block i reads: x itself, or resid_lambdas[i] * x + x0_lambdas[i] * x0 with model.residual_scalars."""
+    if self.resid_lambdas is None:
+      return x
+    r, a = (p[...][i].astype(x.dtype) for p in (self.resid_lambdas, self.x0_lambdas))
+    return r * x + a * x0
 
   def __call__(self, tokens, *, segment_ids=None, positions=None, cache=None):
     """logits; with a `sinkjax.cache.KVCache`, (logits, updated cache): T == 1 decodes one token against the cache,
@@ -84,25 +112,25 @@ class Transformer(nnx.Module):
     B, T = tokens.shape
     if positions is None:
       positions = default_positions(segment_ids, B, T)
-    x = self.embed(tokens)
-    if self.cfg.embed_norm:                  # nanochat normalizes the embedding output (HF models do not)
-      x = _norm(x, self.cfg.norm_eps)
+    x = x0 = self.embed_tokens(tokens)
     if cache is not None:
       layer_caches = cache.layers(T)
       for i, block in enumerate(self.layers):
-        x, layer_caches[i] = block(x, segment_ids, positions, cache=layer_caches[i])
-      return self._logits(x), cache.advance(layer_caches, T)
-    for block in self.layers:
+        x, layer_caches[i] = block(self.block_input(i, x, x0), segment_ids, positions, cache=layer_caches[i])
+      return self.logits(x), cache.advance(layer_caches, T)
+    for i, block in enumerate(self.layers):
+      x = self.block_input(i, x, x0)
       if self.cfg.remat:
         x = nnx.remat(lambda blk, h: blk(h, segment_ids, positions))(block, x)
       else:
         x = block(x, segment_ids, positions)
-    return self._logits(x)
+    return self.logits(x)
 
-  def _logits(self, x):
+  def logits(self, x):
+    """Final norm, LM head (vocabulary padding sliced off), float32, soft-cap."""
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-    logits = logits.astype(jnp.float32)
+    logits = logits[..., :self.cfg.vocab_size].astype(jnp.float32)
     cap = self.cfg.logit_softcap
     return cap * jnp.tanh(logits / cap) if cap > 0 else logits
 
@@ -124,7 +152,7 @@ def count_params(model: nnx.Module) -> int:
 
 def param_count_formula(cfg: ModelConfig) -> int:
   """Closed-form parameter count of `Transformer` for a config (used by tests and the token budget)."""
-  d, hq, hkv, hd, v = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+  d, hq, hkv, hd, v = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, padded_vocab(cfg)
   attn = d * hq * hd + 2 * d * hkv * hd + hq * hd * d
   if cfg.attention == "sink":
     attn += hq
@@ -142,5 +170,5 @@ def param_count_formula(cfg: ModelConfig) -> int:
   mlp = (3 if gated else 2) * d * h + (((2 if gated else 1) * h + d) if cfg.mlp_bias else 0)
   if cfg.moe_experts:
     mlp = cfg.moe_experts * mlp + d * cfg.moe_experts + cfg.moe_experts     # experts + router
-  final = d if cfg.norm_scale else 0
+  final = (d if cfg.norm_scale else 0) + (2 * cfg.num_layers if cfg.residual_scalars else 0)
   return v * d * (1 if cfg.tie_embeddings else 2) + cfg.num_layers * (attn + mlp) + final

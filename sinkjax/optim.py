@@ -1,19 +1,34 @@
-"""The optimizer of the paper's nanochat-style recipe (000 Table 1), as one optax transformation.
+"""The optimizer of the paper's recipe (000 Table 1, i.e. nanochat 9d4c9b7's `setup_optimizers`), as one optax chain.
 
 Parameters are routed by their nnx path (`param_labels`):
-  matrix   2-D kernels inside the blocks (attention q/k/v/o and gate projections, MLP)  -> Muon, train.matrix_lr
+  matrix   kernels inside the blocks (attention q/k/v/o, gate projections, MLP; MoE experts [E, in, out] per expert)
+           -> Muon at train.matrix_lr. Gate projections are hidden matrices like q/k/v, so they go where those go.
   embed    the token embedding and the learnable sink tokens (`sink_states`, embedding-like) -> AdamW, train.embed_lr
   unembed  the LM head                                                                  -> AdamW, train.unembed_lr
-  scalar   everything else: sinks, gate biases, norm scales                             -> AdamW, train.scalar_lr
+  scalar   everything else: sink logits, gate biases / input-independent gate logits, norm scales, biases, the
+           per-layer resid/x0 lambdas -> AdamW at train.scalar_lr without decay. nanochat 9d4c9b7 has no such
+           parameters (its norms are parameter-free, no biases); Muon orthogonalizes matrices and has no meaning for
+           vectors, so they take AdamW like nanochat's embeddings (and like its later resid/x0 lambdas).
 As in nanochat, the AdamW learning rates of the embedding and unembedding are scaled by (d_model / 768) ** -0.5
-(the values in the config are tuned at width 768) and AdamW uses betas (0.8, 0.95), eps 1e-10. The whole chain is
-preceded by global-norm clipping (train.grad_clip; 0 disables) and every group follows one schedule: optional
-linear warmup, constant, then linear decay to 0 over the final train.decay_frac of the steps.
+(the values are tuned at width 768) and AdamW uses betas (0.8, 0.95), eps 1e-10. The whole chain is preceded by
+global-norm clipping over all parameters (train.grad_clip; 0 disables) and every group follows one schedule:
+optional linear warmup, constant, then linear decay to 0 over the final train.decay_frac of the steps (nanochat's
+`get_lr_multiplier`: step s of N has multiplier (N - s) / round(0.2 N) in the warmdown). No batch-size scaling.
+
+Muon (`scale_by_muon`) is nanochat's (Keller Jordan's): momentum buffer m <- beta m + (1 - beta) g, Nesterov
+g' = (1 - beta) g + beta m (no bias correction, unlike optax.contrib.muon), Newton-Schulz with the quintic
+coefficients (3.4445, -4.7750, 2.0315) in train.muon_ns_dtype (nanochat: bfloat16) after Frobenius normalization
+(eps 1e-7), then the update times max(1, fan_out / fan_in) ** 0.5 (nanochat's max(1, rows/cols) in torch's (out, in)
+layout; Flax kernels are (in, out)). beta follows an optax schedule from train.muon_momentum_start to
+train.muon_momentum over train.muon_momentum_warmup steps (nanochat: 0.85 -> 0.95 over 300).
 `train.optimizer: adamw` replaces all of it by plain AdamW at train.adamw_lr on the same schedule.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import optax
 
 from sinkjax.config import Config
@@ -43,7 +58,7 @@ def param_label(path, leaf) -> str:
     return "embed"
   if names[0] == "lm_head":
     return "unembed"
-  if names[0] == "layers" and leaf.ndim == 2:
+  if names[0] == "layers" and leaf.ndim >= 2:
     return "matrix"
   return "scalar"
 
@@ -51,6 +66,62 @@ def param_label(path, leaf) -> str:
 def param_labels(params):
   """The optimizer group of every parameter (a pytree shaped like `params`)."""
   return jax.tree_util.tree_map_with_path(param_label, params)
+
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(g, steps: int = 5, dtype=jnp.bfloat16, eps: float = 1e-7):
+  """Keller Jordan's quintic Newton-Schulz orthogonalization of a matrix (nanochat `zeropower_via_newtonschulz5`),
+  computed in `dtype` on the wide orientation; returns g's dtype."""
+  a, b, c = NS_COEFFS
+  x = g.astype(dtype)
+  tall = x.shape[-2] > x.shape[-1]
+  if tall:
+    x = x.T
+  x = x / (jnp.linalg.norm(x.astype(jnp.float32)).astype(dtype) + eps)
+  for _ in range(steps):
+    A = x @ x.T
+    x = a * x + (b * A + c * A @ A) @ x
+  return (x.T if tall else x).astype(g.dtype)
+
+
+class MuonState(NamedTuple):
+  count: jax.Array
+  momentum: optax.Updates
+
+
+def scale_by_muon(beta: optax.ScalarOrSchedule = 0.95, ns_steps: int = 5, ns_dtype=jnp.bfloat16
+                  ) -> optax.GradientTransformation:
+  """nanochat's Muon direction (see the module docstring), before the learning rate: orthogonalized Nesterov
+  momentum times max(1, fan_out / fan_in) ** 0.5. Leaves with more than 2 dims ([E, in, out] MoE experts) are
+  orthogonalized per leading index."""
+
+  def init_fn(params):
+    return MuonState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
+
+  def direction(g):
+    o = newton_schulz(g, ns_steps, ns_dtype)
+    return o * max(1.0, g.shape[-1] / g.shape[-2]) ** 0.5
+
+  def update_fn(updates, state, params=None):
+    del params
+    b = beta(state.count) if callable(beta) else beta
+    mom = jax.tree.map(lambda m, g: b * m + (1 - b) * g, state.momentum, updates)
+    nesterov = jax.tree.map(lambda m, g: (1 - b) * g + b * m, mom, updates)
+    out = jax.tree.map(lambda g: jax.vmap(direction)(g.reshape((-1,) + g.shape[-2:])).reshape(g.shape), nesterov)
+    return out, MuonState(optax.safe_increment(state.count), mom)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def muon(cfg_train, lr: optax.Schedule) -> optax.GradientTransformation:
+  t = cfg_train
+  beta = optax.linear_schedule(t.muon_momentum_start, t.muon_momentum, t.muon_momentum_warmup) \
+      if t.muon_momentum_warmup > 0 else t.muon_momentum
+  decay = [optax.add_decayed_weights(t.weight_decay)] if t.weight_decay else []
+  return optax.chain(scale_by_muon(beta, ns_dtype=jnp.dtype(t.muon_ns_dtype)), *decay,
+                     optax.scale_by_learning_rate(lr))
 
 
 def _adamw(lr, weight_decay):
@@ -71,7 +142,7 @@ def build_optimizer(cfg: Config, steps: int) -> tuple[optax.GradientTransformati
         sched(t.adamw_lr)
   width_scale = (cfg.model.d_model / 768) ** -0.5
   groups = {
-      "matrix": optax.contrib.muon(sched(t.matrix_lr), beta=0.95, nesterov=True, weight_decay=t.weight_decay),
+      "matrix": muon(t, sched(t.matrix_lr)),
       "embed": _adamw(sched(t.embed_lr * width_scale), t.weight_decay),
       "unembed": _adamw(sched(t.unembed_lr * width_scale), t.weight_decay),
       "scalar": _adamw(sched(t.scalar_lr), 0.0),

@@ -314,7 +314,7 @@ def params_from_hf(hf_dir: str | pathlib.Path, m: ModelConfig, family: str) -> d
 # Models
 # ----------------------------------------------------------------------------------------------------------------
 
-def _model_with(m: ModelConfig, params: dict[tuple, np.ndarray]):
+def model_with_params(m: ModelConfig, params: dict[tuple, np.ndarray]):
   """A Transformer of config `m` holding `params` (every parameter must be given, with its shape)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
@@ -345,7 +345,7 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "float32", param_dtype: st
   """
   hf = read_hf_config(path)
   m = model_config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
-  return _model_with(m, params_from_hf(path, m, hf["model_type"]))
+  return model_with_params(m, params_from_hf(path, m, hf["model_type"]))
 
 
 def params_to_hf(model, family: str) -> dict[str, np.ndarray]:
@@ -391,11 +391,11 @@ def convert(hf_dir: str | pathlib.Path, run_dir: str | pathlib.Path, *, dtype: s
   cfg.data.seq_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
   cfg.run.dir = str(run_dir)
   config_lib.validate(cfg)
-  _save_run(run_dir, cfg, model)
+  save_run(run_dir, cfg, model)
   return cfg
 
 
-def _save_run(run_dir: pathlib.Path, cfg: Config, model) -> None:
+def save_run(run_dir: pathlib.Path, cfg: Config, model) -> None:
   """config.yaml and a params-only Orbax checkpoint at step 0, through `sinkjax.checkpoint`'s Checkpointer."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   import yaml  # pylint: disable=import-outside-toplevel
