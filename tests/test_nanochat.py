@@ -64,3 +64,159 @@ def test_export_loads_strictly_in_nanochat(tree):
   tokens = torch.tensor(np.random.default_rng(1).integers(0, 300, (2, 32)))
   with torch.no_grad():
     np.testing.assert_allclose(back(tokens).numpy(), model(tokens).numpy(), atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Training parity: configs/nanochat.yaml vs nanochat's setup_optimizers + base_train's loop
+# ------------------------------------------------------------------------------------------------------------
+
+PARITY_STEPS = 12
+PARITY_OVERRIDES = ["model.depth=2", "model.max_seq_len=64", "data.seq_len=64", "train.batch_size=4",
+                    f"train.steps={PARITY_STEPS}", "model.dtype=float32", "data.source=default", "data.tokenizer=bytes",
+                    "train.eval_batches=0", "data.shuffle_batches=0"]
+
+
+def base_train_schedules(peer, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.2, final_lr_frac=0.0):
+  """get_lr_multiplier and get_muon_momentum taken from nanochat's scripts/base_train.py by reading its source
+  (the script trains when imported), with base_train's argument defaults."""
+  import ast
+  import types
+  source = (peer.root / "scripts" / "base_train.py").read_text()
+  wanted = [n for n in ast.parse(source).body
+            if isinstance(n, ast.FunctionDef) and n.name in ("get_lr_multiplier", "get_muon_momentum")]
+  assert len(wanted) == 2, "base_train.py no longer defines both schedule functions"
+  env = {"args": types.SimpleNamespace(warmup_ratio=warmup_ratio, warmdown_ratio=warmdown_ratio,
+                                       final_lr_frac=final_lr_frac), "num_iterations": num_iterations}
+  exec(compile(ast.Module(body=wanted, type_ignores=[]), "base_train.py", "exec"), env)  # pylint: disable=exec-used
+  return env["get_lr_multiplier"], env["get_muon_momentum"]
+
+
+def float32_newton_schulz(peer):
+  """nanochat's zeropower_via_newtonschulz5 with its bfloat16 cast replaced by float32 (source edited, nothing
+  else): the same iteration without bfloat16 rounding, which Newton-Schulz amplifies along small singular values."""
+  import inspect
+  src = inspect.getsource(peer.muon.zeropower_via_newtonschulz5.__wrapped__)
+  assert src.count("G.bfloat16()") == 1, "nanochat's Newton-Schulz changed: update this test"
+  src = src.replace("@torch.compile\n", "").replace("G.bfloat16()", "G.float()")
+  env = dict(vars(peer.muon))
+  exec(src, env)  # pylint: disable=exec-used
+  return env["zeropower_via_newtonschulz5"]
+
+
+def nanochat_training(peer, state_dict, gpt_kwargs, batches, cfg):
+  """base_train's step loop on CPU in float32: (losses, state dicts after every step)."""
+  import torch
+  import torch._dynamo
+  torch._dynamo.config.disable = True        # Muon's @torch.compile: the same maths eagerly, no C compiler needed
+  model = peer.gpt.GPT(peer.gpt.GPTConfig(**gpt_kwargs))
+  model.init_weights()
+  model.load_state_dict({k: torch.tensor(v) for k, v in state_dict.items()}, strict=True)
+  t = cfg.train
+  optimizers = model.setup_optimizers(unembedding_lr=t.unembed_lr, embedding_lr=t.embed_lr, matrix_lr=t.matrix_lr,
+                                      weight_decay=t.weight_decay)
+  lr_mult, momentum = base_train_schedules(peer, len(batches))
+  losses, snapshots = [], []
+  for step, (x, y) in enumerate(batches):
+    loss = model(torch.tensor(x), torch.tensor(y))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+    for opt in optimizers:
+      for group in opt.param_groups:
+        group["lr"] = group["initial_lr"] * lr_mult(step)
+    for group in optimizers[1].param_groups:
+      group["momentum"] = momentum(step)
+    for opt in optimizers:
+      opt.step()
+    model.zero_grad(set_to_none=True)
+    losses.append(float(loss.detach()))
+    snapshots.append({k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()})
+  return losses, snapshots
+
+
+def sinkjax_training(cfg, model, batches):
+  """sinkjax's train step (the one `python -m sinkjax.train` jits) on the same batches: (losses, params per step
+  as nanochat state dicts)."""
+  import jax
+  from flax import nnx
+  from sinkjax import optim
+  from sinkjax.train import make_train_step
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tx, _ = optim.build_optimizer(cfg, len(batches))
+  state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+           "rng": jax.random.PRNGKey(0), "nonfinite": jnp.zeros((), jnp.int32)}
+  step_fn = jax.jit(make_train_step(cfg, graphdef, rest, tx))
+  losses, snapshots = [], []
+  for batch in batches:
+    state, metrics = step_fn(state, batch)
+    losses.append(float(metrics["loss"]))
+    snapshots.append(nc_convert.params_to_nanochat(nnx.merge(graphdef, state["params"], rest)))
+  return losses, snapshots
+
+
+def stream_batches(cfg, tok, n):
+  from sinkjax.data import make_train_iterator
+  it = make_train_iterator(cfg.data, tok, batch_size=cfg.train.batch_size, seed=0)
+  batches = [next(it) for _ in range(n)]
+  it.close()
+  return batches
+
+
+def run_both(ns_dtype, monkeypatch):
+  """(nanochat losses, sinkjax losses, start weights, nanochat weights per step, sinkjax weights per step)."""
+  from flax import nnx
+  from sinkjax.config import load_config
+  from sinkjax.data import build_tokenizer
+  from sinkjax.model import Transformer
+  peer = nanochat_peer.load("nanochat-9d4c9b7")
+  if ns_dtype == "float32":
+    monkeypatch.setattr(peer.muon, "zeropower_via_newtonschulz5", float32_newton_schulz(peer))
+  cfg = load_config("configs/nanochat.yaml", PARITY_OVERRIDES + ["data.packing=stream", f"train.muon_ns_dtype={ns_dtype}"])
+  tok = build_tokenizer(cfg.data)
+  cfg.model.vocab_size = tok.vocab_size
+  model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+  start = nc_convert.params_to_nanochat(model)
+  batches = stream_batches(cfg, tok, PARITY_STEPS)
+  assert all((b["segment_ids"] == 1).all() and (b["loss_mask"] == 1).all() for b in batches)
+  theirs, their_params = nanochat_training(peer, start, nc_convert.gpt_config_of(cfg.model),
+                                           [(b["inputs"].astype(np.int64), b["targets"].astype(np.int64))
+                                            for b in batches], cfg)
+  ours, our_params = sinkjax_training(cfg, model, batches)
+  print("nanochat:", np.round(theirs, 5).tolist(), "\nsinkjax: ", np.round(ours, 5).tolist())
+  return theirs, ours, start, their_params, our_params
+
+
+def update_differences(start, theirs, ours, step):
+  """{tensor: |our update - nanochat's| / |nanochat's update|} after `step` + 1 steps (tensors that moved)."""
+  out = {}
+  for name in start:
+    d_theirs, d_ours = theirs[step][name] - start[name], ours[step][name] - start[name]
+    if np.linalg.norm(d_theirs) > 0:
+      out[name] = float(np.linalg.norm(d_ours - d_theirs) / np.linalg.norm(d_theirs))
+  return out
+
+
+def test_training_matches_nanochat_float32_newton_schulz(monkeypatch):
+  """12 steps from the same weights on the same stream batches, Newton-Schulz in float32 on both sides (nanochat's
+  own function with its cast edited): losses within 1e-3 (step 1) and 2e-2 (later), every tensor's update within
+  0.1 % of nanochat's after the first and the last step (measured: <= 5e-5, docs/NANOCHAT.md)."""
+  theirs, ours, start, their_params, our_params = run_both("float32", monkeypatch)
+  assert abs(ours[0] - theirs[0]) < 1e-3
+  np.testing.assert_allclose(ours[1:], theirs[1:], atol=2e-2, rtol=0)
+  for step in (0, PARITY_STEPS - 1):
+    diffs = update_differences(start, their_params, our_params, step)
+    print(step, {k: round(v, 4) for k, v in diffs.items()})
+    assert max(diffs.values()) < 1e-3, diffs
+
+
+@pytest.mark.slow
+def test_training_matches_nanochat_recipe_as_is(monkeypatch):
+  """The recipe as nanochat runs it (Newton-Schulz in bfloat16 on both sides): losses within 1e-3 (step 1) and 2e-2
+  (later). Updates are compared loosely: two bfloat16 Newton-Schulz implementations of the same maths differ by
+  ~5 % on a random matrix and by up to ~30 % on a first-step gradient, whose small singular values the quintic
+  iteration amplifies (docs/NANOCHAT.md)."""
+  theirs, ours, start, their_params, our_params = run_both("bfloat16", monkeypatch)
+  assert abs(ours[0] - theirs[0]) < 1e-3
+  np.testing.assert_allclose(ours[1:], theirs[1:], atol=2e-2, rtol=0)
+  diffs = update_differences(start, their_params, our_params, PARITY_STEPS - 1)
+  print({k: round(v, 4) for k, v in diffs.items()})
+  assert max(diffs.values()) < 0.35, diffs
