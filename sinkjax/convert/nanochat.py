@@ -19,14 +19,24 @@ Linear weights are transposed ([out, in] in torch, [in, out] in Flax).
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import pathlib
+import re
+import shutil
+import sys
+
 import numpy as np
 
-from sinkjax.config import ModelConfig
-from sinkjax.convert.hf import ConvertError
+from sinkjax import config as config_lib
+from sinkjax.config import Config, ModelConfig
+from sinkjax.convert.hf import ConvertError, model_with_params, save_run
 
 TORCH_RMS_EPS = float(np.finfo(np.float32).eps)      # F.rms_norm(x, shape) with eps=None on float32 inputs
 GPT_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
 LATER_KEYS = ("window_pattern",)                     # GPTConfig fields of the later architecture (6bb9240)
+_MODEL_FILE = re.compile(r"model_(\d{6})\.pt")
 
 
 def layer_types_of(pattern: str, num_layers: int) -> list[str]:
@@ -130,3 +140,160 @@ def _to_numpy(value) -> np.ndarray:
   if hasattr(value, "detach"):                        # a torch tensor (bfloat16 has no numpy dtype: go via float32)
     return value.detach().float().cpu().numpy()
   return np.asarray(value, np.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint files (import) and run directories (export)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _torch():
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ConvertError("reading/writing nanochat checkpoints needs torch: pip install torch --index-url "
+                       "https://download.pytorch.org/whl/cpu") from None
+  return torch
+
+
+def checkpoint_files(directory: str | pathlib.Path, step: int | None = None) -> tuple[pathlib.Path, pathlib.Path, int]:
+  """(model_{step:06d}.pt, meta_{step:06d}.json, step) in a nanochat checkpoint directory; newest step by default."""
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    raise ConvertError(f"--checkpoint {directory} is not a directory (give nanochat's base_checkpoints/dNN folder)")
+  steps = sorted(int(m.group(1)) for p in directory.iterdir() if (m := _MODEL_FILE.fullmatch(p.name)))
+  if not steps:
+    raise ConvertError(f"{directory} has no model_NNNNNN.pt file: not a nanochat checkpoint directory")
+  if step is None:
+    step = steps[-1]
+  elif step not in steps:
+    raise ConvertError(f"{directory} has no checkpoint at step {step} (available: {steps})")
+  model_path, meta_path = directory / f"model_{step:06d}.pt", directory / f"meta_{step:06d}.json"
+  if not meta_path.is_file():
+    raise ConvertError(f"{meta_path.name} is missing beside {model_path.name}: nanochat writes both")
+  return model_path, meta_path, step
+
+
+def read_checkpoint(directory, step: int | None = None) -> tuple[dict, dict, int]:
+  """(state dict of numpy-convertible tensors, meta json, step). Weights are read with weights_only=True: a file
+  that needs arbitrary unpickling (code, custom classes) is refused, never executed."""
+  torch = _torch()
+  model_path, meta_path, step = checkpoint_files(directory, step)
+  try:
+    meta = json.loads(meta_path.read_text())
+  except json.JSONDecodeError as e:
+    raise ConvertError(f"{meta_path} is not valid JSON ({e.msg})") from None
+  if not isinstance(meta.get("model_config"), dict):
+    raise ConvertError(f"{meta_path} has no model_config: not a nanochat meta file")
+  try:
+    state = torch.load(model_path, map_location="cpu", weights_only=True)
+  except Exception as e:  # pylint: disable=broad-except  (torch raises UnpicklingError, RuntimeError, EOFError...)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ConvertError(f"{model_path.name} is not a plain tensor state dict readable with weights_only=True "
+                       f"({first[:160]}); refusing to unpickle it") from None
+  if not isinstance(state, dict) or not all(hasattr(v, "shape") for v in state.values()):
+    raise ConvertError(f"{model_path.name} does not hold a state dict of tensors")
+  return state, meta, step
+
+
+def _tokenizer_setting(model_cfg: ModelConfig, tokenizer: str | None, run_dir: pathlib.Path) -> str:
+  """data.tokenizer of the imported run: a copy of --tokenizer inside it, or "bytes" when the vocabulary is the byte
+  tokenizer's; checked against the model's vocabulary."""
+  from sinkjax.data import build_tokenizer  # pylint: disable=import-outside-toplevel
+  from sinkjax.config import DataConfig  # pylint: disable=import-outside-toplevel
+  if tokenizer is None:
+    if model_cfg.vocab_size != 257:
+      raise ConvertError(f"the model's vocabulary has {model_cfg.vocab_size} tokens: give its tokenizer as "
+                         f"--tokenizer tokenizer.json (nanochat's tokenizer.pkl is never unpickled here)")
+    return "bytes"
+  if not pathlib.Path(tokenizer).is_file():
+    raise ConvertError(f"--tokenizer {tokenizer} does not exist (give a Hugging Face tokenizer.json)")
+  if pathlib.Path(tokenizer).suffix == ".pkl":
+    raise ConvertError("--tokenizer must be a Hugging Face tokenizer.json: a pickle is never loaded here")
+  size = build_tokenizer(DataConfig(tokenizer=str(tokenizer))).vocab_size
+  if size != model_cfg.vocab_size:
+    raise ConvertError(f"--tokenizer {tokenizer} has {size} tokens but the model's vocab_size is "
+                       f"{model_cfg.vocab_size}; give the tokenizer the model was trained with")
+  run_dir.mkdir(parents=True, exist_ok=True)
+  shutil.copy(tokenizer, run_dir / "tokenizer.json")
+  return str((run_dir / "tokenizer.json").resolve())
+
+
+def convert(checkpoint_dir, run_dir, *, step: int | None = None, tokenizer: str | None = None,
+            dtype: str = "bfloat16", param_dtype: str = "float32") -> tuple[Config, int]:
+  """Imports a nanochat checkpoint into a run directory (config.yaml + Orbax checkpoint at step 0) that
+  `load_run`, eval, generate and train.init_from read. Returns (config, nanochat step)."""
+  from sinkjax import checkpoint  # pylint: disable=import-outside-toplevel
+  run_dir = pathlib.Path(run_dir)
+  if (run_dir / checkpoint.CHECKPOINT_DIR).exists():
+    raise ConvertError(f"{run_dir} already holds a checkpoint; give a new --out directory")
+  state, meta, step = read_checkpoint(checkpoint_dir, step)
+  names = {k.removeprefix("_orig_mod.") for k in state}
+  m = model_config_from_nanochat(meta["model_config"], residual_scalars="resid_lambdas" in names,
+                                 param_dtype=param_dtype)
+  model = model_with_params(m, params_from_nanochat(state, m))
+  cfg = Config(model=dataclasses.replace(m, dtype=dtype))
+  cfg.data.packing = "stream"
+  cfg.data.seq_len = m.max_seq_len
+  cfg.data.tokenizer = _tokenizer_setting(m, tokenizer, run_dir)
+  cfg.run.dir = str(run_dir)
+  config_lib.validate(cfg)
+  save_run(run_dir, cfg, model)
+  return cfg, step
+
+
+def export(run_dir, out_dir, *, step: int | None = None) -> pathlib.Path:
+  """Writes model_{step:06d}.pt + meta_{step:06d}.json (LoRA adapters merged) that nanochat's
+  `GPT(GPTConfig(**meta["model_config"]))` loads with strict=True; the run's tokenizer.json is copied beside."""
+  from sinkjax import checkpoint, lora  # pylint: disable=import-outside-toplevel
+  torch = _torch()
+  model, cfg, _ = checkpoint.load_run(run_dir, step=step)
+  check_exportable(cfg.model)
+  if step is None:
+    step = max(checkpoint.Checkpointer(pathlib.Path(run_dir), cfg.checkpoint, read_only=True).all_steps())
+  tensors = params_to_nanochat(lora.merge(model))
+  out_dir = pathlib.Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, out_dir / f"model_{step:06d}.pt")
+  meta = {"step": step, "model_config": gpt_config_of(cfg.model), "val_bpb": None,
+          "user_config": {"exported_from": str(run_dir)}}
+  (out_dir / f"meta_{step:06d}.json").write_text(json.dumps(meta, indent=2))
+  tok = pathlib.Path(cfg.data.tokenizer)
+  if cfg.data.tokenizer != "bytes" and tok.is_file():
+    shutil.copy(tok, out_dir / "tokenizer.json")
+  return out_dir
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m sinkjax.convert.nanochat",
+      description="Import a nanochat checkpoint (model_NNNNNN.pt + meta_NNNNNN.json, commit 9d4c9b7 or the later "
+                  "6bb9240 architecture) into a sinkjax run directory, or export a run to nanochat's format.")
+  src = parser.add_mutually_exclusive_group(required=True)
+  src.add_argument("--checkpoint", metavar="DIR", help="nanochat checkpoint directory to import")
+  src.add_argument("--export", metavar="RUN_DIR", help="run directory to export (LoRA adapters are merged)")
+  parser.add_argument("--out", required=True, help="the run directory (import) or nanochat directory (export)")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+  parser.add_argument("--tokenizer", default=None,
+                      help="import: the model's tokenizer as a Hugging Face tokenizer.json (copied into the run); "
+                           "not needed for a 257-token byte vocabulary")
+  parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                      help="import: model.dtype (compute) of the run")
+  args = parser.parse_args(argv)
+  from sinkjax.checkpoint import CheckpointError  # pylint: disable=import-outside-toplevel
+  try:
+    if args.checkpoint:
+      cfg, step = convert(args.checkpoint, args.out, step=args.step, tokenizer=args.tokenizer, dtype=args.dtype)
+      m = cfg.model
+      kind = "6bb9240 (resid/x0 lambdas, windows)" if m.residual_scalars else "9d4c9b7"
+      print(f"imported {args.checkpoint} step {step} -> {args.out}: nanochat {kind}, {m.num_layers} layers, "
+            f"d_model {m.d_model}, {m.num_heads}/{m.num_kv_heads} heads, vocab {m.vocab_size}")
+    else:
+      print(f"exported {args.export} -> {export(args.export, args.out, step=args.step)}")
+  except (ConvertError, CheckpointError, config_lib.ConfigError) as e:
+    print(f"sinkjax.convert.nanochat: error: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
