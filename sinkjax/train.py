@@ -161,8 +161,8 @@ def total_steps(cfg: Config, num_params: int) -> int:
   """train.steps, or the token budget train.tokens_per_param x parameters / tokens per step when it is 0."""
   if cfg.train.steps > 0:
     return cfg.train.steps
-  tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-  return max(1, math.ceil(cfg.train.tokens_per_param * num_params / tokens_per_step))
+  tokens_per_step = cfg.train.batch_size * cfg.data.seq_len       # nanochat: target_tokens // total_batch_size
+  return max(1, int(cfg.train.tokens_per_param * num_params) // tokens_per_step)
 
 
 def _fixed_shared_heads(cfg: Config):

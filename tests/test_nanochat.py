@@ -76,19 +76,48 @@ PARITY_OVERRIDES = ["model.depth=2", "model.max_seq_len=64", "data.seq_len=64", 
                     "train.eval_batches=0", "data.shuffle_batches=0"]
 
 
-def base_train_schedules(peer, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.2, final_lr_frac=0.0):
-  """get_lr_multiplier and get_muon_momentum taken from nanochat's scripts/base_train.py by reading its source
-  (the script trains when imported), with base_train's argument defaults."""
+def base_train_functions(peer, names, **env):
+  """Functions of nanochat's scripts/base_train.py taken from its source (the script trains when imported), run in
+  a namespace holding `env` (the script's globals they read)."""
   import ast
-  import types
   source = (peer.root / "scripts" / "base_train.py").read_text()
-  wanted = [n for n in ast.parse(source).body
-            if isinstance(n, ast.FunctionDef) and n.name in ("get_lr_multiplier", "get_muon_momentum")]
-  assert len(wanted) == 2, "base_train.py no longer defines both schedule functions"
-  env = {"args": types.SimpleNamespace(warmup_ratio=warmup_ratio, warmdown_ratio=warmdown_ratio,
-                                       final_lr_frac=final_lr_frac), "num_iterations": num_iterations}
+  wanted = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name in names]
+  assert len(wanted) == len(names), f"base_train.py no longer defines all of {names}"
   exec(compile(ast.Module(body=wanted, type_ignores=[]), "base_train.py", "exec"), env)  # pylint: disable=exec-used
-  return env["get_lr_multiplier"], env["get_muon_momentum"]
+  return [env[n] for n in names]
+
+
+def base_train_schedules(peer, num_iterations, warmup_ratio=0.0, warmdown_ratio=0.2, final_lr_frac=0.0):
+  """get_lr_multiplier and get_muon_momentum with base_train's argument defaults."""
+  import types
+  args = types.SimpleNamespace(warmup_ratio=warmup_ratio, warmdown_ratio=warmdown_ratio, final_lr_frac=final_lr_frac)
+  return base_train_functions(peer, ("get_lr_multiplier", "get_muon_momentum"), args=args,
+                              num_iterations=num_iterations)
+
+
+@pytest.mark.parametrize("depth", [20, 26, 32])
+def test_paper_configs_are_base_train_at_their_depth(depth):
+  """configs/d{20,26,32}.yaml = base_train's --depth: the shapes of its find_num_heads, nanochat's parameter count
+  (its GPT built on the meta device, 65,536-token vocabulary padded to 64) and its num_iterations for ratio 20 at
+  524,288 tokens per step."""
+  import torch
+  from flax import nnx
+  from sinkjax.config import load_config
+  from sinkjax.model import Transformer, count_params
+  from sinkjax.train import total_steps
+  peer = nanochat_peer.load("nanochat-9d4c9b7")
+  find_num_heads, = base_train_functions(peer, ("find_num_heads",))
+  d = depth * 64
+  heads = find_num_heads(d)
+  gpt_kwargs = dict(sequence_len=2048, vocab_size=65536, n_layer=depth, n_head=heads, n_kv_head=heads, n_embd=d)
+  with torch.device("meta"):
+    n_params = sum(p.numel() for p in peer.gpt.GPT(peer.gpt.GPTConfig(**gpt_kwargs)).parameters())
+  cfg = load_config(f"configs/d{depth}_vanilla_base.yaml", ["model.vocab_size=65536"])
+  assert nc_convert.gpt_config_of(cfg.model) == gpt_kwargs
+  ours = count_params(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+  assert ours == n_params
+  assert cfg.train.batch_size * cfg.data.seq_len == 524288
+  assert total_steps(cfg, ours) == 20 * n_params // 524288
 
 
 def float32_newton_schulz(peer):
