@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import pathlib
 import time
@@ -28,6 +29,18 @@ from sinkjax.config import CheckpointConfig, Config, MeshConfig
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
+
+# Orbax notes that say nothing to a user: restoring items saved without per-item metadata (ours), and the
+# consequences of opening a manager read-only (eval, generate, export). Other absl warnings still show.
+_ORBAX_NOISE = ("Metadata file does not exist", "read_only=True, setting", "Given directory is read only")
+
+
+class _QuietOrbax(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not any(text in record.getMessage() for text in _ORBAX_NOISE)
+
+
+logging.getLogger("absl").addFilter(_QuietOrbax())
 
 
 class CheckpointError(ValueError):

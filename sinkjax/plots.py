@@ -28,66 +28,77 @@ def _series(records, key):
 
 
 def plot_training_curves(metrics_path, out_dir) -> list[pathlib.Path]:
-  """Writes loss.png (train loss, aux loss, val BPB) and head_imbalance.png into out_dir; returns their paths."""
+  """Writes loss.png (train loss, aux loss on its own log axis, val BPB) and head_imbalance.png into out_dir."""
   records = read_metrics(metrics_path)
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   paths = []
 
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
   steps, loss = _series(records, "loss")
-  axes[0].plot(steps, loss, label="train loss (CE + aux)")
+  axes[0].plot(steps, loss, label="train loss (CE + aux), per logged step")
+  _labels(axes[0], "training loss", "nats / token")
+  axes[0].legend(fontsize=8)
   s_aux, aux = _series(records, "aux_loss")
-  if any(a for a in aux):
-    axes[0].plot(s_aux, aux, label="aux loss (eq. 7/8)")
-  axes[0].set_xlabel("step")
-  axes[0].set_ylabel("nats / token")
-  axes[0].set_title("training loss")
-  axes[0].legend()
-  axes[0].grid(alpha=0.3)
+  positive = [(s, a) for s, a in zip(s_aux, aux) if a > 0]
+  if positive:      # ~1e-4 of the CE: invisible on the loss axis, so it gets its own, logarithmic
+    axes[1].plot(*zip(*positive), color="tab:purple")
+    axes[1].set_yscale("log")
+  else:
+    axes[1].text(0.5, 0.5, "no aux loss in this run\n(loss.aux_weight = 0)", ha="center", va="center",
+                 transform=axes[1].transAxes)
+  _labels(axes[1], "aux loss (eq. 7/8)", "lambda * sum_l H CV^2  (log scale)")
   s_bpb, bpb = _series(records, "val_bpb")
-  axes[1].plot(s_bpb, bpb, marker="o", color="tab:green")
-  axes[1].set_xlabel("step")
-  axes[1].set_ylabel("bits per byte")
-  axes[1].set_title("validation BPB")
-  axes[1].grid(alpha=0.3)
-  fig.tight_layout()
-  paths.append(out_dir / "loss.png")
-  fig.savefig(paths[-1], dpi=110)
-  plt.close(fig)
+  axes[2].plot(s_bpb, bpb, marker="o", color="tab:green")
+  _labels(axes[2], "validation BPB", "bits per byte")
+  paths.append(_save(fig, out_dir / "loss.png"))
 
   fig, ax = plt.subplots(figsize=(6, 4))
   s_hi, hi = _series(records, "head_imbalance")
   ax.plot(s_hi, hi, color="tab:red")
-  ax.set_xlabel("step")
-  ax.set_ylabel("mean over layers of CV(Imp[l, :])")
-  ax.set_title("head imbalance (eq. 6)")
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  paths.append(out_dir / "head_imbalance.png")
-  fig.savefig(paths[-1], dpi=110)
-  plt.close(fig)
+  _labels(ax, "head imbalance (eq. 6)", "mean over layers of CV(Imp[l, :])")
+  paths.append(_save(fig, out_dir / "head_imbalance.png"))
   return paths
 
 
+def _labels(ax, title: str, ylabel: str, xlabel: str = "step") -> None:
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+
+
+def layer_colors(L: int) -> list:
+  """One colour per layer from viridis without its pale yellow end (readable on white)."""
+  cmap = plt.get_cmap("viridis")
+  return [cmap(0.85 * l / max(L - 1, 1)) for l in range(L)]
+
+
+ANNOTATE_CELLS = 256      # heatmaps with at most this many cells print each value in its cell
+
+
 def plot_importance_heatmap(imp_lh, path, title: str = "head importance") -> pathlib.Path:
-  """A layer x head heatmap of Imp[l, h] (eq. 5) written to `path`."""
+  """A layer x head heatmap of Imp[l, h] (eq. 5) written to `path`. The colour scale spans the data's own range
+  (importances often sit within 0.87-0.99, which a 0-1 scale would hide) and small grids print every value."""
   imp = np.asarray(imp_lh, np.float32)
   L, H = imp.shape
-  fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * H + 2.0), max(3.0, 0.3 * L + 1.5)))
-  im = ax.imshow(imp, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(float(imp.max()), 1e-6))
-  ax.set_xlabel("head")
-  ax.set_ylabel("layer")
+  lo, hi = float(imp.min()), float(imp.max())
+  if hi - lo < 1e-6:
+    lo, hi = lo - 0.5e-3, hi + 0.5e-3
+  fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * H + 2.0), max(3.0, 0.4 * L + 1.5)))
+  im = ax.imshow(imp, aspect="auto", cmap="viridis", vmin=lo, vmax=hi)
+  if L * H <= ANNOTATE_CELLS:
+    for l in range(L):
+      for h in range(H):
+        light = (imp[l, h] - lo) / (hi - lo) > 0.6           # dark text on the pale end of viridis
+        ax.text(h, l, f"{imp[l, h]:.3f}", ha="center", va="center", fontsize=7 if H > 8 else 8,
+                color="black" if light else "white")
   ax.set_xticks(range(H))
   ax.set_yticks(range(L))
-  ax.set_title(title)
-  fig.colorbar(im, ax=ax, label="Imp = mean gate")
-  fig.tight_layout()
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  _labels(ax, title, "layer", xlabel="head")
+  ax.grid(False)
+  fig.colorbar(im, ax=ax, label=f"Imp = mean gate (range {lo:.3f}-{hi:.3f})")
+  return _save(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -131,9 +142,8 @@ def plot_value_norms(norm_by_position, path, title="value norm by position") -> 
   n = np.asarray(norm_by_position, np.float32)
   L, P = n.shape
   fig, ax = plt.subplots(figsize=(7, 4))
-  cmap = plt.get_cmap("viridis")
-  for l in range(L):
-    ax.plot(np.arange(P), n[l], marker=".", ms=3, color=cmap(l / max(L - 1, 1)), label=f"layer {l}")
+  for l, color in enumerate(layer_colors(L)):
+    ax.plot(np.arange(P), n[l], marker=".", ms=3, color=color, label=f"layer {l}")
   ax.set_xlabel("position in document (0 = first token)")
   ax.set_ylabel("||v||_2")
   ax.set_ylim(bottom=0)
@@ -149,9 +159,8 @@ def plot_gate_histogram(edges, density_lb, path, title="gate distribution") -> p
   d = np.asarray(density_lb, np.float32)
   L = d.shape[0]
   fig, ax = plt.subplots(figsize=(7, 4))
-  cmap = plt.get_cmap("viridis")
-  for l in range(L):
-    ax.stairs(d[l], edges, color=cmap(l / max(L - 1, 1)), alpha=0.6, label=f"layer {l}")
+  for l, color in enumerate(layer_colors(L)):
+    ax.stairs(d[l], edges, color=color, alpha=0.6, label=f"layer {l}")
   ax.stairs(d.mean(0), edges, color="black", linewidth=2, label="all layers")
   ax.set_xlabel("gate value G")
   ax.set_ylabel("fraction of gate values")

@@ -17,8 +17,8 @@ import optax
 import pytest
 from flax import nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="oracle tests need torch: pip install -e \".[oracle]\" (CPU build, see README)")
+transformers = pytest.importorskip("transformers", reason="oracle tests need transformers: pip install -e \".[oracle]\"")
 pytest.importorskip("safetensors")
 
 from sinkjax import balance, lora  # noqa: E402

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="oracle tests need torch: pip install -e \".[oracle]\" (CPU build, see README)")
+transformers = pytest.importorskip("transformers", reason="oracle tests need transformers: pip install -e \".[oracle]\"")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 

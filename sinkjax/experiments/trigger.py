@@ -219,8 +219,10 @@ def train(variant: str, layers: int, heads: int, *, lr: float, max_steps: int, s
   done, n = jnp.array(False), jnp.array(0, jnp.int32)
   curve = []
   t0 = time.perf_counter()
-  bar = tqdm(total=max_steps, desc=f"{variant:7s} {layers}L x {heads}H", unit="step", disable=not progress,
-             dynamic_ncols=True, file=sys.stderr)
+  # No total: runs stop when the max error drops below stop_linf, usually long before the max_steps cap, so a bar
+  # counting to the cap would give a misleading time estimate.
+  bar = tqdm(desc=f"{variant:7s} {layers}L x {heads}H (until max_err < {stop_linf:g}, cap {max_steps})", unit="step",
+             disable=not progress, dynamic_ncols=True, file=sys.stderr)
   steps_done, loss, linf = 0, float("nan"), float("nan")
   i = 0
   while steps_done < max_steps and not bool(done):
@@ -322,7 +324,8 @@ def plot_mean_std(maps: dict[str, np.ndarray], T: int, trigger: int, path: str):
   for r, name in enumerate(names):
     a = maps[name]                                                          # [N,T,T]
     _heatmap(fig, axes[r, 0], a.mean(0), f"{name}: mean attention", T)
-    _heatmap(fig, axes[r, 1], a.std(0), f"{name}: std", T)
+    std = a.std(0)                      # often ~1e-3: on the mean's 0-1 scale it would look blank
+    _heatmap(fig, axes[r, 1], std, f"{name}: std (max {std.max():.2g})", T, vmax=max(float(std.max()), 1e-9))
   fig.suptitle(f"1 layer x 1 head, {maps[names[0]].shape[0]} test sequences, trigger at position {trigger + 1}",
                fontsize=10)
   fig.tight_layout()
