@@ -166,12 +166,13 @@ def evaluate(model, batches, *, tau: float = 0.75) -> dict:
 def write_figures(report: dict, out_dir: pathlib.Path, metrics_path: pathlib.Path | None) -> list[pathlib.Path]:
   from sinkjax import plots
   variant = report.get("attention", "")
+  first = "row" if report.get("packing") == "stream" else "document"
   paths = [
       plots.plot_importance_heatmap(report["importance"], out_dir / "importance.png",
                                     f"head importance ({variant})"),
       plots.plot_first_token_attention(report["first_token_attention_per_head"], out_dir / "first_token_attention.png",
                                        sink_weight=report["sink_logit_attention"],
-                                       title=f"attention on the document's first token ({variant})"),
+                                       title=f"attention on the {first}'s first token ({variant})"),
       plots.plot_value_norms(report["value_norm_by_position"], out_dir / "value_norm.png",
                              f"value norm by position ({variant})"),
       plots.plot_gate_histogram(report["gate_histogram"]["edges"], report["gate_histogram"]["density"],
