@@ -9,7 +9,8 @@ of the run's data, or of --data) through the model and writes into --out (defaul
   importance.png, first_token_attention.png, value_norm.png, gate_histogram.png, and, from RUN_DIR/metrics.jsonl
   when present, loss.png and head_imbalance.png.
 
-report.json: packing (data.packing of the batches), val_loss (nats/token), val_bpb; importance [L][H] (eq. 5), head_imbalance (eq. 6), cv_per_layer;
+report.json: packing (data.packing of the batches), val_loss (nats/token), val_bpb; importance [L][H] (eq. 5),
+head_imbalance (eq. 6), cv_per_layer;
 first_token_attention [L] (+ _per_head [L][H]), sink_logit_attention [L] (sink attention only, else null),
 sink_ratio_alpha [L][H] (eq. 9); first_token_value_norm / other_value_norm / value_norm_ratio [L],
 value_norm_by_position [L][P]; gate_mean, gate_sparsity [L] (fraction of gate values < gate_sparsity_threshold),

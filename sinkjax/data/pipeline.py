@@ -37,10 +37,10 @@ Over a pass target_bytes sums to the UTF-8 size of the text, so BPB = sum(loss_n
 (ln 2 * sum(target_bytes)), nanochat's evaluate_bpb (`sinkjax.analysis.nll_sums`).
 
 Resuming: the packer's state is (the parent's state before the current block, document index in the block, token
-offset in the document; `offset` or `stream_offset` by packing); restoring re-reads and re-tokenizes that block and continues from the same token, so a
-restored iterator yields exactly the batches an uninterrupted one would. With `data.num_workers > 0` each Grain worker
-packs its own slice of the block stream; output is deterministic for a fixed worker count (resume with the same
-`data.num_workers`).
+offset in the document, named `offset` or `stream_offset` by packing); restoring re-reads and re-tokenizes that block
+and continues from the same token, so a restored iterator yields exactly the batches an uninterrupted one would. With
+`data.num_workers > 0` each Grain worker packs its own slice of the block stream; output is deterministic for a fixed
+worker count (resume with the same `data.num_workers`).
 """
 from __future__ import annotations
 
