@@ -9,7 +9,9 @@ batch; nothing in the model is modified.
 
 Statistics (all accumulated as sums and counts so that several batches combine into exact means):
 - first-token attention per layer/head, the F-Attn of paper 003 Table 4: mean over the valid, non-first queries of
-  the attention weight A_{t,first(t)} on the first token of the query's own document. For sink attention the
+  the attention weight A_{t,first(t)} on the first token of the query's own segment: its document's BOS under
+  data.packing=document, the row's first token (the paper's k_0, whatever it is) under data.packing=stream, whose
+  rows are one segment. "Document" below means such a segment. For sink attention the
   weight is taken in the softmax that includes the sink logit, and the weight on the sink itself (= 1 - G) is
   reported beside it.
 - sink ratio alpha[l,h] (paper 000 eq. 9): (1/T) sum_i A_{i,first} over ALL valid queries, the first one included;
@@ -128,12 +130,22 @@ def token_nll(logits, targets):
   return -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
-def lm_sums(logits, batch):
-  """Sums behind val_loss and BPB: (sum of NLL over loss_mask in nats, number of loss tokens, target bytes)."""
+def nll_sums(nll, batch):
+  """Sums behind val_loss and BPB from per-token NLL [B,T] in nats.
+
+  nll / tokens: over the loss_mask targets (val_loss = nll / tokens). bpb_nll / bytes: BPB = bpb_nll / ln 2 / bytes,
+  nanochat's evaluate_bpb: a target with 0 bytes (a BOS, which carries loss under data.packing=stream) counts in
+  neither sum. Under data.packing=document BOS targets are already out of the loss mask.
+  """
   mask = batch["loss_mask"].astype(jnp.float32)
-  nll = token_nll(logits, batch["targets"])
-  return {"nll": (nll * mask).sum(), "tokens": mask.sum(),
-          "bytes": batch["target_bytes"].astype(jnp.float32).sum()}
+  nbytes = jnp.where(mask > 0, batch["target_bytes"], 0).astype(jnp.float32)
+  return {"nll": (nll * mask).sum(), "tokens": mask.sum(), "bpb_nll": jnp.where(nbytes > 0, nll, 0.0).sum(),
+          "bytes": nbytes.sum()}
+
+
+def lm_sums(logits, batch):
+  """`nll_sums` of the model's logits [B,T,V]."""
+  return nll_sums(token_nll(logits, batch["targets"]), batch)
 
 
 def _first_token_weight(weights, first):

@@ -115,7 +115,9 @@ _take_segment_first.defvjp(_take_segment_first_fwd, _take_segment_first_bwd)
 
 
 def vanilla_attention(q, k, v, *, segment_ids=None, scale=None, impl="auto", prefix=None, **kernel_kwargs):
-  """Causal softmax attention; gate G_t = 1 - A_{t,first} (eq. 4), first = first key of t's document.
+  """Causal softmax attention; gate G_t = 1 - A_{t,first} (eq. 4), first = first key of t's document (segment).
+
+  Rows of one segment (segment_ids all equal, e.g. data.packing=stream, or None) make it the row's first token.
 
   Stable form (SPEC): G = -expm1(z_first - LSE), exact as A_first -> 1, no attention weights needed.
   A query that is its document's first token (or padding) has G = 0.

@@ -138,7 +138,7 @@ class Checkpointer:
     return DataStateMismatch(
         f"checkpoint step {step} in {self.directory} holds the position of a data pipeline built with other "
         f"settings ({what}): resume with the data.* settings and the number of JAX processes it was trained with "
-        f"(data.shuffle_batches, data.num_workers, data.source)")
+        f"(data.packing, data.shuffle_batches, data.num_workers, data.source)")
 
   def _check_data_state(self, step: int, data_iterator) -> None:
     """Raises DataStateMismatch when the saved iterator state of this process does not have the structure (nested

@@ -121,9 +121,15 @@ class DataConfig:
   prefetch: int = 2
   shuffle_batches: int = 8          # packed rows are shuffled within windows of this many batches (0 = off): the
                                     # rows of one long document land in different batches
-  packing: str = "document"         # document | stream (see sinkjax/data/pipeline.py)
   format: str = "text"              # text (packed documents) | sft (JSONL prompt/response or chat messages; loss
                                     # on the response tokens, sinkjax.data.sft)
+  packing: str = "document"         # how text becomes rows (sinkjax.data.pipeline):
+                                    # document: documents packed with segment ids; attention masked between them,
+                                    #   RoPE positions restart at each BOS, the vanilla gate's first key is the
+                                    #   document's BOS, no loss on BOS targets
+                                    # stream: nanochat's (the paper's baseline): rows cut from one stream of
+                                    #   BOS-prefixed documents, plain causal attention over the row, the gate's first
+                                    #   key is the row's first token, loss on every target
 
 
 @dataclasses.dataclass
@@ -205,6 +211,7 @@ CHOICES = {
     "train.muon_ns_dtype": ("bfloat16", "float32"),
     "train.optimizer": ("muon", "adamw"),
     "data.format": ("text", "sft"),
+    "data.packing": ("stream", "document"),
 }
 
 
@@ -359,6 +366,9 @@ def validate(cfg: Config) -> None:
   _validate_architecture(m)
   _validate_gate(m)
   _validate_lora(cfg.lora)
+  if cfg.data.format == "sft" and cfg.data.packing == "stream":
+    raise ConfigError("data.packing=stream cuts plain text into rows, but data.format=sft keeps its own layout (one "
+                      "example per segment): set data.packing=document")
 
 
 LAYER_TYPES = ("full", "sliding")

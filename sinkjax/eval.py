@@ -1,7 +1,7 @@
 """Evaluate a checkpoint: validation BPB, head importance / imbalance and attention-sink diagnostics.
 
-    python -m sinkjax.eval --checkpoint RUN_DIR [--out DIR] [--data SOURCE] [--batches N] [--batch-size B]
-                           [--tau 0.75] [--step S] [--mc FILE.jsonl]
+    python -m sinkjax.eval --checkpoint RUN_DIR [--out DIR] [--data SOURCE] [--packing stream|document]
+                           [--batches N] [--batch-size B] [--tau 0.75] [--step S] [--mc FILE.jsonl]
 
 Restores the parameters of RUN_DIR's latest (or --step) checkpoint, runs held-out batches (the validation split
 of the run's data, or of --data) through the model and writes into --out (default RUN_DIR/eval/):
@@ -9,7 +9,8 @@ of the run's data, or of --data) through the model and writes into --out (defaul
   importance.png, first_token_attention.png, value_norm.png, gate_histogram.png, and, from RUN_DIR/metrics.jsonl
   when present, loss.png and head_imbalance.png.
 
-report.json: val_loss (nats/token), val_bpb; importance [L][H] (eq. 5), head_imbalance (eq. 6), cv_per_layer;
+report.json: packing (data.packing of the batches), val_loss (nats/token), val_bpb; importance [L][H] (eq. 5),
+head_imbalance (eq. 6), cv_per_layer;
 first_token_attention [L] (+ _per_head [L][H]), sink_logit_attention [L] (sink attention only, else null),
 sink_ratio_alpha [L][H] (eq. 9); first_token_value_norm / other_value_norm / value_norm_ratio [L],
 value_norm_by_position [L][P]; gate_mean, gate_sparsity [L] (fraction of gate values < gate_sparsity_threshold),
@@ -40,10 +41,15 @@ from sinkjax.model import forward_with_importance
 MODEL_FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "target_bytes")
 
 DEFINITIONS = {
-    "val_bpb": "sum of next-token NLL over loss_mask tokens / ln 2 / sum of the targets' UTF-8 bytes",
-    "val_loss": "mean next-token NLL in nats over loss_mask tokens",
+    "val_bpb": "sum of next-token NLL over the loss_mask targets with > 0 bytes / ln 2 / sum of their UTF-8 bytes "
+               "(nanochat's evaluate_bpb: BOS targets, in the loss under data.packing=stream, count in neither)",
+    "val_loss": "mean next-token NLL in nats over loss_mask tokens (under data.packing=stream every target, BOS "
+                "included)",
+    "first_token": "the first key a query can see: its document's BOS under data.packing=document, the row's first "
+                   "token under data.packing=stream (one segment per row: the paper's k_0); 'document' in the "
+                   "definitions below means this segment",
     "importance": "Imp[l,h] = mean gate G over the batch's valid tokens (eq. 5; padding and, for vanilla, "
-                  "documents' first tokens excluded), token-weighted over all eval batches",
+                  "first tokens excluded), token-weighted over all eval batches",
     "head_imbalance": "mean over layers of CV(Imp[l,:]) = std/mean over heads, population std (eq. 6)",
     "cv_per_layer": "CV(Imp[l,:]) per layer",
     "first_token_attention": "mean over heads and over valid non-first queries t of A[t, first(t)], the attention "
@@ -93,11 +99,12 @@ def _device_batch(batch) -> dict:
 
 def language_model_metrics(model, batches) -> dict:
   """val_loss, val_bpb and the token-weighted importance over the batches (model forward)."""
-  nll = tokens = nbytes = 0.0
+  nll = tokens = nbytes = bpb_nll = 0.0
   imp_sum, imp_count = None, 0.0
   for b in batches:
     sums, imp, count = jax.device_get(_lm_batch_jit(model, _device_batch(b)))
     nll, tokens, nbytes = nll + float(sums["nll"]), tokens + float(sums["tokens"]), nbytes + float(sums["bytes"])
+    bpb_nll += float(sums["bpb_nll"])
     weighted = np.asarray(imp, np.float64) * float(count)
     imp_sum = weighted if imp_sum is None else imp_sum + weighted
     imp_count += float(count)
@@ -105,7 +112,7 @@ def language_model_metrics(model, batches) -> dict:
     raise EvalError("the evaluation batches hold no target tokens; give more or longer documents")
   imp = imp_sum / max(imp_count, 1.0)
   cv = imp.std(-1) / np.maximum(imp.mean(-1), 1e-12)
-  return {"val_loss": nll / tokens, "val_bpb": nll / math.log(2) / nbytes, "eval_tokens": int(tokens),
+  return {"val_loss": nll / tokens, "val_bpb": bpb_nll / math.log(2) / nbytes, "eval_tokens": int(tokens),
           "eval_bytes": int(nbytes), "importance": imp.tolist(), "head_imbalance": float(head_imbalance(imp)),
           "cv_per_layer": cv.tolist()}
 
@@ -124,7 +131,7 @@ def zeroed_bpb(model, batches, zero_lh) -> float:
   nll = nbytes = 0.0
   for b in batches:
     s = jax.device_get(analysis.zeroed_lm_sums_jit(model, _device_batch(b), zero))
-    nll, nbytes = nll + float(s["nll"]), nbytes + float(s["bytes"])
+    nll, nbytes = nll + float(s["bpb_nll"]), nbytes + float(s["bytes"])
   return nll / math.log(2) / nbytes
 
 
@@ -160,12 +167,13 @@ def evaluate(model, batches, *, tau: float = 0.75) -> dict:
 def write_figures(report: dict, out_dir: pathlib.Path, metrics_path: pathlib.Path | None) -> list[pathlib.Path]:
   from sinkjax import plots
   variant = report.get("attention", "")
+  first = "row" if report.get("packing") == "stream" else "document"
   paths = [
       plots.plot_importance_heatmap(report["importance"], out_dir / "importance.png",
                                     f"head importance ({variant})"),
       plots.plot_first_token_attention(report["first_token_attention_per_head"], out_dir / "first_token_attention.png",
                                        sink_weight=report["sink_logit_attention"],
-                                       title=f"attention on the document's first token ({variant})"),
+                                       title=f"attention on the {first}'s first token ({variant})"),
       plots.plot_value_norms(report["value_norm_by_position"], out_dir / "value_norm.png",
                              f"value norm by position ({variant})"),
       plots.plot_gate_histogram(report["gate_histogram"]["edges"], report["gate_histogram"]["density"],
@@ -187,7 +195,8 @@ def markdown(report: dict, figures: list[pathlib.Path]) -> str:
       f"# Evaluation of `{r['run_dir']}` (step {r['step']})",
       "",
       f"{r['attention']} attention, {len(r['importance'])} layers x {len(r['importance'][0])} heads; "
-      f"{r['eval_batches']} batches, {r['eval_tokens']:,} tokens, {r['eval_bytes']:,} bytes of `{r['data_source']}`.",
+      f"{r['eval_batches']} batches, {r['eval_tokens']:,} tokens, {r['eval_bytes']:,} bytes of `{r['data_source']}`"
+      f" ({r.get('packing', 'document')} packing).",
       "",
       "| metric | value |", "|---|---|",
       f"| val BPB | {r['val_bpb']:.4f} |",
@@ -238,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--data", default=None, metavar="SOURCE",
                  help="held-out data: a data.source (path/glob of .txt/.jsonl/.parquet, default, tfds:NAME); "
                       "its validation split is used (default: the run's data.source)")
+  p.add_argument("--packing", choices=("stream", "document"), default=None,
+                 help="how the held-out text becomes rows (data.packing; default: the run's)")
   p.add_argument("--batches", type=int, default=None, help="number of eval batches (default train.eval_batches)")
   p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the training micro-batch)")
   p.add_argument("--tau", type=float, default=0.75, help="sink-ratio threshold of selective value zeroing (000 App. A)")
@@ -263,13 +274,15 @@ def run(args) -> dict:
   model, cfg, tokenizer = load_run(run_dir, args.step)
   if args.data is not None:
     cfg.data.source = args.data
+  if args.packing is not None:
+    cfg.data.packing = args.packing
   batch_size = args.batch_size or max(cfg.train.batch_size // cfg.train.grad_accum, 1)
   num_batches = args.batches or max(cfg.train.eval_batches, 1)
   batches = make_eval_batches(cfg.data, tokenizer, batch_size=batch_size, num_batches=num_batches)
 
   report = {"run_dir": str(run_dir), "step": _restored_step(run_dir, args.step), "attention": cfg.model.attention,
-            "data_source": cfg.data.source, "eval_batches": len(batches), "batch_size": batch_size,
-            "seq_len": cfg.data.seq_len}
+            "data_source": cfg.data.source, "packing": cfg.data.packing, "eval_batches": len(batches),
+            "batch_size": batch_size, "seq_len": cfg.data.seq_len}
   report.update(evaluate(model, batches, tau=args.tau))
   if mc_items is not None:
     res = mc.score(model, tokenizer, mc_items, max_len=cfg.model.max_seq_len)

@@ -311,8 +311,9 @@ class Attention(nnx.Module):
     return variants.relu_attention(q, k, v, **kw)
 
   def importance_mask(self, segment_ids, B: int, T: int):
-    """Tokens that count for head importance: non-padding, and for vanilla not a document's first token (unless
-    there are sink tokens: the gate's "first token" is then sink token 0, so no query has G = 0 by construction)."""
+    """Tokens that count for head importance: non-padding, and for vanilla not a document's first token (the row's
+    first token under data.packing=stream, whose rows are one segment), unless there are sink tokens: the gate's
+    "first token" is then sink token 0, so no query has G = 0 by construction."""
     valid = jnp.ones((B, T), bool) if segment_ids is None else segment_ids != 0
     if self.attention == "vanilla" and self.sink_states is None:
       first = variants.document_first_index(segment_ids, T)

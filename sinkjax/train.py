@@ -36,7 +36,7 @@ import optax
 import yaml
 from flax import nnx
 
-from sinkjax import balance, distributed, optim, plots
+from sinkjax import analysis, balance, distributed, optim, plots
 from sinkjax import lora as lora_lib
 from sinkjax import checkpoint as ckpt_lib
 from sinkjax import config as config_lib
@@ -144,12 +144,14 @@ def make_train_step(cfg: Config, graphdef, rest, tx: optax.GradientTransformatio
 
 def make_eval_step(graphdef, rest):
   """eval_step(params, batch, rest=None) -> (sum of NLL in nats, sum of target bytes) over the batch's loss-mask
-  tokens (`rest` as in `make_train_step`)."""
+  targets with bytes (BPB = nats / ln 2 / bytes, nanochat's rule: `analysis.nll_sums`; `rest` as in
+  `make_train_step`)."""
   default_rest = rest
 
   def eval_step(params, batch, rest=None):
     nll, _ = token_losses(nnx.merge(graphdef, params, default_rest if rest is None else rest), batch)
-    return jnp.sum(nll * batch["loss_mask"]), jnp.sum(batch["target_bytes"] * (batch["loss_mask"] > 0))
+    sums = analysis.nll_sums(nll, batch)
+    return sums["bpb_nll"], sums["bytes"]
   return eval_step
 
 
@@ -272,9 +274,13 @@ def prepare_run_dir(cfg: Config) -> tuple[pathlib.Path, bool]:
   return run_dir, has_ckpt
 
 
+# data.* keys added after runs were made, with the value every run made before them used.
+LEGACY_DATA_SETTINGS = {"shuffle_batches": 0, "packing": "document"}
+
+
 def _legacy_data_settings(cfg: Config) -> None:
-  """Resuming a run whose config.yaml predates data.shuffle_batches: its iterator state is of the unshuffled
-  pipeline, so keep it unshuffled (with a note) rather than refuse to resume."""
+  """Resuming a run whose config.yaml predates a key of LEGACY_DATA_SETTINGS: its iterator state is of the pipeline
+  it was trained with (unshuffled rows, document packing), so keep that (with a note) rather than refuse to resume."""
   path = pathlib.Path(cfg.run.dir) / ckpt_lib.CONFIG_FILE
   if not path.is_file():
     return
@@ -282,11 +288,14 @@ def _legacy_data_settings(cfg: Config) -> None:
     data = (yaml.safe_load(path.read_text()) or {}).get("data") or {}
   except (OSError, yaml.YAMLError, AttributeError):
     return             # prepare_run_dir reports an unreadable config.yaml
-  if isinstance(data, dict) and "shuffle_batches" not in data and cfg.data.shuffle_batches:
-    if jax.process_index() == 0:
-      print(f"sinkjax.train: {path} predates data.shuffle_batches; resuming with data.shuffle_batches=0 "
-            "(the order it was trained with)", flush=True)
-    cfg.data.shuffle_batches = 0
+  if not isinstance(data, dict):
+    return
+  for key, old in LEGACY_DATA_SETTINGS.items():
+    if key not in data and getattr(cfg.data, key) != old:
+      if jax.process_index() == 0:
+        print(f"sinkjax.train: {path} predates data.{key}; resuming with data.{key}={old} (what it was trained "
+              "with)", flush=True)
+      setattr(cfg.data, key, old)
 
 
 def _write_atomic(path: pathlib.Path, text: str) -> None:

@@ -6,29 +6,41 @@ Training pipeline (per JAX process):
   -> this process' shard                       ds[process_index::process_count]
   -> shuffle blocks, new order every epoch     .shuffle(seed).repeat()      (epochs forever)
   -> tokenize (+ shuffle docs inside a block)  .map_with_index(...)         (read threads)
-  -> pack into rows of seq_len + 1 tokens      PackIterDataset              (checkpointable, exact)
+  -> pack into rows of seq_len + 1 tokens      PackIterDataset              (data.packing; checkpointable, exact)
   -> shuffle rows in windows of a few batches  WindowShuffleIterDataset     (data.shuffle_batches)
   -> batch                                     .batch(batch_size)
   -> prefetch                                  .mp_prefetch(num_workers) or a prefetch thread
 
-Packing (greedy concatenate-and-split, deterministic): documents are taken in shuffled order, each preceded by BOS,
-and written one after another into a row of seq_len + 1 tokens `x`. When a document does not fit in what is left of
-the row, the row is filled with its beginning and the rest continues at the start of the next row behind a fresh BOS
-(position 0 again). So a document longer than a row is split into pieces of at most seq_len tokens, each starting
-with BOS; no token is lost or duplicated. A row ends in padding only when a single slot is left (a lone BOS would
-carry no target) or when a finite (validation) stream runs out.
+Two packings (`data.packing`); both take the documents in shuffled order, each preceded by BOS, and fill rows of
+seq_len + 1 tokens `x`; no token is lost or duplicated.
 
-Batch features (all [batch, seq_len]): `inputs = x[:-1]`, `targets = x[1:]`, `segment_ids` (1, 2, ... per document
-piece in the row, 0 = padding) and `positions` (0 at BOS) of the inputs, `loss_mask` (float32: 1 iff the target
-belongs to the same piece as its input, i.e. is a real next token; 0 on padding, at a piece's last token and
-wherever the target is a BOS) and `target_bytes` (UTF-8 bytes of the target text where loss_mask, else 0; its sum
-over a pass is the UTF-8 size of the text, so BPB = sum(loss_nats) / (ln 2 * sum(target_bytes)) exactly).
+- `document` (greedy concatenate-and-split with segment ids): documents are written one after another into a row.
+  When a document does not fit in what is left of the row, the row is filled with its beginning and the rest
+  continues at the start of the next row behind a fresh BOS (position 0 again). So a document longer than a row is
+  split into pieces of at most seq_len tokens, each starting with BOS. A row ends in padding only when a single slot
+  is left (a lone BOS would carry no target) or when a finite (validation) stream runs out.
+- `stream` (nanochat's dataloader): the documents form one token stream BOS d1 BOS d2 ..., and each row is the next
+  seq_len + 1 tokens of it, so a row may start mid-document and holds every document boundary as a BOS. Rows are
+  always full: a finite (validation) stream drops its last, partial row. Unlike nanochat, which takes B*T + 1
+  tokens per batch (its rows share their boundary token), every row here is its own seq_len + 1 tokens, so that rows
+  can be shuffled and sharded one by one; one token in seq_len + 1 is a target only.
+
+Batch features (all [batch, seq_len]): `inputs = x[:-1]`, `targets = x[1:]`, `segment_ids` and `positions` of the
+inputs, `loss_mask` (float32) and `target_bytes` (UTF-8 bytes of each target's text where loss_mask, else 0).
+- `document`: segment_ids 1, 2, ... per document piece in the row (0 = padding), positions 0 at each BOS, loss_mask
+  1 iff the target belongs to the same piece as its input (0 on padding, at a piece's last token and wherever the
+  target is a BOS).
+- `stream`: one segment (segment_ids all 1, which the model treats exactly as no segment ids: plain causal
+  attention over the row, the vanilla gate's first key is the row's first token), positions 0..seq_len-1 and
+  loss_mask 1 on every target, BOS included; a BOS target has 0 bytes.
+Over a pass target_bytes sums to the UTF-8 size of the text, so BPB = sum(loss_nats over targets with bytes > 0) /
+(ln 2 * sum(target_bytes)), nanochat's evaluate_bpb (`sinkjax.analysis.nll_sums`).
 
 Resuming: the packer's state is (the parent's state before the current block, document index in the block, token
-offset in the document); restoring re-reads and re-tokenizes that block and continues from the same token, so a
-restored iterator yields exactly the batches an uninterrupted one would. With `data.num_workers > 0` each Grain worker
-packs its own slice of the block stream; output is deterministic for a fixed worker count (resume with the same
-`data.num_workers`).
+offset in the document, named `offset` or `stream_offset` by packing); restoring re-reads and re-tokenizes that block
+and continues from the same token, so a restored iterator yields exactly the batches an uninterrupted one would. With
+`data.num_workers > 0` each Grain worker packs its own slice of the block stream; output is deterministic for a fixed
+worker count (resume with the same `data.num_workers`).
 """
 from __future__ import annotations
 
@@ -80,8 +92,13 @@ def row_features(tokens: np.ndarray, segs: np.ndarray, pos: np.ndarray, nbytes: 
   }
 
 
-class _PackIterator(grain.DatasetIterator):
-  """Greedy concatenate-and-split packer over a stream of tokenized blocks (exactly checkpointable)."""
+class _BlockPacker(grain.DatasetIterator):
+  """What both packers share: reads tokenized blocks from the parent and remembers where it is, as (the parent's
+  state before the current block, document index in the block, token offset in the document), so that a restored
+  iterator re-reads that block and continues from the same token (exact resume)."""
+
+  OFFSET = "offset"   # the offset's name in the state; each packing has its own, so a checkpoint of one is refused
+                      # by the other (sinkjax.checkpoint compares the state's field names)
 
   def __init__(self, parent: grain.DatasetIterator, seq_len: int, bos_id: int, max_empty: int | None):
     super().__init__(parent)
@@ -110,39 +127,22 @@ class _PackIterator(grain.DatasetIterator):
                         "empty or in the other split); check data.source, data.text_field and data.val_fraction")
     return True
 
-  def __next__(self) -> dict:
-    r = self._row
-    tokens = np.zeros(r, np.int32)
-    segs = np.zeros(r, np.int32)
-    pos = np.zeros(r, np.int32)
-    nbytes = np.zeros(r, np.int32)
-    fill = 0
-    seg = 0
-    while r - fill >= 2:
-      if self._block is None or self._doc >= len(self._block):
-        if not self._next_block():
-          break
-        continue
-      ids, nb = self._block[self._doc]
-      take = min(r - fill - 1, len(ids) - self._off)
-      seg += 1
-      tokens[fill] = self._bos
-      tokens[fill + 1:fill + 1 + take] = ids[self._off:self._off + take]
-      nbytes[fill + 1:fill + 1 + take] = nb[self._off:self._off + take]
-      segs[fill:fill + 1 + take] = seg
-      pos[fill:fill + 1 + take] = np.arange(take + 1, dtype=np.int32)
-      fill += take + 1
-      self._off += take
-      self._empty = 0
-      if self._off >= len(ids):
-        self._doc += 1
-        self._off = 0
-    if fill == 0:
-      raise StopIteration
-    return row_features(tokens, segs, pos, nbytes)
+  def _document(self) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids, nbytes) of the document being packed, reading blocks as needed; None where a finite stream ends."""
+    while self._block is None or self._doc >= len(self._block):
+      if not self._next_block():
+        return None
+    self._empty = 0
+    return self._block[self._doc]
+
+  def _done_with(self, length: int) -> None:
+    """Moves to the next document once the offset has passed `length` tokens of this one."""
+    if self._off >= length:
+      self._doc += 1
+      self._off = 0
 
   def get_state(self) -> dict[str, Any]:
-    return {"parent": self._block_state, "loaded": self._block is not None, "doc": self._doc, "offset": self._off}
+    return {"parent": self._block_state, "loaded": self._block is not None, "doc": self._doc, self.OFFSET: self._off}
 
   def set_state(self, state: dict[str, Any]) -> None:
     self._parent.set_state(state["parent"])
@@ -155,26 +155,101 @@ class _PackIterator(grain.DatasetIterator):
       except StopIteration:
         self._block = None
     self._doc = int(state["doc"])
-    self._off = int(state["offset"])
+    self._off = int(state[self.OFFSET])
 
   def __str__(self) -> str:
-    return f"_PackIterator(row={self._row})"
+    return f"{type(self).__name__}(row={self._row})"
+
+
+class _PackIterator(_BlockPacker):
+  """data.packing=document: greedy concatenate-and-split of BOS-prefixed documents with segment ids."""
+
+  def __next__(self) -> dict:
+    r = self._row
+    tokens = np.zeros(r, np.int32)
+    segs = np.zeros(r, np.int32)
+    pos = np.zeros(r, np.int32)
+    nbytes = np.zeros(r, np.int32)
+    fill = 0
+    seg = 0
+    while r - fill >= 2:
+      doc = self._document()
+      if doc is None:
+        break
+      ids, nb = doc
+      take = min(r - fill - 1, len(ids) - self._off)
+      seg += 1
+      tokens[fill] = self._bos
+      tokens[fill + 1:fill + 1 + take] = ids[self._off:self._off + take]
+      nbytes[fill + 1:fill + 1 + take] = nb[self._off:self._off + take]
+      segs[fill:fill + 1 + take] = seg
+      pos[fill:fill + 1 + take] = np.arange(take + 1, dtype=np.int32)
+      fill += take + 1
+      self._off += take
+      self._done_with(len(ids))
+    if fill == 0:
+      raise StopIteration
+    return row_features(tokens, segs, pos, nbytes)
+
+
+class _StreamIterator(_BlockPacker):
+  """data.packing=stream (nanochat's): consecutive seq_len + 1 tokens of the stream BOS doc BOS doc ...; the offset
+  counts the document's BOS, so offset k means k tokens of [BOS, *ids] are already in earlier rows."""
+
+  OFFSET = "stream_offset"
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._one_segment = np.ones(self._row, np.int32)
+    self._positions = np.arange(self._row, dtype=np.int32)
+
+  def __next__(self) -> dict:
+    r = self._row
+    tokens = np.zeros(r, np.int32)
+    nbytes = np.zeros(r, np.int32)       # BOS: 0 bytes
+    fill = 0
+    while fill < r:
+      doc = self._document()
+      if doc is None:
+        raise StopIteration              # a finite stream's last, partial row is dropped: rows are always full
+      ids, nb = doc
+      if self._off == 0:
+        tokens[fill] = self._bos
+        fill += 1
+        self._off = 1
+      take = min(r - fill, len(ids) + 1 - self._off)
+      tokens[fill:fill + take] = ids[self._off - 1:self._off - 1 + take]
+      nbytes[fill:fill + take] = nb[self._off - 1:self._off - 1 + take]
+      fill += take
+      self._off += take
+      self._done_with(len(ids) + 1)
+    return row_features(tokens, self._one_segment, self._positions, nbytes)
+
+
+_PACKERS = {"document": _PackIterator, "stream": _StreamIterator}
 
 
 class PackIterDataset(grain.IterDataset):
-  """Packs tokenized blocks (lists of (ids, nbytes)) into rows of `seq_len + 1` tokens; yields feature dicts."""
+  """Packs tokenized blocks (lists of (ids, nbytes)) into rows of `seq_len + 1` tokens; yields feature dicts.
 
-  def __init__(self, parent: grain.IterDataset, *, seq_len: int, bos_id: int, max_empty: int | None = None):
+  packing: "document" (segment ids per document piece) or "stream" (rows cut from one token stream); see the module
+  docstring."""
+
+  def __init__(self, parent: grain.IterDataset, *, seq_len: int, bos_id: int, max_empty: int | None = None,
+               packing: str = "document"):
     super().__init__(parent)
+    if packing not in _PACKERS:
+      raise DataError(f"data.packing must be one of {'|'.join(_PACKERS)}, got {packing!r}")
     self._seq_len = seq_len
     self._bos = bos_id
     self._max_empty = max_empty
+    self._packing = packing
 
-  def __iter__(self) -> _PackIterator:
-    return _PackIterator(self._parent.__iter__(), self._seq_len, self._bos, self._max_empty)
+  def __iter__(self) -> _BlockPacker:
+    return _PACKERS[self._packing](self._parent.__iter__(), self._seq_len, self._bos, self._max_empty)
 
   def __str__(self) -> str:
-    return f"PackIterDataset(seq_len={self._seq_len})"
+    return f"PackIterDataset(seq_len={self._seq_len}, packing={self._packing})"
 
 
 def _check(data_cfg, tokenizer, batch_size: int) -> None:
@@ -184,6 +259,8 @@ def _check(data_cfg, tokenizer, batch_size: int) -> None:
     raise DataError(f"batch size must be >= 1, got {batch_size}")
   if getattr(data_cfg, "shuffle_batches", 0) < 0:
     raise DataError(f"data.shuffle_batches must be >= 0 (0 = no row shuffle), got {data_cfg.shuffle_batches}")
+  if data_cfg.packing not in _PACKERS:
+    raise DataError(f"data.packing must be one of {'|'.join(_PACKERS)}, got {data_cfg.packing!r}")
   if not hasattr(tokenizer, "encode_with_bytes"):
     raise TypeError(f"tokenizer must come from sinkjax.data.build_tokenizer, got {type(tokenizer).__name__}")
 
@@ -229,7 +306,8 @@ def make_train_dataset(data_cfg, tokenizer=None, *, batch_size: int, seed: int =
   ds = ds.to_iter_dataset(_read_options())
   # Every block is visited once per epoch; with worker slicing a worker sees them all within ~num_workers epochs.
   max_empty = 4 * n_blocks * max(1, data_cfg.num_workers) + 64
-  ds = PackIterDataset(ds, seq_len=data_cfg.seq_len, bos_id=tokenizer.bos_id, max_empty=max_empty)
+  ds = PackIterDataset(ds, seq_len=data_cfg.seq_len, bos_id=tokenizer.bos_id, max_empty=max_empty,
+                       packing=data_cfg.packing)
   if data_cfg.shuffle_batches > 0:
     # Packing puts a long document's pieces in consecutive rows; mixing rows over several batches keeps one document
     # from filling a batch. Grain's window shuffle restores exactly (it re-reads the window from its start state).
@@ -264,7 +342,7 @@ def _empty_row(seq_len: int) -> dict:
 
 def make_eval_batches(data_cfg, tokenizer=None, *, batch_size: int, num_batches: int,
                       process_index: int | None = None, process_count: int | None = None) -> list[dict]:
-  """Deterministic validation batches (this process' part of each global batch), packed like training.
+  """Deterministic validation batches (this process' part of each global batch), packed like training (data.packing).
 
   The validation split is read in its stored order (no shuffle) and packed into rows; global batch k consists of
   rows [k * G, (k + 1) * G) with G = batch_size * process_count, of which this process gets its `batch_size` rows.
@@ -278,7 +356,8 @@ def make_eval_batches(data_cfg, tokenizer=None, *, batch_size: int, num_batches:
   pi, pc = _process(process_index, process_count)
   src = build_source(data_cfg, "val")
   ds = grain.MapDataset.source(src).map_with_index(_Tokenize(tokenizer, None))
-  ds = PackIterDataset(ds.to_iter_dataset(_read_options()), seq_len=data_cfg.seq_len, bos_id=tokenizer.bos_id)
+  ds = PackIterDataset(ds.to_iter_dataset(_read_options()), seq_len=data_cfg.seq_len, bos_id=tokenizer.bos_id,
+                       packing=data_cfg.packing)
   g = batch_size * pc
   need = num_batches * g
   rows = []
@@ -288,8 +367,11 @@ def make_eval_batches(data_cfg, tokenizer=None, *, batch_size: int, num_batches:
     if len(rows) >= need:
       break
   if not rows:
-    raise DataError(f"the validation split of data.source {data_cfg.source!r} has no text; raise "
-                    "data.val_fraction or add documents")
+    what = ("has no text" if data_cfg.packing == "document" else
+            f"holds fewer than data.seq_len + 1 = {data_cfg.seq_len + 1} tokens (data.packing=stream keeps full rows "
+            "only)")
+    raise DataError(f"the validation split of data.source {data_cfg.source!r} {what}; raise data.val_fraction or "
+                    "add documents")
   n = -(-len(rows) // g)
   rows += [_empty_row(data_cfg.seq_len)] * (n * g - len(rows))
   batches = []
