@@ -1,11 +1,10 @@
-"""Attention-sink diagnostics of a trained `Transformer`: an instrumented forward pass and per-batch statistics.
+"""Attention-sink diagnostics of a trained `Transformer`: per-batch statistics of the model's own forward pass.
 
-The instrumented forward runs the model block by block through the model's own modules (`attn_norm`,
-`Attention.project`, `Attention.attend`, `o_proj`, `mlp_norm`, `mlp`), so its logits are the model's logits, and
-on the way it keeps what the fused forward throws away: q/k/v, the gate, the hidden state after every block and
-the *materialized* attention weights of each layer (from `kernels.reference.attention_weights`). It can also zero
-the first token's value in chosen heads (paper 000 App. A). Everything here is a pure function of the model and a
-batch; nothing in the model is modified.
+There is one forward pass: `recorded_forward` calls the model with `record=True`, and each layer records what it
+attended with (q/k/v, the gate, its materialized attention weights from `Attention.attention_weights`, which know
+the variant, sliding windows and sink tokens) and each block its output; value zeroing (paper 000 App. A) is the
+model's `zero_first_value` option. Everything here is a pure function of the model and a batch; the recorded
+values are removed again, so the model is left as it was.
 
 Statistics (all accumulated as sums and counts so that several batches combine into exact means):
 - first-token attention per layer/head, the F-Attn of paper 003 Table 4: mean over the valid, non-first queries of
@@ -26,7 +25,6 @@ Statistics (all accumulated as sums and counts so that several batches combine i
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -34,9 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax.attention import document_first_index, relu_attention_weights
-from sinkjax.kernels.reference import attention_weights
-from sinkjax.layers import default_positions
+from sinkjax.attention import document_first_index
+from sinkjax.layers import pop_head_importance
 from sinkjax.model import Transformer
 
 SPARSE_GATE = 0.1        # a gate value below this counts as "closed" (gate sparsity)
@@ -45,8 +42,10 @@ POSITION_BINS = 64       # value norm by in-document position: positions 0 .. PO
 
 
 class LayerTrace(NamedTuple):
-  """What one block computed. Shapes: q [B,T,Hq,D], k/v [B,T,Hkv,D] (Hq when values were zeroed), gate [B,T,Hq]
-  or [B,T,Hq,D], weights [B,Hq,T,T], sink_weight [B,T,Hq], hidden [B,T,d_model] (after the block)."""
+  """What one block computed, recorded by the model's own forward pass (`Transformer(..., record=True)`). Shapes:
+  q [B,T,Hq,D], k/v [B,T,Hkv,D] (Hq when values were zeroed), gate [B,T,Hq] or [B,T,Hq,D], weights [B,Hq,T,T],
+  sink_weight [B,T,Hq] (the weight outside the sequence keys: on the sink logit and on learnable sink tokens), hidden
+  [B,T,d_model] (after the block); weights / sink_weight / hidden are None when only values were zeroed."""
   q: jax.Array
   k: jax.Array
   v: jax.Array
@@ -67,61 +66,24 @@ def document_starts(segment_ids):
   return (first == jnp.arange(T)[None, :]) & (segment_ids != 0)
 
 
-def attention_probs(attn, q, k, segment_ids):
-  """Materialized attention weights of one `Attention` layer: (A [B,Hq,T,S], sink weight [B,T,Hq]).
-
-  A is the weight each query puts on each key in the softmax the variant actually uses (for gated attention the
-  plain softmax before the output gate; for ReLU attention the ReLU weights). For sink attention the sink logit
-  joins the softmax as an extra column with zero value (GPT-OSS), built here from the materialized logits, so
-  A sums to 1 - sink weight. Padding rows are all zero.
-  """
-  B, T, Hq, D = q.shape
-  if attn.attention == "relu":
-    return relu_attention_weights(q, k, segment_ids=segment_ids), jnp.zeros((B, T, Hq), jnp.float32)
-  logits, mask, probs, _ = attention_weights(q, k, segment_ids, segment_ids, causal=True, scale=1.0 / math.sqrt(D))
-  if attn.attention != "sink":
-    return probs, jnp.zeros((B, T, Hq), jnp.float32)
-  valid_row = mask.any(-1)[:, None, :, None]                                     # [B,1,T,1]
-  sink = jnp.broadcast_to(attn.sink[...].astype(jnp.float32)[None, :, None, None], (B, Hq, T, 1))
-  full = jnp.concatenate([jnp.where(mask[:, None], logits, -jnp.inf), sink], axis=-1)
-  p = jax.nn.softmax(full, axis=-1) * valid_row
-  return p[..., :-1], jnp.swapaxes(p[..., -1], 1, 2)
-
-
-def instrumented_forward(model: Transformer, tokens, *, segment_ids=None, positions=None, zero_first_value=None,
-                         keep_weights: bool = True):
-  """(logits [B,T,V], [LayerTrace per layer]): the model's forward pass, block by block.
-
-  zero_first_value: optional bool [L, Hq]; where True, the value vector of every document's first token is set to
-  zero in that layer and query head before attention (paper 000 App. A). K/V are repeated to Hq heads for this so
-  that a single query head of a GQA group can be zeroed (repeating K/V does not change the attention output).
-  keep_weights=False skips materializing attention weights (weights/sink_weight are None), for BPB-only passes.
-  """
-  B, T = tokens.shape
-  if positions is None:
-    positions = default_positions(segment_ids, B, T)
-  seg = _segments(segment_ids, B, T)
-  starts = document_starts(seg)
-  x = x0 = model.embed_tokens(tokens)                  # as in Transformer.__call__
+def recorded_forward(model: Transformer, tokens, *, segment_ids=None, positions=None, zero_first_value=None,
+                     keep_weights: bool = True):
+  """(logits [B,T,V], [LayerTrace per layer] or None): the model's own forward pass with its layers recording
+  (`record=True`) what the diagnostics need, and optionally the first token's value zeroed where
+  `zero_first_value` [L, Hq] (paper 000 App. A). keep_weights=False records nothing (BPB-only passes). The model's
+  sown values are removed again, so it stays as it was."""
+  logits = model(tokens, segment_ids=segment_ids, positions=positions, record=keep_weights,
+                 zero_first_value=zero_first_value)
+  pop_head_importance(model)
+  if not keep_weights:
+    return logits, None
   traces = []
-  for l, block in enumerate(model.layers):
-    attn = block.attn
-    x = model.block_input(l, x, x0)
-    h = block.attn_norm(x)
-    q, k, v = attn.project(h, positions)
-    if zero_first_value is not None:
-      rep = attn.num_heads // attn.num_kv_heads
-      k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-      kill = starts[:, :, None, None] & zero_first_value[l][None, None, :, None]
-      v = jnp.where(kill, jnp.zeros_like(v), v)
-    out, gate = attn.attend(h, q, k, v, segment_ids)
-    x = x + attn.o_proj(out.reshape(B, T, attn.num_heads * attn.head_dim))
-    x = x + block.mlp(block.mlp_norm(x))
-    weights = sink_weight = None
-    if keep_weights:
-      weights, sink_weight = attention_probs(attn, q, k, seg)
-    traces.append(LayerTrace(q, k, v, gate, weights, sink_weight, x))
-  return model.logits(x), traces
+  for block in model.layers:
+    t = block.attn.trace.get_value()
+    traces.append(LayerTrace(t["q"], t["k"], t["v"], t["gate"], t["weights"], t["outside"],
+                             block.hidden.get_value()))
+    del block.attn.trace, block.hidden
+  return logits, traces
 
 
 def token_nll(logits, targets):
@@ -203,11 +165,11 @@ def layer_statistics(attn, trace: LayerTrace, segment_ids, importance_mask):
 
 
 def batch_statistics(model: Transformer, batch):
-  """Instrumented forward on one batch -> dict of per-layer stacked sums/counts (leading axis L)."""
+  """The recorded forward on one batch -> dict of per-layer stacked sums/counts (leading axis L)."""
   tokens = batch["inputs"]
   B, T = tokens.shape
   seg = _segments(batch.get("segment_ids"), B, T)
-  _, traces = instrumented_forward(model, tokens, segment_ids=seg, positions=batch.get("positions"))
+  _, traces = recorded_forward(model, tokens, segment_ids=seg, positions=batch.get("positions"))
   per_layer = []
   for block, trace in zip(model.layers, traces):
     per_layer.append(layer_statistics(block.attn, trace, seg, block.attn.importance_mask(seg, B, T)))
@@ -215,11 +177,11 @@ def batch_statistics(model: Transformer, batch):
 
 
 def zeroed_lm_sums(model: Transformer, batch, zero_first_value):
-  """`lm_sums` of the instrumented forward with the first token's value zeroed where `zero_first_value` [L,Hq]."""
+  """`lm_sums` of the model's forward with the first token's value zeroed where `zero_first_value` [L,Hq]."""
   tokens = batch["inputs"]
-  logits, _ = instrumented_forward(model, tokens, segment_ids=batch.get("segment_ids"),
-                                   positions=batch.get("positions"), zero_first_value=zero_first_value,
-                                   keep_weights=False)
+  logits, _ = recorded_forward(model, tokens, segment_ids=batch.get("segment_ids"),
+                               positions=batch.get("positions"), zero_first_value=zero_first_value,
+                               keep_weights=False)
   return lm_sums(logits, batch)
 
 

@@ -11,14 +11,14 @@ of the run's data, or of --data) through the model and writes into --out (defaul
 
 report.json: packing (data.packing of the batches), val_loss (nats/token), val_bpb; importance [L][H] (eq. 5),
 head_imbalance (eq. 6), cv_per_layer;
-first_token_attention [L] (+ _per_head [L][H]), sink_logit_attention [L] (sink attention only, else null),
+first_token_attention [L] (+ _per_head [L][H]), sink_logit_attention [L] (sink logit / sink tokens, else null),
 sink_ratio_alpha [L][H] (eq. 9); first_token_value_norm / other_value_norm / value_norm_ratio [L],
 value_norm_by_position [L][P]; gate_mean, gate_sparsity [L] (fraction of gate values < gate_sparsity_threshold),
 gate_histogram; max_activation [L] (+ _first_token / _other), m_act; value_zeroing {tau, bpb_none, bpb_all,
 bpb_selected, heads_selected, ...}; multiple_choice (with --mc); definitions (what each quantity means).
 
 BPB and importance use the model's own forward pass (the training kernel path, `forward_with_importance`);
-the diagnostics use `sinkjax.analysis.instrumented_forward`, which materializes the attention weights.
+the diagnostics use `sinkjax.analysis.recorded_forward` (the model's own forward, recording its attention weights).
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ DEFINITIONS = {
     "first_token_attention": "mean over heads and over valid non-first queries t of A[t, first(t)], the attention "
                              "weight on the first token of t's own document (003 Table 4 F-Attn); for sink "
                              "attention A is the softmax including the sink logit",
-    "sink_logit_attention": "sink attention only: mean weight on the sink logit (= 1 - G) over the same queries",
+    "sink_logit_attention": "mean weight outside the sequence keys over the same queries: on the sink logit (sink "
+                            "attention, = 1 - G) and on learnable sink tokens; null when there is neither",
     "sink_ratio_alpha": "alpha[l,h] = (1/T) sum_i A[i, first(i)] over all valid queries i, the document's first "
                         "included (000 eq. 9)",
     "value_norm": "||v_t||_2 of the value projection, mean over KV heads; first = documents' first tokens, "
@@ -65,7 +66,7 @@ DEFINITIONS = {
     "gate_sparsity": f"fraction of gate values below {analysis.SPARSE_GATE} over the same tokens",
     "max_activation": "max |h| of the hidden state after each block over valid tokens (003 Table 4 M-Act); m_act "
                       "is its mean over layers",
-    "value_zeroing": "BPB of the instrumented forward with every document's first-token value vector set to zero "
+    "value_zeroing": "BPB of the model's forward with every document's first-token value vector set to zero "
                      "in no head (bpb_none), all heads (bpb_all), or heads with alpha > tau (bpb_selected), "
                      "000 App. A",
 }
@@ -153,7 +154,7 @@ def evaluate(model, batches, *, tau: float = 0.75) -> dict:
   """Every number of the report except run metadata and multiple choice."""
   report = language_model_metrics(model, batches)
   report.update(sink_diagnostics(model, batches))
-  if model.cfg.attention != "sink":
+  if model.cfg.attention != "sink" and not model.cfg.sink_tokens:
     report["sink_logit_attention"] = None
   report["gate_sparsity_threshold"] = analysis.SPARSE_GATE
   report["value_zeroing"] = value_zeroing(model, batches, report["sink_ratio_alpha"], tau)

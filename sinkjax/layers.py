@@ -37,6 +37,7 @@ from flax import nnx
 
 from sinkjax import attention as variants
 from sinkjax.balance import head_importance
+from sinkjax.kernels.reference import attention_weights as reference_weights
 
 ATTENTION_VARIANTS = ("vanilla", "sink", "gated", "relu")
 GATE_KINDS = ("headwise", "elementwise")
@@ -320,25 +321,78 @@ class Attention(nnx.Module):
       valid &= first != jnp.arange(T)[None, :]
     return valid
 
-  def __call__(self, x, *, segment_ids=None, positions=None, cache=None):
+  def __call__(self, x, *, segment_ids=None, positions=None, cache=None, record: bool = False,
+               zero_first_value=None):
     """y [B,T,d_model]; with `cache` (a `sinkjax.cache.LayerCache`) returns (y, updated cache) instead: T == 1
-    decodes one token against the cache, T > 1 prefills an empty cache (plain causal self-attention over x)."""
+    decodes one token against the cache, T > 1 prefills an empty cache (plain causal self-attention over x).
+
+    For `sinkjax.analysis` (the one forward pass: analysis never re-implements it):
+      record: also sow `trace`, a dict of what this layer attended with: q, k, v (rotated, as attended; K/V repeated
+        to the query heads when values are zeroed), gate, and its materialized attention weights
+        (`attention_weights`: the weights on the sequence keys and the weight outside them).
+      zero_first_value: bool [Hq]; zero the value vector of every document's first token (a row's first token
+        without segment ids) in those query heads before attention (000 App. A, value zeroing).
+    """
     B, T, _ = x.shape
     if cache is not None and T == 1:
       return self._decode(x, cache)
     if positions is None:
       positions = default_positions(segment_ids, B, T)
-    q, k, v = self.project_unrotated(x)
+    q0, k0, v = self.project_unrotated(x)
     positions = positions + self.num_sink_tokens           # sink tokens hold positions 0..n-1
-    out, gate = self.attend(x, self.rotate(q, positions, "q"), self.rotate(k, positions, "k"), v, segment_ids)
+    q, k = self.rotate(q0, positions, "q"), self.rotate(k0, positions, "k")
+    if zero_first_value is not None:
+      k, v = self.zero_first_values(k, v, segment_ids, zero_first_value)
+    out, gate = self.attend(x, q, k, v, segment_ids)
     y = self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
     if cache is not None:
-      return y, cache.prefill(k, v)
+      return y, cache.prefill(k0, v)
+    keep_last = dict(reduce_fn=lambda _, new: new, init_fn=lambda: None)
+    if record:
+      weights, outside = self.attention_weights(q, k, segment_ids)
+      self.sow(nnx.Intermediate, "trace", dict(q=q, k=k, v=v, gate=gate, weights=weights, outside=outside),
+               **keep_last)
     # Each call replaces the previous record (instead of sow's default of appending to a tuple), so a model that is
     # called repeatedly without popping keeps a fixed graph: no growth and no re-tracing under nnx.jit.
     self.sow(nnx.Intermediate, "head_importance", head_importance(gate, self.importance_mask(segment_ids, B, T)),
-             reduce_fn=lambda _, new: new, init_fn=lambda: None)
+             **keep_last)
     return y
+
+  def zero_first_values(self, k, v, segment_ids, heads):
+    """(k, v) repeated to the Hq query heads (so one head of a GQA group can be zeroed alone; repeating K/V does not
+    change attention) with v zeroed at every document's first token in the query heads where `heads` [Hq]."""
+    B, T = v.shape[:2]
+    rep = self.num_heads // self.num_kv_heads
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    starts = variants.document_first_index(segment_ids, T) == jnp.arange(T)[None, :]
+    if segment_ids is not None:
+      starts &= segment_ids != 0
+    kill = starts[:, :, None, None] & jnp.asarray(heads, bool)[None, None, :, None]
+    return k, jnp.where(kill, jnp.zeros_like(v), v)
+
+  def attention_weights(self, q, k, segment_ids):
+    """This layer's attention weights, materialized, in the softmax it actually uses: (A [B,Hq,T,T] on the
+    sequence keys, the weight outside them [B,T,Hq]: on the sink logit (sink attention, a column with zero value,
+    GPT-OSS) plus on the learnable sink tokens). Sliding windows apply; gated attention gives the softmax before
+    its output gate; ReLU attention its ReLU weights. Padding queries are all zero."""
+    B, T, Hq, D = q.shape
+    seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.broadcast_to(segment_ids, (B, T))
+    if self.attention == "relu":
+      return variants.relu_attention_weights(q, k, segment_ids=seg), jnp.zeros((B, T, Hq), jnp.float32)
+    scale = 1.0 / math.sqrt(D)
+    logits, mask, _, _ = reference_weights(q, k, seg, seg, causal=True, scale=scale,
+                                           window=self.sliding_window or None)
+    columns = [jnp.where(mask[:, None], logits, -jnp.inf)]                          # [B,Hq,T,T]
+    if self.sink_states is not None:
+      k_p = jnp.repeat(self.sink_kv(B)[0], Hq // k.shape[2], axis=2)
+      columns.append(jnp.einsum("bthd,bnhd->bhtn", q.astype(jnp.float32), k_p.astype(jnp.float32),
+                                precision=jax.lax.Precision.HIGHEST) * scale)
+    if self.attention == "sink":
+      columns.append(jnp.broadcast_to(self.sink[...].astype(jnp.float32)[None, :, None, None], (B, Hq, T, 1)))
+    z = jnp.concatenate(columns, axis=-1)
+    valid = (seg != 0)[:, None, :, None]
+    p = jax.nn.softmax(jnp.where(valid, z, 0.0), axis=-1) * valid
+    return p[..., :T], jnp.swapaxes(p[..., T:].sum(-1), 1, 2)
 
   def _decode(self, x, cache):
     """One new token: store its un-rotated k/v in the cache, rotate every cached key to its position within the

@@ -54,12 +54,16 @@ class Block(nnx.Module):
     self.mlp = MoE(cfg.d_model, mlp_hidden(cfg), cfg.moe_experts, cfg.moe_top_k, **mlp) if cfg.moe_experts else \
         MLP(cfg.d_model, mlp_hidden(cfg), init=cfg.init, **mlp)
 
-  def __call__(self, x, segment_ids, positions, cache=None):
-    """x -> x; with a `LayerCache`, (x, updated cache)."""
-    h = self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions, cache=cache)
+  def __call__(self, x, segment_ids, positions, cache=None, record: bool = False, zero_first_value=None):
+    """x -> x; with a `LayerCache`, (x, updated cache). record / zero_first_value: see `Attention.__call__`; with
+    record the block also sows its output as `hidden`."""
+    h = self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions, cache=cache, record=record,
+                  zero_first_value=zero_first_value)
     h, cache = h if cache is not None else (h, None)
     x = x + h
     x = x + self.mlp(self.mlp_norm(x))
+    if record:
+      self.sow(nnx.Intermediate, "hidden", x, reduce_fn=lambda _, new: new, init_fn=lambda: None)
     return x if cache is None else (x, cache)
 
 
@@ -106,9 +110,11 @@ class Transformer(nnx.Module):
     r, a = (p[...][i].astype(x.dtype) for p in (self.resid_lambdas, self.x0_lambdas))
     return r * x + a * x0
 
-  def __call__(self, tokens, *, segment_ids=None, positions=None, cache=None):
+  def __call__(self, tokens, *, segment_ids=None, positions=None, cache=None, record: bool = False,
+               zero_first_value=None):
     """logits; with a `sinkjax.cache.KVCache`, (logits, updated cache): T == 1 decodes one token against the cache,
-    T > 1 prefills an EMPTY cache with a prompt (positions 0..T-1). Generation lives in `sinkjax.generate`."""
+    T > 1 prefills an EMPTY cache with a prompt (positions 0..T-1). Generation lives in `sinkjax.generate`.
+    record / zero_first_value ([L, Hq] bool): for `sinkjax.analysis`, see `Attention.__call__`."""
     B, T = tokens.shape
     if positions is None:
       positions = default_positions(segment_ids, B, T)
@@ -120,7 +126,10 @@ class Transformer(nnx.Module):
       return self.logits(x), cache.advance(layer_caches, T)
     for i, block in enumerate(self.layers):
       x = self.block_input(i, x, x0)
-      if self.cfg.remat:
+      if record or zero_first_value is not None:
+        x = block(x, segment_ids, positions, record=record,
+                  zero_first_value=None if zero_first_value is None else zero_first_value[i])
+      elif self.cfg.remat:
         x = nnx.remat(lambda blk, h: blk(h, segment_ids, positions))(block, x)
       else:
         x = block(x, segment_ids, positions)

@@ -113,7 +113,7 @@ def eval_batches():
 # ---------------------------------------------------------------------------------------------------------------
 
 _forward = nnx.jit(lambda model, x, seg, pos: forward_with_importance(model, x, segment_ids=seg, positions=pos))
-_instrumented = nnx.jit(lambda model, x, seg, pos: analysis.instrumented_forward(model, x, segment_ids=seg,
+_recorded = nnx.jit(lambda model, x, seg, pos: analysis.recorded_forward(model, x, segment_ids=seg,
                                                                                   positions=pos))
 
 
@@ -122,8 +122,8 @@ def forward(model, batch):
   return _forward(model, *(jnp.asarray(batch[k]) for k in ("inputs", "segment_ids", "positions")))
 
 
-def instrumented(model, batch):
-  return _instrumented(model, *(jnp.asarray(batch[k]) for k in ("inputs", "segment_ids", "positions")))
+def recorded(model, batch):
+  return _recorded(model, *(jnp.asarray(batch[k]) for k in ("inputs", "segment_ids", "positions")))
 
 
 def np_log_softmax(logits):
@@ -156,7 +156,7 @@ def direct_bpb(model, batches) -> float:
 
 def layer_inputs(model, batch):
   """The normed input of every attention layer: embedding for layer 0, the previous block's output after that."""
-  _, traces = instrumented(model, batch)
+  _, traces = recorded(model, batch)
   e = np.asarray(model.embed(jnp.asarray(batch["inputs"])), np.float64)
   x0 = e / np.sqrt((e * e).mean(-1, keepdims=True) + 1e-6)
   xs = [jnp.asarray(x0, jnp.float32)] + [t.hidden for t in traces[:-1]]
@@ -233,7 +233,7 @@ def test_importance_over_batches_is_token_weighted(models, eval_batches):
 
 @pytest.mark.parametrize("attention,gate", [("vanilla", "headwise"), ("sink", "headwise"), ("gated", "headwise"),
                                             ("gated", "elementwise"), ("relu", "headwise")])
-def test_instrumented_forward_is_the_model_forward(attention, gate):
+def test_recorded_forward_is_the_model_forward(attention, gate):
   model = Transformer(tiny_config(attention, gate=gate, attn_impl="auto"), rngs=nnx.Rngs(1))
   # output projections start at zero; perturb every parameter so that every block matters
   params = nnx.state(model, nnx.Param)
@@ -243,7 +243,7 @@ def test_instrumented_forward_is_the_model_forward(attention, gate):
   b = phrase_batch(np.random.default_rng(0))
   args = dict(segment_ids=jnp.asarray(b["segment_ids"]), positions=jnp.asarray(b["positions"]))
   want, _ = forward(model, b)
-  got, traces = instrumented(model, b)
+  got, traces = recorded(model, b)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   # the materialized weights reproduce each layer's attention output: out = sum_s A_ts v_s (times the output gate
   # for gated attention); this is what makes them "the attention weights of the model"
@@ -280,7 +280,7 @@ def test_sink_weight_is_one_minus_gate(models, eval_batches):
   b = eval_batches[0]
   d = ev.sink_diagnostics(model, [b])
   seg = jnp.asarray(b["segment_ids"])
-  _, traces = instrumented(model, b)
+  _, traces = recorded(model, b)
   later = np.asarray((seg != 0) & (jnp.asarray(b["positions"]) != 0))
   for l, tr in enumerate(traces):
     want = (1.0 - np.asarray(tr.gate))[later].mean()             # G = sigma(LSE - sink) from the kernel
@@ -295,7 +295,7 @@ def test_value_norm_and_activation_statistics(models, eval_batches):
   b = eval_batches[0]
   d = ev.sink_diagnostics(model, [b])
   seg, pos = b["segment_ids"], b["positions"]
-  _, traces = instrumented(model, b)
+  _, traces = recorded(model, b)
   first, other = (seg != 0) & (pos == 0), (seg != 0) & (pos != 0)
   for l, tr in enumerate(traces):
     vn = np.linalg.norm(np.asarray(tr.v, np.float64), axis=-1).mean(-1)
@@ -326,14 +326,14 @@ def test_value_zeroing_all_heads_changes_bpb_and_tau_one_changes_nothing(models,
 
 
 def test_value_zeroing_matches_zeroing_the_value_by_hand(models, eval_batches):
-  """One layer, one head: zeroing by the instrumented forward = attention recomputed with v_first := 0."""
+  """One layer, one head: zeroing by the model (zero_first_value) = attention recomputed with v_first := 0."""
   model = models["vanilla"]
   b = eval_batches[0]
   seg, pos = jnp.asarray(b["segment_ids"]), jnp.asarray(b["positions"])
   L, H = len(model.layers), model.cfg.num_heads
   zero = np.zeros((L, H), bool)
   zero[0, 1] = True
-  _, traces = analysis.instrumented_forward(model, jnp.asarray(b["inputs"]), segment_ids=seg, positions=pos,
+  _, traces = analysis.recorded_forward(model, jnp.asarray(b["inputs"]), segment_ids=seg, positions=pos,
                                             zero_first_value=jnp.asarray(zero))
   tr = traces[0]
   v = np.asarray(tr.v)                                                 # [B,T,Hq,D] after zeroing

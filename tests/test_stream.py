@@ -267,7 +267,7 @@ def test_model_on_stream_rows_is_plain_causal_and_gates_on_the_rows_first_token(
   plain, imp_plain = fwd(model, b["inputs"], None, None)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(plain), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(imp), np.asarray(imp_plain), rtol=1e-5, atol=1e-6)
-  _, traces = analysis.instrumented_forward(model, b["inputs"], segment_ids=b["segment_ids"],
+  _, traces = analysis.recorded_forward(model, b["inputs"], segment_ids=b["segment_ids"],
                                             positions=b["positions"])
   for l, trace in enumerate(traces):
     want = 1.0 - np.swapaxes(_np_causal_softmax(trace.q, trace.k)[..., 0], 1, 2)       # [B,T,H]
