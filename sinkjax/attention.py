@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from sinkjax.choices import GATE_ACTIVATIONS
 from sinkjax.kernels import flash_attention
 
 
@@ -170,7 +171,6 @@ def sink_attention(q, k, v, sink, *, segment_ids=None, scale=None, impl="auto", 
   return out, gate
 
 
-GATE_ACTIVATIONS = ("sigmoid", "ns_sigmoid", "silu", "silu_additive")
 
 
 def gate_score(gate_logits, activation: str = "sigmoid"):

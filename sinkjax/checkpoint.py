@@ -4,8 +4,9 @@ Each step directory holds three Orbax items:
   params  the model parameters (nnx.State of nnx.Param, float32 master weights)
   train   optimizer state, step, RNG key and the consecutive non-finite counter
   data    the Grain training-iterator state (so a resumed run reads exactly the batches it would have read)
-Params are a separate item so that `load_run` (evaluation, generation, conversion) restores them alone, onto any
-number of devices, without knowing the optimizer.
+Params are a separate item so that `sinkjax.run.load_run` (evaluation, generation, conversion) restores them alone,
+onto any number of devices, without knowing the optimizer. The run directory around the checkpoints (config.yaml,
+loading a run, preparing one) is `sinkjax.run`'s.
 """
 from __future__ import annotations
 
@@ -21,13 +22,9 @@ import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from flax import nnx
 
-from sinkjax import config as config_lib
-from sinkjax import sharding as sharding_lib
-from sinkjax.config import CheckpointConfig, Config, MeshConfig
+from sinkjax.config import CheckpointConfig
 
-CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"
 
 # Orbax notes that say nothing to a user: restoring items saved without per-item metadata (ours), and the
@@ -182,8 +179,16 @@ class Checkpointer:
         f"begin from its weights")
 
   def restore_latest(self, abstract_params, abstract_train, data_iterator):
-    """(step, params, train_state) of the newest checkpoint that restores; see `_restore_newest`."""
-    return _restore_newest(self, lambda s: self.restore(s, abstract_params, abstract_train, data_iterator))
+    """(step, params, train_state) of the newest checkpoint that restores; see `restore_newest`."""
+    return restore_newest(self, lambda s: self.restore(s, abstract_params, abstract_train, data_iterator))
+
+  def save_params(self, step: int, params) -> None:
+    """A params-only checkpoint (what the converters write: a model without optimizer or data state), waited for."""
+    try:
+      self.manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True)
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise _write_error(self.directory, step, e) from e
 
   def restore_params(self, step: int, abstract_params):
     out = self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
@@ -246,7 +251,7 @@ def _write_error(directory: pathlib.Path, step, e: BaseException) -> "Checkpoint
   return CheckpointError(f"could not write the checkpoint of step {step} to {directory}: {why}")
 
 
-def _restore_newest(ckpt: "Checkpointer", restore_one, max_fallbacks: int | None = None):
+def restore_newest(ckpt: "Checkpointer", restore_one, max_fallbacks: int | None = None):
   """Restores the newest step that restores cleanly: a step whose restore raises (a truncated or corrupted file,
   a step directory that lost an item) is reported with a warning, set aside when writable, and the next older one
   is tried. Raises CheckpointError when none restores. Returns (step, *restored)."""
@@ -271,53 +276,3 @@ def _restore_newest(ckpt: "Checkpointer", restore_one, max_fallbacks: int | None
                     f"{', '.join(e.split(':')[0] for e in errors)}", RuntimeWarning, stacklevel=3)
     return (step, *(out if isinstance(out, tuple) else (out,)))
   raise CheckpointError(f"no checkpoint in {ckpt.directory} could be restored ({'; '.join(errors)})")
-
-
-def read_run_config(run_dir: str | pathlib.Path) -> Config:
-  path = pathlib.Path(run_dir) / CONFIG_FILE
-  if not path.is_file():
-    raise CheckpointError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the run.dir of a training run")
-  return config_lib.load_config(str(path))
-
-
-def load_run(run_dir: str | pathlib.Path, step: int | None = None):
-  """(model, cfg, tokenizer) of a training run, parameters restored from its latest (or given) checkpoint.
-
-  A run with lora.rank > 0 comes back with its adapters (`sinkjax.lora.LoRALinear`; `lora.merge` folds them in).
-
-  Restores only the parameters, replicated over the devices of this process, whatever mesh trained them.
-  """
-  from sinkjax.data import build_tokenizer  # the data package imports heavy readers lazily; keep startup light
-  from sinkjax.model import Transformer
-
-  run_dir = pathlib.Path(run_dir)
-  if not run_dir.is_dir():
-    raise CheckpointError(f"run directory {run_dir} does not exist")
-  cfg = read_run_config(run_dir)
-  if not (run_dir / CHECKPOINT_DIR).is_dir():
-    raise CheckpointError(f"{run_dir} has no checkpoint ({CHECKPOINT_DIR}/ is missing); train it first")
-  ckpt = Checkpointer(run_dir, cfg.checkpoint, read_only=True)
-  steps = ckpt.all_steps()
-  if not steps:
-    raise CheckpointError(f"{run_dir} has no checkpoint in {CHECKPOINT_DIR}/; train it first")
-  explicit = step is not None
-  if step is None:
-    step = max(steps)
-  elif step not in steps:
-    raise CheckpointError(f"{run_dir} has no checkpoint at step {step} (available: {sorted(steps)})")
-  tokenizer = build_tokenizer(cfg.data)
-  if cfg.model.vocab_size == 0:
-    cfg.model.vocab_size = tokenizer.vocab_size
-  mesh = sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
-  from sinkjax import lora  # pylint: disable=import-outside-toplevel
-  # A LoRA run (lora.rank > 0) saved its adapters beside the frozen base: add them before restoring.
-  abstract_model = nnx.eval_shape(lambda: lora.apply(Transformer(cfg.model, rngs=nnx.Rngs(0)), cfg.lora,
-                                                     nnx.Rngs(1)))
-  graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
-  target = abstract_with_shardings(abstract_params, sharding_lib.state_shardings(mesh, abstract_params))
-  if explicit:
-    params = ckpt.restore_params(step, target)
-  else:
-    _, params = _restore_newest(ckpt, lambda s: ckpt.restore_params(s, target))
-  ckpt.close()
-  return nnx.merge(graphdef, params, rest), cfg, tokenizer

@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from sinkjax import choices
+
 
 class ConfigError(ValueError):
   """A user-facing configuration problem (the message says what to change)."""
@@ -24,6 +26,11 @@ class ModelConfig:
   def __hash__(self):
     return hash(tuple((f.name, tuple(v) if isinstance(v, list) else v)
                       for f in dataclasses.fields(self) for v in [getattr(self, f.name)]))
+
+  @property
+  def mlp_width(self) -> int:
+    """The MLP hidden width: model.mlp_hidden, or mlp_ratio x d_model when it is 0."""
+    return self.mlp_hidden or self.mlp_ratio * self.d_model
 
   attention: str = "vanilla"        # vanilla | sink | gated | relu
   gate: str = "headwise"            # headwise | elementwise (gated attention)
@@ -196,22 +203,22 @@ class Config:
 
 
 CHOICES = {
-    "model.attention": ("vanilla", "sink", "gated", "relu"),
-    "model.gate": ("headwise", "elementwise"),
-    "model.gate_position": ("sdpa", "value"),
-    "model.gate_activation": ("sigmoid", "ns_sigmoid", "silu", "silu_additive"),
-    "model.gate_input": ("dependent", "independent"),
-    "model.mlp": ("relu2", "swiglu", "clamped_swiglu"),
-    "model.rope_scaling": ("none", "llama3", "yarn"),
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.param_dtype": ("float32", "bfloat16"),
-    "model.attn_impl": ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu"),
-    "model.init": ("default", "nanochat"),
-    "model.rope_style": ("llama", "nanochat"),
-    "train.muon_ns_dtype": ("bfloat16", "float32"),
-    "train.optimizer": ("muon", "adamw"),
-    "data.format": ("text", "sft"),
-    "data.packing": ("stream", "document"),
+    "model.attention": choices.ATTENTION_VARIANTS,
+    "model.gate": choices.GATE_KINDS,
+    "model.gate_position": choices.GATE_POSITIONS,
+    "model.gate_activation": choices.GATE_ACTIVATIONS,
+    "model.gate_input": choices.GATE_INPUTS,
+    "model.mlp": choices.MLP_KINDS,
+    "model.rope_scaling": choices.ROPE_SCALINGS,
+    "model.dtype": choices.DTYPES,
+    "model.param_dtype": choices.PARAM_DTYPES,
+    "model.attn_impl": choices.ATTN_IMPLS,
+    "model.init": choices.INITS,
+    "model.rope_style": choices.ROPE_STYLES,
+    "train.muon_ns_dtype": choices.NS_DTYPES,
+    "train.optimizer": choices.OPTIMIZERS,
+    "data.format": choices.DATA_FORMATS,
+    "data.packing": choices.PACKINGS,
 }
 
 
@@ -371,8 +378,8 @@ def validate(cfg: Config) -> None:
                       "example per segment): set data.packing=document")
 
 
-LAYER_TYPES = ("full", "sliding")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYER_TYPES = choices.LAYER_TYPES
+LORA_TARGETS = choices.LORA_TARGETS
 
 
 def _validate_architecture(m: ModelConfig) -> None:

@@ -36,9 +36,10 @@ from flax import nnx
 
 from sinkjax import analysis
 from sinkjax.balance import head_imbalance
+from sinkjax.data import FEATURES
 from sinkjax.model import forward_with_importance
 
-MODEL_FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "target_bytes")
+MODEL_FEATURES = FEATURES                # the batch features of sinkjax.data (what the model and BPB read)
 
 DEFINITIONS = {
     "val_bpb": "sum of next-token NLL over the loss_mask targets with > 0 bytes / ln 2 / sum of their UTF-8 bytes "
@@ -261,8 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args) -> dict:
   from sinkjax import mc
-  from sinkjax.checkpoint import load_run
   from sinkjax.data import make_eval_batches
+  from sinkjax.run import load_run
 
   for name in ("batches", "batch_size"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -272,7 +273,7 @@ def run(args) -> dict:
   run_dir = pathlib.Path(args.checkpoint)
   mc_items = mc.load_items(args.mc) if args.mc else None      # fail fast, before restoring
   t0 = time.perf_counter()
-  model, cfg, tokenizer = load_run(run_dir, args.step)
+  model, cfg, tokenizer, step = load_run(run_dir, args.step)
   if args.data is not None:
     cfg.data.source = args.data
   if args.packing is not None:
@@ -281,7 +282,7 @@ def run(args) -> dict:
   num_batches = args.batches or max(cfg.train.eval_batches, 1)
   batches = make_eval_batches(cfg.data, tokenizer, batch_size=batch_size, num_batches=num_batches)
 
-  report = {"run_dir": str(run_dir), "step": _restored_step(run_dir, args.step), "attention": cfg.model.attention,
+  report = {"run_dir": str(run_dir), "step": step, "attention": cfg.model.attention,
             "data_source": cfg.data.source, "packing": cfg.data.packing, "eval_batches": len(batches),
             "batch_size": batch_size, "seq_len": cfg.data.seq_len}
   report.update(evaluate(model, batches, tau=args.tau))
@@ -298,13 +299,6 @@ def run(args) -> dict:
   (out / "report.json").write_text(json.dumps(report, indent=1))
   (out / "report.md").write_text(markdown(report, figures))
   return report
-
-
-def _restored_step(run_dir: pathlib.Path, step):
-  if step is not None:
-    return step
-  steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
-  return max(steps) if steps else None
 
 
 def main(argv=None) -> int:

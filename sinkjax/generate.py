@@ -317,8 +317,8 @@ def _validate(args) -> None:
 def run(args) -> None:
   import logging
   logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
-  from sinkjax.checkpoint import load_run
-  model, cfg, tok = load_run(args.checkpoint)
+  from sinkjax.run import load_run
+  model, cfg, tok, _ = load_run(args.checkpoint)
   default_window = cfg.data.seq_len
   if args.ppl is not None:
     sink_size = 4 if args.sink_size is None else args.sink_size

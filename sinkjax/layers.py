@@ -36,13 +36,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sinkjax import attention as variants
+from sinkjax.choices import (ATTENTION_VARIANTS, GATE_INPUTS, GATE_KINDS, GATE_POSITIONS, INITS, MLP_KINDS,
+                             ROPE_STYLES)
 from sinkjax.balance import head_importance
 from sinkjax.kernels.reference import attention_weights as reference_weights
+from sinkjax.sharding import logical
 
-ATTENTION_VARIANTS = ("vanilla", "sink", "gated", "relu")
-GATE_KINDS = ("headwise", "elementwise")
-GATE_POSITIONS = ("sdpa", "value")          # 003 G1 | G2
-GATE_INPUTS = ("dependent", "independent")
 
 
 class RMSNorm(nnx.Module):
@@ -113,9 +112,6 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
   raise ValueError(f"unknown RoPE scaling {scaling.kind!r} (none|llama3|yarn)")
 
 
-ROPE_STYLES = ("llama", "nanochat")
-
-
 def apply_rope(x, positions, inv_freq, scale: float = 1.0, style: str = "llama"):
   """Rotary embedding, split-halves convention. x [B,T,H,D], positions int [B,T].
   `scale` multiplies cos and sin (YaRN's attention factor).
@@ -140,9 +136,6 @@ def default_positions(segment_ids, B: int, T: int):
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   first = variants.document_first_index(segment_ids, T)
   return jnp.arange(T, dtype=jnp.int32)[None, :] - first
-
-
-INITS = ("default", "nanochat")
 
 
 def matrix_init(init: str, fan_in: int) -> dict:
@@ -214,11 +207,13 @@ class Attention(nnx.Module):
       raise ValueError("sliding_window needs a softmax variant (vanilla, sink or gated), got 'relu'")
     self.sliding_window = sliding_window
     lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.q_proj = nnx.Linear(d_model, num_heads * head_dim, **lin, **matrix_init(init, d_model))
-    self.k_proj = nnx.Linear(d_model, num_kv_heads * head_dim, **lin, **matrix_init(init, d_model))
-    self.v_proj = nnx.Linear(d_model, num_kv_heads * head_dim, **lin, **matrix_init(init, d_model))
+    def proj(n_in, n_out, axes, **kw):
+      return nnx.Linear(n_in, n_out, kernel_metadata=logical(*axes), **lin, **kw)
+    self.q_proj = proj(d_model, num_heads * head_dim, ("embed", "q_heads"), **matrix_init(init, d_model))
+    self.k_proj = proj(d_model, num_kv_heads * head_dim, ("embed", "kv_heads"), **matrix_init(init, d_model))
+    self.v_proj = proj(d_model, num_kv_heads * head_dim, ("embed", "kv_heads"), **matrix_init(init, d_model))
     out_init = nnx.initializers.zeros_init() if zero_init_output else nnx.initializers.lecun_normal()
-    self.o_proj = nnx.Linear(num_heads * head_dim, d_model, kernel_init=out_init, **lin)
+    self.o_proj = proj(num_heads * head_dim, d_model, ("q_heads", "embed"), kernel_init=out_init)
     norm = dict(eps=norm_eps, use_scale=norm_scale, param_dtype=param_dtype)
     self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else None
     self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else None
@@ -229,6 +224,7 @@ class Attention(nnx.Module):
     dependent = attention == "gated" and gate_input == "dependent"
     self.gate_proj = nnx.Linear(d_model, width, use_bias=True, dtype=dtype, param_dtype=param_dtype,
                                 bias_init=nnx.initializers.constant(gate_bias_init), rngs=rngs,
+                                kernel_metadata=logical("embed", "heads"),
                                 **matrix_init(init, d_model)) if dependent else None
     # Input-independent gate: learned logits, flat [width] like gate_proj's bias (a vector, so the optimizer gives it
     # AdamW at the scalar rate, not Muon).
@@ -237,8 +233,8 @@ class Attention(nnx.Module):
     if sink_tokens < 0 or (sink_tokens and attention == "relu"):
       raise ValueError(f"sink_tokens must be >= 0 and needs a softmax variant (got {sink_tokens}, {attention!r})")
     self.num_sink_tokens = sink_tokens
-    self.sink_states = nnx.Param(0.02 * jax.random.normal(rngs.params(), (sink_tokens, d_model), param_dtype)
-                                 ) if sink_tokens else None
+    self.sink_states = nnx.Param(0.02 * jax.random.normal(rngs.params(), (sink_tokens, d_model), param_dtype),
+                                 **logical(None, "embed")) if sink_tokens else None
 
   def project(self, x, positions):
     """q [B,T,Hq,D], k/v [B,T,Hkv,D] with QK-norm and RoPE applied; `positions` are document positions (0 at a
@@ -452,9 +448,6 @@ def collect_linen_importance(intermediates) -> jax.Array:
   return jnp.stack(found)
 
 
-MLP_KINDS = ("relu2", "swiglu", "clamped_swiglu")
-
-
 def mlp_activation(kind: str, gate, up, *, limit: float = 7.0, alpha: float = 1.702):
   """The MLP nonlinearity on the up (and gate) projections.
 
@@ -481,10 +474,11 @@ class MLP(nnx.Module):
       raise ValueError(f"MLP kind must be one of {MLP_KINDS}, got {kind!r}")
     lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.kind, self.limit, self.alpha = kind, limit, alpha
-    self.up_proj = nnx.Linear(d_model, hidden, **lin, **matrix_init(init, d_model))
-    self.gate_proj = nnx.Linear(d_model, hidden, **lin, **matrix_init(init, d_model)) if kind != "relu2" else None
+    into = dict(kernel_metadata=logical("embed", "mlp"), **lin, **matrix_init(init, d_model))
+    self.up_proj = nnx.Linear(d_model, hidden, **into)
+    self.gate_proj = nnx.Linear(d_model, hidden, **into) if kind != "relu2" else None
     out_init = nnx.initializers.zeros_init() if zero_init_output else nnx.initializers.lecun_normal()
-    self.down_proj = nnx.Linear(hidden, d_model, kernel_init=out_init, **lin)
+    self.down_proj = nnx.Linear(hidden, d_model, kernel_init=out_init, kernel_metadata=logical("mlp", "embed"), **lin)
 
   def __call__(self, x):
     gate = self.gate_proj(x) if self.gate_proj is not None else None
@@ -505,14 +499,16 @@ class MoE(nnx.Module):
       raise ValueError("MoE experts need a gated kind (swiglu | clamped_swiglu)")
     self.kind, self.limit, self.alpha, self.top_k, self.dtype = kind, limit, alpha, top_k, dtype
     self.router = nnx.Linear(d_model, num_experts, use_bias=True, dtype=jnp.float32, param_dtype=param_dtype,
+                             kernel_metadata=logical("embed", None),
                              rngs=rngs)
     init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
     E = num_experts
-    self.gate_kernel = nnx.Param(init(rngs.params(), (E, d_model, hidden), param_dtype))
-    self.up_kernel = nnx.Param(init(rngs.params(), (E, d_model, hidden), param_dtype))
+    expert_in = logical("expert", "embed", "mlp")
+    self.gate_kernel = nnx.Param(init(rngs.params(), (E, d_model, hidden), param_dtype), **expert_in)
+    self.up_kernel = nnx.Param(init(rngs.params(), (E, d_model, hidden), param_dtype), **expert_in)
     down = jnp.zeros((E, hidden, d_model), param_dtype) if zero_init_output else \
         init(rngs.params(), (E, hidden, d_model), param_dtype)
-    self.down_kernel = nnx.Param(down)
+    self.down_kernel = nnx.Param(down, **logical("expert", "mlp", "embed"))
     zeros = lambda n: nnx.Param(jnp.zeros((E, n), param_dtype)) if use_bias else None
     self.gate_bias, self.up_bias, self.down_bias = zeros(hidden), zeros(hidden), zeros(d_model)
 

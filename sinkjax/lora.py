@@ -10,16 +10,11 @@ zero, so the adapted model starts equal to the base). Targets name projections: 
 `Attention`, gate_proj/up_proj/down_proj of a dense `MLP` (MoE experts and routers are not adapted; the gate
 projection of gated attention is not an MLP projection and is not adapted either).
 
-Also here, for eq. 8 with a fixed shared set (loss.shared_heads_from): `head_importance_of` runs a pretrained model
-over a few batches and `shared_heads_of_run` takes the top-m heads per layer.
+Adapters only: loading runs and measuring a run's importances for eq. 8 live in `sinkjax.run`.
 """
 from __future__ import annotations
 
-import pathlib
-
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from sinkjax.config import LoRAConfig
@@ -100,55 +95,3 @@ def merge(model: nnx.Module) -> nnx.Module:
 def trainable(lora_cfg: LoRAConfig):
   """The nnx filter of the parameters an optimizer updates: the adapters with LoRA, every parameter without."""
   return nnx.LoRAParam if lora_cfg.rank else nnx.Param
-
-
-def load_run(run_dir: str | pathlib.Path, step: int | None = None):
-  """(model, cfg, tokenizer) of a run, adapters included: `sinkjax.checkpoint.load_run`, which applies LoRA
-  itself when the run's lora.rank > 0 (kept here for callers that import it from sinkjax.lora)."""
-  from sinkjax import checkpoint  # pylint: disable=import-outside-toplevel
-  return checkpoint.load_run(run_dir, step)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Eq. 8 with a fixed shared set: importances of the pretrained model
-# ------------------------------------------------------------------------------------------------------------------
-
-def head_importance_of(model: nnx.Module, batches) -> np.ndarray:
-  """Mean [L, H] head importance (eq. 5) of `model` over `batches` (dicts with inputs, segment_ids, positions)."""
-  from sinkjax.model import forward_with_importance  # pylint: disable=import-outside-toplevel
-
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def one(state, inputs, segment_ids, positions):
-    m = nnx.merge(graphdef, state)
-    return forward_with_importance(m, inputs, segment_ids=segment_ids, positions=positions)[1]
-
-  imps = [np.asarray(one(state, jnp.asarray(b["inputs"]), jnp.asarray(b["segment_ids"]), jnp.asarray(b["positions"])))
-          for b in batches]
-  if not imps:
-    raise ValueError("head_importance_of needs at least one batch")
-  return np.mean(imps, axis=0)
-
-
-def shared_heads_of_run(run_dir: str | pathlib.Path, num_shared: int, *, num_batches: int = 4,
-                        batch_size: int = 4, data_cfg=None) -> tuple[np.ndarray, np.ndarray]:
-  """(importance [L,H], shared mask [L,H] bool: the top-`num_shared` heads of each layer) of a pretrained run,
-  measured on `num_batches` validation batches of `data_cfg` (default: the run's own data section)."""
-  from sinkjax.balance import shared_head_mask  # pylint: disable=import-outside-toplevel
-  from sinkjax.data import make_eval_batches  # pylint: disable=import-outside-toplevel
-  model, cfg, tokenizer = load_run(run_dir)
-  batches = make_eval_batches(data_cfg or cfg.data, tokenizer, batch_size=batch_size, num_batches=num_batches)
-  imp = head_importance_of(model, batches)
-  return imp, np.asarray(shared_head_mask(imp, num_shared))
-
-
-def write_importance(run_dir: str | pathlib.Path, out: str | pathlib.Path, **kw) -> pathlib.Path:
-  """Measures a run's head importances and writes {"importance": [[...]]} to `out` (a file that
-  loss.shared_heads_from accepts, as it accepts an eval report.json)."""
-  import json  # pylint: disable=import-outside-toplevel
-  imp, _ = shared_heads_of_run(run_dir, 0, **kw)
-  out = pathlib.Path(out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"importance": np.round(imp, 6).tolist(), "source": str(run_dir)}))
-  return out

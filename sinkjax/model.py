@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sinkjax import choices
 from sinkjax.config import ModelConfig
 from sinkjax.layers import MLP, Attention, MoE, RMSNorm, RopeScaling, default_positions, pop_head_importance
+from sinkjax.sharding import logical
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {name: jnp.dtype(name) for name in choices.DTYPES}
 
 
 def rope_scaling(cfg: ModelConfig) -> RopeScaling | None:
@@ -28,10 +30,6 @@ def layer_window(cfg: ModelConfig, layer: int) -> int:
   """The sliding window of layer `layer` (0 = full attention): model.layer_types, else every layer alike."""
   kind = cfg.layer_types[layer] if cfg.layer_types else "sliding"
   return cfg.sliding_window if kind == "sliding" else 0
-
-
-def mlp_hidden(cfg: ModelConfig) -> int:
-  return cfg.mlp_hidden or cfg.mlp_ratio * cfg.d_model
 
 
 class Block(nnx.Module):
@@ -51,8 +49,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, **norm)
     mlp = dict(kind=cfg.mlp, use_bias=cfg.mlp_bias, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha, dtype=dt,
                param_dtype=pdt, rngs=rngs)
-    self.mlp = MoE(cfg.d_model, mlp_hidden(cfg), cfg.moe_experts, cfg.moe_top_k, **mlp) if cfg.moe_experts else \
-        MLP(cfg.d_model, mlp_hidden(cfg), init=cfg.init, **mlp)
+    self.mlp = MoE(cfg.d_model, cfg.mlp_width, cfg.moe_experts, cfg.moe_top_k, **mlp) if cfg.moe_experts else \
+        MLP(cfg.d_model, cfg.mlp_width, init=cfg.init, **mlp)
 
   def __call__(self, x, segment_ids, positions, cache=None, record: bool = False, zero_first_value=None):
     """x -> x; with a `LayerCache`, (x, updated cache). record / zero_first_value: see `Attention.__call__`; with
@@ -87,13 +85,14 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     dt, pdt = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     vocab = padded_vocab(cfg)
-    self.embed = nnx.Embed(vocab, cfg.d_model, dtype=dt, param_dtype=pdt,
-                           embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+    self.embed = nnx.Embed(vocab, cfg.d_model, dtype=dt, param_dtype=pdt, embedding_init=nnx.initializers.normal(1.0),
+                           embedding_metadata=logical("vocab", "embed"), rngs=rngs)
     self.layers = nnx.List([Block(cfg, layer=i, rngs=rngs) for i in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, use_scale=cfg.norm_scale, param_dtype=pdt)
     head_init = nnx.initializers.normal(0.001) if cfg.init == "nanochat" else nnx.initializers.zeros_init()
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
-        cfg.d_model, vocab, use_bias=False, dtype=dt, param_dtype=pdt, kernel_init=head_init, rngs=rngs)
+        cfg.d_model, vocab, use_bias=False, dtype=dt, param_dtype=pdt, kernel_init=head_init,
+        kernel_metadata=logical("embed", "vocab"), rngs=rngs)
     L = cfg.num_layers
     self.resid_lambdas = nnx.Param(jnp.ones((L,), pdt)) if cfg.residual_scalars else None
     self.x0_lambdas = nnx.Param(jnp.zeros((L,), pdt)) if cfg.residual_scalars else None
@@ -174,7 +173,7 @@ def param_count_formula(cfg: ModelConfig) -> int:
     attn += hq * hd + 2 * hkv * hd + d
   if cfg.norm_scale:                       # attention/MLP norms per block (+ QK-norms); final norm below
     attn += 2 * d + (2 * hd if cfg.qk_norm else 0)
-  h = mlp_hidden(cfg)
+  h = cfg.mlp_width
   gated = cfg.mlp != "relu2"
   mlp = (3 if gated else 2) * d * h + (((2 if gated else 1) * h + d) if cfg.mlp_bias else 0)
   if cfg.moe_experts:

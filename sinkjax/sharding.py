@@ -2,12 +2,12 @@
 
 The mesh has the axes ("data", "fsdp", "tensor") from `cfg.mesh`; -1 in one of them takes the devices the others
 leave. It is built with `jax.sharding.Mesh`, whose axes are *Auto*: we place the inputs and the state, and GSPMD
-propagates shardings through the step. Batches are split over ("data", "fsdp"). Parameters and optimizer state are
-sharded by logical axis rules (MaxText style), all in `param_spec`: each parameter gets logical axes from its path
-(`logical_axes`), and `LOGICAL_RULES` maps them to mesh axes: embed -> "fsdp" (FSDP: every weight matrix is split
-along d_model), heads / mlp / vocab -> "tensor". A dimension the mesh axis does not divide stays whole; vectors and
-scalars are replicated. Optimizer-state leaves carry their parameter's path as a suffix (optax keeps the params
-tree inside mu / nu / momentum), so they get the same spec.
+propagates shardings through the step. Batches are split over ("data", "fsdp"). Parameters are sharded by logical
+axis rules (MaxText style): each parameter names its logical axes where it is created (`logical(...)` metadata in
+`sinkjax.layers` / `sinkjax.model`, e.g. a q projection ("embed", "q_heads")), and `LOGICAL_RULES`, here only, maps
+them to mesh axes: embed -> "fsdp" (FSDP: every weight matrix is split along d_model), heads / mlp / vocab ->
+"tensor". A dimension the mesh axis does not divide stays whole; vectors and scalars are replicated. Optimizer-state
+leaves are nnx Variables with their parameter's metadata (optax maps over the params), so they get the same spec.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import math
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sinkjax.config import ConfigError, MeshConfig
@@ -55,24 +56,12 @@ def batch_shards(mesh: Mesh) -> int:
 LOGICAL_RULES = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "q_heads": "tensor", "kv_heads": "tensor",
                  "mlp": "tensor", "expert": None}
 
-# (path suffix, logical axes), first match wins; the suffix is matched against the end of the parameter's path.
-_PARAM_AXES = (
-    (("embed", "embedding"), ("vocab", "embed")),
-    (("lm_head", "kernel"), ("embed", "vocab")),
-    (("q_proj", "kernel"), ("embed", "q_heads")),
-    (("k_proj", "kernel"), ("embed", "kv_heads")),
-    (("v_proj", "kernel"), ("embed", "kv_heads")),
-    (("o_proj", "kernel"), ("q_heads", "embed")),
-    (("attn", "gate_proj", "kernel"), ("embed", "heads")),
-    (("sink_states",), (None, "embed")),
-    (("up_proj", "kernel"), ("embed", "mlp")),
-    (("gate_proj", "kernel"), ("embed", "mlp")),
-    (("down_proj", "kernel"), ("mlp", "embed")),
-    (("router", "kernel"), ("embed", None)),
-    (("gate_kernel",), ("expert", "embed", "mlp")),
-    (("up_kernel",), ("expert", "embed", "mlp")),
-    (("down_kernel",), ("expert", "mlp", "embed")),
-)
+def logical(*axes) -> dict:
+  """Variable metadata naming a parameter's logical axes (one per dimension; None = never sharded), given where the
+  parameter is created: `nnx.Param(value, **logical("expert", "embed", "mlp"))`, `nnx.Linear(...,
+  kernel_metadata=logical("embed", "mlp"))`. Optimizer-state leaves shaped like a parameter (optax maps over the
+  params' nnx.Variables) carry the same metadata, so they are placed like it. No sharding happens at creation."""
+  return {"out_sharding": tuple(axes), "eager_sharding": False}
 
 
 def path_names(path) -> tuple:
@@ -81,29 +70,22 @@ def path_names(path) -> tuple:
   return out[:-1] if out and out[-1] == "value" else out
 
 
-def logical_axes(path: tuple, shape: tuple) -> tuple | None:
-  """The logical axes of a parameter (or of an optimizer-state leaf holding its path), or None (replicate)."""
-  if len(shape) < 2:
+def logical_axes(leaf) -> tuple | None:
+  """The logical axes recorded on a parameter (an nnx.Variable, or any leaf), or None (replicate)."""
+  if not isinstance(leaf, nnx.Variable):
     return None
-  names = path_names(path)
-  for suffix, axes in _PARAM_AXES:
-    if len(axes) == len(shape) and names[-len(suffix):] == suffix:
-      return axes
-  return None
+  axes = leaf.get_metadata().get("out_sharding")
+  return tuple(axes) if axes else None
 
 
-def param_spec(path: tuple, shape: tuple, mesh_shape=None) -> P:
-  """The partition spec of one parameter (or of an optimizer-state leaf shaped like it), from its nnx path.
-
-  `mesh_shape` ({axis: size}) lets a dimension the mesh axis does not divide stay unsharded; without it every
-  rule applies. Unknown parameters, vectors and scalars are replicated.
-  """
-  axes = logical_axes(path, tuple(shape))
-  if axes is None:
+def mesh_spec(axes: tuple | None, shape: tuple, mesh_shape=None) -> P:
+  """Logical axes -> a PartitionSpec by `LOGICAL_RULES`. `mesh_shape` ({axis: size}) lets a dimension the mesh
+  axis does not divide stay whole; a mesh axis is used once; no axes (vectors, scalars, unknown) = replicated."""
+  if axes is None or len(axes) != len(shape):
     return P()
   spec, used = [], set()
-  for dim, logical in zip(shape, axes):
-    mesh_axis = LOGICAL_RULES.get(logical) if logical else None
+  for dim, name in zip(shape, axes):
+    mesh_axis = LOGICAL_RULES.get(name) if name else None
     if mesh_axis is not None and mesh_shape is not None:
       size = mesh_shape.get(mesh_axis)
       if size is None or dim % size:
@@ -118,10 +100,15 @@ def param_spec(path: tuple, shape: tuple, mesh_shape=None) -> P:
 
 
 def state_shardings(mesh: Mesh, tree):
-  """NamedShardings for a pytree of (abstract) arrays: params, optimizer state, or the whole train state."""
-  def one(path, leaf):
-    return NamedSharding(mesh, param_spec(path_names(path), getattr(leaf, "shape", ()), dict(mesh.shape)))
-  return jax.tree_util.tree_map_with_path(one, tree)
+  """NamedShardings for a pytree holding nnx Variables (params, optimizer state, the whole train state, concrete or
+  abstract), each from the logical axes its parameter was created with; other leaves are replicated."""
+  def one(leaf):
+    if isinstance(leaf, nnx.Variable) and not hasattr(leaf.get_value(), "shape"):
+      return jax.tree.map(lambda _: replicated(mesh), leaf)        # e.g. optax's MaskedNode: keep its structure
+    shape = tuple(getattr(leaf, "shape", ()))
+    sharding = NamedSharding(mesh, mesh_spec(logical_axes(leaf), shape, dict(mesh.shape)))
+    return leaf.replace(sharding) if isinstance(leaf, nnx.Variable) else sharding
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

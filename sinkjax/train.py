@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -40,14 +39,13 @@ from sinkjax import analysis, balance, distributed, optim, plots
 from sinkjax import lora as lora_lib
 from sinkjax import checkpoint as ckpt_lib
 from sinkjax import config as config_lib
+from sinkjax import run as run_lib
 from sinkjax import sharding as sharding_lib
 from sinkjax.config import Config, ConfigError
 from sinkjax.model import Transformer, count_params, forward_with_importance
 
 TRAIN_FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 EVAL_FEATURES = TRAIN_FEATURES + ("target_bytes",)
-# Model keys that may change when resuming a run (they do not change the parameters).
-RESUMABLE_MODEL_KEYS = ("dtype", "remat", "attn_impl")
 
 
 class TrainError(RuntimeError):
@@ -167,137 +165,6 @@ def total_steps(cfg: Config, num_params: int) -> int:
   return max(1, int(cfg.train.tokens_per_param * num_params) // tokens_per_step)
 
 
-def _fixed_shared_heads(cfg: Config):
-  """The [L,H] shared-head mask of loss.shared_heads_from (report.json, metrics.jsonl or a run dir), or None."""
-  src = cfg.loss.shared_heads_from
-  if not src:
-    return None
-  path = pathlib.Path(src)
-  if path.is_dir():
-    path = path / "eval" / "report.json" if (path / "eval" / "report.json").is_file() else path / "metrics.jsonl"
-  if not path.is_file():
-    raise ConfigError(f"loss.shared_heads_from {src!r}: no report.json or metrics.jsonl there")
-  try:
-    if path.suffix == ".jsonl":
-      imp = [r["importance"] for r in plots.read_metrics(path) if "importance" in r][-1]
-    else:
-      imp = json.loads(path.read_text())["importance"]
-  except (KeyError, IndexError, ValueError):
-    raise ConfigError(f"loss.shared_heads_from {src!r}: {path.name} holds no 'importance'") from None
-  imp = np.asarray(imp, np.float32)
-  want = (cfg.model.num_layers, cfg.model.num_heads)
-  if imp.shape != want:
-    raise ConfigError(f"loss.shared_heads_from {src!r}: importance is {list(imp.shape)}, the model needs "
-                      f"{list(want)} (layers x heads)")
-  if cfg.loss.num_shared_heads == 0:
-    raise ConfigError("loss.shared_heads_from needs loss.num_shared_heads > 0 (how many heads per layer to share)")
-  return np.asarray(balance.shared_head_mask(imp, cfg.loss.num_shared_heads))
-
-
-# Model keys that a fine-tuning config repeats for reference; they must equal the train.init_from run's.
-INIT_CHECKED_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
-
-
-def _adopt_init_model(cfg: Config) -> Config | None:
-  """train.init_from: reads that run's config and makes its model section this run's (model.dtype, remat and
-  attn_impl stay this config's), after checking the shape keys (INIT_CHECKED_KEYS) this config repeats.
-
-  Returns the init run's config, or None without train.init_from. Changes `cfg` in place.
-  """
-  src = cfg.train.init_from
-  if not src:
-    return None
-  try:
-    init_cfg = ckpt_lib.read_run_config(src)
-  except (ckpt_lib.CheckpointError, ConfigError) as e:
-    raise ConfigError(f"train.init_from {src!r}: {e}") from None
-  if init_cfg.lora.rank:
-    raise ConfigError(f"train.init_from {src!r} is a LoRA run; export it with merged adapters (python -m "
-                      "sinkjax.convert.hf --export RUN --out HF_DIR), import that (--hf-dir HF_DIR --out NEW_RUN) and "
-                      "start from NEW_RUN")
-  diff = [f"model.{k}={getattr(init_cfg.model, k)} (this config: {getattr(cfg.model, k)})"
-          for k in INIT_CHECKED_KEYS if getattr(cfg.model, k) != getattr(init_cfg.model, k)]
-  if diff:
-    raise ConfigError(f"train.init_from {src!r} holds a different model: {', '.join(diff)}; set these keys to the "
-                      "imported model's (e.g. as overrides)")
-  cfg.model = dataclasses.replace(init_cfg.model, **{k: getattr(cfg.model, k) for k in RESUMABLE_MODEL_KEYS})
-  config_lib.validate(cfg)
-  return init_cfg
-
-
-def _restore_init_params(cfg: Config, init_cfg: Config, mesh):
-  """The parameters (nnx.State of nnx.Param, no adapters) of the latest checkpoint of train.init_from, placed with
-  the training shardings."""
-  abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
-  target = ckpt_lib.abstract_with_shardings(abstract, sharding_lib.state_shardings(mesh, abstract))
-  init_ckpt = ckpt_lib.Checkpointer(cfg.train.init_from, init_cfg.checkpoint, read_only=True)
-  try:
-    step = init_ckpt.latest_step()
-    if step is None:
-      raise ConfigError(f"train.init_from {cfg.train.init_from!r} has no checkpoint")
-    return init_ckpt.restore_params(step, target)
-  finally:
-    init_ckpt.close()
-
-
-def _params_signature(model_cfg) -> dict:
-  d = dataclasses.asdict(model_cfg)
-  return {k: v for k, v in d.items() if k not in RESUMABLE_MODEL_KEYS}
-
-
-def prepare_run_dir(cfg: Config) -> tuple[pathlib.Path, bool]:
-  """Checks that run.dir is usable (writable; if it holds a run, the same model) before anything is written.
-
-  Returns (run_dir, has_checkpoint).
-  """
-  run_dir = pathlib.Path(cfg.run.dir)
-  has_ckpt = (run_dir / ckpt_lib.CHECKPOINT_DIR).is_dir() and any(
-      p.name.isdigit() for p in (run_dir / ckpt_lib.CHECKPOINT_DIR).iterdir())
-  if (run_dir / ckpt_lib.CONFIG_FILE).is_file() and has_ckpt:
-    try:
-      old = ckpt_lib.read_run_config(run_dir)
-    except ConfigError as e:
-      raise ConfigError(f"run.dir {run_dir} holds a run whose config.yaml is unreadable ({e}); pick another run.dir")
-    if _params_signature(old.model) != _params_signature(cfg.model) or old.data.tokenizer != cfg.data.tokenizer:
-      diff = [k for k, v in _params_signature(cfg.model).items() if _params_signature(old.model).get(k) != v]
-      diff += ["data.tokenizer"] if old.data.tokenizer != cfg.data.tokenizer else []
-      raise ConfigError(f"run.dir {run_dir} already holds a run with a different model ({', '.join(diff)}); "
-                        "pick another run.dir or delete that one")
-  try:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    probe = run_dir / f".write-test-{os.getpid()}"
-    probe.write_text("")
-    probe.unlink()
-  except OSError as e:
-    raise ConfigError(f"run.dir {run_dir} is not writable ({e.strerror or e}); set run.dir=SOMEWHERE_WRITABLE") \
-        from None
-  return run_dir, has_ckpt
-
-
-# data.* keys added after runs were made, with the value every run made before them used.
-LEGACY_DATA_SETTINGS = {"shuffle_batches": 0, "packing": "document"}
-
-
-def _legacy_data_settings(cfg: Config) -> None:
-  """Resuming a run whose config.yaml predates a key of LEGACY_DATA_SETTINGS: its iterator state is of the pipeline
-  it was trained with (unshuffled rows, document packing), so keep that (with a note) rather than refuse to resume."""
-  path = pathlib.Path(cfg.run.dir) / ckpt_lib.CONFIG_FILE
-  if not path.is_file():
-    return
-  try:
-    data = (yaml.safe_load(path.read_text()) or {}).get("data") or {}
-  except (OSError, yaml.YAMLError, AttributeError):
-    return             # prepare_run_dir reports an unreadable config.yaml
-  if not isinstance(data, dict):
-    return
-  for key, old in LEGACY_DATA_SETTINGS.items():
-    if key not in data and getattr(cfg.data, key) != old:
-      if jax.process_index() == 0:
-        print(f"sinkjax.train: {path} predates data.{key}; resuming with data.{key}={old} (what it was trained "
-              "with)", flush=True)
-      setattr(cfg.data, key, old)
-
-
 def _write_atomic(path: pathlib.Path, text: str) -> None:
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_text(text)
@@ -346,7 +213,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   cfg = copy.deepcopy(cfg)          # filled in below (vocab_size, steps); the caller's config stays as given
   t_start = time.perf_counter()
   is_main = jax.process_index() == 0
-  init_cfg = _adopt_init_model(cfg)  # fine-tuning: the model section of train.init_from
+  init_cfg = run_lib.adopt_init_model(cfg)  # fine-tuning: the model section of train.init_from
   tok = build_tokenizer(cfg.data)
   if cfg.model.vocab_size == 0:
     cfg.model.vocab_size = tok.vocab_size
@@ -360,7 +227,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   if micro % shards or micro % procs:
     raise ConfigError(f"the micro-batch train.batch_size / train.grad_accum = {micro} must be divisible by the "
                       f"{shards} batch shards (mesh.data x mesh.fsdp) and {procs} processes")
-  shared = _fixed_shared_heads(cfg)
+  shared = run_lib.fixed_shared_heads(cfg)
 
   # Model and optimizer state, created directly with their shardings.
   seed = cfg.train.seed
@@ -384,14 +251,14 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   tx, lr_schedule = optim.build_optimizer(cfg, steps)
 
   # Data: validated before anything is written to run.dir.
-  _legacy_data_settings(cfg)
+  run_lib.legacy_data_settings(cfg)
   if cfg.data.format == "sft":     # JSONL prompt/response or chat; loss on the response tokens
     from sinkjax.data.sft import make_sft_eval_batches as make_eval_batches  # noqa: F811
     from sinkjax.data.sft import make_sft_iterator as make_train_iterator  # noqa: F811
   train_iter = make_train_iterator(cfg.data, tok, batch_size=cfg.train.batch_size // procs, seed=seed)
   eval_batches = make_eval_batches(cfg.data, tok, batch_size=micro // procs, num_batches=cfg.train.eval_batches) \
       if cfg.train.eval_batches > 0 else []
-  run_dir, has_ckpt = prepare_run_dir(cfg)
+  run_dir, has_ckpt = run_lib.prepare_run_dir(cfg)
 
   def init_state():
     _, params, rest = nnx.split(build_model(), trainable, ...)
@@ -429,7 +296,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
     start = 0
     state, rest = jax.jit(init_state, out_shardings=(state_sh, rest_sh))()
     if init_cfg is not None:       # fine-tuning: the base weights of train.init_from (fresh adapters with LoRA)
-      base = _restore_init_params(cfg, init_cfg, mesh)
+      base = run_lib.restore_init_params(cfg, init_cfg, mesh)
       if has_rest:
         rest = jax.device_put(base, rest_sh)
       else:
@@ -440,7 +307,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   if is_main:
     resolved = config_lib.to_dict(cfg)
     resolved["train"]["stop_at_step"] = 0           # a property of this invocation, not of the run
-    _write_atomic(run_dir / ckpt_lib.CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False))
+    _write_atomic(run_dir / run_lib.CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False))
     _truncate_metrics(metrics_path, start)
     from tensorboardX import SummaryWriter
     writer = SummaryWriter(str(run_dir / "tb"))

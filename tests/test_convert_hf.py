@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers", reason="oracle tests need tra
 pytest.importorskip("safetensors")
 
 from sinkjax import balance, lora  # noqa: E402
+from sinkjax import run as run_lib  # noqa: E402
 from sinkjax.config import LoRAConfig, ModelConfig  # noqa: E402
 from sinkjax.convert import hf as convert_hf  # noqa: E402
 from sinkjax.convert.hf import ConvertError, load_hf  # noqa: E402
@@ -159,11 +160,11 @@ def test_cli_run_dir_then_export(hf_model, tmp_path, capsys):
   family, path, ref_model = hf_model
   if family != "llama":
     pytest.skip("one family suffices for the command line")
-  from sinkjax.checkpoint import load_run
+  from sinkjax.run import load_run
   run = tmp_path / "run"
   cmd = [sys.executable, "-m", "sinkjax.convert.hf"]
   subprocess.run(cmd + ["--hf-dir", str(path), "--out", str(run), "--dtype", "float32"], check=True)
-  model, cfg, tok = load_run(run)
+  model, cfg, tok, _ = load_run(run)
   assert cfg.data.tokenizer.endswith("tokenizer.json") and tok.vocab_size == VOCAB
   tokens = _tokens(seed=2)
   np.testing.assert_allclose(np.asarray(_forward(model, jnp.asarray(tokens))), _hf_logits(ref_model, tokens),
@@ -283,7 +284,7 @@ def test_shared_heads_from_pretrained_importance():
   model = _tiny()
   batches = [{"inputs": _tokens(2, 16, s), "segment_ids": np.ones((2, 16), np.int32),
               "positions": np.tile(np.arange(16), (2, 1))} for s in range(2)]
-  imp = lora.head_importance_of(model, batches)
+  imp = run_lib.head_importance_of(model, batches)
   expected = np.mean([np.asarray(_importance(model, jnp.asarray(b["inputs"]))) for b in batches], 0)
   np.testing.assert_allclose(imp, expected, rtol=1e-5)
   mask = np.asarray(balance.shared_head_mask(imp, 1))

@@ -11,7 +11,7 @@ import pytest
 
 from tests import nanochat_peer
 from tests.test_nanochat import perturbed_nanochat
-from sinkjax.checkpoint import load_run
+from sinkjax.run import load_run
 from sinkjax.convert import nanochat as nc
 
 torch = pytest.importorskip("torch", reason="nanochat checkpoints are torch files (pip install torch, CPU build)")
@@ -59,7 +59,7 @@ def test_import_newest_step_then_logits_match(tree, tmp_path):
   cfg, step = nc.convert(tmp_path / "ckpt", tmp_path / "run", dtype="float32")
   assert step == 200 and cfg.data.packing == "stream" and cfg.data.tokenizer == "bytes"
   assert cfg.model.residual_scalars == (tree == "nanochat-6bb9240")
-  model, _, _ = load_run(tmp_path / "run")
+  model, _, _, _ = load_run(tmp_path / "run")
   with torch.no_grad():
     nm.model.transformer.wte.weight.copy_(nm.model.transformer.wte.weight.bfloat16().float())
     tokens = np.random.default_rng(0).integers(0, 257, (2, 32))
@@ -94,12 +94,12 @@ def test_cli_import_eval_generate_finetune_export(tmp_path):
   meta = json.loads((tmp_path / "back" / "meta_000002.json").read_text())
   back = nm.peer.gpt.GPT(nm.peer.gpt.GPTConfig(**meta["model_config"]))
   back.load_state_dict(torch.load(tmp_path / "back" / "model_000002.pt", weights_only=True), strict=True)
-  tuned_model, _, _ = load_run(tuned)
+  tuned_model, _, _, _ = load_run(tuned)
   tokens = np.random.default_rng(3).integers(0, 257, (1, 32))
   with torch.no_grad():
     np.testing.assert_allclose(back(torch.tensor(tokens)).numpy(), np.asarray(tuned_model(jnp.asarray(tokens))),
                                atol=1e-4, rtol=0)
-  start, _, _ = load_run(run)
+  start, _, _, _ = load_run(run)
   assert not np.allclose(np.asarray(start(jnp.asarray(tokens))), np.asarray(tuned_model(jnp.asarray(tokens))))
 
 

@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
 from sinkjax import lora, optim  # noqa: E402
-from sinkjax.checkpoint import load_run  # noqa: E402
+from sinkjax.run import load_run  # noqa: E402
 from sinkjax.config import Config, ModelConfig  # noqa: E402
 from sinkjax.model import Transformer  # noqa: E402
 
@@ -81,8 +81,8 @@ def test_finetune_trains_only_adapters(finetuned):
   assert all(r["aux_loss"] > 0 for r in recs) and len(recs[-1]["importance"]) == 2
   assert np.isfinite(recs[-1]["val_bpb"])
 
-  base_model, _, _ = load_run(base)
-  model, cfg, _ = load_run(run)
+  base_model, _, _, _ = load_run(base)
+  model, cfg, _, _ = load_run(run)
   assert cfg.lora.rank == 4 and cfg.loss.num_shared_heads == 2 and cfg.data.format == "sft"
   assert cfg.model.mlp == base_model.cfg.mlp and cfg.model.vocab_size == VOCAB   # the imported run's model
   assert isinstance(model.layers[0].attn.q_proj, lora.LoRALinear)
@@ -99,7 +99,7 @@ def test_finetune_export_loads_in_transformers(finetuned):
   _, run, tmp = finetuned
   out = tmp / "exported"
   _cli("sinkjax.convert.hf", "--export", str(run), "--out", str(out))
-  model, _, _ = load_run(run)
+  model, _, _, _ = load_run(run)
   tokens = np.random.default_rng(1).integers(0, VOCAB, (1, 12))
   ours = np.asarray(model(jax.numpy.asarray(tokens)))
   back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

@@ -68,19 +68,26 @@ def _steps(run_dir):
 # ------------------------------------------------------------------------------------------------------------
 
 def test_param_spec_rules():
+  """Each parameter's logical axes, named where it is created, map to the mesh by LOGICAL_RULES."""
   ms = {"data": 2, "fsdp": 2, "tensor": 2}
-  spec = lambda path, shape, m=ms: sharding_lib.param_spec(tuple(path.split("/")), shape, m)
-  assert spec("embed/embedding", (260, 32)) == P("tensor", "fsdp")
-  assert spec("embed/embedding", (257, 32)) == P(None, "fsdp")          # vocab not divisible: left whole
-  assert spec("lm_head/kernel", (32, 260)) == P("fsdp", "tensor")
-  assert spec("layers/0/attn/q_proj/kernel/value", (32, 64)) == P("fsdp", "tensor")
-  assert spec("layers/0/attn/o_proj/kernel", (64, 32)) == P("tensor", "fsdp")
-  assert spec("layers/3/mlp/down_proj/kernel", (128, 32)) == P("tensor", "fsdp")
-  assert spec("layers/0/attn/gate_proj/kernel", (32, 1)) == P("fsdp")   # one shared gate: not split
-  assert spec("layers/0/mlp/experts/up_kernel", (4, 32, 64)) == P(None, "fsdp", "tensor")
-  assert spec("layers/0/attn/sink", (2,)) == P() and spec("x/count", ()) == P()
-  assert spec("layers/0/something_new/kernel", (32, 32)) == P()           # unknown: replicated
-  assert spec("embed/embedding", (260, 32), None) == P("tensor", "fsdp")  # no mesh shape: rules only
+  spec = lambda axes, shape, m=ms: sharding_lib.mesh_spec(axes, shape, m)
+  assert spec(("vocab", "embed"), (260, 32)) == P("tensor", "fsdp")
+  assert spec(("vocab", "embed"), (257, 32)) == P(None, "fsdp")          # vocab not divisible: left whole
+  assert spec(("expert", "embed", "mlp"), (4, 32, 64)) == P(None, "fsdp", "tensor")
+  assert spec(None, (2,)) == P() and spec(None, ()) == P()
+  assert spec(("vocab", "embed"), (260, 32), None) == P("tensor", "fsdp")  # no mesh shape: rules only
+  cfg = load_config(TINY, SMALL + ["model.attention=gated", "model.gate_shared=true", "model.sink_tokens=2"])
+  cfg.model.vocab_size = 260
+  model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+  got = {"/".join(map(str, p)): sharding_lib.mesh_spec(sharding_lib.logical_axes(v), v.shape, ms)
+         for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  assert got["embed/embedding"] == P("tensor", "fsdp") and got["lm_head/kernel"] == P("fsdp", "tensor")
+  assert got["layers/0/attn/q_proj/kernel"] == P("fsdp", "tensor")
+  assert got["layers/0/attn/o_proj/kernel"] == P("tensor", "fsdp")
+  assert got["layers/0/mlp/down_proj/kernel"] == P("tensor", "fsdp")
+  assert got["layers/0/attn/gate_proj/kernel"] == P("fsdp")              # one shared gate: not split
+  assert got["layers/0/attn/sink_states"] == P(None, "fsdp")
+  assert got["layers/0/attn/gate_proj/bias"] == P()                      # vectors are replicated
 
   # Optimizer-state leaves (optax keeps the params tree inside mu / nu) get their parameter's spec.
   cfg = load_config(TINY, SMALL)
@@ -163,15 +170,15 @@ def test_parameters_are_sharded_by_the_rules():
 # Checkpoints across device counts
 # ------------------------------------------------------------------------------------------------------------
 
-_LOAD = ("import sys, json, numpy as np, jax\nfrom flax import nnx\nfrom sinkjax.checkpoint import load_run\n"
-         "m, cfg, tok = load_run(sys.argv[1] if len(sys.argv) > 1 else {d!r})\n"
+_LOAD = ("import sys, json, numpy as np, jax\nfrom flax import nnx\nfrom sinkjax.run import load_run\n"
+         "m, cfg, tok, _ = load_run(sys.argv[1] if len(sys.argv) > 1 else {d!r})\n"
          "print(len(jax.devices()), json.dumps([float(np.asarray(x, np.float64).sum()) "
          "for x in jax.tree.leaves(nnx.state(m, nnx.Param))]))\n")
 
 
 def _param_sums(run_dir):
-  from sinkjax.checkpoint import load_run
-  m, _, _ = load_run(run_dir)
+  from sinkjax.run import load_run
+  m, _, _, _ = load_run(run_dir)
   return [float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(nnx.state(m, nnx.Param))]
 
 

@@ -151,8 +151,8 @@ def test_exact_resume(tmp_path, compile_cache):
   assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
   assert len(_losses(tmp_path / "a")) == 6 and whole["val_bpb"] == second["val_bpb"]
 
-  from sinkjax.checkpoint import load_run
-  (ma, _, _), (mb, cfg, tok) = load_run(tmp_path / "a"), load_run(tmp_path / "b")
+  from sinkjax.run import load_run
+  (ma, _, _, _), (mb, cfg, tok, _) = load_run(tmp_path / "a"), load_run(tmp_path / "b")
   for x, y in zip(jax.tree.leaves(nnx.state(ma, nnx.Param)), jax.tree.leaves(nnx.state(mb, nnx.Param))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert cfg.model.vocab_size == tok.vocab_size == 257
@@ -235,7 +235,8 @@ def test_profiler_trace_of_chosen_steps(tmp_path, compile_cache):
 
 
 def test_load_run_errors(tmp_path):
-  from sinkjax.checkpoint import CheckpointError, load_run
+  from sinkjax.checkpoint import CheckpointError
+  from sinkjax.run import load_run
   with pytest.raises(CheckpointError, match="does not exist"):
     load_run(tmp_path / "missing")
   with pytest.raises(CheckpointError, match="not a run directory"):
@@ -276,8 +277,8 @@ def test_nonfinite_updates_are_skipped_and_stop_the_run(tmp_path, compile_cache)
   recs = read_metrics(run_dir / "metrics.jsonl")
   assert recs and all(not r["finite"] for r in recs)
   assert len({r["loss"] for r in recs}) == 1        # parameters never changed
-  from sinkjax.checkpoint import load_run
-  model, _, _ = load_run(run_dir)
+  from sinkjax.run import load_run
+  model, _, _, _ = load_run(run_dir)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 

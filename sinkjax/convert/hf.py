@@ -28,6 +28,7 @@ import sys
 import numpy as np
 
 from sinkjax import config as config_lib
+from sinkjax import run as run_lib
 from sinkjax.config import Config, ModelConfig
 
 FAMILIES = ("llama", "qwen3", "gpt_oss")
@@ -164,7 +165,7 @@ def hf_config(m: ModelConfig, family: str, dtype: str = "float32") -> dict:
   scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
   out = {
       "architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": m.vocab_size,
-      "hidden_size": m.d_model, "intermediate_size": m.mlp_hidden or m.mlp_ratio * m.d_model,
+      "hidden_size": m.d_model, "intermediate_size": m.mlp_width,
       "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
       "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
       "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
@@ -376,7 +377,7 @@ def params_to_hf(model, family: str) -> dict[str, np.ndarray]:
 def convert(hf_dir: str | pathlib.Path, run_dir: str | pathlib.Path, *, dtype: str = "bfloat16",
             param_dtype: str = "float32") -> Config:
   """Imports a Hugging Face directory into a run directory (config.yaml + Orbax checkpoint at step 0) that
-  `sinkjax.checkpoint.load_run`, evaluation, generation and fine-tuning (train.init_from) read."""
+  `sinkjax.run.load_run`, evaluation, generation and fine-tuning (train.init_from) read."""
   from sinkjax import checkpoint  # pylint: disable=import-outside-toplevel
   hf_dir, run_dir = pathlib.Path(hf_dir), pathlib.Path(run_dir)
   if (run_dir / checkpoint.CHECKPOINT_DIR).exists():
@@ -391,23 +392,8 @@ def convert(hf_dir: str | pathlib.Path, run_dir: str | pathlib.Path, *, dtype: s
   cfg.data.seq_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
   cfg.run.dir = str(run_dir)
   config_lib.validate(cfg)
-  save_run(run_dir, cfg, model)
+  run_lib.save_params_run(run_dir, cfg, model)
   return cfg
-
-
-def save_run(run_dir: pathlib.Path, cfg: Config, model) -> None:
-  """config.yaml and a params-only Orbax checkpoint at step 0, through `sinkjax.checkpoint`'s Checkpointer."""
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  import yaml  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  from sinkjax import checkpoint  # pylint: disable=import-outside-toplevel
-  run_dir.mkdir(parents=True, exist_ok=True)
-  (run_dir / checkpoint.CONFIG_FILE).write_text(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
-  ckpt = checkpoint.Checkpointer(run_dir, dataclasses.replace(cfg.checkpoint, async_save=False))
-  params = nnx.state(model, nnx.Param)
-  ckpt.manager.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
-  ckpt.close()
 
 
 def save_hf(model, out_dir: str | pathlib.Path, *, dtype: str = "float32", tokenizer: str | None = None,
@@ -451,7 +437,7 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, dtype: s
            step: int | None = None) -> pathlib.Path:
   """Exports a run (its LoRA adapters merged into the base weights) as a Hugging Face directory."""
   from sinkjax import lora  # pylint: disable=import-outside-toplevel
-  model, cfg, _ = lora.load_run(run_dir, step=step)
+  model, cfg, _, _ = run_lib.load_run(run_dir, step=step)
   model = lora.merge(model)
   tok = cfg.data.tokenizer if cfg.data.tokenizer != "bytes" else None
   return save_hf(model, out_dir, dtype=dtype, tokenizer=tok)

@@ -30,8 +30,9 @@ import sys
 import numpy as np
 
 from sinkjax import config as config_lib
+from sinkjax import run as run_lib
 from sinkjax.config import Config, ModelConfig
-from sinkjax.convert.hf import ConvertError, model_with_params, save_run
+from sinkjax.convert.hf import ConvertError, model_with_params
 
 TORCH_RMS_EPS = float(np.finfo(np.float32).eps)      # F.rms_norm(x, shape) with eps=None on float32 inputs
 GPT_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
@@ -237,19 +238,17 @@ def convert(checkpoint_dir, run_dir, *, step: int | None = None, tokenizer: str 
   cfg.data.tokenizer = _tokenizer_setting(m, tokenizer, run_dir)
   cfg.run.dir = str(run_dir)
   config_lib.validate(cfg)
-  save_run(run_dir, cfg, model)
+  run_lib.save_params_run(run_dir, cfg, model)
   return cfg, step
 
 
 def export(run_dir, out_dir, *, step: int | None = None) -> pathlib.Path:
   """Writes model_{step:06d}.pt + meta_{step:06d}.json (LoRA adapters merged) that nanochat's
   `GPT(GPTConfig(**meta["model_config"]))` loads with strict=True; the run's tokenizer.json is copied beside."""
-  from sinkjax import checkpoint, lora  # pylint: disable=import-outside-toplevel
+  from sinkjax import lora  # pylint: disable=import-outside-toplevel
   torch = _torch()
-  model, cfg, _ = checkpoint.load_run(run_dir, step=step)
+  model, cfg, _, step = run_lib.load_run(run_dir, step=step)
   check_exportable(cfg.model)
-  if step is None:
-    step = max(checkpoint.Checkpointer(pathlib.Path(run_dir), cfg.checkpoint, read_only=True).all_steps())
   tensors = params_to_nanochat(lora.merge(model))
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,23 @@
+"""The allowed values of every enumerated setting, in one place (no jax import: the config reads them at parse time).
+
+`sinkjax.config.CHOICES` maps config keys to these tuples; the modules that implement a setting check their
+arguments against the same tuple, so a value is added in one place.
+"""
+ATTENTION_VARIANTS = ("vanilla", "sink", "gated", "relu")
+GATE_KINDS = ("headwise", "elementwise")
+GATE_POSITIONS = ("sdpa", "value")                        # 003 G1 | G2
+GATE_ACTIVATIONS = ("sigmoid", "ns_sigmoid", "silu", "silu_additive")
+GATE_INPUTS = ("dependent", "independent")
+MLP_KINDS = ("relu2", "swiglu", "clamped_swiglu")
+ROPE_SCALINGS = ("none", "llama3", "yarn")
+ROPE_STYLES = ("llama", "nanochat")
+INITS = ("default", "nanochat")
+DTYPES = ("float32", "bfloat16", "float16")
+PARAM_DTYPES = ("float32", "bfloat16")
+ATTN_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
+OPTIMIZERS = ("muon", "adamw")
+NS_DTYPES = ("bfloat16", "float32")
+DATA_FORMATS = ("text", "sft")
+PACKINGS = ("stream", "document")
+LAYER_TYPES = ("full", "sliding")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -1,0 +1,269 @@
+"""The run directory as one concept: what is in it, how it is read, prepared and started from.
+
+A run directory (`run.dir`) holds `config.yaml` (the resolved config), `checkpoints/` (Orbax, `sinkjax.checkpoint`),
+`metrics.jsonl`, TensorBoard events (`tb/`) and plots. This module is where a run is read back (`load_run`,
+`read_run_config`), checked before training writes into it (`prepare_run_dir`), started from another run
+(`train.init_from`: `adopt_init_model`, `restore_init_params`, `save_params_run` for converters) and where the
+importances of a run are measured for eq. 8's fixed shared heads (`head_importance_of`, `shared_heads_of_run`,
+`fixed_shared_heads`). `sinkjax.checkpoint` is Orbax only; `sinkjax.lora` is adapters only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from flax import nnx
+
+from sinkjax import balance
+from sinkjax import config as config_lib
+from sinkjax import sharding as sharding_lib
+from sinkjax.checkpoint import CHECKPOINT_DIR, CheckpointError, Checkpointer, abstract_with_shardings, restore_newest
+from sinkjax.config import Config, ConfigError, MeshConfig
+
+CONFIG_FILE = "config.yaml"
+# Model keys a resumed or fine-tuning run may change: they do not change the parameters.
+RESUMABLE_MODEL_KEYS = ("dtype", "remat", "attn_impl")
+# Model keys that a fine-tuning config repeats for reference; they must equal the train.init_from run's.
+INIT_CHECKED_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
+# data.* keys added after runs were made, with the value every run made before them used.
+LEGACY_DATA_SETTINGS = {"shuffle_batches": 0, "packing": "document"}
+
+
+class LoadedRun(NamedTuple):
+  """What `load_run` gives back: the model (adapters included for a LoRA run), its config, its tokenizer and the
+  checkpoint step it actually restored (an older one than the newest when the newest is unreadable)."""
+  model: Any
+  cfg: Config
+  tokenizer: Any
+  step: int
+
+
+def read_run_config(run_dir: str | pathlib.Path) -> Config:
+  path = pathlib.Path(run_dir) / CONFIG_FILE
+  if not path.is_file():
+    raise CheckpointError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the run.dir of a training run")
+  return config_lib.load_config(str(path))
+
+
+def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> LoadedRun:
+  """A training run's model with the parameters of its latest (or given) checkpoint, replicated over this process'
+  devices whatever mesh trained them; only the parameters are restored. A LoRA run comes back with its adapters
+  (`sinkjax.lora.merge` folds them in)."""
+  from sinkjax import lora  # pylint: disable=import-outside-toplevel
+  from sinkjax.data import build_tokenizer  # the data package imports heavy readers lazily; keep startup light
+  from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
+
+  run_dir = pathlib.Path(run_dir)
+  if not run_dir.is_dir():
+    raise CheckpointError(f"run directory {run_dir} does not exist")
+  cfg = read_run_config(run_dir)
+  if not (run_dir / CHECKPOINT_DIR).is_dir():
+    raise CheckpointError(f"{run_dir} has no checkpoint ({CHECKPOINT_DIR}/ is missing); train it first")
+  ckpt = Checkpointer(run_dir, cfg.checkpoint, read_only=True)
+  steps = ckpt.all_steps()
+  if not steps:
+    raise CheckpointError(f"{run_dir} has no checkpoint in {CHECKPOINT_DIR}/; train it first")
+  if step is not None and step not in steps:
+    raise CheckpointError(f"{run_dir} has no checkpoint at step {step} (available: {sorted(steps)})")
+  tokenizer = build_tokenizer(cfg.data)
+  if cfg.model.vocab_size == 0:
+    cfg.model.vocab_size = tokenizer.vocab_size
+  mesh = sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
+  abstract_model = nnx.eval_shape(lambda: lora.apply(Transformer(cfg.model, rngs=nnx.Rngs(0)), cfg.lora,
+                                                     nnx.Rngs(1)))
+  graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
+  target = abstract_with_shardings(abstract_params, sharding_lib.state_shardings(mesh, abstract_params))
+  try:
+    if step is not None:
+      params = ckpt.restore_params(step, target)
+    else:
+      step, params = restore_newest(ckpt, lambda s: ckpt.restore_params(s, target))
+  finally:
+    ckpt.close()
+  return LoadedRun(nnx.merge(graphdef, params, rest), cfg, tokenizer, step)
+
+
+def save_params_run(run_dir: str | pathlib.Path, cfg: Config, model) -> None:
+  """A run directory holding only a model (config.yaml + a params-only checkpoint at step 0), as the converters
+  write it; `load_run`, evaluation, generation and train.init_from read it."""
+  run_dir = pathlib.Path(run_dir)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
+  ckpt = Checkpointer(run_dir, dataclasses.replace(cfg.checkpoint, async_save=False))
+  try:
+    ckpt.save_params(0, nnx.state(model, nnx.Param))
+  finally:
+    ckpt.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training into a run directory
+# ---------------------------------------------------------------------------------------------------------------
+
+def _params_signature(model_cfg) -> dict:
+  d = dataclasses.asdict(model_cfg)
+  return {k: v for k, v in d.items() if k not in RESUMABLE_MODEL_KEYS}
+
+
+def prepare_run_dir(cfg: Config) -> tuple[pathlib.Path, bool]:
+  """Checks that run.dir is usable (writable; if it holds a run, the same model) before anything is written.
+
+  Returns (run_dir, has_checkpoint).
+  """
+  run_dir = pathlib.Path(cfg.run.dir)
+  has_ckpt = (run_dir / CHECKPOINT_DIR).is_dir() and any(
+      p.name.isdigit() for p in (run_dir / CHECKPOINT_DIR).iterdir())
+  if (run_dir / CONFIG_FILE).is_file() and has_ckpt:
+    try:
+      old = read_run_config(run_dir)
+    except ConfigError as e:
+      raise ConfigError(f"run.dir {run_dir} holds a run whose config.yaml is unreadable ({e}); pick another run.dir")
+    if _params_signature(old.model) != _params_signature(cfg.model) or old.data.tokenizer != cfg.data.tokenizer:
+      diff = [k for k, v in _params_signature(cfg.model).items() if _params_signature(old.model).get(k) != v]
+      diff += ["data.tokenizer"] if old.data.tokenizer != cfg.data.tokenizer else []
+      raise ConfigError(f"run.dir {run_dir} already holds a run with a different model ({', '.join(diff)}); "
+                        "pick another run.dir or delete that one")
+  try:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    probe = run_dir / f".write-test-{os.getpid()}"
+    probe.write_text("")
+    probe.unlink()
+  except OSError as e:
+    raise ConfigError(f"run.dir {run_dir} is not writable ({e.strerror or e}); set run.dir=SOMEWHERE_WRITABLE") \
+        from None
+  return run_dir, has_ckpt
+
+
+def legacy_data_settings(cfg: Config) -> None:
+  """Resuming a run whose config.yaml predates a key of LEGACY_DATA_SETTINGS: its iterator state is of the pipeline
+  it was trained with (unshuffled rows, document packing), so keep that (with a note) rather than refuse to resume."""
+  path = pathlib.Path(cfg.run.dir) / CONFIG_FILE
+  if not path.is_file():
+    return
+  try:
+    data = (yaml.safe_load(path.read_text()) or {}).get("data") or {}
+  except (OSError, yaml.YAMLError, AttributeError):
+    return             # prepare_run_dir reports an unreadable config.yaml
+  if not isinstance(data, dict):
+    return
+  for key, old in LEGACY_DATA_SETTINGS.items():
+    if key not in data and getattr(cfg.data, key) != old:
+      if jax.process_index() == 0:
+        print(f"sinkjax.train: {path} predates data.{key}; resuming with data.{key}={old} (what it was trained "
+              "with)", flush=True)
+      setattr(cfg.data, key, old)
+
+
+def adopt_init_model(cfg: Config) -> Config | None:
+  """train.init_from: reads that run's config and makes its model section this run's (model.dtype, remat and
+  attn_impl stay this config's), after checking the shape keys (INIT_CHECKED_KEYS) this config repeats.
+
+  Returns the init run's config, or None without train.init_from. Changes `cfg` in place.
+  """
+  src = cfg.train.init_from
+  if not src:
+    return None
+  try:
+    init_cfg = read_run_config(src)
+  except (CheckpointError, ConfigError) as e:
+    raise ConfigError(f"train.init_from {src!r}: {e}") from None
+  if init_cfg.lora.rank:
+    raise ConfigError(f"train.init_from {src!r} is a LoRA run; export it with merged adapters (python -m "
+                      "sinkjax.convert.hf --export RUN --out HF_DIR), import that (--hf-dir HF_DIR --out NEW_RUN) and "
+                      "start from NEW_RUN")
+  diff = [f"model.{k}={getattr(init_cfg.model, k)} (this config: {getattr(cfg.model, k)})"
+          for k in INIT_CHECKED_KEYS if getattr(cfg.model, k) != getattr(init_cfg.model, k)]
+  if diff:
+    raise ConfigError(f"train.init_from {src!r} holds a different model: {', '.join(diff)}; set these keys to the "
+                      "imported model's (e.g. as overrides)")
+  cfg.model = dataclasses.replace(init_cfg.model, **{k: getattr(cfg.model, k) for k in RESUMABLE_MODEL_KEYS})
+  config_lib.validate(cfg)
+  return init_cfg
+
+
+def restore_init_params(cfg: Config, init_cfg: Config, mesh):
+  """The parameters (nnx.State of nnx.Param, no adapters) of the latest checkpoint of train.init_from, placed with
+  the training shardings."""
+  from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
+  abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
+  target = abstract_with_shardings(abstract, sharding_lib.state_shardings(mesh, abstract))
+  init_ckpt = Checkpointer(cfg.train.init_from, init_cfg.checkpoint, read_only=True)
+  try:
+    step = init_ckpt.latest_step()
+    if step is None:
+      raise ConfigError(f"train.init_from {cfg.train.init_from!r} has no checkpoint")
+    return init_ckpt.restore_params(step, target)
+  finally:
+    init_ckpt.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Eq. 8 with a fixed shared set: the importances of a run
+# ---------------------------------------------------------------------------------------------------------------
+
+def head_importance_of(model: nnx.Module, batches) -> np.ndarray:
+  """Mean [L, H] head importance (eq. 5) of `model` over `batches` (dicts with inputs, segment_ids, positions)."""
+  from sinkjax.model import forward_with_importance  # pylint: disable=import-outside-toplevel
+
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def one(state, inputs, segment_ids, positions):
+    m = nnx.merge(graphdef, state)
+    return forward_with_importance(m, inputs, segment_ids=segment_ids, positions=positions)[1]
+
+  imps = [np.asarray(one(state, jnp.asarray(b["inputs"]), jnp.asarray(b["segment_ids"]), jnp.asarray(b["positions"])))
+          for b in batches]
+  if not imps:
+    raise ValueError("head_importance_of needs at least one batch")
+  return np.mean(imps, axis=0)
+
+
+def shared_heads_of_run(run_dir: str | pathlib.Path, num_shared: int, *, num_batches: int = 4,
+                        batch_size: int = 4, data_cfg=None) -> tuple[np.ndarray, np.ndarray]:
+  """(importance [L,H], shared mask [L,H] bool: the top-`num_shared` heads of each layer) of a pretrained run,
+  measured on `num_batches` validation batches of `data_cfg` (default: the run's own data section)."""
+  from sinkjax.data import make_eval_batches  # pylint: disable=import-outside-toplevel
+  loaded = load_run(run_dir)
+  batches = make_eval_batches(data_cfg or loaded.cfg.data, loaded.tokenizer, batch_size=batch_size,
+                              num_batches=num_batches)
+  imp = head_importance_of(loaded.model, batches)
+  return imp, np.asarray(balance.shared_head_mask(imp, num_shared))
+
+
+def _recorded_importance(path: pathlib.Path):
+  """The last importance [L,H] in a metrics.jsonl, or the importance of an eval report.json."""
+  from sinkjax import plots  # pylint: disable=import-outside-toplevel
+  if path.suffix == ".jsonl":
+    return [r["importance"] for r in plots.read_metrics(path) if "importance" in r][-1]
+  return json.loads(path.read_text())["importance"]
+
+
+def fixed_shared_heads(cfg: Config):
+  """The [L,H] shared-head mask of loss.shared_heads_from (report.json, metrics.jsonl or a run dir), or None."""
+  src = cfg.loss.shared_heads_from
+  if not src:
+    return None
+  path = pathlib.Path(src)
+  if path.is_dir():
+    path = path / "eval" / "report.json" if (path / "eval" / "report.json").is_file() else path / "metrics.jsonl"
+  if not path.is_file():
+    raise ConfigError(f"loss.shared_heads_from {src!r}: no report.json or metrics.jsonl there")
+  try:
+    imp = np.asarray(_recorded_importance(path), np.float32)
+  except (KeyError, IndexError, ValueError):
+    raise ConfigError(f"loss.shared_heads_from {src!r}: {path.name} holds no 'importance'") from None
+  want = (cfg.model.num_layers, cfg.model.num_heads)
+  if imp.shape != want:
+    raise ConfigError(f"loss.shared_heads_from {src!r}: importance is {list(imp.shape)}, the model needs "
+                      f"{list(want)} (layers x heads)")
+  if cfg.loss.num_shared_heads == 0:
+    raise ConfigError("loss.shared_heads_from needs loss.num_shared_heads > 0 (how many heads per layer to share)")
+  return np.asarray(balance.shared_head_mask(imp, cfg.loss.num_shared_heads))
