@@ -252,9 +252,6 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
 
   # Data: validated before anything is written to run.dir.
   run_lib.legacy_data_settings(cfg)
-  if cfg.data.format == "sft":     # JSONL prompt/response or chat; loss on the response tokens
-    from sinkjax.data.sft import make_sft_eval_batches as make_eval_batches  # noqa: F811
-    from sinkjax.data.sft import make_sft_iterator as make_train_iterator  # noqa: F811
   train_iter = make_train_iterator(cfg.data, tok, batch_size=cfg.train.batch_size // procs, seed=seed)
   eval_batches = make_eval_batches(cfg.data, tok, batch_size=micro // procs, num_batches=cfg.train.eval_batches) \
       if cfg.train.eval_batches > 0 else []

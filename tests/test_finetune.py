@@ -139,3 +139,19 @@ def test_eval_on_imported_model_gives_importance_heatmap(finetuned):
   assert imp.shape == (2, 4) and np.all((imp > 0) & (imp < 1))
   assert (out / "importance.png").stat().st_size > 0
   np.testing.assert_allclose(np.asarray(report["first_token_attention_per_head"]), 1 - imp, atol=2e-3)
+
+
+def test_eval_reads_an_sft_run_with_its_own_examples(finetuned):
+  """sinkjax.eval on the SFT run itself: its validation batches are its held-out SFT examples (data.format sft),
+  loss on the response tokens only, so the report's BPB is over response bytes."""
+  _, run, tmp = finetuned
+  out = tmp / "eval_sft"
+  _cli("sinkjax.eval", "--checkpoint", str(run), "--batches", "1", "--batch-size", "4", "--out", str(out))
+  report = json.loads((out / "report.json").read_text())
+  assert np.isfinite(report["val_bpb"]) and report["eval_tokens"] > 0
+  from sinkjax.data import build_tokenizer, make_eval_batches
+  from sinkjax.run import read_run_config
+  cfg = read_run_config(run)
+  batch = make_eval_batches(cfg.data, build_tokenizer(cfg.data), batch_size=4, num_batches=1)[0]
+  assert 0 < batch["loss_mask"].sum() < (batch["segment_ids"] != 0).sum()      # prompts carry no loss
+  assert report["eval_tokens"] == int(batch["loss_mask"].sum())

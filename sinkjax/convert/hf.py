@@ -30,16 +30,13 @@ import numpy as np
 from sinkjax import config as config_lib
 from sinkjax import run as run_lib
 from sinkjax.config import Config, ModelConfig
+from sinkjax.convert import ConvertError, run_cli
 
 FAMILIES = ("llama", "qwen3", "gpt_oss")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")          # buffers some older checkpoints carry
 _FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                        np.float32)
-
-
-class ConvertError(ValueError):
-  """A user-facing conversion problem (bad directory, unsupported architecture or option)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -458,20 +455,16 @@ def main(argv=None) -> int:
                       help="import: model.param_dtype (stored weights)")
   parser.add_argument("--step", type=int, default=None, help="export: checkpoint step (default: latest)")
   args = parser.parse_args(argv)
-  from sinkjax.checkpoint import CheckpointError  # pylint: disable=import-outside-toplevel
-  try:
+
+  def action():
     if args.hf_dir:
       cfg = convert(args.hf_dir, args.out, dtype=args.dtype or "bfloat16", param_dtype=args.param_dtype)
       m = cfg.model
       print(f"imported {args.hf_dir} -> {args.out}: {m.num_layers} layers, d_model {m.d_model}, "
             f"{m.num_heads}/{m.num_kv_heads} heads, attention {m.attention}, vocab {m.vocab_size}")
     else:
-      out = export(args.export, args.out, dtype=args.dtype or "float32", step=args.step)
-      print(f"exported {args.export} -> {out}")
-  except (ConvertError, CheckpointError, config_lib.ConfigError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
+      print(f"exported {args.export} -> {export(args.export, args.out, dtype=args.dtype or 'float32', step=args.step)}")
+  return run_cli("sinkjax.convert.hf", action)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ import numpy as np
 from sinkjax import config as config_lib
 from sinkjax import run as run_lib
 from sinkjax.config import Config, ModelConfig
-from sinkjax.convert.hf import ConvertError, model_with_params
+from sinkjax.convert import ConvertError, run_cli
+from sinkjax.convert.hf import model_with_params
 
 TORCH_RMS_EPS = float(np.finfo(np.float32).eps)      # F.rms_norm(x, shape) with eps=None on float32 inputs
 GPT_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
@@ -278,8 +279,8 @@ def main(argv=None) -> int:
   parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
                       help="import: model.dtype (compute) of the run")
   args = parser.parse_args(argv)
-  from sinkjax.checkpoint import CheckpointError  # pylint: disable=import-outside-toplevel
-  try:
+
+  def action():
     if args.checkpoint:
       cfg, step = convert(args.checkpoint, args.out, step=args.step, tokenizer=args.tokenizer, dtype=args.dtype)
       m = cfg.model
@@ -288,10 +289,7 @@ def main(argv=None) -> int:
             f"d_model {m.d_model}, {m.num_heads}/{m.num_kv_heads} heads, vocab {m.vocab_size}")
     else:
       print(f"exported {args.export} -> {export(args.export, args.out, step=args.step)}")
-  except (ConvertError, CheckpointError, config_lib.ConfigError) as e:
-    print(f"sinkjax.convert.nanochat: error: {e}", file=sys.stderr)
-    return 1
-  return 0
+  return run_cli("sinkjax.convert.nanochat", action)
 
 
 if __name__ == "__main__":

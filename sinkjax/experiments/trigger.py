@@ -374,24 +374,21 @@ class _Parser(argparse.ArgumentParser):
     self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(s):
-  try:
-    v = int(s)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-  if v <= 0:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-  return v
+def _int_at_least(minimum: int, what: str):
+  """argparse type: an integer >= minimum, else a one-line error naming `what`."""
+  def parse(s):
+    try:
+      v = int(s)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected a {what} integer, got {s!r}") from None
+    if v < minimum:
+      raise argparse.ArgumentTypeError(f"expected a {what} integer, got {s!r}")
+    return v
+  return parse
 
 
-def _nonneg_int(s):
-  try:
-    v = int(s)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}") from None
-  if v < 0:
-    raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}")
-  return v
+_positive_int = _int_at_least(1, "positive")
+_nonneg_int = _int_at_least(0, "non-negative")
 
 
 def _positive_float(s):
