@@ -129,7 +129,7 @@ def make_train_step(cfg: Config, graphdef, rest, tx: optax.GradientTransformatio
         "params": keep_if_ok(new_params, params),
         "opt_state": keep_if_ok(opt_state, state["opt_state"]),
         "step": state["step"] + 1,
-        "rng": jax.random.split(state["rng"])[0],
+        "rng": state["rng"],        # the run's base key; nothing in the step draws from it (kept for checkpoints)
         "nonfinite": jnp.where(ok, 0, state["nonfinite"] + 1),
     }
     metrics = {"loss": loss, "ce_loss": ce, "aux_loss": aux, "importance": imp,
@@ -171,13 +171,6 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
   os.replace(tmp, path)
 
 
-def _truncate_metrics(path: pathlib.Path, after_step: int) -> None:
-  """On resume, drop records logged after the checkpoint we restart from (they will be logged again)."""
-  if path.is_file():
-    keep = [r for r in plots.read_metrics(path) if r.get("step", 0) <= after_step]
-    _write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
-
-
 class _SignalFlag:
   """Turns SIGTERM/SIGINT into a flag the loop checks after each step (a second signal kills as usual)."""
 
@@ -203,241 +196,352 @@ class _SignalFlag:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The loop
+# Logging: metrics.jsonl, TensorBoard, the progress bar
 # --------------------------------------------------------------------------------------------------------------
 
-def train(cfg: Config, *, progress: bool = True) -> dict:
-  """Trains (or resumes) the run of `cfg`; returns a summary {steps, final_loss, val_bpb, run_dir, ...}."""
-  from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator, to_global_batch
+class MetricsLogger:
+  """The host side of each step, one step behind the device: the non-finite guard's verdict, the progress bar
+  (its `loss` is an EMA, labelled `loss(ema)`; the logged lines are the step's own loss), metrics.jsonl records and
+  TensorBoard scalars every train.log_every steps, and the run summary. Only process 0 writes."""
 
-  cfg = copy.deepcopy(cfg)          # filled in below (vocab_size, steps); the caller's config stays as given
-  t_start = time.perf_counter()
-  is_main = jax.process_index() == 0
-  init_cfg = run_lib.adopt_init_model(cfg)  # fine-tuning: the model section of train.init_from
-  tok = build_tokenizer(cfg.data)
-  if cfg.model.vocab_size == 0:
-    cfg.model.vocab_size = tok.vocab_size
-  elif cfg.model.vocab_size < tok.vocab_size:
-    raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
-                      f"({tok.vocab_size}); set it to 0 to take the tokenizer's")
-  mesh = sharding_lib.make_mesh(cfg.mesh)
-  A = cfg.train.grad_accum
-  micro = cfg.train.batch_size // A
-  shards, procs = sharding_lib.batch_shards(mesh), jax.process_count()
-  if micro % shards or micro % procs:
-    raise ConfigError(f"the micro-batch train.batch_size / train.grad_accum = {micro} must be divisible by the "
-                      f"{shards} batch shards (mesh.data x mesh.fsdp) and {procs} processes")
-  shared = run_lib.fixed_shared_heads(cfg)
+  def __init__(self, cfg: Config, run_dir: pathlib.Path, *, lr_schedule, start: int, stop_at: int, progress: bool):
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    self.cfg, self.run_dir, self.lr_schedule, self.stop_at = cfg, run_dir, lr_schedule, stop_at
+    self.is_main = jax.process_index() == 0
+    self.path = run_dir / "metrics.jsonl"
+    self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    self.ema = None
+    self.t_start = time.perf_counter()
+    self.timer = {"t": self.t_start, "step": start, "paused": 0.0}
+    self.summary = {"run_dir": str(run_dir), "steps": cfg.train.steps, "start_step": start, "final_loss": None,
+                    "val_bpb": None, "last_importance": None}
+    self.bar = tqdm(total=cfg.train.steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0,
+                    disable=not (self.is_main and progress))
+    self.file = self.writer = None
+    if self.is_main:
+      self._truncate(start)
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self.writer = SummaryWriter(str(run_dir / "tb"))
+      self.file = open(self.path, "a")  # pylint: disable=consider-using-with
 
-  # Model and optimizer state, created directly with their shardings.
-  seed = cfg.train.seed
-  # With lora.rank > 0 the targeted projections get adapters; the optimizer then sees only them (nnx.LoRAParam)
-  # and the frozen base weights travel as `rest`, an argument of the jitted step. Without LoRA `rest` is empty.
-  trainable = lora_lib.trainable(cfg.lora)
+  def _truncate(self, after_step: int) -> None:
+    """On resume, drop records logged after the checkpoint we restart from (they will be logged again)."""
+    if self.path.is_file():
+      keep = [r for r in plots.read_metrics(self.path) if r.get("step", 0) <= after_step]
+      _write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
-  def build_model():
-    return lora_lib.apply(Transformer(cfg.model, rngs=nnx.Rngs(seed)), cfg.lora, nnx.Rngs(seed + 1))
+  def paused(self, seconds: float) -> None:
+    """Time spent outside the step (evaluation, checkpoints), left out of tokens/s."""
+    self.timer["paused"] += seconds
 
-  abstract_model = nnx.eval_shape(build_model)
-  assert not jax.tree.leaves(nnx.state(abstract_model, nnx.Not(nnx.Param))), \
-      "the model holds non-parameter state; the trainer needs to carry it"
-  graphdef, abstract_params, abstract_rest = nnx.split(abstract_model, trainable, ...)
-  has_rest = bool(jax.tree.leaves(abstract_rest))
-  num_params = count_params(abstract_model)
-  num_trainable = sum(x.size for x in jax.tree.leaves(abstract_params))
-  steps = total_steps(cfg, num_params)
-  cfg.train.steps = steps
-  stop_at = min(cfg.train.stop_at_step or steps, steps)
-  tx, lr_schedule = optim.build_optimizer(cfg, steps)
-
-  # Data: validated before anything is written to run.dir.
-  run_lib.legacy_data_settings(cfg)
-  train_iter = make_train_iterator(cfg.data, tok, batch_size=cfg.train.batch_size // procs, seed=seed)
-  eval_batches = make_eval_batches(cfg.data, tok, batch_size=micro // procs, num_batches=cfg.train.eval_batches) \
-      if cfg.train.eval_batches > 0 else []
-  run_dir, has_ckpt = run_lib.prepare_run_dir(cfg)
-
-  def init_state():
-    _, params, rest = nnx.split(build_model(), trainable, ...)
-    return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-            "rng": jax.random.PRNGKey(seed), "nonfinite": jnp.zeros((), jnp.int32)}, rest
-
-  state_shapes, rest_shapes = jax.eval_shape(init_state)
-  state_sh = sharding_lib.state_shardings(mesh, state_shapes)
-  rest_sh = sharding_lib.state_shardings(mesh, rest_shapes)
-
-  # The checkpoint's params item holds every parameter (adapters and frozen base), so that load_run, evaluation
-  # and export read a LoRA run on its own.
-  def full_params(params, rest):
-    return nnx.merge_state(params, rest) if has_rest else params
-
-  def split_params(full):
-    return tuple(nnx.split_state(full, trainable, ...)) if has_rest else (full, rest_shapes)
-  batch_sh = sharding_lib.batch_sharding(mesh)
-  donate = (0,) if jax.default_backend() != "cpu" else ()  # CPU: async checkpoints may alias the buffers
-  train_step = jax.jit(make_train_step(cfg, graphdef, None, tx, None if shared is None else jnp.asarray(shared)),
-                       in_shardings=(state_sh, batch_sh, rest_sh),
-                       out_shardings=(state_sh, sharding_lib.replicated(mesh)), donate_argnums=donate)
-  eval_step = jax.jit(make_eval_step(graphdef, None), in_shardings=(state_sh["params"], batch_sh, rest_sh),
-                      out_shardings=sharding_lib.replicated(mesh))
-
-  ckpt = ckpt_lib.Checkpointer(run_dir, cfg.checkpoint)
-  start = ckpt.latest_step() if has_ckpt else None
-  if start is not None:
-    target = ckpt_lib.abstract_with_shardings(state_shapes, state_sh)
-    params_target = full_params(target.pop("params"), ckpt_lib.abstract_with_shardings(rest_shapes, rest_sh))
-    start, params, train_state = ckpt.restore_latest(params_target, target, train_iter)
-    params, rest = split_params(params)
-    state = {"params": params, **train_state}
-  else:
-    start = 0
-    state, rest = jax.jit(init_state, out_shardings=(state_sh, rest_sh))()
-    if init_cfg is not None:       # fine-tuning: the base weights of train.init_from (fresh adapters with LoRA)
-      base = run_lib.restore_init_params(cfg, init_cfg, mesh)
-      if has_rest:
-        rest = jax.device_put(base, rest_sh)
-      else:
-        state["params"] = jax.device_put(base, state_sh["params"])
-
-  metrics_path = run_dir / "metrics.jsonl"
-  writer = None
-  if is_main:
-    resolved = config_lib.to_dict(cfg)
-    resolved["train"]["stop_at_step"] = 0           # a property of this invocation, not of the run
-    _write_atomic(run_dir / run_lib.CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False))
-    _truncate_metrics(metrics_path, start)
-    from tensorboardX import SummaryWriter
-    writer = SummaryWriter(str(run_dir / "tb"))
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-    print(f"sinkjax.train: {cfg.model.attention} attention, {num_params:,} params"
-          + (f" ({num_trainable:,} trained: LoRA rank {cfg.lora.rank})" if cfg.lora.rank else "")
-          + (f" from {cfg.train.init_from}" if cfg.train.init_from else "") + f", {steps} steps x "
-          f"{tokens_per_step:,} tokens ({steps * tokens_per_step / num_params:.1f} tokens/param), mesh "
-          f"{dict(mesh.shape)}, run dir {run_dir}" + (f", resuming from step {start}" if start else ""), flush=True)
-
-  from tqdm import tqdm
-  bar = tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, disable=not (is_main and progress),
-             mininterval=1.0)
-  metrics_file = open(metrics_path, "a") if is_main else None
-  tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-  summary = {"run_dir": str(run_dir), "steps": steps, "start_step": start, "num_params": num_params,
-             "trainable_params": num_trainable,
-             "final_loss": None, "val_bpb": None, "last_importance": None}
-  ema = [None]
-
-  def evaluate(params) -> float:
-    nll = nbytes = 0.0
-    for b in eval_batches:
-      n, by = jax.device_get(eval_step(params, to_global_batch({k: b[k] for k in EVAL_FEATURES}, batch_sh), rest))
-      nll, nbytes = nll + float(n), nbytes + float(by)
-    return nll / math.log(2) / max(nbytes, 1.0)
-
-  def finish_step(step: int, m, val_bpb):
-    """Host side of a step, one step behind the device: non-finite accounting, progress bar, logs."""
-    small = jax.device_get({k: m[k] for k in ("loss", "finite", "nonfinite")})
-    if int(small["nonfinite"]) >= cfg.train.max_nonfinite:
+  def step_done(self, step: int, m, val_bpb) -> None:
+    small = jax.device_get({k: m[k] for k in ("loss", "nonfinite")})
+    if int(small["nonfinite"]) >= self.cfg.train.max_nonfinite:
       raise TrainError(f"the loss, gradient or update was non-finite for {int(small['nonfinite'])} steps in a row "
                        f"(up to step {step}); updates were skipped and no checkpoint was written from them. Lower "
                        f"the learning rates or train.grad_clip, or raise train.max_nonfinite")
     loss = float(small["loss"])
     if math.isfinite(loss):
-      ema[0] = loss if ema[0] is None else 0.9 * ema[0] + 0.1 * loss
-    now = time.perf_counter()
-    dt = now - timer["t"] - timer["paused"]
-    tps = (step - timer["step"]) * tokens_per_step / dt if dt > 0 and step > timer["step"] else 0.0
-    if not (step % cfg.train.log_every == 0 or step == 1 or step == stop_at or val_bpb is not None):
-      bar.update(1)
-      if ema[0] is not None:
-        bar.set_postfix(loss=f"{ema[0]:.3f}", refresh=False)
+      self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
+    self.bar.update(1)
+    ema = {"loss(ema)": f"{self.ema:.3f}"} if self.ema is not None else {}
+    if not (step % self.cfg.train.log_every == 0 or step == 1 or step == self.stop_at or val_bpb is not None):
+      self.bar.set_postfix(ema, refresh=False)
       return
-    m = jax.device_get(m)
+    rec = self._record(step, jax.device_get(m), val_bpb)
+    self.bar.set_postfix({**ema, "tok/s": f"{rec['tokens_per_s']:,.0f}"}, refresh=False)
+    if self.is_main:
+      self._write(rec)
+
+  def _record(self, step: int, m, val_bpb) -> dict:
+    now = time.perf_counter()
+    dt = now - self.timer["t"] - self.timer["paused"]
+    tps = (step - self.timer["step"]) * self.tokens_per_step / dt if dt > 0 and step > self.timer["step"] else 0.0
+    self.timer.update(t=now, step=step, paused=0.0)
     rec = {"step": step, "loss": float(m["loss"]), "ce_loss": float(m["ce_loss"]),
            "aux_loss": float(m["aux_loss"]), "head_imbalance": float(m["head_imbalance"]),
            "importance": np.asarray(m["importance"]).round(6).tolist(), "grad_norm": float(m["grad_norm"]),
-           "lr": float(lr_schedule(step - 1)), "tokens_per_s": round(tps, 1), "tokens": step * tokens_per_step,
-           "finite": bool(m["finite"]), "elapsed_s": round(now - t_start, 2)}
+           "lr": float(self.lr_schedule(step - 1)), "tokens_per_s": round(tps, 1),
+           "tokens": step * self.tokens_per_step, "finite": bool(m["finite"]),
+           "elapsed_s": round(now - self.t_start, 2)}
     if val_bpb is not None:
-      rec["val_bpb"] = val_bpb
-      summary["val_bpb"] = val_bpb
-    summary["final_loss"] = rec["loss"]
-    summary["last_importance"] = rec["importance"]
-    timer.update(t=now, step=step, paused=0.0)
-    bar.update(1)
-    bar.set_postfix(loss=f"{ema[0] if ema[0] is not None else float('nan'):.3f}", tok_s=f"{tps:,.0f}", refresh=False)
-    if is_main:
-      metrics_file.write(json.dumps(rec) + "\n")
-      metrics_file.flush()
-      for k in ("loss", "ce_loss", "aux_loss", "head_imbalance", "grad_norm", "lr", "tokens_per_s", "val_bpb"):
-        if k in rec:
-          writer.add_scalar(f"train/{k}" if k != "val_bpb" else "val/bpb", rec[k], step)
-      if val_bpb is not None:
-        bar.write(f"step {step}: loss {rec['loss']:.4f}  val_bpb {val_bpb:.4f}  head_imbalance "
-                  f"{rec['head_imbalance']:.4f}  {tps:,.0f} tok/s")
+      rec["val_bpb"] = self.summary["val_bpb"] = val_bpb
+    self.summary["final_loss"], self.summary["last_importance"] = rec["loss"], rec["importance"]
+    return rec
 
-  pending = None       # (step, metrics, val_bpb) of the previous step, handled once the next one is queued
-  timer = {"t": time.perf_counter(), "step": start, "paused": 0.0}
-  prof_last = cfg.train.profile_start + cfg.train.profile_steps - 1
-  # A resumed run past profile_start traces what is left of the range; past it, nothing.
-  prof_first = max(cfg.train.profile_start, start + 1) if cfg.train.profile_steps > 0 else 0
-  prof_dir = run_dir / "profile" / (f"process_{jax.process_index()}" if jax.process_count() > 1 else "")
-  profiling = False
-  try:
-    with _SignalFlag() as sig, jax.set_mesh(mesh):   # the mesh is active: attention runs per shard
-      for step in range(start + 1, stop_at + 1):
-        if step == prof_first and step <= prof_last:
-          jax.profiler.start_trace(str(prof_dir))
-          profiling = True
-        batch = next(train_iter)
-        state, m = train_step(state, to_global_batch({k: batch[k] for k in TRAIN_FEATURES}, batch_sh), rest)
-        if pending is not None:
-          finish_step(*pending)
-        if profiling and (step == prof_last or step == stop_at):
-          jax.block_until_ready(m)
-          jax.profiler.stop_trace()
-          profiling = False
-          if is_main:
-            bar.write(f"profile of steps {prof_first}-{step} written to {prof_dir} "
-                      f"(tensorboard --logdir {run_dir}, or ui.perfetto.dev with its trace.json.gz)")
-        t0 = time.perf_counter()
-        val_bpb = None
-        if eval_batches and ((cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0) or step == steps):
-          val_bpb = evaluate(state["params"])
-        if step % cfg.checkpoint.every == 0 or step == stop_at or sig.signum is not None:
-          ckpt.save(step, full_params(state["params"], rest), {k: v for k, v in state.items() if k != "params"},
-                    train_iter, force=True)
-        timer["paused"] += time.perf_counter() - t0
-        pending = (step, m, val_bpb)
-        if sig.signum is not None:
-          finish_step(*pending)
-          pending = None
-          raise Interrupted(sig.signum, step)
-      if pending is not None:
-        finish_step(*pending)
-  finally:
-    bar.close()
-    ckpt.close()
-    if hasattr(train_iter, "close"):
-      train_iter.close()
-    if is_main:
-      metrics_file.close()
-      writer.close()
-    if profiling:        # last: a failing profiler must not keep the checkpoint from being committed
+  def _write(self, rec: dict) -> None:
+    self.file.write(json.dumps(rec) + "\n")
+    self.file.flush()
+    for k in ("loss", "ce_loss", "aux_loss", "head_imbalance", "grad_norm", "lr", "tokens_per_s", "val_bpb"):
+      if k in rec:
+        self.writer.add_scalar(f"train/{k}" if k != "val_bpb" else "val/bpb", rec[k], rec["step"])
+    if "val_bpb" in rec:
+      self.bar.write(f"step {rec['step']}: loss {rec['loss']:.4f}  val_bpb {rec['val_bpb']:.4f}  head_imbalance "
+                     f"{rec['head_imbalance']:.4f}  {rec['tokens_per_s']:,.0f} tok/s")
+
+  def note(self, text: str) -> None:
+    if self.is_main:
+      self.bar.write(text)
+
+  def close(self) -> None:
+    self.bar.close()
+    if self.is_main:
+      self.file.close()
+      self.writer.close()
+
+  def finish(self, start: int) -> None:
+    """Plots and the closing line (process 0)."""
+    if not self.is_main:
+      return
+    s, cfg = self.summary, self.cfg
+    if start >= self.stop_at:
+      print(f"nothing to do: {self.run_dir} is already at step {start} of {cfg.train.steps} (raise train.steps "
+            "to continue)")
+    if s["last_importance"] is not None:
+      plots.plot_training_curves(self.path, self.run_dir)
+      plots.plot_importance_heatmap(s["last_importance"], self.run_dir / "importance.png",
+                                    f"head importance at step {self.stop_at} ({cfg.model.attention})")
+      print(f"done: step {self.stop_at}/{cfg.train.steps}, loss {s['final_loss']:.4f}"
+            + (f", val_bpb {s['val_bpb']:.4f}" if s["val_bpb"] is not None else "")
+            + f", {time.perf_counter() - self.t_start:.0f}s; run dir {self.run_dir}", flush=True)
+
+
+class Profiler:
+  """A jax.profiler trace of steps [train.profile_start, + train.profile_steps) into RUN_DIR/profile (a resumed
+  run past profile_start traces what is left of the range; past it, nothing)."""
+
+  def __init__(self, cfg: Config, run_dir: pathlib.Path, start: int, stop_at: int):
+    t = cfg.train
+    self.first = max(t.profile_start, start + 1) if t.profile_steps > 0 else 0
+    self.last = min(t.profile_start + t.profile_steps - 1, stop_at)
+    self.dir = run_dir / "profile" / (f"process_{jax.process_index()}" if jax.process_count() > 1 else "")
+    self.run_dir, self.active = run_dir, False
+
+  def before(self, step: int) -> None:
+    if step == self.first and step <= self.last:
+      jax.profiler.start_trace(str(self.dir))
+      self.active = True
+
+  def after(self, step: int, m, log: MetricsLogger) -> None:
+    if self.active and step == self.last:
+      jax.block_until_ready(m)
+      jax.profiler.stop_trace()
+      self.active = False
+      log.note(f"profile of steps {self.first}-{step} written to {self.dir} (tensorboard --logdir {self.run_dir}, "
+               "or ui.perfetto.dev with its trace.json.gz)")
+
+  def close(self) -> None:
+    if self.active:      # last: a failing profiler must not keep the checkpoint from being committed
       try:
         jax.profiler.stop_trace()
       except Exception as e:  # pylint: disable=broad-except
-        warnings.warn(f"could not finish the profile in {prof_dir}: {e}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"could not finish the profile in {self.dir}: {e}", RuntimeWarning, stacklevel=2)
 
-  if is_main and start >= stop_at:
-    print(f"nothing to do: {run_dir} is already at step {start} of {steps} (raise train.steps to continue)")
-  if is_main and summary["last_importance"] is not None:
-    plots.plot_training_curves(metrics_path, run_dir)
-    plots.plot_importance_heatmap(summary["last_importance"], run_dir / "importance.png",
-                                  f"head importance at step {stop_at} ({cfg.model.attention})")
-    print(f"done: step {stop_at}/{steps}, loss {summary['final_loss']:.4f}"
-          + (f", val_bpb {summary['val_bpb']:.4f}" if summary["val_bpb"] is not None else "")
-          + f", {time.perf_counter() - t_start:.0f}s; run dir {run_dir}", flush=True)
-  summary["end_step"] = stop_at
-  return summary
+
+# --------------------------------------------------------------------------------------------------------------
+# The run: model, optimizer and data on the mesh, restored or initialized
+# --------------------------------------------------------------------------------------------------------------
+
+class TrainedParams:
+  """Which parameters the optimizer trains. Without LoRA all of them (`rest` is empty); with lora.rank > 0 only the
+  adapters (nnx.LoRAParam), and the frozen base weights travel as `rest`, an argument of the jitted step. The
+  checkpoint's params item always holds every parameter, so load_run, evaluation and export read a run on its own."""
+
+  def __init__(self, cfg: Config):
+    self.cfg = cfg
+    self.filter = lora_lib.trainable(cfg.lora)
+
+  def build_model(self):
+    seed = self.cfg.train.seed
+    return lora_lib.apply(Transformer(self.cfg.model, rngs=nnx.Rngs(seed)), self.cfg.lora, nnx.Rngs(seed + 1))
+
+  def split_model(self, model):
+    """(graphdef, trained params, rest)."""
+    return nnx.split(model, self.filter, ...)
+
+  def full(self, params, rest):
+    return nnx.merge_state(params, rest) if self.cfg.lora.rank else params
+
+  def split(self, full, rest_shapes):
+    return tuple(nnx.split_state(full, self.filter, ...)) if self.cfg.lora.rank else (full, rest_shapes)
+
+
+class Trainer:
+  """Everything one training invocation holds, built in the order that lets bad settings fail before anything is
+  written: config and tokenizer, mesh, model and optimizer shapes, data, run directory, jitted steps, then the
+  state (restored from RUN_DIR/checkpoints, or initialized, from train.init_from when fine-tuning)."""
+
+  def __init__(self, cfg: Config):
+    from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator  # pylint: disable=C0415
+    self.cfg = cfg = copy.deepcopy(cfg)        # filled in below (vocab_size, steps); the caller's stays as given
+    self.init_cfg = run_lib.adopt_init_model(cfg)  # fine-tuning: the model section of train.init_from
+    self.tok = build_tokenizer(cfg.data)
+    self._check_vocab()
+    self.mesh = sharding_lib.make_mesh(cfg.mesh)
+    micro = self._micro_batch()
+    self.shared = run_lib.fixed_shared_heads(cfg)
+    self.params = TrainedParams(cfg)
+    abstract_model = nnx.eval_shape(self.params.build_model)
+    assert not jax.tree.leaves(nnx.state(abstract_model, nnx.Not(nnx.Param))), \
+        "the model holds non-parameter state; the trainer needs to carry it"
+    self.graphdef, abstract_params, _ = self.params.split_model(abstract_model)
+    self.num_params = count_params(abstract_model)
+    self.num_trainable = sum(x.size for x in jax.tree.leaves(abstract_params))
+    cfg.train.steps = total_steps(cfg, self.num_params)
+    self.stop_at = min(cfg.train.stop_at_step or cfg.train.steps, cfg.train.steps)
+    self.tx, self.lr_schedule = optim.build_optimizer(cfg, cfg.train.steps)
+    run_lib.legacy_data_settings(cfg)          # data: validated before anything is written to run.dir
+    procs = jax.process_count()
+    self.train_iter = make_train_iterator(cfg.data, self.tok, batch_size=cfg.train.batch_size // procs,
+                                          seed=cfg.train.seed)
+    self.eval_batches = make_eval_batches(cfg.data, self.tok, batch_size=micro // procs,
+                                          num_batches=cfg.train.eval_batches) if cfg.train.eval_batches > 0 else []
+    self.run_dir, has_ckpt = run_lib.prepare_run_dir(cfg)
+    self._jit_steps()
+    self.ckpt = ckpt_lib.Checkpointer(self.run_dir, cfg.checkpoint)
+    self.start = self._restore() if has_ckpt and self.ckpt.latest_step() is not None else self._initialize()
+
+  def _check_vocab(self) -> None:
+    m = self.cfg.model
+    if m.vocab_size == 0:
+      m.vocab_size = self.tok.vocab_size
+    elif m.vocab_size < self.tok.vocab_size:
+      raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's "
+                        f"({self.tok.vocab_size}); set it to 0 to take the tokenizer's")
+
+  def _micro_batch(self) -> int:
+    micro = self.cfg.train.batch_size // self.cfg.train.grad_accum
+    shards, procs = sharding_lib.batch_shards(self.mesh), jax.process_count()
+    if micro % shards or micro % procs:
+      raise ConfigError(f"the micro-batch train.batch_size / train.grad_accum = {micro} must be divisible by the "
+                        f"{shards} batch shards (mesh.data x mesh.fsdp) and {procs} processes")
+    return micro
+
+  def _init_state(self):
+    _, params, rest = self.params.split_model(self.params.build_model())
+    return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32),
+            "rng": jax.random.PRNGKey(self.cfg.train.seed), "nonfinite": jnp.zeros((), jnp.int32)}, rest
+
+  def _jit_steps(self) -> None:
+    mesh = self.mesh
+    self.state_shapes, self.rest_shapes = jax.eval_shape(self._init_state)
+    self.state_sh = sharding_lib.state_shardings(mesh, self.state_shapes)
+    self.rest_sh = sharding_lib.state_shardings(mesh, self.rest_shapes)
+    self.batch_sh = sharding_lib.batch_sharding(mesh)
+    donate = (0,) if jax.default_backend() != "cpu" else ()  # CPU: async checkpoints may alias the buffers
+    shared = None if self.shared is None else jnp.asarray(self.shared)
+    self.train_step = jax.jit(make_train_step(self.cfg, self.graphdef, None, self.tx, shared),
+                              in_shardings=(self.state_sh, self.batch_sh, self.rest_sh),
+                              out_shardings=(self.state_sh, sharding_lib.replicated(mesh)), donate_argnums=donate)
+    self.eval_step = jax.jit(make_eval_step(self.graphdef, None),
+                             in_shardings=(self.state_sh["params"], self.batch_sh, self.rest_sh),
+                             out_shardings=sharding_lib.replicated(mesh))
+
+  def _restore(self) -> int:
+    target = ckpt_lib.abstract_with_shardings(self.state_shapes, self.state_sh)
+    params_target = self.params.full(target.pop("params"),
+                                     ckpt_lib.abstract_with_shardings(self.rest_shapes, self.rest_sh))
+    start, params, train_state = self.ckpt.restore_latest(params_target, target, self.train_iter)
+    params, self.rest = self.params.split(params, self.rest_shapes)
+    self.state = {"params": params, **train_state}
+    return start
+
+  def _initialize(self) -> int:
+    self.state, self.rest = jax.jit(self._init_state, out_shardings=(self.state_sh, self.rest_sh))()
+    if self.init_cfg is not None:       # fine-tuning: the base weights of train.init_from (fresh adapters w/ LoRA)
+      base = run_lib.restore_init_params(self.cfg, self.init_cfg, self.mesh)
+      if self.cfg.lora.rank:
+        self.rest = jax.device_put(base, self.rest_sh)
+      else:
+        self.state["params"] = jax.device_put(base, self.state_sh["params"])
+    return 0
+
+  def write_config(self) -> None:
+    """config.yaml (the resolved config) and the opening line, on process 0."""
+    if jax.process_index() != 0:
+      return
+    cfg = self.cfg
+    resolved = config_lib.to_dict(cfg)
+    resolved["train"]["stop_at_step"] = 0           # a property of this invocation, not of the run
+    _write_atomic(self.run_dir / run_lib.CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False))
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    print(f"sinkjax.train: {cfg.model.attention} attention, {self.num_params:,} params"
+          + (f" ({self.num_trainable:,} trained: LoRA rank {cfg.lora.rank})" if cfg.lora.rank else "")
+          + (f" from {cfg.train.init_from}" if cfg.train.init_from else "") + f", {cfg.train.steps} steps x "
+          f"{tokens:,} tokens ({cfg.train.steps * tokens / self.num_params:.1f} tokens/param), mesh "
+          f"{dict(self.mesh.shape)}, run dir {self.run_dir}" + (f", resuming from step {self.start}" if self.start
+                                                                 else ""), flush=True)
+
+  def evaluate(self) -> float:
+    """Validation BPB of the current parameters over the eval batches (nanochat's rule, `analysis.nll_sums`)."""
+    from sinkjax.data import to_global_batch  # pylint: disable=import-outside-toplevel
+    nll = nbytes = 0.0
+    for b in self.eval_batches:
+      batch = to_global_batch({k: b[k] for k in EVAL_FEATURES}, self.batch_sh)
+      n, by = jax.device_get(self.eval_step(self.state["params"], batch, self.rest))
+      nll, nbytes = nll + float(n), nbytes + float(by)
+    return nll / math.log(2) / max(nbytes, 1.0)
+
+  def save(self, step: int) -> None:
+    state = self.state
+    self.ckpt.save(step, self.params.full(state["params"], self.rest),
+                   {k: v for k, v in state.items() if k != "params"}, self.train_iter, force=True)
+
+  def step(self):
+    """One optimizer step on the next batch; returns its (device) metrics."""
+    from sinkjax.data import to_global_batch  # pylint: disable=import-outside-toplevel
+    batch = next(self.train_iter)
+    self.state, m = self.train_step(self.state, to_global_batch({k: batch[k] for k in TRAIN_FEATURES},
+                                                                self.batch_sh), self.rest)
+    return m
+
+  def close(self) -> None:
+    self.ckpt.close()
+    if hasattr(self.train_iter, "close"):
+      self.train_iter.close()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------------------
+
+def train(cfg: Config, *, progress: bool = True) -> dict:
+  """Trains (or resumes) the run of `cfg`; returns a summary {steps, final_loss, val_bpb, run_dir, ...}."""
+  trainer = Trainer(cfg)
+  trainer.write_config()
+  cfg, start, stop_at = trainer.cfg, trainer.start, trainer.stop_at
+  log = MetricsLogger(cfg, trainer.run_dir, lr_schedule=trainer.lr_schedule, start=start, stop_at=stop_at,
+                      progress=progress)
+  profiler = Profiler(cfg, trainer.run_dir, start, stop_at)
+  pending = None       # (step, metrics, val_bpb) of the previous step, logged once the next one is queued
+  try:
+    with _SignalFlag() as sig, jax.set_mesh(trainer.mesh):   # the mesh is active: attention runs per shard
+      for step in range(start + 1, stop_at + 1):
+        profiler.before(step)
+        m = trainer.step()
+        if pending is not None:
+          log.step_done(*pending)
+        profiler.after(step, m, log)
+        t0 = time.perf_counter()
+        val_bpb = trainer.evaluate() if trainer.eval_batches and (
+            (cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0) or step == cfg.train.steps) else None
+        if step % cfg.checkpoint.every == 0 or step == stop_at or sig.signum is not None:
+          trainer.save(step)
+        log.paused(time.perf_counter() - t0)
+        pending = (step, m, val_bpb)
+        if sig.signum is not None:
+          log.step_done(*pending)
+          pending = None
+          raise Interrupted(sig.signum, step)
+      if pending is not None:
+        log.step_done(*pending)
+  finally:
+    log.close()
+    trainer.close()
+    profiler.close()
+  log.finish(start)
+  log.summary.update(end_step=stop_at, num_params=trainer.num_params, trainable_params=trainer.num_trainable)
+  return log.summary
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -310,7 +310,7 @@ def test_stream_config_errors(tmp_path):
 
 
 def test_runs_predating_packing_resume_with_document_packing(tmp_path):
-  from sinkjax.train import _legacy_data_settings
+  from sinkjax.run import legacy_data_settings as _legacy_data_settings
   cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), [f"run.dir={tmp_path}", "data.packing=stream"])
   (tmp_path / "config.yaml").write_text("data:\n  source: default\n  shuffle_batches: 8\n")
   _legacy_data_settings(cfg)

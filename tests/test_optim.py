@@ -1,0 +1,44 @@
+"""The optimizer groups and nanochat's Muon pieces that the training parity test (test_nanochat.py) does not reach:
+MoE expert matrices orthogonalized per expert, the momentum warmup schedule, the shape scale."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sinkjax import optim
+from sinkjax.config import Config, ModelConfig
+from sinkjax.model import Transformer
+
+
+def test_moe_experts_are_matrices_orthogonalized_per_expert():
+  cfg = ModelConfig(num_layers=1, d_model=16, num_heads=2, num_kv_heads=2, head_dim=8, vocab_size=32, mlp="swiglu",
+                    moe_experts=3, moe_top_k=1, mlp_hidden=24, dtype="float32")
+  params = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  labels = {"/".join(map(str, p)): l for p, l in nnx.to_flat_state(optim.param_labels(params))}
+  for name in ("gate_kernel", "up_kernel", "down_kernel"):
+    assert labels[f"layers/0/mlp/{name}"] == "matrix"
+  assert labels["layers/0/mlp/router/bias"] == "scalar"
+  g = jax.random.normal(jax.random.key(0), (3, 16, 24))
+  tx = optim.scale_by_muon(beta=0.0, ns_dtype=jnp.float32)          # beta 0: the direction of g itself
+  out, _ = tx.update({"w": g}, tx.init({"w": g}))
+  scale = max(1.0, 24 / 16) ** 0.5                                   # fan_out / fan_in in Flax's (in, out) layout
+  for e in range(3):
+    np.testing.assert_allclose(np.asarray(out["w"][e]), scale * np.asarray(optim.newton_schulz(g[e], 5, jnp.float32)),
+                               rtol=1e-5, atol=1e-6)
+    s = np.linalg.svd(np.asarray(out["w"][e]) / scale, compute_uv=False)
+    assert 0.5 < s.min() and s.max() < 1.5                           # Keller's quintic: singular values ~U(0.5, 1.5)
+
+
+def test_momentum_warms_up_like_base_train():
+  """beta(step) = 0.85 + 0.1 min(step / 300, 1) (base_train's get_muon_momentum), through Muon's own count."""
+  cfg = Config()
+  tx = optim.muon(cfg.train, lambda count: 1.0)
+  w = {"w": jnp.ones((4, 4))}
+  state = tx.init(w)
+  g = {"w": jnp.eye(4)}
+  for step in range(3):
+    mom_before = state[0].momentum["w"]
+    _, state = tx.update(g, state, w)
+    beta = 0.85 + 0.1 * min(step / 300, 1)
+    np.testing.assert_allclose(np.asarray(state[0].momentum["w"]), beta * np.asarray(mom_before) + (1 - beta) * np.eye(4),
+                               rtol=1e-6)
