@@ -139,6 +139,18 @@ def test_xla_bf16(x64):
   compare("xla", block_k=16, dtype=jnp.bfloat16, tol=(3e-2, 3e-2))
 
 
+def test_float64_inputs_under_x64():
+  """With x64 on, jnp arrays default to float64: xla and the reference take them (out in float64, lse float32),
+  the Pallas backends (no float64 on TPUs and in Triton dots) refuse them with a message saying what to do."""
+  with jax.enable_x64(True):
+    q, k, v, w, u = make_inputs(T=24, dtype=jnp.float64)
+    compare("xla", block_k=8, T=24, dtype=jnp.float64)
+    assert flash_attention(q, k, v, impl="xla")[0].dtype == jnp.float64
+    for impl in ("pallas_gpu", "pallas_tpu"):
+      with pytest.raises(ValueError, match=r"float32 or bfloat16 q, k, v; got float64.*astype\(jnp.float32\)"):
+        flash_attention(q, k, v, impl=impl, interpret=True)
+
+
 def test_padding_rows_zero_output_neg_inf_lse_no_nan():
   B, T = 3, 24
   seg = packed_segments(B, T)

@@ -156,6 +156,9 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
     impl = default_impl()
   if impl == "reference":
     return reference.attention(q, k, v, q_seg, kv_seg, causal=causal, scale=scale)
+  if impl in _HARDWARE and jnp.float64 in (q.dtype, k.dtype, v.dtype):
+    raise ValueError(f"impl={impl!r} takes float32 or bfloat16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype} (with "
+                     "jax_enable_x64 on, jnp/jax.random default to float64: cast with .astype(jnp.float32))")
   if interpret is None:
     interpret = impl in _HARDWARE and jax.default_backend() not in (_HARDWARE[impl], "cuda")
   st = _Static(impl, bool(causal), scale, blocks, bool(interpret))
