@@ -22,6 +22,7 @@ from sinkjax.config import ConfigError, MeshConfig
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
+HEAD_AXIS = "tensor"          # attention heads; also where the kernel's per-shard wrapper splits them
 
 
 def make_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:

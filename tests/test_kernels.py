@@ -1,15 +1,33 @@
 """flash_attention: every backend against the materialized reference, forward and backward through out AND lse.
 
 Pallas backends are checked in their own files (interpret mode + cross-lowering); here: the reference itself against
-an independent library (jax.nn.dot_product_attention), and the blockwise XLA backend against the reference.
+an independent library (jax.nn.dot_product_attention), the blockwise XLA backend against the reference, the
+dispatcher's BlockSizes (validation, and which tile each backend's passes run with), and the per-shard wrapper.
+Tests taking the `x64` fixture run twice, the second time with jax_enable_x64 on (as scientific users run).
 """
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sinkjax.kernels import flash_attention
+from sinkjax import sharding
+from sinkjax.kernels import BlockSizes, flash_attention
+
+
+@pytest.fixture(params=[False, True], ids=["x32", "x64"])
+def x64(request):
+  """Runs a test with jax_enable_x64 off, then on. `jax.enable_x64` is a context setting restored on exit, so it
+  cannot leak into the other tests of the same xdist worker; the asserts check both ends. (Imported by the Pallas
+  test files too.)"""
+  before = jax.config.jax_enable_x64
+  with jax.enable_x64(request.param):
+    assert jnp.arange(1).dtype == (jnp.int64 if request.param else jnp.int32)
+    yield request.param
+  assert jax.config.jax_enable_x64 == before
 
 
 def make_inputs(B=2, T=37, S=None, Hq=4, Hkv=2, D=16, dtype=jnp.float32, seed=0, logit_scale=1.0):
@@ -49,19 +67,20 @@ def assert_close(a, b, rtol, atol, what):
   np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=what)
 
 
-def compare(impl, *, causal=True, seg=None, block_k=None, tol=(2e-5, 2e-5), **shape):
+def compare(impl, *, causal=True, seg=None, block_k=None, block_sizes=None, tol=(2e-5, 2e-5), **shape):
   q, k, v, w, u = make_inputs(**shape)
   kw = dict(causal=causal, segment_ids=seg)
-  fwd = jax.jit(flash_attention, static_argnames=("impl", "block_k", "causal"))
-  out, lse = fwd(q, k, v, impl=impl, block_k=block_k, **kw)
+  blocks = dict(block_k=block_k, block_sizes=block_sizes)
+  fwd = jax.jit(flash_attention, static_argnames=("impl", "block_k", "block_sizes", "causal"))
+  out, lse = fwd(q, k, v, impl=impl, **blocks, **kw)
   out_r, lse_r = fwd(q, k, v, impl="reference", **kw)
   rtol, atol = tol
   finite = np.isfinite(np.asarray(lse_r))
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
   assert_close(out, out_r, rtol, atol, "out")
   assert_close(np.where(finite, lse, 0), np.where(finite, lse_r, 0), rtol, atol, "lse")
-  grad = jax.jit(jax.grad(loss_both_outputs, (0, 1, 2)), static_argnames=("impl", "block_k", "causal"))
-  g = grad(q, k, v, w, u, impl=impl, block_k=block_k, **kw)
+  grad = jax.jit(jax.grad(loss_both_outputs, (0, 1, 2)), static_argnames=("impl", "block_k", "block_sizes", "causal"))
+  g = grad(q, k, v, w, u, impl=impl, **blocks, **kw)
   g_r = grad(q, k, v, w, u, impl="reference", **kw)
   scale = max(float(jnp.abs(x.astype(jnp.float32)).max()) for x in g_r)
   for name, a, b in zip("qkv", g, g_r):
@@ -86,9 +105,15 @@ def test_xla_matches_reference_f32(causal, block_k):
   compare("xla", causal=causal, block_k=block_k)
 
 
-def test_xla_packed_segments_with_padding():
+def test_xla_packed_segments_with_padding(x64):
   B, T = 3, 45
   compare("xla", seg=packed_segments(B, T), block_k=16, B=B, T=T)
+
+
+def test_xla_distinct_forward_and_backward_tiles(x64):
+  """Forward key tile 8, backward key tile 16 (neither divides T = 45): same values and gradients as the reference."""
+  B, T = 3, 45
+  compare("xla", seg=packed_segments(B, T), block_sizes=BlockSizes(block_k=8, block_kv_dkv=16), B=B, T=T)
 
 
 def test_xla_gqa_mqa_and_mha():
@@ -101,7 +126,7 @@ def test_xla_large_logits():
   compare("xla", block_k=8, logit_scale=30.0, tol=(2e-5, 5e-5))
 
 
-def test_xla_cross_attention_t_not_s():
+def test_xla_cross_attention_t_not_s(x64):
   """T != S, bottom-right-aligned causal mask and pair-form segment ids (decode against a cache)."""
   B, T, S = 2, 5, 29
   q_seg = jnp.ones((B, T), jnp.int32)
@@ -110,8 +135,20 @@ def test_xla_cross_attention_t_not_s():
     compare("xla", causal=causal, seg=(q_seg, kv_seg), block_k=8, B=B, T=T, S=S)
 
 
-def test_xla_bf16():
+def test_xla_bf16(x64):
   compare("xla", block_k=16, dtype=jnp.bfloat16, tol=(3e-2, 3e-2))
+
+
+def test_float64_inputs_under_x64():
+  """With x64 on, jnp arrays default to float64: xla and the reference take them (out in float64, lse float32),
+  the Pallas backends (no float64 on TPUs and in Triton dots) refuse them with a message saying what to do."""
+  with jax.enable_x64(True):
+    q, k, v, w, u = make_inputs(T=24, dtype=jnp.float64)
+    compare("xla", block_k=8, T=24, dtype=jnp.float64)
+    assert flash_attention(q, k, v, impl="xla")[0].dtype == jnp.float64
+    for impl in ("pallas_gpu", "pallas_tpu"):
+      with pytest.raises(ValueError, match=r"float32 or bfloat16 q, k, v; got float64.*astype\(jnp.float32\)"):
+        flash_attention(q, k, v, impl=impl, interpret=True)
 
 
 def test_padding_rows_zero_output_neg_inf_lse_no_nan():
@@ -152,17 +189,14 @@ def test_auto_on_cpu_is_xla_and_errors():
     flash_attention(q[0], k, v)
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (8, 1, 1), (1, 4, 2)])
-def test_sharded_jit_8_devices(shape):
-  """Inside a sharded jit with an active mesh, the kernel runs per shard (shard_map over batch and heads) and
-  matches the single-device reference, forward and backward."""
-  assert jax.device_count() == 8, "conftest sets 8 simulated CPU devices"
-  mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "fsdp", "tensor"))
+def _sharded_matches_reference(mesh, batch_spec, head_spec, **axes):
+  """Inside a sharded jit under `mesh`, the xla kernel runs per shard (shard_map over batch and heads) and its
+  gradients match the single-device reference."""
   q, k, v, w, u = make_inputs(B=8, T=32, Hq=4, Hkv=2)
   seg = jnp.ones((8, 32), jnp.int32).at[0, 20:].set(0)
-  kw = dict(segment_ids=seg, block_k=8)
+  kw = dict(segment_ids=seg, block_k=8, **axes)
   g_ref = jax.grad(loss_both_outputs, (0, 1, 2))(q, k, v, w, u, impl="reference", segment_ids=seg)
-  spec = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))
+  spec = NamedSharding(mesh, P(batch_spec, None, head_spec, None))
   with jax.set_mesh(mesh):
     args = [jax.device_put(x, spec) for x in (q, k, v)]
     f = jax.jit(jax.grad(lambda q, k, v: loss_both_outputs(q, k, v, w, u, impl="xla", **kw), (0, 1, 2)))
@@ -171,3 +205,90 @@ def test_sharded_jit_8_devices(shape):
   assert g[0].sharding.spec == spec.spec
   for a, b in zip(g, g_ref):
     assert_close(a, b, 2e-5, 2e-5, "sharded grad")
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (8, 1, 1), (1, 4, 2)])
+def test_sharded_jit_8_devices(shape, x64):
+  """The default axes: batch over ("data", "fsdp"), heads over "tensor", the names `sinkjax.sharding` uses."""
+  assert jax.device_count() == 8, "conftest sets 8 simulated CPU devices"
+  mesh = Mesh(np.array(jax.devices()).reshape(shape), sharding.AXES)
+  _sharded_matches_reference(mesh, sharding.BATCH_AXES, sharding.HEAD_AXIS)
+
+
+def test_sharded_jit_custom_axis_names():
+  """A mesh with other axis names: passing them as batch_axes / head_axis runs the kernel per shard."""
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("replica", "model"))
+  _sharded_matches_reference(mesh, "replica", "model", batch_axes=("replica",), head_axis="model")
+
+
+def test_mesh_axis_defaults_and_errors():
+  """The wrapper's default axes are sharding.py's constants (one home), and bad names are a clear ValueError."""
+  params = inspect.signature(flash_attention).parameters
+  assert params["batch_axes"].default is sharding.BATCH_AXES
+  assert params["head_axis"].default is sharding.HEAD_AXIS
+  q, k, v, *_ = make_inputs(T=8)
+  with pytest.raises(ValueError, match="head_axis 'data' is also one of batch_axes"):
+    flash_attention(q, k, v, head_axis="data")
+  with pytest.raises(ValueError, match="batch_axes must be mesh axis names"):
+    flash_attention(q, k, v, batch_axes=(0,))
+
+
+def test_block_sizes_errors_name_the_argument():
+  q, k, v, *_ = make_inputs(T=8)
+  with pytest.raises(ValueError, match=r"block_sizes\.block_q_dkv must be a positive integer"):
+    BlockSizes(block_q_dkv=0)
+  with pytest.raises(ValueError, match=r"block_sizes\.block_k must be a positive integer"):
+    BlockSizes(block_k=2.5)
+  with pytest.raises(ValueError, match="block_q must be a positive integer"):
+    flash_attention(q, k, v, impl="xla", block_q=-16)
+  with pytest.raises(ValueError, match="not both"):
+    flash_attention(q, k, v, impl="xla", block_k=8, block_sizes=BlockSizes(block_k=8))
+  with pytest.raises(TypeError, match="block_sizes must be a sinkjax.kernels.BlockSizes"):
+    flash_attention(q, k, v, impl="xla", block_sizes={"block_k": 8})
+  # Triton tiles are powers of two; a bad backward tile is reported at the forward call already.
+  with pytest.raises(ValueError, match="powers of two; got block_q_dkv=48"):
+    flash_attention(q, k, v, impl="pallas_gpu", interpret=True, block_sizes=BlockSizes(block_q_dkv=48))
+  with pytest.raises(ValueError, match="powers of two; got block_q=24"):
+    flash_attention(q, k, v, impl="pallas_gpu", interpret=True, block_q=24)
+
+
+def _pass_grids(impl, T, **kw):
+  """{pass name: grid} of the Pallas calls (or the lengths of the scans, for xla) in the traced fwd+bwd program."""
+  q = jnp.zeros((1, T, 4, 128), jnp.float32)
+  kv = jnp.zeros((1, T, 2, 128), jnp.float32)
+
+  def loss(q, k, v):
+    out, lse = flash_attention(q, k, v, impl=impl, **kw)
+    return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+  found = {}
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found[eqn.params["name"]] = tuple(eqn.params["grid_mapping"].grid)
+      if eqn.primitive.name == "scan":
+        found.setdefault("scan", []).append(eqn.params["length"])
+      for sub in jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, kv, kv).jaxpr)
+  return found
+
+
+def test_each_pass_runs_with_its_own_tiles():
+  """Tracing only: the forward, dK/dV and dQ passes are cut by their own BlockSizes fields."""
+  # xla: the forward scans 512 / 64 key blocks, the fused backward 512 / 128.
+  assert _pass_grids("xla", 512, block_sizes=BlockSizes(block_k=64, block_kv_dkv=128))["scan"] == [8, 4]
+  # pallas_gpu, grid (tiles of the outer axis, B, Hq): query tiles for forward and dq, key tiles for dk/dv.
+  grids = _pass_grids("pallas_gpu", 512, block_sizes=BlockSizes(64, 16, 16, 32, 128, 64), interpret=True)
+  assert grids == {"sinkjax_flash_fwd": (8, 1, 4), "sinkjax_flash_bwd_dq": (4, 1, 4),
+                   "sinkjax_flash_bwd_dkv": (16, 1, 4)}
+  # pallas_tpu: (B, Hq, nq, nk) for forward and dq, (B, Hkv, nk, G * nq) for dk/dv, with G = 2.
+  grids = _pass_grids("pallas_tpu", 512, block_sizes=BlockSizes(128, 256, 512, 128, 256, 512), interpret=True)
+  assert grids == {"sinkjax_flash_fwd": (1, 4, 4, 2), "sinkjax_flash_bwd_dkv": (1, 2, 4, 2 * 1),
+                   "sinkjax_flash_bwd_dq": (1, 4, 2, 1)}
+  # The block_q / block_k shorthand fills every pass.
+  grids = _pass_grids("pallas_tpu", 512, block_q=128, block_k=256, interpret=True)
+  assert grids == {"sinkjax_flash_fwd": (1, 4, 4, 2), "sinkjax_flash_bwd_dkv": (1, 2, 2, 2 * 4),
+                   "sinkjax_flash_bwd_dq": (1, 4, 4, 2)}

@@ -6,7 +6,9 @@ On a machine with a GPU the same tests run the compiled kernels for real:
     JAX_PLATFORMS=cuda python -m pytest tests/test_pallas_gpu.py
 
 (the conftest's default JAX_PLATFORMS=cpu is only a default). The reference then runs with float32 matmuls at
-HIGHEST precision, since XLA's default on GPUs is TF32, while the kernel keeps float32 dots exact for f32 inputs."""
+HIGHEST precision, since XLA's default on GPUs is TF32, while the kernel keeps float32 dots exact for f32 inputs.
+
+Tests taking the `x64` fixture run twice, the second time with jax_enable_x64 on."""
 import contextlib
 import functools
 
@@ -15,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sinkjax.kernels import flash_attention
+from sinkjax.kernels import BlockSizes, flash_attention
+from tests.test_kernels import x64  # noqa: F401  (pytest fixture: jax_enable_x64 off, then on)
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU            # interpret mode on CPU; the compiled Triton kernels on a GPU
@@ -63,6 +66,11 @@ def _run(impl, q, k, v, w, u, **kw):
   return out, lse, grads
 
 
+def _block_kw(blocks):
+  """A BlockSizes (separate forward / dK,dV / dQ tiles), or a (block_q, block_k) pair for the shorthand."""
+  return dict(block_sizes=blocks) if isinstance(blocks, BlockSizes) else dict(block_q=blocks[0], block_k=blocks[1])
+
+
 def _close(name, got, want, tol):
   got = np.asarray(jnp.asarray(got, jnp.float32))
   want = np.asarray(jnp.asarray(want, jnp.float32))
@@ -75,32 +83,38 @@ def _close(name, got, want, tol):
 
 
 CASES = [
-    # name, B, T, S, Hq, Hkv, D, causal, segments, block_q, block_k, q_mult
-    ("causal_packed_gqa", 3, 100, 100, 4, 2, 64, True, "packed", 32, 16, 1.0),
-    ("noncausal_packed_gqa", 3, 100, 100, 4, 2, 64, False, "packed", 16, 32, 1.0),
-    ("causal_plain_mha", 2, 64, 64, 2, 2, 64, True, "none", 16, 16, 1.0),
-    ("causal_d48", 2, 72, 72, 4, 2, 48, True, "packed", 32, 32, 1.0),
-    ("large_logits", 2, 64, 64, 4, 2, 64, True, "packed", 32, 16, 30.0),
-    ("noncausal_large_logits_d48", 2, 48, 48, 2, 1, 48, False, "packed", 16, 16, 30.0),
-    ("cross_causal_s_gt_t", 1, 40, 90, 4, 2, 64, True, "none", 16, 32, 1.0),
-    ("cross_causal_t_gt_s", 1, 90, 40, 4, 2, 64, True, "none", 16, 16, 1.0),
-    ("default_blocks", 2, 200, 200, 2, 1, 32, True, "packed", None, None, 1.0),
+    # name, B, T, S, Hq, Hkv, D, causal, segments, blocks, q_mult
+    ("causal_packed_gqa", 3, 100, 100, 4, 2, 64, True, "packed", (32, 16), 1.0),
+    ("noncausal_packed_gqa", 3, 100, 100, 4, 2, 64, False, "packed", (16, 32), 1.0),
+    ("causal_plain_mha", 2, 64, 64, 2, 2, 64, True, "none", (16, 16), 1.0),
+    ("causal_d48", 2, 72, 72, 4, 2, 48, True, "packed", (32, 32), 1.0),
+    ("large_logits", 2, 64, 64, 4, 2, 64, True, "packed", (32, 16), 30.0),
+    ("noncausal_large_logits_d48", 2, 48, 48, 2, 1, 48, False, "packed", (16, 16), 30.0),
+    ("cross_causal_s_gt_t", 1, 40, 90, 4, 2, 64, True, "none", (16, 32), 1.0),
+    ("cross_causal_t_gt_s", 1, 90, 40, 4, 2, 64, True, "none", (16, 16), 1.0),
+    ("default_blocks", 2, 200, 200, 2, 1, 32, True, "packed", (None, None), 1.0),
+    # Forward, dK/dV and dQ each on their own tiles (and so each pass padded differently).
+    ("distinct_tiles_causal_packed", 3, 100, 100, 4, 2, 64, True, "packed", BlockSizes(32, 16, 16, 64, 64, 16), 1.0),
+    ("distinct_tiles_noncausal", 2, 72, 72, 4, 2, 48, False, "packed", BlockSizes(16, 64, 64, 16, 32, 32), 1.0),
+    ("distinct_tiles_cross_s_gt_t", 1, 40, 90, 4, 2, 64, True, "none", BlockSizes(16, 32, 32, 16, 16, 64), 1.0),
+    ("distinct_tiles_backward_only", 2, 64, 64, 4, 2, 64, True, "packed", BlockSizes(block_q_dq=16), 1.0),
 ]
 
 
-_BF16_CASES = ("causal_packed_gqa", "noncausal_packed_gqa", "causal_d48", "large_logits")  # keeps the suite quick
+_BF16_CASES = ("causal_packed_gqa", "noncausal_packed_gqa", "causal_d48", "large_logits",
+               "distinct_tiles_causal_packed")  # keeps the suite quick
 _PARAMS = [pytest.param(c, jnp.float32, id=f"{c[0]}-f32") for c in CASES] + [
     pytest.param(c, jnp.bfloat16, id=f"{c[0]}-bf16") for c in CASES if c[0] in _BF16_CASES]
 
 
 @pytest.mark.parametrize("case,dtype", _PARAMS)
-def test_matches_reference(case, dtype):
-  _, B, T, S, Hq, Hkv, D, causal, seg_pattern, bq, bk, q_mult = case
+def test_matches_reference(case, dtype, x64):
+  _, B, T, S, Hq, Hkv, D, causal, seg_pattern, blocks, q_mult = case
   q, k, v, w, u = _inputs(B, T, S, Hq, Hkv, D, dtype, q_mult)
   seg = _segments(B, T, seg_pattern) if S == T else None
   kw = dict(causal=causal, segment_ids=seg)
   ref_out, ref_lse, ref_g = _run("reference", q, k, v, w, u, **kw)
-  out, lse, g = _run("pallas_gpu", q, k, v, w, u, block_q=bq, block_k=bk, **kw)
+  out, lse, g = _run("pallas_gpu", q, k, v, w, u, **_block_kw(blocks), **kw)
 
   assert out.dtype == q.dtype and out.shape == q.shape
   assert lse.dtype == jnp.float32 and lse.shape == (B, Hq, T)
@@ -123,7 +137,7 @@ def test_matches_reference(case, dtype):
     np.testing.assert_array_equal(np.asarray(g[2], np.float32)[pad], 0.0)
 
 
-def test_lse_cotangent_alone_reaches_q_and_k():
+def test_lse_cotangent_alone_reaches_q_and_k(x64):
   """A loss of the LSE only (dout = 0) must still produce the reference dq and dk (dv = 0)."""
   q, k, v, _, u = _inputs(2, 48, 48, 2, 1, 32, jnp.float32)
   seg = _segments(2, 48, "packed")
@@ -146,7 +160,7 @@ def test_lse_cotangent_alone_reaches_q_and_k():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_lowers_for_cuda(dtype):
+def test_lowers_for_cuda(dtype, x64):
   B, T, H, D = 1, 2048, 4, 128
   seg = jnp.concatenate([jnp.ones((B, 1000), jnp.int32), jnp.full((B, 1000), 2, jnp.int32),
                          jnp.zeros((B, 48), jnp.int32)], axis=1)
@@ -165,8 +179,10 @@ def test_lowers_for_cuda(dtype):
     assert "triton" in text
 
 
-def test_lowers_for_cuda_odd_shapes():
-  """GQA with a non-power-of-two group, head dim 80 (padded to 128), T != S, lengths not multiples of blocks."""
+@pytest.mark.parametrize("blocks", [(32, 128), BlockSizes(32, 128, 64, 32, 16, 64)], ids=["shorthand", "distinct"])
+def test_lowers_for_cuda_odd_shapes(blocks, x64):
+  """GQA with a non-power-of-two group, head dim 80 (padded to 128), T != S, lengths not multiples of blocks;
+  one tile pair for every pass, or distinct forward / dK,dV / dQ tiles."""
   B, T, S, Hq, Hkv, D = 2, 1100, 1300, 6, 2, 80
   q = jax.ShapeDtypeStruct((B, T, Hq, D), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((B, S, Hkv, D), jnp.bfloat16)
@@ -174,22 +190,23 @@ def test_lowers_for_cuda_odd_shapes():
 
   def loss(q, k, v):
     out, lse = flash_attention(q, k, v, causal=True, segment_ids=segs, impl="pallas_gpu", interpret=False,
-                               block_q=32, block_k=128)
+                               **_block_kw(blocks))
     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
 
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triton" in text
+  assert text.count("triton") == 3                                # forward, dq, dk/dv kernels
 
 
 @pytest.mark.skipif(not ON_GPU, reason="runs the compiled kernels; needs a GPU (JAX_PLATFORMS=cuda)")
+@pytest.mark.parametrize("blocks", [(32, 128), BlockSizes(32, 128, 64, 32, 16, 64)], ids=["shorthand", "distinct"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_odd_shapes_on_gpu(dtype):
+def test_odd_shapes_on_gpu(dtype, blocks):
   """The odd shapes of the lowering test above, compiled and run on the GPU against the reference."""
   q, k, v, w, u = _inputs(2, 1100, 1300, 6, 2, 80, dtype)
   segs = (jnp.ones((2, 1100), jnp.int32).at[1, 900:].set(0), jnp.ones((2, 1300), jnp.int32).at[1, 1000:].set(0))
   kw = dict(causal=True, segment_ids=segs)
   ref_out, ref_lse, ref_g = _run("reference", q, k, v, w, u, **kw)
-  out, lse, g = _run("pallas_gpu", q, k, v, w, u, block_q=32, block_k=128, **kw)
+  out, lse, g = _run("pallas_gpu", q, k, v, w, u, **_block_kw(blocks), **kw)
   tol = 5e-5 if dtype == jnp.float32 else 3e-2
   _close("out", out, ref_out, tol)
   _close("lse", lse, ref_lse, tol)

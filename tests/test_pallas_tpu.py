@@ -2,13 +2,15 @@
 
 Interpret mode (`pltpu.InterpretParams`) is ~100x slower than XLA, so shapes are small; blocks of 128 with
 T up to 160 still give multi-block grids (partially masked and skipped causal blocks, padded tails).
+Tests taking the `x64` fixture run twice, the second time with jax_enable_x64 on.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sinkjax.kernels import flash_attention
+from sinkjax.kernels import BlockSizes, flash_attention
+from tests.test_kernels import x64  # noqa: F401  (pytest fixture: jax_enable_x64 off, then on)
 
 F32_TOL = 2e-5
 BF16_TOL = 2e-2
@@ -36,6 +38,11 @@ def _run(impl, q, k, v, w, u, **kw):
   return out, lse, grads
 
 
+def _block_kw(blocks):
+  """A BlockSizes (separate forward / dK,dV / dQ tiles), or a (block_q, block_k) pair for the shorthand."""
+  return dict(block_sizes=blocks) if isinstance(blocks, BlockSizes) else dict(block_q=blocks[0], block_k=blocks[1])
+
+
 def _close(name, got, want, tol):
   got = np.asarray(got.astype(jnp.float32))
   want = np.asarray(want.astype(jnp.float32))
@@ -44,19 +51,22 @@ def _close(name, got, want, tol):
   np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, err_msg=name)
 
 
+DISTINCT = BlockSizes(128, 256, 256, 128, 128, 256)     # forward 128 x 256, dK/dV 256 x 128, dQ 128 x 256
 CASES = [
-    # B, T, S, Hq, Hkv, D, causal, dtype, segments, q_mult, block_q, block_k
-    pytest.param(2, 160, 160, 4, 2, 64, True, jnp.float32, True, 1.0, 128, 128, id="f32-causal-gqa-seg-ragged"),
-    pytest.param(1, 100, 160, 2, 1, 128, False, jnp.float32, True, 1.0, 128, 128, id="f32-noncausal-cross-seg"),
-    pytest.param(1, 160, 32, 2, 2, 64, True, jnp.float32, False, 1.0, 128, 128, id="f32-causal-T>S-empty-block"),
-    pytest.param(1, 128, 128, 2, 2, 64, True, jnp.float32, False, 30.0, None, None, id="f32-causal-large-logits"),
-    pytest.param(2, 160, 160, 4, 2, 64, True, jnp.bfloat16, True, 1.0, 128, 128, id="bf16-causal-gqa-seg-ragged"),
-    pytest.param(1, 96, 96, 2, 1, 128, False, jnp.bfloat16, False, 30.0, None, None, id="bf16-noncausal-mqa-large"),
+    # B, T, S, Hq, Hkv, D, causal, dtype, segments, q_mult, blocks
+    pytest.param(2, 160, 160, 4, 2, 64, True, jnp.float32, True, 1.0, (128, 128), id="f32-causal-gqa-seg-ragged"),
+    pytest.param(1, 100, 160, 2, 1, 128, False, jnp.float32, True, 1.0, (128, 128), id="f32-noncausal-cross-seg"),
+    pytest.param(1, 160, 32, 2, 2, 64, True, jnp.float32, False, 1.0, (128, 128), id="f32-causal-T>S-empty-block"),
+    pytest.param(1, 128, 128, 2, 2, 64, True, jnp.float32, False, 30.0, (None, None), id="f32-causal-large-logits"),
+    pytest.param(2, 160, 160, 4, 2, 64, True, jnp.bfloat16, True, 1.0, (128, 128), id="bf16-causal-gqa-seg-ragged"),
+    pytest.param(1, 96, 96, 2, 1, 128, False, jnp.bfloat16, False, 30.0, (None, None), id="bf16-noncausal-mqa-large"),
+    pytest.param(2, 160, 160, 4, 2, 64, True, jnp.float32, True, 1.0, DISTINCT, id="f32-causal-gqa-seg-distinct-tiles"),
+    pytest.param(1, 100, 160, 2, 1, 128, False, jnp.float32, True, 1.0, DISTINCT, id="f32-noncausal-cross-distinct"),
 ]
 
 
-@pytest.mark.parametrize("B,T,S,Hq,Hkv,D,causal,dtype,segments,q_mult,block_q,block_k", CASES)
-def test_matches_reference(B, T, S, Hq, Hkv, D, causal, dtype, segments, q_mult, block_q, block_k):
+@pytest.mark.parametrize("B,T,S,Hq,Hkv,D,causal,dtype,segments,q_mult,blocks", CASES)
+def test_matches_reference(B, T, S, Hq, Hkv, D, causal, dtype, segments, q_mult, blocks, x64):
   ks = jax.random.split(jax.random.PRNGKey(T * 7 + S + Hq), 5)
   q = (jax.random.normal(ks[0], (B, T, Hq, D)) * q_mult).astype(dtype)
   k = jax.random.normal(ks[1], (B, S, Hkv, D)).astype(dtype)
@@ -65,7 +75,7 @@ def test_matches_reference(B, T, S, Hq, Hkv, D, causal, dtype, segments, q_mult,
   u = jax.random.normal(ks[4], (B, Hq, T))
   seg = _segments(B, T, S) if segments else None
   kw = dict(causal=causal, segment_ids=seg)
-  out, lse, grads = _run("pallas_tpu", q, k, v, w, u, interpret=True, block_q=block_q, block_k=block_k, **kw)
+  out, lse, grads = _run("pallas_tpu", q, k, v, w, u, interpret=True, **_block_kw(blocks), **kw)
   out_r, lse_r, grads_r = _run("reference", q, k, v, w, u, **kw)
   tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
 
@@ -86,12 +96,12 @@ def test_matches_reference(B, T, S, Hq, Hkv, D, causal, dtype, segments, q_mult,
     _close(name, g, g_r, tol)
 
 
-def test_lse_cotangent_alone():
+def test_lse_cotangent_alone(x64):
   """Gradient through the LSE only (out unused) must match: checks the dlse term of dS on its own."""
   B, T, H, D = 1, 64, 2, 64
   ks = jax.random.split(jax.random.PRNGKey(3), 4)
-  q, k, v = (jax.random.normal(kk, (B, T, H, D)) for kk in ks[:3])
-  u = jax.random.normal(ks[3], (B, H, T))
+  q, k, v = (jax.random.normal(kk, (B, T, H, D), jnp.float32) for kk in ks[:3])
+  u = jax.random.normal(ks[3], (B, H, T), jnp.float32)
   seg = _segments(B, T, T)
 
   def loss(impl, **kw):
@@ -106,9 +116,10 @@ def test_lse_cotangent_alone():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape,blocks", [((1, 1024, 1024, 2, 2, 128), (None, None)),
                                           ((2, 1000, 1000, 4, 1, 128), (256, 128)),
-                                          ((1, 512, 1024, 2, 2, 64), (128, 256))],
-                         ids=["T1024-default", "T1000-gqa-ragged", "cross-D64"])
-def test_lowers_for_tpu(dtype, shape, blocks):
+                                          ((1, 512, 1024, 2, 2, 64), (128, 256)),
+                                          ((2, 1000, 1000, 4, 2, 128), BlockSizes(256, 512, 512, 128, 128, 384))],
+                         ids=["T1024-default", "T1000-gqa-ragged", "cross-D64", "T1000-gqa-distinct-tiles"])
+def test_lowers_for_tpu(dtype, shape, blocks, x64):
   """Forward and jax.grad lower to Mosaic TPU custom calls (no execution; the CPU has no TPU)."""
   B, T, S, Hq, Hkv, D = shape
   q = jax.ShapeDtypeStruct((B, T, Hq, D), dtype)
@@ -118,7 +129,7 @@ def test_lowers_for_tpu(dtype, shape, blocks):
 
   def f(q, k, v):
     return flash_attention(q, k, v, causal=True, segment_ids=(q_seg, kv_seg), impl="pallas_tpu", interpret=False,
-                           block_q=blocks[0], block_k=blocks[1])
+                           **_block_kw(blocks))
 
   def loss(q, k, v):
     out, lse = f(q, k, v)

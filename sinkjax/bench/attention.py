@@ -1,6 +1,10 @@
 """Benchmark: forward+backward time, peak memory and FLOP/s of each attention backend.
 
     python -m sinkjax.bench.attention [--seq 512 1024 ...] [--heads 4] [--head-dim 64] [--dtype float32]
+        [--block-q 128 --block-k 64] [--block-q-dkv 64 --block-kv-dkv 64 --block-q-dq 64 --block-kv-dq 64]
+
+Tiles: --block-q/--block-k set every pass (the `flash_attention(block_q=, block_k=)` shorthand); the four backward
+options then override the dK/dV and dQ passes (`sinkjax.kernels.BlockSizes`). Unset tiles are the backend defaults.
 
 The loss differentiates through both outputs (out and LSE), as sink-aware training does. Peak memory is XLA's
 compiled memory analysis (temporaries + outputs + arguments of the fwd+bwd program); on GPU/TPU the device's
@@ -10,15 +14,25 @@ fwd 2 matmuls + bwd 5 matmuls over the lower triangle = 7 * 2 * B*H*T^2*D / 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
 
-from sinkjax.kernels import default_impl, flash_attention
+from sinkjax.kernels import BlockSizes, default_impl, flash_attention
+
+_BWD_TILES = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
 
 
-def _loss_fn(impl, block_k):
+def block_sizes(args) -> BlockSizes:
+  """The tiles from the command line: --block-q/--block-k for every pass, the backward options on top."""
+  uniform = BlockSizes.uniform(args.block_q, args.block_k)
+  bwd = {name: getattr(args, name) for name in _BWD_TILES if getattr(args, name) is not None}
+  return dataclasses.replace(uniform, **bwd)
+
+
+def _loss_fn(impl, blocks):
   if impl == "jax.nn.dpa":
     def loss(q, k, v):
       out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
@@ -26,15 +40,15 @@ def _loss_fn(impl, block_k):
     return loss
 
   def loss(q, k, v):
-    out, lse = flash_attention(q, k, v, causal=True, impl=impl, block_k=block_k)
+    out, lse = flash_attention(q, k, v, causal=True, impl=impl, block_sizes=blocks)
     return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jax.nn.sigmoid(lse))
   return loss
 
 
-def bench_one(impl, B, T, H, D, dtype, block_k, repeats, max_bytes):
+def bench_one(impl, B, T, H, D, dtype, blocks, repeats, max_bytes):
   ks = jax.random.split(jax.random.PRNGKey(0), 3)
   q, k, v = (jax.random.normal(x, (B, T, H, D), dtype) for x in ks)
-  f = jax.jit(jax.value_and_grad(_loss_fn(impl, block_k), (0, 1, 2)))
+  f = jax.jit(jax.value_and_grad(_loss_fn(impl, blocks), (0, 1, 2)))
   try:
     compiled = f.lower(q, k, v).compile()
   except jax.errors.JaxRuntimeError as e:       # e.g. the autotuner's buffers of a materialized T x T program
@@ -59,6 +73,11 @@ def bench_one(impl, B, T, H, D, dtype, block_k, repeats, max_bytes):
               tflops=flops / t / 1e12)
 
 
+def _tiles_text(blocks: BlockSizes) -> str:
+  given = {k: v for k, v in dataclasses.asdict(blocks).items() if v is not None}
+  return " ".join(f"{k}={v}" for k, v in given.items()) or "backend defaults"
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
@@ -66,22 +85,30 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  p.add_argument("--block-k", type=int, default=None)
+  p.add_argument("--block-q", type=int, default=None, help="query tile of every pass (default: the backend's)")
+  p.add_argument("--block-k", type=int, default=None, help="key tile of every pass (default: the backend's)")
+  for name in _BWD_TILES:
+    p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None,
+                   help=f"{name} of BlockSizes: overrides --block-q/--block-k for that backward tile")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--impls", nargs="+", default=None,
                  help="backends to run (default: reference, xla, the platform's Pallas backend, jax.nn.dpa)")
   p.add_argument("--max-gib", type=float, default=12.0, help="skip configurations whose program needs more")
   args = p.parse_args(argv)
+  try:
+    blocks = block_sizes(args)
+  except ValueError as e:
+    p.error(str(e))
   platform = jax.default_backend()
   impls = args.impls or ["reference", "xla"] + ([default_impl()] if default_impl() != "xla" else []) + ["jax.nn.dpa"]
   dtype = jnp.dtype(args.dtype)
   print(f"# attention fwd+bwd, causal, B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}, "
-        f"platform={platform} ({jax.devices()[0].device_kind})")
+        f"platform={platform} ({jax.devices()[0].device_kind}), tiles {_tiles_text(blocks)}")
   print(f"{'T':>6} {'backend':>12} {'time ms':>10} {'peak MiB':>10} {'TFLOP/s':>9} {'vs ref':>7}")
   for T in args.seq:
     ref_ms = None
     for impl in impls:
-      r = bench_one(impl, args.batch, T, args.heads, args.head_dim, dtype, args.block_k, args.repeats,
+      r = bench_one(impl, args.batch, T, args.heads, args.head_dim, dtype, blocks, args.repeats,
                     args.max_gib * 2**30)
       if "skipped" in r:
         print(f"{T:>6} {impl:>12} {'-':>10} {'-':>10} {'-':>9} {'-':>7}  ({r['skipped']})")

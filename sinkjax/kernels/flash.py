@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from sinkjax.kernels import reference
+from sinkjax.kernels.blocks import BlockSizes, check_tile
+from sinkjax.sharding import BATCH_AXES, HEAD_AXIS
 
 IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
 _BACKEND_MODULES = {"xla": "sinkjax.kernels.xla", "pallas_tpu": "sinkjax.kernels.pallas_tpu",
@@ -27,8 +29,7 @@ class _Static:
   impl: str
   causal: bool
   scale: float
-  block_q: int | None
-  block_k: int | None
+  block_sizes: BlockSizes
   interpret: bool
 
 
@@ -52,7 +53,7 @@ def _flash_vjp(q, k, v, q_seg, kv_seg, st: _Static):
 
 
 def _kw(st):
-  return dict(causal=st.causal, scale=st.scale, block_q=st.block_q, block_k=st.block_k, interpret=st.interpret)
+  return dict(causal=st.causal, scale=st.scale, block_sizes=st.block_sizes, interpret=st.interpret)
 
 
 def _fwd(q, k, v, q_seg, kv_seg, st):
@@ -86,9 +87,36 @@ def _segments(segment_ids, B, T, S):
   return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
+def _check_shapes(q, k, v):
+  """(B, T, S, Hq, Hkv, D) of valid q [B,T,Hq,D], k/v [B,S,Hkv,D]; a ValueError naming the mismatch otherwise."""
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be [batch, time, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
+  B, T, Hq, D = q.shape
+  if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+    raise ValueError(f"k and v must be [B, S, Hkv, D] matching q {q.shape}; got k {k.shape}, v {v.shape}")
+  S, Hkv = k.shape[1], k.shape[2]
+  if Hq % Hkv:
+    raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+  return B, T, S, Hq, Hkv, D
+
+
+def _block_sizes(block_sizes, block_q, block_k) -> BlockSizes:
+  """The BlockSizes to run with: `block_sizes` as given, or the `block_q`/`block_k` shorthand for every pass."""
+  check_tile("block_q", block_q)
+  check_tile("block_k", block_k)
+  if block_sizes is None:
+    return BlockSizes.uniform(block_q, block_k)
+  if not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes must be a sinkjax.kernels.BlockSizes; got {type(block_sizes).__name__}")
+  if block_q is not None or block_k is not None:
+    raise ValueError("pass either block_sizes or the block_q/block_k shorthand, not both")
+  return block_sizes
+
+
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: float | None = None,
-                    impl: str = "auto", interpret: bool | None = None, block_q: int | None = None,
-                    block_k: int | None = None, window: int | None = None):
+                    impl: str = "auto", interpret: bool | None = None, block_sizes: BlockSizes | None = None,
+                    block_q: int | None = None, block_k: int | None = None, window: int | None = None,
+                    batch_axes=BATCH_AXES, head_axis: str | None = HEAD_AXIS):
   """Multi-head attention returning `(out, lse)`, differentiable through both.
 
   Args:
@@ -99,23 +127,22 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
     scale: logit scale, default 1/sqrt(D).
     impl: "auto" | "reference" | "xla" | "pallas_tpu" | "pallas_gpu".
     interpret: Pallas interpret mode; None = only when the backend's hardware is absent.
-    block_q, block_k: tile sizes (backend defaults when None).
+    block_sizes: `BlockSizes` with separate tiles for the forward, dK/dV and dQ passes (None fields and None =
+      backend defaults; see `sinkjax.kernels.blocks` for which backend reads which field).
+    block_q, block_k: shorthand for `BlockSizes.uniform(block_q, block_k)`: one tile for every pass.
     window: sliding-window attention (causal only): query t also needs s > t + S - T - window. Runs the blockwise
       jnp `local` kernel (self-attention) or the reference (T != S), both differentiated by autodiff.
+    batch_axes, head_axis: mesh axes the per-shard wrapper splits batch and kv heads over when a mesh is active
+      (defaults: `sinkjax.sharding.BATCH_AXES`, `HEAD_AXIS`); axes the mesh lacks are skipped.
 
   Returns:
     out [B, T, Hq, D] in q.dtype and lse float32 [B, Hq, T] (natural log).
   """
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"q, k, v must be [batch, time, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
-  B, T, Hq, D = q.shape
-  if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
-    raise ValueError(f"k and v must be [B, S, Hkv, D] matching q {q.shape}; got k {k.shape}, v {v.shape}")
-  S, Hkv = k.shape[1], k.shape[2]
-  if Hq % Hkv:
-    raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+  B, T, S, Hq, Hkv, D = _check_shapes(q, k, v)
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+  blocks = _block_sizes(block_sizes, block_q, block_k)
+  batch_axes, head_axis = _mesh_axes(batch_axes, head_axis)
   scale = float(1.0 / math.sqrt(D) if scale is None else scale)
   q_seg, kv_seg = _segments(segment_ids, B, T, S)
   if window:
@@ -129,26 +156,40 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
     impl = default_impl()
   if impl == "reference":
     return reference.attention(q, k, v, q_seg, kv_seg, causal=causal, scale=scale)
+  if impl in _HARDWARE and jnp.float64 in (q.dtype, k.dtype, v.dtype):
+    raise ValueError(f"impl={impl!r} takes float32 or bfloat16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype} (with "
+                     "jax_enable_x64 on, jnp/jax.random default to float64: cast with .astype(jnp.float32))")
   if interpret is None:
     interpret = impl in _HARDWARE and jax.default_backend() not in (_HARDWARE[impl], "cuda")
-  st = _Static(impl, bool(causal), scale, block_q, block_k, bool(interpret))
+  st = _Static(impl, bool(causal), scale, blocks, bool(interpret))
   fn = lambda q, k, v, q_seg, kv_seg: _flash_vjp(q, k, v, q_seg, kv_seg, st)
-  return _per_shard(fn, B, Hkv)(q, k, v, q_seg, kv_seg)
+  return _per_shard(fn, B, Hkv, batch_axes, head_axis)(q, k, v, q_seg, kv_seg)
 
 
-BATCH_AXES = ("data", "fsdp")
-HEAD_AXIS = "tensor"
+def _mesh_axes(batch_axes, head_axis):
+  """Normalizes the wrapper's axis names: a str or a sequence of str for the batch, a str or None for heads."""
+  if isinstance(batch_axes, str):
+    batch_axes = (batch_axes,)
+  batch_axes = tuple(batch_axes or ())
+  if not all(isinstance(a, str) for a in batch_axes):
+    raise ValueError(f"batch_axes must be mesh axis names (str); got {batch_axes!r}")
+  if head_axis is not None and not isinstance(head_axis, str):
+    raise ValueError(f"head_axis must be a mesh axis name (str) or None; got {head_axis!r}")
+  if head_axis in batch_axes:
+    raise ValueError(f"head_axis {head_axis!r} is also one of batch_axes {batch_axes}")
+  return batch_axes, head_axis
 
 
-def _per_shard(fn, batch: int, kv_heads: int):
-  """Runs the kernel once per shard when a mesh is active (`jax.set_mesh`): batch split over the data/fsdp axes,
-  heads over the tensor axis. Attention is independent per (batch row, head), so no communication is needed.
-  Without an active mesh (or when the shapes don't divide) the kernel is left to XLA's partitioner."""
+def _per_shard(fn, batch: int, kv_heads: int, batch_axes=BATCH_AXES, head_axis: str | None = HEAD_AXIS):
+  """Runs the kernel once per shard when a mesh is active (`jax.set_mesh`): batch split over `batch_axes`, kv heads
+  over `head_axis`. Attention is independent per (batch row, head), so no communication is needed. Axes the mesh
+  lacks (or of size 1) are skipped; without an active mesh (or when the shapes don't divide) the kernel is left to
+  XLA's partitioner."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return fn
-  batch_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
-  head_axis = HEAD_AXIS if HEAD_AXIS in mesh.axis_names and mesh.shape[HEAD_AXIS] > 1 else None
+  batch_axes = tuple(a for a in batch_axes if a in mesh.axis_names and mesh.shape[a] > 1)
+  head_axis = head_axis if head_axis in mesh.axis_names and mesh.shape[head_axis] > 1 else None
   n_batch = math.prod(mesh.shape[a] for a in batch_axes)
   if batch % n_batch:
     batch_axes = ()

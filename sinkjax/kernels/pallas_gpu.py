@@ -1,8 +1,8 @@
 """Flash attention for NVIDIA GPUs: Pallas kernels lowered through Triton, forward and backward.
 
 Implements the backend contract stated in `xla.py` (and used by `flash.py`):
-  fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_q, block_k, interpret) -> (out, lse)
-  bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_q, block_k, interpret) -> (dq, dk, dv)
+  fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes, interpret) -> (out, lse)
+  bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_sizes, interpret) -> (dq, dk, dv)
 
 Layout: q [B,T,Hq,D], k/v [B,S,Hkv,D]; query head h reads kv head h // (Hq // Hkv) through the BlockSpec index map
 (k/v are never repeated). Segment ids are int32 [B,T] / [B,S], 0 = padding. Causal masking is bottom-right aligned
@@ -18,11 +18,15 @@ The backward uses dS = P o (dP - D + g) with D = rowsum(dO o O) and g the LSE co
 preprocessing step together with a finite base-2 LSE (rows with lse = -inf have no visible key, so P = 0 there
 and their dlse is dropped: no NaN reaches any gradient).
 
-Shapes the hardware does not like are padded inside: T and S up to multiples of the blocks (padded keys and
-queries get segment 0, padded query rows are sliced off), the head dim up to a power of two >= 16.
+Each pass has its own tiles (`BlockSizes`: forward block_q x block_k, dk/dv block_q_dkv x block_kv_dkv, dq
+block_q_dq x block_kv_dq; powers of two). Shapes the hardware does not like are padded inside, per pass: T and S
+up to multiples of that pass's tiles (padded keys and queries get segment 0, padded query rows are sliced off), the
+head dim up to a power of two >= 16. Index arithmetic is explicitly int32 (grid ids, loop bounds), so the kernels
+trace the same under jax_enable_x64.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -32,10 +36,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-DEFAULT_BLOCK_Q = 128        # forward
-DEFAULT_BLOCK_K = 64
-DEFAULT_BWD_BLOCK_Q = 64     # backward (both kernels)
-DEFAULT_BWD_BLOCK_K = 64
+from sinkjax.kernels.blocks import BlockSizes
+
+DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
+                                 block_kv_dq=64)
 NUM_STAGES = 2
 
 _F32 = jnp.float32
@@ -47,12 +51,22 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _block(requested: int | None, default: int, length: int) -> int:
-  """A power-of-two block >= 16 (Triton's dot minimum), no larger than the padded sequence needs."""
-  b = default if requested is None else int(requested)
-  if b <= 0 or b & (b - 1):
-    raise ValueError(f"pallas_gpu block sizes must be powers of two; got {b}")
-  return max(16, min(b, _next_pow2(length)))
+def _tiles(block_sizes: BlockSizes, T: int, S: int) -> BlockSizes:
+  """Every pass's tiles, defaults filled in: powers of two >= 16 (Triton's dot minimum), no larger than the padded
+  sequence needs. All six are checked on every call, so a bad backward tile fails at the forward already."""
+  bs = block_sizes.or_defaults(DEFAULT_BLOCK_SIZES)
+  tiles = {}
+  for name, b in dataclasses.asdict(bs).items():
+    if b & (b - 1):
+      raise ValueError(f"pallas_gpu tiles must be powers of two; got {name}={b}")
+    length = S if name.split("_")[1] in ("k", "kv") else T
+    tiles[name] = max(16, min(b, _next_pow2(length)))
+  return BlockSizes(**tiles)
+
+
+def _i32(x):
+  """x as an int32 scalar: lax.div/fori_loop do not promote Python ints, which are int64 under jax_enable_x64."""
+  return jnp.asarray(x, jnp.int32)
 
 
 def _num_warps(head_dim_padded: int) -> int:
@@ -93,9 +107,9 @@ def _mask(q_seg, k_seg, q_pos, k_pos, causal, offset):
 def _kv_upper(i, bq, bk, nk, causal, offset):
   """Number of key blocks a query block must visit (causal: up to the diagonal)."""
   if not causal:
-    return nk
+    return _i32(nk)
   last = jnp.maximum((i + 1) * bq + offset, 0)          # keys < (i+1)*bq + offset may be visible
-  return jnp.minimum(lax.div(last + (bk - 1), bk), nk)
+  return jnp.minimum(lax.div(last + (bk - 1), _i32(bk)), nk)
 
 
 # ----------------------------------------------------------------------------------------------------- forward
@@ -127,7 +141,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, sca
     return acc, m_new, l
 
   init = (jnp.zeros((bq, dp_), _F32), jnp.full((bq,), -jnp.inf, _F32), jnp.zeros((bq,), _F32))
-  acc, m, l = lax.fori_loop(0, _kv_upper(i, bq, bk, nk, causal, offset), body, init)
+  acc, m, l = lax.fori_loop(_i32(0), _kv_upper(i, bq, bk, nk, causal, offset), body, init)
   valid = l > 0.0
   l_safe = jnp.where(valid, l, 1.0)
   o_ref[...] = jnp.where(valid[:, None], acc / l_safe[:, None], 0.0).astype(o_ref.dtype)
@@ -135,9 +149,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, sca
 
 
 def _prepare(q, k, v, q_seg, kv_seg, bq, bk):
-  """Pads T, S to the blocks (segment 0) and D to a power of two >= 16."""
-  B, T, Hq, D = q.shape
-  S = k.shape[1]
+  """Pads T, S to the tiles (segment 0) and D to a power of two >= 16."""
+  T, S, D = q.shape[1], k.shape[1], q.shape[3]
   Dp = max(16, _next_pow2(D))
   Tp, Sp = _ceil_to(T, bq), _ceil_to(S, bk)
   q = _pad_axis(_pad_axis(q, 1, Tp), 3, Dp)
@@ -148,35 +161,43 @@ def _prepare(q, k, v, q_seg, kv_seg, bq, bk):
   return q, k, v, q_seg, kv_seg, Tp, Sp, Dp
 
 
-def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_q=None, block_k=None, interpret=False):
+# BlockSpecs on a (tile, b, h) grid. `tiled`: the array is cut into blocks of n along its sequence axis and the
+# program reads block `tile`; otherwise the program reads the whole (padded) sequence of n.
+def _seq_spec(n, Dp, tiled, G=1):
+  """[B, N, H, Dp] (q, k, v, dout, outputs); kv arrays take G = Hq // Hkv so query head h reads kv head h // G."""
+  return pl.BlockSpec((None, n, None, Dp), lambda t, b, h: (b, t if tiled else 0, h // G, 0))
+
+
+def _seg_spec(n, tiled):
+  """[B, N] segment ids."""
+  return pl.BlockSpec((None, n), lambda t, b, h: (b, t if tiled else 0))
+
+
+def _row_spec(n, tiled):
+  """[B, Hq, N] per-query-row statistics (lse, c)."""
+  return pl.BlockSpec((None, None, n), lambda t, b, h: (b, h, t if tiled else 0))
+
+
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, Dp, interpret, name):
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                        compiler_params=plgpu.CompilerParams(num_warps=_num_warps(Dp), num_stages=NUM_STAGES),
+                        interpret=bool(interpret), name=name)
+
+
+def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes=BlockSizes(), interpret=False):
   B, T, Hq, D = q.shape
   S, Hkv = k.shape[1], k.shape[2]
-  G = Hq // Hkv
-  bq = _block(block_q, DEFAULT_BLOCK_Q, T)
-  bk = _block(block_k, DEFAULT_BLOCK_K, S)
+  bq, bk = _tiles(block_sizes, T, S).fwd
   qp, kp, vp, qsp, kvsp, Tp, Sp, Dp = _prepare(q, k, v, q_seg, kv_seg, bq, bk)
-  nq, nk = Tp // bq, Sp // bk
   kernel = functools.partial(_fwd_kernel, scale2=float(scale) * _LOG2E, causal=bool(causal), offset=S - T,
-                             bq=bq, bk=bk, nk=nk, precision=_precision(q.dtype))
-  out, lse = pl.pallas_call(
-      kernel,
-      grid=(nq, B, Hq),
-      in_specs=[
-          pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, i, h, 0)),
-          pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, h // G, 0)),
-          pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, h // G, 0)),
-          pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-          pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, i, h, 0)),
-          pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-      ],
-      out_shape=[jax.ShapeDtypeStruct((B, Tp, Hq, Dp), q.dtype),
-                 jax.ShapeDtypeStruct((B, Hq, Tp), _F32)],
-      compiler_params=plgpu.CompilerParams(num_warps=_num_warps(Dp), num_stages=NUM_STAGES),
-      interpret=bool(interpret),
-      name="sinkjax_flash_fwd",
+                             bq=bq, bk=bk, nk=Sp // bk, precision=_precision(q.dtype))
+  q_spec, kv_spec = _seq_spec(bq, Dp, True), _seq_spec(Sp, Dp, False, Hq // Hkv)
+  out, lse = _call(
+      kernel, grid=(Tp // bq, B, Hq),
+      in_specs=[q_spec, kv_spec, kv_spec, _seg_spec(bq, True), _seg_spec(Sp, False)],
+      out_specs=[q_spec, _row_spec(bq, True)],
+      out_shape=[jax.ShapeDtypeStruct((B, Tp, Hq, Dp), q.dtype), jax.ShapeDtypeStruct((B, Hq, Tp), _F32)],
+      Dp=Dp, interpret=interpret, name="sinkjax_flash_fwd",
   )(qp, kp, vp, qsp, kvsp)
   return out[:, :T, :, :D], lse[:, :, :T]
 
@@ -207,7 +228,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, do_ref, lse_ref, c_ref,
     ds = p * (dp + c[:, None])
     return dq + _dot(ds.astype(k.dtype), k, precision=precision)
 
-  dq = lax.fori_loop(0, _kv_upper(i, bq, bk, nk, causal, offset), body, jnp.zeros(q.shape, _F32))
+  dq = lax.fori_loop(_i32(0), _kv_upper(i, bq, bk, nk, causal, offset), body, jnp.zeros(q.shape, _F32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -239,86 +260,76 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, do_ref, lse_ref, c_ref
 
   if causal:
     # Query t sees key s iff t >= s - offset: start at the query block holding the first such t.
-    lower = lax.div(jnp.maximum(j * bk - offset, 0), bq)
+    lower = lax.div(jnp.maximum(j * bk - offset, 0), _i32(bq))
     lower = jnp.minimum(lower, nq)
   else:
-    lower = 0
+    lower = _i32(0)
   zeros = jnp.zeros(k.shape, _F32)
-  dk, dv = lax.fori_loop(lower, nq, body, (zeros, zeros))
+  dk, dv = lax.fori_loop(lower, _i32(nq), body, (zeros, zeros))
   dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_q=None, block_k=None,
-        interpret=False):
-  B, T, Hq, D = q.shape
-  S, Hkv = k.shape[1], k.shape[2]
-  G = Hq // Hkv
-  bq = _block(block_q, DEFAULT_BWD_BLOCK_Q, T)
-  bk = _block(block_k, DEFAULT_BWD_BLOCK_K, S)
-  qp, kp, vp, qsp, kvsp, Tp, Sp, Dp = _prepare(q, k, v, q_seg, kv_seg, bq, bk)
-  nq, nk = Tp // bq, Sp // bk
+def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_sizes=BlockSizes(), interpret=False):
+  T, S = q.shape[1], k.shape[1]
+  tiles = _tiles(block_sizes, T, S)
   dout = dout.astype(q.dtype)
-  dop = _pad_axis(_pad_axis(dout, 1, Tp), 3, Dp)
-
   # Row terms (f32, [B, Hq, T]): base-2 LSE and c = dlse - rowsum(dO o O); zero on rows with no visible key.
   finite = jnp.isfinite(lse)
   delta = jnp.einsum("bthd,bthd->bht", dout.astype(_F32), out.astype(_F32))
-  lse2 = _pad_axis(jnp.where(finite, lse * _LOG2E, 0.0).astype(_F32), 2, Tp)
-  c = _pad_axis(jnp.where(finite, dlse.astype(_F32) - delta, 0.0), 2, Tp)
+  lse2 = jnp.where(finite, lse * _LOG2E, 0.0).astype(_F32)
+  c = jnp.where(finite, dlse.astype(_F32) - delta, 0.0)
+  args = (q, k, v, q_seg, kv_seg, dout, lse2, c)
+  kw = dict(scale=float(scale), scale2=float(scale) * _LOG2E, causal=bool(causal), offset=S - T,
+            precision=_precision(q.dtype))
+  dq = _dq(args, tiles.dq, kw, interpret)
+  dk, dv = _dkv(args, tiles.dkv, kw, interpret)
+  return dq, dk, dv
 
-  common = dict(scale=float(scale), scale2=float(scale) * _LOG2E, causal=bool(causal), offset=S - T, bq=bq, bk=bk,
-                precision=_precision(q.dtype))
-  params = plgpu.CompilerParams(num_warps=_num_warps(Dp), num_stages=NUM_STAGES)
 
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, nk=nk, **common),
-      grid=(nq, B, Hq),
-      in_specs=[
-          pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, i, h, 0)),         # q
-          pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, h // G, 0)),    # k
-          pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, h // G, 0)),    # v
-          pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),                         # q_seg
-          pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)),                         # kv_seg
-          pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, i, h, 0)),         # dout
-          pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),                # lse2
-          pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),                # c
-      ],
-      out_specs=pl.BlockSpec((None, bq, None, Dp), lambda i, b, h: (b, i, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, Tp, Hq, Dp), q.dtype),
-      compiler_params=params,
-      interpret=bool(interpret),
-      name="sinkjax_flash_bwd_dq",
-  )(qp, kp, vp, qsp, kvsp, dop, lse2, c)
+def _prepare_bwd(q, k, v, q_seg, kv_seg, dout, lse2, c, bq, bk):
+  """`_prepare` plus dout padded like q and the row terms padded along T."""
+  qp, kp, vp, qsp, kvsp, Tp, Sp, Dp = _prepare(q, k, v, q_seg, kv_seg, bq, bk)
+  dop = _pad_axis(_pad_axis(dout, 1, Tp), 3, Dp)
+  return (qp, kp, vp, qsp, kvsp, dop, _pad_axis(lse2, 2, Tp), _pad_axis(c, 2, Tp)), (Tp, Sp, Dp)
 
-  # Per query head; for GQA the group partials stay f32 until summed below.
-  dkv_dtype = k.dtype if G == 1 else _F32
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, nq=nq, **common),
-      grid=(nk, B, Hq),
-      in_specs=[
-          pl.BlockSpec((None, Tp, None, Dp), lambda j, b, h: (b, 0, h, 0)),         # q
-          pl.BlockSpec((None, bk, None, Dp), lambda j, b, h: (b, j, h // G, 0)),    # k
-          pl.BlockSpec((None, bk, None, Dp), lambda j, b, h: (b, j, h // G, 0)),    # v
-          pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),                         # q_seg
-          pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),                         # kv_seg
-          pl.BlockSpec((None, Tp, None, Dp), lambda j, b, h: (b, 0, h, 0)),         # dout
-          pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0)),                # lse2
-          pl.BlockSpec((None, None, Tp), lambda j, b, h: (b, h, 0)),                # c
-      ],
-      out_specs=[
-          pl.BlockSpec((None, bk, None, Dp), lambda j, b, h: (b, j, h, 0)),
-          pl.BlockSpec((None, bk, None, Dp), lambda j, b, h: (b, j, h, 0)),
-      ],
-      out_shape=[jax.ShapeDtypeStruct((B, Sp, Hq, Dp), dkv_dtype),
-                 jax.ShapeDtypeStruct((B, Sp, Hq, Dp), dkv_dtype)],
-      compiler_params=params,
-      interpret=bool(interpret),
-      name="sinkjax_flash_bwd_dkv",
-  )(qp, kp, vp, qsp, kvsp, dop, lse2, c)
 
+def _dq(args, tile, kw, interpret):
+  """dq on a (query block, batch, query head) grid, tiles block_q_dq x block_kv_dq."""
+  q, k = args[0], args[1]
+  B, T, Hq, D = q.shape
+  bq, bk = tile
+  padded, (Tp, Sp, Dp) = _prepare_bwd(*args, bq, bk)
+  q_spec, kv_spec, row = _seq_spec(bq, Dp, True), _seq_spec(Sp, Dp, False, Hq // k.shape[2]), _row_spec(bq, True)
+  dq = _call(
+      functools.partial(_dq_kernel, bq=bq, bk=bk, nk=Sp // bk, **kw), grid=(Tp // bq, B, Hq),
+      #         q       k        v        q_seg                 kv_seg                dout    lse2 c
+      in_specs=[q_spec, kv_spec, kv_spec, _seg_spec(bq, True), _seg_spec(Sp, False), q_spec, row, row],
+      out_specs=q_spec, out_shape=jax.ShapeDtypeStruct((B, Tp, Hq, Dp), q.dtype),
+      Dp=Dp, interpret=interpret, name="sinkjax_flash_bwd_dq",
+  )(*padded)
+  return dq[:, :T, :, :D]
+
+
+def _dkv(args, tile, kw, interpret):
+  """dk, dv on a (key block, batch, query head) grid, tiles block_q_dkv x block_kv_dkv; GQA groups summed after."""
+  q, k, v = args[:3]
+  B, _, Hq, D = q.shape
+  S, Hkv = k.shape[1], k.shape[2]
+  G = Hq // Hkv
+  bq, bk = tile
+  padded, (Tp, Sp, Dp) = _prepare_bwd(*args, bq, bk)
+  q_spec, kv_spec, row = _seq_spec(Tp, Dp, False), _seq_spec(bk, Dp, True, G), _row_spec(Tp, False)
+  out_spec = _seq_spec(bk, Dp, True)                       # per query head
+  dtype = k.dtype if G == 1 else _F32                      # GQA: the group partials stay f32 until summed
+  dk, dv = _call(
+      functools.partial(_dkv_kernel, bq=bq, bk=bk, nq=Tp // bq, **kw), grid=(Sp // bk, B, Hq),
+      #         q       k        v        q_seg                 kv_seg               dout    lse2 c
+      in_specs=[q_spec, kv_spec, kv_spec, _seg_spec(Tp, False), _seg_spec(bk, True), q_spec, row, row],
+      out_specs=[out_spec, out_spec], out_shape=[jax.ShapeDtypeStruct((B, Sp, Hq, Dp), dtype)] * 2,
+      Dp=Dp, interpret=interpret, name="sinkjax_flash_bwd_dkv",
+  )(*padded)
   if G > 1:
     dk = dk.reshape(B, Sp, Hkv, G, Dp).sum(3)
     dv = dv.reshape(B, Sp, Hkv, G, Dp).sum(3)
-  dq = dq[:, :T, :, :D]
-  return dq, dk[:, :S, :, :D].astype(k.dtype), dv[:, :S, :, :D].astype(v.dtype)
+  return dk[:, :S, :, :D].astype(k.dtype), dv[:, :S, :, :D].astype(v.dtype)

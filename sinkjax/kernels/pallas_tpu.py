@@ -17,9 +17,12 @@ Causal masking is bottom-right aligned (query t sees keys s <= t + S - T). Under
 are entirely above the diagonal are skipped (`pl.when`), and their index maps are clamped to the last/first
 needed block so no DMA is issued for them.
 
-Blocks are multiples of 128 (rounded up; both sequence axes appear as the lane axis of some tile) and at most
-the sequence length rounded up to 128. Defaults: 512 x 512 for the forward, 256 x 256 for the backward (which
-keeps several [bq, bk] f32 tiles live); explicit block_q / block_k apply to both.
+Each pass has its own tiles (`BlockSizes`: forward block_q x block_k, dk/dv block_q_dkv x block_kv_dkv, dq
+block_q_dq x block_kv_dq), and the sequences are padded per pass. Tiles are multiples of 128 (rounded up; both
+sequence axes appear as the lane axis of some tile) and at most the sequence length rounded up to 128. Defaults:
+512 x 512 for the forward, 256 x 256 for both backward passes (which keep several [bq, bk] f32 tiles live).
+Index arithmetic (grid ids, index maps, block bounds) is explicitly int32, so the kernels lower the same under
+jax_enable_x64.
 """
 from __future__ import annotations
 
@@ -31,10 +34,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 512
-DEFAULT_BWD_BLOCK_Q = 256
-DEFAULT_BWD_BLOCK_K = 256
+from sinkjax.kernels.blocks import BlockSizes
+
+DEFAULT_BLOCK_SIZES = BlockSizes(block_q=512, block_k=512, block_q_dkv=256, block_kv_dkv=256, block_q_dq=256,
+                                 block_kv_dq=256)
 NUM_LANES = 128
 NUM_SUBLANES = 8
 _F32 = jnp.float32
@@ -47,10 +50,15 @@ def _round_up(x, m):
   return -(-x // m) * m
 
 
-def _block(n, requested, default):
+def _block(n, b):
   """(block, padded length) for a sequence of length n: blocks are multiples of 128, at most round_up(n, 128)."""
-  b = min(_round_up(requested or default, NUM_LANES), _round_up(n, NUM_LANES))
+  b = min(_round_up(b, NUM_LANES), _round_up(n, NUM_LANES))
   return b, _round_up(n, b)
+
+
+def _i32(x):
+  """x as an int32 scalar: lax.div/rem do not promote Python ints, which are int64 under jax_enable_x64."""
+  return jnp.asarray(x, jnp.int32)
 
 
 def _interpret(interpret):
@@ -67,12 +75,12 @@ def _dot(a, b, dims, precision):
 
 def _kv_last(i, bq, bk, nk, off):
   """Last kv block that query block i can see under causal masking (clamped to [0, nk-1])."""
-  return jnp.minimum(lax.div(jnp.maximum(i * bq + bq - 1 + off, 0), bk), nk - 1)
+  return jnp.minimum(lax.div(jnp.maximum(i * bq + bq - 1 + off, 0), _i32(bk)), nk - 1)
 
 
 def _q_first(j, bq, bk, nq, off):
   """First query block that can see kv block j under causal masking (clamped to [0, nq-1])."""
-  return jnp.minimum(lax.div(jnp.maximum(j * bk - off, 0), bq), nq - 1)
+  return jnp.minimum(lax.div(jnp.maximum(j * bk - off, 0), _i32(bq)), nq - 1)
 
 
 def _run_block(step, causal, i, j, bq, bk, off):
@@ -91,14 +99,14 @@ def _run_block(step, causal, i, j, bq, bk, off):
 
 
 class _Geom:
-  """Static shapes, block sizes and the padded / transposed layouts shared by forward and backward."""
+  """Static shapes, one pass's tiles and the padded / transposed layouts of that pass's inputs."""
 
-  def __init__(self, q, k, block_q, block_k, causal, defaults=(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)):
+  def __init__(self, q, k, tile, causal):
     self.B, self.T, self.Hq, self.D = q.shape
     self.S, self.Hkv = k.shape[1], k.shape[2]
     self.G = self.Hq // self.Hkv
-    self.bq, self.Tp = _block(self.T, block_q, defaults[0])
-    self.bk, self.Sp = _block(self.S, block_k, defaults[1])
+    self.bq, self.Tp = _block(self.T, tile[0])
+    self.bk, self.Sp = _block(self.S, tile[1])
     self.nq, self.nk = self.Tp // self.bq, self.Sp // self.bk
     self.off = self.S - self.T
     self.causal = causal
@@ -123,24 +131,22 @@ class _Geom:
     x = jnp.pad(x, ((0, 0), (0, 0), (0, self.Tp - self.T)))
     return jnp.broadcast_to(x[:, :, None, :], (self.B, self.Hq, NUM_SUBLANES, self.Tp))
 
+  def kv_block(self):
+    """Index map helper (i, j) -> the kv block to fetch: under causal masking blocks past the diagonal are clamped
+    to the last needed one, so no DMA is issued for the skipped steps."""
+    if not self.causal:
+      return lambda i, j: j
+    return lambda i, j: jnp.minimum(j, _kv_last(i, self.bq, self.bk, self.nk, self.off))
 
-def _mask(q_seg_col, kv_seg_row, q_start, k_start, shape, causal, off):
-  """[rows=q, cols=k] visibility from a [bq, 1] column and a [1, bk] row of segment ids."""
-  mask = (q_seg_col == kv_seg_row) & (q_seg_col != 0)
+
+def _mask(q_seg, kv_seg, q_start, k_start, shape, causal, off, q_axis=0):
+  """Visibility of a score tile whose axis `q_axis` runs over queries (0: [bq, bk]; 1: transposed [bk, bq]), from
+  segment ids given as a column and a row that broadcast to it (0 = padding)."""
+  mask = (q_seg == kv_seg) & (q_seg != 0)
   if causal:
-    row = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
-    col = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
-    mask &= col <= row + off
-  return mask
-
-
-def _mask_t(kv_seg_col, q_seg_row, q_start, k_start, shape, causal, off):
-  """Transposed visibility [rows=k, cols=q] from a [bk, 1] column and a [1, bq] row of segment ids."""
-  mask = (kv_seg_col == q_seg_row) & (q_seg_row != 0)
-  if causal:
-    col = k_start + lax.broadcasted_iota(jnp.int32, shape, 0)
-    row = q_start + lax.broadcasted_iota(jnp.int32, shape, 1)
-    mask &= col <= row + off
+    q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+    mask &= k_pos <= q_pos + off
   return mask
 
 
@@ -185,41 +191,41 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, m_sc, l_sc,
     lse_ref[0, 0] = jnp.where(valid, m_sc[...] + jnp.log(l_safe), -jnp.inf)
 
 
-def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_q=None, block_k=None, interpret=False):
-  g = _Geom(q, k, block_q, block_k, causal)
-  B, Hq, G, D, bq, bk, nq, nk, off = g.B, g.Hq, g.G, g.D, g.bq, g.bk, g.nq, g.nk, g.off
+_SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+
+def _query_block_specs(g):
+  """BlockSpecs of a (B, Hq, nq, nk) grid: q-like [bq, D] tiles, kv [bk, D] tiles of kv head h // G (causally
+  clamped), q segment column, kv segment row and per-row statistics, in that order."""
+  kv_j = g.kv_block()
+  q_spec = pl.BlockSpec((1, 1, g.bq, g.D), lambda b, h, i, j: (b, h, i, 0))
+  kv_spec = pl.BlockSpec((1, 1, g.bk, g.D), lambda b, h, i, j: (b, lax.div(h, _i32(g.G)), kv_j(i, j), 0))
+  q_col = pl.BlockSpec((1, g.bq, NUM_LANES), lambda b, h, i, j: (b, i, 0))
+  kv_row = pl.BlockSpec((1, NUM_SUBLANES, g.bk), lambda b, h, i, j: (b, 0, kv_j(i, j)))
+  stat = pl.BlockSpec((1, 1, NUM_SUBLANES, g.bq), lambda b, h, i, j: (b, h, 0, i))
+  return q_spec, kv_spec, q_col, kv_row, stat
+
+
+def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes=BlockSizes(), interpret=False):
+  g = _Geom(q, k, block_sizes.or_defaults(DEFAULT_BLOCK_SIZES).fwd, causal)
+  B, Hq, D, bq, bk = g.B, g.Hq, g.D, g.bq, g.bk
   qh = g.heads(q, g.T, g.Tp)
   kh, vh = g.heads(k, g.S, g.Sp), g.heads(v, g.S, g.Sp)
   qs = g.seg_col(q_seg, g.T, g.Tp)
   ks = g.seg_row(kv_seg, g.S, g.Sp)
-
-  if causal:
-    kv_j = lambda i, j: jnp.minimum(j, _kv_last(i, bq, bk, nk, off))
-  else:
-    kv_j = lambda i, j: j
-
-  kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, off=off, bq=bq, bk=bk, nk=nk,
+  q_spec, kv_spec, q_col, kv_row, _ = _query_block_specs(g)
+  kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, off=g.off, bq=bq, bk=bk, nk=g.nk,
                              precision=_precision(q.dtype))
   out, lse = pl.pallas_call(
       kernel,
-      grid=(B, Hq, nq, nk),
-      in_specs=[
-          pl.BlockSpec((1, 1, bq, D), lambda b, h, i, j: (b, h, i, 0)),
-          pl.BlockSpec((1, 1, bk, D), lambda b, h, i, j: (b, lax.div(h, G), kv_j(i, j), 0)),
-          pl.BlockSpec((1, 1, bk, D), lambda b, h, i, j: (b, lax.div(h, G), kv_j(i, j), 0)),
-          pl.BlockSpec((1, bq, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
-          pl.BlockSpec((1, NUM_SUBLANES, bk), lambda b, h, i, j: (b, 0, kv_j(i, j))),
-      ],
-      out_specs=[
-          pl.BlockSpec((1, 1, bq, D), lambda b, h, i, j: (b, h, i, 0)),
-          pl.BlockSpec((1, 1, bq, NUM_LANES), lambda b, h, i, j: (b, h, i, 0)),
-      ],
+      grid=(B, Hq, g.nq, g.nk),
+      in_specs=[q_spec, kv_spec, kv_spec, q_col, kv_row],
+      out_specs=[q_spec, pl.BlockSpec((1, 1, bq, NUM_LANES), lambda b, h, i, j: (b, h, i, 0))],
       out_shape=[jax.ShapeDtypeStruct((B, Hq, g.Tp, D), q.dtype),
                  jax.ShapeDtypeStruct((B, Hq, g.Tp, NUM_LANES), _F32)],
       scratch_shapes=[pltpu.VMEM((bq, NUM_LANES), _F32), pltpu.VMEM((bq, NUM_LANES), _F32),
                       pltpu.VMEM((bq, D), _F32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      compiler_params=_SEMANTICS,
       interpret=_interpret(interpret),
       name="sinkjax_flash_fwd",
   )(qh, kh, vh, qs, ks)
@@ -244,7 +250,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, kss_ref, qsr_ref, lse_ref, rt_ref, 
   def _step(diag):
     q, k, v, do = q_ref[0, 0], k_ref[0, 0], v_ref[0, 0], do_ref[0, 0]
     s_t = _dot(k, q, _NT, precision) * scale                  # [bk, bq]
-    mask = _mask_t(kss_ref[0, :, 0:1], qsr_ref[0, 0:1, :], i * bq, j * bk, s_t.shape, diag, off)
+    mask = _mask(qsr_ref[0, 0:1, :], kss_ref[0, :, 0:1], i * bq, j * bk, s_t.shape, diag, off, q_axis=1)
     lse = lse_ref[0, 0, 0:1, :]                               # [1, bq], 0 on rows with nothing visible
     p_t = jnp.where(mask, jnp.exp(s_t - lse), 0.0)
     dv_sc[...] += _dot(p_t.astype(do.dtype), do, _NN, precision)
@@ -285,83 +291,66 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, qs_ref, ksr_ref, lse_ref, rt_ref, dq
     dq_ref[0, 0] = (dq_sc[...] * scale).astype(dq_ref.dtype)
 
 
-def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_q=None, block_k=None,
-        interpret=False):
-  g = _Geom(q, k, block_q, block_k, causal, defaults=(DEFAULT_BWD_BLOCK_Q, DEFAULT_BWD_BLOCK_K))
-  B, Hq, Hkv, G, D, bq, bk, nq, nk, off = g.B, g.Hq, g.Hkv, g.G, g.D, g.bq, g.bk, g.nq, g.nk, g.off
-  precision = _precision(q.dtype)
-
+def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_sizes=BlockSizes(), interpret=False):
+  bs = block_sizes.or_defaults(DEFAULT_BLOCK_SIZES)
   finite = jnp.isfinite(lse)
   delta = jnp.einsum("bthd,bthd->bht", dout.astype(_F32), out.astype(_F32), precision=lax.Precision.HIGHEST)
-  lse_r = g.row_stat(jnp.where(finite, lse, 0.0))
-  rt_r = g.row_stat(jnp.where(finite, dlse.astype(_F32) - delta, 0.0))
-  qh, doh = g.heads(q, g.T, g.Tp), g.heads(dout.astype(q.dtype), g.T, g.Tp)
-  kh, vh = g.heads(k, g.S, g.Sp), g.heads(v, g.S, g.Sp)
-  q_col, q_row = g.seg_col(q_seg, g.T, g.Tp), g.seg_row(q_seg, g.T, g.Tp)
-  k_col, k_row = g.seg_col(kv_seg, g.S, g.Sp), g.seg_row(kv_seg, g.S, g.Sp)
-  sem = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+  lse = jnp.where(finite, lse, 0.0)
+  rt = jnp.where(finite, dlse.astype(_F32) - delta, 0.0)                  # dlse - rowsum(dO o O)
+  args = (q, k, v, dout.astype(q.dtype), q_seg, kv_seg, lse, rt)
+  kw = dict(scale=scale, causal=causal, precision=_precision(q.dtype), interpret=_interpret(interpret))
+  dk, dv = _dkv(_Geom(q, k, bs.dkv, causal), *args, **kw)
+  dq = _dq(_Geom(q, k, bs.dq, causal), *args, **kw)
+  return dq, dk, dv
 
-  # dk, dv: grid (B, Hkv, nk, G * nq); step t covers query head kh * G + t // nq, query block t % nq.
+
+def _dkv(g, q, k, v, dout, q_seg, kv_seg, lse, rt, *, scale, causal, precision, interpret):
+  """dk, dv on a (B, Hkv, nk, G * nq) grid; step t covers query head kh * G + t // nq, query block t % nq."""
+  B, Hkv, G, D, bq, bk, nq, off = g.B, g.Hkv, g.G, g.D, g.bq, g.bk, g.nq, g.off
   if causal:
-    q_i = lambda j, t: jnp.maximum(lax.rem(t, nq), _q_first(j, bq, bk, nq, off))
+    q_i = lambda j, t: jnp.maximum(lax.rem(t, _i32(nq)), _q_first(j, bq, bk, nq, off))
   else:
-    q_i = lambda j, t: lax.rem(t, nq)
-  q_map = lambda b, kh_, j, t: (b, kh_ * G + lax.div(t, nq), q_i(j, t), 0)
-  kv_map = lambda b, kh_, j, t: (b, kh_, j, 0)
-  stat_map = lambda b, kh_, j, t: (b, kh_ * G + lax.div(t, nq), 0, q_i(j, t))
-  dkv = functools.partial(_dkv_kernel, scale=scale, causal=causal, off=off, bq=bq, bk=bk, nq=nq, G=G,
-                          precision=precision)
+    q_i = lambda j, t: lax.rem(t, _i32(nq))
+  head = lambda kh_, t: kh_ * G + lax.div(t, _i32(nq))
+  q_spec = pl.BlockSpec((1, 1, bq, D), lambda b, kh_, j, t: (b, head(kh_, t), q_i(j, t), 0))
+  kv_spec = pl.BlockSpec((1, 1, bk, D), lambda b, kh_, j, t: (b, kh_, j, 0))
+  stat = pl.BlockSpec((1, 1, NUM_SUBLANES, bq), lambda b, kh_, j, t: (b, head(kh_, t), 0, q_i(j, t)))
+  kernel = functools.partial(_dkv_kernel, scale=scale, causal=causal, off=off, bq=bq, bk=bk, nq=nq, G=G,
+                             precision=precision)
   dk, dv = pl.pallas_call(
-      dkv,
-      grid=(B, Hkv, nk, G * nq),
-      in_specs=[
-          pl.BlockSpec((1, 1, bq, D), q_map),
-          pl.BlockSpec((1, 1, bk, D), kv_map),
-          pl.BlockSpec((1, 1, bk, D), kv_map),
-          pl.BlockSpec((1, 1, bq, D), q_map),
-          pl.BlockSpec((1, bk, NUM_LANES), lambda b, kh_, j, t: (b, j, 0)),
-          pl.BlockSpec((1, NUM_SUBLANES, bq), lambda b, kh_, j, t: (b, 0, q_i(j, t))),
-          pl.BlockSpec((1, 1, NUM_SUBLANES, bq), stat_map),
-          pl.BlockSpec((1, 1, NUM_SUBLANES, bq), stat_map),
-      ],
-      out_specs=[pl.BlockSpec((1, 1, bk, D), kv_map), pl.BlockSpec((1, 1, bk, D), kv_map)],
+      kernel,
+      grid=(B, Hkv, g.nk, G * nq),
+      in_specs=[q_spec, kv_spec, kv_spec, q_spec,
+                pl.BlockSpec((1, bk, NUM_LANES), lambda b, kh_, j, t: (b, j, 0)),
+                pl.BlockSpec((1, NUM_SUBLANES, bq), lambda b, kh_, j, t: (b, 0, q_i(j, t))),
+                stat, stat],
+      out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct((B, Hkv, g.Sp, D), k.dtype),
                  jax.ShapeDtypeStruct((B, Hkv, g.Sp, D), v.dtype)],
       scratch_shapes=[pltpu.VMEM((bk, D), _F32), pltpu.VMEM((bk, D), _F32)],
-      compiler_params=sem,
-      interpret=_interpret(interpret),
+      compiler_params=_SEMANTICS,
+      interpret=interpret,
       name="sinkjax_flash_bwd_dkv",
-  )(qh, kh, vh, doh, k_col, q_row, lse_r, rt_r)
+  )(g.heads(q, g.T, g.Tp), g.heads(k, g.S, g.Sp), g.heads(v, g.S, g.Sp), g.heads(dout, g.T, g.Tp),
+    g.seg_col(kv_seg, g.S, g.Sp), g.seg_row(q_seg, g.T, g.Tp), g.row_stat(lse), g.row_stat(rt))
+  return jnp.swapaxes(dk[:, :, :g.S], 1, 2), jnp.swapaxes(dv[:, :, :g.S], 1, 2)
 
-  # dq: grid (B, Hq, nq, nk).
-  if causal:
-    kv_j = lambda i, j: jnp.minimum(j, _kv_last(i, bq, bk, nk, off))
-  else:
-    kv_j = lambda i, j: j
-  dqk = functools.partial(_dq_kernel, scale=scale, causal=causal, off=off, bq=bq, bk=bk, nk=nk,
-                          precision=precision)
+
+def _dq(g, q, k, v, dout, q_seg, kv_seg, lse, rt, *, scale, causal, precision, interpret):
+  """dq on a (B, Hq, nq, nk) grid, kv axis "arbitrary"."""
+  q_spec, kv_spec, q_col, kv_row, stat = _query_block_specs(g)
+  kernel = functools.partial(_dq_kernel, scale=scale, causal=causal, off=g.off, bq=g.bq, bk=g.bk, nk=g.nk,
+                             precision=precision)
   dq = pl.pallas_call(
-      dqk,
-      grid=(B, Hq, nq, nk),
-      in_specs=[
-          pl.BlockSpec((1, 1, bq, D), lambda b, h, i, j: (b, h, i, 0)),
-          pl.BlockSpec((1, 1, bk, D), lambda b, h, i, j: (b, lax.div(h, G), kv_j(i, j), 0)),
-          pl.BlockSpec((1, 1, bk, D), lambda b, h, i, j: (b, lax.div(h, G), kv_j(i, j), 0)),
-          pl.BlockSpec((1, 1, bq, D), lambda b, h, i, j: (b, h, i, 0)),
-          pl.BlockSpec((1, bq, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
-          pl.BlockSpec((1, NUM_SUBLANES, bk), lambda b, h, i, j: (b, 0, kv_j(i, j))),
-          pl.BlockSpec((1, 1, NUM_SUBLANES, bq), lambda b, h, i, j: (b, h, 0, i)),
-          pl.BlockSpec((1, 1, NUM_SUBLANES, bq), lambda b, h, i, j: (b, h, 0, i)),
-      ],
-      out_specs=pl.BlockSpec((1, 1, bq, D), lambda b, h, i, j: (b, h, i, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, Hq, g.Tp, D), q.dtype),
-      scratch_shapes=[pltpu.VMEM((bq, D), _F32)],
-      compiler_params=sem,
-      interpret=_interpret(interpret),
+      kernel,
+      grid=(g.B, g.Hq, g.nq, g.nk),
+      in_specs=[q_spec, kv_spec, kv_spec, q_spec, q_col, kv_row, stat, stat],
+      out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct((g.B, g.Hq, g.Tp, g.D), q.dtype),
+      scratch_shapes=[pltpu.VMEM((g.bq, g.D), _F32)],
+      compiler_params=_SEMANTICS,
+      interpret=interpret,
       name="sinkjax_flash_bwd_dq",
-  )(qh, kh, vh, doh, q_col, k_row, lse_r, rt_r)
-
-  dq = jnp.swapaxes(dq[:, :, :g.T], 1, 2)
-  dk = jnp.swapaxes(dk[:, :, :g.S], 1, 2)
-  dv = jnp.swapaxes(dv[:, :, :g.S], 1, 2)
-  return dq, dk, dv
+  )(g.heads(q, g.T, g.Tp), g.heads(k, g.S, g.Sp), g.heads(v, g.S, g.Sp), g.heads(dout, g.T, g.Tp),
+    g.seg_col(q_seg, g.T, g.Tp), g.seg_row(kv_seg, g.S, g.Sp), g.row_stat(lse), g.row_stat(rt))
+  return jnp.swapaxes(dq[:, :, :g.T], 1, 2)

@@ -4,24 +4,30 @@ Memory is O(T * block_k) per head instead of O(T * S): only one [T, block_k] til
 Runs everywhere XLA does; the default on CPU and the fallback for the Pallas backends.
 
 Backend contract (shared by every non-reference backend, see `flash.py`):
-  fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_q, block_k, interpret) -> (out, lse)
-  bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_q, block_k, interpret) -> (dq, dk, dv)
-with q [B,T,Hq,D], k/v [B,S,Hkv,D], segment ids int32 [B,T] / [B,S] (0 = padding), out [B,T,Hq,D] in q.dtype and
-lse float32 [B,Hq,T] (-inf on rows with no visible key).
+  fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes, interpret) -> (out, lse)
+  bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_sizes, interpret) -> (dq, dk, dv)
+with q [B,T,Hq,D], k/v [B,S,Hkv,D], segment ids int32 [B,T] / [B,S] (0 = padding), out [B,T,Hq,D] in q.dtype,
+lse float32 [B,Hq,T] (-inf on rows with no visible key) and `block_sizes` a `BlockSizes` (None fields = the
+backend's `DEFAULT_BLOCK_SIZES`). Index arithmetic is int32 throughout, so the backends run under jax_enable_x64.
+
+Tiles here: the forward scans key blocks of `block_k`, the backward (one fused scan: each key block's dK, dV and
+its share of dQ) key blocks of `block_kv_dkv`; queries are never tiled.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-DEFAULT_BLOCK_K = 512
+from sinkjax.kernels.blocks import BlockSizes
+
+DEFAULT_BLOCK_SIZES = BlockSizes(block_k=512, block_kv_dkv=512)
 _F32 = jnp.float32
 
 
 def _key_blocks(k, v, kv_seg, block_k):
   """Pads the key axis to a multiple of block_k (padding gets segment 0, hence is never attended) and splits it."""
   B, S, Hkv, D = k.shape
-  bk = min(block_k or DEFAULT_BLOCK_K, S)
+  bk = min(block_k, S)
   nk = -(-S // bk)
   pad = nk * bk - S
   if pad:
@@ -29,15 +35,15 @@ def _key_blocks(k, v, kv_seg, block_k):
     v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
     kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad)))
   split = lambda x: jnp.moveaxis(x.reshape(B, nk, bk, *x.shape[2:]), 1, 0)
-  k_idx = jnp.arange(nk * bk).reshape(nk, bk)
-  return (split(k), split(v), split(kv_seg), k_idx), bk, pad
+  k_idx = jnp.arange(nk * bk, dtype=jnp.int32).reshape(nk, bk)
+  return split(k), split(v), split(kv_seg), k_idx
 
 
 def _block_mask(q_seg, seg_blk, k_idx, causal, T, S):
   """[B, 1, 1, T, bk] visibility of one key block (broadcasts over [B, Hkv, G, T, bk])."""
   mask = (q_seg[:, :, None] == seg_blk[:, None, :]) & (q_seg[:, :, None] != 0)
   if causal:
-    q_pos = jnp.arange(T)[:, None] + (S - T)
+    q_pos = jnp.arange(T, dtype=jnp.int32)[:, None] + (S - T)
     mask &= k_idx[None, :] <= q_pos
   return mask[:, None, None]
 
@@ -47,13 +53,13 @@ def _grouped(q, Hkv):
   return q.reshape(B, T, Hkv, Hq // Hkv, D)
 
 
-def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_q=None, block_k=None, interpret=None):
-  del block_q, interpret
+def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes=BlockSizes(), interpret=None):
+  del interpret
   B, T, Hq, D = q.shape
   S, Hkv = k.shape[1], k.shape[2]
   G = Hq // Hkv
   qg = _grouped(q, Hkv)
-  blocks, _, _ = _key_blocks(k, v, kv_seg, block_k)
+  blocks = _key_blocks(k, v, kv_seg, block_sizes.or_defaults(DEFAULT_BLOCK_SIZES).block_k)
 
   def step(carry, blk):
     m, l, acc = carry
@@ -79,10 +85,9 @@ def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_q=None, block_k=None, in
   return out, lse.reshape(B, Hq, T)
 
 
-def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_q=None, block_k=None,
-        interpret=None):
+def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_sizes=BlockSizes(), interpret=None):
   """dS = P o (dP - rowsum(dO o O) + dLSE): the LSE cotangent enters every score's gradient."""
-  del block_q, interpret
+  del interpret
   B, T, Hq, D = q.shape
   S, Hkv = k.shape[1], k.shape[2]
   G = Hq // Hkv
@@ -93,7 +98,7 @@ def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_q=
   dlse_g = jnp.where(finite, dlse, 0.0).reshape(B, Hkv, G, T)
   delta = jnp.einsum("btkgd,btkgd->bkgt", dog.astype(_F32), _grouped(out, Hkv).astype(_F32))
   row_term = dlse_g - delta                                   # [B,Hkv,G,T]
-  blocks, bk, pad = _key_blocks(k, v, kv_seg, block_k)
+  blocks = _key_blocks(k, v, kv_seg, block_sizes.or_defaults(DEFAULT_BLOCK_SIZES).block_kv_dkv)
 
   def step(dq, blk):
     k_blk, v_blk, seg_blk, k_idx = blk
