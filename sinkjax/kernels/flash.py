@@ -14,11 +14,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+from sinkjax.choices import ATTN_IMPLS
 from sinkjax.kernels import reference
 from sinkjax.kernels.blocks import BlockSizes, check_tile
 from sinkjax.sharding import BATCH_AXES, HEAD_AXIS
 
-IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
+IMPLS = ATTN_IMPLS
 _BACKEND_MODULES = {"xla": "sinkjax.kernels.xla", "pallas_tpu": "sinkjax.kernels.pallas_tpu",
                     "pallas_gpu": "sinkjax.kernels.pallas_gpu"}
 _HARDWARE = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
