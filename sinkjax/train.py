@@ -428,6 +428,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
 
   metrics_path = run_dir / "metrics.jsonl"
   writer = None
+  distributed.barrier("sinkjax.train: run dir read")   # every process has read config.yaml before it is rewritten
   if is_main:
     resolved = config_lib.to_dict(cfg)
     resolved["train"]["stop_at_step"] = 0           # a property of this invocation, not of the run
@@ -508,6 +509,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   prof_first = max(cfg.train.profile_start, start + 1) if cfg.train.profile_steps > 0 else 0
   prof_dir = run_dir / "profile" / (f"process_{jax.process_index()}" if jax.process_count() > 1 else "")
   profiling = False
+  stop_vote = distributed.StopVote(mesh)
   try:
     with _SignalFlag() as sig, jax.set_mesh(mesh):   # the mesh is active: attention runs per shard
       for step in range(start + 1, stop_at + 1):
@@ -515,6 +517,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
           jax.profiler.start_trace(str(prof_dir))
           profiling = True
         batch = next(train_iter)
+        vote = stop_vote.cast(sig.signum)      # every process stops at the same step, whichever got the signal
         state, m = train_step(state, to_global_batch({k: batch[k] for k in TRAIN_FEATURES}, batch_sh), rest)
         if pending is not None:
           finish_step(*pending)
@@ -526,18 +529,19 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
             bar.write(f"profile of steps {prof_first}-{step} written to {prof_dir} "
                       f"(tensorboard --logdir {run_dir}, or ui.perfetto.dev with its trace.json.gz)")
         t0 = time.perf_counter()
+        signum = stop_vote.result(vote)
         val_bpb = None
         if eval_batches and ((cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0) or step == steps):
           val_bpb = evaluate(state["params"])
-        if step % cfg.checkpoint.every == 0 or step == stop_at or sig.signum is not None:
+        if step % cfg.checkpoint.every == 0 or step == stop_at or signum is not None:
           ckpt.save(step, full_params(state["params"], rest), {k: v for k, v in state.items() if k != "params"},
                     train_iter, force=True)
         timer["paused"] += time.perf_counter() - t0
         pending = (step, m, val_bpb)
-        if sig.signum is not None:
+        if signum is not None:
           finish_step(*pending)
           pending = None
-          raise Interrupted(sig.signum, step)
+          raise Interrupted(signum, step)
       if pending is not None:
         finish_step(*pending)
   finally:
@@ -585,9 +589,9 @@ def main(argv=None) -> int:
   parser.add_argument("--config", required=True, help="YAML config file (see configs/; tiny.yaml runs on a CPU)")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
   args = parser.parse_args(argv)
-  distributed.maybe_initialize()    # before anything touches JAX devices
   from sinkjax.data import DataError
   try:
+    distributed.maybe_initialize()    # before anything touches JAX devices
     train(config_lib.load_config(args.config, args.overrides))
   except Interrupted as e:
     print(f"sinkjax.train: {e}", file=sys.stderr)
