@@ -104,7 +104,8 @@ def wait_for(cond, timeout, what, launch=None):
 
 
 def _losses(run_dir):
-  return [(r["step"], r["loss"]) for r in read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")]
+  path = pathlib.Path(run_dir) / "metrics.jsonl"
+  return [(r["step"], r["loss"]) for r in read_metrics(path)] if path.is_file() else []
 
 
 def _steps(run_dir):
