@@ -3,7 +3,8 @@
 The story, top to bottom: read the config, build tokenizer and data, build the model and optimizer on the mesh,
 resume from RUN_DIR/checkpoints if a checkpoint exists, then loop: one jitted step per optimizer update (gradient
 accumulation inside it), validation BPB every train.eval_every steps, logs every train.log_every steps, checkpoints
-every checkpoint.every steps and at the end (and on SIGTERM / SIGINT). Plots are written when the run ends.
+every checkpoint.every steps and at the end (and on SIGTERM / SIGINT, at the same step in every process of a
+multi-process run: `sinkjax.distributed.StopVote`). Plots are written when the run ends.
 
 Loss = masked mean cross-entropy + the sink-aware load-balancing loss on the layer x head importances
 (`sinkjax.balance.aux_loss`, eq. 7 or eq. 8; skipped entirely when loss.aux_weight is 0). The model computes in
