@@ -10,11 +10,11 @@
 # --xla_force_host_platform_device_count=D, JAX_PLATFORMS=cpu) or D GPUs (its slice of CUDA_VISIBLE_DEVICES; the
 # default platform is cuda when nvidia-smi lists GPUs, D then defaults to GPUs / N). Output lines are prefixed [pI].
 # SIGTERM / SIGINT / SIGHUP to the launcher send SIGTERM to every process (they agree on a step, save it, stop).
-# When a process exits with an error or is killed, the others get S seconds (default 60) to end, then are killed;
-# the launcher exits with the first failing status (0 when all succeed). --dry-run prints the commands.
+# Once a process has ended (failed, killed or done), the others get S seconds (default 60) to end too, then they are
+# killed; the launcher exits with the first failing status (0 when all succeed). --dry-run prints the commands.
 set -euo pipefail
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "local.sh: $*" >&2; exit 2; }
 exec 3>&2        # the launcher's own messages; bash's job reports ("Killed ...") are silenced below
 say() { echo "local.sh: $*" >&3; }
@@ -152,7 +152,7 @@ trap 'forward TERM' TERM
 trap 'forward INT' INT
 trap 'forward HUP' HUP
 
-reap() {   # notes the processes that ended; the first failure starts the --grace countdown for the others
+reap() {   # notes the processes that ended; the first one to end starts the --grace countdown for the others
   local i rc
   for i in "${!pids[@]}"; do
     if [[ ${alive[$i]} == 0 ]] || kill -0 "${pids[$i]}" 2> /dev/null; then continue; fi
@@ -164,7 +164,7 @@ reap() {   # notes the processes that ended; the first failure starts the --grac
       status=$rc
       say "process $i exited with status $rc; the others get ${grace}s to end before they are killed"
     fi
-    if [[ $rc != 0 ]]; then deadline=${deadline:-$(( SECONDS + grace ))}; fi
+    deadline=${deadline:-$(( SECONDS + grace ))}   # processes of one job end together (jax.distributed's shutdown)
   done
 }
 

@@ -84,6 +84,20 @@ class Launch:
       os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+@pytest.fixture
+def launch(tmp_path):
+  """launch(args, **options) -> a started Launch; whatever still runs when the test ends is stopped."""
+  runs = []
+
+  def start(args, **kw):
+    runs.append(launch(args, **kw))
+    return runs[-1]
+  yield start
+  for run in runs:
+    if run.proc.poll() is None:
+      run.stop()
+
+
 def gone(pid: int) -> bool:
   try:
     with open(f"/proc/{pid}/stat") as f:
@@ -123,11 +137,11 @@ def _lines(text, tag):
 # The launcher and the agreement, with a stand-in program (tests/multihost_worker.py)
 # ------------------------------------------------------------------------------------------------------------
 
-def test_a_failing_process_ends_the_job(tmp_path):
+def test_a_failing_process_ends_the_job(launch):
   """Process 1 exits with 3 while the others hang (ignoring SIGTERM): the launcher kills them after --grace and
   exits with 3."""
   t0 = time.time()
-  run = Launch(tmp_path, ["fail"], module="multihost_worker", procs=3, devices=1, grace=2)
+  run = launch(["fail"], module="multihost_worker", procs=3, devices=1, grace=2)
   pids = run.pids()
   rc, _, err = run.wait(timeout=60)
   assert rc == 3, err
@@ -137,9 +151,9 @@ def test_a_failing_process_ends_the_job(tmp_path):
   wait_for(lambda: all(gone(p) for p in pids), 10, "the hanging processes to be gone")
 
 
-def test_sigterm_and_sigint_to_the_launcher_reach_every_process(tmp_path):
+def test_sigterm_and_sigint_to_the_launcher_reach_every_process(launch):
   for sig, status in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
-    run = Launch(tmp_path, ["term"], module="multihost_worker", devices=1, grace=10)
+    run = launch(["term"], module="multihost_worker", devices=1, grace=10)
     wait_for(lambda: run.text()[0].count("ready") == 2, 60, "both processes to be ready", run)
     run.proc.send_signal(sig)
     rc, out, err = run.wait(timeout=60)
@@ -148,20 +162,20 @@ def test_sigterm_and_sigint_to_the_launcher_reach_every_process(tmp_path):
         ["process 0 got SIGTERM", "process 1 got SIGTERM", "ready", "ready"], out
 
 
-def test_processes_agree_on_a_signal_only_one_of_them_got(tmp_path):
+def test_processes_agree_on_a_signal_only_one_of_them_got(launch):
   """Two processes x 3 CPU devices join one job; process 1 alone votes SIGTERM and both read 15, then nobody does
   and both read None."""
-  run = Launch(tmp_path, ["vote"], module="multihost_worker", devices=3)
+  run = launch(["vote"], module="multihost_worker", devices=3)
   rc, out, err = run.wait(timeout=180)
   assert rc == 0, err
   for i in (0, 1):
     assert _lines(out, f"[p{i}]") == [f"process {i} of 2: 3 local devices of 6, votes 15 None"], out
 
 
-def test_processes_stop_when_the_launcher_is_killed(tmp_path):
+def test_processes_stop_when_the_launcher_is_killed(tmp_path, launch):
   """No orphans: after a SIGKILL of the launcher, each process notices its parent is gone and stops itself with
   SIGTERM (so training would save, agreed, and exit)."""
-  run = Launch(tmp_path, ["orphan", str(tmp_path)], module="multihost_worker", devices=1)
+  run = launch(["orphan", str(tmp_path)], module="multihost_worker", devices=1)
   pids = run.pids()
   wait_for(lambda: run.text()[0].count("ready") == 2, 120, "both processes to be ready", run)
   run.proc.kill()
@@ -174,12 +188,12 @@ def test_processes_stop_when_the_launcher_is_killed(tmp_path):
 # Training
 # ------------------------------------------------------------------------------------------------------------
 
-def test_two_processes_train_log_once_and_evaluate_in_one(tmp_path, compile_cache):
+def test_two_processes_train_log_once_and_evaluate_in_one(tmp_path, compile_cache, launch):
   """2 processes x 4 CPU devices train tiny.yaml: only process 0 prints and writes metrics / TensorBoard, each step
   once, the loss goes down, both processes' data-iterator states are in the checkpoint, and one process evaluates
   the checkpoint to the validation BPB the two computed together at the last step."""
   run_dir = tmp_path / "run"
-  rc, out, err = Launch(tmp_path, ["--config", TINY, *OV, "train.steps=6", f"run.dir={run_dir}"],
+  rc, out, err = launch(["--config", TINY, *OV, "train.steps=6", f"run.dir={run_dir}"],
                         env=compile_cache).wait(timeout=400)
   assert rc == 0, err
   assert len(_lines(out, "[p0]")) >= 2 and not _lines(out, "[p1]"), out     # process 1 prints nothing
@@ -203,16 +217,16 @@ def test_two_processes_train_log_once_and_evaluate_in_one(tmp_path, compile_cach
 
 
 @pytest.mark.slow    # three 2-process runs and a refused single-process one: ~3 min on a 2-core CPU
-def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, compile_cache):
+def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, compile_cache, launch):
   ov = OV + ["train.steps=6", "loss.aux_weight=0.0001"]
   whole, part = tmp_path / "whole", tmp_path / "part"
-  rc, _, err = Launch(tmp_path, ["--config", TINY, *ov, f"run.dir={whole}"], env=compile_cache).wait(400)
+  rc, _, err = launch(["--config", TINY, *ov, f"run.dir={whole}"], env=compile_cache).wait(400)
   assert rc == 0, err
-  rc, _, err = Launch(tmp_path, ["--config", TINY, *ov, f"run.dir={part}", "train.stop_at_step=4"],
+  rc, _, err = launch(["--config", TINY, *ov, f"run.dir={part}", "train.stop_at_step=4"],
                       env=compile_cache).wait(400)
   assert rc == 0, err
   assert _steps(part) == [3, 4] and len(_losses(part)) == 4
-  rc, out, err = Launch(tmp_path, ["--config", TINY, *ov, f"run.dir={part}"], env=compile_cache).wait(400)
+  rc, out, err = launch(["--config", TINY, *ov, f"run.dir={part}"], env=compile_cache).wait(400)
   assert rc == 0, err
   assert "resuming from step 4" in out
   assert _losses(part) == _losses(whole) and len(_losses(whole)) == 6
@@ -228,10 +242,10 @@ def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, compile_cache):
 
 
 @pytest.mark.slow    # ~1.5 min: a 2-process run, killed, and its rerun
-def test_kill_9_of_one_process_ends_the_job_and_a_rerun_resumes(tmp_path, compile_cache):
+def test_kill_9_of_one_process_ends_the_job_and_a_rerun_resumes(tmp_path, compile_cache, launch):
   run_dir = tmp_path / "run"
   ov = OV + ["checkpoint.every=2", "train.eval_batches=0"]
-  run = Launch(tmp_path, ["--config", TINY, *ov, "train.steps=100000", f"run.dir={run_dir}"], env=compile_cache,
+  run = launch(["--config", TINY, *ov, "train.steps=100000", f"run.dir={run_dir}"], env=compile_cache,
                grace=20)
   pids = run.pids()
   wait_for(lambda: len(_steps(run_dir)) >= 2, 300, "two checkpoints", run)
@@ -243,7 +257,7 @@ def test_kill_9_of_one_process_ends_the_job_and_a_rerun_resumes(tmp_path, compil
   wait_for(lambda: all(gone(p) for p in pids), 10, "no process left behind")
 
   last = _steps(run_dir)[-1]
-  rc, out, err = Launch(tmp_path, ["--config", TINY, *ov, f"train.steps={last + 2}", f"run.dir={run_dir}"],
+  rc, out, err = launch(["--config", TINY, *ov, f"train.steps={last + 2}", f"run.dir={run_dir}"],
                         env=compile_cache).wait(400)
   assert rc == 0, err
   assert f"resuming from step {last}" in out and f"done: step {last + 2}/{last + 2}" in out
@@ -251,10 +265,10 @@ def test_kill_9_of_one_process_ends_the_job_and_a_rerun_resumes(tmp_path, compil
 
 
 @pytest.mark.slow    # ~1 min: one 2-process run
-def test_sigterm_to_one_process_saves_the_same_step_everywhere(tmp_path, compile_cache):
+def test_sigterm_to_one_process_saves_the_same_step_everywhere(tmp_path, compile_cache, launch):
   run_dir = tmp_path / "run"
   ov = OV + ["checkpoint.every=1000", "train.eval_batches=0"]
-  run = Launch(tmp_path, ["--config", TINY, *ov, "train.steps=100000", f"run.dir={run_dir}"], env=compile_cache)
+  run = launch(["--config", TINY, *ov, "train.steps=100000", f"run.dir={run_dir}"], env=compile_cache)
   pids = run.pids()
   wait_for(lambda: len(_losses(run_dir)) >= 3, 300, "three logged steps", run)
   os.kill(pids[1], signal.SIGTERM)
@@ -269,11 +283,11 @@ def test_sigterm_to_one_process_saves_the_same_step_everywhere(tmp_path, compile
 
 
 @pytest.mark.slow    # ~40 s: one 2-process run
-def test_nonfinite_stop_is_the_same_in_every_process(tmp_path, compile_cache):
+def test_nonfinite_stop_is_the_same_in_every_process(tmp_path, compile_cache, launch):
   """The non-finite counter comes from the (global) step metrics: both processes stop at the same step."""
   ov = OV + ["train.optimizer=adamw", "train.adamw_lr=.inf", "train.max_nonfinite=2", "train.steps=20",
              f"run.dir={tmp_path / 'run'}"]
-  rc, _, err = Launch(tmp_path, ["--config", TINY, *ov], env=compile_cache).wait(400)
+  rc, _, err = launch(["--config", TINY, *ov], env=compile_cache).wait(400)
   assert rc == 1, err
   for i in (0, 1):
     errors = [l for l in _lines(err, f"[p{i}]") if "error:" in l]
