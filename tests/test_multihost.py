@@ -90,7 +90,7 @@ def launch(tmp_path):
   runs = []
 
   def start(args, **kw):
-    runs.append(launch(args, **kw))
+    runs.append(Launch(tmp_path, args, **kw))
     return runs[-1]
   yield start
   for run in runs:
