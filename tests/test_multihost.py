@@ -188,6 +188,16 @@ def test_processes_stop_when_the_launcher_is_killed(tmp_path, launch):
 # Training
 # ------------------------------------------------------------------------------------------------------------
 
+def test_incomplete_process_settings_are_one_line():
+  env = {**os.environ, "SINKJAX_NUM_PROCESSES": "2", "SINKJAX_PROCESS_ID": "0", "JAX_PLATFORMS": "cpu"}
+  env.pop("SINKJAX_COORDINATOR", None)
+  r = subprocess.run([sys.executable, "-m", "sinkjax.train", "--config", TINY], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
+  assert "SINKJAX_COORDINATOR not set" in r.stderr
+
+
+
 def test_two_processes_train_log_once_and_evaluate_in_one(tmp_path, compile_cache, launch):
   """2 processes x 4 CPU devices train tiny.yaml: only process 0 prints and writes metrics / TensorBoard, each step
   once, the loss goes down, both processes' data-iterator states are in the checkpoint, and one process evaluates
