@@ -114,19 +114,31 @@ signal_all() {   # signal_all SIG [group]: SIG to every running process (with "g
   local i
   for i in "${!pids[@]}"; do
     if [[ ${alive[$i]} == 1 ]]; then
-      if [[ ${2:-} == group ]]; then kill "-$1" -- "-${pids[$i]}" 2> /dev/null || true
-      else kill "-$1" "${pids[$i]}" 2> /dev/null || true
-      fi
+      if [[ ${2:-} == group ]] && kill "-$1" -- "-${pids[$i]}" 2> /dev/null; then continue; fi
+      kill "-$1" "${pids[$i]}" 2> /dev/null || true
     fi
   done
 }
 trap 'signal_all KILL group; rm -rf "$fifo_dir"' EXIT
+
+status=0 deadline="" killed=0
+# shellcheck disable=SC2329  # called by the traps below
+forward() {   # forward SIG: SIGTERM to every running process, which then has --grace seconds to save and end
+  say "got SIG$1: passing SIGTERM on to the processes (they save and stop)"
+  if [[ $status == 0 ]]; then status=$(( 128 + $(kill -l "$1") )); fi
+  signal_all TERM
+  deadline=${deadline:-$(( SECONDS + grace ))}
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+trap 'forward HUP' HUP
 
 # Each process gets its own process group (and session), so that a terminal's Ctrl-C reaches it once, through the
 # launcher, and killing the group also ends the processes it started (data loader workers).
 own_group=()
 if command -v setsid > /dev/null 2>&1; then own_group=(setsid); else set -m; fi
 for (( i = 0; i < procs; i++ )); do
+  [[ -z "$deadline" ]] || break      # a signal came while starting: start no more
   mkfifo "$fifo_dir/out$i" "$fifo_dir/err$i"
   prefix "[p$i]" < "$fifo_dir/out$i" &
   printers+=($!)
@@ -138,19 +150,9 @@ for (( i = 0; i < procs; i++ )); do
   alive+=(1)
 done
 set +m
-say "started $procs processes of $module ($devices $platform device(s) each, coordinator 127.0.0.1:$port), pids ${pids[*]}"
-
-status=0 deadline="" killed=0 running=$procs
-# shellcheck disable=SC2329  # called by the traps below
-forward() {   # forward SIG: SIGTERM to every running process, which then has --grace seconds to save and end
-  say "got SIG$1: passing SIGTERM on to the processes (they save and stop)"
-  if [[ $status == 0 ]]; then status=$(( 128 + $(kill -l "$1") )); fi
-  signal_all TERM
-  deadline=${deadline:-$(( SECONDS + grace ))}
-}
-trap 'forward TERM' TERM
-trap 'forward INT' INT
-trap 'forward HUP' HUP
+running=${#pids[@]}
+say "started ${#pids[@]} processes of $module ($devices $platform device(s) each, coordinator 127.0.0.1:$port)," \
+  "pids ${pids[*]}"
 
 reap() {   # notes the processes that ended; the first one to end starts the --grace countdown for the others
   local i rc
