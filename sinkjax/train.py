@@ -3,7 +3,8 @@
 The story, top to bottom: read the config, build tokenizer and data, build the model and optimizer on the mesh,
 resume from RUN_DIR/checkpoints if a checkpoint exists, then loop: one jitted step per optimizer update (gradient
 accumulation inside it), validation BPB every train.eval_every steps, logs every train.log_every steps, checkpoints
-every checkpoint.every steps and at the end (and on SIGTERM / SIGINT). Plots are written when the run ends.
+every checkpoint.every steps and at the end (and on SIGTERM / SIGINT, at the same step in every process of a
+multi-process run: `sinkjax.distributed.StopVote`). Plots are written when the run ends.
 
 Loss = masked mean cross-entropy + the sink-aware load-balancing loss on the layer x head importances
 (`sinkjax.balance.aux_loss`, eq. 7 or eq. 8; skipped entirely when loss.aux_weight is 0). The model computes in
@@ -458,6 +459,7 @@ class Trainer:
 
   def write_config(self) -> None:
     """config.yaml (the resolved config) and the opening line, on process 0."""
+    distributed.barrier("sinkjax.train: run dir read")   # every process has read config.yaml before it is rewritten
     if jax.process_index() != 0:
       return
     cfg = self.cfg
@@ -513,26 +515,31 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   log = MetricsLogger(cfg, trainer.run_dir, lr_schedule=trainer.lr_schedule, start=start, stop_at=stop_at,
                       progress=progress)
   profiler = Profiler(cfg, trainer.run_dir, start, stop_at)
+  stop_vote = distributed.StopVote(trainer.mesh)
   pending = None       # (step, metrics, val_bpb) of the previous step, logged once the next one is queued
   try:
     with _SignalFlag() as sig, jax.set_mesh(trainer.mesh):   # the mesh is active: attention runs per shard
       for step in range(start + 1, stop_at + 1):
         profiler.before(step)
+        vote = stop_vote.cast(sig.signum)      # every process stops at the same step, whichever got the signal
         m = trainer.step()
         if pending is not None:
           log.step_done(*pending)
         profiler.after(step, m, log)
+        signum = stop_vote.result(vote)
         t0 = time.perf_counter()
         val_bpb = trainer.evaluate() if trainer.eval_batches and (
             (cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0) or step == cfg.train.steps) else None
-        if step % cfg.checkpoint.every == 0 or step == stop_at or sig.signum is not None:
+        saving = step % cfg.checkpoint.every == 0 or step == stop_at or signum is not None
+        if saving:
           trainer.save(step)
         log.paused(time.perf_counter() - t0)
         pending = (step, m, val_bpb)
-        if sig.signum is not None:
+        if saving:     # log a checkpointed step now: the next step may never finish (a process of the job died)
           log.step_done(*pending)
           pending = None
-          raise Interrupted(sig.signum, step)
+        if signum is not None:
+          raise Interrupted(signum, step)
       if pending is not None:
         log.step_done(*pending)
   finally:
@@ -562,9 +569,9 @@ def main(argv=None) -> int:
   parser.add_argument("--config", required=True, help="YAML config file (see configs/; tiny.yaml runs on a CPU)")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
   args = parser.parse_args(argv)
-  distributed.maybe_initialize()    # before anything touches JAX devices
   from sinkjax.data import DataError
   try:
+    distributed.maybe_initialize()    # before anything touches JAX devices
     train(config_lib.load_config(args.config, args.overrides))
   except Interrupted as e:
     print(f"sinkjax.train: {e}", file=sys.stderr)

@@ -23,7 +23,7 @@ import pathlib
 import grain
 import numpy as np
 
-from sinkjax.data.pipeline import FEATURES
+from sinkjax.data.pipeline import FEATURES, _process
 from sinkjax.data.sources import DataError, expand_files
 
 _PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
@@ -191,15 +191,29 @@ def _stack(rows):
   return {f: np.stack([r[f] for r in rows]) for f in FEATURES}
 
 
-def make_sft_iterator(data_cfg, tokenizer, *, batch_size: int, seed: int = 0):
-  """Grain iterator of shuffled (new order each epoch) training batches of packed SFT rows, forever."""
+def make_sft_iterator(data_cfg, tokenizer, *, batch_size: int, seed: int = 0,
+                      process_index: int | None = None, process_count: int | None = None):
+  """Grain iterator of shuffled (new order each epoch) training batches of packed SFT rows, forever.
+
+  `batch_size` is the per-process batch. Every process shuffles all rows alike and takes its own slice of each global
+  batch of batch_size x process_count rows (`process_index`/`process_count` default to JAX's), so the processes read
+  disjoint rows and together the rows one process would read with the global batch.
+  """
+  pi, pc = _process(process_index, process_count)
   rows = sft_rows(data_cfg, tokenizer, "train")
   ds = grain.MapDataset.source(rows).shuffle(seed=seed).repeat().batch(batch_size, batch_fn=_stack)
+  if pc > 1:
+    ds = ds[pi::pc]             # local batch j of global batch k is batch k * pc + j of the shuffled rows
   return iter(ds.to_iter_dataset())
 
 
-def make_sft_eval_batches(data_cfg, tokenizer, *, batch_size: int, num_batches: int) -> list[dict]:
-  rows = sft_rows(data_cfg, tokenizer, "val")[:batch_size * num_batches]
+def make_sft_eval_batches(data_cfg, tokenizer, *, batch_size: int, num_batches: int,
+                          process_index: int | None = None, process_count: int | None = None) -> list[dict]:
+  """The first validation rows as `num_batches` global batches of batch_size x process_count rows (the last one
+  padded with rows of loss_mask 0); this process gets its `batch_size` rows of each."""
+  pi, pc = _process(process_index, process_count)
+  g = batch_size * pc
+  rows = sft_rows(data_cfg, tokenizer, "val")[:g * num_batches]
   pad = {f: np.zeros_like(v) for f, v in rows[0].items()}
-  rows += [pad] * (-len(rows) % batch_size)
-  return [_stack(rows[i:i + batch_size]) for i in range(0, len(rows), batch_size)]
+  rows += [pad] * (-len(rows) % g)
+  return [_stack(rows[k + pi * batch_size:k + (pi + 1) * batch_size]) for k in range(0, len(rows), g)]
