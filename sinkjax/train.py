@@ -534,14 +534,16 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
         val_bpb = None
         if eval_batches and ((cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0) or step == steps):
           val_bpb = evaluate(state["params"])
-        if step % cfg.checkpoint.every == 0 or step == stop_at or signum is not None:
+        saving = step % cfg.checkpoint.every == 0 or step == stop_at or signum is not None
+        if saving:
           ckpt.save(step, full_params(state["params"], rest), {k: v for k, v in state.items() if k != "params"},
                     train_iter, force=True)
         timer["paused"] += time.perf_counter() - t0
         pending = (step, m, val_bpb)
-        if signum is not None:
+        if saving:     # log a checkpointed step now: the next step may never finish (a process of the job died)
           finish_step(*pending)
           pending = None
+        if signum is not None:
           raise Interrupted(signum, step)
       if pending is not None:
         finish_step(*pending)
