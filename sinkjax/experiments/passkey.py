@@ -79,6 +79,8 @@ def passkey_batch(tokenizer, length: int, depth: float, samples: int, seed: int)
   rng = np.random.default_rng([seed, length, round(depth * 1000)])
   sentence = [tokenizer.encode(s) for s in FILLER]
   fixed = 1 + len(tokenizer.encode(NEEDLE.format(key="0" * KEY_DIGITS))) + len(tokenizer.encode(QUESTION))
+  if length < fixed:
+    raise PasskeyError(f"--lengths: {length} tokens cannot hold the needle and the question ({fixed} tokens)")
   n, used = 0, fixed
   while used + len(sentence[n % len(FILLER)]) <= length:
     used += len(sentence[n % len(FILLER)])
@@ -139,3 +141,153 @@ def write_training_data(path: str, docs: int, max_len: int, text_fraction: float
   lines = [json.dumps({"text": t}) for t in training_documents(docs, max_len, text_fraction, seed)]
   pathlib.Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
   return len(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------- probe
+
+
+def cache_modes(sink_size: int, window: int, policies) -> list[tuple[str, dict, np.ndarray | None]]:
+  """(name, cache arguments of `streaming_scores` without capacity, [L][Hkv] map or None) of every mode probed."""
+  from sinkjax.cache_policy import as_tuple
+  modes = [("full cache", {}, None), (f"sinks + window (S={sink_size}, W={window})",
+                                      dict(sink_size=sink_size, window=window), None)]
+  modes += [(f"hybrid {label}", dict(sink_size=sink_size, window=window, full_heads=as_tuple(full)), full)
+            for label, full in policies]
+  return modes
+
+
+def _mode_cache(kw: dict, total: int) -> dict:
+  """`streaming_scores` arguments: a full cache of `total` slots, a streaming one of W, or a hybrid (full heads
+  `total`, streaming heads W)."""
+  if not kw:
+    return dict(capacity=total)
+  if "full_heads" not in kw:
+    return dict(capacity=kw["window"], sink_size=kw["sink_size"])
+  return dict(capacity=total, **kw)
+
+
+def probe(model, tokenizer, *, lengths, depths, samples: int, sink_size: int, window: int, policies=(),
+          seed: int = 0) -> list[dict]:
+  """Passkey accuracy per cache mode, context length and depth (one record each)."""
+  from sinkjax.generate import kv_bytes, streaming_scores
+  cfg, records = model.cfg, []
+  every = cfg.num_layers * cfg.num_kv_heads
+  for length in lengths:
+    batches = [passkey_batch(tokenizer, length, d, samples, seed) for d in depths]
+    ids = np.concatenate([b.ids for b in batches])
+    answer = batches[0].answer_len
+    for name, kw, full in cache_modes(sink_size, window, policies):
+      cache_kw = _mode_cache(kw, ids.shape[1])
+      _, hit = streaming_scores(model, ids, **cache_kw)
+      right = hit[:, -answer:].all(axis=1).reshape(len(depths), samples)
+      n_full = every if not kw else (0 if full is None else int(np.sum(full)))
+      for b, row in zip(batches, right):
+        records.append(dict(mode=name, context=b.context, depth=b.depth, accuracy=float(row.mean()),
+                            samples=samples, full_heads=n_full, heads=every,
+                            kv_bytes=kv_bytes(cfg, **cache_kw)))
+  return records
+
+
+def format_results(records: list[dict]) -> str:
+  """One markdown table: a row per mode and context length, a column per depth, and the mean."""
+  depths = sorted({r["depth"] for r in records})
+  lines = ["| mode | full heads | context | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean | KV bytes |",
+           "|---|---:|---:|" + "---:|" * len(depths) + "---:|---:|"]
+  keys = list(dict.fromkeys((r["mode"], r["context"]) for r in records))
+  for mode, context in keys:
+    rows = {r["depth"]: r for r in records if r["mode"] == mode and r["context"] == context}
+    acc = [rows[d]["accuracy"] for d in depths]
+    r = rows[depths[0]]
+    lines.append(f"| {mode} | {r['full_heads']}/{r['heads']} | {context} | " + " | ".join(f"{a:.2f}" for a in acc)
+                 + f" | {np.mean(acc):.2f} | {r['kv_bytes']:,} |")
+  return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):               # one line, not argparse's usage block
+    raise PasskeyError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  from sinkjax import cache_policy
+  p = _Parser(prog="python -m sinkjax.experiments.passkey", description=__doc__.split("\n\n")[0],
+              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--checkpoint", help="run directory of a training run (the probe)")
+  p.add_argument("--lengths", default="128,256,512", help="prompt lengths in tokens, comma-separated")
+  p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1], comma-separated")
+  p.add_argument("--samples", type=int, default=8, help="keys per length and depth (default 8)")
+  p.add_argument("--sink-size", type=int, default=4, help="sinks of streaming heads (default 4)")
+  p.add_argument("--window", type=int, default=64, help="slots of streaming heads, sinks included (default 64)")
+  p.add_argument("--seed", type=int, default=0, help="keys (probe) / documents (--make-data)")
+  p.add_argument("--out", help="where results.json and results.md go (default RUN_DIR/passkey)")
+  cache_policy.add_arguments(p)
+  p.add_argument("--make-data", metavar="OUT.jsonl", help="write a training mix instead of probing")
+  p.add_argument("--docs", type=int, default=20000, help="--make-data: passkey documents (default 20000)")
+  p.add_argument("--max-len", type=int, default=512, help="--make-data: longest passkey document in bytes")
+  p.add_argument("--text-fraction", type=float, default=0.5, help="--make-data: share of corpus text bytes")
+  return p
+
+
+def _numbers(text: str, kind, flag: str, ok) -> list:
+  try:
+    values = [kind(x) for x in text.split(",")]
+  except ValueError:
+    raise PasskeyError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+  bad = [v for v in values if not ok(v)]
+  if bad:
+    raise PasskeyError(f"{flag}: {bad[0]} is out of range")
+  return values
+
+
+def make_data(args) -> None:
+  if args.docs < 1 or not 0 <= args.text_fraction < 1:
+    raise PasskeyError("--docs must be >= 1 and --text-fraction in [0, 1)")
+  shortest = len(passkey_text("0" * KEY_DIGITS, 0, 0.0)[0]) + KEY_DIGITS + 1
+  if args.max_len < shortest:
+    raise PasskeyError(f"--max-len must be >= {shortest} (a needle and the question)")
+  n = write_training_data(args.make_data, args.docs, args.max_len, args.text_fraction, args.seed)
+  print(f"wrote {n} documents ({args.docs} passkey) to {args.make_data}")
+
+
+def run_probe(args) -> None:
+  from sinkjax import cache_policy
+  from sinkjax.checkpoint import load_run
+  if args.checkpoint is None:
+    raise PasskeyError("give --checkpoint RUN_DIR (or --make-data OUT.jsonl)")
+  cache_policy.check_arguments(args)
+  lengths = _numbers(args.lengths, int, "--lengths", lambda v: v >= 1)
+  depths = _numbers(args.depths, float, "--depths", lambda v: 0 <= v <= 1)
+  if args.samples < 1 or not 0 <= args.sink_size < args.window:
+    raise PasskeyError("--samples must be >= 1 and 0 <= --sink-size < --window")
+  model, cfg, tok = load_run(args.checkpoint)
+  policies = cache_policy.policies_from_args(args, cfg.model, args.checkpoint) if cache_policy.wanted(args) else []
+  for label, full in policies:
+    print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
+  records = probe(model, tok, lengths=lengths, depths=depths, samples=args.samples, sink_size=args.sink_size,
+                  window=args.window, policies=policies, seed=args.seed)
+  out = pathlib.Path(args.out or pathlib.Path(args.checkpoint) / "passkey")
+  out.mkdir(parents=True, exist_ok=True)
+  table = format_results(records)
+  (out / "results.json").write_text(json.dumps(records, indent=1))
+  (out / "results.md").write_text(table + "\n")
+  print(table)
+
+
+def main(argv=None) -> int:
+  try:
+    args = build_parser().parse_args(argv)
+    if args.make_data is not None:
+      make_data(args)
+    else:
+      run_probe(args)
+  except ValueError as e:                  # PasskeyError, PolicyError, CheckpointError, ...
+    print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
