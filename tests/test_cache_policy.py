@@ -244,3 +244,152 @@ def test_amounts_and_maps(tmp_path):
     good.write_text(text)
     with pytest.raises(cp.PolicyError, match=msg):
       cp.read_map(good, (2, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command lines
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  """A saved run (random sink-attention model with GQA, byte tokenizer) with a metrics.jsonl of importances."""
+  from sinkjax.config import Config, DataConfig
+  from sinkjax.convert.hf import save_run
+  model, cfg = random_model(attention="sink", vocab_size=257, max_seq_len=256)
+  path = tmp_path_factory.mktemp("hybrid_run")
+  save_run(path, Config(model=cfg, data=DataConfig(seq_len=32)), model)
+  (path / "metrics.jsonl").write_text(json.dumps({"step": 1, "importance": IMPORTANCE.tolist()}) + "\n")
+  return path
+
+
+def run_cli(main, argv, capsys):
+  code = main([str(a) for a in argv])
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+def test_generate_with_full_heads(run_dir, capsys):
+  code, out, err = run_cli(gen_lib.main, ["--checkpoint", run_dir, "--prompt", "abc", "--max-new-tokens", 5,
+                                          "--temperature", 0, "--no-stop", "--full-heads", 0.5, "--window", 8,
+                                          "--sink-size", 2], capsys)
+  assert code == 0, err
+  # per layer the KV head whose best query head is more important: [[0.9, 0.6], [0.3, 0.95]] -> heads 0 and 1
+  bytes_ = 2 * 8 * 4 * (2 * (4 + 5) + 2 * 8)      # 2 full heads x (prompt + new) slots, 2 streaming x W slots
+  assert "hybrid cache F=0.5 by importance, 2/4 full heads of 9 slots" in err and f"KV cache {bytes_:,} bytes" in err
+
+
+@pytest.mark.slow
+def test_ppl_table_rows_per_fraction(run_dir, tmp_path, capsys):
+  """F = 1 and F = 0 reproduce the full and sink + window rows exactly; every row's bytes match the formula."""
+  text = tmp_path / "t.txt"
+  text.write_text("".join(chr(97 + (i * 7) % 26) for i in range(80)))
+  code, out, err = run_cli(gen_lib.main, ["--checkpoint", run_dir, "--ppl", text, "--window", 16, "--sink-size", 2,
+                                          "--full-heads", "0,0.5,1", "--full-heads-random", 3], capsys)
+  assert code == 0, err
+  rows = {r.split(" | ")[0].strip("| "): r.split(" | ") for r in out.splitlines() if r.startswith("| ")}
+  N, W = 81, 16
+  expect = {"full cache": 4 * N, "sinks + window (S=2, W=16)": 4 * W,
+            "hybrid F=0 by importance (S=2, W=16)": 4 * W, "hybrid F=0.5 by importance (S=2, W=16)": 2 * N + 2 * W,
+            "hybrid F=1 by importance (S=2, W=16)": 4 * N, "hybrid F=0.5 random (seed 3) (S=2, W=16)": 2 * N + 2 * W}
+  for mode, head_slots in expect.items():
+    assert int(rows[mode][-1].strip(" |").replace(",", "")) == 2 * 8 * 4 * head_slots, mode
+  assert rows["hybrid F=1 by importance (S=2, W=16)"][3:6] == rows["full cache"][3:6]
+  assert rows["hybrid F=0 by importance (S=2, W=16)"][3:6] == rows["sinks + window (S=2, W=16)"][3:6]
+  assert rows["hybrid F=0.5 by importance (S=2, W=16)"][1] == "2/4"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--full-heads", "1.5"], "neither a fraction in [0, 1] nor a whole number"),
+    (["--full-heads", "-0.5"], "neither a fraction"),
+    (["--full-heads", "3"], "exceeds the 2 KV heads per layer"),
+    (["--full-heads", "5", "--full-heads-scope", "global"], "exceeds the 4 KV heads in the model"),
+    (["--full-heads-from", "{map}"], "shape [1, 2], the model needs [2, 2]"),
+    (["--full-heads-from", "/nonexistent.json"], "does not exist"),
+    (["--full-heads", "0.5", "--full-heads-from", "{map}"], "not both"),
+    (["--full-heads-random", "1"], "needs --full-heads F"),
+    (["--full-heads", "0.5", "--full-heads-random", "x"], "integer seeds"),
+    (["--full-heads", "0.5", "--full-heads-by", "alpha"], "alpha is in eval's report.json"),
+    (["--full-heads", "0.5", "--head-scores", "/nonexistent"], "does not exist"),
+    (["--full-heads", "0.5", "--cache", "full"], "drop --cache full"),
+    (["--cache", "hybrid"], "needs --full-heads F or --full-heads-from"),
+    (["--full-heads", "0,0.5"], "one --full-heads value"),
+])
+def test_cli_errors_are_one_line(argv, message, run_dir, tmp_path, capsys):
+  (tmp_path / "map.json").write_text("[[true, false]]")
+  argv = [a.replace("{map}", str(tmp_path / "map.json")) for a in argv]
+  code, _, err = run_cli(gen_lib.main, ["--checkpoint", run_dir, "--prompt", "hi", "--max-new-tokens", 2] + argv,
+                         capsys)
+  assert code != 0
+  assert len(err.strip().splitlines()) == 1 and err.startswith("error:") and message in err, err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Passkey probe
+
+
+def test_passkey_samples_hide_the_key_at_the_depth():
+  from sinkjax.data.tokenizers import ByteTokenizer
+  from sinkjax.experiments import passkey
+  tok = ByteTokenizer()
+  for depth in (0.0, 0.5, 1.0):
+    batch = passkey.passkey_batch(tok, 300, depth, 4, seed=1)
+    assert batch.ids.shape[0] == 4 and batch.answer_len == 5 and batch.context <= 300
+    for row in batch.ids:
+      assert row[0] == tok.bos_id
+      text = tok.decode(row)
+      key = text[-5:]
+      prompt = text[:-5]
+      assert prompt.endswith(passkey.QUESTION) and f"The pass key is {key}. Remember it. {key} is" in prompt
+      before = prompt[:prompt.index("The pass key is")].count(". ")
+      total = prompt.count(". ") - 3                      # all sentences but the needle's two and the question's
+      assert before == round(depth * total)
+  assert passkey.passkey_batch(tok, 300, 0.5, 2, seed=1).context + 20 > 300     # no room for another sentence
+
+
+def test_passkey_training_mix(tmp_path):
+  from sinkjax.experiments import passkey
+  docs = passkey.training_documents(50, 256, 0.5, seed=0)
+  keyed = [d for d in docs if d.endswith(".") and passkey.QUESTION in d]
+  assert len(keyed) == 50 and all(len(d) <= 256 for d in keyed)
+  for d in keyed:
+    key = d[-6:-1]
+    assert f"The pass key is {key}. Remember it." in d
+  text_bytes = sum(len(d) for d in docs if d not in keyed)
+  assert 0.4 < text_bytes / sum(len(d) for d in docs) < 0.6
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--checkpoint", "{run}", "--lengths", "50"], "cannot hold the needle"),
+    (["--checkpoint", "{run}", "--depths", "0,1.5"], "--depths: 1.5 is out of range"),
+    (["--checkpoint", "{run}", "--window", "4", "--sink-size", "4"], "0 <= --sink-size < --window"),
+    (["--lengths", "128"], "give --checkpoint"),
+    (["--make-data", "{tmp}/d.jsonl", "--max-len", "20"], "--max-len must be >="),
+])
+def test_passkey_cli_errors(argv, message, run_dir, tmp_path, capsys):
+  from sinkjax.experiments import passkey
+  argv = [a.replace("{run}", str(run_dir)).replace("{tmp}", str(tmp_path)) for a in argv]
+  code, _, err = run_cli(passkey.main, argv, capsys)
+  assert code != 0 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.slow
+def test_passkey_probe_end_to_end(run_dir, tmp_path, capsys):
+  """Every mode x length x depth gets a record; the accuracy is the greedy exact match of the key, checked against
+  `Generator.generate` for the hybrid mode."""
+  from sinkjax.checkpoint import load_run
+  from sinkjax.experiments import passkey
+  code, out, err = run_cli(passkey.main, ["--checkpoint", run_dir, "--lengths", "120", "--depths", "0,1",
+                                          "--samples", 3, "--window", 16, "--sink-size", 2, "--full-heads", 0.5,
+                                          "--out", tmp_path], capsys)
+  assert code == 0, err
+  records = json.loads((tmp_path / "results.json").read_text())
+  assert {r["mode"] for r in records} == {"full cache", "sinks + window (S=2, W=16)", "hybrid F=0.5 by importance"}
+  assert len(records) == 3 * 2 and "| hybrid F=0.5 by importance | 2/4 |" in out
+  model, _, tok = load_run(run_dir)
+  full = [[True, False], [False, True]]
+  gen = gen_lib.Generator(model, capacity=records[0]["context"] + 5, sink_size=2, window=16, full_heads=full)
+  for depth in (0.0, 1.0):
+    batch = passkey.passkey_batch(tok, 120, depth, 3, seed=0)
+    right = sum(gen.generate(list(row[:-5]), 5, temperature=0.0) == list(row[-5:]) for row in batch.ids)
+    rec = [r for r in records if r["mode"].startswith("hybrid") and r["depth"] == depth][0]
+    assert rec["accuracy"] == right / 3
