@@ -3,11 +3,11 @@
     python -m sinkjax.experiments.passkey --checkpoint RUN_DIR [--lengths 128,256,512] [--depths 0,0.25,0.5,0.75,1]
         [--samples 8] [--sink-size 4 --window 64] [--full-heads 0.25,0.5 ...] [--full-heads-random 0,1,2] [--out DIR]
     python -m sinkjax.experiments.passkey --make-data OUT.jsonl [--docs 20000] [--max-len 512]
-        [--text-fraction 0.5] [--seed 0]
+        [--text-fraction 0.3] [--seed 0]
 
 The probe (the passkey test of Landmark Attention / LongLoRA): BOS, filler sentences ("The grass is green. The sky
-is blue. ..."), at depth d of the filler the needle "The pass key is 71829. Remember it. 71829 is the pass key. ",
-more filler, then "What is the pass key? The pass key is ". A sample counts as retrieved when greedy decoding
+is blue. ..."), at depth d of the filler the needle "The pass key is #71829. Remember it. #71829 is the pass key. ",
+more filler, then "What is the pass key? The pass key is #". A sample counts as retrieved when greedy decoding
 continues with the key's digits. That is measured with teacher forcing (`sinkjax.generate.streaming_scores`): greedy
 decoding produces the key iff every key token is the argmax given the correct ones before it, so one pass of the
 cached decode step over prompt + key gives the exact greedy result for a whole batch of samples.
@@ -34,8 +34,11 @@ import numpy as np
 
 FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ", "Here we go. ",
           "There and back again. ")
-NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = "What is the pass key? The pass key is "
+# The key is marked with "#" so that a byte-level model finds it by the previous token alone (one-token induction):
+# a tiny model trained for minutes on a CPU did not learn to match the classic "...pass key is " context (with
+# "The sky is" in the filler it must look five bytes back) within 500 steps; with the marker it does.
+NEEDLE = "The pass key is #{key}. Remember it. #{key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is #"
 KEY_DIGITS = 5
 
 
@@ -227,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--make-data", metavar="OUT.jsonl", help="write a training mix instead of probing")
   p.add_argument("--docs", type=int, default=20000, help="--make-data: passkey documents (default 20000)")
   p.add_argument("--max-len", type=int, default=512, help="--make-data: longest passkey document in bytes")
-  p.add_argument("--text-fraction", type=float, default=0.5, help="--make-data: share of corpus text bytes")
+  p.add_argument("--text-fraction", type=float, default=0.3, help="--make-data: share of corpus text bytes (0.3)")
   return p
 
 
@@ -253,8 +256,10 @@ def make_data(args) -> None:
 
 
 def run_probe(args) -> None:
+  import logging
   from sinkjax import cache_policy
   from sinkjax.checkpoint import load_run
+  logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
   if args.checkpoint is None:
     raise PasskeyError("give --checkpoint RUN_DIR (or --make-data OUT.jsonl)")
   cache_policy.check_arguments(args)
