@@ -13,6 +13,14 @@ positions, as StreamingLLM does: relative distances stay inside what the model s
 stream runs, and an evicted middle leaves no gap. The cost is one rotation of the cache per layer per step (the
 same order as the attention itself). Learnable sink tokens (`model.sink_tokens` = n) are parameters, not cache
 entries: they sit at positions 0..n-1 and every cache position is shifted by n (done by the attention layer).
+
+Per-head policy (`HybridKVCache`, DuoAttention's split of full and streaming heads). Each KV head of each layer is
+either *full* (every position, at its true position) or *streaming* (S sinks + a ring of W - S recent tokens, at
+positions within the ring as above). The hybrid holds two caches of the layout above: `full`, C slots of only the
+full heads of each layer, and `ring`, W slots of only the streaming heads; the split is static (part of the pytree
+structure), so shapes are fixed, the decode step compiles once and a streaming head costs O(W) memory, not O(C).
+The attention layer attends each group with its own positions (`LayerCache.groups`) and puts the heads back in
+order. A layer whose heads are all in one group computes exactly what the plain cache of that kind computes.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def slot_of(index, sink_size: int, capacity: int):
@@ -71,6 +80,52 @@ class LayerCache:
     put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), 0, axis=1)
     return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
 
+  def groups(self) -> tuple:
+    """((kv_heads, cache), ...) to attend separately; kv_heads None = every head (a uniform cache: one group)."""
+    return ((None, self),)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SplitLayerCache:
+  """One layer of a `HybridKVCache`: the view of its full heads and the view of its streaming heads.
+
+  full_heads / ring_heads: the layer's KV head indices in each (static); `full` and `ring` hold only those heads, in
+  that order. `write` / `prefill` take every head's k/v [B,T,Hkv,D] and store each head in its own group.
+  """
+  full: LayerCache
+  ring: LayerCache
+  full_heads: tuple = dataclasses.field(metadata=dict(static=True))
+  ring_heads: tuple = dataclasses.field(metadata=dict(static=True))
+
+  def _store(self, method: str, k, v) -> "SplitLayerCache":
+    def put(view, heads):
+      if not heads:
+        return view
+      idx = np.asarray(heads)
+      return getattr(view, method)(jnp.take(k, idx, axis=2), jnp.take(v, idx, axis=2))
+    return dataclasses.replace(self, full=put(self.full, self.full_heads), ring=put(self.ring, self.ring_heads))
+
+  def write(self, k, v) -> "SplitLayerCache":
+    return self._store("write", k, v)
+
+  def prefill(self, k, v) -> "SplitLayerCache":
+    return self._store("prefill", k, v)
+
+  def groups(self) -> tuple:
+    """The non-empty groups, full first; a group holding every head of the layer is (None, view), as a uniform
+    cache's only group."""
+    num_heads = len(self.full_heads) + len(self.ring_heads)
+    every = tuple(range(num_heads))
+    return tuple((None if heads == every else heads, view)
+                 for heads, view in ((self.full_heads, self.full), (self.ring_heads, self.ring)) if heads)
+
+
+def check_prefill(num_new: int, limit: int) -> None:
+  if num_new > limit:
+    raise ValueError(f"cannot prefill {num_new} tokens into a cache of size {limit}; prefill at most the cache size "
+                     "and decode the rest")
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +137,15 @@ class KVCache:
   sink_size: int = dataclasses.field(metadata=dict(static=True))
 
   @classmethod
-  def create(cls, num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, *,
+  def create(cls, num_layers: int, batch: int, capacity: int, num_kv_heads, head_dim: int, *,
              sink_size: int = 0, dtype=jnp.float32) -> "KVCache":
-    """An empty cache. Streaming: sink_size = S, capacity = W (window incl. sinks). Full: sink_size = 0."""
+    """An empty cache. Streaming: sink_size = S, capacity = W (window incl. sinks). Full: sink_size = 0.
+    num_kv_heads: one count for every layer, or one per layer (the groups of a `HybridKVCache`)."""
     if not 0 <= sink_size < capacity:
       raise ValueError(f"need 0 <= sink size < cache size, got sink size {sink_size} and cache size {capacity}")
-    zeros = lambda: tuple(jnp.zeros((batch, capacity, num_kv_heads, head_dim), dtype) for _ in range(num_layers))
+    heads = [num_kv_heads] * num_layers if isinstance(num_kv_heads, int) else list(num_kv_heads)
+    assert len(heads) == num_layers, (heads, num_layers)
+    zeros = lambda: tuple(jnp.zeros((batch, capacity, h, head_dim), dtype) for h in heads)
     return cls(k=zeros(), v=zeros(), length=jnp.zeros((), jnp.int32), sink_size=sink_size)
 
   @classmethod
@@ -105,11 +163,22 @@ class KVCache:
   def nbytes(self) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(self))
 
+  @property
+  def kv_bytes(self) -> int:
+    """Bytes of the key and value arrays (the cache memory a table reports; `nbytes` adds the 4-byte counter)."""
+    return sum(x.nbytes for x in self.k + self.v)
+
+  @property
+  def max_prefill(self) -> int:
+    """The most tokens one prefill may write (the rest of a longer prompt goes through the decode step)."""
+    return self.capacity
+
   def layers(self, num_new: int) -> list[LayerCache]:
     """Per-layer views for a step that adds `num_new` tokens (1 = decode; > 1 = prefill of an empty cache)."""
-    if num_new > self.capacity:
-      raise ValueError(f"cannot prefill {num_new} tokens into a cache of size {self.capacity}; prefill at most "
-                       "the cache size and decode the rest")
+    check_prefill(num_new, self.max_prefill)
+    return self._views(num_new)
+
+  def _views(self, num_new: int) -> list[LayerCache]:
     after = self.length + num_new
     positions, valid = slot_positions(after, self.sink_size, self.capacity)
     slot = slot_of(self.length, self.sink_size, self.capacity)
@@ -124,3 +193,75 @@ class KVCache:
   def occupied(self):
     """Number of filled slots (the cache size a streaming table reports)."""
     return jnp.minimum(self.length, self.capacity)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridKVCache:
+  """Per-head cache policy: `full` (C slots, sink_size 0) holds each layer's full KV heads, `ring` (W slots with S
+  sinks) its streaming heads; `full_heads` [L][Hkv] (static) says which is which. Same protocol as `KVCache`
+  (`layers`, `advance`), so the model and the jitted steps take either."""
+  full: KVCache
+  ring: KVCache
+  full_heads: tuple = dataclasses.field(metadata=dict(static=True))
+
+  @classmethod
+  def create(cls, full_heads, batch: int, capacity: int, window: int, head_dim: int, *, sink_size: int,
+             dtype=jnp.float32) -> "HybridKVCache":
+    """An empty hybrid cache: full_heads [L][Hkv] bools (True = full, `capacity` slots; False = streaming, `window`
+    slots of which `sink_size` sinks)."""
+    mask = tuple(tuple(bool(f) for f in row) for row in full_heads)
+    counts = [sum(row) for row in mask]
+    full = KVCache.create(len(mask), batch, capacity, counts, head_dim, dtype=dtype)
+    ring = KVCache.create(len(mask), batch, window, [len(row) - c for row, c in zip(mask, counts)], head_dim,
+                          sink_size=sink_size, dtype=dtype)
+    return cls(full=full, ring=ring, full_heads=mask)
+
+  @classmethod
+  def for_model(cls, cfg, full_heads, batch: int, capacity: int, window: int, *,
+                sink_size: int) -> "HybridKVCache":
+    from sinkjax.model import DTYPES
+    assert len(full_heads) == cfg.num_layers and all(len(r) == cfg.num_kv_heads for r in full_heads), full_heads
+    return cls.create(full_heads, batch, capacity, window, cfg.head_dim, sink_size=sink_size,
+                      dtype=DTYPES[cfg.dtype])
+
+  @property
+  def length(self):
+    return self.full.length
+
+  @property
+  def nbytes(self) -> int:
+    return self.full.nbytes + self.ring.nbytes
+
+  @property
+  def kv_bytes(self) -> int:
+    return self.full.kv_bytes + self.ring.kv_bytes
+
+  @property
+  def max_prefill(self) -> int:
+    """The smaller capacity among the caches that hold any head (a cache without heads limits nothing)."""
+    held = [c.capacity for c, n in ((self.full, sum(map(sum, self.full_heads))),
+                                    (self.ring, sum(len(r) - sum(r) for r in self.full_heads))) if n]
+    return min(held)
+
+  def layers(self, num_new: int) -> list[SplitLayerCache]:
+    """Per-layer views (see `KVCache.layers`); a cache that holds no head limits nothing (its writes are skipped)."""
+    check_prefill(num_new, self.max_prefill)
+    out = []
+    for row, full, ring in zip(self.full_heads, self.full._views(num_new), self.ring._views(num_new)):
+      out.append(SplitLayerCache(full, ring, tuple(h for h, f in enumerate(row) if f),
+                                 tuple(h for h, f in enumerate(row) if not f)))
+    return out
+
+  def advance(self, layers: list[SplitLayerCache], num_new: int) -> "HybridKVCache":
+    return dataclasses.replace(self, full=self.full.advance([c.full for c in layers], num_new),
+                               ring=self.ring.advance([c.ring for c in layers], num_new))
+
+
+def make_cache(cfg, batch: int, capacity: int, *, sink_size: int = 0, full_heads=None, window: int = 0):
+  """The cache of a generation or scoring run: a `KVCache` of `capacity` slots with `sink_size` sinks, or, with
+  `full_heads` ([L][Hkv] bools), a `HybridKVCache` whose full heads keep `capacity` slots and whose streaming heads
+  keep `window` (sinks included)."""
+  if full_heads is None:
+    return KVCache.for_model(cfg, batch, capacity, sink_size=sink_size)
+  return HybridKVCache.for_model(cfg, full_heads, batch, capacity, window, sink_size=sink_size)

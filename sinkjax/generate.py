@@ -3,6 +3,7 @@
     python -m sinkjax.generate --checkpoint RUN_DIR --prompt TEXT --max-new-tokens N \\
         [--temperature T] [--top-k K] [--top-p P] [--seed S] [--cache full|streaming --sink-size S --window W]
     python -m sinkjax.generate --ppl FILE --checkpoint RUN_DIR [--sink-size S --window W] [--max-tokens N]
+        [--full-heads F[,F...] [--full-heads-random SEED[,...]] | --full-heads-from MAP.json]
 
 Works for every attention variant (vanilla, sink, gated) and for models with learnable sink tokens.
 
@@ -19,15 +20,23 @@ never exceed W and the eviction leaves no gap. Learnable sink tokens (`model.sin
 each attention layer, not cache entries: they are never evicted and hold positions 0..n-1, shifting everything
 else by n.
 
+- `--cache hybrid` (implied by `--full-heads F` or `--full-heads-from MAP`): a per-head policy (`HybridKVCache`,
+  DuoAttention's split): a fraction F (or a count) of the KV heads keep a full cache at their true positions, the
+  others sinks + window as above. The full heads are those with the highest measured importance (000 eq. 5; from
+  the run's metrics.jsonl or eval's report.json) or lowest sink ratio alpha, per layer or globally; see
+  `sinkjax.cache_policy` for the flags (--full-heads-by/-scope/-gqa, --head-scores, --full-heads-random).
+
 A prompt longer than a streaming cache is prefilled up to W tokens and the rest is fed through the decode step
 (the same compiled function), which is exactly what token-by-token streaming would compute.
 
 `--ppl FILE` scores the file (BOS + its tokens, first `--max-tokens`) token by token under three caches: full,
-window-only (S = 0, the same W) and sinks + window, and prints a StreamingLLM-style table.
+window-only (S = 0, the same W) and sinks + window, plus a hybrid row per --full-heads F (and per random seed, or
+the --full-heads-from map), and prints a StreamingLLM-style table with each cache's key/value memory in bytes.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import pathlib
 import sys
@@ -38,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax.cache import KVCache
+from sinkjax import cache_policy
+from sinkjax.cache import make_cache
 
 
 class UsageError(ValueError):
@@ -78,15 +88,19 @@ def sample_logits(logits, key, temperature, top_k, top_p):
 
 
 class Generator:
-  """A model with a jitted prefill and a jitted decode step over a fixed-shape `KVCache`.
+  """A model with a jitted prefill and a jitted decode step over a fixed-shape `KVCache` (`capacity` slots,
+  `sink_size` sinks) or, with `full_heads` ([L][Hkv] bools), a `HybridKVCache` whose full heads keep `capacity`
+  slots and whose streaming heads keep `window` (with `sink_size` sinks).
 
   The model is split once into (graphdef, state); both functions take the state as an argument, so one compile of
   each serves a whole generation (`prefill_fn` / `decode_fn` are the `jax.jit` objects, for inspection).
   """
 
-  def __init__(self, model: nnx.Module, *, capacity: int, sink_size: int = 0, batch: int = 1):
+  def __init__(self, model: nnx.Module, *, capacity: int, sink_size: int = 0, batch: int = 1, full_heads=None,
+               window: int = 0):
     self.cfg = model.cfg
     self.capacity, self.sink_size, self.batch = capacity, sink_size, batch
+    self.full_heads, self.window = full_heads, window
     self.graphdef, self.state = nnx.split(model)
     graphdef = self.graphdef
 
@@ -101,8 +115,9 @@ class Generator:
     self.prefill_fn = jax.jit(prefill, donate_argnums=(1,))
     self.decode_fn = jax.jit(decode, donate_argnums=(1,))
 
-  def new_cache(self) -> KVCache:
-    return KVCache.for_model(self.cfg, self.batch, self.capacity, sink_size=self.sink_size)
+  def new_cache(self):
+    return make_cache(self.cfg, self.batch, self.capacity, sink_size=self.sink_size, full_heads=self.full_heads,
+                      window=self.window)
 
   def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop_token: int | None = None, on_token=None,
@@ -114,10 +129,10 @@ class Generator:
     """
     prompt = np.asarray(prompt_ids, np.int32).reshape(self.batch, -1)
     P = prompt.shape[1]
-    head = min(P, self.capacity)
+    cache = self.new_cache()
+    head = min(P, cache.max_prefill)
     knobs = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
     base = jax.random.key(seed)
-    cache = self.new_cache()
     nxt, _, cache = self.prefill_fn(self.state, cache, jnp.asarray(prompt[:, :head]), jax.random.fold_in(base, 0),
                                     *knobs)
     for t in range(head, P):               # a prompt longer than the cache: feed the rest token by token
@@ -187,73 +202,105 @@ class TextStream:
 # Streaming perplexity
 
 
-def streaming_nll(model: nnx.Module, ids, *, capacity: int, sink_size: int = 0) -> np.ndarray:
-  """Negative log-likelihood of ids[1:] given everything before, token by token through a `KVCache` of
-  `capacity` slots with `sink_size` sinks (float64 [N-1], natural log).
+def _scores(logits, targets):
+  """(log-probability of each target, whether it is the argmax) for logits [..., V] and targets [...]."""
+  logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
+  return logp, jnp.argmax(logits, axis=-1) == targets
 
-  The first min(N, capacity) tokens are prefilled at once (nothing is evicted before the cache is full, so this
-  equals feeding them one by one); the rest go through the decode step inside one `lax.scan`.
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill_scores(graphdef, state, cache, tokens):
+  logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
+  return _scores(logits[:, :-1], tokens[:, 1:]), logits[:, -1], cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode_scores(graphdef, state, cache, inputs, targets):
+  """Scores of targets [N, B] fed inputs [N, B] one step at a time through the cache (one `lax.scan`)."""
+  model = nnx.merge(graphdef, state)
+
+  def step(cache, xs):
+    tok, target = xs
+    logits, cache = model(tok[:, None], cache=cache)
+    return cache, _scores(logits[:, 0], target)
+
+  return jax.lax.scan(step, cache, (inputs, targets))[1]
+
+
+def streaming_scores(model: nnx.Module, ids, *, capacity: int, sink_size: int = 0, full_heads=None,
+                     window: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """(nll [B, N-1] float64 natural log, hit [B, N-1] bool) of ids[:, 1:] given everything before, token by token
+  through the cache of `make_cache(capacity, sink_size, full_heads, window)`; hit = the target is the argmax (so
+  greedy decoding from the true prefix would produce it). ids: [B, N] or [N] (then B = 1).
+
+  The first min(N, cache.max_prefill) tokens are prefilled at once (nothing is evicted before the cache is full, so
+  this equals feeding them one by one); the rest go through the decode step inside one `lax.scan`. The jitted
+  steps are shared by calls of the same shapes and cache layout.
   """
-  ids = np.asarray(ids, np.int32)
-  N = len(ids)
-  head = min(N, capacity)
+  ids = np.atleast_2d(np.asarray(ids, np.int32))
+  N = ids.shape[1]
   graphdef, state = nnx.split(model)
-  cache = KVCache.for_model(model.cfg, 1, capacity, sink_size=sink_size)
-
-  def logprob(logits, targets):
-    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
-
-  @jax.jit
-  def prefill(state, cache, tokens, targets):
-    logits, cache = nnx.merge(graphdef, state)(tokens[None], cache=cache)
-    return logprob(logits[0, :-1], targets), logits[0, -1], cache
-
-  @jax.jit
-  def scan(state, cache, inputs, targets):
-    model = nnx.merge(graphdef, state)
-
-    def step(cache, xs):
-      tok, target = xs
-      logits, cache = model(tok[None, None], cache=cache)
-      return cache, logprob(logits[0, 0], target)
-
-    return jax.lax.scan(step, cache, (inputs, targets))[1]
-
-  lp_head, last, cache = prefill(state, cache, jnp.asarray(ids[:head]), jnp.asarray(ids[1:head]))
-  parts = [np.asarray(lp_head, np.float64)]
+  cache = make_cache(model.cfg, ids.shape[0], capacity, sink_size=sink_size, full_heads=full_heads, window=window)
+  head = min(N, cache.max_prefill)
+  (lp, hit), last, cache = _prefill_scores(graphdef, state, cache, jnp.asarray(ids[:, :head]))
+  parts = [(lp, hit)]
   if head < N:
-    parts.append([float(logprob(last, jnp.int32(ids[head])))])
+    parts.append(tuple(x[:, None] for x in _scores(last, jnp.asarray(ids[:, head]))))
     if head + 1 < N:
-      parts.append(np.asarray(scan(state, cache, jnp.asarray(ids[head:N - 1]), jnp.asarray(ids[head + 1:])),
-                              np.float64))
-  return -np.concatenate(parts)
+      lp, hit = _decode_scores(graphdef, state, cache, jnp.asarray(ids[:, head:N - 1].T), jnp.asarray(ids[:, head + 1:].T))
+      parts.append((lp.T, hit.T))
+  return (-np.concatenate([np.asarray(p[0], np.float64) for p in parts], axis=1),
+          np.concatenate([np.asarray(p[1]) for p in parts], axis=1))
 
 
-def perplexity_table(model, ids, *, sink_size: int, window: int) -> list[dict]:
-  """Full cache, window-only (S = 0) and sinks + window over the same tokens; one record per mode."""
+def streaming_nll(model: nnx.Module, ids, *, capacity: int, sink_size: int = 0, full_heads=None,
+                  window: int = 0) -> np.ndarray:
+  """Negative log-likelihood [N-1] (float64, natural log) of one sequence's ids[1:], see `streaming_scores`."""
+  return streaming_scores(model, ids, capacity=capacity, sink_size=sink_size, full_heads=full_heads,
+                          window=window)[0][0]
+
+
+def kv_bytes(cfg, capacity: int, *, sink_size: int = 0, full_heads=None, window: int = 0, batch: int = 1) -> int:
+  """Key/value memory of a cache (`make_cache`'s arguments), from its shapes (nothing is allocated)."""
+  shapes = jax.eval_shape(lambda: make_cache(cfg, batch, capacity, sink_size=sink_size, full_heads=full_heads,
+                                             window=window))
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes) if x.ndim == 4))
+
+
+def perplexity_table(model, ids, *, sink_size: int, window: int, policies=()) -> list[dict]:
+  """Full cache, window-only (S = 0), sinks + window, and a hybrid per (label, [L][Hkv] map) of `policies`, over
+  the same tokens; one record per mode with its key/value memory in bytes."""
   n_learned = getattr(model.cfg, "sink_tokens", 0)
-  modes = [("full cache", len(ids), 0), (f"window only (S=0, W={window})", window, 0),
-           (f"sinks + window (S={sink_size}, W={window})", window, sink_size)]
+  N, every = len(ids), model.cfg.num_layers * model.cfg.num_kv_heads
+  modes = [("full cache", dict(capacity=N), every, f"{N}"),
+           (f"window only (S=0, W={window})", dict(capacity=window), 0, f"{min(N, window)}"),
+           (f"sinks + window (S={sink_size}, W={window})", dict(capacity=window, sink_size=sink_size), 0,
+            f"{min(N, window)}")]
+  for label, full in policies:
+    modes.append((f"hybrid {label} (S={sink_size}, W={window})",
+                  dict(capacity=N, sink_size=sink_size, window=window, full_heads=cache_policy.as_tuple(full)),
+                  int(np.sum(full)), f"{N} / {min(N, window)}"))
   rows = []
-  for name, capacity, sinks in modes:
+  for name, kw, n_full, peak in modes:
     t0 = time.perf_counter()
-    nll = streaming_nll(model, ids, capacity=capacity, sink_size=sinks)
+    nll = streaming_nll(model, ids, **kw)
     beyond = nll[window - 1:]              # targets at positions >= window: predicted after eviction began
-    rows.append(dict(mode=name, tokens=len(ids), ppl=math.exp(nll.mean()),
+    rows.append(dict(mode=name, tokens=N, full_heads=n_full, heads=every, ppl=math.exp(nll.mean()),
                      ppl_first_window=math.exp(nll[:window - 1].mean()),
                      ppl_beyond_window=math.exp(beyond.mean()) if len(beyond) else float("nan"),
-                     peak_cache=min(len(ids), capacity), learned_sinks=n_learned,
+                     peak_cache=peak, kv_bytes=kv_bytes(model.cfg, **kw), learned_sinks=n_learned,
                      seconds=time.perf_counter() - t0))
   return rows
 
 
 def format_table(rows: list[dict], window: int) -> str:
   extra = f" (+{rows[0]['learned_sinks']} learned sink tokens)" if rows and rows[0]["learned_sinks"] else ""
-  lines = [f"| mode | tokens | PPL | PPL (first {window}) | PPL (after {window}) | peak cache{extra} |",
-           "|---|---:|---:|---:|---:|---:|"]
+  lines = [f"| mode | full heads | tokens | PPL | PPL (first {window}) | PPL (after {window}) | peak cache{extra} | "
+           "KV cache bytes |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
-    lines.append(f"| {r['mode']} | {r['tokens']} | {r['ppl']:.3f} | {r['ppl_first_window']:.3f} | "
-                 f"{r['ppl_beyond_window']:.3f} | {r['peak_cache']} |")
+    lines.append(f"| {r['mode']} | {r['full_heads']}/{r['heads']} | {r['tokens']} | {r['ppl']:.3f} | "
+                 f"{r['ppl_first_window']:.3f} | {r['ppl_beyond_window']:.3f} | {r['peak_cache']} | "
+                 f"{r['kv_bytes']:,} |")
   return "\n".join(lines)
 
 
@@ -276,16 +323,20 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
   p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = all)")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--cache", choices=("full", "streaming"), default="full")
-  p.add_argument("--sink-size", type=int, help="streaming: first tokens kept forever (default 4)")
-  p.add_argument("--window", type=int, help="streaming: cache size W incl. sinks (default: training data.seq_len)")
+  p.add_argument("--cache", choices=("full", "streaming", "hybrid"),
+                 help="full (default), streaming, or hybrid (per-head; implied by --full-heads/--full-heads-from)")
+  p.add_argument("--sink-size", type=int, help="streaming (heads): first tokens kept forever (default 4)")
+  p.add_argument("--window", type=int, help="streaming (heads): cache size W incl. sinks (default: training "
+                                            "data.seq_len)")
   p.add_argument("--no-stop", action="store_true", help="keep going after the model emits BOS (end of document)")
   p.add_argument("--ppl", metavar="FILE", help="score FILE under full / window-only / sink+window caches instead")
   p.add_argument("--max-tokens", type=int, default=4096, help="--ppl: score at most this many tokens (default 4096)")
+  cache_policy.add_arguments(p)
   return p
 
 
 def _validate(args) -> None:
+  cache_policy.check_arguments(args)
   if args.ppl is not None:
     if args.prompt is not None or args.max_new_tokens is not None:
       raise UsageError("--ppl scores a file; do not combine it with --prompt/--max-new-tokens")
@@ -293,9 +344,11 @@ def _validate(args) -> None:
       raise UsageError(f"--ppl file {args.ppl} does not exist")
     if args.max_tokens < 2:
       raise UsageError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-    if args.cache != "full":
-      raise UsageError("--ppl always compares full, window-only and sink+window caches; drop --cache")
+    if args.cache is not None:
+      raise UsageError("--ppl always compares full, window-only and sink+window caches (and --full-heads "
+                       "hybrids); drop --cache")
     return
+  _validate_cache(args)
   if args.prompt is None or args.max_new_tokens is None:
     raise UsageError("give --prompt TEXT and --max-new-tokens N (or --ppl FILE)")
   if not args.prompt:
@@ -308,10 +361,24 @@ def _validate(args) -> None:
     raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
   if not 0 < args.top_p <= 1:
     raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-  if args.cache == "full" and (args.sink_size is not None or args.window is not None):
-    raise UsageError("--sink-size/--window only apply to --cache streaming")
-  if args.cache == "streaming" and args.sink_size is not None and args.window is not None:
+  if args.sink_size is not None and args.window is not None:
     check_window(args.sink_size, args.window)
+
+
+def _validate_cache(args) -> None:
+  """Generation: --cache defaults to hybrid with a head policy, else full; one policy at most."""
+  if args.cache is None:
+    args.cache = "hybrid" if cache_policy.wanted(args) else "full"
+  if args.cache != "hybrid" and cache_policy.wanted(args):
+    raise UsageError(f"--full-heads/--full-heads-from make a hybrid cache; drop --cache {args.cache}")
+  if args.cache == "hybrid" and not cache_policy.wanted(args):
+    raise UsageError("--cache hybrid needs --full-heads F or --full-heads-from FILE")
+  if args.full_heads is not None and "," in args.full_heads:
+    raise UsageError("generation takes one --full-heads value (lists are for --ppl)")
+  if args.full_heads_random is not None and "," in args.full_heads_random:
+    raise UsageError("generation takes one --full-heads-random seed (lists are for --ppl)")
+  if args.cache == "full" and (args.sink_size is not None or args.window is not None):
+    raise UsageError("--sink-size/--window only apply to --cache streaming or hybrid")
 
 
 def run(args) -> None:
@@ -319,29 +386,47 @@ def run(args) -> None:
   logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
   from sinkjax.run import load_run
   model, cfg, tok, _ = load_run(args.checkpoint)
-  default_window = cfg.data.seq_len
   if args.ppl is not None:
-    sink_size = 4 if args.sink_size is None else args.sink_size
-    window = default_window if args.window is None else args.window
-    check_window(sink_size, window)
-    text = pathlib.Path(args.ppl).read_text(encoding="utf-8", errors="replace")
-    ids = ([tok.bos_id] + tok.encode(text))[:args.max_tokens]
-    if len(ids) <= window:
-      print(f"note: {len(ids)} tokens do not exceed the window ({window}); all modes see the same context",
-            file=sys.stderr)
-    rows = perplexity_table(model, ids, sink_size=sink_size, window=window)
-    print(f"streaming perplexity of {args.ppl} ({len(ids)} tokens) under {args.checkpoint} "
-          f"(attention={cfg.model.attention}, sink_tokens={cfg.model.sink_tokens}, trained at "
-          f"seq_len {cfg.data.seq_len})")
-    print(format_table(rows, window))
-    return
+    run_ppl(args, model, cfg, tok)
+  else:
+    run_generate(args, model, cfg, tok)
+
+
+def run_ppl(args, model, cfg, tok) -> None:
+  sink_size = 4 if args.sink_size is None else args.sink_size
+  window = cfg.data.seq_len if args.window is None else args.window
+  check_window(sink_size, window)
+  policies = cache_policy.policies_from_args(args, cfg.model, args.checkpoint) if cache_policy.wanted(args) else []
+  text = pathlib.Path(args.ppl).read_text(encoding="utf-8", errors="replace")
+  ids = ([tok.bos_id] + tok.encode(text))[:args.max_tokens]
+  if len(ids) <= window:
+    print(f"note: {len(ids)} tokens do not exceed the window ({window}); all modes see the same context",
+          file=sys.stderr)
+  for label, full in policies:
+    print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
+  rows = perplexity_table(model, ids, sink_size=sink_size, window=window, policies=policies)
+  print(f"streaming perplexity of {args.ppl} ({len(ids)} tokens) under {args.checkpoint} "
+        f"(attention={cfg.model.attention}, sink_tokens={cfg.model.sink_tokens}, trained at "
+        f"seq_len {cfg.data.seq_len})")
+  print(format_table(rows, window))
+
+
+def run_generate(args, model, cfg, tok) -> None:
   ids = [tok.bos_id] + tok.encode(args.prompt)
-  capacity, sink_size = cache_plan(args.cache, len(ids), args.max_new_tokens, args.sink_size, args.window,
-                                   default_window)
-  if args.cache == "full" and capacity > cfg.model.max_seq_len:
+  mode = "streaming" if args.cache == "hybrid" else args.cache     # the hybrid's streaming heads use S, W
+  window, sink_size = cache_plan(mode, len(ids), args.max_new_tokens, args.sink_size, args.window,
+                                 cfg.data.seq_len)
+  capacity, full_heads, note = window, None, f"{args.cache} cache of {window} slots"
+  if args.cache == "hybrid":
+    ((label, full),) = cache_policy.policies_from_args(args, cfg.model, args.checkpoint,
+                                                       by_importance=args.full_heads_random is None)
+    capacity, full_heads = len(ids) + args.max_new_tokens, cache_policy.as_tuple(full)
+    note = (f"hybrid cache {label}, {cache_policy.describe(full)} of {capacity} slots, the others {window} slots "
+            f"with {sink_size} sinks")
+  if capacity > cfg.model.max_seq_len and args.cache != "streaming":
     print(f"warning: a full cache of {capacity} tokens exceeds model.max_seq_len={cfg.model.max_seq_len}; "
           "positions past it were never trained (try --cache streaming)", file=sys.stderr)
-  gen = Generator(model, capacity=capacity, sink_size=sink_size)
+  gen = Generator(model, capacity=capacity, sink_size=sink_size, full_heads=full_heads, window=window)
   sys.stdout.write(args.prompt)
   stream = TextStream(tok)
   t0 = time.perf_counter()
@@ -349,8 +434,11 @@ def run(args) -> None:
                      seed=args.seed, stop_token=None if args.no_stop else tok.bos_id, on_token=stream)
   stream.finish()
   dt = time.perf_counter() - t0
-  print(f"[{len(out)} tokens in {dt:.2f}s incl. compilation; {args.cache} cache of {capacity} slots"
-        f"{f', {sink_size} sinks' if args.cache == 'streaming' else ''}]", file=sys.stderr)
+  if args.cache == "streaming":
+    note += f", {sink_size} sinks"
+  print(f"[{len(out)} tokens in {dt:.2f}s incl. compilation; {note}; "
+        f"KV cache {kv_bytes(cfg.model, capacity, sink_size=sink_size, full_heads=full_heads, window=window):,} "
+        "bytes]", file=sys.stderr)
 
 
 def main(argv=None) -> int:

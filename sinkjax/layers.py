@@ -33,6 +33,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from sinkjax import attention as variants
@@ -267,44 +268,58 @@ class Attention(nnx.Module):
       y = (self.q_norm if which == "q" else self.k_norm)(y)
     return y
 
-  def sink_kv(self, B: int):
-    """Keys/values of the learnable sink tokens, ([B,n,Hkv,D] rotated to positions 0..n-1, [B,n,Hkv,D]), or None."""
+  def sink_kv(self, B: int, kv_heads=None):
+    """Keys/values of the learnable sink tokens, ([B,n,Hkv,D] rotated to positions 0..n-1, [B,n,Hkv,D]), or None;
+    only the KV heads `kv_heads` (a tuple of indices) when given."""
     if self.sink_states is None:
       return None
     n = self.num_sink_tokens
     _, k, v = self.project_unrotated(self.sink_states[...][None])
     k = self.rotate(k, jnp.arange(n, dtype=jnp.int32)[None], "k")
+    k, v = (_take_heads(a, kv_heads, 2) for a in (k, v))
     return tuple(jnp.broadcast_to(a, (B,) + a.shape[1:]) for a in (k, v))
 
-  def gate_logits(self, x):
+  def gate_logits(self, x, kv_heads=None):
     """Gate logits z (gated attention) for inputs x [B,T,d_model]: [B,T,Hg] (headwise) or [B,T,Hg,D] (elementwise),
-    Hg = `gate_heads`; an input-independent gate broadcasts its learned logits over B and T."""
+    Hg = `gate_heads`; an input-independent gate broadcasts its learned logits over B and T. With `kv_heads`, only
+    the gate heads that belong to those KV heads (a head-shared gate belongs to all)."""
     B, T, _ = x.shape
     if self.gate_proj is not None:
       z = self.gate_proj(x)
     else:
       z = jnp.broadcast_to(self.gate_logit[...], (B, T) + self.gate_logit.shape)
     shape = (B, T, self.gate_heads) + (() if self.gate_kind == "headwise" else (self.head_dim,))
-    return z.astype(jnp.float32).reshape(shape)
+    z = z.astype(jnp.float32).reshape(shape)
+    if kv_heads is None or self.gate_shared:
+      return z
+    return _take_heads(z, self.query_heads(kv_heads) if self.gate_position == "sdpa" else kv_heads, 2)
 
-  def attend(self, x, q, k, v, segment_ids, *, impl=None, slide=True):
+  def query_heads(self, kv_heads):
+    """The query heads that read the KV heads `kv_heads` (GQA: query head i reads KV head i // (Hq / Hkv))."""
+    group = self.num_heads // self.num_kv_heads
+    return tuple(h * group + i for h in kv_heads for i in range(group))
+
+  def attend(self, x, q, k, v, segment_ids, *, impl=None, slide=True, kv_heads=None):
     """The variant switch: (out [B,T,Hq,D], gate [B,T,Hq] or [B,T,Hq,D]). Sink tokens join every variant here.
-    slide=False leaves out the sliding window (the KV-cache decode step applies it by cache position instead)."""
+    slide=False leaves out the sliding window (the KV-cache decode step applies it by cache position instead).
+    kv_heads: q, k, v hold only these KV heads (a tuple of indices) and their query heads, and so do the per-head
+    parameters used here (a head group of a `sinkjax.cache.HybridKVCache`); None = every head."""
     impl = impl or self.impl
     kw = dict(segment_ids=segment_ids)
     if self.sliding_window and slide:
       kw["window"] = self.sliding_window
     if self.sink_states is not None:
-      kw["prefix"] = self.sink_kv(x.shape[0])
+      kw["prefix"] = self.sink_kv(x.shape[0], kv_heads)
     if self.attention == "vanilla":
       return variants.vanilla_attention(q, k, v, impl=impl, **kw)
     if self.attention == "sink":
-      return variants.sink_attention(q, k, v, self.sink[...], impl=impl, **kw)
+      sink = _take_heads(self.sink[...], None if kv_heads is None else self.query_heads(kv_heads), 0)
+      return variants.sink_attention(q, k, v, sink, impl=impl, **kw)
     if self.attention == "gated":
       gate_kw = dict(activation=self.gate_activation, impl=impl, **kw)
       if self.gate_position == "value":                  # G2: v was gated in project_unrotated
-        return variants.value_gated_attention(q, k, v, self.gate_logits(x), values_gated=True, **gate_kw)
-      return variants.gated_attention(q, k, v, self.gate_logits(x), **gate_kw)
+        return variants.value_gated_attention(q, k, v, self.gate_logits(x, kv_heads), values_gated=True, **gate_kw)
+      return variants.gated_attention(q, k, v, self.gate_logits(x, kv_heads), **gate_kw)
     return variants.relu_attention(q, k, v, **kw)
 
   def importance_mask(self, segment_ids, B: int, T: int):
@@ -391,20 +406,42 @@ class Attention(nnx.Module):
     return p[..., :T], jnp.swapaxes(p[..., T:].sum(-1), 1, 2)
 
   def _decode(self, x, cache):
-    """One new token: store its un-rotated k/v in the cache, rotate every cached key to its position within the
-    cache (StreamingLLM), and attend the whole fixed-size cache (empty slots masked by kv segment 0)."""
+    """One new token: store its un-rotated k/v in the cache and attend each head group of the cache (one for a
+    `LayerCache`; full and streaming heads of a `SplitLayerCache`) with that group's positions; heads back in order."""
     B = x.shape[0]
     q, k, v = self.project_unrotated(x)
     cache = cache.write(k, v)
+    groups = cache.groups()
+    outs = [self._attend_cached(x, q, view, kv_heads) for kv_heads, view in groups]
+    if len(groups) == 1 and groups[0][0] is None:
+      out = outs[0]
+    else:                                   # query heads of the groups, concatenated -> layer order
+      order = [i for kv_heads, _ in groups for i in self.query_heads(kv_heads or range(self.num_kv_heads))]
+      out = jnp.take(jnp.concatenate(outs, axis=2), jnp.asarray(np.argsort(order)), axis=2)
+    return self.o_proj(out.reshape(B, 1, self.num_heads * self.head_dim)), cache
+
+  def _attend_cached(self, x, q, cache, kv_heads):
+    """Attention of the new token's queries [B,1,Hq,D] (un-rotated) over one cache group's KV heads `kv_heads` (None
+    = all): every cached key rotated to its position within that cache (true positions in a full cache;
+    StreamingLLM's shifted positions in a sink + window ring), the query to the newest position, the whole
+    fixed-size cache attended with empty slots masked by kv segment 0."""
+    B = x.shape[0]
     n, C = self.num_sink_tokens, cache.capacity
+    q = _take_heads(q, None if kv_heads is None else self.query_heads(kv_heads), 2)
     q = self.rotate(q, jnp.full((B, 1), cache.query_position + n, jnp.int32), "q")
     k_all = self.rotate(cache.k, jnp.broadcast_to(cache.key_positions + n, (B, C)), "k")
     visible = cache.valid
     if self.sliding_window:                 # slots are not in age order once a streaming ring wraps
       visible &= cache.key_positions > cache.query_position - self.sliding_window
     seg = (jnp.ones((B, 1), jnp.int32), jnp.broadcast_to(visible, (B, C)).astype(jnp.int32))
-    out, _ = self.attend(x, q, k_all, cache.v, seg, impl="reference", slide=False)   # T = 1: [C]-wide softmax
-    return self.o_proj(out.reshape(B, 1, self.num_heads * self.head_dim)), cache
+    out, _ = self.attend(x, q, k_all, cache.v, seg, impl="reference", slide=False,   # T = 1: [C]-wide softmax
+                         kv_heads=kv_heads)
+    return out
+
+
+def _take_heads(a, heads, axis: int):
+  """a restricted to the heads `heads` (a tuple of indices) along `axis`; a itself for None."""
+  return a if heads is None else jnp.take(a, jnp.asarray(heads, jnp.int32), axis=axis)
 
 
 def pop_head_importance(model: nnx.Module):

@@ -19,11 +19,11 @@ from sinkjax.model import Transformer
 VOCAB = 50
 
 
-def random_model(num_layers=2, seed=0, **kw):
+def random_model(num_layers=2, seed=0, vocab_size=VOCAB, dtype="float32", **kw):
   """A small f32 model with every parameter random (the default init zeroes the output projections, which would
   make all logits equal and greedy decoding a sequence of ties)."""
-  cfg = ModelConfig(num_layers=num_layers, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=VOCAB,
-                    dtype="float32", **kw)
+  cfg = ModelConfig(num_layers=num_layers, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                    vocab_size=vocab_size, dtype=dtype, **kw)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed))))
   leaves, treedef = jax.tree.flatten(state)
   rng = np.random.RandomState(seed)

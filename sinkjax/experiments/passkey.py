@@ -1,0 +1,298 @@
+"""Passkey retrieval: a number hidden at a chosen depth of filler text, asked for at the end.
+
+    python -m sinkjax.experiments.passkey --checkpoint RUN_DIR [--lengths 128,256,512] [--depths 0,0.25,0.5,0.75,1]
+        [--samples 8] [--sink-size 4 --window 64] [--full-heads 0.25,0.5 ...] [--full-heads-random 0,1,2] [--out DIR]
+    python -m sinkjax.experiments.passkey --make-data OUT.jsonl [--docs 20000] [--max-len 512]
+        [--text-fraction 0.3] [--seed 0]
+
+The probe (the passkey test of Landmark Attention / LongLoRA): BOS, filler sentences ("The grass is green. The sky
+is blue. ..."), at depth d of the filler the needle "The pass key is #71829. Remember it. #71829 is the pass key. ",
+more filler, then "What is the pass key? The pass key is #". A sample counts as retrieved when greedy decoding
+continues with the key's digits. That is measured with teacher forcing (`sinkjax.generate.streaming_scores`): greedy
+decoding produces the key iff every key token is the argmax given the correct ones before it, so one pass of the
+cached decode step over prompt + key gives the exact greedy result for a whole batch of samples.
+
+Cache modes, one table each: the full cache; sinks + window (every head streaming); and for each --full-heads F the
+hybrid cache whose full heads are chosen by importance (`sinkjax.cache_policy`) and, per --full-heads-random seed,
+the same number chosen at random. Accuracy is reported by context length and depth and writes `results.json`
+(one record per mode, length and depth) and `results.md` into --out.
+
+--make-data writes a training JSONL (field `text`) for a model that can take the probe: --docs passkey documents
+(random key, random depth, lengths up to --max-len tokens of the byte tokenizer) mixed with chunks of the embedded
+corpus's training split (`data.source=default`, so its validation files stay held out) making up --text-fraction
+of the bytes. Train on it with `data.source=OUT.jsonl`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ", "Here we go. ",
+          "There and back again. ")
+# The key is marked with "#" so that a byte-level model finds it by the previous token alone (one-token induction):
+# a tiny model trained for minutes on a CPU did not learn to match the classic "...pass key is " context (with
+# "The sky is" in the filler it must look five bytes back) within 500 steps; with the marker it does.
+NEEDLE = "The pass key is #{key}. Remember it. #{key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is #"
+KEY_DIGITS = 5
+
+
+class PasskeyError(ValueError):
+  """A bad command line (the message says what to change)."""
+
+
+# ----------------------------------------------------------------------------------------------------- samples
+
+
+def random_key(rng: np.random.Generator) -> str:
+  return str(rng.integers(10 ** (KEY_DIGITS - 1), 10 ** KEY_DIGITS))
+
+
+def passkey_text(key: str, num_sentences: int, depth: float) -> tuple[str, str]:
+  """(prompt, answer) with `num_sentences` filler sentences and the needle after round(depth * num_sentences)."""
+  before = round(depth * num_sentences)
+  filler = [FILLER[i % len(FILLER)] for i in range(num_sentences)]
+  return "".join(filler[:before]) + NEEDLE.format(key=key) + "".join(filler[before:]) + QUESTION, key
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeyBatch:
+  """Samples of one (context length, depth) cell, all of one token length: ids [N, T] (BOS, prompt, key tokens),
+  the key tokens in the last `answer_len` positions."""
+  ids: np.ndarray
+  answer_len: int
+  depth: float
+
+  @property
+  def context(self) -> int:
+    return self.ids.shape[1] - self.answer_len
+
+
+def passkey_batch(tokenizer, length: int, depth: float, samples: int, seed: int) -> PasskeyBatch:
+  """`samples` probes whose prompt (BOS included) has at most `length` tokens, as many filler sentences as fit.
+
+  The prompt is tokenized piece by piece (filler sentences, needle, question), so its length does not depend on
+  the key; the key is tokenized alone. Every sample of a batch then has the same shape.
+  """
+  rng = np.random.default_rng([seed, length, round(depth * 1000)])
+  sentence = [tokenizer.encode(s) for s in FILLER]
+  fixed = 1 + len(tokenizer.encode(NEEDLE.format(key="0" * KEY_DIGITS))) + len(tokenizer.encode(QUESTION))
+  if length < fixed:
+    raise PasskeyError(f"--lengths: {length} tokens cannot hold the needle and the question ({fixed} tokens)")
+  n, used = 0, fixed
+  while used + len(sentence[n % len(FILLER)]) <= length:
+    used += len(sentence[n % len(FILLER)])
+    n += 1
+  rows, answer_len = [], None
+  for _ in range(samples):
+    key = random_key(rng)
+    before = round(depth * n)
+    filler = [sentence[i % len(FILLER)] for i in range(n)]
+    answer = tokenizer.encode(key)
+    ids = ([tokenizer.bos_id] + sum(filler[:before], []) + tokenizer.encode(NEEDLE.format(key=key))
+           + sum(filler[before:], []) + tokenizer.encode(QUESTION) + answer)
+    answer_len = len(answer) if answer_len is None else answer_len
+    if len(answer) != answer_len or len(ids) != used + answer_len:
+      raise PasskeyError(f"the tokenizer splits keys or needles unevenly ({tokenizer!r}); the probe needs a "
+                         "tokenizer whose 5-digit numbers all have the same length (e.g. data.tokenizer=bytes)")
+    rows.append(ids)
+  return PasskeyBatch(np.asarray(rows, np.int32), answer_len, depth)
+
+
+# -------------------------------------------------------------------------------------------------- training data
+
+
+def training_documents(docs: int, max_len: int, text_fraction: float, seed: int) -> list[str]:
+  """`docs` passkey documents (prompt + key + "."), lengths spread up to `max_len` bytes, shuffled together with
+  chunks of the embedded corpus's training split adding up to `text_fraction` of all bytes."""
+  rng = np.random.default_rng(seed)
+  bare = len(passkey_text("0" * KEY_DIGITS, 0, 0.0)[0]) + KEY_DIGITS + 1
+  per_sentence = np.mean([len(s) for s in FILLER])
+  most = max(0, int((max_len - bare) / per_sentence))
+  out = []
+  for _ in range(docs):
+    prompt, key = passkey_text(random_key(rng), int(rng.integers(0, most + 1)), float(rng.random()))
+    out.append(prompt + key + ".")
+  key_bytes = sum(len(d) for d in out)
+  want = key_bytes * text_fraction / (1 - text_fraction) if text_fraction < 1 else 0
+  out += corpus_chunks(int(want), max_len, rng)
+  rng.shuffle(out)
+  return out
+
+
+def corpus_chunks(total: int, chunk: int, rng: np.random.Generator) -> list[str]:
+  """About `total` characters of the embedded corpus's training split, in random chunks of `chunk` characters."""
+  from sinkjax.data.sources import DefaultSource
+  src = DefaultSource("train", 0.02)
+  out, got = [], 0
+  while got < total:
+    text = src[int(rng.integers(len(src)))][0]
+    if len(text) <= chunk:
+      continue
+    start = int(rng.integers(len(text) - chunk))
+    out.append(text[start:start + chunk])
+    got += chunk
+  return out
+
+
+def write_training_data(path: str, docs: int, max_len: int, text_fraction: float, seed: int) -> int:
+  lines = [json.dumps({"text": t}) for t in training_documents(docs, max_len, text_fraction, seed)]
+  pathlib.Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+  return len(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------- probe
+
+
+def cache_modes(sink_size: int, window: int, policies) -> list[tuple[str, dict, np.ndarray | None]]:
+  """(name, cache arguments of `streaming_scores` without capacity, [L][Hkv] map or None) of every mode probed."""
+  from sinkjax.cache_policy import as_tuple
+  modes = [("full cache", {}, None), (f"sinks + window (S={sink_size}, W={window})",
+                                      dict(sink_size=sink_size, window=window), None)]
+  modes += [(f"hybrid {label}", dict(sink_size=sink_size, window=window, full_heads=as_tuple(full)), full)
+            for label, full in policies]
+  return modes
+
+
+def _mode_cache(kw: dict, total: int) -> dict:
+  """`streaming_scores` arguments: a full cache of `total` slots, a streaming one of W, or a hybrid (full heads
+  `total`, streaming heads W)."""
+  if not kw:
+    return dict(capacity=total)
+  if "full_heads" not in kw:
+    return dict(capacity=kw["window"], sink_size=kw["sink_size"])
+  return dict(capacity=total, **kw)
+
+
+def probe(model, tokenizer, *, lengths, depths, samples: int, sink_size: int, window: int, policies=(),
+          seed: int = 0) -> list[dict]:
+  """Passkey accuracy per cache mode, context length and depth (one record each)."""
+  from sinkjax.generate import kv_bytes, streaming_scores
+  cfg, records = model.cfg, []
+  every = cfg.num_layers * cfg.num_kv_heads
+  for length in lengths:
+    batches = [passkey_batch(tokenizer, length, d, samples, seed) for d in depths]
+    ids = np.concatenate([b.ids for b in batches])
+    answer = batches[0].answer_len
+    for name, kw, full in cache_modes(sink_size, window, policies):
+      cache_kw = _mode_cache(kw, ids.shape[1])
+      _, hit = streaming_scores(model, ids, **cache_kw)
+      right = hit[:, -answer:].all(axis=1).reshape(len(depths), samples)
+      n_full = every if not kw else (0 if full is None else int(np.sum(full)))
+      for b, row in zip(batches, right):
+        records.append(dict(mode=name, context=b.context, depth=b.depth, accuracy=float(row.mean()),
+                            samples=samples, full_heads=n_full, heads=every,
+                            kv_bytes=kv_bytes(cfg, **cache_kw)))
+  return records
+
+
+def format_results(records: list[dict]) -> str:
+  """One markdown table: a row per mode and context length, a column per depth, and the mean."""
+  depths = sorted({r["depth"] for r in records})
+  lines = ["| mode | full heads | context | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean | KV bytes |",
+           "|---|---:|---:|" + "---:|" * len(depths) + "---:|---:|"]
+  keys = list(dict.fromkeys((r["mode"], r["context"]) for r in records))
+  for mode, context in keys:
+    rows = {r["depth"]: r for r in records if r["mode"] == mode and r["context"] == context}
+    acc = [rows[d]["accuracy"] for d in depths]
+    r = rows[depths[0]]
+    lines.append(f"| {mode} | {r['full_heads']}/{r['heads']} | {context} | " + " | ".join(f"{a:.2f}" for a in acc)
+                 + f" | {np.mean(acc):.2f} | {r['kv_bytes']:,} |")
+  return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):               # one line, not argparse's usage block
+    raise PasskeyError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  from sinkjax import cache_policy
+  p = _Parser(prog="python -m sinkjax.experiments.passkey", description=__doc__.split("\n\n")[0],
+              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--checkpoint", help="run directory of a training run (the probe)")
+  p.add_argument("--lengths", default="128,256,512", help="prompt lengths in tokens, comma-separated")
+  p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1], comma-separated")
+  p.add_argument("--samples", type=int, default=8, help="keys per length and depth (default 8)")
+  p.add_argument("--sink-size", type=int, default=4, help="sinks of streaming heads (default 4)")
+  p.add_argument("--window", type=int, default=64, help="slots of streaming heads, sinks included (default 64)")
+  p.add_argument("--seed", type=int, default=0, help="keys (probe) / documents (--make-data)")
+  p.add_argument("--out", help="where results.json and results.md go (default RUN_DIR/passkey)")
+  cache_policy.add_arguments(p)
+  p.add_argument("--make-data", metavar="OUT.jsonl", help="write a training mix instead of probing")
+  p.add_argument("--docs", type=int, default=20000, help="--make-data: passkey documents (default 20000)")
+  p.add_argument("--max-len", type=int, default=512, help="--make-data: longest passkey document in bytes")
+  p.add_argument("--text-fraction", type=float, default=0.3, help="--make-data: share of corpus text bytes (0.3)")
+  return p
+
+
+def _numbers(text: str, kind, flag: str, ok) -> list:
+  try:
+    values = [kind(x) for x in text.split(",")]
+  except ValueError:
+    raise PasskeyError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+  bad = [v for v in values if not ok(v)]
+  if bad:
+    raise PasskeyError(f"{flag}: {bad[0]} is out of range")
+  return values
+
+
+def make_data(args) -> None:
+  if args.docs < 1 or not 0 <= args.text_fraction < 1:
+    raise PasskeyError("--docs must be >= 1 and --text-fraction in [0, 1)")
+  shortest = len(passkey_text("0" * KEY_DIGITS, 0, 0.0)[0]) + KEY_DIGITS + 1
+  if args.max_len < shortest:
+    raise PasskeyError(f"--max-len must be >= {shortest} (a needle and the question)")
+  n = write_training_data(args.make_data, args.docs, args.max_len, args.text_fraction, args.seed)
+  print(f"wrote {n} documents ({args.docs} passkey) to {args.make_data}")
+
+
+def run_probe(args) -> None:
+  import logging
+  from sinkjax import cache_policy
+  from sinkjax.run import load_run
+  logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
+  if args.checkpoint is None:
+    raise PasskeyError("give --checkpoint RUN_DIR (or --make-data OUT.jsonl)")
+  cache_policy.check_arguments(args)
+  lengths = _numbers(args.lengths, int, "--lengths", lambda v: v >= 1)
+  depths = _numbers(args.depths, float, "--depths", lambda v: 0 <= v <= 1)
+  if args.samples < 1 or not 0 <= args.sink_size < args.window:
+    raise PasskeyError("--samples must be >= 1 and 0 <= --sink-size < --window")
+  model, cfg, tok, _ = load_run(args.checkpoint)
+  policies = cache_policy.policies_from_args(args, cfg.model, args.checkpoint) if cache_policy.wanted(args) else []
+  for label, full in policies:
+    print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
+  records = probe(model, tok, lengths=lengths, depths=depths, samples=args.samples, sink_size=args.sink_size,
+                  window=args.window, policies=policies, seed=args.seed)
+  out = pathlib.Path(args.out or pathlib.Path(args.checkpoint) / "passkey")
+  out.mkdir(parents=True, exist_ok=True)
+  table = format_results(records)
+  (out / "results.json").write_text(json.dumps(records, indent=1))
+  (out / "results.md").write_text(table + "\n")
+  print(table)
+
+
+def main(argv=None) -> int:
+  try:
+    args = build_parser().parse_args(argv)
+    if args.make_data is not None:
+      make_data(args)
+    else:
+      run_probe(args)
+  except ValueError as e:                  # PasskeyError, PolicyError, CheckpointError, ...
+    print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
