@@ -69,9 +69,9 @@ SCALES = {
                  finetune_steps=400,
                  note="8 layers x 8 heads x 64 dims (d_model 512), 1,024-token rows, 32 rows (32,768 tokens) per step, "
                       "2,000 steps (65M tokens); the recipe's bfloat16 compute and Newton-Schulz"),
-    "smoke": Scale("smoke", _shape(2, 32, 2, 16, 32, 4, 2, "float32", 0, 100), eval_batches=1, prompt_len=8,
+    "smoke": Scale("smoke", _shape(2, 32, 2, 16, 32, 8, 2, "float32", 0, 100), eval_batches=1, prompt_len=8,
                    finetune_steps=2,
-                   note="for tests: 2 layers x 2 heads x 16 dims, 32-token rows, 4 rows per step, 2 steps"),
+                   note="for tests: 2 layers x 2 heads x 16 dims, 32-token rows, 8 rows per step, 2 steps"),
 }
 COMMON = ("data.source=default", "data.tokenizer=bytes", "data.packing=stream")
 
@@ -410,28 +410,29 @@ def plot_first_token(records: list[dict], path) -> pathlib.Path:
 
 def plot_value_zeroing(rows: list[dict], path) -> pathlib.Path:
   """BPB increase over no zeroing when the first token's value is zeroed in all heads / in heads with alpha > tau,
-  teacher-forced (left) and after prefill (right, the paper's definition); mean +- std over seeds."""
+  teacher-forced (left) and after prefill (right, the paper's definition); mean +- std over seeds, means printed."""
   plt = _plt()
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=False)
-  names = [f"{r['variant']}\n{r['loss']}" for r in rows]
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+  names = [f"{r['variant']} {r['loss']}\n{r['teacher_forced.num_heads_selected']['mean']:.1f} heads > tau"
+           for r in rows]
   x = np.arange(len(rows))
   for ax, defn in zip(axes, ("teacher_forced", "after_prefill")):
     for j, (what, color) in enumerate((("all", "tab:red"), ("selected", "tab:green"))):
       d = [np.subtract(r[f"{defn}.bpb_{what}"]["values"], r[f"{defn}.bpb_none"]["values"]) for r in rows]
-      ax.bar(x + (j - 0.5) * 0.38, [e.mean() for e in d], 0.38, color=color,
-             yerr=[e.std(ddof=1) if len(e) > 1 else 0.0 for e in d], capsize=3,
+      means = [e.mean() for e in d]
+      ax.bar(x + (j - 0.5) * 0.38, means, 0.38, color=color, capsize=3,
+             yerr=[e.std(ddof=1) if len(e) > 1 else 0.0 for e in d],
              label="all heads" if what == "all" else f"heads with alpha > {TAU}")
-    for i, r in enumerate(rows):
-      ax.text(i + 0.19, 0, f"{r[f'{defn}.num_heads_selected']['mean']:.1f}", ha="center", va="bottom", fontsize=7)
+      for xi, m in zip(x + (j - 0.5) * 0.38, means):
+        ax.text(xi, m, f"{m:+.3f}", ha="center", va="bottom" if m >= 0 else "top", fontsize=7)
     ax.axhline(0, color="gray", lw=1)
-    ax.set_xticks(x, names, fontsize=8)
+    ax.set_xticks(x, names, fontsize=7)
     ax.set_ylabel("BPB(zeroed) - BPB(none)")
     ax.set_title("teacher-forced (value zeroed in the forward pass)" if defn == "teacher_forced" else
                  "after prefill (zeroed in the KV cache; the paper's App. A)", fontsize=9)
-    ax.set_yscale("symlog", linthresh=1e-3)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  fig.suptitle("value zeroing of the first token (numbers: heads with alpha > tau, mean over seeds)", fontsize=10)
+  fig.suptitle("value zeroing of the first token: BPB change (mean +- std over seeds)", fontsize=10)
   return _save(fig, path)
 
 
@@ -650,7 +651,7 @@ def plot_finetune(ft: dict, path) -> pathlib.Path:
       ax.imshow(imp, cmap="viridis", vmin=lo, vmax=max(hi, lo + 1e-3), aspect="auto")
       for l, top in enumerate(res["modes"]["eq7"]["roles"]["shared_heads"]):
         for h in top:
-          ax.add_patch(Rectangle((h - 0.5, l - 0.5), 1, 1, fill=False, edgecolor="red", lw=2))
+          ax.add_patch(Rectangle((h - 0.42, l - 0.42), 0.84, 0.84, fill=False, edgecolor="red", lw=2))
       for l in range(imp.shape[0]):
         for h in range(imp.shape[1]):
           ax.text(h, l, f"{imp[l, h]:.2f}", ha="center", va="center", fontsize=7,
@@ -662,9 +663,8 @@ def plot_finetune(ft: dict, path) -> pathlib.Path:
       ax.set_yticks(range(imp.shape[0]))
       ax.set_xlabel("head", fontsize=8)
       ax.set_ylabel("layer", fontsize=8)
-  fig.suptitle(f"head importance before / after fine-tuning (lambda {FINETUNE_LAMBDA:g}, m = {FINETUNE_SHARED}; red: "
-               f"shared heads = top-{FINETUNE_SHARED} per layer before; colour scale {lo:.2f}-{hi:.2f} per row)",
-               fontsize=9)
+  fig.suptitle(f"head importance before / after fine-tuning (lambda {FINETUNE_LAMBDA:g}, m = {FINETUNE_SHARED}; red box: "
+               f"shared heads = top-{FINETUNE_SHARED} per layer before; one colour scale per row)", fontsize=9)
   return _save(fig, path)
 
 
