@@ -56,7 +56,8 @@ def hand_zeroed_cache_logprobs(model, inputs, targets, P, zero_lh):
   return np.stack(out, 1)
 
 
-@pytest.mark.parametrize("attention", ["vanilla", "sink", "gated"])
+@pytest.mark.parametrize("attention", ["vanilla", pytest.param("sink", marks=pytest.mark.slow),
+                                       pytest.param("gated", marks=pytest.mark.slow)])
 def test_value_zeroing_after_prefill_equals_a_hand_zeroed_cache(attention):
   model = random_model(attention=attention)
   rng = np.random.RandomState(2)

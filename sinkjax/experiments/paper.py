@@ -413,7 +413,7 @@ def plot_value_zeroing(rows: list[dict], path) -> pathlib.Path:
   teacher-forced (left) and after prefill (right, the paper's definition); mean +- std over seeds, means printed."""
   plt = _plt()
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
-  names = [f"{r['variant']} {r['loss']}\n{r['teacher_forced.num_heads_selected']['mean']:.1f} heads > tau"
+  names = [f"{r['variant']}\n{r['loss']}\n{r['teacher_forced.num_heads_selected']['mean']:.1f} heads > tau"
            for r in rows]
   x = np.arange(len(rows))
   for ax, defn in zip(axes, ("teacher_forced", "after_prefill")):
@@ -424,7 +424,7 @@ def plot_value_zeroing(rows: list[dict], path) -> pathlib.Path:
              yerr=[e.std(ddof=1) if len(e) > 1 else 0.0 for e in d],
              label="all heads" if what == "all" else f"heads with alpha > {TAU}")
       for xi, m in zip(x + (j - 0.5) * 0.38, means):
-        ax.text(xi, m, f"{m:+.3f}", ha="center", va="bottom" if m >= 0 else "top", fontsize=7)
+        ax.text(xi, m, f"{m:+.2g}", ha="center", va="bottom" if m >= 0 else "top", fontsize=7)
     ax.axhline(0, color="gray", lw=1)
     ax.set_xticks(x, names, fontsize=7)
     ax.set_ylabel("BPB(zeroed) - BPB(none)")
