@@ -1,7 +1,7 @@
 """The method paper's (000) from-scratch study with error bars: variants x {base, base + aux} x seeds.
 
     python -m sinkjax.experiments.paper [--scale cpu|gpu] [--seeds N] [--first-seed K]
-        [--variants vanilla,sink,gated] [--out DIR] [--dry-run] [--finetune] [--steps N]
+        [--variants vanilla,sink,gated] [--out DIR] [--dry-run] [--report-only] [--finetune] [--steps N]
 
 Every run is `sinkjax.train.train` on configs/nanochat.yaml (the paper's recipe: nanochat 9d4c9b7's Muon + AdamW
 groups, lr 0.02, no warmup, linear decay to 0 over the final 20 %, clipping at 1.0, nanochat's init, logit soft-cap,
@@ -351,7 +351,7 @@ def plot_imbalance_curves(curves: dict, path) -> pathlib.Path:
   band = min..max over seeds, thin lines = single seeds. curves[(variant, loss)] = list of per-seed curves."""
   plt = _plt()
   variants = list(dict.fromkeys(v for v, _ in curves))
-  fig, axes = plt.subplots(1, len(variants), figsize=(4.6 * len(variants), 3.8), squeeze=False)
+  fig, axes = plt.subplots(1, len(variants), figsize=(max(4.6 * len(variants), 8.0), 3.8), squeeze=False)
   for ax, v in zip(axes[0], variants):
     for loss in LOSSES:
       cs = [c for c in curves.get((v, loss), []) if c]
@@ -383,7 +383,7 @@ def plot_first_token(records: list[dict], path) -> pathlib.Path:
   heads (000 eq. 9; dashed) and, for sink attention, the weight on the sink logit (dotted); mean +- std over seeds."""
   plt = _plt()
   variants = list(dict.fromkeys(r["variant"] for r in records))
-  fig, axes = plt.subplots(1, len(variants), figsize=(4.6 * len(variants), 3.8), squeeze=False)
+  fig, axes = plt.subplots(1, len(variants), figsize=(max(4.6 * len(variants), 8.0), 3.8), squeeze=False)
   for ax, v in zip(axes[0], variants):
     for k, loss in enumerate(LOSSES):
       rs = [r for r in records if r["variant"] == v and r["loss"] == loss]
@@ -401,7 +401,7 @@ def plot_first_token(records: list[dict], path) -> pathlib.Path:
     ax.set_xlabel("layer")
     ax.set_ylabel("attention weight")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xticks(range(len(rs[0]["first_token_attention"])))
+    ax.set_xticks(range(len(records[0]["first_token_attention"])))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
   fig.suptitle("attention on the row's first token per layer (mean +- std over seeds)", fontsize=10)
@@ -441,7 +441,7 @@ def plot_importance(records: list[dict], path) -> pathlib.Path:
   variant; every cell printed; each panel on its own colour scale (printed in its title)."""
   plt = _plt()
   variants = list(dict.fromkeys(r["variant"] for r in records))
-  fig, axes = plt.subplots(len(LOSSES), len(variants), figsize=(3.8 * len(variants), 3.4 * len(LOSSES)),
+  fig, axes = plt.subplots(len(LOSSES), len(variants), figsize=(max(3.8 * len(variants), 8.0), 3.4 * len(LOSSES)),
                            squeeze=False)
   for i, loss in enumerate(LOSSES):
     for ax, v in zip(axes[i], variants):
@@ -461,13 +461,13 @@ def _heatmap(ax, imp, title: str) -> None:
   L, H = imp.shape
   for l in range(L):
     for h in range(H):
-      ax.text(h, l, f"{imp[l, h]:.2f}", ha="center", va="center", fontsize=8,
+      ax.text(h, l, f"{imp[l, h]:.3f}", ha="center", va="center", fontsize=7,
               color="black" if (imp[l, h] - lo) / (hi - lo) > 0.6 else "white")
   ax.set_xticks(range(H))
   ax.set_yticks(range(L))
   ax.set_xlabel("head")
   ax.set_ylabel("layer")
-  ax.set_title(f"{title}\nscale {lo:.2f}-{hi:.2f}", fontsize=9)
+  ax.set_title(f"{title}\ncolour scale {lo:.3f}-{hi:.3f}", fontsize=9)
 
 
 # ------------------------------------------------------------------------------------------------------ outputs
@@ -654,7 +654,7 @@ def plot_finetune(ft: dict, path) -> pathlib.Path:
           ax.add_patch(Rectangle((h - 0.42, l - 0.42), 0.84, 0.84, fill=False, edgecolor="red", lw=2))
       for l in range(imp.shape[0]):
         for h in range(imp.shape[1]):
-          ax.text(h, l, f"{imp[l, h]:.2f}", ha="center", va="center", fontsize=7,
+          ax.text(h, l, f"{imp[l, h]:.3f}", ha="center", va="center", fontsize=6,
                   color="black" if (imp[l, h] - lo) / max(hi - lo, 1e-3) > 0.6 else "white")
       cv = res["before"]["head_imbalance"] if name == "before" else res["modes"][name]["head_imbalance"]
       ax.set_title(f"{v}: {'before fine-tuning' if name == 'before' else FINETUNE_TITLES[name]}\n"
@@ -756,7 +756,7 @@ def run_study(args, scale: Scale, specs: list[RunSpec]) -> dict:
   out = pathlib.Path(args.out)
   machine = machine_info()
   t_start = time.perf_counter()
-  for i, spec in enumerate(specs, 1):
+  for i, spec in enumerate([] if args.report_only else specs, 1):
     run_dir = out / "runs" / spec.name
     t0 = time.perf_counter()
     try:
@@ -769,8 +769,9 @@ def run_study(args, scale: Scale, specs: list[RunSpec]) -> dict:
     print(f"[{i}/{len(specs)}] {spec.name}: {what}; val_bpb {rec['val_bpb']:.4f}, head imbalance "
           f"{rec['head_imbalance']:.3f} ({time.perf_counter() - t0:.0f} s; study {time.perf_counter() - t_start:.0f} s)",
           flush=True)
-  ft = run_finetune(args, scale, specs) if args.finetune else _read_json(out / "finetune.json")
-  if args.finetune:
+  ft = run_finetune(args, scale, specs) if args.finetune and not args.report_only else \
+      _read_json(out / "finetune.json")
+  if args.finetune and not args.report_only:
     _write_json(out / "finetune.json", ft)
   return write_results(out, args, scale, specs, machine, ft)
 
@@ -807,6 +808,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--steps", type=_int_at_least(1), default=None,
                  help="training (and fine-tuning) steps per run instead of the scale's (quick checks)")
   p.add_argument("--dry-run", action="store_true", help="list the grid and what is done, train nothing")
+  p.add_argument("--report-only", action="store_true",
+                 help="train nothing: write results.json / results.md / figures from the runs finished so far "
+                      "(e.g. while the study is still running in another process)")
   p.add_argument("--finetune", action="store_true",
                  help="also fine-tune each base run of the first seed with eq. 7 and eq. 8 (000 App. D)")
   return p
