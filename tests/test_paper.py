@@ -191,6 +191,10 @@ def test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs(tmp_p
   p = run_cli(argv)
   assert p.returncode == 0 and p.stdout.count("done before, skipped") == 2 and "sinkjax.train" not in p.stdout
   assert (tmp_path / "runs" / "sink_base_s0" / "done.json").stat().st_mtime_ns == stamp
+  # A bigger grid with --report-only trains nothing and reports what finished.
+  p = run_cli(argv[:-4] + ["--seeds", "2", "--out", str(tmp_path), "--report-only"])
+  assert p.returncode == 0 and "sinkjax.train" not in p.stdout and not (tmp_path / "runs" / "sink_base_s1").exists()
+  assert "Finished runs: 2 of 4" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ class Scale:
 
 
 def _shape(layers, d_model, heads, head_dim, seq_len, batch, steps, dtype, eval_every, ckpt_every):
-  return (f"model.depth=0", f"model.num_layers={layers}", f"model.d_model={d_model}", f"model.num_heads={heads}",
+  return ("model.depth=0", f"model.num_layers={layers}", f"model.d_model={d_model}", f"model.num_heads={heads}",
           f"model.num_kv_heads={heads}", f"model.head_dim={head_dim}", f"model.max_seq_len={seq_len}",
           f"model.dtype={dtype}", f"data.seq_len={seq_len}", f"train.batch_size={batch}", f"train.steps={steps}",
           f"train.eval_every={eval_every}", "train.eval_batches=4", "train.log_every=10",
@@ -693,6 +693,16 @@ class StudyError(RuntimeError):
   """A user-facing problem of the study (the message says what to change)."""
 
 
+def _user_errors() -> tuple:
+  """The exceptions that carry a one-line message for the user (bad config, data, checkpoint, a failed run)."""
+  from sinkjax.checkpoint import CheckpointError
+  from sinkjax.config import ConfigError
+  from sinkjax.data import DataError
+  from sinkjax.eval import EvalError
+  from sinkjax.train import TrainError
+  return (StudyError, ConfigError, DataError, CheckpointError, TrainError, EvalError)
+
+
 def _lock(out: pathlib.Path, scale: Scale, steps: int | None) -> None:
   """OUT/study.json pins the scale and steps: runs of another size in the same directory would not compare."""
   want = {"scale": scale.name, "steps": steps}
@@ -762,8 +772,8 @@ def run_study(args, scale: Scale, specs: list[RunSpec]) -> dict:
     try:
       done, trained = train_run(run_config(scale, spec, run_dir, steps=args.steps), run_dir)
       rec, evaluated = evaluate_run(run_dir, scale)
-    except Exception as e:                       # noqa: BLE001 -- named with the run, re-raised for main()
-      raise type(e)(f"run {spec.name}: {e}") from e
+    except _user_errors() as e:
+      raise StudyError(f"run {spec.name}: {e}") from e
     what = ("trained + evaluated" if trained else "evaluated (trained before)") if evaluated or trained else \
         "done before, skipped"
     print(f"[{i}/{len(specs)}] {spec.name}: {what}; val_bpb {rec['val_bpb']:.4f}, head imbalance "
@@ -844,19 +854,19 @@ def main(argv=None) -> int:
     return 0
   if args.scale == "gpu" and jax.default_backend() == "cpu":
     parser.error("--scale gpu needs a GPU (JAX sees only the CPU); use --scale cpu")
-  from sinkjax.checkpoint import CheckpointError
-  from sinkjax.config import ConfigError
-  from sinkjax.data import DataError
-  from sinkjax.train import TrainError
+  from sinkjax.train import Interrupted
   try:
     out.mkdir(parents=True, exist_ok=True)
     _lock(out, scale, args.steps)
     res = run_study(args, scale, specs)
-  except OSError as e:
-    parser.error(f"--out {out}: {e.strerror or e}")
-  except (StudyError, ConfigError, DataError, CheckpointError, TrainError) as e:
+  except Interrupted as e:
+    print(f"{parser.prog}: {e}", file=sys.stderr)
+    return 128 + e.signum
+  except _user_errors() as e:
     print(f"{parser.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
     return 1
+  except OSError as e:
+    parser.error(f"--out {out}: {e.strerror or e}")
   print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(res['figures'])} figures "
         f"({len(res['runs'])} finished runs)")
   return 0
