@@ -1,0 +1,876 @@
+"""The method paper's (000) from-scratch study with error bars: variants x {base, base + aux} x seeds.
+
+    python -m sinkjax.experiments.paper [--scale cpu|gpu] [--seeds N] [--first-seed K]
+        [--variants vanilla,sink,gated] [--out DIR] [--dry-run] [--report-only] [--finetune] [--steps N]
+
+Every run is `sinkjax.train.train` on configs/nanochat.yaml (the paper's recipe: nanochat 9d4c9b7's Muon + AdamW
+groups, lr 0.02, no warmup, linear decay to 0 over the final 20 %, clipping at 1.0, nanochat's init, logit soft-cap,
+`data.packing=stream`) with the shape, steps and batch overridden to what the scale allows (SCALES), on the embedded
+corpus (`data.source=default`) with the byte tokenizer; `base` has loss.aux_weight = 0, `aux` the paper's
+lambda = 1e-4 (eq. 7). Each run is then evaluated with `sinkjax.eval`'s functions (val BPB, importance, head
+imbalance, first-token attention, sink ratio alpha, teacher-forced value zeroing) plus value zeroing as the paper
+defines it (000 App. A): the first token's value zeroed in the KV cache *after* prefilling a prompt, the continuation
+scored token by token against that cache (`prefill_value_zeroing`).
+
+Outputs in --out: runs/NAME/ (one training run each, with done.json once trained and paper_eval.json once
+evaluated: a rerun skips both), results.json, results.md and figures: table1_bpb.png (the Table 1 analogue),
+imbalance_curves.png (Fig. 5), first_token_attention.png, value_zeroing.png, importance.png. With --finetune also
+finetune/ (eq. 7 vs eq. 8 fine-tuning of each trained base run, 000 App. D), finetune.json and finetune.png.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+VARIANTS = ("vanilla", "sink", "gated")
+LOSSES = {"base": 0.0, "aux": 1e-4}            # loss.aux_weight: the paper's lambda for training from scratch (eq. 7)
+TAU = 0.75                                     # 000 App. A: selective zeroing of heads with alpha > tau
+RECIPE_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "nanochat.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+  """What one scale overrides of the recipe, and how much it evaluates."""
+  name: str
+  overrides: tuple                 # dotted key=value on top of configs/nanochat.yaml (shape, batch, steps, dtype)
+  eval_batches: int                # held-out batches (of train.batch_size rows) per evaluation
+  prompt_len: int                  # after-prefill value zeroing: tokens prefilled before the scored continuation
+  finetune_steps: int
+  note: str
+
+
+def _shape(layers, d_model, heads, head_dim, seq_len, batch, steps, dtype, eval_every, ckpt_every):
+  return ("model.depth=0", f"model.num_layers={layers}", f"model.d_model={d_model}", f"model.num_heads={heads}",
+          f"model.num_kv_heads={heads}", f"model.head_dim={head_dim}", f"model.max_seq_len={seq_len}",
+          f"model.dtype={dtype}", f"data.seq_len={seq_len}", f"train.batch_size={batch}", f"train.steps={steps}",
+          f"train.eval_every={eval_every}", "train.eval_batches=4", "train.log_every=10",
+          f"checkpoint.every={ckpt_every}", "checkpoint.keep=1")
+
+
+SCALES = {
+    "cpu": Scale("cpu", _shape(4, 128, 4, 32, 256, 16, 300, "float32", 100, 100), eval_batches=8, prompt_len=64,
+                 finetune_steps=100,
+                 note="4 layers x 4 heads x 32 dims (d_model 128), 256-token rows, 16 rows (4,096 tokens) per step, "
+                      "300 steps (1.2M tokens, ~1.4 tokens/param); float32 compute (CPUs have no fast bfloat16 "
+                      "matmul), Newton-Schulz in the recipe's bfloat16"),
+    "gpu": Scale("gpu", _shape(8, 512, 8, 64, 1024, 32, 2000, "bfloat16", 250, 500), eval_batches=16, prompt_len=256,
+                 finetune_steps=400,
+                 note="8 layers x 8 heads x 64 dims (d_model 512), 1,024-token rows, 32 rows (32,768 tokens) per step, "
+                      "2,000 steps (65M tokens); the recipe's bfloat16 compute and Newton-Schulz"),
+    "smoke": Scale("smoke", _shape(2, 32, 2, 16, 32, 8, 2, "float32", 0, 100), eval_batches=1, prompt_len=8,
+                   finetune_steps=2,
+                   note="for tests: 2 layers x 2 heads x 16 dims, 32-token rows, 8 rows per step, 2 steps"),
+}
+COMMON = ("data.source=default", "data.tokenizer=bytes", "data.packing=stream")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  variant: str
+  loss: str                        # "base" | "aux"
+  seed: int
+
+  @property
+  def name(self) -> str:
+    return f"{self.variant}_{self.loss}_s{self.seed}"
+
+
+def make_grid(variants, seeds) -> list[RunSpec]:
+  """Seed-major order, so that a study cut short holds whole seeds of every variant."""
+  return [RunSpec(v, loss, s) for s in seeds for v in variants for loss in LOSSES]
+
+
+def run_config(scale: Scale, spec: RunSpec, run_dir, *, steps: int | None = None, extra=()):
+  """The resolved `Config` of one run: the recipe, the scale's shape and the run's variant, lambda and seed."""
+  from sinkjax import config as config_lib
+  overrides = list(COMMON) + list(scale.overrides) + [
+      f"model.attention={spec.variant}", f"loss.aux_weight={LOSSES[spec.loss]}", f"train.seed={spec.seed}",
+      f"run.dir={run_dir}"]
+  if steps is not None:
+    overrides.append(f"train.steps={steps}")
+  return config_lib.load_config(str(RECIPE_CONFIG), overrides + list(extra))
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+def _read_json(path):
+  path = pathlib.Path(path)
+  return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _write_json(path, obj) -> None:
+  path = pathlib.Path(path)
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(obj, indent=1))
+  os.replace(tmp, path)
+
+
+def train_run(cfg, run_dir: pathlib.Path) -> tuple[dict, bool]:
+  """(done.json's record, whether it trained now): trains (or resumes) the run unless done.json says it finished."""
+  from sinkjax.train import train
+  done = _read_json(run_dir / "done.json")
+  if done is not None and done.get("steps") == cfg.train.steps:
+    return done, False
+  t0 = time.perf_counter()
+  summary = train(cfg, progress=False)
+  done = {"steps": summary["steps"], "end_step": summary["end_step"], "val_bpb": summary["val_bpb"],
+          "final_loss": summary["final_loss"], "num_params": summary["num_params"],
+          "train_seconds": time.perf_counter() - t0}
+  _write_json(run_dir / "done.json", done)
+  return done, True
+
+
+# ------------------------------------------------------------------------------ value zeroing after prefill
+
+def _kv_heads_to_keep(zero_lh, num_kv_heads: int) -> np.ndarray:
+  """[L, Hkv] bool, False where the first value is zeroed. The cache holds K/V heads, so a query head can be zeroed
+  alone only when every head of its GQA group is zeroed alike (MHA: always)."""
+  zero = np.asarray(zero_lh, bool)
+  groups = zero.reshape(zero.shape[0], num_kv_heads, -1)
+  if (groups.any(-1) != groups.all(-1)).any():
+    raise ValueError("after-prefill value zeroing acts on K/V heads: every query head of a GQA group must be zeroed "
+                     "alike")
+  return ~groups[..., 0]
+
+
+def _prefill_zeroed_logprobs(graphdef, state, inputs, targets, keep_lkv, prompt_len: int):
+  from sinkjax.cache import KVCache
+  model = nnx.merge(graphdef, state)
+  B, T = inputs.shape
+  cache = KVCache.for_model(model.cfg, B, T)
+  _, cache = model(inputs[:, :prompt_len], cache=cache)
+  cache = dataclasses.replace(cache, v=tuple(
+      vl.at[:, 0].multiply(keep[None, :, None].astype(vl.dtype)) for vl, keep in zip(cache.v, keep_lkv)))
+
+  def step(cache, xs):
+    tok, target = xs
+    logits, cache = model(tok[:, None], cache=cache)
+    logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+    return cache, jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
+
+  xs = (jnp.swapaxes(inputs[:, prompt_len:], 0, 1), jnp.swapaxes(targets[:, prompt_len:], 0, 1))
+  return jnp.swapaxes(jax.lax.scan(step, cache, xs)[1], 0, 1)
+
+
+_prefill_zeroed_jit = jax.jit(_prefill_zeroed_logprobs, static_argnums=(0, 5))
+
+
+def prefill_zeroed_logprobs(model, inputs, targets, zero_lh, prompt_len: int):
+  """log p(targets[:, t] | inputs[:, :t+1]) for t = prompt_len .. T-1, [B, T - prompt_len]: inputs[:, :prompt_len]
+  are prefilled into a full KV cache, the first token's value is then zeroed in the cache where zero_lh [L, Hq]
+  (000 App. A: "zeros out the first token's value vector after generating the KV cache"), and inputs[:, prompt_len:]
+  are decoded one by one against it. Rows are plain causal sequences (data.packing=stream: slot 0 is the row's first
+  token, the paper's k_0). MHA or GQA groups zeroed alike (`zero_cache_first_value` checks)."""
+  inputs, targets = jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32)
+  if not 0 < prompt_len < inputs.shape[1]:
+    raise ValueError(f"prompt_len must be in 1..{inputs.shape[1] - 1}, got {prompt_len}")
+  keep = jnp.asarray(_kv_heads_to_keep(zero_lh, model.cfg.num_kv_heads))
+  graphdef, state = nnx.split(model)
+  return _prefill_zeroed_jit(graphdef, state, inputs, targets, keep, prompt_len)
+
+
+def prefill_value_zeroing(model, batches, alpha_lh, *, tau: float, prompt_len: int) -> dict:
+  """BPB of the continuations (targets prompt_len..T-1 of every row) with the first token's value zeroed in the KV
+  cache after prefill: in no head, all heads, and heads with alpha > tau (000 App. A, Table 3)."""
+  selected = np.asarray(alpha_lh) > tau
+  masks = {"none": np.zeros_like(selected), "all": np.ones_like(selected), "selected": selected}
+  nll = {k: 0.0 for k in masks}
+  nbytes = 0.0
+  for b in batches:
+    keep = (np.asarray(b["loss_mask"]) > 0)[:, prompt_len:]
+    by = np.where(keep, np.asarray(b["target_bytes"])[:, prompt_len:], 0).astype(np.float64)
+    nbytes += by.sum()
+    for k, m in masks.items():
+      lp = np.asarray(prefill_zeroed_logprobs(model, b["inputs"], b["targets"], m, prompt_len), np.float64)
+      nll[k] += float(-(lp * (by > 0)).sum())
+  out = {"tau": tau, "prompt_len": prompt_len, "scored_bytes": int(nbytes),
+         "num_heads_selected": int(selected.sum()), "num_heads": int(selected.size)}
+  out.update({f"bpb_{k}": v / math.log(2) / max(nbytes, 1.0) for k, v in nll.items()})
+  return out
+
+
+# ----------------------------------------------------------------------------------------------------- evaluation
+
+EVAL_KEYS = ("val_bpb", "val_loss", "importance", "head_imbalance", "cv_per_layer", "first_token_attention",
+             "first_token_attention_per_head", "sink_logit_attention", "sink_ratio_alpha", "value_norm_ratio",
+             "gate_mean", "m_act")
+
+
+def evaluate_run(run_dir: pathlib.Path, scale: Scale, *, tau: float = TAU) -> tuple[dict, bool]:
+  """(paper_eval.json's record, whether it evaluated now): `sinkjax.eval.evaluate` on the run's held-out batches
+  (teacher-forced value zeroing included) plus `prefill_value_zeroing`, unless paper_eval.json exists."""
+  from sinkjax import eval as eval_lib
+  from sinkjax.checkpoint import load_run
+  from sinkjax.data import make_eval_batches
+  rec = _read_json(run_dir / "paper_eval.json")
+  if rec is not None:
+    return rec, False
+  t0 = time.perf_counter()
+  model, cfg, tok = load_run(run_dir)
+  batches = make_eval_batches(cfg.data, tok, batch_size=cfg.train.batch_size, num_batches=scale.eval_batches)
+  report = eval_lib.evaluate(model, batches, tau=tau)
+  rec = {k: report[k] for k in EVAL_KEYS}
+  vz = report["value_zeroing"]
+  rec["value_zeroing_teacher_forced"] = {k: vz[k] for k in ("tau", "bpb_none", "bpb_all", "bpb_selected",
+                                                            "num_heads_selected", "num_heads")}
+  rec["value_zeroing_after_prefill"] = prefill_value_zeroing(model, batches, report["sink_ratio_alpha"], tau=tau,
+                                                             prompt_len=scale.prompt_len)
+  rec.update(eval_tokens=report["eval_tokens"], eval_seconds=time.perf_counter() - t0)
+  _write_json(run_dir / "paper_eval.json", rec)
+  return rec, True
+
+
+def imbalance_curve(run_dir: pathlib.Path) -> list[list[float]]:
+  """[[step, head_imbalance], ...] of the run's metrics.jsonl (the training batches' importances, eq. 6)."""
+  from sinkjax.plots import read_metrics
+  return [[r["step"], r["head_imbalance"]] for r in read_metrics(run_dir / "metrics.jsonl")
+          if r.get("head_imbalance") is not None]
+
+
+# ------------------------------------------------------------------------------------------------- aggregation
+
+def _stats(xs) -> dict:
+  """mean, sample std (ddof 1; None for one value), min, max and the values."""
+  a = np.asarray(xs, np.float64)
+  return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else None, "min": float(a.min()),
+          "max": float(a.max()), "n": int(a.size), "values": a.tolist()}
+
+
+def table1(records: list[dict]) -> dict:
+  """Per variant: val BPB and final head imbalance of base and aux over seeds, and the paired per-seed difference
+  aux - base (seeds where both finished)."""
+  out = {}
+  for v in dict.fromkeys(r["variant"] for r in records):
+    by = {(r["loss"], r["seed"]): r for r in records if r["variant"] == v}
+    row = {}
+    for loss in LOSSES:
+      rs = sorted((r for (l, _), r in by.items() if l == loss), key=lambda r: r["seed"])
+      if rs:
+        row[loss] = {"seeds": [r["seed"] for r in rs], "val_bpb": _stats([r["val_bpb"] for r in rs]),
+                     "head_imbalance": _stats([r["head_imbalance"] for r in rs])}
+    paired = sorted(s for (l, s) in by if l == "aux" and ("base", s) in by)
+    if paired:
+      row["aux_minus_base"] = {
+          "seeds": paired,
+          "val_bpb": _stats([by["aux", s]["val_bpb"] - by["base", s]["val_bpb"] for s in paired]),
+          "head_imbalance": _stats([by["aux", s]["head_imbalance"] - by["base", s]["head_imbalance"] for s in paired])}
+    out[v] = row
+  return out
+
+
+def value_zeroing_table(records: list[dict]) -> list[dict]:
+  """Per variant and loss: mean over seeds of BPB with no / all / alpha > tau zeroing, in both definitions."""
+  rows = []
+  for (v, loss) in dict.fromkeys((r["variant"], r["loss"]) for r in records):
+    rs = [r for r in records if r["variant"] == v and r["loss"] == loss]
+    row = {"variant": v, "loss": loss, "n": len(rs)}
+    for defn in ("teacher_forced", "after_prefill"):
+      for k in ("bpb_none", "bpb_all", "bpb_selected", "num_heads_selected"):
+        row[f"{defn}.{k}"] = _stats([r[f"value_zeroing_{defn}"][k] for r in rs])
+    rows.append(row)
+  return rows
+
+
+# ------------------------------------------------------------------------------------------------------ figures
+
+LOSS_STYLE = {"base": dict(color="tab:blue", label="base"), "aux": dict(color="tab:orange", label="base + aux")}
+
+
+def _plt():
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def _save(fig, path) -> pathlib.Path:
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  _plt().close(fig)
+  return pathlib.Path(path)
+
+
+def plot_table1(t1: dict, path) -> pathlib.Path:
+  """Left: val BPB of every seed, base and aux of the same seed joined (paired). Right: aux - base per seed with the
+  mean and +- one std over seeds."""
+  plt = _plt()
+  variants = list(t1)
+  fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for i, v in enumerate(variants):
+    row = t1[v]
+    for j, loss in enumerate(LOSSES):
+      if loss in row:
+        vals = row[loss]["val_bpb"]["values"]
+        ax.scatter([3 * i + j] * len(vals), vals, s=18, alpha=0.6, **LOSS_STYLE[loss])
+        ax.plot([3 * i + j - 0.25, 3 * i + j + 0.25], [np.mean(vals)] * 2, color="black", lw=2)
+    if "aux_minus_base" in row:
+      d = row["aux_minus_base"]["val_bpb"]
+      for s in row["aux_minus_base"]["seeds"]:
+        ax.plot([3 * i, 3 * i + 1], [row["base"]["val_bpb"]["values"][row["base"]["seeds"].index(s)],
+                                     row["aux"]["val_bpb"]["values"][row["aux"]["seeds"].index(s)]],
+                color="gray", lw=0.7, alpha=0.6)
+      ax_d.scatter([i] * d["n"], d["values"], color="tab:purple", s=18, alpha=0.7)
+      ax_d.errorbar([i + 0.15], [d["mean"]], yerr=[d["std"] or 0.0], fmt="s", color="black", capsize=4)
+  handles, labels = ax.get_legend_handles_labels()
+  keep = dict(zip(labels, handles))
+  ax.legend(keep.values(), keep.keys(), fontsize=8)
+  ax.set_xticks([3 * i + 0.5 for i in range(len(variants))], variants)
+  ax.set_ylabel("val BPB (bits per byte)")
+  ax.set_title("validation BPB per seed (black: mean; gray: same seed)")
+  ax.grid(alpha=0.3)
+  ax_d.axhline(0.0, color="gray", lw=1)
+  ax_d.set_xticks(range(len(variants)), variants)
+  ax_d.set_xlim(-0.5, len(variants) - 0.5)
+  ax_d.set_ylabel("BPB(base + aux) - BPB(base)")
+  ax_d.set_title("paired difference per seed (square: mean +- std)")
+  ax_d.grid(alpha=0.3)
+  return _save(fig, path)
+
+
+def _aligned(curves):
+  """Curves [[step, value], ...] cut to the steps they all have -> (steps [S], values [n, S])."""
+  common = sorted(set.intersection(*(set(int(s) for s, _ in c) for c in curves)))
+  vals = np.array([[dict((int(s), y) for s, y in c)[s] for s in common] for c in curves])
+  return np.asarray(common), vals
+
+
+def plot_imbalance_curves(curves: dict, path) -> pathlib.Path:
+  """Fig. 5 analogue: head imbalance (eq. 6) over training per variant, base vs aux; line = mean over seeds,
+  band = min..max over seeds, thin lines = single seeds. curves[(variant, loss)] = list of per-seed curves."""
+  plt = _plt()
+  variants = list(dict.fromkeys(v for v, _ in curves))
+  fig, axes = plt.subplots(1, len(variants), figsize=(max(4.6 * len(variants), 8.0), 3.8), squeeze=False)
+  for ax, v in zip(axes[0], variants):
+    for loss in LOSSES:
+      cs = [c for c in curves.get((v, loss), []) if c]
+      if not cs:
+        continue
+      steps, vals = _aligned(cs)
+      st = LOSS_STYLE[loss]
+      for y in vals:
+        ax.plot(steps, y, color=st["color"], lw=0.6, alpha=0.35)
+      ax.plot(steps, vals.mean(0), color=st["color"], lw=2, label=f"{st['label']} (mean of {len(vals)} seeds)")
+      ax.fill_between(steps, vals.min(0), vals.max(0), color=st["color"], alpha=0.2)
+    ax.set_title(f"{v} attention")
+    ax.set_xlabel("step")
+    ax.set_ylabel("head imbalance: mean_l CV(Imp[l,:])")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle("head imbalance during training (000 Fig. 5 analogue; band: min-max over seeds)", fontsize=10)
+  return _save(fig, path)
+
+
+def _per_layer(records, key, reduce_heads=False):
+  a = np.array([r[key] for r in records], np.float64)
+  return a.mean(-1) if reduce_heads else a                  # [n, L]
+
+
+def plot_first_token(records: list[dict], path) -> pathlib.Path:
+  """Per variant and layer: first-token attention (F-Attn, 003 Table 4; solid), the sink ratio alpha averaged over
+  heads (000 eq. 9; dashed) and, for sink attention, the weight on the sink logit (dotted); mean +- std over seeds."""
+  plt = _plt()
+  variants = list(dict.fromkeys(r["variant"] for r in records))
+  fig, axes = plt.subplots(1, len(variants), figsize=(max(4.6 * len(variants), 8.0), 3.8), squeeze=False)
+  for ax, v in zip(axes[0], variants):
+    for k, loss in enumerate(LOSSES):
+      rs = [r for r in records if r["variant"] == v and r["loss"] == loss]
+      if not rs:
+        continue
+      series = [("first_token_attention", "-", "F-Attn", False), ("sink_ratio_alpha", "--", "alpha", True)]
+      if rs[0]["sink_logit_attention"] is not None:
+        series.append(("sink_logit_attention", ":", "sink logit", False))
+      for key, ls, what, red in series:
+        a = _per_layer(rs, key, red)
+        x = np.arange(a.shape[1]) + (k - 0.5) * 0.08
+        ax.errorbar(x, a.mean(0), yerr=a.std(0, ddof=1) if len(a) > 1 else None, ls=ls, marker="o", ms=3,
+                    capsize=2, color=LOSS_STYLE[loss]["color"], label=f"{what}, {LOSS_STYLE[loss]['label']}")
+    ax.set_title(f"{v} attention")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention weight")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xticks(range(len(records[0]["first_token_attention"])))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.suptitle("attention on the row's first token per layer (mean +- std over seeds)", fontsize=10)
+  return _save(fig, path)
+
+
+def plot_value_zeroing(rows: list[dict], path) -> pathlib.Path:
+  """BPB increase over no zeroing when the first token's value is zeroed in all heads / in heads with alpha > tau,
+  teacher-forced (left) and after prefill (right, the paper's definition); mean +- std over seeds, means printed."""
+  plt = _plt()
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+  names = [f"{r['variant']}\n{r['loss']}\n{r['teacher_forced.num_heads_selected']['mean']:.1f} heads > tau"
+           for r in rows]
+  x = np.arange(len(rows))
+  for ax, defn in zip(axes, ("teacher_forced", "after_prefill")):
+    for j, (what, color) in enumerate((("all", "tab:red"), ("selected", "tab:green"))):
+      d = [np.subtract(r[f"{defn}.bpb_{what}"]["values"], r[f"{defn}.bpb_none"]["values"]) for r in rows]
+      means = [e.mean() for e in d]
+      ax.bar(x + (j - 0.5) * 0.38, means, 0.38, color=color, capsize=3,
+             yerr=[e.std(ddof=1) if len(e) > 1 else 0.0 for e in d],
+             label="all heads" if what == "all" else f"heads with alpha > {TAU}")
+      for xi, m in zip(x + (j - 0.5) * 0.38, means):
+        ax.text(xi, m, f"{m:+.2g}", ha="center", va="bottom" if m >= 0 else "top", fontsize=7)
+    ax.axhline(0, color="gray", lw=1)
+    ax.set_xticks(x, names, fontsize=7)
+    ax.set_ylabel("BPB(zeroed) - BPB(none)")
+    ax.set_title("teacher-forced (value zeroed in the forward pass)" if defn == "teacher_forced" else
+                 "after prefill (zeroed in the KV cache; the paper's App. A)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle("value zeroing of the first token: BPB change (mean +- std over seeds)", fontsize=10)
+  return _save(fig, path)
+
+
+def plot_importance(records: list[dict], path) -> pathlib.Path:
+  """Layer x head importance (eq. 5) of the final checkpoints, mean over seeds: one row per loss, one column per
+  variant; every cell printed; each panel on its own colour scale (printed in its title)."""
+  plt = _plt()
+  variants = list(dict.fromkeys(r["variant"] for r in records))
+  fig, axes = plt.subplots(len(LOSSES), len(variants), figsize=(max(3.8 * len(variants), 8.0), 3.4 * len(LOSSES)),
+                           squeeze=False)
+  for i, loss in enumerate(LOSSES):
+    for ax, v in zip(axes[i], variants):
+      rs = [r for r in records if r["variant"] == v and r["loss"] == loss]
+      ax.axis("off") if not rs else None
+      if rs:
+        imp = np.mean([r["importance"] for r in rs], axis=0)
+        _heatmap(ax, imp, f"{v}, {LOSS_STYLE[loss]['label']} ({len(rs)} seeds)")
+  fig.suptitle("head importance Imp[l,h] = mean gate (eq. 5), final checkpoints", fontsize=10)
+  return _save(fig, path)
+
+
+def _heatmap(ax, imp, title: str) -> None:
+  lo, hi = float(imp.min()), float(imp.max())
+  hi = max(hi, lo + 1e-3)
+  ax.imshow(imp, cmap="viridis", vmin=lo, vmax=hi, aspect="auto")
+  L, H = imp.shape
+  for l in range(L):
+    for h in range(H):
+      ax.text(h, l, f"{imp[l, h]:.3f}", ha="center", va="center", fontsize=7,
+              color="black" if (imp[l, h] - lo) / (hi - lo) > 0.6 else "white")
+  ax.set_xticks(range(H))
+  ax.set_yticks(range(L))
+  ax.set_xlabel("head")
+  ax.set_ylabel("layer")
+  ax.set_title(f"{title}\ncolour scale {lo:.3f}-{hi:.3f}", fontsize=9)
+
+
+# ------------------------------------------------------------------------------------------------------ outputs
+
+def _pm(s: dict | None, nd: int = 4) -> str:
+  if not s:
+    return "-"
+  return f"{s['mean']:.{nd}f}" + (f" ± {s['std']:.{nd}f}" if s["std"] is not None else "")
+
+
+def _values(s: dict, nd: int = 4) -> str:
+  return ", ".join(f"{x:.{nd}f}" for x in s["values"])
+
+
+def table1_markdown(t1: dict) -> list[str]:
+  lines = ["| attention | loss | val BPB (mean ± std) | per seed | head imbalance (final) |", "|---|---|---|---|---|"]
+  for v, row in t1.items():
+    for loss in LOSSES:
+      if loss in row:
+        r = row[loss]
+        lines.append(f"| {v} | {LOSS_STYLE[loss]['label']} | {_pm(r['val_bpb'])} | "
+                     f"{_values(r['val_bpb'])} (seeds {r['seeds']}) | {_pm(r['head_imbalance'], 3)} |")
+    if "aux_minus_base" in row:
+      d = row["aux_minus_base"]
+      lines.append(f"| {v} | **aux − base** (paired) | **{_pm(d['val_bpb'])}** | "
+                   f"{', '.join(f'{x:+.4f}' for x in d['val_bpb']['values'])} | {_pm(d['head_imbalance'], 3)} |")
+  return lines
+
+
+def value_zeroing_markdown(rows: list[dict]) -> list[str]:
+  lines = ["| attention | loss | definition | BPB none | BPB all heads | BPB alpha > τ | heads with alpha > τ |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    for defn, name in (("teacher_forced", "teacher-forced"), ("after_prefill", "after prefill (paper)")):
+      lines.append(f"| {r['variant']} | {r['loss']} | {name} | {_pm(r[f'{defn}.bpb_none'])} | "
+                   f"{_pm(r[f'{defn}.bpb_all'])} | {_pm(r[f'{defn}.bpb_selected'])} | "
+                   f"{_pm(r[f'{defn}.num_heads_selected'], 1)} |")
+  return lines
+
+
+def attention_markdown(records: list[dict]) -> list[str]:
+  lines = ["| attention | loss | F-Attn per layer (mean over heads and seeds) | mean alpha per layer | "
+           "sink-logit weight per layer |", "|---|---|---|---|---|"]
+  for (v, loss) in dict.fromkeys((r["variant"], r["loss"]) for r in records):
+    rs = [r for r in records if r["variant"] == v and r["loss"] == loss]
+    fmt = lambda a: " ".join(f"{x:.3f}" for x in np.mean(a, 0))
+    sink = fmt([r["sink_logit_attention"] for r in rs]) if rs[0]["sink_logit_attention"] is not None else "-"
+    lines.append(f"| {v} | {loss} | {fmt([r['first_token_attention'] for r in rs])} | "
+                 f"{fmt(_per_layer(rs, 'sink_ratio_alpha', True))} | {sink} |")
+  return lines
+
+
+def results_markdown(res: dict) -> str:
+  m, sc = res["machine"], res["scale"]
+  lines = [
+      "# Paper 000 from scratch: base vs base + aux, with seeds", "",
+      f"Command: `{res['command']}`", "",
+      f"Machine: {m['cpu_count']} CPU cores, JAX {m['jax']} on {m['backend']} ({m['devices']}); load average "
+      f"{m['load_start']} at the start, {m['load_end']} at the end (other jobs shared the machine).", "",
+      "## Recipe", "",
+      f"`configs/nanochat.yaml` (the paper's baseline, nanochat 9d4c9b7: Muon lr 0.02 for matrices with momentum "
+      f"0.85 → 0.95 over 300 steps and Newton–Schulz in {res['recipe']['train']['muon_ns_dtype']}, AdamW for "
+      f"embeddings / LM head / scalars, no warmup, linear decay to 0 over the final 20 %, clipping 1.0, nanochat's "
+      f"init, logit soft-cap 15, QK-norm, ReLU², untied embeddings, `data.packing={res['recipe']['data']['packing']}`)"
+      f" on the embedded corpus (`data.source=default`, byte tokenizer), scale `{sc['name']}`: {sc['note']}. "
+      f"base: `loss.aux_weight=0`; base + aux: `loss.aux_weight=1e-4` (eq. 7). Overrides: "
+      f"`{' '.join(sc['overrides'])}`.", "",
+      f"Finished runs: {len(res['runs'])} of {res['grid_size']} in the requested grid "
+      f"(seeds {res['seeds']}, variants {res['variants']}).", "",
+      "## Table 1 analogue: validation BPB", "",
+      *table1_markdown(res["table1"]), "",
+      "std is over seeds (ddof 1); the paired difference is taken per seed (same data order and init seed), so seed "
+      "noise shared by base and aux cancels. Paper 000 Table 1 reports aux − base of −0.0007 to −0.0055 BPB.", "",
+      "![table 1](table1_bpb.png)", "", "## Fig. 5 analogue: head imbalance during training", "",
+      "![imbalance](imbalance_curves.png)", "",
+      "## First-token attention and sink ratio", "", *attention_markdown(res["runs"]), "",
+      "![first token](first_token_attention.png)", "",
+      f"## Value zeroing (000 App. A, τ = {TAU})", "",
+      "Teacher-forced: the first token's value is zeroed inside one forward pass over the whole row, so every query "
+      "(the prompt's too) sees it zeroed (`sinkjax.eval`). After prefill (the paper's): the first "
+      f"{res['scale']['prompt_len']} tokens of a row are prefilled into the KV cache with their values intact, the "
+      "first token's value is then zeroed in the cache, and the rest of the row is decoded token by token against "
+      "it; BPB over those continuation tokens (the `none` column uses the same tokens).", "",
+      *value_zeroing_markdown(res["value_zeroing"]), "", "![value zeroing](value_zeroing.png)", "",
+      "## Head importance", "", "![importance](importance.png)", ""]
+  if res.get("finetune"):
+    lines += finetune_markdown(res["finetune"])
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ fine-tuning
+
+FINETUNE_LAMBDA = 1e-2           # 000 §5.1: lambda for fine-tuning
+FINETUNE_SHARED = 1              # m shared heads per layer (eq. 8)
+FINETUNE_MODES = {               # name -> (aux_weight, num_shared_heads, shared set fixed from the base run)
+    "none": (0.0, 0, False),
+    "eq7": (FINETUNE_LAMBDA, 0, False),
+    "eq8_fixed": (FINETUNE_LAMBDA, FINETUNE_SHARED, True),
+    "eq8_repicked": (FINETUNE_LAMBDA, FINETUNE_SHARED, False),
+}
+FINETUNE_TITLES = {"none": "no aux loss", "eq7": "eq. 7 (all heads)", "eq8_fixed": "eq. 8, shared fixed up front",
+                   "eq8_repicked": "eq. 8, shared re-picked each step"}
+
+
+def finetune_run(scale: Scale, base_dir: pathlib.Path, spec: RunSpec, mode: str, run_dir: pathlib.Path,
+                 steps: int | None) -> dict:
+  """Fine-tunes the trained base run `base_dir` (train.init_from) with `mode`'s loss and returns the held-out
+  val BPB, importance and head imbalance (finetune_eval.json; a rerun reuses it)."""
+  from sinkjax import eval as eval_lib
+  from sinkjax.checkpoint import load_run
+  from sinkjax.data import make_eval_batches
+  rec = _read_json(run_dir / "finetune_eval.json")
+  if rec is not None:
+    return rec
+  weight, m, fixed = FINETUNE_MODES[mode]
+  extra = [f"train.init_from={base_dir}", f"loss.aux_weight={weight}", f"loss.num_shared_heads={m}"]
+  if fixed:
+    extra.append(f"loss.shared_heads_from={base_dir / 'paper_eval.json'}")
+  cfg = run_config(scale, spec, run_dir, steps=steps or scale.finetune_steps, extra=extra)
+  done, _ = train_run(cfg, run_dir)
+  model, cfg, tok = load_run(run_dir)
+  batches = make_eval_batches(cfg.data, tok, batch_size=cfg.train.batch_size, num_batches=scale.eval_batches)
+  lm = eval_lib.language_model_metrics(model, batches)
+  rec = {"mode": mode, "aux_weight": weight, "num_shared_heads": m, "shared_fixed": fixed, "steps": done["steps"],
+         **{k: lm[k] for k in ("val_bpb", "importance", "head_imbalance")}}
+  _write_json(run_dir / "finetune_eval.json", rec)
+  return rec
+
+
+def head_roles(before, after, m: int = FINETUNE_SHARED) -> dict:
+  """How the heads' roles moved from `before` to `after` [L,H]: the top-m heads per layer before ("shared") and the
+  rest ("routed"): their mean importance before / after, the routed heads' CV (eq. 8's target), and the layers whose
+  top-m set changed (a head lost its role)."""
+  b, a = np.asarray(before, np.float64), np.asarray(after, np.float64)
+  top_b, top_a = np.argsort(-b, -1)[:, :m], np.argsort(-a, -1)[:, :m]
+  shared = np.zeros(b.shape, bool)
+  np.put_along_axis(shared, top_b, True, -1)
+  routed = lambda x: x[~shared].reshape(x.shape[0], -1)
+  cv = lambda x: float(np.mean(x.std(-1) / np.maximum(x.mean(-1), 1e-12)))
+  changed = [l for l in range(b.shape[0]) if set(top_b[l]) != set(top_a[l])]
+  return {"shared_heads": top_b.tolist(), "shared_before": float(b[shared].mean()), "shared_after": float(a[shared].mean()),
+          "routed_before": float(routed(b).mean()), "routed_after": float(routed(a).mean()),
+          "routed_cv_before": cv(routed(b)), "routed_cv_after": cv(routed(a)),
+          "imbalance_before": cv(b), "imbalance_after": cv(a),
+          "layers_top_changed": changed, "top_heads_after": top_a.tolist()}
+
+
+def run_finetune(args, scale: Scale, specs: list[RunSpec]) -> dict:
+  """Every trained base run of the first requested seed, fine-tuned in each FINETUNE_MODES mode."""
+  out = {}
+  bases = [s for s in specs if s.loss == "base" and s.seed == specs[0].seed]
+  for i, spec in enumerate(bases):
+    base_dir = pathlib.Path(args.out) / "runs" / spec.name
+    before = _read_json(base_dir / "paper_eval.json")
+    res = {"base_run": spec.name, "before": {k: before[k] for k in ("val_bpb", "importance", "head_imbalance")},
+           "modes": {}}
+    for j, mode in enumerate(FINETUNE_MODES):
+      t0 = time.perf_counter()
+      rec = finetune_run(scale, base_dir, spec, mode, pathlib.Path(args.out) / "finetune" / f"{spec.name}_{mode}",
+                         args.steps)
+      rec["roles"] = head_roles(before["importance"], rec["importance"])
+      res["modes"][mode] = rec
+      print(f"[finetune {i * len(FINETUNE_MODES) + j + 1}/{len(bases) * len(FINETUNE_MODES)}] {spec.name} {mode}: "
+            f"val_bpb {rec['val_bpb']:.4f}, imbalance {rec['head_imbalance']:.3f} "
+            f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    out[spec.variant] = res
+  return out
+
+
+def plot_finetune(ft: dict, path) -> pathlib.Path:
+  """000 Fig. 11 analogue: importance before fine-tuning and after each mode (columns), one row per variant; the
+  shared heads (top-m per layer before) are boxed in red, one colour scale per row."""
+  plt = _plt()
+  from matplotlib.patches import Rectangle
+  cols = ["before"] + list(FINETUNE_MODES)
+  fig, axes = plt.subplots(len(ft), len(cols), figsize=(3.3 * len(cols), 3.2 * len(ft)), squeeze=False)
+  for row, (v, res) in zip(axes, ft.items()):
+    imps = [np.asarray(res["before"]["importance"])] + [np.asarray(res["modes"][m]["importance"]) for m in FINETUNE_MODES]
+    lo, hi = min(x.min() for x in imps), max(x.max() for x in imps)
+    for ax, name, imp in zip(row, cols, imps):
+      ax.imshow(imp, cmap="viridis", vmin=lo, vmax=max(hi, lo + 1e-3), aspect="auto")
+      for l, top in enumerate(res["modes"]["eq7"]["roles"]["shared_heads"]):
+        for h in top:
+          ax.add_patch(Rectangle((h - 0.42, l - 0.42), 0.84, 0.84, fill=False, edgecolor="red", lw=2))
+      for l in range(imp.shape[0]):
+        for h in range(imp.shape[1]):
+          ax.text(h, l, f"{imp[l, h]:.3f}", ha="center", va="center", fontsize=6,
+                  color="black" if (imp[l, h] - lo) / max(hi - lo, 1e-3) > 0.6 else "white")
+      cv = res["before"]["head_imbalance"] if name == "before" else res["modes"][name]["head_imbalance"]
+      ax.set_title(f"{v}: {'before fine-tuning' if name == 'before' else FINETUNE_TITLES[name]}\n"
+                   f"imbalance {cv:.3f}", fontsize=8)
+      ax.set_xticks(range(imp.shape[1]))
+      ax.set_yticks(range(imp.shape[0]))
+      ax.set_xlabel("head", fontsize=8)
+      ax.set_ylabel("layer", fontsize=8)
+  fig.suptitle(f"head importance before / after fine-tuning (lambda {FINETUNE_LAMBDA:g}, m = {FINETUNE_SHARED}; red box: "
+               f"shared heads = top-{FINETUNE_SHARED} per layer before; one colour scale per row)", fontsize=9)
+  return _save(fig, path)
+
+
+def finetune_markdown(ft: dict) -> list[str]:
+  lines = ["## Fine-tuning: eq. 7 vs eq. 8 (000 App. D, head pinning)", "",
+           f"Each base run of the first seed fine-tuned from its final checkpoint (`train.init_from`) with the same "
+           f"recipe, λ = {FINETUNE_LAMBDA:g}, m = {FINETUNE_SHARED} shared head per layer. Shared heads = the top-m "
+           "heads per layer of the base run's held-out importance. 'top changed' = layers whose top-m head after "
+           "fine-tuning is not the shared one (that head lost its role).", "",
+           "| attention | mode | val BPB | imbalance | shared imp. before → after | routed imp. before → after | "
+           "routed CV before → after | layers whose top head changed |", "|---|---|---|---|---|---|---|---|"]
+  for v, res in ft.items():
+    lines.append(f"| {v} | before | {res['before']['val_bpb']:.4f} | {res['before']['head_imbalance']:.3f} | | | | |")
+    for mode, rec in res["modes"].items():
+      r = rec["roles"]
+      lines.append(f"| {v} | {FINETUNE_TITLES[mode]} | {rec['val_bpb']:.4f} | {rec['head_imbalance']:.3f} | "
+                   f"{r['shared_before']:.3f} → {r['shared_after']:.3f} | {r['routed_before']:.3f} → "
+                   f"{r['routed_after']:.3f} | {r['routed_cv_before']:.3f} → {r['routed_cv_after']:.3f} | "
+                   f"{r['layers_top_changed'] or 'none'} |")
+  return lines + ["", "![fine-tuning](finetune.png)", ""]
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+
+class StudyError(RuntimeError):
+  """A user-facing problem of the study (the message says what to change)."""
+
+
+def _user_errors() -> tuple:
+  """The exceptions that carry a one-line message for the user (bad config, data, checkpoint, a failed run)."""
+  from sinkjax.checkpoint import CheckpointError
+  from sinkjax.config import ConfigError
+  from sinkjax.data import DataError
+  from sinkjax.eval import EvalError
+  from sinkjax.train import TrainError
+  return (StudyError, ConfigError, DataError, CheckpointError, TrainError, EvalError)
+
+
+def _lock(out: pathlib.Path, scale: Scale, steps: int | None) -> None:
+  """OUT/study.json pins the scale and steps: runs of another size in the same directory would not compare."""
+  want = {"scale": scale.name, "steps": steps}
+  have = _read_json(out / "study.json")
+  if have is not None and have != want:
+    raise StudyError(f"--out {out} holds a study with --scale {have['scale']} --steps {have['steps']}; use those, "
+                     "or another --out")
+  _write_json(out / "study.json", want)
+
+
+def collect(out: pathlib.Path) -> list[dict]:
+  """Every trained and evaluated run in OUT/runs (whatever invocation made it), with its imbalance curve."""
+  records = []
+  for d in sorted((out / "runs").glob("*_s*")):
+    done, ev = _read_json(d / "done.json"), _read_json(d / "paper_eval.json")
+    if done is None or ev is None:
+      continue
+    variant, loss, seed = d.name.rsplit("_", 2)
+    records.append({"variant": variant, "loss": loss, "seed": int(seed[1:]), "run_dir": str(d),
+                    "final_train_loss": done["final_loss"], "train_seconds": done["train_seconds"], **ev,
+                    "imbalance_curve": imbalance_curve(d)})
+  order = {v: i for i, v in enumerate(VARIANTS)}
+  return sorted(records, key=lambda r: (order[r["variant"]], list(LOSSES).index(r["loss"]), r["seed"]))
+
+
+def machine_info() -> dict:
+  return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
+          "backend": jax.default_backend(), "devices": ", ".join(sorted({d.device_kind for d in jax.devices()})),
+          "load_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def write_results(out: pathlib.Path, args, scale: Scale, specs, machine: dict, ft: dict | None) -> dict:
+  """results.json, results.md and the figures from every finished run in OUT."""
+  from sinkjax import config as config_lib
+  records = collect(out)
+  if not records:
+    raise StudyError(f"no finished runs in {out}/runs yet")
+  recipe = config_lib.to_dict(run_config(scale, specs[0], "RUN_DIR", steps=args.steps))
+  machine = {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]}
+  res = {"command": "python -m sinkjax.experiments.paper " + " ".join(args.argv), "scale": dataclasses.asdict(scale),
+         "recipe": recipe, "machine": machine, "seeds": sorted({s.seed for s in specs}),
+         "variants": list(dict.fromkeys(s.variant for s in specs)), "grid_size": len(specs), "runs": records,
+         "table1": table1(records), "value_zeroing": value_zeroing_table(records), "finetune": ft}
+  curves = {}
+  for r in records:
+    curves.setdefault((r["variant"], r["loss"]), []).append(r["imbalance_curve"])
+  figures = [plot_table1(res["table1"], out / "table1_bpb.png"), plot_imbalance_curves(curves, out / "imbalance_curves.png"),
+             plot_first_token(records, out / "first_token_attention.png"),
+             plot_value_zeroing(res["value_zeroing"], out / "value_zeroing.png"),
+             plot_importance(records, out / "importance.png")]
+  if ft:
+    figures.append(plot_finetune(ft, out / "finetune.png"))
+  res["figures"] = [p.name for p in figures]
+  _write_json(out / "results.json", res)
+  (out / "results.md").write_text(results_markdown(res))
+  return res
+
+
+def run_study(args, scale: Scale, specs: list[RunSpec]) -> dict:
+  """Trains and evaluates every run of the grid not yet done (a progress line each), then writes the results."""
+  out = pathlib.Path(args.out)
+  machine = machine_info()
+  t_start = time.perf_counter()
+  for i, spec in enumerate([] if args.report_only else specs, 1):
+    run_dir = out / "runs" / spec.name
+    t0 = time.perf_counter()
+    try:
+      done, trained = train_run(run_config(scale, spec, run_dir, steps=args.steps), run_dir)
+      rec, evaluated = evaluate_run(run_dir, scale)
+    except _user_errors() as e:
+      raise StudyError(f"run {spec.name}: {e}") from e
+    what = ("trained + evaluated" if trained else "evaluated (trained before)") if evaluated or trained else \
+        "done before, skipped"
+    print(f"[{i}/{len(specs)}] {spec.name}: {what}; val_bpb {rec['val_bpb']:.4f}, head imbalance "
+          f"{rec['head_imbalance']:.3f} ({time.perf_counter() - t0:.0f} s; study {time.perf_counter() - t_start:.0f} s)",
+          flush=True)
+  ft = run_finetune(args, scale, specs) if args.finetune and not args.report_only else \
+      _read_json(out / "finetune.json")
+  if args.finetune and not args.report_only:
+    _write_json(out / "finetune.json", ft)
+  return write_results(out, args, scale, specs, machine, ft)
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):                                   # one line, exit status 2
+    self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(lo: int):
+  def parse(s):
+    try:
+      v = int(s)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}") from None
+    if v < lo:
+      raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}")
+    return v
+  return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="python -m sinkjax.experiments.paper",
+              description="Paper 000's from-scratch study: attention variants x {base, base + aux (eq. 7)} x seeds "
+                          "with the paper's recipe, evaluated (Table 1, Fig. 5, first-token attention, value zeroing "
+                          "both ways, importance), resumable; --finetune adds eq. 7 vs eq. 8 fine-tuning.")
+  p.add_argument("--scale", choices=tuple(SCALES), default="cpu",
+                 help="cpu: ~2-3 min runs on 2 idle cores; gpu: ~3-5 min runs on one GPU; smoke: 2-step test runs")
+  p.add_argument("--seeds", type=_int_at_least(1), default=3, help="number of seeds (default 3)")
+  p.add_argument("--first-seed", type=_int_at_least(0), default=0,
+                 help="seeds are first-seed .. first-seed + seeds - 1 (run a subset per invocation; default 0)")
+  p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of vanilla,sink,gated")
+  p.add_argument("--out", default="runs/paper", help="output directory (default runs/paper)")
+  p.add_argument("--steps", type=_int_at_least(1), default=None,
+                 help="training (and fine-tuning) steps per run instead of the scale's (quick checks)")
+  p.add_argument("--dry-run", action="store_true", help="list the grid and what is done, train nothing")
+  p.add_argument("--report-only", action="store_true",
+                 help="train nothing: write results.json / results.md / figures from the runs finished so far "
+                      "(e.g. while the study is still running in another process)")
+  p.add_argument("--finetune", action="store_true",
+                 help="also fine-tune each base run of the first seed with eq. 7 and eq. 8 (000 App. D)")
+  return p
+
+
+def _dry_run(out: pathlib.Path, scale: Scale, specs) -> None:
+  print(f"scale {scale.name}: {scale.note}")
+  for i, s in enumerate(specs, 1):
+    d = out / "runs" / s.name
+    state = ("evaluated" if (d / "paper_eval.json").is_file() else "trained" if (d / "done.json").is_file() else
+             "started" if d.is_dir() else "to do")
+    print(f"[{i}/{len(specs)}] {s.name}: {s.variant} attention, loss.aux_weight={LOSSES[s.loss]:g}, seed {s.seed}"
+          f" -> {d} ({state})")
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  args.argv = argv
+  variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+  bad = [v for v in variants if v not in VARIANTS]
+  if bad or not variants:
+    parser.error(f"--variants: unknown variant(s) {','.join(bad) or repr(args.variants)}; choose from "
+                 f"{','.join(VARIANTS)}")
+  scale = SCALES[args.scale]
+  specs = make_grid(variants, range(args.first_seed, args.first_seed + args.seeds))
+  out = pathlib.Path(args.out)
+  if args.dry_run:
+    _dry_run(out, scale, specs)
+    return 0
+  if args.scale == "gpu" and jax.default_backend() == "cpu":
+    parser.error("--scale gpu needs a GPU (JAX sees only the CPU); use --scale cpu")
+  from sinkjax.train import Interrupted
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+    _lock(out, scale, args.steps)
+    res = run_study(args, scale, specs)
+  except Interrupted as e:
+    print(f"{parser.prog}: {e}", file=sys.stderr)
+    return 128 + e.signum
+  except _user_errors() as e:
+    print(f"{parser.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 1
+  except OSError as e:
+    parser.error(f"--out {out}: {e.strerror or e}")
+  print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(res['figures'])} figures "
+        f"({len(res['runs'])} finished runs)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

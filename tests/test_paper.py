@@ -1,0 +1,213 @@
+"""The paper study runner (`sinkjax.experiments.paper`): value zeroing after prefill against a KV cache built and
+zeroed by hand, the Table 1 statistics against hand computations, and the grid runner end to end on 2-step runs
+(every artefact written, a rerun skips finished runs, bad arguments are one-line errors)."""
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sinkjax.cache import KVCache
+from sinkjax.config import ModelConfig
+from sinkjax.experiments import paper
+from sinkjax.layers import pop_head_importance
+from sinkjax.model import Transformer
+
+VOCAB = 40
+
+
+def random_model(num_kv_heads=4, attention="vanilla"):
+  """A small float32 model with every parameter random (the default init zeroes output projections and the LM head,
+  which would make every value, and so value zeroing, invisible in the logits)."""
+  cfg = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=num_kv_heads, head_dim=8, vocab_size=VOCAB,
+                    dtype="float32", attention=attention)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  leaves, treedef = jax.tree.flatten(state)
+  rng = np.random.RandomState(1)
+  leaves = [jnp.asarray(rng.normal(size=x.shape) * (0.5 if x.ndim < 2 else x.shape[0] ** -0.5), x.dtype)
+            for x in leaves]
+  return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+def log_probs(logits, targets):
+  return np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, -1)), np.asarray(targets)[..., None], -1)[..., 0]
+
+
+def hand_zeroed_cache_logprobs(model, inputs, targets, P, zero_lh):
+  """The reference: prefill through the model, zero slot 0 of the value cache by hand, decode token by token."""
+  B, T = inputs.shape
+  cache = KVCache.for_model(model.cfg, B, T)
+  _, cache = model(jnp.asarray(inputs[:, :P]), cache=cache)
+  v = [np.array(x) for x in cache.v]
+  for l, h in zip(*np.nonzero(zero_lh)):
+    v[l][:, 0, h, :] = 0.0
+  cache = dataclasses.replace(cache, v=tuple(jnp.asarray(x) for x in v))
+  out = []
+  for t in range(P, T):
+    logits, cache = model(jnp.asarray(inputs[:, t:t + 1]), cache=cache)
+    out.append(log_probs(logits[:, 0], targets[:, t]))
+  return np.stack(out, 1)
+
+
+@pytest.mark.parametrize("attention", ["vanilla", pytest.param("sink", marks=pytest.mark.slow),
+                                       pytest.param("gated", marks=pytest.mark.slow)])
+def test_value_zeroing_after_prefill_equals_a_hand_zeroed_cache(attention):
+  model = random_model(attention=attention)
+  rng = np.random.RandomState(2)
+  seq = rng.randint(1, VOCAB, size=(2, 13))
+  inputs, targets, P = seq[:, :-1], seq[:, 1:], 5
+  zero = np.array([[True, False, True, False], [False, False, False, True]])
+  got = np.asarray(paper.prefill_zeroed_logprobs(model, inputs, targets, zero, P))
+  want = hand_zeroed_cache_logprobs(model, inputs, targets, P, zero)
+  assert got.shape == (2, 12 - P)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  # Zeroing nothing is the plain causal forward over the whole row (positions P.. of its log-probs) ...
+  none = np.asarray(paper.prefill_zeroed_logprobs(model, inputs, targets, np.zeros_like(zero), P))
+  full = log_probs(model(jnp.asarray(inputs)), targets)
+  pop_head_importance(model)
+  np.testing.assert_allclose(none, full[:, P:], atol=2e-5)
+  # ... and zeroing does change what the continuation sees.
+  assert np.abs(got - none).max() > 1e-4
+
+
+def test_value_zeroing_after_prefill_zeroes_whole_gqa_groups_only():
+  model = random_model(num_kv_heads=2)
+  seq = np.random.RandomState(3).randint(1, VOCAB, size=(1, 9))
+  group = np.array([[True, True, False, False], [False, False, False, False]])      # KV head 0 of layer 0
+  got = np.asarray(paper.prefill_zeroed_logprobs(model, seq[:, :-1], seq[:, 1:], group, 4))
+  np.testing.assert_allclose(got, hand_zeroed_cache_logprobs(model, seq[:, :-1], seq[:, 1:], 4,
+                                                             np.array([[True, False], [False, False]])), atol=2e-5)
+  with pytest.raises(ValueError, match="GQA group"):
+    paper.prefill_zeroed_logprobs(model, seq[:, :-1], seq[:, 1:], np.eye(2, 4, dtype=bool), 4)
+
+
+def test_table1_means_stds_and_paired_differences_by_hand():
+  bpb = {("base", 0): 2.0, ("aux", 0): 1.9, ("base", 1): 2.2, ("aux", 1): 2.15, ("base", 2): 2.1}
+  recs = [{"variant": "sink", "loss": l, "seed": s, "val_bpb": v, "head_imbalance": 0.1 * (s + 1)}
+          for (l, s), v in bpb.items()]
+  t = paper.table1(recs)["sink"]
+  assert t["base"]["seeds"] == [0, 1, 2] and t["aux"]["seeds"] == [0, 1]
+  assert t["base"]["val_bpb"]["mean"] == pytest.approx(2.1)
+  assert t["base"]["val_bpb"]["std"] == pytest.approx(0.1)                     # sqrt((0.01 + 0.01 + 0) / 2)
+  d = t["aux_minus_base"]
+  assert d["seeds"] == [0, 1]                                                 # seed 2 has no aux run: not paired
+  np.testing.assert_allclose(d["val_bpb"]["values"], [-0.1, -0.05])
+  assert d["val_bpb"]["mean"] == pytest.approx(-0.075)
+  assert d["val_bpb"]["std"] == pytest.approx(math.sqrt(2 * 0.025 ** 2))
+  assert d["head_imbalance"]["values"] == pytest.approx([0.0, 0.0])
+
+
+def test_head_roles_names_the_heads_that_lost_their_role():
+  before = np.array([[0.9, 0.2, 0.3], [0.1, 0.8, 0.4]])
+  after = np.array([[0.5, 0.6, 0.4], [0.2, 0.9, 0.5]])                          # layer 0's top head changed
+  r = paper.head_roles(before, after, m=1)
+  assert r["shared_heads"] == [[0], [1]] and r["layers_top_changed"] == [0]
+  assert r["shared_before"] == pytest.approx(0.85) and r["shared_after"] == pytest.approx(0.7)
+  assert r["routed_after"] == pytest.approx((0.6 + 0.4 + 0.2 + 0.5) / 4)
+  cv = lambda x: np.std(x) / np.mean(x)
+  assert r["routed_cv_before"] == pytest.approx((cv([0.2, 0.3]) + cv([0.1, 0.4])) / 2)
+
+
+# ------------------------------------------------------------------------------------------------ the runner
+
+def run_main(argv, capsys):
+  rc = paper.main(argv)
+  return rc, capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--variants", "vanilla,foo"], "unknown variant(s) foo"),
+    (["--seeds", "0"], "--seeds"),
+    (["--first-seed", "-1"], "--first-seed"),
+    (["--scale", "tpu"], "--scale"),
+    (["--steps", "two"], "--steps"),
+])
+def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
+  with pytest.raises(SystemExit) as e:
+    paper.main(argv + ["--dry-run"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and needle in err and err.count("\n") == 1, err
+
+
+def test_another_scale_in_the_same_out_is_a_one_line_error(tmp_path, capsys):
+  (tmp_path / "study.json").write_text(json.dumps({"scale": "cpu", "steps": None}))
+  rc, cap = run_main(["--scale", "smoke", "--out", str(tmp_path)], capsys)
+  assert rc == 1 and "--scale cpu" in cap.err and cap.err.count("\n") == 1, cap.err
+
+
+def test_dry_run_lists_the_grid_seed_major(tmp_path, capsys):
+  rc, cap = run_main(["--seeds", "2", "--first-seed", "4", "--variants", "sink,gated", "--out", str(tmp_path),
+                      "--dry-run"], capsys)
+  names = [line.split()[1].rstrip(":") for line in cap.out.splitlines() if line.startswith("[")]
+  assert rc == 0 and names == ["sink_base_s4", "sink_aux_s4", "gated_base_s4", "gated_aux_s4", "sink_base_s5",
+                               "sink_aux_s5", "gated_base_s5", "gated_aux_s5"]
+  assert not (tmp_path / "runs").exists()
+
+
+FIGURES = ("table1_bpb.png", "imbalance_curves.png", "first_token_attention.png", "value_zeroing.png",
+           "importance.png")
+
+
+def check_artefacts(out, names):
+  for f in ("results.json", "results.md") + FIGURES:
+    assert (out / f).stat().st_size > 0, f
+  res = json.loads((out / "results.json").read_text())
+  assert sorted(f"{r['variant']}_{r['loss']}_s{r['seed']}" for r in res["runs"]) == sorted(names)
+  for r in res["runs"]:
+    ev = json.loads((out / "runs" / f"{r['variant']}_{r['loss']}_s{r['seed']}" / "paper_eval.json").read_text())
+    assert r["val_bpb"] == ev["val_bpb"] and r["imbalance_curve"][-1][0] == 2
+    for defn in ("teacher_forced", "after_prefill"):
+      vz = r[f"value_zeroing_{defn}"]
+      assert all(math.isfinite(vz[k]) for k in ("bpb_none", "bpb_all", "bpb_selected"))
+  md = (out / "results.md").read_text()
+  assert "after prefill" in md and "teacher-forced" in md and "configs/nanochat.yaml" in md
+  return res
+
+
+def run_cli(argv):
+  """The CLI in a subprocess on one CPU device (the test session simulates 8, which makes every compile slower)."""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  return subprocess.run([sys.executable, "-m", "sinkjax.experiments.paper", *argv], capture_output=True, text=True,
+                        env=env, timeout=900)
+
+
+def test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs(tmp_path):
+  argv = ["--scale", "smoke", "--variants", "sink", "--seeds", "1", "--out", str(tmp_path)]
+  p = run_cli(argv)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert "[1/2] sink_base_s0: trained + evaluated" in p.stdout and "[2/2] sink_aux_s0: trained + evaluated" in p.stdout
+  res = check_artefacts(tmp_path, ["sink_base_s0", "sink_aux_s0"])
+  base, aux = (json.loads((tmp_path / "runs" / n / "paper_eval.json").read_text())["val_bpb"]
+               for n in ("sink_base_s0", "sink_aux_s0"))
+  assert res["table1"]["sink"]["aux_minus_base"]["val_bpb"]["values"] == pytest.approx([aux - base])
+  stamp = (tmp_path / "runs" / "sink_base_s0" / "done.json").stat().st_mtime_ns
+  p = run_cli(argv)
+  assert p.returncode == 0 and p.stdout.count("done before, skipped") == 2 and "sinkjax.train" not in p.stdout
+  assert (tmp_path / "runs" / "sink_base_s0" / "done.json").stat().st_mtime_ns == stamp
+  # A bigger grid with --report-only trains nothing and reports what finished.
+  p = run_cli(argv[:-4] + ["--seeds", "2", "--out", str(tmp_path), "--report-only"])
+  assert p.returncode == 0 and "sinkjax.train" not in p.stdout and not (tmp_path / "runs" / "sink_base_s1").exists()
+  assert "Finished runs: 2 of 4" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_whole_grid_with_two_seeds_and_finetuning(tmp_path):
+  p = run_cli(["--scale", "smoke", "--seeds", "2", "--out", str(tmp_path), "--finetune"])
+  assert p.returncode == 0, p.stderr[-2000:]
+  names = [f"{v}_{l}_s{s}" for v in paper.VARIANTS for l in paper.LOSSES for s in (0, 1)]
+  res = check_artefacts(tmp_path, names)
+  assert (tmp_path / "finetune.png").stat().st_size > 0
+  ft = json.loads((tmp_path / "finetune.json").read_text())
+  assert set(ft) == set(paper.VARIANTS)
+  for v, r in ft.items():
+    assert set(r["modes"]) == set(paper.FINETUNE_MODES)
+    assert r["before"]["importance"] == json.loads(
+        (tmp_path / "runs" / f"{v}_base_s0" / "paper_eval.json").read_text())["importance"]
+  assert res["finetune"] == ft and "eq. 8" in (tmp_path / "results.md").read_text()
