@@ -212,13 +212,13 @@ def evaluate_run(run_dir: pathlib.Path, scale: Scale, *, tau: float = TAU) -> tu
   """(paper_eval.json's record, whether it evaluated now): `sinkjax.eval.evaluate` on the run's held-out batches
   (teacher-forced value zeroing included) plus `prefill_value_zeroing`, unless paper_eval.json exists."""
   from sinkjax import eval as eval_lib
-  from sinkjax.checkpoint import load_run
+  from sinkjax.run import load_run
   from sinkjax.data import make_eval_batches
   rec = _read_json(run_dir / "paper_eval.json")
   if rec is not None:
     return rec, False
   t0 = time.perf_counter()
-  model, cfg, tok = load_run(run_dir)
+  model, cfg, tok, _ = load_run(run_dir)
   batches = make_eval_batches(cfg.data, tok, batch_size=cfg.train.batch_size, num_batches=scale.eval_batches)
   report = eval_lib.evaluate(model, batches, tau=tau)
   rec = {k: report[k] for k in EVAL_KEYS}
@@ -577,7 +577,7 @@ def finetune_run(scale: Scale, base_dir: pathlib.Path, spec: RunSpec, mode: str,
   """Fine-tunes the trained base run `base_dir` (train.init_from) with `mode`'s loss and returns the held-out
   val BPB, importance and head imbalance (finetune_eval.json; a rerun reuses it)."""
   from sinkjax import eval as eval_lib
-  from sinkjax.checkpoint import load_run
+  from sinkjax.run import load_run
   from sinkjax.data import make_eval_batches
   rec = _read_json(run_dir / "finetune_eval.json")
   if rec is not None:
@@ -588,7 +588,7 @@ def finetune_run(scale: Scale, base_dir: pathlib.Path, spec: RunSpec, mode: str,
     extra.append(f"loss.shared_heads_from={base_dir / 'paper_eval.json'}")
   cfg = run_config(scale, spec, run_dir, steps=steps or scale.finetune_steps, extra=extra)
   done, _ = train_run(cfg, run_dir)
-  model, cfg, tok = load_run(run_dir)
+  model, cfg, tok, _ = load_run(run_dir)
   batches = make_eval_batches(cfg.data, tok, batch_size=cfg.train.batch_size, num_batches=scale.eval_batches)
   lm = eval_lib.language_model_metrics(model, batches)
   rec = {"mode": mode, "aux_weight": weight, "num_shared_heads": m, "shared_fixed": fixed, "steps": done["steps"],
