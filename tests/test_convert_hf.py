@@ -347,3 +347,38 @@ def test_sft_batches_put_loss_on_response_tokens_only(tmp_path):
                        "{% if add_generation_prompt %}<assistant>{% endif %}"}))
   pieces = ChatFormat(str(tmp_path / "tokenizer.json")).pieces(recs[-1]["messages"])
   assert pieces == [("<user>hi</s>", False), ("<assistant>", False), ("hello</s>", True)]
+
+
+def test_eval_diagnostics_of_an_imported_model_equal_transformers(hf_model):
+  """Eval's first-token attention and value zeroing on an imported model equal transformers' own eager attention
+  weights and a forward whose value projections are zeroed at the first token by hand (teacher-forced, all heads)."""
+  from sinkjax import analysis
+  family, path, ref = hf_model
+  model = load_hf(path)
+  tokens = _tokens(seed=5)
+  B, T = tokens.shape
+  batch = {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, 1)),
+           "segment_ids": jnp.ones((B, T), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(T), (B, T)),
+           "loss_mask": jnp.ones((B, T), jnp.float32), "target_bytes": jnp.ones((B, T), jnp.int32)}
+  stats = analysis.summarize(analysis.batch_statistics_jit(model, batch))
+  ref.set_attn_implementation("eager")
+  with torch.no_grad():
+    attn = ref(torch.tensor(tokens), output_attentions=True).attentions       # per layer [B, H, T, T]
+  want = np.stack([a[:, :, 1:, 0].float().numpy().mean((0, 2)) for a in attn])
+  np.testing.assert_allclose(np.asarray(stats["first_token_attention_per_head"]), want, atol=1e-4)
+  # value zeroing, all heads: transformers with every layer's v_proj output set to 0 at position 0
+  L, H = len(model.layers), model.cfg.num_heads
+  hooks = [layer.self_attn.v_proj.register_forward_hook(lambda m, i, out: torch.cat([0 * out[:, :1], out[:, 1:]], 1))
+           for layer in ref.model.layers]
+  try:
+    hf_logits = _hf_logits(ref, tokens)
+  finally:
+    for h in hooks:
+      h.remove()
+  logp = hf_logits - hf_logits.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  hf_nll = -np.take_along_axis(logp, np.asarray(batch["targets"])[..., None], -1).sum()
+  ours = analysis.zeroed_lm_sums_jit(model, batch, jnp.ones((L, H), bool))
+  np.testing.assert_allclose(float(ours["nll"]), hf_nll, rtol=1e-4)
+  unzeroed = analysis.lm_sums(_forward(model, jnp.asarray(tokens)), batch)
+  assert abs(float(unzeroed["nll"]) - hf_nll) > 1e-2            # the zeroing changed something
