@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sinkjax.experiments import int_at_least
+
 VARIANTS = ("vanilla", "sink", "gated")
 LOSSES = {"base": 0.0, "aux": 1e-4}            # loss.aux_weight: the paper's lambda for training from scratch (eq. 7)
 TAU = 0.75                                     # 000 App. A: selective zeroing of heads with alpha > tau
@@ -791,18 +793,6 @@ class _Parser(argparse.ArgumentParser):
     self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _int_at_least(lo: int):
-  def parse(s):
-    try:
-      v = int(s)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}") from None
-    if v < lo:
-      raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}")
-    return v
-  return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
   p = _Parser(prog="python -m sinkjax.experiments.paper",
               description="Paper 000's from-scratch study: attention variants x {base, base + aux (eq. 7)} x seeds "
@@ -810,12 +800,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "both ways, importance), resumable; --finetune adds eq. 7 vs eq. 8 fine-tuning.")
   p.add_argument("--scale", choices=tuple(SCALES), default="cpu",
                  help="cpu: ~2-3 min runs on 2 idle cores; gpu: ~3-5 min runs on one GPU; smoke: 2-step test runs")
-  p.add_argument("--seeds", type=_int_at_least(1), default=3, help="number of seeds (default 3)")
-  p.add_argument("--first-seed", type=_int_at_least(0), default=0,
+  p.add_argument("--seeds", type=int_at_least(1), default=3, help="number of seeds (default 3)")
+  p.add_argument("--first-seed", type=int_at_least(0), default=0,
                  help="seeds are first-seed .. first-seed + seeds - 1 (run a subset per invocation; default 0)")
   p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of vanilla,sink,gated")
   p.add_argument("--out", default="runs/paper", help="output directory (default runs/paper)")
-  p.add_argument("--steps", type=_int_at_least(1), default=None,
+  p.add_argument("--steps", type=int_at_least(1), default=None,
                  help="training (and fine-tuning) steps per run instead of the scale's (quick checks)")
   p.add_argument("--dry-run", action="store_true", help="list the grid and what is done, train nothing")
   p.add_argument("--report-only", action="store_true",

@@ -43,6 +43,7 @@ import optax
 
 from sinkjax.attention import (gated_attention, relu_attention, relu_attention_weights, sink_attention,
                                vanilla_attention)
+from sinkjax.experiments import int_at_least
 from sinkjax.kernels import attention_weights
 
 VARIANTS = ("softmax", "relu", "sink", "gated")
@@ -374,21 +375,8 @@ class _Parser(argparse.ArgumentParser):
     self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _int_at_least(minimum: int, what: str):
-  """argparse type: an integer >= minimum, else a one-line error naming `what`."""
-  def parse(s):
-    try:
-      v = int(s)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"expected a {what} integer, got {s!r}") from None
-    if v < minimum:
-      raise argparse.ArgumentTypeError(f"expected a {what} integer, got {s!r}")
-    return v
-  return parse
-
-
-_positive_int = _int_at_least(1, "positive")
-_nonneg_int = _int_at_least(0, "non-negative")
+_positive_int = int_at_least(1)
+_nonneg_int = int_at_least(0)
 
 
 def _positive_float(s):
