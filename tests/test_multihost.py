@@ -46,7 +46,8 @@ class Launch:
     cmd = ["bash", "launch/local.sh", "--processes", str(procs), "--devices-per-process", str(devices), "--port",
            str(free_port()), "--grace", str(grace), "--platform", "cpu"] + (["--module", module] if module else [])
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore", **(env or {})}
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore",
+           "TMPDIR": str(tmp), **(env or {})}     # the launcher's pipes: a killed launcher leaves them in tmp
     with open(self.out, "w") as out, open(self.err, "w") as err:
       self.proc = subprocess.Popen(cmd + ["--", *args], cwd=ROOT, env=env, stdout=out, stderr=err,
                                    start_new_session=True)
