@@ -254,7 +254,7 @@ def test_amounts_and_maps(tmp_path):
 def run_dir(tmp_path_factory):
   """A saved run (random sink-attention model with GQA, byte tokenizer) with a metrics.jsonl of importances."""
   from sinkjax.config import Config, DataConfig
-  from sinkjax.convert.hf import save_run
+  from sinkjax.run import save_params_run as save_run
   model, cfg = random_model(attention="sink", vocab_size=257, max_seq_len=256)
   path = tmp_path_factory.mktemp("hybrid_run")
   save_run(path, Config(model=cfg, data=DataConfig(seq_len=32)), model)
