@@ -281,7 +281,8 @@ def perplexity_table(model, ids, *, sink_size: int, window: int, policies=()) ->
                   dict(capacity=N, sink_size=sink_size, window=window, full_heads=cache_policy.as_tuple(full)),
                   int(np.sum(full)), f"{N} / {min(N, window)}"))
   rows = []
-  for name, kw, n_full, peak in modes:
+  for i, (name, kw, n_full, peak) in enumerate(modes):
+    print(f"[{i + 1}/{len(modes)}] {name}: {N} tokens, one decode step each...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     nll = streaming_nll(model, ids, **kw)
     beyond = nll[window - 1:]              # targets at positions >= window: predicted after eviction began
@@ -318,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--checkpoint", required=True, help="run directory of a training run")
   p.add_argument("--prompt", help="text to continue (BOS is prepended)")
-  p.add_argument("--max-new-tokens", type=int, help="number of tokens to generate (>= 1)")
+  p.add_argument("--max-new-tokens", type=int, help="number of tokens to generate (>= 1); required with --prompt")
   p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
   p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
   p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = all)")
@@ -450,8 +451,8 @@ def main(argv=None) -> int:
       raise UsageError(f"run directory {args.checkpoint} does not exist")
     run(args)
   except ValueError as e:                  # UsageError, CheckpointError, ConfigError, DataError
-    print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-    return 2
+    print(f"sinkjax.generate: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+    return 1                               # as sinkjax.train / sinkjax.eval
   except KeyboardInterrupt:
     print("", file=sys.stderr)
     return 130

@@ -320,7 +320,7 @@ def test_cli_errors_are_one_line(argv, message, run_dir, tmp_path, capsys):
   code, _, err = run_cli(gen_lib.main, ["--checkpoint", run_dir, "--prompt", "hi", "--max-new-tokens", 2] + argv,
                          capsys)
   assert code != 0
-  assert len(err.strip().splitlines()) == 1 and err.startswith("error:") and message in err, err
+  assert len(err.strip().splitlines()) == 1 and err.startswith("sinkjax.generate: error:") and message in err, err
 
 
 # ---------------------------------------------------------------------------------------------------------------

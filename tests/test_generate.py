@@ -298,7 +298,7 @@ def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
   argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
   assert gen_lib.main(argv) != 0
   err = capsys.readouterr().err.strip()
-  assert len(err.splitlines()) == 1 and err.startswith("error:") and message in err, err
+  assert len(err.splitlines()) == 1 and err.startswith("sinkjax.generate: error:") and message in err, err
 
 
 def test_cli_help(capsys):
