@@ -79,9 +79,13 @@ class _Tokenize:
     return out
 
 
-def row_features(tokens: np.ndarray, segs: np.ndarray, pos: np.ndarray, nbytes: np.ndarray) -> dict:
-  """Batch features of one packed row x of seq_len + 1 tokens (see module docstring)."""
+def row_features(tokens: np.ndarray, segs: np.ndarray, pos: np.ndarray, nbytes: np.ndarray,
+                 loss_on: np.ndarray | None = None) -> dict:
+  """Batch features of one packed row x of seq_len + 1 tokens (see module docstring). `loss_on` [seq_len + 1] bool
+  restricts the loss to targets where it is set (SFT: the response tokens)."""
   same = (segs[1:] == segs[:-1]) & (segs[:-1] != 0)
+  if loss_on is not None:
+    same &= loss_on[1:]
   return {
       "inputs": tokens[:-1].copy(),
       "targets": tokens[1:].copy(),

@@ -23,7 +23,7 @@ import pathlib
 import grain
 import numpy as np
 
-from sinkjax.data.pipeline import FEATURES, _process
+from sinkjax.data.pipeline import FEATURES, _process, row_features
 from sinkjax.data.sources import DataError, expand_files
 
 _PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
@@ -146,10 +146,7 @@ def pack_rows(examples, seq_len: int) -> list[dict]:
       x[at:at + n], seg[at:at + n], pos[at:at + n] = ids, s, np.arange(n)
       resp[at:at + n], nb[at:at + n] = r, b
       at += n
-    same = (seg[1:] == seg[:-1]) & (seg[:-1] != 0)
-    mask = same & (resp[1:] > 0)
-    rows.append({"inputs": x[:-1], "targets": x[1:], "segment_ids": seg[:-1], "positions": pos[:-1],
-                 "loss_mask": mask.astype(np.float32), "target_bytes": np.where(mask, nb[1:], 0).astype(np.int32)})
+    rows.append(row_features(x, seg, pos, nb, loss_on=resp > 0))     # the text rows' features, loss on responses
     cur.clear()
 
   used = 0
