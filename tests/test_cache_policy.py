@@ -339,7 +339,7 @@ def test_passkey_samples_hide_the_key_at_the_depth():
       text = tok.decode(row)
       key = text[-5:]
       prompt = text[:-5]
-      assert prompt.endswith(passkey.QUESTION) and f"The pass key is {key}. Remember it. {key} is" in prompt
+      assert prompt.endswith(passkey.QUESTION) and f"The pass key is #{key}. Remember it. #{key} is" in prompt
       before = prompt[:prompt.index("The pass key is")].count(". ")
       total = prompt.count(". ") - 3                      # all sentences but the needle's two and the question's
       assert before == round(depth * total)
@@ -353,7 +353,7 @@ def test_passkey_training_mix(tmp_path):
   assert len(keyed) == 50 and all(len(d) <= 256 for d in keyed)
   for d in keyed:
     key = d[-6:-1]
-    assert f"The pass key is {key}. Remember it." in d
+    assert f"The pass key is #{key}. Remember it." in d
   text_bytes = sum(len(d) for d in docs if d not in keyed)
   assert 0.4 < text_bytes / sum(len(d) for d in docs) < 0.6
 

@@ -175,7 +175,7 @@ def test_cli_run_dir_then_export(hf_model, tmp_path, capsys):
   capsys.readouterr()
   assert convert_hf.main(["--hf-dir", str(path), "--out", str(run)]) != 0
   err = capsys.readouterr().err.strip()
-  assert err.startswith("error:") and "already holds" in err and "\n" not in err
+  assert err.startswith("sinkjax.convert.hf: error:") and "already holds" in err and "\n" not in err
 
 
 def test_sharded_checkpoint_with_index(hf_model, tmp_path):
@@ -197,7 +197,7 @@ def test_refuses_pickled_weights(tmp_path, capsys):
     load_hf(tmp_path)
   assert convert_hf.main(["--hf-dir", str(tmp_path), "--out", str(tmp_path / "run")]) != 0
   err = capsys.readouterr().err.strip()
-  assert err.startswith("error:") and "pickled" in err and "\n" not in err
+  assert err.startswith("sinkjax.convert.hf: error:") and "pickled" in err and "\n" not in err
 
 
 def test_mxfp4_dequantization_matches_transformers():
