@@ -23,6 +23,8 @@ import pathlib
 
 import numpy as np
 
+from sinkjax import paths
+
 SOURCES = ("importance", "alpha")
 SCOPES = ("layer", "global")
 GQA_RULES = ("any", "mean")
@@ -57,9 +59,10 @@ def full_count(amount: float, num_heads: int, what: str) -> int:
   return int(amount)
 
 
-def scores_file(path: str | pathlib.Path) -> pathlib.Path:
-  """A run dir -> its eval/report.json if present, else its metrics.jsonl; a file stays itself."""
-  path = pathlib.Path(path)
+def scores_file(path):
+  """A run dir -> its eval/report.json if present, else its metrics.jsonl; a file stays itself (local or a
+  gs:// / s3:// URL)."""
+  path = paths.as_path(path, "head scores")
   if path.is_dir():
     report = path / "eval" / "report.json"
     path = report if report.is_file() else path / "metrics.jsonl"
@@ -118,7 +121,7 @@ def random_heads(shape: tuple[int, int], amount: float, scope: str, seed: int) -
 
 def read_map(path, shape: tuple[int, int]) -> np.ndarray:
   """An explicit policy: JSON [L][Hkv] of booleans or 0/1 (True/1 = full)."""
-  path = pathlib.Path(path)
+  path = paths.as_path(path, "--full-heads-from")
   if not path.is_file():
     raise PolicyError(f"--full-heads-from {path} does not exist")
   try:

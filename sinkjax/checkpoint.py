@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from sinkjax import paths
 from sinkjax.config import CheckpointConfig
 
 CHECKPOINT_DIR = "checkpoints"
@@ -85,7 +86,10 @@ class Checkpointer:
   """Saves and restores the training state of one run directory (only the latest `keep` steps are kept)."""
 
   def __init__(self, run_dir: str | pathlib.Path, cfg: CheckpointConfig, *, read_only: bool = False):
-    self.directory = pathlib.Path(run_dir).absolute() / CHECKPOINT_DIR
+    run_dir = paths.as_path(run_dir, "run directory")
+    # Orbax wants absolute local paths; a gs:// directory is Orbax's own business (its commit protocol on GCS).
+    self.directory = (run_dir if paths.is_remote(run_dir) else paths.as_path(os.path.abspath(run_dir))) \
+        / CHECKPOINT_DIR
     self.read_only = read_only
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
                                            create=not read_only, read_only=read_only)
@@ -206,7 +210,7 @@ class Checkpointer:
     finally:
       self.manager.close()
 
-  def set_aside(self, step: int) -> pathlib.Path | None:
+  def set_aside(self, step: int):
     """Renames an unreadable step directory to STEP.corrupt-TIME (kept for inspection; Orbax ignores it, so the
     step can be saved again) and returns the new path; None when read-only or the rename fails."""
     src = self.directory / str(step)
@@ -214,8 +218,11 @@ class Checkpointer:
       return None
     dst = self.directory / f"{step}.corrupt-{int(time.time())}"
     try:
-      os.rename(src, dst)
-    except OSError:
+      if paths.is_remote(src):
+        src.rename(dst)              # an object store: copy + delete of the step's objects
+      else:
+        os.rename(src, dst)
+    except Exception:  # pylint: disable=broad-except
       return None
     self.manager.reload()
     return dst
@@ -237,7 +244,7 @@ def _os_error(e: BaseException) -> OSError | None:
   return None
 
 
-def _write_error(directory: pathlib.Path, step, e: BaseException) -> "CheckpointError":
+def _write_error(directory, step, e: BaseException) -> "CheckpointError":
   """A one-line CheckpointError for a failed checkpoint write (full disk, unwritable directory, ...)."""
   os_err = _os_error(e)
   if os_err is not None and os_err.errno == errno.ENOSPC:

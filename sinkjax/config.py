@@ -6,7 +6,6 @@ that names the key. A YAML file may start with `base: other.yaml` (relative to i
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import typing
 from typing import Any
 
@@ -261,10 +260,10 @@ def _apply(obj: Any, tree: dict, prefix: str = "") -> None:
       setattr(obj, name, _coerce(key, value, typ))
 
 
-def _read_yaml(path: pathlib.Path, seen: tuple = ()) -> dict:
+def _read_yaml(path, seen: tuple = ()) -> dict:
   if not path.is_file():
     raise ConfigError(f"config file {path} does not exist (see configs/ for the available ones)")
-  if path.resolve() in seen:
+  if str(path.resolve()) in seen:
     raise ConfigError(f"config file {path} inherits from itself through 'base:'")
   try:
     tree = yaml.safe_load(path.read_text()) or {}
@@ -275,7 +274,7 @@ def _read_yaml(path: pathlib.Path, seen: tuple = ()) -> dict:
   base = tree.pop("base", None)
   if base is None:
     return tree
-  merged = _read_yaml(path.parent / base, seen + (path.resolve(),))
+  merged = _read_yaml(path.parent / base, seen + (str(path.resolve()),))
   _deep_merge(merged, tree)
   return merged
 
@@ -299,7 +298,8 @@ def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> C
   """Reads a YAML config (with `base:` inheritance), applies `dotted.key=value` overrides and validates."""
   cfg = Config()
   if path:
-    _apply(cfg, _read_yaml(pathlib.Path(path)))
+    from sinkjax import paths  # pylint: disable=import-outside-toplevel  # paths imports ConfigError from here
+    _apply(cfg, _read_yaml(paths.as_path(path, "config file")))
   for text in overrides:
     key, value = parse_override(text)
     tree: dict = {}

@@ -270,7 +270,10 @@ def run(args) -> dict:
       raise EvalError(f"--{name.replace('_', '-')} must be >= 1")
   if not 0.0 <= args.tau <= 1.0:
     raise EvalError(f"--tau must be in [0, 1], got {args.tau}")
-  run_dir = pathlib.Path(args.checkpoint)
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  run_dir = paths.as_path(args.checkpoint, "--checkpoint")
+  out = paths.as_path(args.out, "--out") if args.out else run_dir / "eval"
+  paths.check_bucket(out, "--out")          # before the work: a missing bucket is found now, not at the end
   mc_items = mc.load_items(args.mc) if args.mc else None      # fail fast, before restoring
   t0 = time.perf_counter()
   model, cfg, tokenizer, step = load_run(run_dir, args.step)
@@ -292,7 +295,6 @@ def run(args) -> dict:
   report["definitions"] = DEFINITIONS
   report["eval_seconds"] = time.perf_counter() - t0
 
-  out = pathlib.Path(args.out) if args.out else run_dir / "eval"
   out.mkdir(parents=True, exist_ok=True)
   figures = write_figures(report, out, run_dir / "metrics.jsonl")
   report["figures"] = [p.name for p in figures]
@@ -312,7 +314,7 @@ def main(argv=None) -> int:
   except (EvalError, CheckpointError, ConfigError, DataError, MCError) as e:
     print(f"sinkjax.eval: error: {' '.join(str(e).split())}", file=sys.stderr)
     return 1
-  out = pathlib.Path(args.out) if args.out else pathlib.Path(args.checkpoint) / "eval"
+  out = args.out or f"{str(args.checkpoint).rstrip('/')}/eval"
   vz = report["value_zeroing"]
   print(f"sinkjax.eval: val_bpb {report['val_bpb']:.4f}  head_imbalance {report['head_imbalance']:.4f}  "
         f"first-token attention {np.mean(report['first_token_attention']):.3f}  value zeroing all/selected "

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import pathlib
 import sys
 import time
 
@@ -47,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import cache_policy
+from sinkjax import cache_policy, paths
 from sinkjax.cache import make_cache
 
 
@@ -341,7 +340,7 @@ def _validate(args) -> None:
   if args.ppl is not None:
     if args.prompt is not None or args.max_new_tokens is not None:
       raise UsageError("--ppl scores a file; do not combine it with --prompt/--max-new-tokens")
-    if not pathlib.Path(args.ppl).is_file():
+    if not paths.as_path(args.ppl, "--ppl").is_file():
       raise UsageError(f"--ppl file {args.ppl} does not exist")
     if args.max_tokens < 2:
       raise UsageError(f"--max-tokens must be >= 2, got {args.max_tokens}")
@@ -398,7 +397,7 @@ def run_ppl(args, model, cfg, tok) -> None:
   window = cfg.data.seq_len if args.window is None else args.window
   check_window(sink_size, window)
   policies = cache_policy.policies_from_args(args, cfg.model, args.checkpoint) if cache_policy.wanted(args) else []
-  text = pathlib.Path(args.ppl).read_text(encoding="utf-8", errors="replace")
+  text = paths.as_path(args.ppl, "--ppl").read_bytes().decode("utf-8", errors="replace")
   ids = ([tok.bos_id] + tok.encode(text))[:args.max_tokens]
   if len(ids) <= window:
     print(f"note: {len(ids)} tokens do not exceed the window ({window}); all modes see the same context",
@@ -447,7 +446,8 @@ def main(argv=None) -> int:
   try:
     args = parser.parse_args(argv)
     _validate(args)
-    if not pathlib.Path(args.checkpoint).is_dir():
+    paths.check_bucket(args.checkpoint, "--checkpoint")
+    if not paths.as_path(args.checkpoint, "--checkpoint").is_dir():
       raise UsageError(f"run directory {args.checkpoint} does not exist")
     run(args)
   except ValueError as e:                  # UsageError, CheckpointError, ConfigError, DataError

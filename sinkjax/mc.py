@@ -30,7 +30,8 @@ class MCError(ValueError):
 
 def load_items(path) -> list[dict]:
   """Reads and validates a multiple-choice JSONL file."""
-  path = pathlib.Path(path)
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  path = paths.as_path(path, "--mc")
   if not path.is_file():
     raise MCError(f"multiple-choice file {path} does not exist")
   items = []

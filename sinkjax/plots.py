@@ -14,7 +14,8 @@ import numpy as np  # noqa: E402
 def read_metrics(metrics_path) -> list[dict]:
   """The records of a metrics.jsonl file (a truncated last line, e.g. from a killed run, is skipped)."""
   records = []
-  for line in pathlib.Path(metrics_path).read_text().splitlines():
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  for line in paths.as_path(metrics_path).read_text().splitlines():
     try:
       records.append(json.loads(line))
     except json.JSONDecodeError:
@@ -30,7 +31,8 @@ def _series(records, key):
 def plot_training_curves(metrics_path, out_dir) -> list[pathlib.Path]:
   """Writes loss.png (train loss, aux loss on its own log axis, val BPB) and head_imbalance.png into out_dir."""
   records = read_metrics(metrics_path)
-  out_dir = pathlib.Path(out_dir)
+  from sinkjax import paths as paths_lib  # pylint: disable=import-outside-toplevel
+  out_dir = paths_lib.as_path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   paths = []
 
@@ -105,11 +107,14 @@ def plot_importance_heatmap(imp_lh, path, title: str = "head importance") -> pat
 # Evaluation figures (sinkjax.eval): attention sink diagnostics of one checkpoint
 # ---------------------------------------------------------------------------------------------------------------
 
-def _save(fig, path) -> pathlib.Path:
-  path = pathlib.Path(path)
+def _save(fig, path):
+  """Writes `fig` as PNG to a local path or an object-store URL (`sinkjax.paths`) and returns the path."""
+  from sinkjax import paths as paths_lib  # pylint: disable=import-outside-toplevel
+  path = paths_lib.as_path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  with path.open("wb") as f:
+    fig.savefig(f, dpi=110, format="png")
   plt.close(fig)
   return path
 

@@ -23,6 +23,7 @@ from flax import nnx
 
 from sinkjax import balance
 from sinkjax import config as config_lib
+from sinkjax import paths
 from sinkjax import sharding as sharding_lib
 from sinkjax.checkpoint import CHECKPOINT_DIR, CheckpointError, Checkpointer, abstract_with_shardings, restore_newest
 from sinkjax.config import Config, ConfigError, MeshConfig
@@ -46,10 +47,10 @@ class LoadedRun(NamedTuple):
 
 
 def read_run_config(run_dir: str | pathlib.Path) -> Config:
-  path = pathlib.Path(run_dir) / CONFIG_FILE
+  path = paths.as_path(run_dir, "run directory") / CONFIG_FILE
   if not path.is_file():
     raise CheckpointError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the run.dir of a training run")
-  return config_lib.load_config(str(path))
+  return config_lib.load_config(path)
 
 
 def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> LoadedRun:
@@ -60,7 +61,8 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> LoadedRun:
   from sinkjax.data import build_tokenizer  # the data package imports heavy readers lazily; keep startup light
   from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
 
-  run_dir = pathlib.Path(run_dir)
+  paths.check_bucket(run_dir, "run directory")
+  run_dir = paths.as_path(run_dir, "run directory")
   if not run_dir.is_dir():
     raise CheckpointError(f"run directory {run_dir} does not exist")
   cfg = read_run_config(run_dir)
@@ -93,7 +95,8 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> LoadedRun:
 def save_params_run(run_dir: str | pathlib.Path, cfg: Config, model) -> None:
   """A run directory holding only a model (config.yaml + a params-only checkpoint at step 0), as the converters
   write it; `load_run`, evaluation, generation and train.init_from read it."""
-  run_dir = pathlib.Path(run_dir)
+  paths.check_bucket(run_dir, "--out")
+  run_dir = paths.as_path(run_dir, "--out")
   run_dir.mkdir(parents=True, exist_ok=True)
   (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
   ckpt = Checkpointer(run_dir, dataclasses.replace(cfg.checkpoint, async_save=False))
@@ -112,12 +115,14 @@ def _params_signature(model_cfg) -> dict:
   return {k: v for k, v in d.items() if k not in RESUMABLE_MODEL_KEYS}
 
 
-def prepare_run_dir(cfg: Config) -> tuple[pathlib.Path, bool]:
-  """Checks that run.dir is usable (writable; if it holds a run, the same model) before anything is written.
+def prepare_run_dir(cfg: Config) -> tuple[Any, bool]:
+  """Checks that run.dir is usable (its bucket reachable, writable; if it holds a run, the same model) before
+  anything is written.
 
-  Returns (run_dir, has_checkpoint).
+  Returns (run_dir as an `etils.epath.Path`, has_checkpoint).
   """
-  run_dir = pathlib.Path(cfg.run.dir)
+  paths.check_bucket(cfg.run.dir, "run.dir")
+  run_dir = paths.as_path(cfg.run.dir, "run.dir")
   has_ckpt = (run_dir / CHECKPOINT_DIR).is_dir() and any(
       p.name.isdigit() for p in (run_dir / CHECKPOINT_DIR).iterdir())
   if (run_dir / CONFIG_FILE).is_file() and has_ckpt:
@@ -130,21 +135,23 @@ def prepare_run_dir(cfg: Config) -> tuple[pathlib.Path, bool]:
       diff += ["data.tokenizer"] if old.data.tokenizer != cfg.data.tokenizer else []
       raise ConfigError(f"run.dir {run_dir} already holds a run with a different model ({', '.join(diff)}); "
                         "pick another run.dir or delete that one")
+  if jax.process_index() != 0 and paths.is_remote(run_dir):
+    return run_dir, has_ckpt             # one shared directory: process 0 checks that it takes writes
   try:
     run_dir.mkdir(parents=True, exist_ok=True)
-    probe = run_dir / f".write-test-{os.getpid()}"
+    probe = run_dir / f".write-test-{os.getpid()}-{jax.process_index()}"
     probe.write_text("")
     probe.unlink()
-  except OSError as e:
-    raise ConfigError(f"run.dir {run_dir} is not writable ({e.strerror or e}); set run.dir=SOMEWHERE_WRITABLE") \
-        from None
+  except Exception as e:  # pylint: disable=broad-except  # OSError locally; HTTP / auth errors on object stores
+    why = (e.strerror if isinstance(e, OSError) and e.strerror else None) or paths.describe(e)
+    raise ConfigError(f"run.dir {run_dir} is not writable ({why}); set run.dir=SOMEWHERE_WRITABLE") from None
   return run_dir, has_ckpt
 
 
 def legacy_data_settings(cfg: Config) -> None:
   """Resuming a run whose config.yaml predates a key of LEGACY_DATA_SETTINGS: its iterator state is of the pipeline
   it was trained with (unshuffled rows, document packing), so keep that (with a note) rather than refuse to resume."""
-  path = pathlib.Path(cfg.run.dir) / CONFIG_FILE
+  path = paths.as_path(cfg.run.dir, "run.dir") / CONFIG_FILE
   if not path.is_file():
     return
   try:
@@ -238,7 +245,7 @@ def shared_heads_of_run(run_dir: str | pathlib.Path, num_shared: int, *, num_bat
   return imp, np.asarray(balance.shared_head_mask(imp, num_shared))
 
 
-def _recorded_importance(path: pathlib.Path):
+def _recorded_importance(path):
   """The last importance [L,H] in a metrics.jsonl, or the importance of an eval report.json."""
   from sinkjax import plots  # pylint: disable=import-outside-toplevel
   if path.suffix == ".jsonl":
@@ -251,7 +258,7 @@ def fixed_shared_heads(cfg: Config):
   src = cfg.loss.shared_heads_from
   if not src:
     return None
-  path = pathlib.Path(src)
+  path = paths.as_path(src, "loss.shared_heads_from")
   if path.is_dir():
     path = path / "eval" / "report.json" if (path / "eval" / "report.json").is_file() else path / "metrics.jsonl"
   if not path.is_file():

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import json
 import math
-import os
-import pathlib
+import shutil
 import signal
 import sys
 import threading
@@ -36,7 +36,7 @@ import optax
 import yaml
 from flax import nnx
 
-from sinkjax import analysis, balance, distributed, optim, plots
+from sinkjax import analysis, balance, distributed, optim, paths, plots
 from sinkjax import lora as lora_lib
 from sinkjax import checkpoint as ckpt_lib
 from sinkjax import config as config_lib
@@ -166,10 +166,6 @@ def total_steps(cfg: Config, num_params: int) -> int:
   return max(1, int(cfg.train.tokens_per_param * num_params) // tokens_per_step)
 
 
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(text)
-  os.replace(tmp, path)
 
 
 class _SignalFlag:
@@ -200,12 +196,47 @@ class _SignalFlag:
 # Logging: metrics.jsonl, TensorBoard, the progress bar
 # --------------------------------------------------------------------------------------------------------------
 
+class _ObjectRecordWriter:
+  """A TensorBoard event file on an object store through `sinkjax.paths`: the events are kept in memory and the
+  whole object is uploaded at each flush (what tensorboardX does for gs:// itself, but through the same client,
+  credentials and emulator settings as every other file of the run)."""
+
+  def __init__(self, path: str):
+    self.path = paths.as_path(path)
+    self.buffer = io.BytesIO()
+
+  def write(self, data: bytes) -> None:
+    self.buffer.write(data)
+
+  def flush(self) -> None:
+    self.path.write_bytes(self.buffer.getvalue())
+
+  def close(self) -> None:
+    self.flush()
+
+
+class _ObjectRecordWriterFactory:
+  def open(self, path: str) -> _ObjectRecordWriter:
+    return _ObjectRecordWriter(path)
+
+  def directory_check(self, path: str) -> None:   # object stores have no directories to create
+    del path
+
+
+def _register_tensorboard_object_stores() -> None:
+  from tensorboardX import record_writer  # pylint: disable=import-outside-toplevel
+  for scheme in paths.REMOTE_SCHEMES:
+    record_writer.register_writer_factory(scheme, _ObjectRecordWriterFactory())
+
+
 class MetricsLogger:
   """The host side of each step, one step behind the device: the non-finite guard's verdict, the progress bar
   (its `loss` is an EMA, labelled `loss(ema)`; the logged lines are the step's own loss), metrics.jsonl records and
   TensorBoard scalars every train.log_every steps, and the run summary. Only process 0 writes."""
 
-  def __init__(self, cfg: Config, run_dir: pathlib.Path, *, lr_schedule, start: int, stop_at: int, progress: bool):
+  FLUSH_S = 30.0       # object stores: the longest metrics.jsonl goes without an upload while training
+
+  def __init__(self, cfg: Config, run_dir, *, lr_schedule, start: int, stop_at: int, progress: bool):
     from tqdm import tqdm  # pylint: disable=import-outside-toplevel
     self.cfg, self.run_dir, self.lr_schedule, self.stop_at = cfg, run_dir, lr_schedule, stop_at
     self.is_main = jax.process_index() == 0
@@ -219,17 +250,25 @@ class MetricsLogger:
     self.bar = tqdm(total=cfg.train.steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0,
                     disable=not (self.is_main and progress))
     self.file = self.writer = None
+    # Object stores have no append: there metrics.jsonl is rewritten whole (one upload, atomic) at most every
+    # FLUSH_S seconds, at every checkpointed step (`flush`) and at the end, so every record a resume keeps is stored.
+    self.remote = paths.is_remote(run_dir)
+    self.lines: list[str] = []
+    self.uploaded_at = time.perf_counter()
     if self.is_main:
       self._truncate(start)
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      _register_tensorboard_object_stores()
       self.writer = SummaryWriter(str(run_dir / "tb"))
-      self.file = open(self.path, "a")  # pylint: disable=consider-using-with
+      if not self.remote:
+        self.file = open(self.path, "a")  # pylint: disable=consider-using-with
 
   def _truncate(self, after_step: int) -> None:
     """On resume, drop records logged after the checkpoint we restart from (they will be logged again)."""
     if self.path.is_file():
       keep = [r for r in plots.read_metrics(self.path) if r.get("step", 0) <= after_step]
-      _write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
+      self.lines = [json.dumps(r) + "\n" for r in keep]
+      paths.write_atomic(self.path, "".join(self.lines))
 
   def paused(self, seconds: float) -> None:
     """Time spent outside the step (evaluation, checkpoints), left out of tokens/s."""
@@ -271,14 +310,29 @@ class MetricsLogger:
     return rec
 
   def _write(self, rec: dict) -> None:
-    self.file.write(json.dumps(rec) + "\n")
-    self.file.flush()
+    if self.remote:
+      self.lines.append(json.dumps(rec) + "\n")
+      if time.perf_counter() - self.uploaded_at >= self.FLUSH_S:
+        self.flush()
+    else:
+      self.file.write(json.dumps(rec) + "\n")
+      self.file.flush()
     for k in ("loss", "ce_loss", "aux_loss", "head_imbalance", "grad_norm", "lr", "tokens_per_s", "val_bpb"):
       if k in rec:
         self.writer.add_scalar(f"train/{k}" if k != "val_bpb" else "val/bpb", rec[k], rec["step"])
     if "val_bpb" in rec:
       self.bar.write(f"step {rec['step']}: loss {rec['loss']:.4f}  val_bpb {rec['val_bpb']:.4f}  head_imbalance "
                      f"{rec['head_imbalance']:.4f}  {rec['tokens_per_s']:,.0f} tok/s")
+
+  def flush(self) -> None:
+    """Stores every record logged so far (an object store: one whole-object upload of metrics.jsonl)."""
+    if not self.is_main:
+      return
+    if self.remote:
+      paths.write_atomic(self.path, "".join(self.lines))
+      self.uploaded_at = time.perf_counter()
+    else:
+      self.file.flush()
 
   def note(self, text: str) -> None:
     if self.is_main:
@@ -287,7 +341,9 @@ class MetricsLogger:
   def close(self) -> None:
     self.bar.close()
     if self.is_main:
-      self.file.close()
+      self.flush()
+      if self.file is not None:
+        self.file.close()
       self.writer.close()
 
   def finish(self, start: int) -> None:
@@ -311,16 +367,20 @@ class Profiler:
   """A jax.profiler trace of steps [train.profile_start, + train.profile_steps) into RUN_DIR/profile (a resumed
   run past profile_start traces what is left of the range; past it, nothing)."""
 
-  def __init__(self, cfg: Config, run_dir: pathlib.Path, start: int, stop_at: int):
+  def __init__(self, cfg: Config, run_dir, start: int, stop_at: int):
     t = cfg.train
     self.first = max(t.profile_start, start + 1) if t.profile_steps > 0 else 0
     self.last = min(t.profile_start + t.profile_steps - 1, stop_at)
     self.dir = run_dir / "profile" / (f"process_{jax.process_index()}" if jax.process_count() > 1 else "")
     self.run_dir, self.active = run_dir, False
+    self.staging = None     # an object-store run dir: the trace is written locally, then uploaded
 
   def before(self, step: int) -> None:
     if step == self.first and step <= self.last:
-      jax.profiler.start_trace(str(self.dir))
+      if paths.is_remote(self.dir):
+        import tempfile  # pylint: disable=import-outside-toplevel
+        self.staging = tempfile.TemporaryDirectory(prefix="sinkjax-profile-")
+      jax.profiler.start_trace(self.staging.name if self.staging else str(self.dir))
       self.active = True
 
   def after(self, step: int, m, log: MetricsLogger) -> None:
@@ -328,6 +388,10 @@ class Profiler:
       jax.block_until_ready(m)
       jax.profiler.stop_trace()
       self.active = False
+      if self.staging is not None:
+        with paths.staged_dir(self.dir) as out:
+          shutil.copytree(self.staging.name, out, dirs_exist_ok=True)
+        self.staging.cleanup()
       log.note(f"profile of steps {self.first}-{step} written to {self.dir} (tensorboard --logdir {self.run_dir}, "
                "or ui.perfetto.dev with its trace.json.gz)")
 
@@ -465,7 +529,7 @@ class Trainer:
     cfg = self.cfg
     resolved = config_lib.to_dict(cfg)
     resolved["train"]["stop_at_step"] = 0           # a property of this invocation, not of the run
-    _write_atomic(self.run_dir / run_lib.CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False))
+    paths.write_atomic(self.run_dir / run_lib.CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False))
     tokens = cfg.train.batch_size * cfg.data.seq_len
     print(f"sinkjax.train: {cfg.model.attention} attention, {self.num_params:,} params"
           + (f" ({self.num_trainable:,} trained: LoRA rank {cfg.lora.rank})" if cfg.lora.rank else "")
@@ -537,6 +601,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
         pending = (step, m, val_bpb)
         if saving:     # log a checkpointed step now: the next step may never finish (a process of the job died)
           log.step_done(*pending)
+          log.flush()
           pending = None
         if signum is not None:
           raise Interrupted(signum, step)

@@ -18,11 +18,11 @@ a row is truncated), so the trainer, the model and the BPB accounting need nothi
 from __future__ import annotations
 
 import json
-import pathlib
 
 import grain
 import numpy as np
 
+from sinkjax import paths
 from sinkjax.data.pipeline import FEATURES, _process, row_features
 from sinkjax.data.sources import DataError, expand_files
 
@@ -36,7 +36,7 @@ def read_examples(pattern: str) -> list[list[dict]]:
     raise DataError(f"data.source {pattern!r} matches no .jsonl file (SFT data is JSONL: prompt/response or messages)")
   out = []
   for f in files:
-    with open(f, encoding="utf-8") as fh:
+    with paths.as_path(f).open("r", encoding="utf-8") as fh:
       for n, line in enumerate(fh, 1):
         if not line.strip():
           continue
@@ -70,7 +70,7 @@ class ChatFormat:
 
   def __init__(self, tokenizer_path: str | None):
     self.template, self.special = None, {}
-    cfg_path = pathlib.Path(tokenizer_path).parent / "tokenizer_config.json" if tokenizer_path else None
+    cfg_path = paths.as_path(tokenizer_path).parent / "tokenizer_config.json" if tokenizer_path else None
     if cfg_path is not None and cfg_path.is_file():
       tc = json.loads(cfg_path.read_text())
       template = tc.get("chat_template")

@@ -42,6 +42,8 @@ from typing import Sequence
 
 import numpy as np
 
+from sinkjax import paths
+
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _SOURCE_HINT = "give a path or glob of .txt/.jsonl/.parquet files, 'default', or tfds:NAME"
 _SCAN_BLOCKS = 256   # sources with at most this many blocks are fully checked for content at build time
@@ -136,20 +138,34 @@ class DefaultSource(BlockSource):
     return [_topics.topics[name]]
 
 
-# ------------------------------------------------------------------------------------------------ local files
+# ---------------------------------------------------------------------------------- files (local or in a bucket)
+def _open_rb(path: str):
+  """A binary file object of a local path or a gs:// / s3:// URL (`sinkjax.paths`)."""
+  return paths.as_path(path).open("rb") if paths.is_remote(path) else open(path, "rb")  # pylint: disable=R1732
+
+
+def _read_range(path: str, start: int, length: int, fd) -> bytes:
+  if fd is not None:
+    return os.pread(fd, length, start)
+  with _open_rb(path) as f:             # an object store: one ranged read
+    f.seek(start)
+    return f.read(length)
+
+
 class _TxtFile:
   """A .txt file: one document, the whole file."""
 
   def __init__(self, path: str, key: str, flt: _Split):
     self.path, self.key, self.flt = path, key, flt
     self.num_blocks = 1
-    self.num_records = 1 if os.path.getsize(path) > 0 else 0
+    size = paths.as_path(path).stat().length if paths.is_remote(path) else os.path.getsize(path)
+    self.num_records = 1 if size > 0 else 0
 
   def block(self, i: int) -> list[str]:
     del i
     if not self.flt.keep(self.key):
       return []
-    with open(self.path, "rb") as f:
+    with _open_rb(self.path) as f:
       return [decode_text(f.read())]
 
 
@@ -158,7 +174,7 @@ def _line_index(path: str) -> tuple[np.ndarray, np.ndarray]:
   starts, ends = [], []
   pos = 0
   line_start = 0
-  with open(path, "rb") as f:
+  with _open_rb(path) as f:
     while True:
       chunk = f.read(1 << 24)
       if not chunk:
@@ -199,13 +215,13 @@ class _JsonlFile:
     return state
 
   def _line_number(self, i: int) -> int:
-    with open(self.path, "rb") as f:
+    with _open_rb(self.path) as f:
       return f.read(int(self.starts[i])).count(b"\n") + 1
 
   def _parse(self, i: int):
-    if self._fd is None:
+    if self._fd is None and not paths.is_remote(self.path):
       self._fd = os.open(self.path, os.O_RDONLY)
-    raw = os.pread(self._fd, int(self.ends[i] - self.starts[i]), int(self.starts[i]))
+    raw = _read_range(self.path, int(self.starts[i]), int(self.ends[i] - self.starts[i]), self._fd)
     if not raw.strip():
       return None
     try:
@@ -242,7 +258,7 @@ class _ParquetFile:
       raise DataError("reading .parquet needs pyarrow; pip install pyarrow") from None
     self.path, self.key, self.flt, self.text_field = path, key, flt, text_field
     try:
-      pf = pq.ParquetFile(path)
+      pf = pq.ParquetFile(_open_rb(path))
     except Exception as e:  # pylint: disable=broad-except
       raise DataError(f"parquet file {path} cannot be read ({type(e).__name__}: {e}); "
                       "give valid .parquet files") from None
@@ -276,7 +292,7 @@ class _ParquetFile:
       else:
         if self._pf is None:
           import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-          self._pf = pq.ParquetFile(self.path)
+          self._pf = pq.ParquetFile(_open_rb(self.path))
         texts = self._pf.read_row_group(g, columns=[self.text_field]).column(0).to_pylist()
         self._cache = (g, texts)
     first = int(self.row_offsets[g])
@@ -296,7 +312,10 @@ class _ParquetFile:
 
 
 def expand_files(pattern: str) -> list[str]:
-  """The sorted files a `data.source` path / directory / glob names (DataError if none or unsupported)."""
+  """The sorted files a `data.source` path / directory / glob names, local or gs:// / s3:// (DataError if none or
+  unsupported)."""
+  if paths.is_remote(pattern):
+    return _checked_files(pattern, _expand_remote(pattern))
   p = os.path.expanduser(pattern)
   if glob.has_magic(p):
     files = sorted(f for f in glob.glob(p, recursive=True) if os.path.isfile(f))
@@ -307,6 +326,23 @@ def expand_files(pattern: str) -> list[str]:
     files = [p]
   else:
     files = []
+  return _checked_files(pattern, files)
+
+
+def _expand_remote(pattern: str) -> list[str]:
+  try:
+    paths.check_bucket(pattern, "data.source")
+  except paths.StorageError as e:
+    raise DataError(str(e)) from None
+  if glob.has_magic(pattern):
+    return paths.expand_glob(pattern)
+  p = paths.as_path(pattern)
+  if p.is_dir():
+    return sorted(str(f) for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES and f.is_file())
+  return [pattern] if p.is_file() else []
+
+
+def _checked_files(pattern: str, files: list[str]) -> list[str]:
   if not files:
     raise DataError(f"data.source {pattern!r} matched no files; {_SOURCE_HINT}")
   bad = [f for f in files if pathlib.Path(f).suffix.lower() not in SUPPORTED_SUFFIXES]
@@ -317,16 +353,16 @@ def expand_files(pattern: str) -> list[str]:
 
 
 class FilesSource(BlockSource):
-  """Concatenation of local .txt / .jsonl / .parquet files."""
+  """Concatenation of .txt / .jsonl / .parquet files, local or in a bucket (gs://, s3://)."""
 
   def __init__(self, pattern: str, split: str, val_fraction: float, text_field: str):
     files = expand_files(pattern)
     flt = _Split(split, val_fraction)
-    common = os.path.dirname(files[0]) if len(files) == 1 else os.path.commonpath(
-        [os.path.abspath(f) for f in files])
+    local = [f if paths.is_remote(f) else os.path.abspath(f) for f in files]   # URLs: '/'-separated already
+    common = os.path.dirname(local[0]) if len(local) == 1 else os.path.commonpath(local)
     self._files = []
-    for f in files:
-      key = os.path.relpath(os.path.abspath(f), os.path.abspath(common)).replace(os.sep, "/")
+    for f, full in zip(files, local):
+      key = os.path.relpath(full, common).replace(os.sep, "/")
       suffix = pathlib.Path(f).suffix.lower()
       if suffix == ".txt":
         self._files.append(_TxtFile(f, key, flt))

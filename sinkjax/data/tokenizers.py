@@ -18,7 +18,6 @@ special tokens dropped), `token_bytes` (np.int32 [vocab_size]: UTF-8 byte length
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import numpy as np
@@ -107,8 +106,8 @@ class HFTokenizer:
                       "pip install tokenizers") from None
     self.name = path
     try:
-      with open(path, encoding="utf-8") as f:
-        self._json = f.read()
+      from sinkjax import paths  # pylint: disable=import-outside-toplevel
+      self._json = paths.as_path(path).read_bytes().decode("utf-8")
       self._tok = tokenizers.Tokenizer.from_str(self._json)
     except Exception as e:  # pylint: disable=broad-except
       raise DataError(f"data.tokenizer {path!r} is not a valid Hugging Face tokenizer.json "
@@ -211,10 +210,15 @@ def build_tokenizer(data_cfg):
   spec = (data_cfg.tokenizer or "bytes").strip()
   if spec == "bytes":
     return ByteTokenizer()
-  path = os.path.expanduser(spec)
-  if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
-    path = os.path.join(path, "tokenizer.json")
-  if not os.path.isfile(path):
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  try:
+    p = paths.as_path(spec, "data.tokenizer")
+  except paths.StorageError as e:
+    raise DataError(str(e)) from None
+  if p.is_dir() and (p / "tokenizer.json").is_file():
+    p = p / "tokenizer.json"
+  path = str(p)
+  if not p.is_file():
     raise DataError(f"data.tokenizer {spec!r} does not exist; give 'bytes' or the path of a Hugging Face "
                     "tokenizer.json")
   return HFTokenizer(path)
