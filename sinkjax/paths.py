@@ -152,13 +152,14 @@ def local_dir(path, what: str = "directory") -> Iterator[pathlib.Path]:
     yield pathlib.Path(os.path.expanduser(str(path)))
     return
   src = as_path(path, what)
+  if not src.is_dir():
+    raise StorageError(f"{what} {str(path)!r} is not a directory in the bucket (or does not exist)")
   with tempfile.TemporaryDirectory(prefix="sinkjax-") as tmp:
-    if src.is_dir():
-      for f in src.rglob("*"):
-        if f.is_file():
-          dst = pathlib.Path(tmp) / os.path.relpath(str(f), str(src))
-          dst.parent.mkdir(parents=True, exist_ok=True)
-          dst.write_bytes(f.read_bytes())
+    for f in src.rglob("*"):
+      if f.is_file():
+        dst = pathlib.Path(tmp) / os.path.relpath(str(f), str(src))
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(f.read_bytes())
     yield pathlib.Path(tmp)
 
 

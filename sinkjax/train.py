@@ -439,6 +439,7 @@ class Trainer:
   def __init__(self, cfg: Config):
     from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator  # pylint: disable=C0415
     self.cfg = cfg = copy.deepcopy(cfg)        # filled in below (vocab_size, steps); the caller's stays as given
+    paths.check_bucket(cfg.run.dir, "run.dir")  # a bucket that is missing or unreachable: say so before any work
     self.init_cfg = run_lib.adopt_init_model(cfg)  # fine-tuning: the model section of train.init_from
     self.tok = build_tokenizer(cfg.data)
     self._check_vocab()

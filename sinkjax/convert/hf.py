@@ -22,12 +22,12 @@ import json
 import math
 import pathlib
 import re
-import shutil
 import sys
 
 import numpy as np
 
 from sinkjax import config as config_lib
+from sinkjax import paths
 from sinkjax import run as run_lib
 from sinkjax.config import Config, ModelConfig
 from sinkjax.convert import ConvertError, run_cli
@@ -374,16 +374,21 @@ def params_to_hf(model, family: str) -> dict[str, np.ndarray]:
 def convert(hf_dir: str | pathlib.Path, run_dir: str | pathlib.Path, *, dtype: str = "bfloat16",
             param_dtype: str = "float32") -> Config:
   """Imports a Hugging Face directory into a run directory (config.yaml + Orbax checkpoint at step 0) that
-  `sinkjax.run.load_run`, evaluation, generation and fine-tuning (train.init_from) read."""
+  `sinkjax.run.load_run`, evaluation, generation and fine-tuning (train.init_from) read. Either may be a gs:// or
+  s3:// URL (a remote Hugging Face directory is downloaded to a temporary directory first)."""
   from sinkjax import checkpoint  # pylint: disable=import-outside-toplevel
-  hf_dir, run_dir = pathlib.Path(hf_dir), pathlib.Path(run_dir)
+  paths.check_bucket(run_dir, "--out")
+  run_dir = paths.as_path(run_dir, "--out")
   if (run_dir / checkpoint.CHECKPOINT_DIR).exists():
     raise ConvertError(f"{run_dir} already holds a checkpoint; give a new --out directory")
-  model = load_hf(hf_dir, dtype="float32", param_dtype=param_dtype)
+  paths.check_bucket(hf_dir, "--hf-dir")
+  with paths.local_dir(hf_dir, "--hf-dir") as local:
+    model = load_hf(local, dtype="float32", param_dtype=param_dtype)
+    has_tok = (local / "tokenizer.json").is_file()
   cfg = Config(model=dataclasses.replace(model.cfg, dtype=dtype))
-  tok = hf_dir / "tokenizer.json"
-  if tok.is_file():
-    cfg.data.tokenizer = str(tok.resolve())
+  if has_tok:        # the tokenizer stays where it is (a bucket too: data.tokenizer reads gs:// paths)
+    tok = paths.as_path(hf_dir) / "tokenizer.json"
+    cfg.data.tokenizer = str(tok) if paths.is_remote(tok) else str(pathlib.Path(tok).resolve())
   else:
     print(f"warning: {hf_dir} has no tokenizer.json; data.tokenizer stays 'bytes'", file=sys.stderr)
   cfg.data.seq_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
@@ -394,13 +399,25 @@ def convert(hf_dir: str | pathlib.Path, run_dir: str | pathlib.Path, *, dtype: s
 
 
 def save_hf(model, out_dir: str | pathlib.Path, *, dtype: str = "float32", tokenizer: str | None = None,
-            max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
-  """Writes config.json + safetensors (sharded with an index beyond `max_shard_bytes`) that transformers loads."""
+            max_shard_bytes: int = 5 * 2**30):
+  """Writes config.json + safetensors (sharded with an index beyond `max_shard_bytes`) that transformers loads,
+  into a local directory or a gs:// / s3:// URL (written locally, then uploaded)."""
+  paths.check_bucket(out_dir, "--out")
+  with paths.staged_dir(out_dir) as local:
+    _write_hf(model, local, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    if tokenizer and paths.as_path(tokenizer).is_file():
+      src = paths.as_path(tokenizer)
+      paths.copy_file(src, local / "tokenizer.json")
+      for extra in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (src.parent / extra).is_file():
+          paths.copy_file(src.parent / extra, local / extra)
+  return out_dir
+
+
+def _write_hf(model, out_dir: pathlib.Path, *, dtype: str, max_shard_bytes: int) -> None:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from safetensors.flax import save_file  # pylint: disable=import-outside-toplevel
   family = family_of(model.cfg)
-  out_dir = pathlib.Path(out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
   tensors = params_to_hf(model, family)
   jdt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
   shards, size = [[]], 0
@@ -421,17 +438,10 @@ def save_hf(model, out_dir: str | pathlib.Path, *, dtype: str = "float32", token
     (out_dir / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, indent=2))
   (out_dir / "config.json").write_text(json.dumps(hf_config(model.cfg, family, dtype), indent=2))
-  if tokenizer and pathlib.Path(tokenizer).is_file():
-    src = pathlib.Path(tokenizer)
-    shutil.copy(src, out_dir / "tokenizer.json")
-    for extra in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-      if (src.parent / extra).is_file():
-        shutil.copy(src.parent / extra, out_dir / extra)
-  return out_dir
 
 
 def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, dtype: str = "float32",
-           step: int | None = None) -> pathlib.Path:
+           step: int | None = None):
   """Exports a run (its LoRA adapters merged into the base weights) as a Hugging Face directory."""
   from sinkjax import lora  # pylint: disable=import-outside-toplevel
   model, cfg, _, _ = run_lib.load_run(run_dir, step=step)

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import pathlib
 import re
-import shutil
 import sys
+from typing import Any
 
 import numpy as np
 
 from sinkjax import config as config_lib
+from sinkjax import paths
 from sinkjax import run as run_lib
 from sinkjax.config import Config, ModelConfig
 from sinkjax.convert import ConvertError, run_cli
@@ -157,9 +159,11 @@ def _torch():
   return torch
 
 
-def checkpoint_files(directory: str | pathlib.Path, step: int | None = None) -> tuple[pathlib.Path, pathlib.Path, int]:
-  """(model_{step:06d}.pt, meta_{step:06d}.json, step) in a nanochat checkpoint directory; newest step by default."""
-  directory = pathlib.Path(directory)
+def checkpoint_files(directory, step: int | None = None) -> tuple[Any, Any, int]:
+  """(model_{step:06d}.pt, meta_{step:06d}.json, step) in a nanochat checkpoint directory (local or gs:// / s3://);
+  newest step by default."""
+  paths.check_bucket(directory, "--checkpoint")
+  directory = paths.as_path(directory, "--checkpoint")
   if not directory.is_dir():
     raise ConvertError(f"--checkpoint {directory} is not a directory (give nanochat's base_checkpoints/dNN folder)")
   steps = sorted(int(m.group(1)) for p in directory.iterdir() if (m := _MODEL_FILE.fullmatch(p.name)))
@@ -187,7 +191,8 @@ def read_checkpoint(directory, step: int | None = None) -> tuple[dict, dict, int
   if not isinstance(meta.get("model_config"), dict):
     raise ConvertError(f"{meta_path} has no model_config: not a nanochat meta file")
   try:
-    state = torch.load(model_path, map_location="cpu", weights_only=True)
+    src = io.BytesIO(model_path.read_bytes()) if paths.is_remote(model_path) else str(model_path)
+    state = torch.load(src, map_location="cpu", weights_only=True)
   except Exception as e:  # pylint: disable=broad-except  (torch raises UnpicklingError, RuntimeError, EOFError...)
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise ConvertError(f"{model_path.name} is not a plain tensor state dict readable with weights_only=True "
@@ -197,7 +202,7 @@ def read_checkpoint(directory, step: int | None = None) -> tuple[dict, dict, int
   return state, meta, step
 
 
-def _tokenizer_setting(model_cfg: ModelConfig, tokenizer: str | None, run_dir: pathlib.Path) -> str:
+def _tokenizer_setting(model_cfg: ModelConfig, tokenizer: str | None, run_dir) -> str:
   """data.tokenizer of the imported run: a copy of --tokenizer inside it, or "bytes" when the vocabulary is the byte
   tokenizer's; checked against the model's vocabulary."""
   from sinkjax.data import build_tokenizer  # pylint: disable=import-outside-toplevel
@@ -207,17 +212,18 @@ def _tokenizer_setting(model_cfg: ModelConfig, tokenizer: str | None, run_dir: p
       raise ConvertError(f"the model's vocabulary has {model_cfg.vocab_size} tokens: give its tokenizer as "
                          f"--tokenizer tokenizer.json (nanochat's tokenizer.pkl is never unpickled here)")
     return "bytes"
-  if not pathlib.Path(tokenizer).is_file():
+  if not paths.as_path(tokenizer, "--tokenizer").is_file():
     raise ConvertError(f"--tokenizer {tokenizer} does not exist (give a Hugging Face tokenizer.json)")
-  if pathlib.Path(tokenizer).suffix == ".pkl":
+  if str(tokenizer).endswith(".pkl"):
     raise ConvertError("--tokenizer must be a Hugging Face tokenizer.json: a pickle is never loaded here")
   size = build_tokenizer(DataConfig(tokenizer=str(tokenizer))).vocab_size
   if size != model_cfg.vocab_size:
     raise ConvertError(f"--tokenizer {tokenizer} has {size} tokens but the model's vocab_size is "
                        f"{model_cfg.vocab_size}; give the tokenizer the model was trained with")
   run_dir.mkdir(parents=True, exist_ok=True)
-  shutil.copy(tokenizer, run_dir / "tokenizer.json")
-  return str((run_dir / "tokenizer.json").resolve())
+  paths.copy_file(tokenizer, run_dir / "tokenizer.json")
+  dst = run_dir / "tokenizer.json"
+  return str(dst) if paths.is_remote(dst) else str(pathlib.Path(dst).resolve())
 
 
 def convert(checkpoint_dir, run_dir, *, step: int | None = None, tokenizer: str | None = None,
@@ -225,7 +231,8 @@ def convert(checkpoint_dir, run_dir, *, step: int | None = None, tokenizer: str 
   """Imports a nanochat checkpoint into a run directory (config.yaml + Orbax checkpoint at step 0) that
   `load_run`, eval, generate and train.init_from read. Returns (config, nanochat step)."""
   from sinkjax import checkpoint  # pylint: disable=import-outside-toplevel
-  run_dir = pathlib.Path(run_dir)
+  paths.check_bucket(run_dir, "--out")
+  run_dir = paths.as_path(run_dir, "--out")
   if (run_dir / checkpoint.CHECKPOINT_DIR).exists():
     raise ConvertError(f"{run_dir} already holds a checkpoint; give a new --out directory")
   state, meta, step = read_checkpoint(checkpoint_dir, step)
@@ -243,23 +250,23 @@ def convert(checkpoint_dir, run_dir, *, step: int | None = None, tokenizer: str 
   return cfg, step
 
 
-def export(run_dir, out_dir, *, step: int | None = None) -> pathlib.Path:
+def export(run_dir, out_dir, *, step: int | None = None):
   """Writes model_{step:06d}.pt + meta_{step:06d}.json (LoRA adapters merged) that nanochat's
-  `GPT(GPTConfig(**meta["model_config"]))` loads with strict=True; the run's tokenizer.json is copied beside."""
+  `GPT(GPTConfig(**meta["model_config"]))` loads with strict=True; the run's tokenizer.json is copied beside.
+  `out_dir` may be a gs:// / s3:// URL (written locally, then uploaded)."""
   from sinkjax import lora  # pylint: disable=import-outside-toplevel
   torch = _torch()
+  paths.check_bucket(out_dir, "--out")
   model, cfg, _, step = run_lib.load_run(run_dir, step=step)
   check_exportable(cfg.model)
   tensors = params_to_nanochat(lora.merge(model))
-  out_dir = pathlib.Path(out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, out_dir / f"model_{step:06d}.pt")
-  meta = {"step": step, "model_config": gpt_config_of(cfg.model), "val_bpb": None,
-          "user_config": {"exported_from": str(run_dir)}}
-  (out_dir / f"meta_{step:06d}.json").write_text(json.dumps(meta, indent=2))
-  tok = pathlib.Path(cfg.data.tokenizer)
-  if cfg.data.tokenizer != "bytes" and tok.is_file():
-    shutil.copy(tok, out_dir / "tokenizer.json")
+  with paths.staged_dir(out_dir) as local:
+    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, local / f"model_{step:06d}.pt")
+    meta = {"step": step, "model_config": gpt_config_of(cfg.model), "val_bpb": None,
+            "user_config": {"exported_from": str(run_dir)}}
+    (local / f"meta_{step:06d}.json").write_text(json.dumps(meta, indent=2))
+    if cfg.data.tokenizer != "bytes" and paths.as_path(cfg.data.tokenizer).is_file():
+      paths.copy_file(cfg.data.tokenizer, local / "tokenizer.json")
   return out_dir
 
 
