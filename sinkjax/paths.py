@@ -133,15 +133,31 @@ def write_atomic(path, text: str) -> None:
   os.replace(tmp, path)
 
 
+def _fs(url: str):
+  """(fsspec filesystem, path without scheme) of an object-store URL: the client epath itself uses, for the
+  recursive listings epath refuses on GCS."""
+  import fsspec  # pylint: disable=import-outside-toplevel
+  return fsspec.core.url_to_fs(str(url))
+
+
 def expand_glob(pattern: str) -> list[str]:
   """The files a local or remote path / glob names, as strings (remote ones as URLs); `**` recurses."""
   if not is_remote(pattern):
     import glob  # pylint: disable=import-outside-toplevel
     return sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
-  parts = str(pattern).split("/")
-  first = next(i for i, p in enumerate(parts) if any(c in p for c in "*?["))
-  root = as_path("/".join(parts[:first]))
-  return sorted(str(p) for p in root.glob("/".join(parts[first:])) if p.is_file())
+  check_url(pattern)
+  fs, _ = _fs(pattern)
+  found = fs.glob(str(pattern).split("://", 1)[1], detail=True)
+  return sorted(f"{scheme(pattern)}://{name}" for name, info in found.items() if info.get("type") == "file")
+
+
+def list_files(directory) -> list[str]:
+  """Every file under a local or remote directory (recursively), as strings."""
+  if not is_remote(directory):
+    return sorted(str(p) for p in pathlib.Path(os.path.expanduser(str(directory))).rglob("*") if p.is_file())
+  check_url(directory)
+  fs, root = _fs(directory)
+  return sorted(f"{scheme(directory)}://{name}" for name in fs.find(root))
 
 
 @contextlib.contextmanager
@@ -155,11 +171,10 @@ def local_dir(path, what: str = "directory") -> Iterator[pathlib.Path]:
   if not src.is_dir():
     raise StorageError(f"{what} {str(path)!r} is not a directory in the bucket (or does not exist)")
   with tempfile.TemporaryDirectory(prefix="sinkjax-") as tmp:
-    for f in src.rglob("*"):
-      if f.is_file():
-        dst = pathlib.Path(tmp) / os.path.relpath(str(f), str(src))
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(f.read_bytes())
+    for f in list_files(path):
+      dst = pathlib.Path(tmp) / os.path.relpath(f.split("://", 1)[1], str(path).split("://", 1)[1])
+      dst.parent.mkdir(parents=True, exist_ok=True)
+      dst.write_bytes(as_path(f).read_bytes())
     yield pathlib.Path(tmp)
 
 

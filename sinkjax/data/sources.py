@@ -338,7 +338,7 @@ def _expand_remote(pattern: str) -> list[str]:
     return paths.expand_glob(pattern)
   p = paths.as_path(pattern)
   if p.is_dir():
-    return sorted(str(f) for f in p.rglob("*") if f.suffix.lower() in SUPPORTED_SUFFIXES and f.is_file())
+    return [f for f in paths.list_files(pattern) if os.path.splitext(f)[1].lower() in SUPPORTED_SUFFIXES]
   return [pattern] if p.is_file() else []
 
 
