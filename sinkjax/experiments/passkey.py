@@ -183,26 +183,30 @@ def probe(model, tokenizer, *, lengths, depths, samples: int, sink_size: int, wi
       cache_kw = _mode_cache(kw, ids.shape[1])
       _, hit = streaming_scores(model, ids, **cache_kw)
       right = hit[:, -answer:].all(axis=1).reshape(len(depths), samples)
+      digits = hit[:, -answer:].mean(axis=1).reshape(len(depths), samples)
       n_full = every if not kw else (0 if full is None else int(np.sum(full)))
-      for b, row in zip(batches, right):
+      for b, row, drow in zip(batches, right, digits):
         records.append(dict(mode=name, context=b.context, depth=b.depth, accuracy=float(row.mean()),
-                            samples=samples, full_heads=n_full, heads=every,
+                            digit_accuracy=float(drow.mean()), samples=samples, full_heads=n_full, heads=every,
                             kv_bytes=kv_bytes(cfg, **cache_kw)))
   return records
 
 
 def format_results(records: list[dict]) -> str:
-  """One markdown table: a row per mode and context length, a column per depth, and the mean."""
+  """One markdown table: a row per mode and context length, a column per depth (whole-key accuracy), the mean, and
+  the mean per-digit accuracy (the share of key tokens that are the greedy choice given the right ones before)."""
   depths = sorted({r["depth"] for r in records})
-  lines = ["| mode | full heads | context | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean | KV bytes |",
-           "|---|---:|---:|" + "---:|" * len(depths) + "---:|---:|"]
+  lines = ["| mode | full heads | context | " + " | ".join(f"depth {d:g}" for d in depths)
+           + " | mean | digits right | KV bytes |",
+           "|---|---:|---:|" + "---:|" * len(depths) + "---:|---:|---:|"]
   keys = list(dict.fromkeys((r["mode"], r["context"]) for r in records))
   for mode, context in keys:
     rows = {r["depth"]: r for r in records if r["mode"] == mode and r["context"] == context}
     acc = [rows[d]["accuracy"] for d in depths]
     r = rows[depths[0]]
+    digits = np.mean([rows[d].get("digit_accuracy", np.nan) for d in depths])
     lines.append(f"| {mode} | {r['full_heads']}/{r['heads']} | {context} | " + " | ".join(f"{a:.2f}" for a in acc)
-                 + f" | {np.mean(acc):.2f} | {r['kv_bytes']:,} |")
+                 + f" | {np.mean(acc):.2f} | {digits:.2f} | {r['kv_bytes']:,} |")
   return "\n".join(lines)
 
 
