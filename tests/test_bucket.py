@@ -201,3 +201,25 @@ def test_data_generate_and_convert_from_a_bucket(gcs, tmp_path):
   assert g2.returncode == 0, g2.stderr[-3000:]
   assert table(g2.stdout) == table(g.stdout)
   assert not list(tmp_path.glob("gs*"))
+
+
+@pytest.mark.slow
+def test_two_processes_share_a_bucket_run(gcs, tmp_path):
+  """launch/local.sh with 2 processes x 2 devices and run.dir=gs://: one checkpoint holds both processes' shards
+  and data states, process 0 alone writes metrics.jsonl / config / TensorBoard, and eval reads the run back."""
+  r = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--processes", "2", "--devices-per-process", "2",
+                      "--", "--config", TINY, "run.dir=gs://bucket/mh", "train.steps=4", "train.eval_every=4",
+                      *SMALL], cwd=tmp_path, env=_env(gcs), capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  names = set(gcs.objects())
+  for p in (0, 1):
+    assert f"mh/checkpoints/4/data/process_{p}-of-2.json" in names
+    assert f"mh/checkpoints/4/params/array_metadatas/process_{p}" in names
+  assert "mh/checkpoints/4/commit_success.txt" in names
+  assert len([n for n in names if n.startswith("mh/tb/")]) == 1
+  records = [json.loads(x) for x in gcs.read("bucket", "mh/metrics.jsonl").decode().splitlines() if x.strip()]
+  assert [rec["step"] for rec in records] == [1, 2, 3, 4]
+  ev = _run("sinkjax.eval", ["--checkpoint", "gs://bucket/mh", "--batches", "1", "--batch-size", "4"], tmp_path, gcs)
+  assert ev.returncode == 0, ev.stderr[-3000:]
+  assert json.loads(gcs.read("bucket", "mh/eval/report.json"))["step"] == 4
+  assert not list(tmp_path.glob("gs*"))
