@@ -203,3 +203,52 @@ def copy_file(src, dst) -> None:
     shutil.copyfile(src, dst)
   else:
     dst.write_bytes(src.read_bytes())
+
+
+class Mirror:
+  """A local working copy of an output directory that may live in a bucket, for the studies (many files, training
+  runs inside): `local` is the directory itself when it is local; for a URL it is a cache directory
+  (~/.cache/sinkjax/mirror/SCHEME/BUCKET/PATH) filled with what the bucket already holds (so a rerun resumes), and
+  `sync()` uploads every file that is new or changed since the last sync. Call it after each finished piece of work;
+  what was not synced when a process dies is redone by the rerun, as locally."""
+
+  def __init__(self, path, what: str = "--out"):
+    self.url = str(path)
+    self.remote = is_remote(path)
+    if not self.remote:
+      self.local = pathlib.Path(os.path.expanduser(self.url))
+      return
+    check_bucket(path, what)
+    m = _URL.match(self.url)
+    self.local = pathlib.Path(os.environ.get("SINKJAX_MIRROR_DIR", os.path.expanduser("~/.cache/sinkjax/mirror"))) \
+        / m.group(1) / m.group(2).strip("/")
+    self.local.mkdir(parents=True, exist_ok=True)
+    self._seen: dict[str, tuple[int, int]] = {}
+    prefix = self.url.rstrip("/") + "/"
+    for f in list_files(self.url):
+      dst = self.local / f[len(prefix):]
+      if not dst.is_file() or dst.stat().st_size != as_path(f).stat().length:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(as_path(f).read_bytes())
+      self._seen[str(dst)] = self._stamp(dst)
+
+  @staticmethod
+  def _stamp(p: pathlib.Path) -> tuple[int, int]:
+    st = p.stat()
+    return st.st_size, st.st_mtime_ns
+
+  def sync(self) -> int:
+    """Uploads new or changed files (a no-op for a local directory); returns how many."""
+    if not self.remote:
+      return 0
+    n = 0
+    dst = as_path(self.url)
+    for dirpath, _, names in os.walk(self.local):
+      for name in names:
+        p = pathlib.Path(dirpath) / name
+        stamp = self._stamp(p)
+        if self._seen.get(str(p)) != stamp:
+          (dst / os.path.relpath(p, self.local)).write_bytes(p.read_bytes())
+          self._seen[str(p)] = stamp
+          n += 1
+    return n

@@ -617,18 +617,18 @@ def head_roles(before, after, m: int = FINETUNE_SHARED) -> dict:
           "layers_top_changed": changed, "top_heads_after": top_a.tolist()}
 
 
-def run_finetune(args, scale: Scale, specs: list[RunSpec]) -> dict:
+def run_finetune(args, scale: Scale, specs: list[RunSpec], root: pathlib.Path) -> dict:
   """Every trained base run of the first requested seed, fine-tuned in each FINETUNE_MODES mode."""
   out = {}
   bases = [s for s in specs if s.loss == "base" and s.seed == specs[0].seed]
   for i, spec in enumerate(bases):
-    base_dir = pathlib.Path(args.out) / "runs" / spec.name
+    base_dir = root / "runs" / spec.name
     before = _read_json(base_dir / "paper_eval.json")
     res = {"base_run": spec.name, "before": {k: before[k] for k in ("val_bpb", "importance", "head_imbalance")},
            "modes": {}}
     for j, mode in enumerate(FINETUNE_MODES):
       t0 = time.perf_counter()
-      rec = finetune_run(scale, base_dir, spec, mode, pathlib.Path(args.out) / "finetune" / f"{spec.name}_{mode}",
+      rec = finetune_run(scale, base_dir, spec, mode, root / "finetune" / f"{spec.name}_{mode}",
                          args.steps)
       rec["roles"] = head_roles(before["importance"], rec["importance"])
       res["modes"][mode] = rec
@@ -763,9 +763,11 @@ def write_results(out: pathlib.Path, args, scale: Scale, specs, machine: dict, f
   return res
 
 
-def run_study(args, scale: Scale, specs: list[RunSpec]) -> dict:
-  """Trains and evaluates every run of the grid not yet done (a progress line each), then writes the results."""
-  out = pathlib.Path(args.out)
+def run_study(args, scale: Scale, specs: list[RunSpec], mirror=None) -> dict:
+  """Trains and evaluates every run of the grid not yet done (a progress line each), then writes the results.
+  `mirror` (`sinkjax.paths.Mirror`) uploads each finished run when --out is a bucket."""
+  out = pathlib.Path(mirror.local if mirror is not None else args.out)
+  sync = mirror.sync if mirror is not None else (lambda: 0)
   machine = machine_info()
   t_start = time.perf_counter()
   for i, spec in enumerate([] if args.report_only else specs, 1):
@@ -781,11 +783,14 @@ def run_study(args, scale: Scale, specs: list[RunSpec]) -> dict:
     print(f"[{i}/{len(specs)}] {spec.name}: {what}; val_bpb {rec['val_bpb']:.4f}, head imbalance "
           f"{rec['head_imbalance']:.3f} ({time.perf_counter() - t0:.0f} s; study {time.perf_counter() - t_start:.0f} s)",
           flush=True)
-  ft = run_finetune(args, scale, specs) if args.finetune and not args.report_only else \
+    sync()
+  ft = run_finetune(args, scale, specs, out) if args.finetune and not args.report_only else \
       _read_json(out / "finetune.json")
   if args.finetune and not args.report_only:
     _write_json(out / "finetune.json", ft)
-  return write_results(out, args, scale, specs, machine, ft)
+  res = write_results(out, args, scale, specs, machine, ft)
+  sync()
+  return res
 
 
 class _Parser(argparse.ArgumentParser):
@@ -844,11 +849,14 @@ def main(argv=None) -> int:
     return 0
   if args.scale == "gpu" and jax.default_backend() == "cpu":
     parser.error("--scale gpu needs a GPU (JAX sees only the CPU); use --scale cpu")
+  from sinkjax import paths
   from sinkjax.train import Interrupted
   try:
+    mirror = paths.Mirror(args.out)          # --out may be gs:// / s3://: the runs are made locally, then uploaded
+    out = mirror.local
     out.mkdir(parents=True, exist_ok=True)
     _lock(out, scale, args.steps)
-    res = run_study(args, scale, specs)
+    res = run_study(args, scale, specs, mirror)
   except Interrupted as e:
     print(f"{parser.prog}: {e}", file=sys.stderr)
     return 128 + e.signum
@@ -857,7 +865,8 @@ def main(argv=None) -> int:
     return 1
   except OSError as e:
     parser.error(f"--out {out}: {e.strerror or e}")
-  print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(res['figures'])} figures "
+  out = args.out.rstrip("/")
+  print(f"wrote {out}/results.json, {out}/results.md and {len(res['figures'])} figures "
         f"({len(res['runs'])} finished runs)")
   return 0
 

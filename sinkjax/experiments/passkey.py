@@ -277,7 +277,8 @@ def run_probe(args) -> None:
     print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
   records = probe(model, tok, lengths=lengths, depths=depths, samples=args.samples, sink_size=args.sink_size,
                   window=args.window, policies=policies, seed=args.seed)
-  out = pathlib.Path(args.out or pathlib.Path(args.checkpoint) / "passkey")
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  out = paths.as_path(args.out or f"{str(args.checkpoint).rstrip('/')}/passkey", "--out")
   out.mkdir(parents=True, exist_ok=True)
   table = format_results(records)
   (out / "results.json").write_text(json.dumps(records, indent=1))

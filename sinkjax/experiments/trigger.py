@@ -437,8 +437,13 @@ def main(argv=None) -> int:
       assert configs and all(len(c) == 2 and min(c) >= 1 for c in configs)
     except (ValueError, AssertionError):
       parser.error(f"--configs: expected a list like 1x1,2x2,4x4; got {args.configs!r}")
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
   try:
+    mirror = paths.Mirror(args.out)       # --out may be gs:// / s3://: written locally, uploaded after each model
+    out_url, args.out = args.out, str(mirror.local)
     os.makedirs(args.out, exist_ok=True)
+  except paths.StorageError as e:
+    parser.error(str(e))
   except OSError as e:
     parser.error(f"--out: cannot create {args.out!r}: {e.strerror or e}")
 
@@ -475,6 +480,7 @@ def main(argv=None) -> int:
         figures.append(path)
       with open(os.path.join(args.out, "results.json"), "w") as f:        # rewritten after every model
         json.dump(records, f, indent=1)
+      mirror.sync()
     if single_maps:
       path = os.path.join(args.out, "attention_1L1H.png")
       plot_mean_std(single_maps, T, fig_trigger, path)
@@ -485,8 +491,9 @@ def main(argv=None) -> int:
     f.write(table + "\n")
   if not bos:
     table += "\n(--no-bos: there is no BOS token; the BOS columns are the attention on position 1, an ordinary token)"
+  mirror.sync()
   print(table)
-  print(f"\nwrote {os.path.join(args.out, 'results.json')} and {len(figures)} figure(s) in {args.out} "
+  print(f"\nwrote {out_url.rstrip('/')}/results.json and {len(figures)} figure(s) in {out_url} "
         f"({time.perf_counter() - t_start:.0f} s)")
   return 0
 
