@@ -200,6 +200,11 @@ def test_data_generate_and_convert_from_a_bucket(gcs, tmp_path):
             tmp_path, gcs)
   assert g2.returncode == 0, g2.stderr[-3000:]
   assert table(g2.stdout) == table(g.stdout)
+  ft = _run("sinkjax.train", [*args, "train.steps=1", "train.init_from=gs://bucket/d1-imported",
+                              "run.dir=gs://bucket/ft"], tmp_path, gcs)
+  assert ft.returncode == 0, ft.stderr[-3000:]
+  assert "from gs://bucket/d1-imported" in ft.stdout
+  assert "ft/checkpoints/1/commit_success.txt" in gcs.objects()
   assert not list(tmp_path.glob("gs*"))
 
 
