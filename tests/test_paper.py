@@ -142,6 +142,23 @@ def test_another_scale_in_the_same_out_is_a_one_line_error(tmp_path, capsys):
   assert rc == 1 and "--scale cpu" in cap.err and cap.err.count("\n") == 1, cap.err
 
 
+def test_a_second_invocation_on_the_same_out_is_a_one_line_error(tmp_path, capsys):
+  """Another process holding OUT's lock (a running study) stops a second invocation before it trains anything."""
+  import subprocess
+  import sys
+  holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                             "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+                             str(tmp_path / ".study.lock")], stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "locked"
+    rc, cap = run_main(["--scale", "smoke", "--out", str(tmp_path)], capsys)
+    assert rc == 1 and "another invocation of the study is running" in cap.err and cap.err.count("\n") == 1, cap.err
+    assert not (tmp_path / "runs").exists()
+  finally:
+    holder.kill()
+    holder.wait()
+
+
 def test_dry_run_lists_the_grid_seed_major(tmp_path, capsys):
   rc, cap = run_main(["--seeds", "2", "--first-seed", "4", "--variants", "sink,gated", "--out", str(tmp_path),
                       "--dry-run"], capsys)

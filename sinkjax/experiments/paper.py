@@ -705,6 +705,20 @@ def _user_errors() -> tuple:
   return (StudyError, ConfigError, DataError, CheckpointError, TrainError, EvalError)
 
 
+def _exclusive(out: pathlib.Path):
+  """An exclusive lock on OUT (released when the process ends, however it ends): two invocations training the same
+  run directories would overwrite each other's checkpoints and metrics."""
+  import fcntl  # pylint: disable=import-outside-toplevel
+  f = open(out / ".study.lock", "a+")  # pylint: disable=consider-using-with
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    f.close()
+    raise StudyError(f"another invocation of the study is running on --out {out}; wait for it to finish (then rerun "
+                     "this one: finished runs are skipped) or use another --out") from None
+  return f
+
+
 def _lock(out: pathlib.Path, scale: Scale, steps: int | None) -> None:
   """OUT/study.json pins the scale and steps: runs of another size in the same directory would not compare."""
   want = {"scale": scale.name, "steps": steps}
@@ -855,6 +869,7 @@ def main(argv=None) -> int:
     mirror = paths.Mirror(args.out)          # --out may be gs:// / s3://: the runs are made locally, then uploaded
     out = mirror.local
     out.mkdir(parents=True, exist_ok=True)
+    lock = _exclusive(out)  # noqa: F841  # pylint: disable=unused-variable  (held until the process ends)
     _lock(out, scale, args.steps)
     res = run_study(args, scale, specs, mirror)
   except Interrupted as e:
