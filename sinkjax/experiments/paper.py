@@ -869,7 +869,8 @@ def main(argv=None) -> int:
     mirror = paths.Mirror(args.out)          # --out may be gs:// / s3://: the runs are made locally, then uploaded
     out = mirror.local
     out.mkdir(parents=True, exist_ok=True)
-    lock = _exclusive(out)  # noqa: F841  # pylint: disable=unused-variable  (held until the process ends)
+    # held until the process ends; --report-only trains nothing and may run beside a study that is training
+    lock = None if args.report_only else _exclusive(out)  # noqa: F841  # pylint: disable=unused-variable
     _lock(out, scale, args.steps)
     res = run_study(args, scale, specs, mirror)
   except Interrupted as e:
