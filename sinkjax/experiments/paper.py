@@ -363,7 +363,8 @@ def plot_imbalance_curves(curves: dict, path) -> pathlib.Path:
       st = LOSS_STYLE[loss]
       for y in vals:
         ax.plot(steps, y, color=st["color"], lw=0.6, alpha=0.35)
-      ax.plot(steps, vals.mean(0), color=st["color"], lw=2, label=f"{st['label']} ({'mean of ' + str(len(vals)) + ' seeds' if len(vals) > 1 else '1 seed'})")
+      seeds = f"mean of {len(vals)} seeds" if len(vals) > 1 else "1 seed"
+      ax.plot(steps, vals.mean(0), color=st["color"], lw=2, label=f"{st['label']} ({seeds})")
       ax.fill_between(steps, vals.min(0), vals.max(0), color=st["color"], alpha=0.2)
     ax.set_title(f"{v} attention")
     ax.set_xlabel("step")
