@@ -135,6 +135,18 @@ def test_xla_cross_attention_t_not_s(x64):
     compare("xla", causal=causal, seg=(q_seg, kv_seg), block_k=8, B=B, T=T, S=S)
 
 
+def test_xla_causal_row_tiles_skip_masked_tiles(x64):
+  """Causal attention cut into query row blocks, each scanning only the keys it can see (the upper triangle is never
+  computed): row tiles that do and do not divide T, with packed segments and padding, and T != S both ways (a row
+  block that sees no key at all when T > S gets zero output, lse -inf, zero gradients)."""
+  B, T = 3, 45
+  for bq, bq_dkv in [(16, 8), (7, 45), (64, 16)]:
+    compare("xla", seg=packed_segments(B, T), B=B, T=T,
+            block_sizes=BlockSizes(block_q=bq, block_k=8, block_q_dkv=bq_dkv, block_kv_dkv=16))
+  for T, S in [(5, 29), (29, 5)]:
+    compare("xla", block_sizes=BlockSizes.uniform(4, 8), B=2, T=T, S=S)
+
+
 def test_xla_bf16(x64):
   compare("xla", block_k=16, dtype=jnp.bfloat16, tol=(3e-2, 3e-2))
 
