@@ -40,6 +40,7 @@ from sinkjax import attention as variants
 from sinkjax.choices import (ATTENTION_VARIANTS, GATE_INPUTS, GATE_KINDS, GATE_POSITIONS, INITS, MLP_KINDS,
                              ROPE_STYLES)
 from sinkjax.balance import head_importance
+from sinkjax.kernels import dense
 from sinkjax.kernels.reference import attention_weights as reference_weights
 from sinkjax.sharding import logical
 
@@ -207,7 +208,7 @@ class Attention(nnx.Module):
     if sliding_window and attention == "relu":
       raise ValueError("sliding_window needs a softmax variant (vanilla, sink or gated), got 'relu'")
     self.sliding_window = sliding_window
-    lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, dot_general=dense.dot_general, rngs=rngs)
     def proj(n_in, n_out, axes, **kw):
       return nnx.Linear(n_in, n_out, kernel_metadata=logical(*axes), **lin, **kw)
     self.q_proj = proj(d_model, num_heads * head_dim, ("embed", "q_heads"), **matrix_init(init, d_model))
@@ -224,7 +225,8 @@ class Attention(nnx.Module):
     width = self.gate_heads * (1 if gate == "headwise" else head_dim)
     dependent = attention == "gated" and gate_input == "dependent"
     self.gate_proj = nnx.Linear(d_model, width, use_bias=True, dtype=dtype, param_dtype=param_dtype,
-                                bias_init=nnx.initializers.constant(gate_bias_init), rngs=rngs,
+                                dot_general=dense.dot_general, bias_init=nnx.initializers.constant(gate_bias_init),
+                                rngs=rngs,
                                 kernel_metadata=logical("embed", "heads"),
                                 **matrix_init(init, d_model)) if dependent else None
     # Input-independent gate: learned logits, flat [width] like gate_proj's bias (a vector, so the optimizer gives it
@@ -509,7 +511,7 @@ class MLP(nnx.Module):
                zero_init_output: bool = True, init: str = "default", rngs: nnx.Rngs):
     if kind not in MLP_KINDS:
       raise ValueError(f"MLP kind must be one of {MLP_KINDS}, got {kind!r}")
-    lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, dot_general=dense.dot_general, rngs=rngs)
     self.kind, self.limit, self.alpha = kind, limit, alpha
     into = dict(kernel_metadata=logical("embed", "mlp"), **lin, **matrix_init(init, d_model))
     self.up_proj = nnx.Linear(d_model, hidden, **into)
