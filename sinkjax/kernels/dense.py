@@ -4,9 +4,9 @@ custom VJP on CPU that computes the weight gradient as a plain row-major matmul.
 x [..., in] @ w [in, out]: autodiff's weight gradient is dW = x^T dy contracted over every token. XLA:CPU lowers it
 to a dot contracting dimension 0 of both operands that its YNNPACK matmuls do not take: it runs on the Eigen path
 after a transposing copy of dy, at about half the rate of the forward matmuls (52 vs 80-95 GFLOP/s on one core at
-4 x 256, T 512; docs/PERF.md, "Training step on a CPU"). Here x^T is materialized once ([in, tokens], behind an
-optimization barrier so XLA cannot fold the transpose back into the dot) and dW = x^T @ dy is an ordinary
-[in, tokens] x [tokens, out] matmul. Same products and sums: the losses of a train step came out bit-identical.
+4 x 256, T 512; docs/PERF.md, "Training step on a CPU"). Here the narrower of x and dy is transposed once (behind an
+optimization barrier so XLA cannot fold the transpose back into the dot) and dW is an ordinary row-major matmul:
+x^T @ dy ([in, tokens] x [tokens, out]) when in <= out, else (dy^T @ x)^T. Same products and sums: the losses of a train step came out bit-identical.
 Other platforms (cuBLAS and the TPU take transposed operands natively) and other dimension numbers run
 lax.dot_general as it is, which is also the reference the tests compare with.
 """
@@ -34,8 +34,12 @@ def _dense_cpu_bwd(preferred_element_type, res, g):
   del preferred_element_type
   x, w = res
   dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=x.dtype)
-  xt = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)                  # [in, tokens], contiguous
-  dw = jax.lax.dot_general(xt, g.reshape(-1, g.shape[-1]), (((1,), (0,)), ((), ())), preferred_element_type=w.dtype)
+  x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+  nn = lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=w.dtype)
+  if x2.shape[1] <= g2.shape[1]:       # transpose the narrower operand: [in, tokens] x [tokens, out]
+    dw = nn(jax.lax.optimization_barrier(x2.T), g2)
+  else:                                # [out, tokens] x [tokens, in], then the small [out, in] result transposed
+    dw = nn(jax.lax.optimization_barrier(g2.T), x2).T
   return dx, dw
 
 
