@@ -106,6 +106,7 @@ def torch_runner(cfg, batch):
   except ImportError as e:
     return None, None, f"not run ({e.name} is not installed: pip install torch transformers)"
   m = cfg.model
+  _torch_threads(torch)
   torch.manual_seed(0)
   lcfg = transformers.LlamaConfig(
       vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=int(round(8 * m.d_model / 3)),
@@ -149,6 +150,12 @@ def import_nanochat_gpt(tree: pathlib.Path):
   return gpt
 
 
+def _torch_threads(torch):
+  """At most one torch thread per CPU this process may run on (`taskset -c 1 python -m sinkjax.bench.train` gives
+  both frameworks one core; torch's default, the machine's core count, would oversubscribe it)."""
+  torch.set_num_threads(min(torch.get_num_threads(), len(os.sched_getaffinity(0))))
+
+
 def nanochat_runner(tree, cfg, batch):
   """(run_once, parameter count, description) of nanochat's GPT (eager) + torch AdamW, or (None, None, why not)."""
   tree = pathlib.Path(tree)
@@ -164,6 +171,7 @@ def nanochat_runner(tree, cfg, batch):
     return None, None, (f"not run (nanochat's GPT has head_dim = width / heads and no GQA here; got {m.num_heads} "
                         f"heads x {m.head_dim} for width {m.d_model}, {m.num_kv_heads} KV heads)")
   gpt = import_nanochat_gpt(tree)
+  _torch_threads(torch)
   torch.manual_seed(0)
   model = gpt.GPT(gpt.GPTConfig(sequence_len=cfg.data.seq_len, vocab_size=m.vocab_size, n_layer=m.num_layers,
                                 n_head=m.num_heads, n_kv_head=m.num_kv_heads, n_embd=m.d_model))
