@@ -138,7 +138,10 @@ def _materialized(*xs):
 
   A matmul is never fused into its consumers, so XLA computes the values once. Without it XLA:CPU fuses the cos/sin
   of RoPE into every consumer, forward and backward, recomputing them per element of q and k (per head and half:
-  8x the [B, T, D/2] that are needed; ~6 % of a CPU train step at 4 x 256, T 512, docs/PERF.md)."""
+  8x the [B, T, D/2] that are needed; ~6 % of a CPU train step at 4 x 256, T 512, docs/PERF.md). Other platforms
+  get xs untouched."""
+  if jax.default_backend() != "cpu":
+    return xs
   x = jnp.concatenate(xs, axis=-1)
   x = jnp.einsum("...i,ij->...j", x, jnp.eye(x.shape[-1], dtype=x.dtype), precision=jax.lax.Precision.HIGHEST)
   return jnp.split(x, len(xs), axis=-1)

@@ -6,7 +6,8 @@ to a dot contracting dimension 0 of both operands that its YNNPACK matmuls do no
 after a transposing copy of dy, at about half the rate of the forward matmuls (52 vs 80-95 GFLOP/s on one core at
 4 x 256, T 512; docs/PERF.md, "Training step on a CPU"). Here the narrower of x and dy is transposed once (behind an
 optimization barrier so XLA cannot fold the transpose back into the dot) and dW is an ordinary row-major matmul:
-x^T @ dy ([in, tokens] x [tokens, out]) when in <= out, else (dy^T @ x)^T. Same products and sums: the losses of a train step came out bit-identical.
+x^T @ dy ([in, tokens] x [tokens, out]) when in <= out, else (dy^T @ x)^T. Same products; the sums may run in another
+order (the losses of the issue's AdamW step came out bit-identical, a Muon run differed in the last bits).
 Other platforms (cuBLAS and the TPU take transposed operands natively) and other dimension numbers run
 lax.dot_general as it is, which is also the reference the tests compare with.
 """
