@@ -40,6 +40,7 @@ from sinkjax import attention as variants
 from sinkjax.choices import (ATTENTION_VARIANTS, GATE_INPUTS, GATE_KINDS, GATE_POSITIONS, INITS, MLP_KINDS,
                              ROPE_STYLES)
 from sinkjax.balance import head_importance
+from sinkjax.kernels import dense
 from sinkjax.kernels.reference import attention_weights as reference_weights
 from sinkjax.sharding import logical
 
@@ -123,12 +124,27 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0, style: str = "llama")
   q R(-a) . k R(-b) = q . k R(a - b) while q R(a) . k R(b) = q . k R(b - a).
   """
   angles = positions[..., None].astype(jnp.float32) * inv_freq          # [B,T,D/2]
-  cos, sin = jnp.cos(angles)[:, :, None, :] * scale, jnp.sin(angles)[:, :, None, :] * scale
+  cos, sin = _materialized(jnp.cos(angles) * scale, jnp.sin(angles) * scale)
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   if style == "nanochat":
     cos, sin = (t.astype(jnp.bfloat16).astype(jnp.float32) for t in (cos, sin))
     sin = -sin
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _materialized(*xs):
+  """xs [..., n] as they are (bit for bit: x * 1 + 0 * others), passed through an exact f32 matmul by the identity.
+
+  A matmul is never fused into its consumers, so XLA computes the values once. Without it XLA:CPU fuses the cos/sin
+  of RoPE into every consumer, forward and backward, recomputing them per element of q and k (per head and half:
+  8x the [B, T, D/2] that are needed; ~6 % of a CPU train step at 4 x 256, T 512, docs/PERF.md). Other platforms
+  get xs untouched."""
+  if jax.default_backend() != "cpu":
+    return xs
+  x = jnp.concatenate(xs, axis=-1)
+  x = jnp.einsum("...i,ij->...j", x, jnp.eye(x.shape[-1], dtype=x.dtype), precision=jax.lax.Precision.HIGHEST)
+  return jnp.split(x, len(xs), axis=-1)
 
 
 def default_positions(segment_ids, B: int, T: int):
@@ -207,7 +223,7 @@ class Attention(nnx.Module):
     if sliding_window and attention == "relu":
       raise ValueError("sliding_window needs a softmax variant (vanilla, sink or gated), got 'relu'")
     self.sliding_window = sliding_window
-    lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, dot_general=dense.dot_general, rngs=rngs)
     def proj(n_in, n_out, axes, **kw):
       return nnx.Linear(n_in, n_out, kernel_metadata=logical(*axes), **lin, **kw)
     self.q_proj = proj(d_model, num_heads * head_dim, ("embed", "q_heads"), **matrix_init(init, d_model))
@@ -224,7 +240,8 @@ class Attention(nnx.Module):
     width = self.gate_heads * (1 if gate == "headwise" else head_dim)
     dependent = attention == "gated" and gate_input == "dependent"
     self.gate_proj = nnx.Linear(d_model, width, use_bias=True, dtype=dtype, param_dtype=param_dtype,
-                                bias_init=nnx.initializers.constant(gate_bias_init), rngs=rngs,
+                                dot_general=dense.dot_general, bias_init=nnx.initializers.constant(gate_bias_init),
+                                rngs=rngs,
                                 kernel_metadata=logical("embed", "heads"),
                                 **matrix_init(init, d_model)) if dependent else None
     # Input-independent gate: learned logits, flat [width] like gate_proj's bias (a vector, so the optimizer gives it
@@ -509,7 +526,7 @@ class MLP(nnx.Module):
                zero_init_output: bool = True, init: str = "default", rngs: nnx.Rngs):
     if kind not in MLP_KINDS:
       raise ValueError(f"MLP kind must be one of {MLP_KINDS}, got {kind!r}")
-    lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, dot_general=dense.dot_general, rngs=rngs)
     self.kind, self.limit, self.alpha = kind, limit, alpha
     into = dict(kernel_metadata=logical("embed", "mlp"), **lin, **matrix_init(init, d_model))
     self.up_proj = nnx.Linear(d_model, hidden, **into)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from sinkjax import choices
 from sinkjax.config import ModelConfig
+from sinkjax.kernels import dense
 from sinkjax.layers import MLP, Attention, MoE, RMSNorm, RopeScaling, default_positions, pop_head_importance
 from sinkjax.sharding import logical
 
@@ -92,6 +93,7 @@ class Transformer(nnx.Module):
     head_init = nnx.initializers.normal(0.001) if cfg.init == "nanochat" else nnx.initializers.zeros_init()
     self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, vocab, use_bias=False, dtype=dt, param_dtype=pdt, kernel_init=head_init,
+        dot_general=dense.dot_general,
         kernel_metadata=logical("embed", "vocab"), rngs=rngs)
     L = cfg.num_layers
     self.resid_lambdas = nnx.Param(jnp.ones((L,), pdt)) if cfg.residual_scalars else None

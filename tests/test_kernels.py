@@ -135,6 +135,18 @@ def test_xla_cross_attention_t_not_s(x64):
     compare("xla", causal=causal, seg=(q_seg, kv_seg), block_k=8, B=B, T=T, S=S)
 
 
+def test_xla_causal_row_tiles_skip_masked_tiles(x64):
+  """Causal attention cut into query row blocks, each scanning only the keys it can see (the upper triangle is never
+  computed): row tiles that do and do not divide T, with packed segments and padding, and T != S both ways (a row
+  block that sees no key at all when T > S gets zero output, lse -inf, zero gradients)."""
+  B, T = 3, 45
+  for bq, bq_dkv in [(16, 8), (7, 45), (64, 16)]:
+    compare("xla", seg=packed_segments(B, T), B=B, T=T,
+            block_sizes=BlockSizes(block_q=bq, block_k=8, block_q_dkv=bq_dkv, block_kv_dkv=16))
+  for T, S in [(5, 29), (29, 5)]:
+    compare("xla", block_sizes=BlockSizes.uniform(4, 8), B=2, T=T, S=S)
+
+
 def test_xla_bf16(x64):
   compare("xla", block_k=16, dtype=jnp.bfloat16, tol=(3e-2, 3e-2))
 
@@ -278,8 +290,10 @@ def _pass_grids(impl, T, **kw):
 
 def test_each_pass_runs_with_its_own_tiles():
   """Tracing only: the forward, dK/dV and dQ passes are cut by their own BlockSizes fields."""
-  # xla: the forward scans 512 / 64 key blocks, the fused backward 512 / 128.
-  assert _pass_grids("xla", 512, block_sizes=BlockSizes(block_k=64, block_kv_dkv=128))["scan"] == [8, 4]
+  # xla: the forward scans 512 / 64 key blocks, the fused backward 512 / 128 (one query block of 512 rows) ...
+  assert _pass_grids("xla", 512, block_sizes=BlockSizes(512, 64, 512, 128))["scan"] == [8, 4]
+  # ... and with causal row blocks (forward 256 rows, backward 128) each row block scans only the keys it sees.
+  assert _pass_grids("xla", 512, block_sizes=BlockSizes(256, 64, 128, 128))["scan"] == [4, 8, 1, 2, 3, 4]
   # pallas_gpu, grid (tiles of the outer axis, B, Hq): query tiles for forward and dq, key tiles for dk/dv.
   grids = _pass_grids("pallas_gpu", 512, block_sizes=BlockSizes(64, 16, 16, 32, 128, 64), interpret=True)
   assert grids == {"sinkjax_flash_fwd": (8, 1, 4), "sinkjax_flash_bwd_dq": (4, 1, 4),
@@ -292,3 +306,22 @@ def test_each_pass_runs_with_its_own_tiles():
   grids = _pass_grids("pallas_tpu", 512, block_q=128, block_k=256, interpret=True)
   assert grids == {"sinkjax_flash_fwd": (1, 4, 4, 2), "sinkjax_flash_bwd_dkv": (1, 2, 2, 2 * 4),
                    "sinkjax_flash_bwd_dq": (1, 4, 4, 2)}
+
+
+@pytest.mark.parametrize("shape,dtype", [((7, 5), jnp.float32), ((2, 9, 5), jnp.float32), ((2, 9, 5), jnp.bfloat16)])
+def test_dense_dot_general_matches_lax_with_its_gradients(shape, dtype):
+  """kernels.dense.dot_general (the dense layers' dot, a custom weight-gradient VJP on CPU) against lax.dot_general
+  differentiated by JAX: same values, same dx and dW, for token-major inputs of any rank."""
+  from sinkjax.kernels import dense  # pylint: disable=import-outside-toplevel
+  kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(kx, shape).astype(dtype)
+  w = jax.random.normal(kw, (shape[-1], 3)).astype(dtype)
+  u = jax.random.normal(kg, shape[:-1] + (3,))
+  dims = (((x.ndim - 1,), (0,)), ((), ()))
+  loss = lambda dot: lambda x, w: jnp.sum(dot(x, w, dims).astype(jnp.float32) * u)
+  got = jax.jit(jax.value_and_grad(loss(dense.dot_general), (0, 1)))(x, w)
+  want = jax.jit(jax.value_and_grad(loss(jax.lax.dot_general), (0, 1)))(x, w)
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  for a, b, what in zip(jax.tree.leaves(got), jax.tree.leaves(want), ("value", "dx", "dw")):
+    assert a.dtype == b.dtype, what
+    assert_close(a, b, tol, tol, what)

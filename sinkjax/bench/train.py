@@ -1,7 +1,8 @@
 """Benchmark of the training step: the cost of the sink-aware aux loss, throughput, and a PyTorch peer.
 
     python -m sinkjax.bench.train [--config configs/tiny.yaml] [--layers 4 --d-model 128 --heads 4 --head-dim 32]
-                                  [--seq 256 --batch 16] [--dtype float32] [--repeats 10] [--no-torch]
+                                  [--seq 256 --batch 16] [--preset cpu-peer] [--dtype float32] [--repeats 10]
+                                  [--no-torch] [--nanochat DIR]
 
 For each attention variant the full jitted train step (forward, backward through the LSE, optimizer) is timed with
 loss.aux_weight = 0 (the aux term is not even traced) and 1e-4 (eq. 7). Everything (every variant with and without
@@ -14,15 +15,29 @@ per token (matmuls forward and backward; attention counted in full, not halved f
 this machine's own matmul rate in the compute dtype (a jnp matmul of 2048^2 on CPU, 8192^2 on accelerators, timed the
 same way).
 
-Peer: a Hugging Face `LlamaForCausalLM` of equal layers, width, heads, head_dim, vocabulary, sequence length and
-batch (SwiGLU hidden size 8/3 * width, so its parameter count matches our ReLU^2 4x MLP), trained with
-torch.optim.AdamW in float32 on CPU; sinkjax is also timed with train.optimizer=adamw for a like-for-like row.
-Needs `pip install torch transformers` (skipped with a note when missing).
+Peers, trained with torch.optim.AdamW in float32, eager mode; sinkjax is also timed with train.optimizer=adamw for
+like-for-like rows (vanilla without the aux loss, sink with it), and the table gives each row's tokens/s as a multiple
+of nanochat's:
+  - nanochat's own PyTorch GPT (the model sinkjax's recipe follows: same blocks, ReLU^2 MLP, QK-norm, soft-cap, its
+    vocabulary padded to 64), imported from the nanochat tree given by --nanochat (default
+    $SINKJAX_NANOCHAT_PEERS/nanochat-9d4c9b7, else ../shared/peers/nanochat-9d4c9b7 next to this checkout); skipped
+    with a note when the tree or torch is absent, or when heads x head_dim != width (nanochat derives head_dim).
+  - a Hugging Face `LlamaForCausalLM` of equal layers, width, heads, head_dim, vocabulary, sequence length and batch
+    (SwiGLU hidden size 8/3 * width, so its parameter count matches our ReLU^2 4x MLP).
+Both need `pip install torch` (the Llama row also transformers; skipped with a note when missing).
+Muon's cost: the Muon and AdamW rows of the same model give Muon's extra time per step, printed next to the share of
+the step's FLOPs that its Newton-Schulz iterations add (5 quintic iterations per matrix: 4 m^2 n + 2 m^3 each, m <= n).
+
+--preset cpu-peer: the shape of issue 20, the first run a person makes on a CPU (4 layers x 256 wide, 4 heads x 64,
+T 512, batch 8, vocabulary 257, float32).
 """
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 import statistics
+import sys
 import time
 
 import jax
@@ -36,6 +51,8 @@ from sinkjax.model import Transformer, count_params
 from sinkjax.train import make_train_step
 
 VOCAB = 257   # the byte tokenizer
+PRESETS = {"cpu-peer": dict(layers=4, d_model=256, heads=4, head_dim=64, seq=512, batch=8)}
+NANOCHAT_TREE = "nanochat-9d4c9b7"
 
 
 def flops_per_token(num_params: int, cfg) -> float:
@@ -76,6 +93,11 @@ def jax_runner(cfg, batch):
   return run_once, count_params(model)
 
 
+def model_params(cfg):
+  """The parameter pytree of a sinkjax model of `cfg` (for counting what Muon orthogonalizes)."""
+  return nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(0)), nnx.Param)
+
+
 def torch_runner(cfg, batch):
   """(run_once, parameter count, description) of HF LlamaForCausalLM + torch AdamW, or (None, None, reason)."""
   try:
@@ -84,6 +106,7 @@ def torch_runner(cfg, batch):
   except ImportError as e:
     return None, None, f"not run ({e.name} is not installed: pip install torch transformers)"
   m = cfg.model
+  _torch_threads(torch)
   torch.manual_seed(0)
   lcfg = transformers.LlamaConfig(
       vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=int(round(8 * m.d_model / 3)),
@@ -103,6 +126,80 @@ def torch_runner(cfg, batch):
     opt.step()
   return run_once, sum(p.numel() for p in model.parameters()), \
       f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, sdpa"
+
+
+def default_nanochat_dir() -> pathlib.Path:
+  """$SINKJAX_NANOCHAT_PEERS/nanochat-9d4c9b7, else ../shared/peers/nanochat-9d4c9b7 next to this checkout."""
+  env = os.environ.get("SINKJAX_NANOCHAT_PEERS")
+  root = pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parents[3] / "shared" / "peers"
+  return root / NANOCHAT_TREE
+
+
+def import_nanochat_gpt(tree: pathlib.Path):
+  """nanochat's `gpt` module from a nanochat tree on disk (the package `nanochat` is imported from `tree` and
+  removed from sys.modules again, so it cannot shadow or be shadowed by another copy)."""
+  saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "nanochat" or k.startswith("nanochat.")}
+  sys.path.insert(0, str(tree))
+  try:
+    import nanochat.gpt as gpt  # pylint: disable=import-outside-toplevel
+  finally:
+    sys.path.remove(str(tree))
+    for k in [k for k in sys.modules if k == "nanochat" or k.startswith("nanochat.")]:
+      del sys.modules[k]
+    sys.modules.update(saved)
+  return gpt
+
+
+def _torch_threads(torch):
+  """At most one torch thread per CPU this process may run on (`taskset -c 1 python -m sinkjax.bench.train` gives
+  both frameworks one core; torch's default, the machine's core count, would oversubscribe it)."""
+  torch.set_num_threads(min(torch.get_num_threads(), len(os.sched_getaffinity(0))))
+
+
+def nanochat_runner(tree, cfg, batch):
+  """(run_once, parameter count, description) of nanochat's GPT (eager) + torch AdamW, or (None, None, why not)."""
+  tree = pathlib.Path(tree)
+  if not (tree / "nanochat" / "gpt.py").is_file():
+    return None, None, (f"not run (no nanochat tree at {tree}: pass --nanochat DIR or set SINKJAX_NANOCHAT_PEERS to "
+                        f"a directory holding {NANOCHAT_TREE}/)")
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None, None, "not run (torch is not installed: pip install torch)"
+  m = cfg.model
+  if m.num_heads * m.head_dim != m.d_model or m.num_kv_heads != m.num_heads:
+    return None, None, (f"not run (nanochat's GPT has head_dim = width / heads and no GQA here; got {m.num_heads} "
+                        f"heads x {m.head_dim} for width {m.d_model}, {m.num_kv_heads} KV heads)")
+  gpt = import_nanochat_gpt(tree)
+  _torch_threads(torch)
+  torch.manual_seed(0)
+  model = gpt.GPT(gpt.GPTConfig(sequence_len=cfg.data.seq_len, vocab_size=m.vocab_size, n_layer=m.num_layers,
+                                n_head=m.num_heads, n_kv_head=m.num_kv_heads, n_embd=m.d_model))
+  model.init_weights()
+  model.train()                 # float32 parameters on a CPU (its rotary tables stay bfloat16, as nanochat asserts)
+  opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95))
+  x, y = torch.from_numpy(batch["inputs"]).long(), torch.from_numpy(batch["targets"]).long()
+
+  def run_once():
+    loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+  return run_once, sum(p.numel() for p in model.parameters()), \
+      f"{tree.name} GPT, torch {torch.__version__}, {torch.get_num_threads()} threads, eager"
+
+
+def newton_schulz_flops(params, steps: int = 5) -> int:
+  """FLOPs of Muon's Newton-Schulz iterations per optimizer step over the parameters Muon takes (`optim.param_labels`
+  "matrix"): per matrix (m <= n after orientation) and iteration X X^T (2 m^2 n), A A (2 m^3), (.) X (2 m^2 n)."""
+  total = 0
+  for leaf, label in zip(jax.tree.leaves(params), jax.tree.leaves(optim.param_labels(params))):
+    if label != "matrix":
+      continue
+    m, n = sorted(leaf.shape[-2:])
+    total += int(np.prod(leaf.shape[:-2], dtype=np.int64)) * steps * (4 * m * m * n + 2 * m ** 3)
+  return total
 
 
 def time_round_robin(runners: dict, repeats: int, warmup: int = 2) -> dict:
@@ -134,8 +231,15 @@ def main(argv=None):
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
   p.add_argument("--variants", nargs="+", default=["vanilla", "sink", "gated"])
   p.add_argument("--repeats", type=int, default=12, help="timed rounds")
-  p.add_argument("--no-torch", action="store_true", help="skip the PyTorch / transformers peer")
+  p.add_argument("--preset", choices=sorted(PRESETS), help="a named shape (flags given as well override it)")
+  p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers (nanochat and transformers)")
+  p.add_argument("--nanochat", type=pathlib.Path, default=None,
+                 help=f"a nanochat tree (holding nanochat/gpt.py) whose GPT is timed as a peer; default "
+                      f"$SINKJAX_NANOCHAT_PEERS/{NANOCHAT_TREE} or ../shared/peers/{NANOCHAT_TREE}")
   args = p.parse_args(argv)
+  for key, val in PRESETS.get(args.preset, {}).items():
+    if getattr(args, key) is None:
+      setattr(args, key, val)
 
   ov = [f"model.dtype={args.dtype}", f"model.vocab_size={VOCAB}", "train.grad_accum=1"]
   for key, val in (("model.num_layers", args.layers), ("model.d_model", args.d_model),
@@ -150,7 +254,7 @@ def main(argv=None):
   tokens = B * T
   batch = random_batch(B, T)
 
-  runners, params, rows = {}, {}, [(v, "muon") for v in args.variants] + [("vanilla", "adamw")]
+  runners, params, rows = {}, {}, [(v, "muon") for v in args.variants] + [("vanilla", "adamw"), ("sink", "adamw")]
   for variant, opt_name in rows:
     for aux in (0.0, 1e-4):
       cfg = load_config(args.config, ov + [f"model.attention={variant}", f"loss.aux_weight={aux!r}",
@@ -158,8 +262,11 @@ def main(argv=None):
       runners[(variant, opt_name, aux)], params[(variant, opt_name)] = jax_runner(cfg, batch)
   mm_n = 2048 if jax.default_backend() == "cpu" else 8192
   runners["matmul"], mm_flops = matmul_runner(mm_n, jnp.dtype(args.dtype))
-  torch_note = "skipped (--no-torch)"
+  torch_note = nanochat_note = "skipped (--no-torch)"
   if not args.no_torch:
+    run, n, nanochat_note = nanochat_runner(args.nanochat or default_nanochat_dir(), base, batch)
+    if run is not None:
+      runners["nanochat"], params["nanochat"] = run, n
     run, n, torch_note = torch_runner(base, batch)
     if run is not None:
       runners["torch"], params["torch"] = run, n
@@ -181,11 +288,15 @@ def main(argv=None):
     print(f"| {variant} | {opt_name} | {n:,} | {off * 1e3:.1f} | {on * 1e3:.1f} | {(on / off - 1) * 100:+.1f} % | "
           f"{(cpu_on / cpu_off - 1) * 100:+.1f} % | {tokens / on:,.0f} | {flops / 1e9:.1f} | {flops / peak:.0%} |")
 
-  print(f"\nPeer: {torch_note}; float32, same shapes and batch, timed in the same rounds:")
-  print("\n| implementation | params | step (ms) | CPU s / step | tokens/s | GFLOP/s | of matmul rate |")
-  print("|---|---|---|---|---|---|---|")
+  print(f"\nPeers, float32, same shapes and batch, timed in the same rounds: nanochat: {nanochat_note}; "
+        f"HF Llama: {torch_note}")
+  print("\n| implementation | params | step (ms) | CPU s / step | tokens/s | vs nanochat | GFLOP/s | of matmul rate |")
+  print("|---|---|---|---|---|---|---|---|")
   peers = [("sinkjax vanilla, AdamW, aux off", ("vanilla", "adamw", 0.0), params[("vanilla", "adamw")]),
+           ("sinkjax sink, AdamW, aux on", ("sink", "adamw", 1e-4), params[("sink", "adamw")]),
            ("sinkjax vanilla, Muon, aux off", ("vanilla", "muon", 0.0), params.get(("vanilla", "muon")))]
+  if "nanochat" in runners:
+    peers.append(("nanochat GPT (PyTorch eager), torch AdamW", "nanochat", params["nanochat"]))
   if "torch" in runners:
     peers.append(("HF LlamaForCausalLM, torch AdamW", "torch", params["torch"]))
   for label, key, n in peers:
@@ -193,7 +304,17 @@ def main(argv=None):
       continue
     t, c = res[key]
     flops = flops_per_token(n, base) * tokens / t
-    print(f"| {label} | {n:,} | {t * 1e3:.1f} | {c:.2f} | {tokens / t:,.0f} | {flops / 1e9:.1f} | {flops / peak:.0%} |")
+    ratio = f"{res['nanochat'][0] / t:.2f}x" if "nanochat" in res else "-"
+    print(f"| {label} | {n:,} | {t * 1e3:.1f} | {c:.2f} | {tokens / t:,.0f} | {ratio} | {flops / 1e9:.1f} | "
+          f"{flops / peak:.0%} |")
+
+  if ("vanilla", "muon", 0.0) in res:
+    muon_t, adamw_t = res[("vanilla", "muon", 0.0)][0], res[("vanilla", "adamw", 0.0)][0]
+    ns = newton_schulz_flops(model_params(load_config(args.config, ov + ["model.attention=vanilla"])))
+    step_flops = flops_per_token(params[("vanilla", "adamw")], base) * tokens
+    print(f"\nMuon vs AdamW (vanilla, aux off): {(muon_t / adamw_t - 1) * 100:+.1f} % step time; its Newton-Schulz "
+          f"iterations are {ns / 1e9:.2f} GFLOP per step, {ns / step_flops:.1%} of the step's {step_flops / 1e9:.1f} "
+          f"GFLOP (at the step's own FLOP rate: {ns / step_flops * 100:+.1f} %)")
 
 
 if __name__ == "__main__":

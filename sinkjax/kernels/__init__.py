@@ -1,4 +1,6 @@
-"""Attention kernels with a differentiable log-sum-exp. Know nothing of models."""
+"""Attention kernels with a differentiable log-sum-exp, and the dense layers' dot (`dense`).
+
+Know nothing of models."""
 from sinkjax.kernels.blocks import BlockSizes
 from sinkjax.kernels.flash import IMPLS, default_impl, flash_attention
 from sinkjax.kernels.reference import attention_mask, attention_weights

@@ -8,8 +8,9 @@ Which backend reads which field:
   pallas_gpu  forward (block_q, block_k); dK/dV (block_q_dkv, block_kv_dkv); dQ (block_q_dq, block_kv_dq).
               Powers of two; each is raised to 16 (Triton's smallest dot) and capped at the padded sequence.
   pallas_tpu  the same six; each is rounded up to a multiple of 128 and capped at the sequence rounded up to 128.
-  xla         forward block_k; backward block_kv_dkv (one fused scan over key blocks yields dK, dV and dQ).
-              It never tiles queries, so it ignores the query fields.
+  xla         forward (block_q, block_k); backward (block_q_dkv, block_kv_dkv): one fused scan over key blocks
+              yields dK, dV and dQ. Queries are tiled only for causal attention (to skip the masked tiles);
+              block_q_dq and block_kv_dq are ignored.
 """
 from __future__ import annotations
 

@@ -1,0 +1,68 @@
+"""sinkjax.bench.train: the nanochat peer row (present, or skipped with a one-line note) and Muon's FLOP count."""
+import pathlib
+
+import jax.numpy as jnp
+import pytest
+
+from sinkjax.bench import train as bench
+from sinkjax.config import load_config
+from sinkjax.model import count_params, Transformer
+from flax import nnx
+from tests import nanochat_peer
+
+SMALL = ["model.vocab_size=257", "model.num_layers=1", "model.d_model=16", "model.num_heads=2", "model.num_kv_heads=2",
+         "model.head_dim=8", "data.seq_len=8", "model.max_seq_len=8", "train.batch_size=2", "model.dtype=float32",
+         "model.attention=vanilla"]
+
+
+def test_missing_nanochat_tree_skips_the_row_with_a_note(tmp_path, capsys):
+  """No tree at --nanochat: the benchmark still runs its sinkjax rows and says in one line why nanochat is absent."""
+  missing = tmp_path / "no-such-tree"
+  bench.main(["--layers", "1", "--d-model", "16", "--heads", "2", "--head-dim", "8", "--seq", "8", "--batch", "2",
+              "--variants", "vanilla", "--repeats", "1", "--nanochat", str(missing)])
+  out = capsys.readouterr().out
+  notes = [line for line in out.splitlines() if "nanochat:" in line]
+  assert len(notes) == 1 and f"no nanochat tree at {missing}" in notes[0] and "--nanochat DIR" in notes[0]
+  assert "| nanochat GPT" not in out
+  assert "| sinkjax sink, AdamW, aux on |" in out and "| sinkjax vanilla, AdamW, aux off |" in out
+
+
+def test_nanochat_row_is_nanochats_own_model_at_the_same_shape():
+  """The peer is nanochat's GPT at the bench's shape: it trains (finite loss going down over a few steps on one batch)
+  and has exactly the parameters of sinkjax's model with nanochat's vocabulary padding (64)."""
+  peer = nanochat_peer.load(bench.NANOCHAT_TREE)          # skips without torch or the tree
+  cfg = load_config("configs/tiny.yaml", SMALL)
+  run, n, note = bench.nanochat_runner(peer.root, cfg, bench.random_batch(2, 8))
+  assert run is not None, note
+  for _ in range(3):
+    run()
+  padded = load_config("configs/tiny.yaml", SMALL + ["model.vocab_pad_to=64"])
+  assert n == count_params(Transformer(padded.model, rngs=nnx.Rngs(0)))
+
+
+def test_nanochat_needs_head_dim_times_heads_equal_width(tmp_path):
+  """nanochat derives head_dim = width / heads: any other shape is skipped with the reason, not run wrongly."""
+  tree = tmp_path / "tree"
+  (tree / "nanochat").mkdir(parents=True)
+  (tree / "nanochat" / "gpt.py").write_text("raise AssertionError('must not be imported')\n")
+  pytest.importorskip("torch")
+  cfg = load_config("configs/tiny.yaml", SMALL + ["model.head_dim=4"])
+  run, n, note = bench.nanochat_runner(tree, cfg, bench.random_batch(2, 8))
+  assert run is None and n is None and "head_dim = width / heads" in note
+
+
+def test_newton_schulz_flops_by_hand():
+  """One layer, width 8, 2 heads x 4, MLP 32: Muon orthogonalizes q, k, v, o (8 x 8) and the MLP (8 x 32, 32 x 8).
+  Per 5 iterations: 8 x 8 -> 5 (4*8*8*8 + 2*8^3) = 15,360; 8 x 32 -> 5 (4*8*8*32 + 2*8^3) = 46,080."""
+  cfg = load_config("configs/tiny.yaml", ["model.vocab_size=257", "model.num_layers=1", "model.d_model=8",
+                                          "model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=4",
+                                          "model.attention=vanilla"])
+  assert bench.newton_schulz_flops(bench.model_params(cfg)) == 4 * 15_360 + 2 * 46_080
+
+
+def test_default_nanochat_dir_follows_the_environment(monkeypatch, tmp_path):
+  monkeypatch.setenv("SINKJAX_NANOCHAT_PEERS", str(tmp_path))
+  assert bench.default_nanochat_dir() == tmp_path / "nanochat-9d4c9b7"
+  monkeypatch.delenv("SINKJAX_NANOCHAT_PEERS")
+  assert bench.default_nanochat_dir() == pathlib.Path(bench.__file__).resolve().parents[3] / "shared" / "peers" / \
+      "nanochat-9d4c9b7"
