@@ -114,18 +114,27 @@ def torch_runner(cfg, batch):
       head_dim=m.head_dim, max_position_embeddings=cfg.data.seq_len, tie_word_embeddings=False)
   lcfg._attn_implementation = "sdpa"
   model = transformers.LlamaForCausalLM(lcfg).float().train()
+
+  def loss_of(x, y):
+    logits = model(input_ids=x).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+  return _adamw_step(torch, model, loss_of, batch), sum(p.numel() for p in model.parameters()), \
+      f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, sdpa"
+
+
+def _adamw_step(torch, model, loss_of, batch):
+  """One torch training step on `batch` (the peers' common part): loss_of(inputs, targets), backward, clipping at
+  1.0 as the sinkjax step does, torch AdamW."""
   opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95))
   x, y = torch.from_numpy(batch["inputs"]).long(), torch.from_numpy(batch["targets"]).long()
 
   def run_once():
-    logits = model(input_ids=x).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss = loss_of(x, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-  return run_once, sum(p.numel() for p in model.parameters()), \
-      f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, sdpa"
+  return run_once
 
 
 def default_nanochat_dir() -> pathlib.Path:
@@ -177,16 +186,7 @@ def nanochat_runner(tree, cfg, batch):
                                 n_head=m.num_heads, n_kv_head=m.num_kv_heads, n_embd=m.d_model))
   model.init_weights()
   model.train()                 # float32 parameters on a CPU (its rotary tables stay bfloat16, as nanochat asserts)
-  opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95))
-  x, y = torch.from_numpy(batch["inputs"]).long(), torch.from_numpy(batch["targets"]).long()
-
-  def run_once():
-    loss = model(x, y)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-  return run_once, sum(p.numel() for p in model.parameters()), \
+  return _adamw_step(torch, model, model, batch), sum(p.numel() for p in model.parameters()), \
       f"{tree.name} GPT, torch {torch.__version__}, {torch.get_num_threads()} threads, eager"
 
 
