@@ -290,8 +290,9 @@ def _pass_grids(impl, T, **kw):
 
 def test_each_pass_runs_with_its_own_tiles():
   """Tracing only: the forward, dK/dV and dQ passes are cut by their own BlockSizes fields."""
-  # xla: the forward scans 512 / 64 key blocks, the fused backward 512 / 128 (one query block of 512 rows) ...
-  assert _pass_grids("xla", 512, block_sizes=BlockSizes(512, 64, 512, 128))["scan"] == [8, 4]
+  # xla: the forward scans 512 / 64 key blocks, the fused backward 512 / 128 (one query block of 512 rows); on a CPU
+  # the backward's 2 (batch row, KV head) pairs take one lax.map step each (G 2 x 512 x 128 = _CPU_TILE elements) ...
+  assert _pass_grids("xla", 512, block_sizes=BlockSizes(512, 64, 512, 128))["scan"] == [8, 2, 4]
   # ... and with causal row blocks (forward 256 rows, backward 128) each row block scans only the keys it sees.
   assert _pass_grids("xla", 512, block_sizes=BlockSizes(256, 64, 128, 128))["scan"] == [4, 8, 1, 2, 3, 4]
   # pallas_gpu, grid (tiles of the outer axis, B, Hq): query tiles for forward and dq, key tiles for dk/dv.

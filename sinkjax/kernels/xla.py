@@ -14,9 +14,17 @@ Tiles here: the forward scans key blocks of `block_k`, the backward (one fused s
 its share of dQ) key blocks of `block_kv_dkv`. Causal attention also cuts the queries into row blocks (`block_q`
 forward, `block_q_dkv` backward) and each row block scans only the keys it can see, so the masked upper triangle
 is never computed: at T = S = 512 with 128-row blocks, 10 of 16 tiles (docs/PERF.md, "Training step on a CPU").
-The row blocks are a static Python loop (T / block_q of them); non-causal attention is never row-tiled. Inside,
-everything is head-major ([B, Hkv, G, T, D] queries, [B, Hkv, S, D] keys): q, k, v (and dO, O) are transposed once
-per call, not once per row block and pass.
+The row blocks are a static Python loop (T / block_q of them); non-causal attention is never row-tiled.
+
+Layout. The kernel is written for one (batch row, KV head) pair: its G = Hq / Hkv query heads [G, T, D] against
+keys [S, D]. Every matmul takes its operands in the row-major form a CPU matmul library wants (contracting the
+lhs' last and the rhs' first dimension): scores q @ K^T read keys stored transposed (K^T [D, S], made once per
+call), dV and dK come out transposed (dV^T = dO^T P, dK^T = Q^T dS, so neither P nor dS, the big [Tq, bk] tiles,
+is ever transposed; only the small [T, D] operands are). The pairs are then batched: on accelerators all at once
+(vmap); on a CPU `_CPU_TILE` elements of score tile at a time (`lax.map` with a batch size: 2 pairs at 128 x 512),
+so that the ~10 elementwise passes over each tile run in cache instead of streaming B x H tiles through memory.
+Both made the issue-20 shape's attention (B 8, H 4, T 512, D 64, float32, fwd + bwd) 1.5x faster on 2 cores, now
+faster than PyTorch's fused CPU flash kernel (docs/PERF.md).
 """
 from __future__ import annotations
 
@@ -27,43 +35,7 @@ from sinkjax.kernels.blocks import BlockSizes
 
 DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_k=512, block_q_dkv=128, block_kv_dkv=512)
 _F32 = jnp.float32
-
-
-def _key_blocks(k, v, kv_seg, block_k):
-  """Pads the key axis of head-major k, v [B, Hkv, S, D] to a multiple of block_k (padding gets segment 0, hence is
-  never attended) and splits it: ([nk, B, Hkv, bk, D] twice, [nk, B, bk], key indices [nk, bk])."""
-  B, Hkv, S, D = k.shape
-  bk = min(block_k, S)
-  nk = -(-S // bk)
-  pad = nk * bk - S
-  if pad:
-    k = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    v = jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad)))
-  split = lambda x: jnp.moveaxis(x.reshape(B, Hkv, nk, bk, D), 2, 0)
-  k_idx = jnp.arange(nk * bk, dtype=jnp.int32).reshape(nk, bk)
-  return split(k), split(v), jnp.moveaxis(kv_seg.reshape(B, nk, bk), 1, 0), k_idx
-
-
-def _block_mask(q_seg, seg_blk, k_idx, causal, T, S, q_start=0):
-  """[B, 1, 1, Tq, bk] visibility of one key block for the queries q_start .. q_start + Tq - 1 of T (broadcasts over
-  [B, Hkv, G, Tq, bk])."""
-  mask = (q_seg[:, :, None] == seg_blk[:, None, :]) & (q_seg[:, :, None] != 0)
-  if causal:
-    q_pos = jnp.arange(q_seg.shape[1], dtype=jnp.int32)[:, None] + (q_start + S - T)
-    mask &= k_idx[None, :] <= q_pos
-  return mask[:, None, None]
-
-
-def _query_major(x, Hkv):
-  """[B, T, Hq, D] -> [B, Hkv, G, T, D] (the G = Hq / Hkv query heads of each KV head)."""
-  B, T, Hq, D = x.shape
-  return jnp.moveaxis(x.reshape(B, T, Hkv, Hq // Hkv, D), 1, 3)
-
-
-def _key_major(x):
-  """[B, S, Hkv, D] -> [B, Hkv, S, D]."""
-  return jnp.swapaxes(x, 1, 2)
+_CPU_TILE = 2 * 128 * 512     # score-tile elements per lax.map step on a CPU (pairs x G x rows x keys)
 
 
 def _row_blocks(T, S, causal, block_q):
@@ -73,45 +45,108 @@ def _row_blocks(T, S, causal, block_q):
   return [(r, min(r + block_q, T), min(S, max(min(r + block_q, T) + S - T, 0))) for r in range(0, T, block_q)]
 
 
+def _blocks(x, axis, bk):
+  """x cut along `axis` into blocks of bk (zero-padded: padded keys get segment 0, so they are never attended), the
+  block index moved to the front (what lax.scan steps over)."""
+  n = x.shape[axis]
+  nk = -(-n // bk)
+  if nk * bk != n:
+    x = jnp.pad(x, [(0, nk * bk - n if a == axis else 0) for a in range(x.ndim)])
+  x = x.reshape(x.shape[:axis] + (nk, bk) + x.shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _unblock(x, axis, n):
+  """The inverse of `_blocks` for an output stacked by lax.scan: blocks joined along `axis`, the padding cut off."""
+  x = jnp.moveaxis(x, 0, axis)
+  x = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+  return jax.lax.slice_in_dim(x, 0, n, axis=axis)
+
+
+def _mask(qs, ks_blk, k_idx, causal, T, S, q_start):
+  """[Tq, bk] visibility of one key block for the queries q_start.. of T."""
+  mask = (qs[:, None] == ks_blk[None, :]) & (qs[:, None] != 0)
+  if causal:
+    q_pos = jnp.arange(qs.shape[0], dtype=jnp.int32)[:, None] + (q_start + S - T)
+    mask &= k_idx[None, :] <= q_pos
+  return mask
+
+
+def _pairs(B, Hkv, q, k, v, q_seg, kv_seg):
+  """Per (batch row, kv head) pair: q [N, G, T, D], kT [N, D, S], k and v [N, S, D], segment ids [N, T], [N, S]."""
+  _, T, Hq, D = q.shape
+  S = k.shape[1]
+  G = Hq // Hkv
+  qh = jnp.transpose(q.reshape(B, T, Hkv, G, D), (0, 2, 3, 1, 4)).reshape(B * Hkv, G, T, D)
+  kh = jnp.swapaxes(k, 1, 2).reshape(B * Hkv, S, D)
+  vh = jnp.swapaxes(v, 1, 2).reshape(B * Hkv, S, D)
+  kT = jnp.transpose(k, (0, 2, 3, 1)).reshape(B * Hkv, D, S)
+  return qh, kh, kT, vh, jnp.repeat(q_seg, Hkv, axis=0), jnp.repeat(kv_seg, Hkv, axis=0)
+
+
+def _unpairs_q(x, B, Hkv):
+  """[N, G, T, D] -> [B, T, Hq, D]."""
+  N, G, T, D = x.shape
+  return jnp.transpose(x.reshape(B, Hkv, G, T, D), (0, 3, 1, 2, 4)).reshape(B, T, Hkv * G, D)
+
+
+def _map_pairs(f, xs, tile: int):
+  """f (written for one pair) over the leading pair axis of every array in xs: vmapped on accelerators; on a CPU in
+  steps of as many pairs as fit `_CPU_TILE` score elements (`tile` = elements of one pair's score tile)."""
+  n = xs[0].shape[0]
+  per_step = max(1, _CPU_TILE // tile)
+  if jax.default_backend() != "cpu" or per_step >= n:
+    return jax.vmap(f)(*xs)
+  return jax.lax.map(lambda a: f(*a), xs, batch_size=per_step)
+
+
 def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes=BlockSizes(), interpret=None):
+  """(out, lse) of the backend contract above."""
   del interpret
   B, T, Hq, D = q.shape
   S, Hkv = k.shape[1], k.shape[2]
+  G = Hq // Hkv
   bs = block_sizes.or_defaults(DEFAULT_BLOCK_SIZES)
-  qh, kh, vh = _query_major(q, Hkv), _key_major(k), _key_major(v)
-  parts = [_fwd_rows(qh[:, :, :, r0:r1], kh[:, :, :e], vh[:, :, :e], q_seg[:, r0:r1], kv_seg[:, :e], causal=causal,
-                     scale=scale, block_k=bs.block_k, q_start=r0, T=T, S=S)
-           for r0, r1, e in _row_blocks(T, S, causal, bs.block_q)]
-  out, lse = parts[0] if len(parts) == 1 else (jnp.concatenate(x, axis=3) for x in zip(*parts))
-  out = jnp.moveaxis(out, 3, 1).reshape(B, T, Hq, D).astype(q.dtype)
-  return out, lse.reshape(B, Hq, T)
+  qh, _, kT, vh, qs, ks = _pairs(B, Hkv, q, k, v, q_seg, kv_seg)
+  rows = _row_blocks(T, S, causal, bs.block_q)
+
+  def one(qh, kT, vh, qs, ks):
+    parts = [_fwd_rows(qh[:, r0:r1], kT[:, :e], vh[:e], qs[r0:r1], ks[:e], causal=causal, scale=scale,
+                       block_k=bs.block_k, q_start=r0, T=T, S=S) for r0, r1, e in rows]
+    return parts[0] if len(parts) == 1 else tuple(jnp.concatenate(x, axis=1) for x in zip(*parts))
+
+  tile = G * min(bs.block_q, T) * min(bs.block_k, S)
+  out, lse = _map_pairs(one, (qh, kT, vh, qs, ks), tile)
+  return _unpairs_q(out, B, Hkv).astype(q.dtype), lse.reshape(B, Hq, T)
 
 
-def _fwd_rows(qh, kh, vh, q_seg, kv_seg, *, causal, scale, block_k, q_start, T, S):
-  """(out float32 [B, Hkv, G, Tq, D], lse [B, Hkv, G, Tq]) of the head-major queries qh (rows q_start.. of T)
-  against the head-major keys kh, vh (the first keys of S)."""
-  B, Hkv, G, Tq, D = qh.shape
-
-  def step(carry, blk):
-    m, l, acc = carry
-    k_blk, v_blk, seg_blk, k_idx = blk
-    s = jnp.einsum("bkgtd,bksd->bkgts", qh, k_blk, preferred_element_type=_F32) * scale
-    s = jnp.where(_block_mask(q_seg, seg_blk, k_idx, causal, T, S, q_start), s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(-1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)       # rows with nothing visible yet
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.exp(s - m_safe[..., None])
-    l = l * alpha + p.sum(-1)
-    pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(vh.dtype), v_blk, preferred_element_type=_F32)
-    acc = acc * alpha[..., None] + pv
-    return (m_new, l, acc), None
-
-  init = (jnp.full((B, Hkv, G, Tq), -jnp.inf, _F32), jnp.zeros((B, Hkv, G, Tq), _F32),
-          jnp.zeros((B, Hkv, G, Tq, D), _F32))
-  if kh.shape[2] == 0:        # a row block that sees no key (T > S): nothing to scan
+def _fwd_rows(qh, kT, vh, qs, ks, *, causal, scale, block_k, q_start, T, S):
+  """(out float32 [G, Tq, D], lse [G, Tq]) of one pair's queries qh (rows q_start.. of T) against its first Se keys
+  of S (kT [D, Se], vh [Se, D]), scanning key blocks of block_k."""
+  G, Tq, D = qh.shape
+  Se = kT.shape[1]
+  init = (jnp.full((G, Tq), -jnp.inf, _F32), jnp.zeros((G, Tq), _F32), jnp.zeros((G, Tq, D), _F32))
+  if Se == 0:
     m, l, acc = init
   else:
-    (m, l, acc), _ = jax.lax.scan(step, init, _key_blocks(kh, vh, kv_seg, block_k))
+    bk = min(block_k, Se)
+
+    def step(carry, blk):
+      m, l, acc = carry
+      kT_blk, v_blk, ks_blk, k_idx = blk
+      s = jnp.einsum("gtd,ds->gts", qh, kT_blk, preferred_element_type=_F32) * scale
+      s = jnp.where(_mask(qs, ks_blk, k_idx, causal, T, S, q_start)[None], s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(-1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp(m - m_safe)
+      p = jnp.exp(s - m_safe[..., None])
+      l = l * alpha + p.sum(-1)
+      pv = jnp.einsum("gts,sd->gtd", p.astype(vh.dtype), v_blk, preferred_element_type=_F32)
+      return (m_new, l, acc * alpha[..., None] + pv), None
+
+    ksb = _blocks(ks, 0, bk)
+    k_idx = jnp.arange(ksb.shape[0] * bk, dtype=jnp.int32).reshape(-1, bk)
+    (m, l, acc), _ = jax.lax.scan(step, init, (_blocks(kT, 1, bk), _blocks(vh, 0, bk), ksb, k_idx))
   valid = l > 0
   lse = jnp.where(valid, m + jnp.log(jnp.where(valid, l, 1.0)), -jnp.inf)
   return acc / jnp.where(valid, l, 1.0)[..., None], lse
@@ -124,49 +159,59 @@ def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_si
   S, Hkv = k.shape[1], k.shape[2]
   G = Hq // Hkv
   bs = block_sizes.or_defaults(DEFAULT_BLOCK_SIZES)
-  qh, kh, vh, oh, doh = _query_major(q, Hkv), _key_major(k), _key_major(v), _query_major(out, Hkv), \
-      _query_major(dout, Hkv)
+  qh, kh, kT, _, qs, ks = _pairs(B, Hkv, q, k, v, q_seg, kv_seg)
+  vT = jnp.transpose(v, (0, 2, 3, 1)).reshape(B * Hkv, D, S)
+  doh = jnp.transpose(dout.reshape(B, T, Hkv, G, D), (0, 2, 3, 1, 4)).reshape(B * Hkv, G, T, D)
+  delta = jnp.einsum("bthd,bthd->bht", dout.astype(_F32), out.astype(_F32))
   finite = jnp.isfinite(lse)
-  lse_g = jnp.where(finite, lse, 0.0).reshape(B, Hkv, G, T)
-  dlse_g = jnp.where(finite, dlse, 0.0).reshape(B, Hkv, G, T)
-  dq_parts, dk, dv = [], None, None
-  for r0, r1, e in _row_blocks(T, S, causal, bs.block_q_dkv):
-    rows = lambda x: x[:, :, :, r0:r1]
-    dq_r, dk_r, dv_r = _bwd_rows(rows(qh), kh[:, :, :e], vh[:, :, :e], q_seg[:, r0:r1], kv_seg[:, :e], rows(oh),
-                                 rows(lse_g), rows(doh), rows(dlse_g), causal=causal, scale=scale,
-                                 block_k=bs.block_kv_dkv, q_start=r0, T=T, S=S)
-    dq_parts.append(dq_r)
-    if e < S:                 # keys this row block cannot see get no gradient from it
-      pad = ((0, 0), (0, 0), (0, S - e), (0, 0))
-      dk_r, dv_r = jnp.pad(dk_r, pad), jnp.pad(dv_r, pad)
-    dk, dv = (dk_r, dv_r) if dk is None else (dk + dk_r, dv + dv_r)
-  dq = dq_parts[0] if len(dq_parts) == 1 else jnp.concatenate(dq_parts, axis=3)
-  dq = (jnp.moveaxis(dq, 3, 1) * scale).reshape(B, T, Hq, D).astype(q.dtype)
-  return dq, (_key_major(dk) * scale).astype(k.dtype), _key_major(dv).astype(v.dtype)
+  lse_g = jnp.where(finite, lse, 0.0).reshape(B * Hkv, G, T)
+  row_g = (jnp.where(finite, dlse, 0.0) - delta).reshape(B * Hkv, G, T)
+  rows = _row_blocks(T, S, causal, bs.block_q_dkv)
+
+  def one(qh, kh, kT, vT, doh, qs, ks, lse_g, row_g):
+    qT, doT = jnp.swapaxes(qh, 1, 2), jnp.swapaxes(doh, 1, 2)
+    dq_parts, dkT, dvT = [], None, None
+    for r0, r1, e in rows:
+      dq_r, dk_r, dv_r = _bwd_rows(qh[:, r0:r1], qT[:, :, r0:r1], kh[:e], kT[:, :e], vT[:, :e], qs[r0:r1], ks[:e],
+                                   doh[:, r0:r1], doT[:, :, r0:r1], lse_g[:, r0:r1], row_g[:, r0:r1],
+                                   causal=causal, scale=scale, block_k=bs.block_kv_dkv, q_start=r0, T=T, S=S)
+      dq_parts.append(dq_r)
+      if e < S:                 # keys this row block cannot see get no gradient from it
+        dk_r, dv_r = (jnp.pad(x, ((0, 0), (0, S - e))) for x in (dk_r, dv_r))
+      dkT, dvT = (dk_r, dv_r) if dkT is None else (dkT + dk_r, dvT + dv_r)
+    dq = dq_parts[0] if len(dq_parts) == 1 else jnp.concatenate(dq_parts, axis=1)
+    return dq, dkT, dvT
+
+  tile = G * min(bs.block_q_dkv, T) * min(bs.block_kv_dkv, S)
+  dq, dkT, dvT = _map_pairs(one, (qh, kh, kT, vT, doh, qs, ks, lse_g, row_g), tile)
+  from_minor = lambda x: jnp.transpose(x.reshape(B, Hkv, D, S), (0, 3, 1, 2))
+  return (_unpairs_q(dq * scale, B, Hkv).astype(q.dtype), from_minor(dkT * scale).astype(k.dtype),
+          from_minor(dvT).astype(v.dtype))
 
 
-def _bwd_rows(qh, kh, vh, q_seg, kv_seg, oh, lse_g, doh, dlse_g, *, causal, scale, block_k, q_start, T, S):
-  """(dq [B, Hkv, G, Tq, D], dk, dv [B, Hkv, Se, D]) in float32, head-major, of the queries qh (rows q_start.. of T)
-  against the keys kh, vh (the first Se keys of S); dq and dk without the factor `scale`. lse_g / dlse_g: finite."""
-  B, Hkv, G, Tq, D = qh.shape
-  Se = kh.shape[2]
+def _bwd_rows(qh, qT, kh, kT, vT, qs, ks, doh, doT, lse_g, row_g, *, causal, scale, block_k, q_start, T, S):
+  """(dq [G, Tq, D], dK^T, dV^T [D, Se]) in float32 of one pair's queries (rows q_start.. of T; qh and its transpose
+  qT) against its first Se keys (kh, kT, vT); dq and dK without the factor `scale`. lse_g finite; row_g = dLSE - D."""
+  G, Tq, D = qh.shape
+  Se = kh.shape[0]
   if Se == 0:
-    return jnp.zeros(qh.shape, _F32), jnp.zeros(kh.shape, _F32), jnp.zeros(vh.shape, _F32)
-  delta = jnp.einsum("bkgtd,bkgtd->bkgt", doh.astype(_F32), oh.astype(_F32))
-  row_term = dlse_g - delta                                   # [B,Hkv,G,Tq]
+    return jnp.zeros(qh.shape, _F32), jnp.zeros(kT.shape, _F32), jnp.zeros(vT.shape, _F32)
 
   def step(dq, blk):
-    k_blk, v_blk, seg_blk, k_idx = blk
-    s = jnp.einsum("bkgtd,bksd->bkgts", qh, k_blk, preferred_element_type=_F32) * scale
-    s = jnp.where(_block_mask(q_seg, seg_blk, k_idx, causal, T, S, q_start), s, -jnp.inf)
+    k_blk, kT_blk, vT_blk, ks_blk, k_idx = blk
+    s = jnp.einsum("gtd,ds->gts", qh, kT_blk, preferred_element_type=_F32) * scale
+    s = jnp.where(_mask(qs, ks_blk, k_idx, causal, T, S, q_start)[None], s, -jnp.inf)
     p = jnp.exp(s - lse_g[..., None])
-    dv = jnp.einsum("bkgts,bkgtd->bksd", p.astype(doh.dtype), doh, preferred_element_type=_F32)
-    dp = jnp.einsum("bkgtd,bksd->bkgts", doh, v_blk, preferred_element_type=_F32)
-    ds = (p * (dp + row_term[..., None])).astype(qh.dtype)
-    dq = dq + jnp.einsum("bkgts,bksd->bkgtd", ds, k_blk, preferred_element_type=_F32)
-    dk = jnp.einsum("bkgts,bkgtd->bksd", ds, qh, preferred_element_type=_F32)
-    return dq, (dk, dv)
+    dvT = jnp.einsum("gdt,gts->ds", doT, p.astype(doh.dtype), preferred_element_type=_F32)
+    dp = jnp.einsum("gtd,ds->gts", doh, vT_blk, preferred_element_type=_F32)
+    ds = (p * (dp + row_g[..., None])).astype(qh.dtype)
+    dq = dq + jnp.einsum("gts,sd->gtd", ds, k_blk, preferred_element_type=_F32)
+    dkT = jnp.einsum("gdt,gts->ds", qT, ds, preferred_element_type=_F32)
+    return dq, (dkT, dvT)
 
-  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros((B, Hkv, G, Tq, D), _F32), _key_blocks(kh, vh, kv_seg, block_k))
-  unsplit = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, Hkv, -1, D)[:, :, :Se]
-  return dq, unsplit(dk), unsplit(dv)
+  bk = min(block_k, Se)
+  ksb = _blocks(ks, 0, bk)
+  k_idx = jnp.arange(ksb.shape[0] * bk, dtype=jnp.int32).reshape(-1, bk)
+  xs = (_blocks(kh, 0, bk), _blocks(kT, 1, bk), _blocks(vT, 1, bk), ksb, k_idx)
+  dq, (dkT, dvT) = jax.lax.scan(step, jnp.zeros((G, Tq, D), _F32), xs)
+  return dq, _unblock(dkT, 1, Se), _unblock(dvT, 1, Se)
