@@ -1,4 +1,5 @@
-"""sinkjax.bench.train: the nanochat peer row (present, or skipped with a one-line note) and Muon's FLOP count."""
+"""sinkjax.bench.train: the nanochat peer row (present, or skipped with a one-line note), Muon's FLOP count and the
+round-robin timing (settling calls, paired per-round ratios)."""
 import pathlib
 
 import jax.numpy as jnp
@@ -66,3 +67,16 @@ def test_default_nanochat_dir_follows_the_environment(monkeypatch, tmp_path):
   monkeypatch.delenv("SINKJAX_NANOCHAT_PEERS")
   assert bench.default_nanochat_dir() == pathlib.Path(bench.__file__).resolve().parents[3] / "shared" / "peers" / \
       "nanochat-9d4c9b7"
+
+
+def test_round_robin_settles_each_row_and_pairs_rounds():
+  """Each round calls every runner once untimed (the switch from the previous row) and once timed; the per-round
+  wall times come back in order, and the peer ratio is the median of per-round quotients (by hand)."""
+  calls = []
+  runners = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+  rounds = {}
+  res = bench.time_round_robin(runners, repeats=3, warmup=2, settle=1, rounds=rounds)
+  assert calls == ["a", "a", "b", "b"] + ["a", "a", "b", "b"] * 3
+  assert set(res) == {"a", "b"} and [len(rounds[n]) for n in "ab"] == [3, 3]
+  assert bench.paired_ratio([2.0, 4.0, 6.0], [1.0, 2.0, 2.0]) == (2.0, 2.0, 3.0)
+  assert bench.paired_ratio([1.0, 1.0], [2.0, 0.5]) == (1.25, 0.5, 2.0)

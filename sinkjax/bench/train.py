@@ -6,9 +6,11 @@
 
 For each attention variant the full jitted train step (forward, backward through the LSE, optimizer) is timed with
 loss.aux_weight = 0 (the aux term is not even traced) and 1e-4 (eq. 7). Everything (every variant with and without
-the aux loss, the matmul reference, the PyTorch peer) is timed round-robin, one step of each per round, and reported
-by medians over the rounds, so that drifts in the load of a shared machine hit all rows alike. Besides wall time the
-tables give this process' CPU time per step, which a busy machine disturbs less. The paper claims < 2 % overhead.
+the aux loss, the matmul reference, the PyTorch peer) is timed round-robin, one step of each per round (after one
+untimed step of the same row, which pays for switching from the previous row: caches, the other framework's threads),
+and reported by medians over the rounds, so that drifts in the load of a shared machine hit all rows alike. Besides
+wall time the tables give this process' CPU time per step, which a busy machine disturbs less. The paper claims < 2 %
+overhead.
 
 Throughput: tokens/s and achieved FLOP/s with nanochat's estimate, 6 * (params - embedding) + 12 * L * H * D * T
 per token (matmuls forward and backward; attention counted in full, not halved for causality), also as a fraction of
@@ -202,8 +204,13 @@ def newton_schulz_flops(params, steps: int = 5) -> int:
   return total
 
 
-def time_round_robin(runners: dict, repeats: int, warmup: int = 2) -> dict:
-  """{name: (median wall s, median process-CPU s)} per call, one call of each runner per round."""
+def time_round_robin(runners: dict, repeats: int, warmup: int = 2, settle: int = 1, rounds: dict | None = None
+                     ) -> dict:
+  """{name: (median wall s, median process-CPU s)} per call, one timed call of each runner per round, after `settle`
+  untimed calls of it in the same round (a runner's first call after another one pays for the switch: caches, the
+  other framework's threads going idle, allocator state; measured in one process, this cost fell unevenly on torch
+  and XLA depending on which rows ran before them). `rounds`, when given, receives each runner's wall times in round
+  order (for paired ratios, `paired_ratio`)."""
   for run in runners.values():
     for _ in range(warmup):
       run()
@@ -211,11 +218,22 @@ def time_round_robin(runners: dict, repeats: int, warmup: int = 2) -> dict:
   cpu = {n: [] for n in runners}
   for _ in range(repeats):
     for name, run in runners.items():
+      for _ in range(settle):
+        run()
       t0, c0 = time.perf_counter(), time.process_time()
       run()
       wall[name].append(time.perf_counter() - t0)
       cpu[name].append(time.process_time() - c0)
+  if rounds is not None:
+    rounds.update(wall)
   return {n: (statistics.median(wall[n]), statistics.median(cpu[n])) for n in runners}
+
+
+def paired_ratio(reference: list, other: list) -> tuple:
+  """(median, min, max) over the rounds of reference / other wall time, each pair taken in the same round: how many
+  times faster `other` ran than `reference`, with the drift of a shared machine's speed between rounds divided out."""
+  r = [a / b for a, b in zip(reference, other)]
+  return statistics.median(r), min(r), max(r)
 
 
 def main(argv=None):
@@ -249,10 +267,7 @@ def main(argv=None):
     if val is not None:
       ov.append(f"{key}={val}")
   base = load_config(args.config, ov)
-  m = base.model
-  B, T = base.train.batch_size, base.data.seq_len
-  tokens = B * T
-  batch = random_batch(B, T)
+  batch = random_batch(base.train.batch_size, base.data.seq_len)
 
   runners, params, rows = {}, {}, [(v, "muon") for v in args.variants] + [("vanilla", "adamw"), ("sink", "adamw")]
   for variant, opt_name in rows:
@@ -270,8 +285,16 @@ def main(argv=None):
     run, n, torch_note = torch_runner(base, batch)
     if run is not None:
       runners["torch"], params["torch"] = run, n
-  res = time_round_robin(runners, args.repeats)
+  rounds = {}
+  res = time_round_robin(runners, args.repeats, rounds=rounds)
+  print_tables(args, base, ov, rows, res, rounds, params, mm_n, mm_flops, nanochat_note, torch_note)
 
+
+def print_tables(args, base, ov, rows, res, rounds, params, mm_n, mm_flops, nanochat_note, torch_note):
+  """The three outputs of `main`: the variants' aux-loss table, the peers' table, Muon's cost."""
+  m = base.model
+  B, T = base.train.batch_size, base.data.seq_len
+  tokens = B * T
   peak = mm_flops / res["matmul"][0]
   print(f"shape: {m.num_layers} layers x {m.num_heads} heads x {m.head_dim} head_dim, width {m.d_model}, vocab "
         f"{m.vocab_size}, seq {T}, batch {B} ({tokens} tokens/step), compute {args.dtype}; "
@@ -290,21 +313,25 @@ def main(argv=None):
 
   print(f"\nPeers, float32, same shapes and batch, timed in the same rounds: nanochat: {nanochat_note}; "
         f"HF Llama: {torch_note}")
-  print("\n| implementation | params | step (ms) | CPU s / step | tokens/s | vs nanochat | GFLOP/s | of matmul rate |")
+  print("\n| implementation | params | step (ms) | CPU s / step | tokens/s | vs nanochat (per-round: median, min-max) "
+        "| GFLOP/s | of matmul rate |")
   print("|---|---|---|---|---|---|---|---|")
   peers = [("sinkjax vanilla, AdamW, aux off", ("vanilla", "adamw", 0.0), params[("vanilla", "adamw")]),
            ("sinkjax sink, AdamW, aux on", ("sink", "adamw", 1e-4), params[("sink", "adamw")]),
            ("sinkjax vanilla, Muon, aux off", ("vanilla", "muon", 0.0), params.get(("vanilla", "muon")))]
-  if "nanochat" in runners:
+  if "nanochat" in res:
     peers.append(("nanochat GPT (PyTorch eager), torch AdamW", "nanochat", params["nanochat"]))
-  if "torch" in runners:
+  if "torch" in res:
     peers.append(("HF LlamaForCausalLM, torch AdamW", "torch", params["torch"]))
   for label, key, n in peers:
     if key not in res:
       continue
     t, c = res[key]
     flops = flops_per_token(n, base) * tokens / t
-    ratio = f"{res['nanochat'][0] / t:.2f}x" if "nanochat" in res else "-"
+    ratio = "-"
+    if "nanochat" in res:
+      mid, lo, hi = paired_ratio(rounds["nanochat"], rounds[key])
+      ratio = f"{mid:.2f}x ({lo:.2f}-{hi:.2f})"
     print(f"| {label} | {n:,} | {t * 1e3:.1f} | {c:.2f} | {tokens / t:,.0f} | {ratio} | {flops / 1e9:.1f} | "
           f"{flops / peak:.0%} |")
 
