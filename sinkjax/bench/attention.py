@@ -73,6 +73,30 @@ def bench_one(impl, B, T, H, D, dtype, blocks, repeats, max_bytes):
               tflops=flops / t / 1e12)
 
 
+def bench_torch(B, T, H, D, dtype, repeats):
+  """PyTorch's `scaled_dot_product_attention` (causal; on a CPU its fused flash kernel), fwd+bwd of the same
+  sum(out^2) loss, without an LSE term (torch returns none), in this process' torch threads; for comparison only."""
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return dict(impl="torch.sdpa", T=T, skipped="torch is not installed: pip install torch")
+  tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[jnp.dtype(dtype).name]
+  gen = torch.Generator().manual_seed(0)
+  q, k, v = (torch.randn(B, H, T, D, generator=gen).to(tdtype).requires_grad_() for _ in range(3))
+
+  def step():
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.autograd.grad(out.float().pow(2).sum(), (q, k, v))
+  step()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t0)
+  t = min(times)
+  return dict(impl="torch.sdpa", T=T, ms=t * 1e3, peak_mib=None, tflops=7 * 2 * B * H * T * T * D / 2 / t / 1e12)
+
+
 def _tiles_text(blocks: BlockSizes) -> str:
   given = {k: v for k, v in dataclasses.asdict(blocks).items() if v is not None}
   return " ".join(f"{k}={v}" for k, v in given.items()) or "backend defaults"
@@ -92,7 +116,8 @@ def main(argv=None):
                    help=f"{name} of BlockSizes: overrides --block-q/--block-k for that backward tile")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--impls", nargs="+", default=None,
-                 help="backends to run (default: reference, xla, the platform's Pallas backend, jax.nn.dpa)")
+                 help="backends to run (default: reference, xla, the platform's Pallas backend, jax.nn.dpa); "
+                      "also torch.sdpa: PyTorch's fused attention, fwd+bwd without the LSE term (needs torch)")
   p.add_argument("--max-gib", type=float, default=12.0, help="skip configurations whose program needs more")
   args = p.parse_args(argv)
   try:
@@ -108,8 +133,11 @@ def main(argv=None):
   for T in args.seq:
     ref_ms = None
     for impl in impls:
-      r = bench_one(impl, args.batch, T, args.heads, args.head_dim, dtype, blocks, args.repeats,
-                    args.max_gib * 2**30)
+      if impl == "torch.sdpa":
+        r = bench_torch(args.batch, T, args.heads, args.head_dim, dtype, args.repeats)
+      else:
+        r = bench_one(impl, args.batch, T, args.heads, args.head_dim, dtype, blocks, args.repeats,
+                      args.max_gib * 2**30)
       if "skipped" in r:
         print(f"{T:>6} {impl:>12} {'-':>10} {'-':>10} {'-':>9} {'-':>7}  ({r['skipped']})")
         continue
