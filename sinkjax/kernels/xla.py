@@ -23,8 +23,8 @@ call), dV and dK come out transposed (dV^T = dO^T P, dK^T = Q^T dS, so neither P
 is ever transposed; only the small [T, D] operands are). The pairs are then batched: on accelerators all at once
 (vmap); on a CPU `_CPU_TILE` elements of score tile at a time (`lax.map` with a batch size: 2 pairs at 128 x 512),
 so that the ~10 elementwise passes over each tile run in cache instead of streaming B x H tiles through memory.
-Both made the issue-20 shape's attention (B 8, H 4, T 512, D 64, float32, fwd + bwd) 1.5x faster on 2 cores, now
-faster than PyTorch's fused CPU flash kernel (docs/PERF.md).
+Both made the issue-20 shape's attention (B 8, H 4, T 512, D 64, float32, fwd + bwd) ~1.5x faster on 2 cores, level
+with PyTorch's fused CPU flash kernel (which has no LSE gradient term to compute; docs/PERF.md).
 """
 from __future__ import annotations
 
