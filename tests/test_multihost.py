@@ -129,9 +129,11 @@ def _steps(run_dir):
 
 
 def _lines(text, tag):
-  """The lines of process `tag` ("[p0]"), without the prefix and without gloo's connection reports."""
+  """The lines of process `tag` ("[p0]"), without the prefix, without gloo's connection reports and without the empty
+  lines their cut-up pieces leave behind."""
   noise = ("[Gloo]", "peer ranks")       # gloo prints them from several threads at once, lines cut and mixed
-  return [l[len(tag) + 1:] for l in text.splitlines() if l.startswith(tag + " ") and not any(n in l for n in noise)]
+  return [l[len(tag) + 1:] for l in text.splitlines()
+          if l.startswith(tag + " ") and l[len(tag) + 1:].strip() and not any(n in l for n in noise)]
 
 
 # ------------------------------------------------------------------------------------------------------------
