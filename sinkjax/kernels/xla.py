@@ -115,7 +115,7 @@ def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes=BlockSizes(), inte
                        block_k=bs.block_k, q_start=r0, T=T, S=S) for r0, r1, e in rows]
     return parts[0] if len(parts) == 1 else tuple(jnp.concatenate(x, axis=1) for x in zip(*parts))
 
-  tile = G * min(bs.block_q, T) * min(bs.block_k, S)
+  tile = G * max(r1 - r0 for r0, r1, _ in rows) * min(bs.block_k, S)
   out, lse = _map_pairs(one, (qh, kT, vh, qs, ks), tile)
   return _unpairs_q(out, B, Hkv).astype(q.dtype), lse.reshape(B, Hq, T)
 
@@ -182,7 +182,7 @@ def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_si
     dq = dq_parts[0] if len(dq_parts) == 1 else jnp.concatenate(dq_parts, axis=1)
     return dq, dkT, dvT
 
-  tile = G * min(bs.block_q_dkv, T) * min(bs.block_kv_dkv, S)
+  tile = G * max(r1 - r0 for r0, r1, _ in rows) * min(bs.block_kv_dkv, S)
   dq, dkT, dvT = _map_pairs(one, (qh, kh, kT, vT, doh, qs, ks, lse_g, row_g), tile)
   from_minor = lambda x: jnp.transpose(x.reshape(B, Hkv, D, S), (0, 3, 1, 2))
   return (_unpairs_q(dq * scale, B, Hkv).astype(q.dtype), from_minor(dkT * scale).astype(k.dtype),
