@@ -63,6 +63,23 @@ def _unblock(x, axis, n):
   return jax.lax.slice_in_dim(x, 0, n, axis=axis)
 
 
+def _key_ids(ks, bk):
+  """Segment ids of one pair's keys cut into blocks of bk (padding: segment 0) and the blocks' key indices."""
+  ksb = _blocks(ks, 0, bk)
+  return ksb, jnp.arange(ksb.shape[0] * bk, dtype=jnp.int32).reshape(-1, bk)
+
+
+def _query_pairs(x, Hkv):
+  """Queries (or dO) [B, T, Hq, D] -> per pair: [B * Hkv, G, T, D]."""
+  B, T, Hq, D = x.shape
+  return jnp.transpose(x.reshape(B, T, Hkv, Hq // Hkv, D), (0, 2, 3, 1, 4)).reshape(B * Hkv, Hq // Hkv, T, D)
+
+
+def _minor(x, B, Hkv):
+  """Keys or values [B, S, Hkv, D] -> per pair, transposed: [B * Hkv, D, S]."""
+  return jnp.transpose(x, (0, 2, 3, 1)).reshape(B * Hkv, x.shape[3], x.shape[1])
+
+
 def _mask(qs, ks_blk, k_idx, causal, T, S, q_start):
   """[Tq, bk] visibility of one key block for the queries q_start.. of T."""
   mask = (qs[:, None] == ks_blk[None, :]) & (qs[:, None] != 0)
@@ -74,14 +91,11 @@ def _mask(qs, ks_blk, k_idx, causal, T, S, q_start):
 
 def _pairs(B, Hkv, q, k, v, q_seg, kv_seg):
   """Per (batch row, kv head) pair: q [N, G, T, D], kT [N, D, S], k and v [N, S, D], segment ids [N, T], [N, S]."""
-  _, T, Hq, D = q.shape
-  S = k.shape[1]
-  G = Hq // Hkv
-  qh = jnp.transpose(q.reshape(B, T, Hkv, G, D), (0, 2, 3, 1, 4)).reshape(B * Hkv, G, T, D)
+  S, D = k.shape[1], k.shape[3]
+  qh = _query_pairs(q, Hkv)
   kh = jnp.swapaxes(k, 1, 2).reshape(B * Hkv, S, D)
   vh = jnp.swapaxes(v, 1, 2).reshape(B * Hkv, S, D)
-  kT = jnp.transpose(k, (0, 2, 3, 1)).reshape(B * Hkv, D, S)
-  return qh, kh, kT, vh, jnp.repeat(q_seg, Hkv, axis=0), jnp.repeat(kv_seg, Hkv, axis=0)
+  return qh, kh, _minor(k, B, Hkv), vh, jnp.repeat(q_seg, Hkv, axis=0), jnp.repeat(kv_seg, Hkv, axis=0)
 
 
 def _unpairs_q(x, B, Hkv):
@@ -144,8 +158,7 @@ def _fwd_rows(qh, kT, vh, qs, ks, *, causal, scale, block_k, q_start, T, S):
       pv = jnp.einsum("gts,sd->gtd", p.astype(vh.dtype), v_blk, preferred_element_type=_F32)
       return (m_new, l, acc * alpha[..., None] + pv), None
 
-    ksb = _blocks(ks, 0, bk)
-    k_idx = jnp.arange(ksb.shape[0] * bk, dtype=jnp.int32).reshape(-1, bk)
+    ksb, k_idx = _key_ids(ks, bk)
     (m, l, acc), _ = jax.lax.scan(step, init, (_blocks(kT, 1, bk), _blocks(vh, 0, bk), ksb, k_idx))
   valid = l > 0
   lse = jnp.where(valid, m + jnp.log(jnp.where(valid, l, 1.0)), -jnp.inf)
@@ -160,8 +173,8 @@ def bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, causal, scale, block_si
   G = Hq // Hkv
   bs = block_sizes.or_defaults(DEFAULT_BLOCK_SIZES)
   qh, kh, kT, _, qs, ks = _pairs(B, Hkv, q, k, v, q_seg, kv_seg)
-  vT = jnp.transpose(v, (0, 2, 3, 1)).reshape(B * Hkv, D, S)
-  doh = jnp.transpose(dout.reshape(B, T, Hkv, G, D), (0, 2, 3, 1, 4)).reshape(B * Hkv, G, T, D)
+  vT = _minor(v, B, Hkv)
+  doh = _query_pairs(dout, Hkv)
   delta = jnp.einsum("bthd,bthd->bht", dout.astype(_F32), out.astype(_F32))
   finite = jnp.isfinite(lse)
   lse_g = jnp.where(finite, lse, 0.0).reshape(B * Hkv, G, T)
@@ -210,8 +223,7 @@ def _bwd_rows(qh, qT, kh, kT, vT, qs, ks, doh, doT, lse_g, row_g, *, causal, sca
     return dq, (dkT, dvT)
 
   bk = min(block_k, Se)
-  ksb = _blocks(ks, 0, bk)
-  k_idx = jnp.arange(ksb.shape[0] * bk, dtype=jnp.int32).reshape(-1, bk)
+  ksb, k_idx = _key_ids(ks, bk)
   xs = (_blocks(kh, 0, bk), _blocks(kT, 1, bk), _blocks(vT, 1, bk), ksb, k_idx)
   dq, (dkT, dvT) = jax.lax.scan(step, jnp.zeros((G, Tq, D), _F32), xs)
   return dq, _unblock(dkT, 1, Se), _unblock(dvT, 1, Se)
