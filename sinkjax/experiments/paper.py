@@ -81,12 +81,35 @@ COMMON = ("data.source=default", "data.tokenizer=bytes", "data.packing=stream")
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
   variant: str
-  loss: str                        # "base" | "aux"
+  loss: str                        # "base" | "aux" | a dose label "lam<lambda>" (loss_label)
   seed: int
+  aux_weight: float | None = None  # lambda; None: LOSSES[loss]
 
   @property
   def name(self) -> str:
     return f"{self.variant}_{self.loss}_s{self.seed}"
+
+  @property
+  def lam(self) -> float:
+    return LOSSES[self.loss] if self.aux_weight is None else float(self.aux_weight)
+
+
+def loss_label(lam: float) -> str:
+  """The run-name label of lambda: "base" (0) and "aux" (1e-4) as in the main grid, so the dose study reuses those
+  runs; any other lambda "lam<lambda>" (e.g. lam0.001)."""
+  for k, v in LOSSES.items():
+    if float(lam) == v:
+      return k
+  return f"lam{float(lam):g}"
+
+
+def label_lambda(label: str) -> float:
+  """Inverse of loss_label."""
+  if label in LOSSES:
+    return LOSSES[label]
+  if not label.startswith("lam"):
+    raise ValueError(f"not a loss label: {label!r}")
+  return float(label[3:])
 
 
 def make_grid(variants, seeds) -> list[RunSpec]:
@@ -94,11 +117,17 @@ def make_grid(variants, seeds) -> list[RunSpec]:
   return [RunSpec(v, loss, s) for s in seeds for v in variants for loss in LOSSES]
 
 
+def make_dose_grid(variants, lambdas, seeds) -> list[RunSpec]:
+  """The dose study's grid (--lambdas): variants x lambdas x seeds, seed-major; lambda 0 and 1e-4 are the main
+  grid's base / aux runs (same names, same configs)."""
+  return [RunSpec(v, loss_label(lam), s, float(lam)) for s in seeds for v in variants for lam in lambdas]
+
+
 def run_config(scale: Scale, spec: RunSpec, run_dir, *, steps: int | None = None, extra=()):
   """The resolved `Config` of one run: the recipe, the scale's shape and the run's variant, lambda and seed."""
   from sinkjax import config as config_lib
   overrides = list(COMMON) + list(scale.overrides) + [
-      f"model.attention={spec.variant}", f"loss.aux_weight={LOSSES[spec.loss]}", f"train.seed={spec.seed}",
+      f"model.attention={spec.variant}", f"loss.aux_weight={spec.lam}", f"train.seed={spec.seed}",
       f"run.dir={run_dir}"]
   if steps is not None:
     overrides.append(f"train.steps={steps}")
@@ -203,6 +232,26 @@ def prefill_value_zeroing(model, batches, alpha_lh, *, tau: float, prompt_len: i
   return out
 
 
+def teacher_forced_value_zeroing(model, batches, alpha_lh, *, tau: float, prompt_len: int) -> dict:
+  """Teacher-forced value zeroing (`sinkjax.eval.zeroed_bpb`: the first token's value zeroed inside one forward pass
+  over the whole row) scored on the same targets as `prefill_value_zeroing`: positions prompt_len..T-1 only, so that
+  the two definitions differ in what they zero, not in what they score."""
+  from sinkjax import eval as eval_lib
+  selected = np.asarray(alpha_lh) > tau
+  window = []
+  for b in batches:
+    b = dict(b)
+    mask = np.array(b["loss_mask"], copy=True)
+    mask[:, :prompt_len] = 0
+    b["loss_mask"] = mask
+    window.append(b)
+  out = {"tau": tau, "prompt_len": prompt_len, "num_heads_selected": int(selected.sum()),
+         "num_heads": int(selected.size)}
+  for k, m in (("none", np.zeros_like(selected)), ("all", np.ones_like(selected)), ("selected", selected)):
+    out[f"bpb_{k}"] = eval_lib.zeroed_bpb(model, window, m)
+  return out
+
+
 # ----------------------------------------------------------------------------------------------------- evaluation
 
 EVAL_KEYS = ("val_bpb", "val_loss", "importance", "head_imbalance", "cv_per_layer", "first_token_attention",
@@ -229,6 +278,8 @@ def evaluate_run(run_dir: pathlib.Path, scale: Scale, *, tau: float = TAU) -> tu
                                                             "num_heads_selected", "num_heads")}
   rec["value_zeroing_after_prefill"] = prefill_value_zeroing(model, batches, report["sink_ratio_alpha"], tau=tau,
                                                              prompt_len=scale.prompt_len)
+  rec["value_zeroing_teacher_forced_window"] = teacher_forced_value_zeroing(
+      model, batches, report["sink_ratio_alpha"], tau=tau, prompt_len=scale.prompt_len)
   rec.update(eval_tokens=report["eval_tokens"], eval_seconds=time.perf_counter() - t0)
   _write_json(run_dir / "paper_eval.json", rec)
   return rec, True
@@ -738,6 +789,8 @@ def collect(out: pathlib.Path) -> list[dict]:
     if done is None or ev is None:
       continue
     variant, loss, seed = d.name.rsplit("_", 2)
+    if loss not in LOSSES:                    # a dose-study run (--lambdas): dose.json's, not the main grid's
+      continue
     records.append({"variant": variant, "loss": loss, "seed": int(seed[1:]), "run_dir": str(d),
                     "final_train_loss": done["final_loss"], "train_seconds": done["train_seconds"], **ev,
                     "imbalance_curve": imbalance_curve(d)})
@@ -808,6 +861,113 @@ def run_study(args, scale: Scale, specs: list[RunSpec], mirror=None) -> dict:
   return res
 
 
+# ------------------------------------------------------------------------------------------------- dose study
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+COMMITTED_RESULTS = REPO / "docs" / "results" / "paper_cpu" / "results.json"   # the main cpu grid, as committed
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def recipe_differences(scale: Scale, committed: dict, steps: int | None) -> dict:
+  """How the config this checkout resolves for the committed study's first run differs from the recipe stored in
+  its results.json: {"changed": {key: [committed, now]}, "new": [keys this checkout has that it lacks],
+  "gone": [keys it has that this checkout lacks]}. Reuse requires "changed" and "gone" empty (a key added since,
+  at a default that keeps the old behaviour, is listed but does not block)."""
+  from sinkjax import config as config_lib
+  first = committed["runs"][0]
+  spec = RunSpec(first["variant"], first["loss"], first["seed"])
+  now = _flatten(config_lib.to_dict(run_config(scale, spec, "RUN_DIR", steps=steps)))
+  then = _flatten(committed["recipe"])
+  changed = {k: [then[k], now[k]] for k in then if k in now and then[k] != now[k]}
+  return {"changed": changed, "new": sorted(set(now) - set(then)), "gone": sorted(set(then) - set(now))}
+
+
+def reusable_records(path, scale: Scale, steps: int | None) -> tuple[dict, dict]:
+  """({(variant, loss, seed): record}, why) of the committed main-grid study at `path` whose runs the dose study can
+  stand on instead of retraining (lambda 0 = base, 1e-4 = aux): only when it is the same scale and steps and its
+  recipe matches this checkout's (`recipe_differences`); otherwise ({}, why not)."""
+  if path is None or not pathlib.Path(path).is_file():
+    return {}, {"reused": False, "reason": f"no committed results at {path}"}
+  committed = json.loads(pathlib.Path(path).read_text())
+  why = {"path": str(path), "command": committed.get("command")}
+  if committed["scale"]["name"] != scale.name or steps is not None:
+    return {}, {**why, "reused": False, "reason": f"scale {committed['scale']['name']} at its own steps; this "
+                f"invocation: scale {scale.name}, steps {steps}"}
+  diff = recipe_differences(scale, committed, steps)
+  why.update(recipe_differences=diff)
+  if diff["changed"] or diff["gone"]:
+    return {}, {**why, "reused": False, "reason": "the recipe differs"}
+  return {(r["variant"], r["loss"], r["seed"]): r for r in committed["runs"]}, {**why, "reused": True}
+
+
+def _dose_record(spec: RunSpec, done: dict | None, ev: dict, run_dir: pathlib.Path | None, source: str) -> dict:
+  rec = {"variant": spec.variant, "loss": spec.loss, "lambda": spec.lam, "seed": spec.seed, "source": source, **ev}
+  if done is not None:
+    rec.update(final_train_loss=done["final_loss"], train_seconds=done["train_seconds"])
+  if run_dir is not None:
+    rec.update(run_dir=str(run_dir), imbalance_curve=imbalance_curve(run_dir))
+  return rec
+
+
+def dose_records(out: pathlib.Path, specs: list[RunSpec], reuse: dict) -> list[dict]:
+  """Every run of the dose grid that is finished: from OUT/runs when evaluated there, else the committed record."""
+  records = []
+  for spec in specs:
+    d = out / "runs" / spec.name
+    done, ev = _read_json(d / "done.json"), _read_json(d / "paper_eval.json")
+    if done is not None and ev is not None:
+      records.append(_dose_record(spec, done, ev, d, f"{d}"))
+    elif (spec.variant, spec.loss, spec.seed) in reuse:
+      r = dict(reuse[spec.variant, spec.loss, spec.seed])
+      records.append({**r, "lambda": spec.lam, "source": f"committed main grid ({r.pop('run_dir', '')})"})
+  return records
+
+
+def run_dose(args, scale: Scale, specs: list[RunSpec], out: pathlib.Path) -> dict:
+  """Trains and evaluates the dose grid's runs that neither OUT/runs nor the reusable committed study hold, then
+  writes dose.json (and, when the report code is there, dose.md and figures)."""
+  reuse, why = reusable_records(args.reuse, scale, args.steps)
+  print(f"reuse of {args.reuse}: {why.get('reused')} {why.get('reason', '')}", flush=True)
+  t_start = time.perf_counter()
+  for i, spec in enumerate([] if args.report_only else specs, 1):
+    run_dir = out / "runs" / spec.name
+    t0 = time.perf_counter()
+    if not (run_dir / "paper_eval.json").is_file() and (spec.variant, spec.loss, spec.seed) in reuse:
+      print(f"[{i}/{len(specs)}] {spec.name}: reused from {args.reuse}", flush=True)
+      continue
+    try:
+      done, trained = train_run(run_config(scale, spec, run_dir, steps=args.steps), run_dir)
+      rec, evaluated = evaluate_run(run_dir, scale)
+    except _user_errors() as e:
+      raise StudyError(f"run {spec.name}: {e}") from e
+    what = ("trained + evaluated" if trained else "evaluated (trained before)") if evaluated or trained else \
+        "done before, skipped"
+    print(f"[{i}/{len(specs)}] {spec.name} (lambda {spec.lam:g}): {what}; val_bpb {rec['val_bpb']:.4f}, head "
+          f"imbalance {rec['head_imbalance']:.3f} ({time.perf_counter() - t0:.0f} s; study "
+          f"{time.perf_counter() - t_start:.0f} s)", flush=True)
+  records = dose_records(out, specs, reuse)
+  if not records:
+    raise StudyError(f"no finished dose runs in {out}/runs and nothing reusable")
+  res = {"command": "python -m sinkjax.experiments.paper " + " ".join(args.argv), "scale": dataclasses.asdict(scale),
+         "lambdas": sorted({s.lam for s in specs}), "seeds": sorted({s.seed for s in specs}),
+         "variants": list(dict.fromkeys(s.variant for s in specs)), "grid_size": len(specs), "reuse": why,
+         "machine": {**machine_info()}, "runs": records}
+  write_dose = globals().get("write_dose_results")
+  if write_dose is not None:
+    res = write_dose(out, res)
+  _write_json(out / "dose.json", res)
+  return res
+
+
 class _Parser(argparse.ArgumentParser):
   def error(self, message):                                   # one line, exit status 2
     self.exit(2, f"{self.prog}: error: {message}\n")
@@ -823,7 +983,16 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seeds", type=int_at_least(1), default=3, help="number of seeds (default 3)")
   p.add_argument("--first-seed", type=int_at_least(0), default=0,
                  help="seeds are first-seed .. first-seed + seeds - 1 (run a subset per invocation; default 0)")
-  p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of vanilla,sink,gated")
+  p.add_argument("--variants", default=None,
+                 help="comma-separated subset of vanilla,sink,gated (default: all three; with --lambdas: gated)")
+  p.add_argument("--lambdas", default=None,
+                 help="the dose study instead of the main grid: comma-separated aux weights (e.g. 0,1e-4,1e-3,1e-2) "
+                      "x --variants (default gated) x seeds; lambda 0 and 1e-4 are the main grid's base / aux runs, "
+                      "taken from --reuse when it matches this recipe. Writes dose.json, dose.md and dose figures")
+  p.add_argument("--reuse", default=str(COMMITTED_RESULTS),
+                 help="with --lambdas: the committed main-grid results.json whose base / aux runs stand in for "
+                      "lambda 0 / 1e-4 when no run directory holds them ('none': train them; default "
+                      "docs/results/paper_cpu/results.json)")
   p.add_argument("--out", default="runs/paper", help="output directory (default runs/paper)")
   p.add_argument("--steps", type=int_at_least(1), default=None,
                  help="training (and fine-tuning) steps per run instead of the scale's (quick checks)")
@@ -836,13 +1005,14 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def _dry_run(out: pathlib.Path, scale: Scale, specs) -> None:
+def _dry_run(out: pathlib.Path, scale: Scale, specs, reuse=()) -> None:
   print(f"scale {scale.name}: {scale.note}")
   for i, s in enumerate(specs, 1):
     d = out / "runs" / s.name
     state = ("evaluated" if (d / "paper_eval.json").is_file() else "trained" if (d / "done.json").is_file() else
-             "started" if d.is_dir() else "to do")
-    print(f"[{i}/{len(specs)}] {s.name}: {s.variant} attention, loss.aux_weight={LOSSES[s.loss]:g}, seed {s.seed}"
+             "started" if d.is_dir() else "reused from --reuse" if (s.variant, s.loss, s.seed) in reuse else
+             "to do")
+    print(f"[{i}/{len(specs)}] {s.name}: {s.variant} attention, loss.aux_weight={s.lam:g}, seed {s.seed}"
           f" -> {d} ({state})")
 
 
@@ -851,16 +1021,32 @@ def main(argv=None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   args.argv = argv
+  if args.variants is None:
+    args.variants = "gated" if args.lambdas else ",".join(VARIANTS)
+  if args.reuse == "none":
+    args.reuse = None
   variants = [v.strip() for v in args.variants.split(",") if v.strip()]
   bad = [v for v in variants if v not in VARIANTS]
   if bad or not variants:
     parser.error(f"--variants: unknown variant(s) {','.join(bad) or repr(args.variants)}; choose from "
                  f"{','.join(VARIANTS)}")
   scale = SCALES[args.scale]
-  specs = make_grid(variants, range(args.first_seed, args.first_seed + args.seeds))
+  seeds = range(args.first_seed, args.first_seed + args.seeds)
+  if args.lambdas:
+    try:
+      lambdas = sorted({float(x) for x in args.lambdas.split(",") if x.strip()})
+    except ValueError:
+      parser.error(f"--lambdas: comma-separated numbers, got {args.lambdas!r}")
+    if not lambdas or min(lambdas) < 0:
+      parser.error(f"--lambdas: non-negative numbers, got {args.lambdas!r}")
+    if args.finetune:
+      parser.error("--finetune belongs to the main grid, not to the dose study (--lambdas)")
+    specs = make_dose_grid(variants, lambdas, seeds)
+  else:
+    specs = make_grid(variants, seeds)
   out = pathlib.Path(args.out)
   if args.dry_run:
-    _dry_run(out, scale, specs)
+    _dry_run(out, scale, specs, reusable_records(args.reuse, scale, args.steps)[0] if args.lambdas else ())
     return 0
   if args.scale == "gpu" and jax.default_backend() == "cpu":
     parser.error("--scale gpu needs a GPU (JAX sees only the CPU); use --scale cpu")
@@ -873,6 +1059,11 @@ def main(argv=None) -> int:
     # held until the process ends; --report-only trains nothing and may run beside a study that is training
     lock = None if args.report_only else _exclusive(out)  # noqa: F841  # pylint: disable=unused-variable
     _lock(out, scale, args.steps)
+    if args.lambdas:
+      res = run_dose(args, scale, specs, out)
+      print(f"wrote {out}/dose.json ({len(res['runs'])} finished runs of {len(specs)})")
+      mirror.sync()
+      return 0
     res = run_study(args, scale, specs, mirror)
   except Interrupted as e:
     print(f"{parser.prog}: {e}", file=sys.stderr)
