@@ -6,6 +6,8 @@ that names the key. A YAML file may start with `base: other.yaml` (relative to i
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import typing
 from typing import Any
 
@@ -221,6 +223,51 @@ CHOICES = {
 }
 
 
+# The range of every numeric key (checked when a config is loaded, before anything is written anywhere). Where 0 or
+# -1 has a meaning, the comment at the key's declaration above says which ("0 = the token budget", ...).
+RANGES = {
+    "model.num_layers": ">=1", "model.d_model": ">=1", "model.num_heads": ">=1", "model.num_kv_heads": ">=1",
+    "model.head_dim": ">=1", "model.vocab_size": ">=0", "model.mlp_ratio": ">=1", "model.logit_softcap": ">=0",
+    "model.rope_theta": ">0", "model.max_seq_len": ">=1", "model.sink_tokens": ">=0", "model.sink_init": "any",
+    "model.gate_bias_init": "any", "model.mlp_hidden": ">=0", "model.swiglu_limit": ">0",
+    "model.swiglu_alpha": ">0", "model.moe_experts": ">=0", "model.moe_top_k": ">=1", "model.norm_eps": ">0",
+    "model.rope_factor": ">0", "model.rope_low_freq_factor": ">0", "model.rope_high_freq_factor": ">0",
+    "model.rope_original_max_seq_len": ">=0", "model.rope_beta_fast": ">0", "model.rope_beta_slow": ">0",
+    "model.rope_attention_factor": ">=0", "model.sliding_window": ">=0", "model.depth": ">=0",
+    "model.vocab_pad_to": ">=1",
+    "loss.aux_weight": ">=0", "loss.num_shared_heads": ">=0",
+    "lora.rank": ">=0", "lora.alpha": ">0",
+    "data.seq_len": ">=1", "data.val_fraction": "(0,1)", "data.num_workers": ">=0", "data.prefetch": ">=1",
+    "data.shuffle_batches": ">=0",
+    "train.batch_size": ">=1", "train.grad_accum": ">=1", "train.steps": ">=0", "train.tokens_per_param": ">0",
+    "train.seed": ">=0", "train.log_every": ">=1", "train.eval_every": ">=0", "train.eval_batches": ">=0",
+    "train.matrix_lr": ">=0", "train.embed_lr": ">=0", "train.unembed_lr": ">=0", "train.scalar_lr": ">=0",
+    "train.adamw_lr": ">=0", "train.weight_decay": ">=0", "train.grad_clip": ">=0", "train.warmup_steps": ">=0",
+    "train.decay_frac": "[0,1]", "train.muon_momentum": "[0,1)", "train.muon_momentum_start": "[0,1]",
+    "train.muon_momentum_warmup": ">=0", "train.max_nonfinite": ">=1", "train.stop_at_step": ">=0",
+    "train.profile_start": ">=0", "train.profile_steps": ">=0",
+    "checkpoint.every": ">=1", "checkpoint.keep": ">=1",
+    "mesh.data": "-1|>=1", "mesh.fsdp": ">=1", "mesh.tensor": ">=1",
+}
+_RANGE_TESTS = {
+    "any": (lambda v: True, "finite"),
+    ">=0": (lambda v: v >= 0, ">= 0"),
+    ">=1": (lambda v: v >= 1, ">= 1"),
+    ">0": (lambda v: v > 0, "> 0"),
+    "[0,1]": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "[0,1)": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "(0,1)": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "-1|>=1": (lambda v: v == -1 or v >= 1, "-1 (fill the remaining devices) or >= 1"),
+}
+
+
+def _check_range(key: str, value) -> None:
+  """A numeric value outside RANGES[key] (or a NaN / infinity) is a ConfigError naming the key and its range."""
+  ok, text = _RANGE_TESTS[RANGES[key]]
+  if not math.isfinite(value) or not ok(value):
+    raise ConfigError(f"config key {key} must be {text}, got {value!r}")
+
+
 def _coerce(key: str, value: Any, typ: type) -> Any:
   """Checks/converts one leaf value; strings from the command line are parsed as YAML scalars first."""
   if isinstance(value, str) and typ is not str:
@@ -241,26 +288,47 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
     raise ConfigError(f"config key {key} must be {typ.__name__}, got {value!r}")
   if key in CHOICES and value not in CHOICES[key]:
     raise ConfigError(f"config key {key} must be one of {'|'.join(CHOICES[key])}, got {value!r}")
+  if typ in (int, float):
+    _check_range(key, value)
   return value
 
 
-def _apply(obj: Any, tree: dict, prefix: str = "") -> None:
+def _apply(obj: Any, tree: dict, source: str, prefix: str = "") -> None:
+  """Sets the keys of `tree` on the config `obj`; an error names the key and `source` (a file, the command line)."""
   hints = typing.get_type_hints(type(obj))
   for name, value in tree.items():
     key = f"{prefix}{name}"
     if name not in hints:
-      known = ", ".join(f"{prefix}{f.name}" for f in dataclasses.fields(obj))
-      raise ConfigError(f"unknown config key {key} (known here: {known})")
+      raise ConfigError(f"unknown config key {key} in {source}{_suggest(obj, name, prefix)}")
     typ = hints[name]
     if dataclasses.is_dataclass(typ):
       if not isinstance(value, dict):
-        raise ConfigError(f"config key {key} must be a mapping of sub-keys, got {value!r}")
-      _apply(getattr(obj, name), value, key + ".")
+        raise ConfigError(f"config key {key} in {source} must be a mapping of sub-keys, got {value!r}")
+      _apply(getattr(obj, name), value, source, key + ".")
     else:
-      setattr(obj, name, _coerce(key, value, typ))
+      try:
+        setattr(obj, name, _coerce(key, value, typ))
+      except ConfigError as e:
+        raise ConfigError(f"{e} (in {source})") from None
 
 
-def _read_yaml(path, seen: tuple = ()) -> dict:
+def _suggest(obj: Any, name: str, prefix: str) -> str:
+  """'; it belongs in S.name' for a key of another section, else '; did you mean X?' with the nearest keys."""
+  if prefix:
+    elsewhere = [f"{section}.{name}" for section, typ in typing.get_type_hints(Config).items()
+                 if name in {f.name for f in dataclasses.fields(typ)}]
+    if elsewhere:
+      return f"; it belongs in {' or '.join(elsewhere)}"
+  here = [f.name for f in dataclasses.fields(obj)]
+  near = difflib.get_close_matches(name, here, n=3, cutoff=0.6)
+  if near:
+    return f"; did you mean {' or '.join(prefix + n for n in near)}?"
+  return f" (the sections are {', '.join(here)})" if not prefix else \
+      f" (the keys of {prefix[:-1]} are declared in sinkjax/config.py)"
+
+
+def _read_yaml(path, seen: tuple = ()) -> list[tuple[str, dict]]:
+  """[(file, tree)] in the order they apply: the `base:` chain first, then the file itself."""
   if not path.is_file():
     raise ConfigError(f"config file {path} does not exist (see configs/ for the available ones)")
   if str(path.resolve()) in seen:
@@ -273,18 +341,8 @@ def _read_yaml(path, seen: tuple = ()) -> dict:
     raise ConfigError(f"config file {path} must be a mapping of sections (model:, train:, ...)")
   base = tree.pop("base", None)
   if base is None:
-    return tree
-  merged = _read_yaml(path.parent / base, seen + (str(path.resolve()),))
-  _deep_merge(merged, tree)
-  return merged
-
-
-def _deep_merge(dst: dict, src: dict) -> None:
-  for k, v in src.items():
-    if isinstance(v, dict) and isinstance(dst.get(k), dict):
-      _deep_merge(dst[k], v)
-    else:
-      dst[k] = v
+    return [(str(path), tree)]
+  return _read_yaml(path.parent / base, seen + (str(path.resolve()),)) + [(str(path), tree)]
 
 
 def parse_override(text: str) -> tuple[str, str]:
@@ -299,7 +357,8 @@ def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> C
   cfg = Config()
   if path:
     from sinkjax import paths  # pylint: disable=import-outside-toplevel  # paths imports ConfigError from here
-    _apply(cfg, _read_yaml(paths.as_path(path, "config file")))
+    for source, tree in _read_yaml(paths.as_path(path, "config file")):
+      _apply(cfg, tree, source)
   for text in overrides:
     key, value = parse_override(text)
     tree: dict = {}
@@ -308,7 +367,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> C
     for p in parts[:-1]:
       node = node.setdefault(p, {})
     node[parts[-1]] = value
-    _apply(cfg, tree)
+    _apply(cfg, tree, f"the override {text!r}")
   validate(cfg)
   return cfg
 
@@ -342,34 +401,32 @@ def resolve_depth(m: ModelConfig) -> None:
     setattr(m, key, value)
 
 
+def _check_ranges(cfg: Config) -> None:
+  """RANGES over the whole config (a config built in code never went through `_coerce`)."""
+  for key, spec in RANGES.items():
+    section, name = key.split(".")
+    value = getattr(getattr(cfg, section), name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f"config key {key} must be a number, got {value!r}")
+    _check_range(key, value)
+
+
 def validate(cfg: Config) -> None:
+  _check_ranges(cfg)
   m = cfg.model
   resolve_depth(m)
-  if m.vocab_pad_to < 1:
-    raise ConfigError(f"model.vocab_pad_to must be >= 1, got {m.vocab_pad_to}")
-  if not 0 <= cfg.train.muon_momentum_start <= 1 or not 0 <= cfg.train.muon_momentum < 1:
-    raise ConfigError("train.muon_momentum and train.muon_momentum_start must be in [0, 1)")
-  if m.num_heads % max(m.num_kv_heads, 1) or m.num_kv_heads < 1:
-    raise ConfigError(f"model.num_heads ({m.num_heads}) must be a positive multiple of model.num_kv_heads "
+  if m.num_heads % m.num_kv_heads:
+    raise ConfigError(f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads "
                       f"({m.num_kv_heads})")
-  for key, val in (("model.num_layers", m.num_layers), ("model.d_model", m.d_model),
-                   ("model.head_dim", m.head_dim), ("data.seq_len", cfg.data.seq_len),
-                   ("train.batch_size", cfg.train.batch_size), ("train.grad_accum", cfg.train.grad_accum),
-                   ("train.log_every", cfg.train.log_every), ("checkpoint.every", cfg.checkpoint.every)):
-    if val < 1:
-      raise ConfigError(f"config key {key} must be >= 1, got {val}")
   if cfg.train.batch_size % cfg.train.grad_accum:
     raise ConfigError(f"train.batch_size ({cfg.train.batch_size}) must be divisible by train.grad_accum "
                       f"({cfg.train.grad_accum})")
-  if not 0 <= cfg.loss.num_shared_heads < m.num_heads:
+  if cfg.loss.num_shared_heads >= m.num_heads:
     raise ConfigError(f"loss.num_shared_heads must be in [0, model.num_heads) = [0, {m.num_heads}), "
                       f"got {cfg.loss.num_shared_heads}")
-  if cfg.loss.aux_weight < 0:
-    raise ConfigError(f"loss.aux_weight must be >= 0, got {cfg.loss.aux_weight}")
-  if cfg.train.profile_steps < 0 or (cfg.train.profile_steps > 0 and cfg.train.profile_start < 1):
-    raise ConfigError(f"train.profile_steps must be >= 0 and, when > 0, train.profile_start >= 1 (a step number; "
-                      f"pick one after the first, which compiles), got {cfg.train.profile_steps} / "
-                      f"{cfg.train.profile_start}")
+  if cfg.train.profile_steps > 0 and cfg.train.profile_start < 1:
+    raise ConfigError(f"train.profile_steps > 0 needs train.profile_start >= 1 (a step number; pick one after the "
+                      f"first, which compiles), got {cfg.train.profile_start}")
   _validate_architecture(m)
   _validate_gate(m)
   _validate_lora(cfg.lora)
@@ -384,14 +441,8 @@ LORA_TARGETS = choices.LORA_TARGETS
 
 def _validate_architecture(m: ModelConfig) -> None:
   """The options of imported models (HF architectures): values in range and combinations the model supports."""
-  if m.mlp_hidden < 0 or m.moe_experts < 0 or m.sliding_window < 0:
-    raise ConfigError("model.mlp_hidden, model.moe_experts and model.sliding_window must be >= 0")
   if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
     raise ConfigError(f"model.moe_top_k must be in [1, model.moe_experts={m.moe_experts}], got {m.moe_top_k}")
-  if m.norm_eps <= 0:
-    raise ConfigError(f"model.norm_eps must be > 0, got {m.norm_eps}")
-  if m.rope_scaling != "none" and m.rope_factor <= 0:
-    raise ConfigError(f"model.rope_factor must be > 0 with model.rope_scaling={m.rope_scaling}")
   bad = [t for t in m.layer_types if t not in LAYER_TYPES]
   if bad:
     raise ConfigError(f"model.layer_types entries must be {'|'.join(LAYER_TYPES)}, got {bad[0]!r}")
@@ -414,8 +465,6 @@ def _validate_gate(m: ModelConfig) -> None:
 
 
 def _validate_lora(lora: LoRAConfig) -> None:
-  if lora.rank < 0:
-    raise ConfigError(f"lora.rank must be >= 0 (0 = off), got {lora.rank}")
   bad = [t for t in lora.targets if t not in LORA_TARGETS]
   if bad or (lora.rank and not lora.targets):
     raise ConfigError(f"lora.targets must be a non-empty list of {'|'.join(LORA_TARGETS)}, got {lora.targets!r}")

@@ -148,6 +148,30 @@ def prepare_run_dir(cfg: Config) -> tuple[Any, bool]:
   return run_dir, has_ckpt
 
 
+def check_step_change(cfg: Config, run_dir, given_steps: int) -> None:
+  """Resuming with another total step count than the run was started with (its config.yaml's train.steps; the
+  count is what the learning-rate schedule is laid out over). Raising it with an explicit train.steps extends the
+  run, said in one line before anything happens; a count derived from the token budget (train.steps=0) that differs,
+  or an explicit lower one, is a ConfigError: the user did not ask to change the run."""
+  path = run_dir / CONFIG_FILE
+  if not path.is_file():
+    return
+  old, new = read_run_config(run_dir).train.steps, cfg.train.steps
+  if old in (0, new):
+    return
+  if given_steps == 0:
+    raise ConfigError(f"run.dir {run_dir} was started with train.steps={old}, and train.steps=0 now derives {new} "
+                      f"from the token budget: pass train.steps={old} to resume it as it is, train.steps={new} to "
+                      "change its length, or pick another run.dir")
+  if new < old:
+    raise ConfigError(f"train.steps={new} is below the {old} steps the run in {run_dir} was started with (its "
+                      f"learning-rate schedule would change mid-run): to stop early keep train.steps={old} and set "
+                      f"train.stop_at_step={new}, or pick another run.dir")
+  if jax.process_index() == 0:
+    print(f"sinkjax.train: extending the run in {run_dir} from {old} to {new} steps (train.steps={new}); the "
+          f"learning-rate schedule is laid out anew over {new} steps", flush=True)
+
+
 def legacy_data_settings(cfg: Config) -> None:
   """Resuming a run whose config.yaml predates a key of LEGACY_DATA_SETTINGS: its iterator state is of the pipeline
   it was trained with (unshuffled rows, document packing), so keep that (with a note) rather than refuse to resume."""

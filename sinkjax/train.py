@@ -453,6 +453,7 @@ class Trainer:
     self.graphdef, abstract_params, _ = self.params.split_model(abstract_model)
     self.num_params = count_params(abstract_model)
     self.num_trainable = sum(x.size for x in jax.tree.leaves(abstract_params))
+    given_steps = cfg.train.steps
     cfg.train.steps = total_steps(cfg, self.num_params)
     self.stop_at = min(cfg.train.stop_at_step or cfg.train.steps, cfg.train.steps)
     self.tx, self.lr_schedule = optim.build_optimizer(cfg, cfg.train.steps)
@@ -463,6 +464,8 @@ class Trainer:
     self.eval_batches = make_eval_batches(cfg.data, self.tok, batch_size=micro // procs,
                                           num_batches=cfg.train.eval_batches) if cfg.train.eval_batches > 0 else []
     self.run_dir, has_ckpt = run_lib.prepare_run_dir(cfg)
+    if has_ckpt:
+      run_lib.check_step_change(cfg, self.run_dir, given_steps)
     self._jit_steps()
     self.ckpt = ckpt_lib.Checkpointer(self.run_dir, cfg.checkpoint)
     self.start = self._restore() if has_ckpt and self.ckpt.latest_step() is not None else self._initialize()

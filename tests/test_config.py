@@ -1,0 +1,124 @@
+"""The config as a specification: every numeric key has a range that a loaded config is checked against, a bad value
+is one line naming the key (and the file or override it came from) and leaves an existing run directory untouched,
+unknown keys get the nearest known ones, and resuming with another step count behaves as documented."""
+import dataclasses
+import hashlib
+import math
+import pathlib
+import typing
+
+import pytest
+
+from sinkjax import config as config_lib
+from sinkjax.config import RANGES, Config, ConfigError, load_config
+from sinkjax.train import main as train_main
+from sinkjax.train import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+SMALL = ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=16",
+         "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=8", "train.log_every=1", "train.eval_batches=1",
+         "train.eval_every=0", "checkpoint.every=100"]
+
+# Values outside each range, written by hand from the range's meaning (not generated from the checker).
+BAD = {
+    ">=1": ["0", "-1"], ">=0": ["-1", "-5"], ">0": ["0", "-0.5"], "[0,1]": ["-0.1", "1.5"], "[0,1)": ["1.0", "-1"],
+    "(0,1)": ["0", "1"], "-1|>=1": ["0", "-2"], "any": [".nan", ".inf"],
+}
+
+
+def _numeric_keys():
+  for section, typ in typing.get_type_hints(Config).items():
+    for f in dataclasses.fields(typ):
+      if typing.get_type_hints(typ)[f.name] in (int, float):
+        yield f"{section}.{f.name}"
+
+
+def _digest(path: pathlib.Path) -> str:
+  h = hashlib.sha256()
+  for p in sorted(path.rglob("*")):
+    h.update(str(p.relative_to(path)).encode())
+    if p.is_file():
+      h.update(p.read_bytes())
+  return h.hexdigest()
+
+
+def test_every_numeric_key_has_a_range():
+  """A numeric key added to the config without a range would escape validation."""
+  assert set(_numeric_keys()) == set(RANGES)
+
+
+def test_each_range_admits_its_default():
+  for key in RANGES:
+    section, name = key.split(".")
+    value = getattr(getattr(Config(), section), name)
+    load_config(None, [f"{key}={value}"] + (["model.vocab_size=0"] if key != "model.vocab_size" else []))
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_out_of_range_values_are_refused(key):
+  for value in BAD[RANGES[key]] + ([".nan"] if isinstance(getattr(getattr(Config(), key.split(".")[0]),
+                                                                          key.split(".")[1]), float) else []):
+    with pytest.raises(ConfigError, match=rf"config key {key} must be .*got .*\(in the override '{key}="):
+      load_config(None, [f"{key}={value}"])
+
+
+def test_a_config_built_in_code_is_range_checked_too():
+  cfg = Config()
+  cfg.train.steps = -5
+  with pytest.raises(ConfigError, match="train.steps must be >= 0"):
+    config_lib.validate(cfg)
+
+
+def test_unknown_keys_suggest_the_nearest_and_name_their_file(tmp_path):
+  with pytest.raises(ConfigError, match=r"unknown config key train.stpes in the override .*did you mean train.steps\?"):
+    load_config(None, ["train.stpes=4"])
+  with pytest.raises(ConfigError, match=r"model.batch_size .*it belongs in train.batch_size"):
+    load_config(None, ["model.batch_size=4"])
+  child = tmp_path / "child.yaml"
+  child.write_text(f"base: {TINY}\nloss:\n  aux_wieght: 0.1\n")
+  with pytest.raises(ConfigError, match=rf"loss.aux_wieght in {child}; did you mean loss.aux_weight\?") as e:
+    load_config(str(child))
+  assert len(str(e.value)) < 200
+  bad = tmp_path / "bad.yaml"
+  bad.write_text(f"base: {TINY}\ntrain:\n  steps: -5\n")
+  with pytest.raises(ConfigError, match=rf"train.steps must be >= 0, got -5 \(in {bad}\)"):
+    load_config(str(bad))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, compile_cache):
+  path = tmp_path_factory.mktemp("run")
+  train(load_config(TINY, SMALL + ["train.steps=2", f"run.dir={path}"]), progress=False)
+  return path
+
+
+def test_bad_values_leave_an_existing_run_untouched(run_dir, capsys):
+  """`python -m sinkjax.train` with each bad value on an existing run: exit 1, one line naming the key, and the run
+  directory byte-for-byte as it was (the incident: train.steps=-5 resumed and rewrote a run)."""
+  before = _digest(run_dir)
+  for key in sorted(RANGES):
+    for value in BAD[RANGES[key]][:1]:
+      assert train_main(["--config", TINY, *SMALL, f"run.dir={run_dir}", f"{key}={value}"]) == 1
+      err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+      assert len(err) == 1 and key in err[0], (key, err)
+  assert _digest(run_dir) == before
+
+
+def test_resume_with_another_step_count(run_dir, capsys):
+  """The run was started with train.steps=2. A count derived from the token budget (train.steps=0) or a lower one
+  is refused before anything changes; an explicit higher one extends the run and says so first."""
+  before = _digest(run_dir)
+  with pytest.raises(ConfigError, match=r"started with train.steps=2, and train.steps=0 now derives \d+"):
+    train(load_config(TINY, SMALL + ["train.steps=0", f"run.dir={run_dir}"]), progress=False)
+  with pytest.raises(ConfigError, match=r"train.steps=1 is below the 2 steps .* train.stop_at_step=1"):
+    train(load_config(TINY, SMALL + ["train.steps=1", f"run.dir={run_dir}"]), progress=False)
+  assert _digest(run_dir) == before
+  capsys.readouterr()
+  out = train(load_config(TINY, SMALL + ["train.steps=3", f"run.dir={run_dir}"]), progress=False)
+  assert out["start_step"] == 2 and out["end_step"] == 3
+  printed = capsys.readouterr().out
+  assert f"extending the run in {run_dir} from 2 to 3 steps" in printed
+  assert load_config(str(run_dir / "config.yaml")).train.steps == 3
+  again = train(load_config(TINY, SMALL + ["train.steps=3", f"run.dir={run_dir}"]), progress=False)
+  assert again["start_step"] == 3 and math.isfinite(out["final_loss"])
