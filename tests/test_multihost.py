@@ -298,7 +298,7 @@ def test_sigterm_to_one_process_saves_the_same_step_everywhere(tmp_path, compile
 @pytest.mark.slow    # ~40 s: one 2-process run
 def test_nonfinite_stop_is_the_same_in_every_process(tmp_path, compile_cache, launch):
   """The non-finite counter comes from the (global) step metrics: both processes stop at the same step."""
-  ov = OV + ["train.optimizer=adamw", "train.adamw_lr=.inf", "train.max_nonfinite=2", "train.steps=20",
+  ov = OV + ["train.optimizer=adamw", "train.adamw_lr=1e39", "train.max_nonfinite=2", "train.steps=20",
              f"run.dir={tmp_path / 'run'}"]
   rc, _, err = launch(["--config", TINY, *ov], env=compile_cache).wait(400)
   assert rc == 1, err

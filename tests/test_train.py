@@ -267,10 +267,11 @@ def test_sigterm_saves_a_checkpoint_and_resumes(tmp_path, compile_cache):
 
 
 def test_nonfinite_updates_are_skipped_and_stop_the_run(tmp_path, compile_cache):
-  """An infinite learning rate makes every update non-finite: none is applied, the run stops after
-  train.max_nonfinite of them, and what was checkpointed meanwhile is the finite, untouched model."""
+  """A learning rate beyond float32 (1e39: finite in the config, inf on the device) makes every update non-finite:
+  none is applied, the run stops after train.max_nonfinite of them, and what was checkpointed meanwhile is the
+  finite, untouched model."""
   run_dir = tmp_path / "run"
-  cfg = load_config(TINY, SMALL + ["train.optimizer=adamw", "train.adamw_lr=.inf", "train.max_nonfinite=3",
+  cfg = load_config(TINY, SMALL + ["train.optimizer=adamw", "train.adamw_lr=1e39", "train.max_nonfinite=3",
                                    "train.steps=20", "checkpoint.every=2", f"run.dir={run_dir}"])
   with pytest.raises(TrainError, match="non-finite for 3 steps in a row"):
     train(cfg, progress=False)
