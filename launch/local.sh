@@ -8,13 +8,15 @@
 # SINKJAX_COORDINATOR=127.0.0.1:P (a free port by default), SINKJAX_NUM_PROCESSES=N and SINKJAX_PROCESS_ID=i, which
 # sinkjax.distributed reads. Each process sees D devices: D CPU devices (XLA_FLAGS
 # --xla_force_host_platform_device_count=D, JAX_PLATFORMS=cpu) or D GPUs (its slice of CUDA_VISIBLE_DEVICES; the
-# default platform is cuda when nvidia-smi lists GPUs, D then defaults to GPUs / N). Output lines are prefixed [pI].
+# default platform is cuda when nvidia-smi lists GPUs, D then defaults to GPUs / N). Output lines are prefixed [pI];
+# each process' whole output, library chatter included (shown: everything but gloo's connection reports), is kept in
+# $TMPDIR/sinkjax_local.*/pI.log, named in the first line.
 # SIGTERM / SIGINT / SIGHUP to the launcher send SIGTERM to every process (they agree on a step, save it, stop).
 # Once a process has ended (failed, killed or done), the others get S seconds (default 60) to end too, then they are
 # killed; the launcher exits with the first failing status (0 when all succeed). --dry-run prints the commands.
 set -euo pipefail
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "local.sh: $*" >&2; exit 2; }
 exec 3>&2        # the launcher's own messages; bash's job reports ("Killed ...") are silenced below
 say() { echo "local.sh: $*" >&3; }
@@ -100,15 +102,20 @@ if [[ $dry_run == 1 ]]; then
   exit 0
 fi
 
-prefix() {   # prefix TAG: copies stdin to stdout, each line behind TAG (a progress bar's \r updates: the last one)
+# Library chatter that says nothing to a user (gloo's connection reports, one per rank and collective group); it goes
+# to the process's log file only.
+noise='\[Gloo\]|peer ranks'
+prefix() {   # prefix TAG LOG: every line of stdin into LOG; to stdout behind TAG unless it is noise (a progress bar's
+             # \r updates: the last one)
   trap '' INT TERM HUP
   local line
   while IFS= read -r line || [[ -n "$line" ]]; do
-    printf '%s %s\n' "$1" "${line##*$'\r'}"
+    printf '%s\n' "$line" >> "$2"
+    [[ "$line" =~ $noise ]] || printf '%s %s\n' "$1" "${line##*$'\r'}"
   done
 }
 
-fifo_dir=$(mktemp -d "${TMPDIR:-/tmp}/sinkjax_local.XXXXXX")
+fifo_dir=$(mktemp -d "${TMPDIR:-/tmp}/sinkjax_local.XXXXXX")   # the pipes, and each process' whole output (pI.log)
 pids=() printers=() alive=()
 signal_all() {   # signal_all SIG [group]: SIG to every running process (with "group": to its whole process group)
   local i
@@ -119,7 +126,7 @@ signal_all() {   # signal_all SIG [group]: SIG to every running process (with "g
     fi
   done
 }
-trap 'signal_all KILL group; rm -rf "$fifo_dir"' EXIT
+trap 'signal_all KILL group; rm -f "$fifo_dir"/out* "$fifo_dir"/err*' EXIT
 
 status=0 deadline="" killed=0
 # shellcheck disable=SC2329  # called by the traps below
@@ -140,9 +147,9 @@ if command -v setsid > /dev/null 2>&1; then own_group=(setsid); else set -m; fi
 for (( i = 0; i < procs; i++ )); do
   [[ -z "$deadline" ]] || break      # a signal came while starting: start no more
   mkfifo "$fifo_dir/out$i" "$fifo_dir/err$i"
-  prefix "[p$i]" < "$fifo_dir/out$i" &
+  prefix "[p$i]" "$fifo_dir/p$i.log" < "$fifo_dir/out$i" &
   printers+=($!)
-  prefix "[p$i]" < "$fifo_dir/err$i" >&2 &
+  prefix "[p$i]" "$fifo_dir/p$i.log" < "$fifo_dir/err$i" >&2 &
   printers+=($!)
   command_of "$i"
   "${own_group[@]}" "${cmd[@]}" > "$fifo_dir/out$i" 2> "$fifo_dir/err$i" &
@@ -152,7 +159,7 @@ done
 set +m
 running=${#pids[@]}
 say "started ${#pids[@]} processes of $module ($devices $platform device(s) each, coordinator 127.0.0.1:$port)," \
-  "pids ${pids[*]}"
+  "pids ${pids[*]}, whole output in $fifo_dir/p*.log"
 
 reap() {   # notes the processes that ended; the first one to end starts the --grace countdown for the others
   local i rc
@@ -164,7 +171,8 @@ reap() {   # notes the processes that ended; the first one to end starts the --g
     wait "${pids[$i]}" || rc=$?
     if [[ $rc != 0 && $status == 0 ]]; then
       status=$rc
-      say "process $i exited with status $rc; the others get ${grace}s to end before they are killed"
+      say "process $i exited with status $rc (its whole output: $fifo_dir/p$i.log); the others get ${grace}s to" \
+        "end before they are killed"
     fi
     deadline=${deadline:-$(( SECONDS + grace ))}   # processes of one job end together (jax.distributed's shutdown)
   done
