@@ -1,0 +1,54 @@
+"""The README as a newcomer reads it: its test command is the one CI runs, and every script it runs directly can be
+run (its execute bit is set in git, which a test that calls scripts through `bash` would never notice)."""
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _code_lines():
+  """The command lines of the README's ```bash blocks (comments and blank lines dropped)."""
+  for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+    for line in block.splitlines():
+      line = line.split("  #")[0].strip()
+      if line and not line.startswith("#"):
+        yield line
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+  two = README[README.index("## The two commands"):]
+  block = re.search(r"```bash\n(.*?)```", two, re.S).group(1)
+  test_cmd = [l for l in block.splitlines() if "pytest" in l]
+  assert len(test_cmd) == 1, block
+  ci = (ROOT / ".ci" / "run").read_text()
+  ci_cmd = [l for l in ci.splitlines() if "pytest" in l and not l.lstrip().startswith("#")]
+  assert ci_cmd == [test_cmd[0] + ' "$@"'], (ci_cmd, test_cmd)
+
+
+def _git_modes():
+  try:
+    out = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return {line.split("\t")[1]: line.split()[0] for line in out.splitlines() if "\t" in line}
+
+
+def test_scripts_the_readme_runs_directly_are_executable():
+  scripts = {shlex.split(l)[0] for l in _code_lines() if re.match(r"^(\./)?[\w.-]+/[\w./-]+\.sh\b|^\.ci/run", l)}
+  scripts.add(".ci/run")
+  assert "launch/local.sh" in scripts and "launch/tpu_vm.sh" in scripts, scripts
+  modes = _git_modes()
+  for script in sorted(scripts):
+    path = script.removeprefix("./")
+    assert (ROOT / path).is_file(), f"the README runs {script}, which does not exist"
+    if modes is None:
+      pytest.skip("not a git checkout: only the files' own modes can be read")
+    assert modes.get(path) == "100755", f"{path} has mode {modes.get(path)} in git: run `git update-index " \
+                                         f"--chmod=+x {path}`"
+    assert os.access(ROOT / path, os.X_OK), path
