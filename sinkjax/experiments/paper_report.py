@@ -1,0 +1,485 @@
+"""Statistics and readings of the committed paper studies, computed from their raw files (no training, no model).
+
+    python -m sinkjax.experiments.paper_report [--grid docs/results/paper_cpu/results.json]
+        [--dose docs/results/paper_cpu_dose/dose.json] [--write]
+
+Prints the noise floor and every effect's test (`sinkjax.experiments.stats`); with --write also writes
+`stats.md` / `stats.json` next to the grid's results.json and, given --dose, `dose.md`, `dose_stats.json`,
+`dose_imbalance.png` and `dose_importance.png` next to dose.json. docs/RESULTS.md quotes these files;
+tests/test_results_docs.py recomputes what it quotes from the raw files.
+
+What is tested and against what (fixed before the dose runs were read):
+- **BPB floor** (main grid): the pooled RMS of the paired aux - base differences of vanilla and sink at lambda =
+  1e-4. Their aux term is ~1e-8 (vanilla) and ~1e-6 (sink) of a loss of ~1.3, so the aux run is in effect the
+  base run perturbed: a null arm. For the dose study the gated lambda = 1e-8 runs (aux term ~1e-8, the same order
+  as vanilla's) - gated base are pooled in as well, when present.
+- **Head-imbalance floor** (gated only): the gated lambda = 1e-8 - base differences, when present; no other arm
+  is a null at gated's level of imbalance (vanilla's imbalance is ~0.002, 100x smaller), so without them the
+  imbalance effects get the sign test only.
+- Every effect: paired per-seed differences, z against the floor and the exact sign test (`stats.verdict`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+
+from sinkjax.experiments import stats
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+GRID = REPO / "docs" / "results" / "paper_cpu" / "results.json"
+DOSE = REPO / "docs" / "results" / "paper_cpu_dose" / "dose.json"
+NULL_LAMBDA = 1e-8          # the gated null arm of the dose study
+VARIANTS = ("vanilla", "sink", "gated")
+
+
+def _by(records, variant, loss_or_lambda, key):
+  """{seed: key} of the records of one variant and loss label ("base" / "aux") or lambda (a float)."""
+  out = {}
+  for r in records:
+    if r["variant"] != variant:
+      continue
+    if isinstance(loss_or_lambda, str) and r["loss"] != loss_or_lambda:
+      continue
+    if not isinstance(loss_or_lambda, str) and float(r["lambda"]) != float(loss_or_lambda):
+      continue
+    out[r["seed"]] = key(r) if callable(key) else r[key]
+  return out
+
+
+def aux_term(record, lam: float) -> float:
+  """lambda * sum_l H * CV(Imp[l,:])^2 (eq. 7) at the run's held-out importances (cv_per_layer)."""
+  cv = np.asarray(record["cv_per_layer"], np.float64)
+  return lam * len(record["importance"][0]) * float((cv ** 2).sum())
+
+
+def _curve_at(curve, step):
+  d = {int(s): y for s, y in curve}
+  return d.get(step)
+
+
+def _rng(xs, nd=3, fmt="f"):
+  xs = [x for x in xs if x is not None]
+  return f"{min(xs):.{nd}{fmt}}–{max(xs):.{nd}{fmt}}"
+
+
+# ---------------------------------------------------------------------------------------------------- main grid
+
+def grid_stats(grid: dict, gated_null: dict | None = None) -> dict:
+  """Every test of the main grid. gated_null: {seed: (bpb diff, imbalance diff)} of the dose study's gated
+  lambda = 1e-8 arm, when it exists (then the gated imbalance effect is tested against it)."""
+  runs = grid["runs"]
+  diff = {}
+  for v in VARIANTS:
+    for key in ("val_bpb", "head_imbalance"):
+      seeds, d = stats.paired(_by(runs, v, "aux", key), _by(runs, v, "base", key))
+      diff[v, key] = (seeds, d)
+  floor = stats.noise_floor({"vanilla": diff["vanilla", "val_bpb"][1], "sink": diff["sink", "val_bpb"][1]})
+  imb_floor = None
+  if gated_null:
+    imb_floor = stats.noise_floor({"gated lambda 1e-8": [v[1] for _, v in sorted(gated_null.items())]})
+  effects = {}
+  for v in VARIANTS:
+    effects[f"{v} BPB"] = stats.verdict(diff[v, "val_bpb"][1], floor["sigma"],
+                                        what=f"{v}, val BPB aux − base")
+  for v in VARIANTS:
+    sig = imb_floor["sigma"] if (v == "gated" and imb_floor) else None
+    effects[f"{v} imbalance"] = stats.verdict(diff[v, "head_imbalance"][1], sig, nd=3,
+                                              what=f"{v}, final head imbalance aux − base")
+  return {"bpb_floor": floor, "imbalance_floor_gated": imb_floor, "effects": effects,
+          "finetune": _finetune(grid.get("finetune")),
+          "seeds": diff["gated", "val_bpb"][0], "aux_terms": _aux_terms(runs), "value_norm_ratio": _vnr(runs),
+          "value_zeroing": _value_zeroing(runs), "timing": _timing(runs), "curves": _curves(runs),
+          "first_token": _first_token(runs)}
+
+
+DOMINANT = 0.9        # a head with held-out importance above this before fine-tuning is listed head by head
+
+
+def _finetune(ft: dict | None) -> dict | None:
+  """Gated fine-tuning (one seed): the shared (top-1) / routed means before and after each mode, and every head
+  whose importance before exceeds DOMINANT (the heads that carry their layer), before and after each mode."""
+  if not ft or "gated" not in ft:
+    return None
+  g = ft["gated"]
+  before = np.asarray(g["before"]["importance"], np.float64)
+  modes = list(g["modes"])
+  after = {m: np.asarray(g["modes"][m]["importance"], np.float64) for m in modes}
+  heads = []
+  for l, h in zip(*np.nonzero(before > DOMINANT)):
+    heads.append({"layer": int(l), "head": int(h), "shared": bool(h == int(np.argmax(before[l]))),
+                  "before": float(before[l, h]), **{m: float(after[m][l, h]) for m in modes}})
+  summary = {m: {k: g["modes"][m]["roles"][k] for k in ("shared_before", "shared_after", "routed_before",
+                                                         "routed_after", "routed_cv_after")} |
+             {"val_bpb": g["modes"][m]["val_bpb"], "head_imbalance": g["modes"][m]["head_imbalance"]}
+             for m in modes}
+  return {"base_run": g["base_run"], "before": {"val_bpb": g["before"]["val_bpb"],
+                                                "head_imbalance": g["before"]["head_imbalance"]},
+          "modes": summary, "dominant_heads": heads}
+
+
+def _aux_terms(runs) -> dict:
+  """Mean over seeds of the aux term lambda * sum_l H CV_l^2 at the aux runs' held-out importances."""
+  return {v: float(np.mean([aux_term(r, 1e-4) for r in runs if r["variant"] == v and r["loss"] == "aux"]))
+          for v in VARIANTS}
+
+
+def _vnr(runs) -> dict:
+  """value_norm_ratio (||v of the first token|| / mean ||v|| of the others, per layer): mean over heads and seeds
+  per layer, and the range over every head-averaged layer of every seed, per variant and loss."""
+  out = {}
+  for v in VARIANTS:
+    for loss in ("base", "aux"):
+      a = np.array([r["value_norm_ratio"] for r in runs if r["variant"] == v and r["loss"] == loss], np.float64)
+      a = a.reshape(a.shape[0], a.shape[1], -1).mean(-1)                   # [seeds, L]
+      out[f"{v} {loss}"] = {"per_layer": a.mean(0).tolist(), "min": float(a.min()), "max": float(a.max())}
+  return out
+
+
+def _value_zeroing(runs) -> dict:
+  """all - none BPB per definition, mean and range over the runs of each variant (both losses)."""
+  out = {}
+  for v in VARIANTS:
+    rs = [r for r in runs if r["variant"] == v]
+    row = {}
+    for defn in ("teacher_forced", "after_prefill", "teacher_forced_window"):
+      vals = [r[f"value_zeroing_{defn}"]["bpb_all"] - r[f"value_zeroing_{defn}"]["bpb_none"] for r in rs
+              if f"value_zeroing_{defn}" in r]
+      if vals:
+        row[defn] = {"mean": float(np.mean(vals)), "min": float(min(vals)), "max": float(max(vals)), "n": len(vals)}
+    out[v] = row
+  return out
+
+
+def _timing(runs) -> dict:
+  t = [r["train_seconds"] for r in runs]
+  e = [r["eval_seconds"] for r in runs]
+  return {"train_seconds_min": float(min(t)), "train_seconds_max": float(max(t)), "eval_seconds_min": float(min(e)),
+          "eval_seconds_max": float(max(e)), "n": len(t)}
+
+
+def _curves(runs) -> dict:
+  """The imbalance curves (training batches, every 10 steps) at the steps the docs quote, per variant and loss."""
+  out = {}
+  for v in VARIANTS:
+    for loss in ("base", "aux"):
+      rs = sorted((r for r in runs if r["variant"] == v and r["loss"] == loss), key=lambda r: r["seed"])
+      out[f"{v} {loss}"] = {
+          "step1": [_curve_at(r["imbalance_curve"], 1) for r in rs],
+          "step20": [_curve_at(r["imbalance_curve"], 20) for r in rs],
+          "max": [max(y for _, y in r["imbalance_curve"]) for r in rs],
+          "min_after_step1": [min(y for s, y in r["imbalance_curve"] if s > 1) for r in rs],
+          "final": [r["imbalance_curve"][-1][1] for r in rs], "seeds": [r["seed"] for r in rs]}
+  return out
+
+
+def _first_token(runs) -> dict:
+  out = {}
+  for v in VARIANTS:
+    rs = [r for r in runs if r["variant"] == v]
+    f = np.array([r["first_token_attention"] for r in rs])
+    out[v] = {"min": float(f.min()), "max": float(f.max())}
+  return out
+
+
+def _p(x: float) -> str:
+  return f"{x:.3g}"
+
+
+def effects_table(effects: dict, nd_by: dict | None = None) -> list[str]:
+  lines = ["| effect | per seed | mean | z vs floor (p) | sign test: + of n, p two-sided (least possible) | "
+           "reading |", "|---|---|---:|---:|---|---|"]
+  for name, e in effects.items():
+    nd = 3 if "imbalance" in name else 4
+    z = "no floor" if e["z"] is None else f"{e['z']['z']:+.2f} ({_p(e['z']['p_two_sided'])})"
+    st = e["sign_test"]
+    lines.append(f"| {e['what']} | {', '.join(stats.fmt(x, nd) for x in e['diffs'])} | {stats.fmt(e['mean'], nd)} | {z} | "
+                 f"{st['positive']} of {e['n']}, {_p(st['p_two_sided'])} ({_p(st['p_min_two_sided'])}) | "
+                 f"{e['reading']} |")
+  return lines
+
+
+def floor_lines(floor: dict, what: str, nd: int = 4) -> list[str]:
+  arms = "; ".join(f"{k}: {', '.join(f'{x:+.{nd}f}' for x in v)} (RMS {floor['per_arm_rms'][k]:.{nd}f})"
+                   for k, v in floor["arms"].items())
+  return [f"**{what}**: σ₀ = {floor['sigma']:.{nd}f}, the RMS about zero of {floor['n']} null differences "
+          f"({arms}). An n-seed mean's standard error under the null is σ₀/√n.", ""]
+
+
+def grid_markdown(gs: dict, grid_path: str) -> str:
+  c, t = gs["curves"], gs["timing"]
+  lines = [
+      "# Main cpu grid: noise floor and tests", "",
+      f"Generated by `python -m sinkjax.experiments.paper_report --write` from `{grid_path}` (no training). "
+      f"Tests: `sinkjax.experiments.stats` (z against the floor, |z| ≥ {stats.Z_CRIT:g} read as above it; exact sign "
+      "test, whose least two-sided p with 3 seeds is 0.25).", "",
+      "## Noise floor", "",
+      *floor_lines(gs["bpb_floor"], "BPB floor (vanilla and sink, aux − base at λ = 1e-4, pooled)"),
+      f"Why these are null arms: the aux term at the aux runs' held-out importances is "
+      f"{gs['aux_terms']['vanilla']:.1e} (vanilla), {gs['aux_terms']['sink']:.1e} (sink) and "
+      f"{gs['aux_terms']['gated']:.1e} (gated), next to a loss of ~1.3.", ""]
+  if gs["imbalance_floor_gated"]:
+    lines += floor_lines(gs["imbalance_floor_gated"], "Head-imbalance floor (gated, λ = 1e-8 − base, the dose study)",
+                         3)
+  else:
+    lines += ["**Head-imbalance floor**: none (no null arm at gated's level of imbalance); imbalance effects get the "
+              "sign test only.", ""]
+  lines += ["## Effects", "", *effects_table(gs["effects"]), ""]
+  lines += [f"- {e['sentence']}" for e in gs["effects"].values()] + [""]
+  lines += ["## value_norm_ratio (‖v₀‖ / mean ‖v‖ of the other tokens; < 1: the first token's value is smaller)", "",
+            "| run | per layer (mean over heads and seeds) | range over layers and seeds |", "|---|---|---|"]
+  for k, r in gs["value_norm_ratio"].items():
+    lines.append(f"| {k} | {' '.join(f'{x:.3f}' for x in r['per_layer'])} | {r['min']:.3f}–{r['max']:.3f} |")
+  lines += ["", "## Value zeroing, all heads − none (BPB), per variant over both losses and three seeds", "",
+            "| variant | teacher-forced, targets 0–255 | after prefill, targets 64–255 | "
+            "teacher-forced, targets 64–255 |", "|---|---|---|---|"]
+  for v, row in gs["value_zeroing"].items():
+    cell = lambda d: f"{d['mean']:+.4f} ({d['min']:+.4f} … {d['max']:+.4f})" if d else "not scored (see below)"
+    lines.append(f"| {v} | {cell(row.get('teacher_forced'))} | {cell(row.get('after_prefill'))} | "
+                 f"{cell(row.get('teacher_forced_window'))} |")
+  lines += ["", "## Imbalance curves (training batches, logged every 10 steps), per seed", "",
+            "| run | step 1 | step 20 | max | final |", "|---|---|---|---|---|"]
+  for k, r in c.items():
+    f = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
+    lines.append(f"| {k} | {f(r['step1'])} | {f(r['step20'])} | {f(r['max'])} | {f(r['final'])} |")
+  ft = gs.get("finetune")
+  if ft:
+    modes = list(ft["modes"])
+    lines += ["", f"## Fine-tuning, gated ({ft['base_run']}, one seed, 100 steps)", "",
+              "| mode | val BPB | imbalance | shared (top-1 per layer) before → after | routed before → after | "
+              "routed CV after |", "|---|---:|---:|---|---|---:|",
+              f"| before | {ft['before']['val_bpb']:.4f} | {ft['before']['head_imbalance']:.3f} | | | |"]
+    for m in modes:
+      r = ft["modes"][m]
+      lines.append(f"| {m} | {r['val_bpb']:.4f} | {r['head_imbalance']:.3f} | {r['shared_before']:.3f} → "
+                   f"{r['shared_after']:.3f} | {r['routed_before']:.3f} → {r['routed_after']:.3f} | "
+                   f"{r['routed_cv_after']:.3f} |")
+    lines += ["", f"Every head with importance > {DOMINANT} before fine-tuning (shared = the layer's top-1, what eq. 8 "
+              "with m = 1 protects):", "", "| layer | head | role | before | " + " | ".join(modes) + " |",
+              "|---|---|---|---:|" + "---:|" * len(modes)]
+    for h in ft["dominant_heads"]:
+      lines.append(f"| {h['layer']} | {h['head']} | {'shared' if h['shared'] else 'routed'} | {h['before']:.3f} | "
+                   + " | ".join(f"{h[m]:.3f}" for m in modes) + " |")
+  lines += ["", "## Time", "",
+            f"Training {t['train_seconds_min']:.0f}–{t['train_seconds_max']:.0f} s per run, evaluation "
+            f"{t['eval_seconds_min']:.0f}–{t['eval_seconds_max']:.0f} s ({t['n']} runs, `train_seconds` / "
+            "`eval_seconds` of results.json; the machine was shared, so these measure its load as much as the runs).",
+            ""]
+  return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------- dose study
+
+def dose_stats(dose: dict, grid: dict | None) -> dict:
+  runs = dose["runs"]
+  lambdas = sorted({float(r["lambda"]) for r in runs})
+  variant = dose["variants"][0]
+  base_bpb, base_imb = _by(runs, variant, 0.0, "val_bpb"), _by(runs, variant, 0.0, "head_imbalance")
+  arms = {}
+  if grid is not None:
+    for v in ("vanilla", "sink"):
+      arms[f"{v} λ 1e-4"] = stats.paired(_by(grid["runs"], v, "aux", "val_bpb"),
+                                          _by(grid["runs"], v, "base", "val_bpb"))[1]
+  null = {}
+  if NULL_LAMBDA in lambdas:
+    _, nb = stats.paired(_by(runs, variant, NULL_LAMBDA, "val_bpb"), base_bpb)
+    seeds, ni = stats.paired(_by(runs, variant, NULL_LAMBDA, "head_imbalance"), base_imb)
+    arms[f"{variant} λ 1e-8"] = nb
+    null = {s: (b, i) for s, b, i in zip(seeds, nb, ni)}
+  bpb_floor = stats.noise_floor(arms) if arms else None
+  imb_floor = stats.noise_floor({f"{variant} λ 1e-8": [v[1] for _, v in sorted(null.items())]}) if null else None
+  per_lambda, effects = {}, {}
+  for lam in lambdas:
+    bpb, imb = _by(runs, variant, lam, "val_bpb"), _by(runs, variant, lam, "head_imbalance")
+    seeds = sorted(bpb)
+    rs = sorted((r for r in runs if float(r["lambda"]) == lam), key=lambda r: r["seed"])
+    per_lambda[lam] = {
+        "seeds": seeds, "val_bpb": [bpb[s] for s in seeds], "head_imbalance": [imb[s] for s in seeds],
+        "aux_term": [aux_term(r, lam) for r in rs],
+        "final_train_loss": [r.get("final_train_loss") for r in rs],
+        "train_seconds": [r.get("train_seconds") for r in rs],
+        "importance_by_rank": [np.sort(np.asarray(r["importance"]), -1)[:, ::-1].mean(0).tolist() for r in rs],
+        "mean_importance": [float(np.mean(r["importance"])) for r in rs],
+        "source": [r.get("source", "") for r in rs]}
+    if lam in (0.0, NULL_LAMBDA):
+      continue
+    _, db = stats.paired(bpb, base_bpb)
+    _, di = stats.paired(imb, base_imb)
+    effects[f"λ {lam:g} BPB"] = stats.verdict(db, bpb_floor["sigma"] if bpb_floor else None,
+                                              what=f"{variant} λ = {lam:g} − λ = 0, val BPB")
+    effects[f"λ {lam:g} imbalance"] = stats.verdict(di, imb_floor["sigma"] if imb_floor else None, nd=3,
+                                                    what=f"{variant} λ = {lam:g} − λ = 0, final head imbalance")
+    effects.update(_rank_effects(runs, variant, lam))
+  return {"variant": variant, "lambdas": lambdas, "bpb_floor": bpb_floor, "imbalance_floor": imb_floor,
+          "per_lambda": {f"{k:g}": v for k, v in per_lambda.items()}, "effects": effects}
+
+
+def _rank_effects(runs, variant, lam) -> dict:
+  """Per-head importance, λ run vs the λ = 0 run of the same seed, head ranks matched within each layer (the
+  strongest head of a layer against the strongest, ...; runs trained apart need not keep head identities): the
+  change of the strongest head (mean over layers) and of the three others (mean over layers and heads)."""
+  base = {r["seed"]: np.sort(np.asarray(r["importance"]), -1)[:, ::-1] for r in runs
+          if r["variant"] == variant and float(r["lambda"]) == 0.0}
+  treat = {r["seed"]: np.sort(np.asarray(r["importance"]), -1)[:, ::-1] for r in runs
+           if r["variant"] == variant and float(r["lambda"]) == float(lam)}
+  seeds = sorted(set(base) & set(treat))
+  top = [float((treat[s][:, 0] - base[s][:, 0]).mean()) for s in seeds]
+  rest = [float((treat[s][:, 1:] - base[s][:, 1:]).mean()) for s in seeds]
+  return {f"λ {lam:g} strongest head": stats.verdict(top, None, nd=3, what=f"λ = {lam:g} − 0, strongest head per "
+                                                                                 f"layer (importance)"),
+          f"λ {lam:g} other heads": stats.verdict(rest, None, nd=3, what=f"λ = {lam:g} − 0, the other heads "
+                                                                            f"(importance)")}
+
+
+def plot_dose(dose: dict, ds: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  runs = dose["runs"]
+  lambdas = ds["lambdas"]
+  colors = plt.cm.viridis(np.linspace(0, 0.9, len(lambdas)))
+  fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+  for lam, col in zip(lambdas, colors):
+    cs = [r["imbalance_curve"] for r in runs if float(r["lambda"]) == lam and r.get("imbalance_curve")]
+    if not cs:
+      continue
+    common = sorted(set.intersection(*(set(int(s) for s, _ in c) for c in cs)))
+    vals = np.array([[dict((int(s), y) for s, y in c)[s] for s in common] for c in cs])
+    ax.plot(common, vals.mean(0), color=col, lw=2, label=f"λ = {lam:g} ({len(cs)} seeds)")
+    ax.fill_between(common, vals.min(0), vals.max(0), color=col, alpha=0.2)
+    bpb = ds["per_lambda"][f"{lam:g}"]["val_bpb"]
+    x = lambdas.index(lam)
+    ax2.scatter([x] * len(bpb), bpb, color=col, s=25)
+    ax2.errorbar([x + 0.12], [np.mean(bpb)], yerr=[np.std(bpb, ddof=1) if len(bpb) > 1 else 0], fmt="s",
+                 color="black", capsize=4)
+  ax.set_xlabel("step")
+  ax.set_ylabel("head imbalance (eq. 6), training batches")
+  ax.set_title(f"{ds['variant']} attention: imbalance during training\nline: mean over seeds, band: min–max")
+  ax.set_ylim(bottom=0)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  ax2.set_xticks(range(len(lambdas)), [f"{lam:g}" for lam in lambdas])
+  ax2.set_xlabel("λ (aux weight)")
+  ax2.set_ylabel("val BPB (8 held-out batches)")
+  ax2.set_title("final val BPB per seed (square: mean ± std)")
+  ax2.grid(alpha=0.3)
+  fig.tight_layout()
+  p1 = out_dir / "dose_imbalance.png"
+  fig.savefig(p1, dpi=110)
+  plt.close(fig)
+  fig, ax = plt.subplots(figsize=(6.5, 4.4))
+  for lam, col in zip(lambdas, colors):
+    ranks = np.array(ds["per_lambda"][f"{lam:g}"]["importance_by_rank"])          # [seeds, H]
+    h = np.arange(1, ranks.shape[1] + 1)
+    ax.plot(h, ranks.mean(0), color=col, marker="o", lw=2, label=f"λ = {lam:g}")
+    ax.fill_between(h, ranks.min(0), ranks.max(0), color=col, alpha=0.15)
+  ax.set_xticks(range(1, ranks.shape[1] + 1))
+  ax.set_xlabel("head rank within its layer (1 = strongest)")
+  ax.set_ylabel("importance (mean gate, eq. 5), mean over layers")
+  ax.set_title(f"{ds['variant']}: held-out head importance by rank\nline: mean over seeds, band: min–max")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  p2 = out_dir / "dose_importance.png"
+  fig.savefig(p2, dpi=110)
+  plt.close(fig)
+  return [p1, p2]
+
+
+def dose_markdown(dose: dict, ds: dict, dose_path: str) -> str:
+  lines = ["# Dose study: gated attention × λ × seeds", "",
+           f"Generated by `python -m sinkjax.experiments.paper_report --write` from `{dose_path}` (runs: "
+           f"`{dose['command']}`). λ = 0 and 1e-4 are the main grid's gated base / aux runs "
+           "(`docs/results/paper_cpu/results.json`, same recipe, checked by `paper.recipe_differences`).", ""]
+  if ds["bpb_floor"]:
+    lines += floor_lines(ds["bpb_floor"], "BPB floor (null arms pooled)")
+  if ds["imbalance_floor"]:
+    lines += floor_lines(ds["imbalance_floor"], "Head-imbalance floor (gated λ = 1e-8 − λ = 0)", 3)
+  lines += ["| λ | val BPB per seed | mean ± std | final head imbalance per seed | mean | aux term at the end "
+            "(held-out) | mean importance | strongest / others (mean over layers) |",
+            "|---|---|---|---|---|---|---|---|"]
+  for lam, r in ds["per_lambda"].items():
+    b, i = r["val_bpb"], r["head_imbalance"]
+    ranks = np.array(r["importance_by_rank"]).mean(0)
+    lines.append(f"| {lam} | {', '.join(f'{x:.4f}' for x in b)} | {np.mean(b):.4f} ± {np.std(b, ddof=1):.4f} | "
+                 f"{', '.join(f'{x:.3f}' for x in i)} | {np.mean(i):.3f} | {np.mean(r['aux_term']):.1e} | "
+                 f"{np.mean(r['mean_importance']):.3f} | {ranks[0]:.3f} / {ranks[1:].mean():.3f} |")
+  lines += ["", "## Tests (paired with λ = 0, per seed)", "", *effects_table(ds["effects"]), ""]
+  lines += [f"- {e['sentence']}" for e in ds["effects"].values()] + [""]
+  lines += ["![imbalance and BPB per λ](dose_imbalance.png)", "", "![importance by rank](dose_importance.png)", ""]
+  return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------- CLI
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  if isinstance(x, float) and not math.isfinite(x):
+    return str(x)
+  return x
+
+
+def gated_null_of(dose: dict | None) -> dict | None:
+  if dose is None:
+    return None
+  runs = dose["runs"]
+  v = dose["variants"][0]
+  b0, i0 = _by(runs, v, 0.0, "val_bpb"), _by(runs, v, 0.0, "head_imbalance")
+  b1, i1 = _by(runs, v, NULL_LAMBDA, "val_bpb"), _by(runs, v, NULL_LAMBDA, "head_imbalance")
+  seeds = sorted(set(b0) & set(b1))
+  return {s: (b1[s] - b0[s], i1[s] - i0[s]) for s in seeds} or None
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m sinkjax.experiments.paper_report", description=__doc__.split("\n")[0])
+  p.add_argument("--grid", default=str(GRID), help="the main grid's results.json")
+  p.add_argument("--dose", default=str(DOSE), help="the dose study's dose.json ('none': skip)")
+  p.add_argument("--write", action="store_true", help="write stats.md / stats.json (and the dose report) next to "
+                                                      "the inputs")
+  args = p.parse_args(argv)
+  grid_path = pathlib.Path(args.grid)
+  grid = json.loads(grid_path.read_text())
+  dose_path = None if args.dose == "none" else pathlib.Path(args.dose)
+  dose = json.loads(dose_path.read_text()) if dose_path is not None and dose_path.is_file() else None
+  gs = grid_stats(grid, gated_null_of(dose))
+  rel = lambda q: str(q.resolve().relative_to(REPO)) if q.resolve().is_relative_to(REPO) else str(q)
+  print(f"main grid ({rel(grid_path)}):")
+  f = gs["bpb_floor"]
+  print(f"  BPB noise floor sigma0 = {f['sigma']:.4f} (RMS of {f['n']} null differences: "
+        + "; ".join(f"{k} {', '.join(f'{x:+.4f}' for x in v)}" for k, v in f["arms"].items()) + ")")
+  for e in gs["effects"].values():
+    print(f"  - {e['sentence']}")
+  if args.write:
+    (grid_path.parent / "stats.md").write_text(grid_markdown(gs, rel(grid_path)))
+    (grid_path.parent / "stats.json").write_text(json.dumps(_jsonable(gs), indent=1))
+  if dose is not None:
+    ds = dose_stats(dose, grid)
+    print(f"dose study ({rel(dose_path)}):")
+    if ds["bpb_floor"]:
+      print(f"  BPB noise floor sigma0 = {ds['bpb_floor']['sigma']:.4f} ({ds['bpb_floor']['n']} null differences, "
+            f"arms {', '.join(ds['bpb_floor']['arms'])})")
+    if ds["imbalance_floor"]:
+      print(f"  imbalance noise floor sigma0 = {ds['imbalance_floor']['sigma']:.4f}")
+    for lam, r in ds["per_lambda"].items():
+      print(f"  lambda {lam}: val BPB {np.mean(r['val_bpb']):.4f} ({', '.join(f'{x:.4f}' for x in r['val_bpb'])}), "
+            f"imbalance {np.mean(r['head_imbalance']):.3f} ({', '.join(f'{x:.3f}' for x in r['head_imbalance'])})")
+    for e in ds["effects"].values():
+      print(f"  - {e['sentence']}")
+    if args.write:
+      plot_dose(dose, ds, dose_path.parent)
+      (dose_path.parent / "dose.md").write_text(dose_markdown(dose, ds, rel(dose_path)))
+      (dose_path.parent / "dose_stats.json").write_text(json.dumps(_jsonable(ds), indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
