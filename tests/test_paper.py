@@ -128,6 +128,9 @@ def run_main(argv, capsys):
     (["--first-seed", "-1"], "--first-seed"),
     (["--scale", "tpu"], "--scale"),
     (["--steps", "two"], "--steps"),
+    (["--lambdas", "0,x"], "--lambdas"),
+    (["--lambdas", "-1e-3"], "--lambdas"),
+    (["--lambdas", "0,1e-2", "--finetune"], "--finetune"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
   with pytest.raises(SystemExit) as e:
@@ -228,3 +231,69 @@ def test_whole_grid_with_two_seeds_and_finetuning(tmp_path):
     assert r["before"]["importance"] == json.loads(
         (tmp_path / "runs" / f"{v}_base_s0" / "paper_eval.json").read_text())["importance"]
   assert res["finetune"] == ft and "eq. 8" in (tmp_path / "results.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ dose study
+
+def stream_batch(seq, target_bytes=1):
+  """A data.packing=stream row batch by hand: one document per row, every target scored, one byte per target."""
+  inputs, targets = seq[:, :-1], seq[:, 1:]
+  B, T = inputs.shape
+  return {"inputs": inputs, "targets": targets, "segment_ids": np.ones((B, T), np.int32),
+          "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)), "loss_mask": np.ones((B, T), np.float32),
+          "target_bytes": np.full((B, T), target_bytes, np.int32)}
+
+
+def test_teacher_forced_value_zeroing_scores_the_after_prefill_window():
+  """Both definitions score targets P..T-1: with nothing zeroed they are the same model on the same targets, so
+  their BPB agree (one through the KV cache token by token, one in a single forward); with every head zeroed the
+  teacher-forced BPB is the hand-computed mean NLL of those targets of the zeroed forward, in bits."""
+  from sinkjax import analysis
+  model = random_model()
+  seq = np.random.RandomState(4).randint(1, VOCAB, size=(2, 13))
+  batch, P = stream_batch(seq), 5
+  alpha = np.zeros((2, 4))
+  tf = paper.teacher_forced_value_zeroing(model, [batch], alpha, tau=0.75, prompt_len=P)
+  ap = paper.prefill_value_zeroing(model, [batch], alpha, tau=0.75, prompt_len=P)
+  assert tf["prompt_len"] == P and tf["bpb_none"] == pytest.approx(ap["bpb_none"], abs=1e-5)
+  logits, _ = analysis.recorded_forward(model, jnp.asarray(batch["inputs"]), segment_ids=jnp.asarray(batch["segment_ids"]),
+                                        positions=jnp.asarray(batch["positions"]),
+                                        zero_first_value=jnp.ones((2, 4), bool), keep_weights=False)
+  want = -log_probs(logits, batch["targets"])[:, P:].mean() / math.log(2)
+  assert tf["bpb_all"] == pytest.approx(float(want), abs=1e-5)
+  whole = paper.teacher_forced_value_zeroing(model, [batch], alpha, tau=0.75, prompt_len=0)   # the old window
+  assert abs(whole["bpb_none"] - tf["bpb_none"]) > 1e-4                                         # the window matters
+  assert np.asarray(batch["loss_mask"]).min() == 1                                               # not mutated
+
+
+def test_dose_grid_names_reuse_the_main_grids_runs():
+  specs = paper.make_dose_grid(["gated"], [0.0, 1e-4, 1e-3, 1e-2], [0, 1])
+  assert [s.name for s in specs[:4]] == ["gated_base_s0", "gated_aux_s0", "gated_lam0.001_s0", "gated_lam0.01_s0"]
+  assert [s.lam for s in specs[:4]] == [0.0, 1e-4, 1e-3, 1e-2] and {s.seed for s in specs[4:]} == {1}
+  for lam in (0.0, 1e-8, 1e-4, 3e-3, 1e-2):
+    assert paper.label_lambda(paper.loss_label(lam)) == lam
+  cfg = paper.run_config(paper.SCALES["smoke"], specs[3], "RUN")
+  assert cfg.loss.aux_weight == 1e-2 and cfg.model.attention == "gated" and cfg.train.seed == 0
+
+
+def test_dose_reuses_committed_runs_only_when_the_recipe_matches(tmp_path):
+  committed = json.loads(paper.COMMITTED_RESULTS.read_text())
+  runs, why = paper.reusable_records(paper.COMMITTED_RESULTS, paper.SCALES["cpu"], None)
+  if why["recipe_differences"]["changed"] or why["recipe_differences"]["gone"]:
+    pytest.skip(f"this checkout's recipe differs from the committed study's: {why['recipe_differences']}")
+  assert why["reused"] and ("gated", "aux", 2) in runs and len(runs) == len(committed["runs"])
+  changed = json.loads(json.dumps(committed))
+  changed["recipe"]["train"]["matrix_lr"] = 0.03
+  (tmp_path / "results.json").write_text(json.dumps(changed))
+  runs, why = paper.reusable_records(tmp_path / "results.json", paper.SCALES["cpu"], None)
+  assert runs == {} and not why["reused"] and why["recipe_differences"]["changed"] == {
+      "train.matrix_lr": [0.03, committed["recipe"]["train"]["matrix_lr"]]}
+  assert paper.reusable_records(paper.COMMITTED_RESULTS, paper.SCALES["smoke"], None)[0] == {}
+  assert paper.reusable_records(paper.COMMITTED_RESULTS, paper.SCALES["cpu"], 50)[0] == {}
+
+
+def test_dose_dry_run_marks_the_reused_runs(tmp_path, capsys):
+  rc, cap = run_main(["--lambdas", "0,1e-4,1e-2", "--seeds", "1", "--out", str(tmp_path), "--dry-run"], capsys)
+  lines = [l for l in cap.out.splitlines() if l.startswith("[")]
+  assert rc == 0 and len(lines) == 3 and all("gated" in l for l in lines)
+  assert "reused" in lines[0] and "reused" in lines[1] and "to do" in lines[2] and "gated_lam0.01_s0" in lines[2]
