@@ -91,7 +91,7 @@ def grid_stats(grid: dict, gated_null: dict | None = None) -> dict:
     effects[f"{v} imbalance"] = stats.verdict(diff[v, "head_imbalance"][1], sig, nd=3,
                                               what=f"{v}, final head imbalance aux − base")
   return {"bpb_floor": floor, "imbalance_floor_gated": imb_floor, "effects": effects,
-          "finetune": _finetune(grid.get("finetune")),
+          "finetune": _finetune(grid.get("finetune")), "table1": _table1(runs),
           "seeds": diff["gated", "val_bpb"][0], "aux_terms": _aux_terms(runs), "value_norm_ratio": _vnr(runs),
           "value_zeroing": _value_zeroing(runs), "timing": _timing(runs), "curves": _curves(runs),
           "first_token": _first_token(runs)}
@@ -174,15 +174,30 @@ def _curves(runs) -> dict:
           "max": [max(y for _, y in r["imbalance_curve"]) for r in rs],
           "min_after_step1": [min(y for s, y in r["imbalance_curve"] if s > 1) for r in rs],
           "final": [r["imbalance_curve"][-1][1] for r in rs], "seeds": [r["seed"] for r in rs]}
+    base = [r["imbalance_curve"] for r in runs if r["variant"] == v and r["loss"] == "base"]
+    aux = [r["imbalance_curve"] for r in runs if r["variant"] == v and r["loss"] == "aux"]
+    steps = sorted(set.intersection(*(set(int(s) for s, _ in c) for c in base + aux)))
+    grid = lambda cs: np.array([[dict((int(s), y) for s, y in c)[t] for t in steps] for c in cs])
+    b, a = grid(base), grid(aux).mean(0)
+    out[f"{v} aux mean vs base"] = {"steps": len(steps), "below_base_mean": int((a < b.mean(0)).sum()),
+                                    "inside_base_band": int(((a >= b.min(0)) & (a <= b.max(0))).sum())}
   return out
 
 
 def _first_token(runs) -> dict:
+  """Ranges over every layer of every run of a variant (both losses, all seeds): F-Attn per layer, alpha per layer
+  (mean over heads), the largest alpha of any head, and the sink logit's weight per layer (sink attention)."""
   out = {}
   for v in VARIANTS:
     rs = [r for r in runs if r["variant"] == v]
     f = np.array([r["first_token_attention"] for r in rs])
-    out[v] = {"min": float(f.min()), "max": float(f.max())}
+    a = np.array([r["sink_ratio_alpha"] for r in rs])
+    out[v] = {"f_attn_min": float(f.min()), "f_attn_max": float(f.max()),
+              "alpha_layer_min": float(a.mean(-1).min()), "alpha_layer_max": float(a.mean(-1).max()),
+              "alpha_head_max": float(a.max())}
+    if rs[0]["sink_logit_attention"] is not None:
+      sl = np.array([r["sink_logit_attention"] for r in rs])
+      out[v].update(sink_logit_min=float(sl.min()), sink_logit_max=float(sl.max()))
   return out
 
 
@@ -210,6 +225,33 @@ def floor_lines(floor: dict, what: str, nd: int = 4) -> list[str]:
           f"({arms}). An n-seed mean's standard error under the null is σ₀/√n.", ""]
 
 
+def table1_lines(gs: dict) -> list[str]:
+  """val BPB mean ± std per variant and loss, the paired differences with z against the BPB floor and the sign
+  test, and the final head imbalance base → aux per seed."""
+  lines = ["| attention | base | base + aux | aux − base, per seed | mean | z vs σ₀ | sign test p | "
+           "head imbalance base → aux, per seed |", "|---|---|---|---|---:|---:|---:|---|"]
+  for v in VARIANTS:
+    t = gs["table1"][v]
+    e = gs["effects"][f"{v} BPB"]
+    imb = ", ".join(f"{a:.3f} → {b:.3f}" for a, b in zip(t["base"]["head_imbalance"], t["aux"]["head_imbalance"]))
+    lines.append(f"| {v} | {t['base']['mean']:.4f} ± {t['base']['std']:.4f} | {t['aux']['mean']:.4f} ± "
+                 f"{t['aux']['std']:.4f} | {', '.join(f'{x:+.4f}' for x in e['diffs'])} | {e['mean']:+.4f} | "
+                 f"{e['z']['z']:+.2f} | {e['sign_test']['p_two_sided']:.3g} | {imb} |")
+  return lines
+
+
+def _table1(runs) -> dict:
+  out = {}
+  for v in VARIANTS:
+    out[v] = {}
+    for loss in ("base", "aux"):
+      rs = sorted((r for r in runs if r["variant"] == v and r["loss"] == loss), key=lambda r: r["seed"])
+      b = np.array([r["val_bpb"] for r in rs])
+      out[v][loss] = {"mean": float(b.mean()), "std": float(b.std(ddof=1)), "val_bpb": b.tolist(),
+                      "head_imbalance": [r["head_imbalance"] for r in rs], "seeds": [r["seed"] for r in rs]}
+  return out
+
+
 def grid_markdown(gs: dict, grid_path: str) -> str:
   c, t = gs["curves"], gs["timing"]
   lines = [
@@ -228,7 +270,8 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
   else:
     lines += ["**Head-imbalance floor**: none (no null arm at gated's level of imbalance); imbalance effects get the "
               "sign test only.", ""]
-  lines += ["## Effects", "", *effects_table(gs["effects"]), ""]
+  lines += ["## Table 1 analogue with its tests", "", *table1_lines(gs), "", "## Effects", "",
+            *effects_table(gs["effects"]), ""]
   lines += [f"- {e['sentence']}" for e in gs["effects"].values()] + [""]
   lines += ["## value_norm_ratio (‖v₀‖ / mean ‖v‖ of the other tokens; < 1: the first token's value is smaller)", "",
             "| run | per layer (mean over heads and seeds) | range over layers and seeds |", "|---|---|---|"]
@@ -241,9 +284,18 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
     cell = lambda d: f"{d['mean']:+.4f} ({d['min']:+.4f} … {d['max']:+.4f})" if d else "not scored (see below)"
     lines.append(f"| {v} | {cell(row.get('teacher_forced'))} | {cell(row.get('after_prefill'))} | "
                  f"{cell(row.get('teacher_forced_window'))} |")
+  lines += ["", "## First-token attention and sink ratio (ranges over every layer of every run of a variant)", "",
+            "| variant | F-Attn per layer | α per layer (mean over heads) | largest α of any head | sink-logit weight "
+            "per layer |", "|---|---|---|---|---|"]
+  for v, r in gs["first_token"].items():
+    sl = f"{r['sink_logit_min']:.3f}–{r['sink_logit_max']:.3f}" if "sink_logit_min" in r else "-"
+    lines.append(f"| {v} | {r['f_attn_min']:.3f}–{r['f_attn_max']:.3f} | {r['alpha_layer_min']:.3f}–"
+                 f"{r['alpha_layer_max']:.3f} | {r['alpha_head_max']:.3f} | {sl} |")
   lines += ["", "## Imbalance curves (training batches, logged every 10 steps), per seed", "",
             "| run | step 1 | step 20 | max | final |", "|---|---|---|---|---|"]
   for k, r in c.items():
+    if "steps" in r:
+      continue
     f = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
     lines.append(f"| {k} | {f(r['step1'])} | {f(r['step20'])} | {f(r['max'])} | {f(r['final'])} |")
   ft = gs.get("finetune")
@@ -264,6 +316,12 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
     for h in ft["dominant_heads"]:
       lines.append(f"| {h['layer']} | {h['head']} | {'shared' if h['shared'] else 'routed'} | {h['before']:.3f} | "
                    + " | ".join(f"{h[m]:.3f}" for m in modes) + " |")
+  lines += ["", "## Imbalance curves: the mean aux curve against the base runs", "",
+            "At the steps all six runs of a variant logged:", ""]
+  for v in VARIANTS:
+    r = c[f"{v} aux mean vs base"]
+    lines.append(f"- {v}: below the base mean at {r['below_base_mean']} of {r['steps']} steps, inside the base "
+                 f"runs' min–max band at {r['inside_base_band']} of {r['steps']}")
   lines += ["", "## Time", "",
             f"Training {t['train_seconds_min']:.0f}–{t['train_seconds_max']:.0f} s per run, evaluation "
             f"{t['eval_seconds_min']:.0f}–{t['eval_seconds_max']:.0f} s ({t['n']} runs, `train_seconds` / "

@@ -1,0 +1,197 @@
+"""The numbers docs/RESULTS.md quotes, recomputed from the committed raw files under docs/results/ with plain numpy
+(not through `sinkjax.experiments.paper_report`, which made them): a doc number that drifts from its source, or a
+source that changes under a doc, fails here. No training, no model; a few hundred milliseconds."""
+import json
+import math
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "RESULTS.md"
+GRID = ROOT / "docs" / "results" / "paper_cpu" / "results.json"
+DOSE_DIR = ROOT / "docs" / "results" / "paper_cpu_dose"
+REPRO_DIR = ROOT / "docs" / "results" / "paper_cpu_repro"
+VARIANTS = ("vanilla", "sink", "gated")
+
+
+@pytest.fixture(scope="module")
+def doc():
+  return DOC.read_text()
+
+
+@pytest.fixture(scope="module")
+def flat(doc):
+  """The doc with every run of whitespace one space (quoted phrases may be wrapped)."""
+  return " ".join(doc.split())
+
+
+@pytest.fixture(scope="module")
+def runs():
+  return json.loads(GRID.read_text())["runs"]
+
+
+def table(doc: str, first_header: str) -> list[list[str]]:
+  """The body rows (cells stripped) of the markdown table whose header row starts with `| first_header`."""
+  lines = doc.splitlines()
+  for i, line in enumerate(lines):
+    if line.startswith(f"| {first_header}"):
+      rows = []
+      for row in lines[i + 2:]:
+        if not row.startswith("|"):
+          break
+        rows.append([c.strip() for c in row.strip().strip("|").split("|")])
+      return rows
+  raise AssertionError(f"no table with first header {first_header!r} in {DOC.name}")
+
+
+def sel(runs, variant, loss):
+  return sorted((r for r in runs if r["variant"] == variant and r["loss"] == loss), key=lambda r: r["seed"])
+
+
+def sign_p(diffs) -> float:
+  """Exact two-sided sign test by the binomial sum."""
+  n, k = len(diffs), sum(d > 0 for d in diffs)
+  far = max(k, n - k)
+  return min(1.0, 2 * sum(math.comb(n, i) for i in range(far, n + 1)) / 2 ** n)
+
+
+def diffs(runs, variant, key="val_bpb"):
+  return [a[key] - b[key] for a, b in zip(sel(runs, variant, "aux"), sel(runs, variant, "base"))]
+
+
+def floor(runs) -> float:
+  d = np.array(diffs(runs, "vanilla") + diffs(runs, "sink"))
+  return float(np.sqrt((d ** 2).mean()))
+
+
+def rng(xs, nd=3) -> str:
+  return f"{min(xs):.{nd}f}–{max(xs):.{nd}f}"
+
+
+def test_noise_floor_and_the_null_arms_aux_terms(runs, flat):
+  s0 = floor(runs)
+  assert f"σ₀ = {s0:.4f} BPB" in flat
+  assert f"σ₀/√3 = {s0 / math.sqrt(3):.4f}" in flat and f"~{2 * s0 / math.sqrt(3):.3f} BPB" in flat
+  null = ", ".join(f"{d:+.4f}" for d in diffs(runs, "vanilla")).replace("-", "−")
+  assert f"vanilla {null}" in flat
+  for v in VARIANTS:                             # lambda * sum_l H * CV_l^2 at the held-out importances
+    term = np.mean([1e-4 * 4 * np.sum(np.square(r["cv_per_layer"])) for r in sel(runs, v, "aux")])
+    assert f"{term:.1e}" in flat, v
+
+
+def test_table1_with_its_tests(runs, doc):
+  rows = {r[0]: r for r in table(doc, "attention | base | base + aux")}
+  s0 = floor(runs)
+  for v in VARIANTS:
+    b = np.array([r["val_bpb"] for r in sel(runs, v, "base")])
+    a = np.array([r["val_bpb"] for r in sel(runs, v, "aux")])
+    d = a - b
+    z = d.mean() / (s0 / math.sqrt(len(d)))
+    imb = ", ".join(f"{x['head_imbalance']:.3f} → {y['head_imbalance']:.3f}"
+                    for x, y in zip(sel(runs, v, "base"), sel(runs, v, "aux")))
+    want = [v, f"{b.mean():.4f} ± {b.std(ddof=1):.4f}", f"{a.mean():.4f} ± {a.std(ddof=1):.4f}",
+            ", ".join(f"{x:+.4f}" for x in d), f"{d.mean():+.4f}", f"{z:+.2f}", f"{sign_p(d):.3g}", imb]
+    assert rows[v] == want, v
+
+
+def test_readings_quote_their_tests(runs, flat):
+  s0 = floor(runs)
+  g = np.array(diffs(runs, "gated"))
+  assert f"Gated's {g.mean():+.4f} (aux worse) is z = {g.mean() / (s0 / math.sqrt(3)):+.2f}" in flat
+  assert f"three of three is p = {sign_p(g):.2f}" in flat
+  assert f"within {g.max() - g.min():.3f} of each other" in flat
+  gi = diffs(runs, "gated", "head_imbalance")
+  assert "aux − base is " + ", ".join(f"{x:+.3f}" for x in gi).replace("-", "−") in flat
+  assert f"sign test p = {sign_p(gi):g}" in flat
+  si = diffs(runs, "sink", "head_imbalance")
+  assert all(x > 0 for x in si) and "(" + ", ".join(f"{x:+.3f}" for x in si) + "; sign test p = 0.25" in flat
+
+
+def test_timings(runs, flat):
+  t = [r["train_seconds"] for r in runs]
+  e = [r["eval_seconds"] for r in runs]
+  assert flat.count(f"{min(t):,.0f}–{max(t):,.0f} s") >= 2 and f"{min(e):.0f}–{max(e):.0f} s" in flat
+
+
+def test_curves(runs, flat):
+  at = lambda r, step: dict((int(s), y) for s, y in r["imbalance_curve"])[step]
+  gb = sel(runs, "gated", "base")
+  assert f"start at {rng([at(r, 1) for r in gb])} at step 1" in flat
+  assert f"are at {rng([at(r, 20) for r in gb])} by step 20" in flat
+  peaks = [max(y for _, y in r["imbalance_curve"]) for r in gb]
+  assert f"peak at {rng(peaks)} (seed 2 never goes above {peaks[2]:.3f})" in flat
+  van = [y for r in runs if r["variant"] == "vanilla" for _, y in r["imbalance_curve"]]
+  assert f"Vanilla stays flat at {rng(van)}" in flat
+  sink_peaks = [max(y for _, y in r["imbalance_curve"]) for r in runs if r["variant"] == "sink"]
+  assert f"to a maximum of {rng(sink_peaks)}" in flat
+  steps = sorted(set.intersection(*(set(int(s) for s, _ in r["imbalance_curve"]) for r in runs
+                                    if r["variant"] == "gated")))
+  grid = lambda rs: np.array([[at(r, s) for s in steps] for r in rs])
+  b, a = grid(gb), grid(sel(runs, "gated", "aux")).mean(0)
+  below, inside = int((a < b.mean(0)).sum()), int(((a >= b.min(0)) & (a <= b.max(0))).sum())
+  assert f"below the base mean at {below} of the {len(steps)} logged steps" in flat
+  assert f"min–max band at {inside} of them" in flat
+
+
+def test_first_token_attention_and_value_norms(runs, doc, flat):
+  f = [x for r in runs for x in r["first_token_attention"]]
+  alpha = np.array([r["sink_ratio_alpha"] for r in runs])
+  sink = [x for r in runs if r["sink_logit_attention"] is not None for x in r["sink_logit_attention"]]
+  assert f"is {rng(f)} in every layer of every run" in flat
+  assert f"per layer is {rng(alpha.mean(-1).ravel())}" in flat and f"(largest: {alpha.max():.3f})" in flat
+  assert (alpha <= 0.75).all() and f"takes {rng(sink)} of the attention per layer" in flat
+  rows = {r[0]: r for r in table(doc, "run | value_norm_ratio per layer")}
+  means = {}
+  for v in VARIANTS:
+    for loss in ("base", "aux"):
+      a = np.array([r["value_norm_ratio"] for r in sel(runs, v, loss)])
+      means[v, loss] = a.mean(0)
+      assert rows[f"{v} {loss}"][1:] == [" ".join(f"{x:.3f}" for x in a.mean(0)), rng(a.ravel())]
+  allv = np.array([r["value_norm_ratio"] for r in runs])
+  layer0 = [m[0] for m in means.values()]
+  deeper = [x for m in means.values() for x in m[1:]]
+  assert f"is {rng(layer0)} in layer 0 and {rng(deeper)} in the deeper layers" in flat
+  assert f"{rng(allv.ravel())} over every layer of every run" in flat
+
+
+def test_value_zeroing_of_the_main_grid(runs, doc):
+  rows = {r[0]: r for r in table(doc, "variant | teacher-forced, targets 0–255")}
+  for v in VARIANTS:
+    cells = []
+    for defn in ("teacher_forced", "after_prefill"):
+      d = [r[f"value_zeroing_{defn}"]["bpb_all"] - r[f"value_zeroing_{defn}"]["bpb_none"]
+           for r in runs if r["variant"] == v]
+      cells.append(f"{np.mean(d):+.4f} ({min(d):+.4f} … {max(d):+.4f})")
+    assert rows[v][1:] == cells, v
+
+
+def test_finetuning_tables(doc, flat):
+  ft = json.loads(GRID.read_text())["finetune"]["gated"]
+  before = np.array(ft["before"]["importance"])
+  modes = ("none", "eq7", "eq8_fixed", "eq8_repicked")
+  after = {m: np.array(ft["modes"][m]["importance"]) for m in modes}
+  top = before.argmax(-1)
+  shared = np.zeros(before.shape, bool)
+  shared[np.arange(4), top] = True
+  rows = table(doc, "gated, fine-tuned with")
+  assert rows[0][1:3] == [f"{ft['before']['val_bpb']:.4f}", f"{ft['before']['head_imbalance']:.3f}"]
+  for row, m in zip(rows[1:], modes):
+    a = after[m]
+    routed = lambda x: x[~shared].reshape(4, 3)
+    cv = np.mean(routed(a).std(-1) / routed(a).mean(-1))
+    assert row[1:] == [f"{ft['modes'][m]['val_bpb']:.4f}", f"{ft['modes'][m]['head_imbalance']:.3f}",
+                       f"{before[shared].mean():.3f} → {a[shared].mean():.3f}",
+                       f"{routed(before).mean():.3f} → {routed(a).mean():.3f}", f"{cv:.3f}"], m
+  heads = table(doc, "layer | head | role (m = 1)")
+  want = [[str(l), str(h), "shared" if top[l] == h else "routed", f"{before[l, h]:.3f}",
+           *(f"{after[m][l, h]:.3f}" for m in modes)] for l, h in zip(*np.nonzero(before > 0.9))]
+  assert heads == want
+  assert (f"layer 0's head 2 ({before[0, 2]:.3f} → {after['eq7'][0, 2]:.3f})" in flat and
+          f"while eq. 7 keeps it at {after['eq7'][1, 3]:.3f}" in flat)
+  none_rise = routed_mean = None
+  routed_mean = lambda x: x[~shared].mean()
+  none_rise = routed_mean(after["none"]) - routed_mean(before)
+  assert f"without the aux loss they move by {none_rise:+.3f}" in flat
