@@ -185,6 +185,16 @@ class RunConfig:
 
 
 @dataclasses.dataclass
+class LoggingConfig:
+  """Trackers besides metrics.jsonl and TensorBoard (written by process 0; sinkjax.tracking)."""
+  wandb: bool = False               # send every metrics.jsonl record and the resolved config to Weights & Biases
+  wandb_project: str = "sinkjax"    # (pip install 'sinkjax[wandb]'; WANDB_MODE=offline runs without network or key)
+  wandb_entity: str = ""            # team or user; "" = the API key's default entity
+  wandb_name: str = ""              # the run's display name; "" = the run directory's name
+  wandb_tags: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class MeshConfig:
   data: int = -1                    # -1 fills the remaining devices
   fsdp: int = 1
@@ -201,6 +211,7 @@ class Config:
   lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
   run: RunConfig = dataclasses.field(default_factory=RunConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
 
 CHOICES = {
