@@ -10,12 +10,17 @@ loading a run, preparing one) is `sinkjax.run`'s.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import json
 import logging
 import os
 import pathlib
+import sys
+import tempfile
 import time
+import traceback
 import warnings
 
 import grain
@@ -233,6 +238,14 @@ def _first_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
+def _root_line(e: BaseException, limit: int = 160) -> str:
+  """The first line of the innermost cause of `e` (Orbax wraps TensorStore's precise error), shortened."""
+  while e.__cause__ is not None:
+    e = e.__cause__
+  text = _first_line(e).split(". See full TensorStore details")[0]
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _os_error(e: BaseException) -> OSError | None:
   """The OSError somewhere in the cause / context chain of `e` (Orbax wraps errors of its writer threads)."""
   seen = set()
@@ -258,28 +271,70 @@ def _write_error(directory, step, e: BaseException) -> "CheckpointError":
   return CheckpointError(f"could not write the checkpoint of step {step} to {directory}: {why}")
 
 
+@contextlib.contextmanager
+def _captured_stderr():
+  """Everything this process writes to its stderr meanwhile (file descriptor 2: TensorStore's C++ logs, tracebacks
+  that asyncio prints from TensorStore's callback threads, Python's own writes) goes to a temporary file; yields a
+  function that reads what was captured. Tasks that die with the failed restore are collected before the end, so
+  their "exception was never retrieved" reports land here too."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode="w+b") as tmp:
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield lambda: (tmp.seek(0), tmp.read().decode(errors="replace"))[1]
+    finally:
+      gc.collect()
+      time.sleep(0.05)                    # callbacks of TensorStore threads that were already under way
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+
+
+def _keep_log(ckpt: "Checkpointer", step: int, moved, text: str, error: BaseException) -> str:
+  """Writes what a failed restore printed, and its exception, beside the damaged checkpoint (its set-aside directory,
+  else RUN_DIR/checkpoints/restore-STEP.log); returns where, or '' when nothing could be written."""
+  path = (moved / "restore-errors.log") if moved is not None else ckpt.directory / f"restore-{step}.log"
+  body = f"restoring checkpoint step {step} failed:\n{''.join(traceback.format_exception(error))}\n" \
+         f"what the libraries printed meanwhile:\n{text}"
+  try:
+    path.write_text(body)
+  except Exception:  # pylint: disable=broad-except  # read-only run directories (eval, generate)
+    return ""
+  return str(path)
+
+
 def restore_newest(ckpt: "Checkpointer", restore_one, max_fallbacks: int | None = None):
   """Restores the newest step that restores cleanly: a step whose restore raises (a truncated or corrupted file,
-  a step directory that lost an item) is reported with a warning, set aside when writable, and the next older one
-  is tried. Raises CheckpointError when none restores. Returns (step, *restored)."""
+  a step directory that lost an item) is set aside when writable, what the libraries printed about it is kept in a
+  log beside it instead of the terminal, and the next older one is tried; one warning line then names the unreadable
+  step(s), the step resumed from and the log. Raises CheckpointError when none restores. Returns (step, *restored)."""
   steps = sorted(ckpt.all_steps(), reverse=True)
   if not steps:
     raise CheckpointError(f"{ckpt.directory} holds no complete checkpoint")
-  errors = []
+  errors, logs = [], []
   for step in steps[:max_fallbacks]:
-    try:
-      out = restore_one(step)
-    except SettingsMismatch:
-      raise                      # the checkpoint is fine; the settings differ: nothing is set aside
-    except Exception as e:  # pylint: disable=broad-except
-      errors.append(f"step {step}: {_first_line(e)}")
-      moved = ckpt.set_aside(step)
-      warnings.warn(f"checkpoint step {step} in {ckpt.directory} could not be restored ({_first_line(e)}); "
-                    + (f"moved it to {moved.name} and " if moved else "") + "trying the previous checkpoint",
-                    RuntimeWarning, stacklevel=3)
-      continue
-    if errors:
-      warnings.warn(f"resumed from checkpoint step {step} instead of the newer, unreadable "
-                    f"{', '.join(e.split(':')[0] for e in errors)}", RuntimeWarning, stacklevel=3)
-    return (step, *(out if isinstance(out, tuple) else (out,)))
-  raise CheckpointError(f"no checkpoint in {ckpt.directory} could be restored ({'; '.join(errors)})")
+    failure = None
+    with _captured_stderr() as captured:
+      try:
+        out = restore_one(step)
+      except Exception as e:  # pylint: disable=broad-except
+        failure = e
+      text = captured()
+    if isinstance(failure, SettingsMismatch):
+      sys.stderr.write(text)             # what was printed meanwhile is shown: nothing is lost
+      raise failure                      # the checkpoint is fine; the settings differ: nothing is set aside
+    if failure is None:
+      sys.stderr.write(text)             # a clean restore's own messages, if any, are shown as usual
+      if errors:
+        warnings.warn(f"resumed from checkpoint step {step}: the newer {', '.join(errors)} could not be restored"
+                      + (f" (set aside; what went wrong: {', '.join(logs)})" if logs else ""), RuntimeWarning,
+                      stacklevel=3)
+      return (step, *(out if isinstance(out, tuple) else (out,)))
+    moved = ckpt.set_aside(step)
+    errors.append(f"step {step} ({_root_line(failure)})")
+    log = _keep_log(ckpt, step, moved, text, failure)
+    if log:
+      logs.append(log)
+  raise CheckpointError(f"no checkpoint in {ckpt.directory} could be restored ({'; '.join(errors)})"
+                        + (f"; details in {', '.join(logs)}" if logs else ""))

@@ -271,9 +271,11 @@ def run(args) -> dict:
   if not 0.0 <= args.tau <= 1.0:
     raise EvalError(f"--tau must be in [0, 1], got {args.tau}")
   from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  paths.check_bucket(args.checkpoint, "--checkpoint")   # the flag whose path fails is the one named
   run_dir = paths.as_path(args.checkpoint, "--checkpoint")
   out = paths.as_path(args.out, "--out") if args.out else run_dir / "eval"
-  paths.check_bucket(out, "--out")          # before the work: a missing bucket is found now, not at the end
+  if args.out:
+    paths.check_bucket(out, "--out")        # before the work: a missing bucket is found now, not at the end
   mc_items = mc.load_items(args.mc) if args.mc else None      # fail fast, before restoring
   t0 = time.perf_counter()
   model, cfg, tokenizer, step = load_run(run_dir, args.step)

@@ -36,7 +36,7 @@ import optax
 import yaml
 from flax import nnx
 
-from sinkjax import analysis, balance, distributed, optim, paths, plots
+from sinkjax import analysis, balance, cli, distributed, optim, paths, plots
 from sinkjax import lora as lora_lib
 from sinkjax import checkpoint as ckpt_lib
 from sinkjax import config as config_lib
@@ -639,6 +639,7 @@ def main(argv=None) -> int:
   parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
   args = parser.parse_args(argv)
   from sinkjax.data import DataError
+  cli.one_line_warnings()
   try:
     distributed.maybe_initialize()    # before anything touches JAX devices
     train(config_lib.load_config(args.config, args.overrides))

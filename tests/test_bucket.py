@@ -122,6 +122,16 @@ def test_missing_credentials_is_a_one_line_error(tmp_path):
   assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("module, args, flag", [
+    ("sinkjax.eval", ["--checkpoint", "gs://bucket/r"], "--checkpoint"),
+    ("sinkjax.generate", ["--checkpoint", "gs://bucket/r", "--prompt", "hi", "--max-new-tokens", "1"], "--checkpoint"),
+])
+def test_missing_credentials_name_the_flag_whose_path_failed(tmp_path, module, args, flag):
+  r = _run(module, args, tmp_path, GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "missing-key.json"), timeout=300)
+  line = _error_line(r)
+  assert f"{flag} 'gs://bucket/r': no Google Cloud credentials" in line, line
+
+
 def test_missing_client_library_names_the_extra(monkeypatch):
   from sinkjax import paths
   monkeypatch.setitem(paths.REMOTE_SCHEMES, "gs", ("sinkjax_no_such_module", "pip install 'sinkjax[gcs]'"))
