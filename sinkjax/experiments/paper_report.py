@@ -33,6 +33,7 @@ from sinkjax.experiments import stats
 REPO = pathlib.Path(__file__).resolve().parents[2]
 GRID = REPO / "docs" / "results" / "paper_cpu" / "results.json"
 DOSE = REPO / "docs" / "results" / "paper_cpu_dose" / "dose.json"
+REPRO = REPO / "docs" / "results" / "paper_cpu_repro"
 NULL_LAMBDA = 1e-8          # the gated null arm of the dose study
 VARIANTS = ("vanilla", "sink", "gated")
 
@@ -284,6 +285,18 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
     cell = lambda d: f"{d['mean']:+.4f} ({d['min']:+.4f} … {d['max']:+.4f})" if d else "not scored (see below)"
     lines.append(f"| {v} | {cell(row.get('teacher_forced'))} | {cell(row.get('after_prefill'))} | "
                  f"{cell(row.get('teacher_forced_window'))} |")
+  if gs.get("repro"):
+    lines += ["", "### Retrained main-grid runs, scored both ways on the same window", "",
+              "Each retrained with the main grid's config and seed (`docs/results/paper_cpu_repro/`); 'same model' "
+              "compares its val BPB and importances with the committed run's.", "",
+              "| run | val BPB committed → retrained | max abs importance difference | after prefill, committed |",
+              "|---|---|---:|---:|"]
+    for r in gs["repro"]:
+      lines.append(f"| {r['name']} | {r['committed_val_bpb']:.6f} → {r['val_bpb']:.6f} | "
+                   f"{r['importance_max_abs_diff']:.1e} | {r['committed_after_prefill_all_minus_none']:+.4f} |")
+    lines += ["", *window_lines([r for r in gs["repro"] if "tf_window" in r])]
+  if gs.get("window_dose"):
+    lines += ["", "### Dose-study runs, scored both ways on the same window", "", *window_lines(gs["window_dose"])]
   lines += ["", "## First-token attention and sink ratio (ranges over every layer of every run of a variant)", "",
             "| variant | F-Attn per layer | α per layer (mean over heads) | largest α of any head | sink-logit weight "
             "per layer |", "|---|---|---|---|---|"]
@@ -330,6 +343,54 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
   return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------- value zeroing on one window
+
+def _read(path):
+  path = pathlib.Path(path)
+  return json.loads(path.read_text()) if path.is_file() else None
+
+
+def repro_runs(repro_dir: pathlib.Path, grid: dict) -> list[dict]:
+  """Main-grid runs retrained into repro_dir/runs/NAME (done.json + paper_eval.json) with the committed record of
+  the same name: whether the retrained model is the committed one (val BPB and importances equal) and its value
+  zeroing scored both ways."""
+  committed = {f"{r['variant']}_{r['loss']}_s{r['seed']}": r for r in grid["runs"]}
+  out = []
+  for d in sorted((repro_dir / "runs").glob("*_s*")) if (repro_dir / "runs").is_dir() else []:
+    ev, done = _read(d / "paper_eval.json"), _read(d / "done.json")
+    if ev is None or done is None or d.name not in committed:
+      continue
+    c = committed[d.name]
+    out.append({"name": d.name, "committed_val_bpb": c["val_bpb"], "val_bpb": ev["val_bpb"],
+                "val_bpb_diff": ev["val_bpb"] - c["val_bpb"],
+                "importance_max_abs_diff": float(np.abs(np.subtract(ev["importance"], c["importance"])).max()),
+                "committed_after_prefill_all_minus_none": (c["value_zeroing_after_prefill"]["bpb_all"]
+                                                           - c["value_zeroing_after_prefill"]["bpb_none"]),
+                **_vz_both(ev)})
+  return out
+
+
+def _vz_both(ev: dict) -> dict:
+  """all - none BPB of the three scorings of one evaluation, and the teacher-forced vs after-prefill `none` on the
+  same window (the same model on the same tokens: equal up to rounding)."""
+  tf, ap, tw = (ev["value_zeroing_teacher_forced"], ev["value_zeroing_after_prefill"],
+                ev.get("value_zeroing_teacher_forced_window"))
+  out = {"tf_whole": tf["bpb_all"] - tf["bpb_none"], "ap_window": ap["bpb_all"] - ap["bpb_none"],
+         "prompt_len": ap["prompt_len"]}
+  if tw is not None:
+    out.update(tf_window=tw["bpb_all"] - tw["bpb_none"], none_gap=tw["bpb_none"] - ap["bpb_none"])
+  return out
+
+
+def window_lines(rows: list[dict]) -> list[str]:
+  lines = ["| run | teacher-forced, targets 0–255 | teacher-forced, targets 64–255 | after prefill, targets 64–255 | "
+           "none: teacher-forced − after prefill (64–255) |", "|---|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r['name']} | {r['tf_whole']:+.4f} | {r['tf_window']:+.4f} | {r['ap_window']:+.4f} | "
+                 f"{r['none_gap']:+.1e} |")
+  return lines
+
+
 # --------------------------------------------------------------------------------------------------- dose study
 
 def dose_stats(dose: dict, grid: dict | None) -> dict:
@@ -350,6 +411,10 @@ def dose_stats(dose: dict, grid: dict | None) -> dict:
     null = {s: (b, i) for s, b, i in zip(seeds, nb, ni)}
   bpb_floor = stats.noise_floor(arms) if arms else None
   imb_floor = stats.noise_floor({f"{variant} λ 1e-8": [v[1] for _, v in sorted(null.items())]}) if null else None
+  rank_floors = (None, None)
+  if null:
+    top, rest = _rank_diffs(runs, variant, NULL_LAMBDA)
+    rank_floors = (stats.noise_floor({"strongest": top}), stats.noise_floor({"others": rest}))
   per_lambda, effects = {}, {}
   for lam in lambdas:
     bpb, imb = _by(runs, variant, lam, "val_bpb"), _by(runs, variant, lam, "head_imbalance")
@@ -371,26 +436,31 @@ def dose_stats(dose: dict, grid: dict | None) -> dict:
                                               what=f"{variant} λ = {lam:g} − λ = 0, val BPB")
     effects[f"λ {lam:g} imbalance"] = stats.verdict(di, imb_floor["sigma"] if imb_floor else None, nd=3,
                                                     what=f"{variant} λ = {lam:g} − λ = 0, final head imbalance")
-    effects.update(_rank_effects(runs, variant, lam))
+    effects.update(_rank_effects(runs, variant, lam, tuple(f and f["sigma"] for f in rank_floors)))
   return {"variant": variant, "lambdas": lambdas, "bpb_floor": bpb_floor, "imbalance_floor": imb_floor,
+          "rank_floors": {"strongest": rank_floors[0], "others": rank_floors[1]},
           "per_lambda": {f"{k:g}": v for k, v in per_lambda.items()}, "effects": effects}
 
 
-def _rank_effects(runs, variant, lam) -> dict:
-  """Per-head importance, λ run vs the λ = 0 run of the same seed, head ranks matched within each layer (the
-  strongest head of a layer against the strongest, ...; runs trained apart need not keep head identities): the
-  change of the strongest head (mean over layers) and of the three others (mean over layers and heads)."""
+def _rank_diffs(runs, variant, lam) -> tuple[list[float], list[float]]:
+  """Per seed: (strongest head per layer, mean over layers) and (the other heads, mean over layers and heads) of
+  the lambda run minus the lambda = 0 run, head ranks matched within each layer."""
   base = {r["seed"]: np.sort(np.asarray(r["importance"]), -1)[:, ::-1] for r in runs
           if r["variant"] == variant and float(r["lambda"]) == 0.0}
   treat = {r["seed"]: np.sort(np.asarray(r["importance"]), -1)[:, ::-1] for r in runs
            if r["variant"] == variant and float(r["lambda"]) == float(lam)}
   seeds = sorted(set(base) & set(treat))
-  top = [float((treat[s][:, 0] - base[s][:, 0]).mean()) for s in seeds]
-  rest = [float((treat[s][:, 1:] - base[s][:, 1:]).mean()) for s in seeds]
-  return {f"λ {lam:g} strongest head": stats.verdict(top, None, nd=3, what=f"λ = {lam:g} − 0, strongest head per "
-                                                                                 f"layer (importance)"),
-          f"λ {lam:g} other heads": stats.verdict(rest, None, nd=3, what=f"λ = {lam:g} − 0, the other heads "
-                                                                            f"(importance)")}
+  return ([float((treat[s][:, 0] - base[s][:, 0]).mean()) for s in seeds],
+          [float((treat[s][:, 1:] - base[s][:, 1:]).mean()) for s in seeds])
+
+
+def _rank_effects(runs, variant, lam, floors=(None, None)) -> dict:
+  """The rank-matched importance changes (`_rank_diffs`) tested against the null arm's, when there is one."""
+  top, rest = _rank_diffs(runs, variant, lam)
+  return {f"λ {lam:g} strongest head": stats.verdict(top, floors[0], nd=3, what=f"λ = {lam:g} − 0, strongest head "
+                                                                                 f"per layer (importance)"),
+          f"λ {lam:g} other heads": stats.verdict(rest, floors[1], nd=3, what=f"λ = {lam:g} − 0, the other heads "
+                                                                             f"(importance)")}
 
 
 def plot_dose(dose: dict, ds: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -400,7 +470,7 @@ def plot_dose(dose: dict, ds: dict, out_dir: pathlib.Path) -> list[pathlib.Path]
   runs = dose["runs"]
   lambdas = ds["lambdas"]
   colors = plt.cm.viridis(np.linspace(0, 0.9, len(lambdas)))
-  fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+  fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.6))
   for lam, col in zip(lambdas, colors):
     cs = [r["imbalance_curve"] for r in runs if float(r["lambda"]) == lam and r.get("imbalance_curve")]
     if not cs:
@@ -420,6 +490,24 @@ def plot_dose(dose: dict, ds: dict, out_dir: pathlib.Path) -> list[pathlib.Path]
   ax.set_ylim(bottom=0)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
+  base = dict(zip(ds["per_lambda"]["0"]["seeds"], ds["per_lambda"]["0"]["val_bpb"]))
+  for x, (lam, col) in enumerate(zip(lambdas, colors)):
+    r = ds["per_lambda"][f"{lam:g}"]
+    d = [b - base[s] for s, b in zip(r["seeds"], r["val_bpb"]) if s in base]
+    if lam == 0 or not d:
+      continue
+    ax3.scatter([x] * len(d), d, color=col, s=25)
+    ax3.plot([x - 0.2, x + 0.2], [np.mean(d)] * 2, color="black", lw=2)
+    if ds["bpb_floor"]:
+      z2 = 2 * ds["bpb_floor"]["sigma"] / np.sqrt(len(d))
+      ax3.fill_between([x - 0.3, x + 0.3], [-z2] * 2, [z2] * 2, color="gray", alpha=0.25, lw=0)
+  ax3.axhline(0, color="gray", lw=1)
+  ax3.set_xticks(range(len(lambdas)), [f"{lam:g}" for lam in lambdas])
+  ax3.set_xlabel("λ (aux weight)")
+  ax3.set_ylabel("BPB(λ) − BPB(λ = 0), same seed")
+  ax3.set_title("paired difference per seed (bar: mean)\ngray: |z| < 2 for the mean against the noise floor σ₀"
+                if ds["bpb_floor"] else "paired difference per seed (bar: mean)")
+  ax3.grid(alpha=0.3)
   ax2.set_xticks(range(len(lambdas)), [f"{lam:g}" for lam in lambdas])
   ax2.set_xlabel("λ (aux weight)")
   ax2.set_ylabel("val BPB (8 held-out batches)")
@@ -448,6 +536,10 @@ def plot_dose(dose: dict, ds: dict, out_dir: pathlib.Path) -> list[pathlib.Path]
   return [p1, p2]
 
 
+def _mean_std(xs) -> str:
+  return f"{np.mean(xs):.4f} ± {np.std(xs, ddof=1):.4f}" if len(xs) > 1 else f"{xs[0]:.4f} (one seed)"
+
+
 def dose_markdown(dose: dict, ds: dict, dose_path: str) -> str:
   lines = ["# Dose study: gated attention × λ × seeds", "",
            f"Generated by `python -m sinkjax.experiments.paper_report --write` from `{dose_path}` (runs: "
@@ -457,13 +549,16 @@ def dose_markdown(dose: dict, ds: dict, dose_path: str) -> str:
     lines += floor_lines(ds["bpb_floor"], "BPB floor (null arms pooled)")
   if ds["imbalance_floor"]:
     lines += floor_lines(ds["imbalance_floor"], "Head-imbalance floor (gated λ = 1e-8 − λ = 0)", 3)
+  for k, f in ds["rank_floors"].items():
+    if f:
+      lines += floor_lines(f, f"Importance floor, {k} head(s) (gated λ = 1e-8 − λ = 0, ranks matched)", 3)
   lines += ["| λ | val BPB per seed | mean ± std | final head imbalance per seed | mean | aux term at the end "
             "(held-out) | mean importance | strongest / others (mean over layers) |",
             "|---|---|---|---|---|---|---|---|"]
   for lam, r in ds["per_lambda"].items():
     b, i = r["val_bpb"], r["head_imbalance"]
     ranks = np.array(r["importance_by_rank"]).mean(0)
-    lines.append(f"| {lam} | {', '.join(f'{x:.4f}' for x in b)} | {np.mean(b):.4f} ± {np.std(b, ddof=1):.4f} | "
+    lines.append(f"| {lam} | {', '.join(f'{x:.4f}' for x in b)} | {_mean_std(b)} | "
                  f"{', '.join(f'{x:.3f}' for x in i)} | {np.mean(i):.3f} | {np.mean(r['aux_term']):.1e} | "
                  f"{np.mean(r['mean_importance']):.3f} | {ranks[0]:.3f} / {ranks[1:].mean():.3f} |")
   lines += ["", "## Tests (paired with λ = 0, per seed)", "", *effects_table(ds["effects"]), ""]
@@ -501,6 +596,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m sinkjax.experiments.paper_report", description=__doc__.split("\n")[0])
   p.add_argument("--grid", default=str(GRID), help="the main grid's results.json")
   p.add_argument("--dose", default=str(DOSE), help="the dose study's dose.json ('none': skip)")
+  p.add_argument("--repro", default=str(REPRO), help="retrained main-grid runs (runs/NAME/paper_eval.json)")
   p.add_argument("--write", action="store_true", help="write stats.md / stats.json (and the dose report) next to "
                                                       "the inputs")
   args = p.parse_args(argv)
@@ -509,6 +605,9 @@ def main(argv=None) -> int:
   dose_path = None if args.dose == "none" else pathlib.Path(args.dose)
   dose = json.loads(dose_path.read_text()) if dose_path is not None and dose_path.is_file() else None
   gs = grid_stats(grid, gated_null_of(dose))
+  gs["repro"] = repro_runs(pathlib.Path(args.repro), grid)
+  gs["window_dose"] = [{"name": f"{r['variant']}_{r['loss']}_s{r['seed']}", **_vz_both(r)} for r in
+                       (dose or {}).get("runs", []) if "value_zeroing_teacher_forced_window" in r]
   rel = lambda q: str(q.resolve().relative_to(REPO)) if q.resolve().is_relative_to(REPO) else str(q)
   print(f"main grid ({rel(grid_path)}):")
   f = gs["bpb_floor"]

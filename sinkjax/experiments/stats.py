@@ -81,7 +81,8 @@ def verdict(diffs, sigma: float | None, *, what: str, nd: int = 4) -> dict:
   per_seed = ", ".join(fmt(x, nd) for x in d)
   same = st["n"] == n and st["positive"] in (0, n)
   direction = "higher" if mean > 0 else "lower"
-  sign_txt = (f"{'all' if n > 2 else 'both'} {n} seeds {direction}" if same else
+  every = {1: "the one seed", 2: "both seeds"}.get(n, f"all {n} seeds")
+  sign_txt = (f"{every} {direction}" if same else
               f"{st['positive']} of {n} seeds higher, {n - st['positive']} lower or equal")
   sign_txt += f" (sign test p = {st['p_two_sided']:.3g} two-sided; the least {n} seeds allow is " \
               f"{st['p_min_two_sided']:.3g})"
