@@ -172,6 +172,21 @@ def check_step_change(cfg: Config, run_dir, given_steps: int) -> None:
           f"learning-rate schedule is laid out anew over {new} steps", flush=True)
 
 
+def note_resume_changes(cfg: Config, run_dir) -> None:
+  """One line listing the settings a resume changes against the run's config.yaml (train.steps has its own rule in
+  `check_step_change`; the model and data keys that cannot change are refused elsewhere)."""
+  path = run_dir / CONFIG_FILE
+  if not path.is_file() or jax.process_index() != 0:
+    return
+  flat = lambda d, pre="": {k2: v2 for k, v in d.items() for k2, v2 in (
+      flat(v, f"{pre}{k}.").items() if isinstance(v, dict) else [(f"{pre}{k}", v)])}
+  old, new = flat(config_lib.to_dict(read_run_config(run_dir))), flat(config_lib.to_dict(cfg))
+  skip = {"train.steps", "train.stop_at_step", "run.dir", "model.vocab_size"}
+  changed = [f"{k} {old[k]!r} -> {v!r}" for k, v in new.items() if k not in skip and k in old and old[k] != v]
+  if changed:
+    print(f"sinkjax.train: resuming {run_dir} with changed settings: {', '.join(changed)}", flush=True)
+
+
 def legacy_data_settings(cfg: Config) -> None:
   """Resuming a run whose config.yaml predates a key of LEGACY_DATA_SETTINGS: its iterator state is of the pipeline
   it was trained with (unshuffled rows, document packing), so keep that (with a note) rather than refuse to resume."""

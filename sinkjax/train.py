@@ -42,6 +42,7 @@ from sinkjax import checkpoint as ckpt_lib
 from sinkjax import config as config_lib
 from sinkjax import run as run_lib
 from sinkjax import sharding as sharding_lib
+from sinkjax import tracking
 from sinkjax.config import Config, ConfigError
 from sinkjax.model import Transformer, count_params, forward_with_importance
 
@@ -249,13 +250,14 @@ class MetricsLogger:
                     "val_bpb": None, "last_importance": None}
     self.bar = tqdm(total=cfg.train.steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0,
                     disable=not (self.is_main and progress))
-    self.file = self.writer = None
+    self.file = self.writer = self.tracker = None
     # Object stores have no append: there metrics.jsonl is rewritten whole (one upload, atomic) at most every
     # FLUSH_S seconds, at every checkpointed step (`flush`) and at the end, so every record a resume keeps is stored.
     self.remote = paths.is_remote(run_dir)
     self.lines: list[str] = []
     self.uploaded_at = time.perf_counter()
     if self.is_main:
+      self.tracker = tracking.start(cfg, run_dir)    # Weights & Biases with logging.wandb (sinkjax.tracking)
       self._truncate(start)
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
       _register_tensorboard_object_stores()
@@ -320,6 +322,8 @@ class MetricsLogger:
     for k in ("loss", "ce_loss", "aux_loss", "head_imbalance", "grad_norm", "lr", "tokens_per_s", "val_bpb"):
       if k in rec:
         self.writer.add_scalar(f"train/{k}" if k != "val_bpb" else "val/bpb", rec[k], rec["step"])
+    if self.tracker is not None:
+      self.tracker.log(rec)
     if "val_bpb" in rec:
       self.bar.write(f"step {rec['step']}: loss {rec['loss']:.4f}  val_bpb {rec['val_bpb']:.4f}  head_imbalance "
                      f"{rec['head_imbalance']:.4f}  {rec['tokens_per_s']:,.0f} tok/s")
@@ -345,6 +349,8 @@ class MetricsLogger:
       if self.file is not None:
         self.file.close()
       self.writer.close()
+      if self.tracker is not None:
+        self.tracker.finish()
 
   def finish(self, start: int) -> None:
     """Plots and the closing line (process 0)."""
@@ -466,6 +472,7 @@ class Trainer:
     self.run_dir, has_ckpt = run_lib.prepare_run_dir(cfg)
     if has_ckpt:
       run_lib.check_step_change(cfg, self.run_dir, given_steps)
+      run_lib.note_resume_changes(cfg, self.run_dir)
     self._jit_steps()
     self.ckpt = ckpt_lib.Checkpointer(self.run_dir, cfg.checkpoint)
     self.start = self._restore() if has_ckpt and self.ckpt.latest_step() is not None else self._initialize()

@@ -120,5 +120,8 @@ def test_resume_with_another_step_count(run_dir, capsys):
   printed = capsys.readouterr().out
   assert f"extending the run in {run_dir} from 2 to 3 steps" in printed
   assert load_config(str(run_dir / "config.yaml")).train.steps == 3
-  again = train(load_config(TINY, SMALL + ["train.steps=3", f"run.dir={run_dir}"]), progress=False)
+  capsys.readouterr()
+  again = train(load_config(TINY, SMALL + ["train.steps=3", f"run.dir={run_dir}", "train.matrix_lr=0.01"]),
+                progress=False)
+  assert f"resuming {run_dir} with changed settings: train.matrix_lr 0.02 -> 0.01" in capsys.readouterr().out
   assert again["start_step"] == 3 and math.isfinite(out["final_loss"])
