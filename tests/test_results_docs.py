@@ -195,3 +195,32 @@ def test_finetuning_tables(doc, flat):
   routed_mean = lambda x: x[~shared].mean()
   none_rise = routed_mean(after["none"]) - routed_mean(before)
   assert f"without the aux loss they move by {none_rise:+.3f}" in flat
+
+
+# ------------------------------------------------------------------------------------------------ STREAMING.md
+
+def test_passkey_random_maps_and_the_head_they_miss():
+  """random_maps.json is what `--full-heads-random 0..4` drew (re-derived from the seeds), and STREAMING.md's reading
+  of it holds: no F = 0.25 map holds layer 0's head 3, the F = 0.5 maps of seeds 1 and 3 (and only those) do, and
+  the seeds it names as including that head at F = 0.25 do."""
+  from sinkjax.cache_policy import random_heads
+  stream = " ".join((ROOT / "docs" / "STREAMING.md").read_text().split())
+  maps = json.loads((ROOT / "docs" / "results" / "passkey_tiny" / "random_maps.json").read_text())["maps"]
+  for a in (0.25, 0.5):
+    for s in range(5):
+      m = np.asarray(maps[f"F={a:g} random (seed {s})"], bool)
+      assert (m == random_heads((4, 4), a, "layer", s)).all() and (m.sum(-1) == int(4 * a)).all()
+      assert m[0, 3] == (a == 0.5 and s in (1, 3)), (a, s)
+  assert "none of the five F = 0.25 random maps contains it" in stream
+  named = [14, 20, 22, 25, 26]
+  assert "seeds 14, 20, 22, 25 and 26 are the first that do" in stream
+  assert [s for s in range(5, 27) if random_heads((4, 4), 0.25, "layer", s)[0, 3]] == named
+  ppl = {}
+  for line in (ROOT / "docs" / "results" / "passkey_tiny" / "ppl.md").read_text().splitlines():
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    if cells[0].startswith("hybrid F=0.25"):
+      ppl[cells[0]] = float(cells[3])
+  imp = ppl["hybrid F=0.25 by importance (S=4, W=64)"]
+  rand = sorted(v for k, v in ppl.items() if "random" in k)
+  assert len(rand) == 5 and sorted(rand + [imp]).index(imp) + 1 == 3
+  assert f"ranks 3rd of 6 ({imp:.3f} against the random maps' " + ", ".join(f"{x:.3f}" for x in rand) in stream
