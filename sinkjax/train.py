@@ -248,16 +248,17 @@ class MetricsLogger:
     self.timer = {"t": self.t_start, "step": start, "paused": 0.0}
     self.summary = {"run_dir": str(run_dir), "steps": cfg.train.steps, "start_step": start, "final_loss": None,
                     "val_bpb": None, "last_importance": None}
+    # Weights & Biases with logging.wandb (sinkjax.tracking), started first: a failing wandb.init leaves no bar behind
+    self.tracker = tracking.start(cfg, run_dir) if self.is_main else None
     self.bar = tqdm(total=cfg.train.steps, initial=start, unit="step", dynamic_ncols=True, mininterval=1.0,
                     disable=not (self.is_main and progress))
-    self.file = self.writer = self.tracker = None
+    self.file = self.writer = None
     # Object stores have no append: there metrics.jsonl is rewritten whole (one upload, atomic) at most every
     # FLUSH_S seconds, at every checkpointed step (`flush`) and at the end, so every record a resume keeps is stored.
     self.remote = paths.is_remote(run_dir)
     self.lines: list[str] = []
     self.uploaded_at = time.perf_counter()
     if self.is_main:
-      self.tracker = tracking.start(cfg, run_dir)    # Weights & Biases with logging.wandb (sinkjax.tracking)
       self._truncate(start)
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
       _register_tensorboard_object_stores()
@@ -584,6 +585,7 @@ class Trainer:
 
 def train(cfg: Config, *, progress: bool = True) -> dict:
   """Trains (or resumes) the run of `cfg`; returns a summary {steps, final_loss, val_bpb, run_dir, ...}."""
+  tracking.require(cfg)     # logging.wandb without the wandb package: one line, before anything is written
   trainer = Trainer(cfg)
   trainer.write_config()
   cfg, start, stop_at = trainer.cfg, trainer.start, trainer.stop_at
