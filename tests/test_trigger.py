@@ -172,6 +172,24 @@ def test_sink_and_gated_maps_consistent():
     assert len(rec["bos_attention_nontrigger_per_head"][0]) == 2
 
 
+def test_value_norms_by_hand():
+  """BOS and non-BOS value norms per layer and head: layer 0 from x, layer 1 from x plus what layer 0 wrote
+  (`forward` of the first layer alone), each by numpy."""
+  T, d = 8, 6
+  x, y, tpos = tr.make_batch(jax.random.key(3), 5, T, d)
+  params = tr.init_params(jax.random.key(4), "softmax", 2, 3, d, init_std=0.3)
+  got = tr.value_norms(params, x, "softmax")
+  h1 = np.asarray(x) + np.asarray(tr.forward(params[:1], x, "softmax"))
+  for layer, h in enumerate((np.asarray(x), h1)):
+    v = np.einsum("btd,dhe->bthe", h, np.asarray(params[layer]["wv"]))
+    o = np.einsum("bthe,hed->bthd", v, np.asarray(params[layer]["wo"]))
+    for key, a in (("value", v), ("output", o)):
+      n = np.linalg.norm(a, axis=-1)                                # [B,T,H]; BOS is position 0 of every row
+      np.testing.assert_allclose(got[f"bos_{key}_norm_per_head"][layer], n[:, 0].mean(0), rtol=1e-5)
+      np.testing.assert_allclose(got[f"{key}_norm_per_head"][layer], n[:, 1:].reshape(-1, 3).mean(0), rtol=1e-5)
+  assert "bos_value_norm_per_head" in tr.evaluate(params, "softmax", x, y, tpos)
+
+
 # -------------------------------------------------------------------------------------------------- CLI
 
 def test_cli_bad_arguments(capsys):

@@ -250,6 +250,25 @@ def _masked_mean(a, m, axes):
   return jnp.sum(a * m, axis=axes) / jnp.maximum(jnp.sum(m, axis=axes), 1.0)
 
 
+def value_norms(params, x, variant: str, impl: str = "reference") -> dict[str, Any]:
+  """Per layer and head [L][H]: the mean norm of the BOS token's value vector v = h W_V and of the other tokens',
+  and of what each writes to the residual stream through W_O (v W_O, the part attention weight multiplies); the
+  "BOS value ≈ 0" of a sink is bos / other << 1."""
+  h = x
+  bos = x[..., BOS] > 0.5
+  out = {k: [] for k in ("bos_value_norm_per_head", "value_norm_per_head", "bos_output_norm_per_head",
+                         "output_norm_per_head")}
+  for p in params:
+    v = jnp.einsum("btd,dhe->bthe", h, p["wv"])                            # [B,T,H,d]
+    o = jnp.einsum("bthe,hed->bthd", v, p["wo"])
+    for key, a in (("value", v), ("output", o)):
+      n = jnp.linalg.norm(a, axis=-1)                                      # [B,T,H]
+      out[f"bos_{key}_norm_per_head"].append(np.asarray(_masked_mean(n, bos[..., None], (0, 1))).tolist())
+      out[f"{key}_norm_per_head"].append(np.asarray(_masked_mean(n, ~bos[..., None], (0, 1))).tolist())
+    h = h + _layer(p, h, bos, variant, impl, False)[0]
+  return out
+
+
 def evaluate(params, variant: str, x, y, tpos, impl: str = "reference") -> dict[str, Any]:
   """Loss, zero-prediction baseline and attention statistics on evaluation data (see module docstring)."""
   pred, maps = forward_maps(params, x, variant, impl)
@@ -275,6 +294,7 @@ def evaluate(params, variant: str, x, y, tpos, impl: str = "reference") -> dict[
       "bos_attention_nontrigger_per_head": np.asarray(bos_nt).tolist(),
       "bos_attention_trigger_per_head": np.asarray(bos_tr).tolist(),
   }
+  rec.update(value_norms(params, x, variant, impl))
   mass = jnp.swapaxes(attn.sum(-1), 2, 3)                                  # [L,B,T,H]: total weight on real keys
   if variant == "sink":
     sink_mass = 1.0 - gate                                                 # sigma(sink - LSE)
