@@ -42,7 +42,7 @@ from sinkjax.choices import (ATTENTION_VARIANTS, GATE_INPUTS, GATE_KINDS, GATE_P
 from sinkjax.balance import head_importance
 from sinkjax.kernels import dense
 from sinkjax.kernels.reference import attention_weights as reference_weights
-from sinkjax.sharding import logical
+from sinkjax.sharding import logical, target_platform
 
 
 
@@ -140,7 +140,7 @@ def _materialized(*xs):
   of RoPE into every consumer, forward and backward, recomputing them per element of q and k (per head and half:
   8x the [B, T, D/2] that are needed; ~6 % of a CPU train step at 4 x 256, T 512, docs/PERF.md). Other platforms
   get xs untouched."""
-  if jax.default_backend() != "cpu":
+  if target_platform() != "cpu":
     return xs
   x = jnp.concatenate(xs, axis=-1)
   x = jnp.einsum("...i,ij->...j", x, jnp.eye(x.shape[-1], dtype=x.dtype), precision=jax.lax.Precision.HIGHEST)

@@ -25,6 +25,24 @@ BATCH_AXES = ("data", "fsdp")
 HEAD_AXIS = "tensor"          # attention heads; also where the kernel's per-shard wrapper splits them
 
 
+def target_platform() -> str:
+  """The platform the program being traced is compiled for: that of the active mesh's devices (`jax.set_mesh`;
+  compile-only TPU or GPU devices on a CPU host included), else the default backend's. "tpu", "gpu" or "cpu".
+
+  Every platform-dependent choice (the attention kernel, Pallas interpret mode, the CPU-only code paths) asks this,
+  never `jax.default_backend()` alone: a step compiled for a TPU slice on a CPU host must not get the host's code."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  platform = device.platform if device is not None else jax.default_backend()
+  return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def mesh_platform(mesh: Mesh) -> str:
+  """The platform of a concrete mesh's devices ("tpu", "gpu" or "cpu")."""
+  platform = mesh.devices.flat[0].platform
+  return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def make_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
   """A ("data", "fsdp", "tensor") mesh over `devices` (default: all), -1 filling the remaining devices."""
   devices = list(jax.devices() if devices is None else devices)

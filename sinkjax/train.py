@@ -159,6 +159,15 @@ def make_eval_step(graphdef, rest):
 # Setup helpers
 # --------------------------------------------------------------------------------------------------------------
 
+def check_vocab(m, tokenizer_vocab: int) -> None:
+  """model.vocab_size 0 takes the tokenizer's; a smaller one than the tokenizer's is an error."""
+  if m.vocab_size == 0:
+    m.vocab_size = tokenizer_vocab
+  elif m.vocab_size < tokenizer_vocab:
+    raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's ({tokenizer_vocab}); set "
+                      "it to 0 to take the tokenizer's")
+
+
 def total_steps(cfg: Config, num_params: int) -> int:
   """train.steps, or the token budget train.tokens_per_param x parameters / tokens per step when it is 0."""
   if cfg.train.steps > 0:
@@ -438,21 +447,15 @@ class TrainedParams:
     return tuple(nnx.split_state(full, self.filter, ...)) if self.cfg.lora.rank else (full, rest_shapes)
 
 
-class Trainer:
-  """Everything one training invocation holds, built in the order that lets bad settings fail before anything is
-  written: config and tokenizer, mesh, model and optimizer shapes, data, run directory, jitted steps, then the
-  state (restored from RUN_DIR/checkpoints, or initialized, from train.init_from when fine-tuning)."""
+class Program:
+  """The jitted train and eval steps of a config on a mesh, with the state's shapes and shardings: the part of a run
+  that is compiled. `Trainer` runs it; `sinkjax.compile` lowers and compiles the same object for the devices of a
+  TPU slice or GPU node that need not be present (compile-only devices), so what it reports is what training runs.
+  Resolves cfg.train.steps (the token budget) and needs cfg.model.vocab_size set."""
 
-  def __init__(self, cfg: Config):
-    from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator  # pylint: disable=C0415
-    self.cfg = cfg = copy.deepcopy(cfg)        # filled in below (vocab_size, steps); the caller's stays as given
-    paths.check_bucket(cfg.run.dir, "run.dir")  # a bucket that is missing or unreachable: say so before any work
-    self.init_cfg = run_lib.adopt_init_model(cfg)  # fine-tuning: the model section of train.init_from
-    self.tok = build_tokenizer(cfg.data)
-    self._check_vocab()
-    self.mesh = sharding_lib.make_mesh(cfg.mesh)
-    micro = self._micro_batch()
-    self.shared = run_lib.fixed_shared_heads(cfg)
+  def __init__(self, cfg: Config, mesh, shared=None):
+    self.cfg, self.mesh, self.shared = cfg, mesh, shared
+    self.micro = self._micro_batch()
     self.params = TrainedParams(cfg)
     abstract_model = nnx.eval_shape(self.params.build_model)
     assert not jax.tree.leaves(nnx.state(abstract_model, nnx.Not(nnx.Param))), \
@@ -460,31 +463,9 @@ class Trainer:
     self.graphdef, abstract_params, _ = self.params.split_model(abstract_model)
     self.num_params = count_params(abstract_model)
     self.num_trainable = sum(x.size for x in jax.tree.leaves(abstract_params))
-    given_steps = cfg.train.steps
     cfg.train.steps = total_steps(cfg, self.num_params)
-    self.stop_at = min(cfg.train.stop_at_step or cfg.train.steps, cfg.train.steps)
     self.tx, self.lr_schedule = optim.build_optimizer(cfg, cfg.train.steps)
-    run_lib.legacy_data_settings(cfg)          # data: validated before anything is written to run.dir
-    procs = jax.process_count()
-    self.train_iter = make_train_iterator(cfg.data, self.tok, batch_size=cfg.train.batch_size // procs,
-                                          seed=cfg.train.seed)
-    self.eval_batches = make_eval_batches(cfg.data, self.tok, batch_size=micro // procs,
-                                          num_batches=cfg.train.eval_batches) if cfg.train.eval_batches > 0 else []
-    self.run_dir, has_ckpt = run_lib.prepare_run_dir(cfg)
-    if has_ckpt:
-      run_lib.check_step_change(cfg, self.run_dir, given_steps)
-      run_lib.note_resume_changes(cfg, self.run_dir)
     self._jit_steps()
-    self.ckpt = ckpt_lib.Checkpointer(self.run_dir, cfg.checkpoint)
-    self.start = self._restore() if has_ckpt and self.ckpt.latest_step() is not None else self._initialize()
-
-  def _check_vocab(self) -> None:
-    m = self.cfg.model
-    if m.vocab_size == 0:
-      m.vocab_size = self.tok.vocab_size
-    elif m.vocab_size < self.tok.vocab_size:
-      raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's "
-                        f"({self.tok.vocab_size}); set it to 0 to take the tokenizer's")
 
   def _micro_batch(self) -> int:
     micro = self.cfg.train.batch_size // self.cfg.train.grad_accum
@@ -505,14 +486,59 @@ class Trainer:
     self.state_sh = sharding_lib.state_shardings(mesh, self.state_shapes)
     self.rest_sh = sharding_lib.state_shardings(mesh, self.rest_shapes)
     self.batch_sh = sharding_lib.batch_sharding(mesh)
-    donate = (0,) if jax.default_backend() != "cpu" else ()  # CPU: async checkpoints may alias the buffers
+    self.donate = (0,) if sharding_lib.mesh_platform(mesh) != "cpu" else ()  # CPU: async checkpoints may alias
     shared = None if self.shared is None else jnp.asarray(self.shared)
     self.train_step = jax.jit(make_train_step(self.cfg, self.graphdef, None, self.tx, shared),
                               in_shardings=(self.state_sh, self.batch_sh, self.rest_sh),
-                              out_shardings=(self.state_sh, sharding_lib.replicated(mesh)), donate_argnums=donate)
+                              out_shardings=(self.state_sh, sharding_lib.replicated(mesh)),
+                              donate_argnums=self.donate)
     self.eval_step = jax.jit(make_eval_step(self.graphdef, None),
                              in_shardings=(self.state_sh["params"], self.batch_sh, self.rest_sh),
                              out_shardings=sharding_lib.replicated(mesh))
+
+  def abstract_batch(self, rows: int, features=TRAIN_FEATURES) -> dict:
+    """Shapes of a global batch of `rows` rows as the data pipeline makes it (float32 loss mask, int32 the rest)."""
+    T = self.cfg.data.seq_len
+    return {k: jax.ShapeDtypeStruct((rows, T), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                    sharding=self.batch_sh) for k in features}
+
+  def lower(self):
+    """(train step, eval step) lowered for this mesh's devices with abstract arguments: nothing is allocated."""
+    state = ckpt_lib.abstract_with_shardings(self.state_shapes, self.state_sh)
+    rest = ckpt_lib.abstract_with_shardings(self.rest_shapes, self.rest_sh)
+    with jax.set_mesh(self.mesh):       # as in the loop: attention runs per shard, kernels follow the mesh
+      train = self.train_step.lower(state, self.abstract_batch(self.cfg.train.batch_size), rest)
+      evals = self.eval_step.lower(state["params"], self.abstract_batch(self.micro, EVAL_FEATURES), rest)
+    return train, evals
+
+
+class Trainer(Program):
+  """Everything one training invocation holds, built in the order that lets bad settings fail before anything is
+  written: config and tokenizer, mesh, the program (model and optimizer shapes, jitted steps), data, run directory,
+  then the state (restored from RUN_DIR/checkpoints, or initialized, from train.init_from when fine-tuning)."""
+
+  def __init__(self, cfg: Config):
+    from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator  # pylint: disable=C0415
+    cfg = copy.deepcopy(cfg)                 # filled in below (vocab_size, steps); the caller's stays as given
+    paths.check_bucket(cfg.run.dir, "run.dir")  # a bucket that is missing or unreachable: say so before any work
+    self.init_cfg = run_lib.adopt_init_model(cfg)  # fine-tuning: the model section of train.init_from
+    self.tok = build_tokenizer(cfg.data)
+    check_vocab(cfg.model, self.tok.vocab_size)
+    given_steps = cfg.train.steps
+    super().__init__(cfg, sharding_lib.make_mesh(cfg.mesh), run_lib.fixed_shared_heads(cfg))
+    self.stop_at = min(cfg.train.stop_at_step or cfg.train.steps, cfg.train.steps)
+    run_lib.legacy_data_settings(cfg)          # data: validated before anything is written to run.dir
+    procs = jax.process_count()
+    self.train_iter = make_train_iterator(cfg.data, self.tok, batch_size=cfg.train.batch_size // procs,
+                                          seed=cfg.train.seed)
+    self.eval_batches = make_eval_batches(cfg.data, self.tok, batch_size=self.micro // procs,
+                                          num_batches=cfg.train.eval_batches) if cfg.train.eval_batches > 0 else []
+    self.run_dir, has_ckpt = run_lib.prepare_run_dir(cfg)
+    if has_ckpt:
+      run_lib.check_step_change(cfg, self.run_dir, given_steps)
+      run_lib.note_resume_changes(cfg, self.run_dir)
+    self.ckpt = ckpt_lib.Checkpointer(self.run_dir, cfg.checkpoint)
+    self.start = self._restore() if has_ckpt and self.ckpt.latest_step() is not None else self._initialize()
 
   def _restore(self) -> int:
     target = ckpt_lib.abstract_with_shardings(self.state_shapes, self.state_sh)

@@ -188,7 +188,8 @@ def probe(model, tokenizer, *, lengths, depths, samples: int, sink_size: int, wi
       for b, row, drow in zip(batches, right, digits):
         records.append(dict(mode=name, context=b.context, depth=b.depth, accuracy=float(row.mean()),
                             digit_accuracy=float(drow.mean()), samples=samples, full_heads=n_full, heads=every,
-                            kv_bytes=kv_bytes(cfg, **cache_kw)))
+                            kv_bytes=kv_bytes(cfg, **cache_kw),
+                            full_map=None if full is None else np.asarray(full, bool).astype(int).tolist()))
   return records
 
 

@@ -17,6 +17,8 @@ import functools
 
 import jax
 
+from sinkjax.sharding import target_platform
+
 
 def _dense(x, w, preferred_element_type):
   return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=preferred_element_type)
@@ -50,7 +52,7 @@ _dense_cpu.defvjp(_dense_cpu_fwd, _dense_cpu_bwd)
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
   """Drop-in for lax.dot_general as nnx.Linear calls it; the CPU weight-gradient path for x [..., in] @ w [in, out]."""
   dense = dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ())) and rhs.ndim == 2
-  if dense and precision is None and out_sharding is None and jax.default_backend() == "cpu":
+  if dense and precision is None and out_sharding is None and target_platform() == "cpu":
     return _dense_cpu(lhs, rhs, preferred_element_type)
   return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                              preferred_element_type=preferred_element_type, out_sharding=out_sharding)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from sinkjax.choices import ATTN_IMPLS
 from sinkjax.kernels import reference
 from sinkjax.kernels.blocks import BlockSizes, check_tile
-from sinkjax.sharding import BATCH_AXES, HEAD_AXIS
+from sinkjax.sharding import BATCH_AXES, HEAD_AXIS, target_platform
 
 IMPLS = ATTN_IMPLS
 _BACKEND_MODULES = {"xla": "sinkjax.kernels.xla", "pallas_tpu": "sinkjax.kernels.pallas_tpu",
@@ -39,8 +39,9 @@ def _backend(impl: str):
 
 
 def default_impl(platform: str | None = None) -> str:
-  """The backend `impl="auto"` picks: Pallas on TPU and NVIDIA GPU, blockwise XLA elsewhere."""
-  platform = platform or jax.default_backend()
+  """The backend `impl="auto"` picks for a platform (default: the target's, `sinkjax.sharding.target_platform`):
+  Pallas on TPU and NVIDIA GPU, blockwise XLA elsewhere."""
+  platform = platform or target_platform()
   if platform == "tpu":
     return "pallas_tpu"
   if platform in ("gpu", "cuda"):
@@ -117,7 +118,7 @@ def _block_sizes(block_sizes, block_q, block_k) -> BlockSizes:
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: float | None = None,
                     impl: str = "auto", interpret: bool | None = None, block_sizes: BlockSizes | None = None,
                     block_q: int | None = None, block_k: int | None = None, window: int | None = None,
-                    batch_axes=BATCH_AXES, head_axis: str | None = HEAD_AXIS):
+                    batch_axes=BATCH_AXES, head_axis: str | None = HEAD_AXIS, platform: str | None = None):
   """Multi-head attention returning `(out, lse)`, differentiable through both.
 
   Args:
@@ -127,7 +128,10 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
       ids; id 0 is padding: its rows give zero output and lse = -inf, with zero (never NaN) gradients.
     scale: logit scale, default 1/sqrt(D).
     impl: "auto" | "reference" | "xla" | "pallas_tpu" | "pallas_gpu".
-    interpret: Pallas interpret mode; None = only when the backend's hardware is absent.
+    interpret: Pallas interpret mode; None = only when the program is not compiled for the backend's hardware.
+    platform: the platform the program is compiled for ("tpu", "gpu", "cpu"); None = the active mesh's devices' (a
+      mesh of compile-only TPU devices on a CPU host says "tpu"), else the default backend's. It picks
+      `impl="auto"` (pallas_tpu / pallas_gpu / xla) and interpret mode.
     block_sizes: `BlockSizes` with separate tiles for the forward, dK/dV and dQ passes (None fields and None =
       backend defaults; see `sinkjax.kernels.blocks` for which backend reads which field).
     block_q, block_k: shorthand for `BlockSizes.uniform(block_q, block_k)`: one tile for every pass.
@@ -153,15 +157,16 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
       from sinkjax.kernels import local  # pylint: disable=import-outside-toplevel
       return local.attention(q, k, v, q_seg, kv_seg, scale=scale, window=int(window))
     return reference.attention(q, k, v, q_seg, kv_seg, causal=True, scale=scale, window=int(window))
+  target = platform or target_platform()
   if impl == "auto":
-    impl = default_impl()
+    impl = default_impl(target)
   if impl == "reference":
     return reference.attention(q, k, v, q_seg, kv_seg, causal=causal, scale=scale)
   if impl in _HARDWARE and jnp.float64 in (q.dtype, k.dtype, v.dtype):
     raise ValueError(f"impl={impl!r} takes float32 or bfloat16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype} (with "
                      "jax_enable_x64 on, jnp/jax.random default to float64: cast with .astype(jnp.float32))")
-  if interpret is None:
-    interpret = impl in _HARDWARE and jax.default_backend() not in (_HARDWARE[impl], "cuda")
+  if interpret is None:                 # the compile target's hardware, not the host's (a TPU step on a CPU host)
+    interpret = impl in _HARDWARE and target != _HARDWARE[impl]
   st = _Static(impl, bool(causal), scale, blocks, bool(interpret))
   fn = lambda q, k, v, q_seg, kv_seg: _flash_vjp(q, k, v, q_seg, kv_seg, st)
   return _per_shard(fn, B, Hkv, batch_axes, head_axis)(q, k, v, q_seg, kv_seg)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from sinkjax.kernels.blocks import BlockSizes
+from sinkjax.sharding import target_platform
 
 DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_k=512, block_q_dkv=128, block_kv_dkv=512)
 _F32 = jnp.float32
@@ -109,7 +110,7 @@ def _map_pairs(f, xs, tile: int):
   steps of as many pairs as fit `_CPU_TILE` score elements (`tile` = elements of one pair's score tile)."""
   n = xs[0].shape[0]
   per_step = max(1, _CPU_TILE // tile)
-  if jax.default_backend() != "cpu" or per_step >= n:
+  if target_platform() != "cpu" or per_step >= n:
     return jax.vmap(f)(*xs)
   return jax.lax.map(lambda a: f(*a), xs, batch_size=per_step)
 

@@ -1,0 +1,725 @@
+"""sinkjax runs as an lm-evaluation-harness model (`sinkjax`), and a command line around lm-eval's evaluation.
+
+    python -m sinkjax.lm_eval --checkpoint RUN --tasks T1,T2 [--include-path DIR] [--num-fewshot K] [--limit N]
+        [--batch-size B] [--output-path DIR] [--log-samples] [--apply-chat-template] [--model-args k=v,...]
+        [--confirm-run-unsafe-code] [--seed S]
+
+`--tasks paper` is the downstream half of the paper's Table 1 (`PAPER_TASKS`). The command is a thin wrapper over
+lm-eval's own `simple_evaluate`: lm-eval builds the prompts, few-shot contexts, filters and metrics; this module
+only answers its three kinds of request with a sinkjax model, then writes lm-eval's standard outputs under
+`--output-path` (`results_<date>.json`, and with `--log-samples` `samples_<task>_<date>.jsonl`) and prints its table.
+
+`SinkjaxLM` (registered as `sinkjax` when this module is imported) loads any run `sinkjax.run.load_run` reads:
+trained, imported from Hugging Face or nanochat, a LoRA run (adapters merged with `sinkjax.lora.merge`), local or
+gs://. It mirrors lm-eval's `hf` backend request by request, so the numbers compare with `--model hf` on the same
+weights:
+- `loglikelihood`: lm-eval's `TemplateLM` splits each (context, continuation) into tokens as the hf backend does
+  (whole string encoded, the context's tokens cut off; trailing spaces of the context move to the continuation;
+  an empty context becomes the prefix token); each row is the last `max_length + 1` tokens of context +
+  continuation, scored in batches of `batch_size` rows (right-padded, padding masked by segment id 0); the answer is
+  (sum of the continuation's log-probabilities, whether every continuation token is the argmax).
+- `loglikelihood_rolling`: the text is encoded with `tok_encode` (BOS when the tokenizer adds one) and cut into
+  lm-eval's rolling windows (`get_rolling_token_windows` with the prefix token, `max_length`, context 1, then
+  `make_disjoint_window`), the hf backend's rule; every token is predicted once.
+- `generate_until`: the context (left-truncated to `max_length - max_gen_toks` tokens) is prefilled into the
+  project's fixed-shape KV cache (`sinkjax.generate.Generator`; the prompt right-padded to a power of two so a few
+  prefill shapes serve every prompt) and decoded token by token: greedy, or sampling (`temperature`, `top_k`, `top_p`)
+  when lm-eval's normalized `do_sample` is true; it stops at an end-of-text token, at `max_gen_toks` tokens, or once
+  the decoded text holds an `until` string, and the text is cut at the first stop string as lm-eval does.
+
+Model arguments (`--model-args k=v,...`, or lm-eval's `--model_args`): `checkpoint` (or `pretrained`) the run
+directory, `step` a checkpoint step, `batch_size`, `max_length` (default `model.max_seq_len`), `max_gen_toks`
+(default 256), `add_bos_token` (default: the tokenizer's own rule when the run's tokenizer sits in a Hugging Face
+model directory, else true: sinkjax and nanochat train every document behind BOS), `prefix_token_id` (default
+BOS), `dtype` (compute dtype; default the run's `model.dtype`), `seed` (sampling).
+
+One process (all its local devices: rows are split over them); requests are not spread over several processes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import pathlib
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+try:                      # lm-eval is an extra (pip install 'sinkjax[eval]'); sinkjax itself never imports this module
+  from lm_eval.api.model import TemplateLM as _Base
+  HAVE_LM_EVAL = True
+except ImportError:       # the CLI says how to install it; the class below refuses to be built
+  _Base = object
+  HAVE_LM_EVAL = False
+
+INSTALL_HINT = "lm-evaluation-harness is not installed; pip install 'sinkjax[eval]'"
+
+# The downstream columns of the paper's Table 1 (000 §5.1), as lm-eval task names.
+PAPER_TASKS = ("mmlu", "gsm8k", "humaneval", "arc_easy", "arc_challenge", "hellaswag", "piqa", "openbookqa", "boolq",
+               "winogrande")
+
+
+class LMEvalError(ValueError):
+  """A user-facing problem (the message says what to change)."""
+
+
+def _bucket(n: int, cap: int, least: int = 16) -> int:
+  """The padded length of n tokens: the next power of two (at least `least`), at most `cap` (and at least n)."""
+  return max(n, min(cap, max(least, 1 << (max(n, 1) - 1).bit_length())))
+
+
+def _as_bool(value, name: str):
+  if value is None or isinstance(value, bool):
+    return value
+  text = str(value).strip().lower()
+  if text in ("true", "1", "yes"):
+    return True
+  if text in ("false", "0", "no"):
+    return False
+  raise LMEvalError(f"model argument {name} must be true or false, got {value!r}")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _score_rows(graphdef, state, tokens, targets, segment_ids):
+  """(log p(target) [B,T] float32, target == argmax [B,T]) of every position of every row."""
+  logits = nnx.merge(graphdef, state)(tokens, segment_ids=segment_ids).astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return (jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0],
+          jnp.argmax(logits, axis=-1) == targets)
+
+
+class SinkjaxLM(_Base):
+  """An lm-evaluation-harness model backed by a sinkjax run (see the module docstring)."""
+
+  def __init__(self, checkpoint: str | None = None, pretrained: str | None = None, step=None, batch_size=8,
+               max_batch_size=None, max_length=None, max_gen_toks=256, add_bos_token=None, prefix_token_id=None,
+               dtype: str | None = None, seed=0, device=None, **kwargs):
+    if not HAVE_LM_EVAL:
+      raise LMEvalError(INSTALL_HINT)
+    super().__init__()
+    del max_batch_size, device                  # lm-eval passes them to every model; devices are JAX's
+    for key in ("trust_remote_code",):
+      kwargs.pop(key, None)
+    if kwargs:
+      raise LMEvalError(f"unknown model argument(s) for sinkjax: {', '.join(sorted(kwargs))} (known: checkpoint, "
+                        "step, batch_size, max_length, max_gen_toks, add_bos_token, prefix_token_id, dtype, seed)")
+    run_dir = checkpoint or pretrained
+    if not run_dir:
+      raise LMEvalError("the sinkjax model needs checkpoint=RUN_DIR (a run directory)")
+
+    from sinkjax import lora, sharding as sharding_lib  # pylint: disable=import-outside-toplevel
+    from sinkjax.config import MeshConfig  # pylint: disable=import-outside-toplevel
+    from sinkjax.generate import Generator  # pylint: disable=import-outside-toplevel
+    from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
+    logging.getLogger("absl").setLevel(logging.ERROR)    # Orbax's read-only notices
+
+    self.run_dir = str(run_dir)
+    model, cfg, tok, self.step = load_run(run_dir, None if step in (None, "") else int(step))
+    model = lora.merge(model)
+    if dtype and dtype != cfg.model.dtype:
+      model = self._with_dtype(model, cfg, dtype)
+    self.cfg, self.tok, self.model = cfg, tok, model
+    self.batch_size_per_device = self._batch_size(batch_size)
+    self._max_length = int(max_length) if max_length not in (None, "") else cfg.model.max_seq_len
+    self._max_gen_toks = int(max_gen_toks)
+    self.seed = int(seed)
+    self._hf = _HFSideFiles(cfg.data.tokenizer)
+    self.add_bos_token = _as_bool(add_bos_token, "add_bos_token")
+    if self.add_bos_token is None:
+      self.add_bos_token = self._hf.adds_bos(tok) if self._hf.is_model_dir else True
+    self._bos_text = self._hf.token_text(tok.bos_id)
+    self.custom_prefix_token_id = None if prefix_token_id in (None, "") else int(prefix_token_id)
+    vocab = cfg.model.vocab_size
+    eos = [i for i in self._hf.eos_ids() if 0 <= i < vocab]
+    self._eot = eos[0] if eos else tok.bos_id
+    self._stop_ids = set(self._hf.generation_eos_ids() or [self._eot])
+    if self._eot == tok.bos_id:
+      self._stop_ids.add(tok.bos_id)       # sinkjax documents are separated by BOS: BOS ends a generation
+    self.mesh = sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
+    self._rows = sharding_lib.batch_sharding(self.mesh)
+    self._shards = sharding_lib.batch_shards(self.mesh)
+    self.graphdef, self.state = nnx.split(model)
+    self._generator = None
+    self._Generator = Generator
+    self._key = jax.random.key(self.seed)
+    self._draws = 0
+
+  # ------------------------------------------------------------------------------------------------ set-up helpers
+
+  @staticmethod
+  def _batch_size(value) -> int:
+    if value in (None, "", "auto") or str(value).startswith("auto"):
+      return 8
+    try:
+      n = int(value)
+    except (TypeError, ValueError):
+      raise LMEvalError(f"batch_size must be a positive integer, got {value!r}") from None
+    if n < 1:
+      raise LMEvalError(f"batch_size must be >= 1, got {n}")
+    return n
+
+  @staticmethod
+  def _with_dtype(model, cfg, dtype: str):
+    """The same parameters in a model of another compute dtype."""
+
+    from sinkjax import choices  # pylint: disable=import-outside-toplevel
+    from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
+    if dtype not in choices.DTYPES:
+      raise LMEvalError(f"dtype must be one of {'|'.join(choices.DTYPES)}, got {dtype!r}")
+    cfg.model = dataclasses.replace(cfg.model, dtype=dtype)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(model))
+
+  # ------------------------------------------------------------------------------------------- lm-eval's interface
+
+  @property
+  def eot_token_id(self) -> int:
+    return self._eot
+
+  @property
+  def prefix_token_id(self) -> int:
+    if self.custom_prefix_token_id is not None:
+      return self.custom_prefix_token_id
+    bos = self.tok.bos_id
+    return bos if bos < self.cfg.model.vocab_size else self._eot
+
+  @property
+  def max_length(self) -> int:
+    return self._max_length
+
+  @property
+  def max_gen_toks(self) -> int:
+    return self._max_gen_toks
+
+  @property
+  def batch_size(self) -> int:
+    return self.batch_size_per_device
+
+  @property
+  def tokenizer_name(self) -> str:
+    return str(self.cfg.data.tokenizer).replace("/", "__")
+
+  def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                 **kwargs) -> list[int]:
+    """Token ids of `string`, BOS first when `add_special_tokens` (None: `add_bos_token`, and no BOS when the text
+    already starts with the BOS token's text), as the hf backend encodes."""
+    del kwargs
+    add = self.add_bos_token if add_special_tokens is None else add_special_tokens
+    if add_special_tokens is None and self._bos_text and string.startswith(self._bos_text):
+      add = False
+    ids = list(self.tok.encode(string))
+    if add:
+      ids = [self.tok.bos_id] + ids
+    if left_truncate_len:
+      ids = ids[-left_truncate_len:]
+    return ids
+
+  def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+    del skip_special_tokens
+    return self.tok.decode([tokens] if isinstance(tokens, int) else list(tokens))
+
+  def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+    """(sum of log p(continuation), is greedy) of each (strings, context ids, continuation ids) request."""
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    del override_bs
+    L = self.max_length
+    rows = []
+    for _, ctx, cont in requests:
+      if not ctx or not cont:
+        raise LMEvalError("a loglikelihood request needs context and continuation tokens")
+      if len(cont) > L:
+        raise LMEvalError(f"a continuation of {len(cont)} tokens does not fit the model's {L} tokens")
+      rows.append(((ctx + cont)[-(L + 1):], len(cont)))
+    order = sorted(range(len(rows)), key=lambda j: (-len(rows[j][0]), tuple(rows[j][0])))   # the hf backend's order
+    out = [None] * len(rows)
+    B = self.batch_size
+    width = -(-B // self._shards) * self._shards
+    bar = tqdm(total=len(rows), disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests")
+    for start in range(0, len(order), B):
+      chunk = order[start:start + B]
+      T = _bucket(max(len(rows[j][0]) - 1 for j in chunk), L)
+      lp, greedy = self._score([rows[j][0] for j in chunk], width, T)
+      for r, j in enumerate(chunk):
+        seq, c = rows[j]
+        n = len(seq) - 1
+        ans = (float(lp[r, n - c:n].astype("float64").sum()), bool(greedy[r, n - c:n].all()))
+        out[j] = ans
+        strings = requests[j][0]
+        if strings is not None:
+          self.cache_hook.add_partial("loglikelihood", strings, ans)
+      bar.update(len(chunk))
+    bar.close()
+    return out
+
+  def _score(self, seqs, width: int, T: int):
+    """Scores rows `seqs` (each input + its last target) in one [width, T] batch; numpy (lp, greedy)."""
+    tokens = np.zeros((width, T), np.int32)
+    targets = np.zeros((width, T), np.int32)
+    seg = np.zeros((width, T), np.int32)        # 0 = padding (right of each row, and the rows that fill the batch)
+    for r, seq in enumerate(seqs):
+      n = len(seq) - 1
+      tokens[r, :n], targets[r, :n], seg[r, :n] = seq[:-1], seq[1:], 1
+    put = (lambda x: jax.device_put(x, self._rows)) if self._shards > 1 else jnp.asarray
+    with self._mesh_context():
+      lp, greedy = _score_rows(self.graphdef, self.state, put(tokens), put(targets), put(seg))
+    return np.asarray(lp), np.asarray(greedy)
+
+  def _mesh_context(self):
+    return jax.set_mesh(self.mesh) if self._shards > 1 else contextlib.nullcontext()
+
+  def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    """Log-likelihood of each whole text over lm-eval's disjoint rolling windows (the hf backend's rule)."""
+    from lm_eval import utils  # pylint: disable=import-outside-toplevel
+    windows, counts = [], []
+    for (string,) in [req.args for req in requests]:
+      ws = [(None,) + w for w in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+          token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+          context_len=1))]
+      windows.extend(ws)
+      counts.append(len(ws))
+    scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm) if windows else []
+    out, at = [], 0
+    for req, n in zip(requests, counts):
+      total = float(sum(s[0] for s in scores[at:at + n]))
+      at += n
+      out.append(total)
+      self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+    return out
+
+  def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    """Continuations of each (context, generation kwargs) request (see the module docstring)."""
+    from lm_eval.models.utils import (  # pylint: disable=import-outside-toplevel
+        handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text)
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    out = []
+    bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running generate_until requests")
+    for req in requests:
+      context, gen_kwargs = req.args
+      if not isinstance(gen_kwargs, dict):
+        raise LMEvalError(f"generation kwargs must be a mapping, got {gen_kwargs!r}")
+      kw = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
+      until = handle_stop_sequences(kw.pop("until", None), eos=self.tok_decode([self.eot_token_id]) or None)
+      max_gen = int(kw.pop("max_gen_toks"))
+      max_ctx = self.max_length - max_gen
+      if max_ctx <= 0:
+        raise LMEvalError(f"max_gen_toks {max_gen} leaves no room for the context in the model's "
+                          f"{self.max_length} tokens")
+      sample = bool(kw.get("do_sample"))
+      temperature = float(kw.get("temperature") or 0.0) if sample else 0.0
+      if sample and temperature <= 0:
+        temperature = 1.0
+      ids = self.tok_encode(context, left_truncate_len=max_ctx)
+      if not ids:
+        ids = [self.prefix_token_id]
+      new = self._generate(ids, max_gen, until, temperature=temperature, top_k=int(kw.get("top_k") or 0),
+                           top_p=float(kw.get("top_p") or 1.0))
+      text = postprocess_generated_text(self.tok_decode(new), until, None)
+      out.append(text)
+      self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+      bar.update(1)
+    bar.close()
+    return out
+
+  def _generate(self, ids: list[int], max_new: int, until: list[str], *, temperature: float, top_k: int,
+                top_p: float) -> list[int]:
+    """Up to `max_new` tokens after `ids` through the KV cache; stops at a stop token or an `until` string."""
+    from sinkjax.generate import sample_logits  # pylint: disable=import-outside-toplevel
+    if self._generator is None:       # one row: on one device (replicated over several, each would compute it all)
+      one = nnx.merge(self.graphdef, jax.device_put(self.state, jax.devices()[0])) if self._shards > 1 else self.model
+      self._generator = self._Generator(one, capacity=self.max_length)
+      self._sample = jax.jit(sample_logits)
+    gen = self._generator
+    P = len(ids)
+    prompt = np.zeros((1, _bucket(P, self.max_length)), np.int32)
+    prompt[0, :P] = ids
+    knobs = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+    key = jax.random.fold_in(self._key, self._draws)
+    self._draws += 1
+    # a right-padded prompt: the logits at P-1 see only the prompt (causal), and the cache is cut back to P tokens
+    # (its later slots are invalid and overwritten by the decoded tokens)
+    _, logits, cache = gen.prefill_fn(gen.state, gen.new_cache(), jnp.asarray(prompt), key, *knobs)
+    cache = dataclasses.replace(cache, length=jnp.asarray(P, cache.length.dtype))
+    nxt = self._sample(logits[:, P - 1], jax.random.fold_in(key, 1), *knobs)
+    out: list[int] = []
+    for i in range(max_new):
+      tok = int(nxt[0])
+      if tok in self._stop_ids:
+        break
+      out.append(tok)
+      if until and any(u and u in self.tok.decode(out) for u in until):
+        break
+      if i == max_new - 1:
+        break
+      nxt, _, cache = gen.decode_fn(gen.state, cache, nxt, jax.random.fold_in(key, i + 2), *knobs)
+    return out
+
+  # ------------------------------------------------------------------------------------------------ chat templates
+
+  def chat_template(self, chat_template=False) -> str | None:
+    if chat_template is False or chat_template is None:
+      return None
+    return self._hf.chat_template() or "plain"
+
+  def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+    """The conversation as the run was fine-tuned on it (`sinkjax.data.sft.ChatFormat`): the tokenizer's chat
+    template when its directory has one, else sinkjax's plain "User: ... / Assistant: ..." layout."""
+    from sinkjax.data.sft import ChatFormat, _PLAIN_ROLES  # pylint: disable=import-outside-toplevel
+    tokenizer = self.cfg.data.tokenizer
+    fmt = ChatFormat(None if tokenizer in ("", "bytes") else tokenizer)
+    msgs = [{"role": m["role"], "content": m["content"]} for m in chat_history]
+    if fmt.template is not None:
+      return fmt._render(msgs, add_generation_prompt)          # pylint: disable=protected-access
+    text = "".join(f"{_PLAIN_ROLES.get(m['role'], m['role'].title())}: {m['content']}\n\n" for m in msgs)
+    return text + ("Assistant: " if add_generation_prompt else "")
+
+  def get_model_info(self) -> dict:
+    m = self.cfg.model
+    return {"sinkjax_run": self.run_dir, "sinkjax_step": self.step, "attention": m.attention,
+            "num_layers": m.num_layers, "d_model": m.d_model, "dtype": m.dtype, "max_length": self.max_length,
+            "add_bos_token": self.add_bos_token}
+
+
+class _HFSideFiles:
+  """What a Hugging Face model directory around the run's tokenizer.json says (config.json, generation_config.json,
+  tokenizer_config.json): end-of-text ids and whether its tokenizer adds BOS. A run without one (the bytes
+  tokenizer, a tokenizer.json on its own) gets sinkjax's conventions."""
+
+  def __init__(self, tokenizer: str):
+    self.files = {}
+    self.is_model_dir = False
+    if not tokenizer or tokenizer == "bytes":
+      return
+    from sinkjax import paths  # pylint: disable=import-outside-toplevel
+    try:
+      folder = paths.as_path(tokenizer).parent
+      for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        p = folder / name
+        if p.is_file():
+          self.files[name] = json.loads(p.read_text())
+    except (OSError, ValueError):
+      self.files = {}
+    self.is_model_dir = "tokenizer_config.json" in self.files
+    self._vocab = None
+    self._tokenizer_path = tokenizer
+
+  def _encoder(self):
+    import tokenizers  # pylint: disable=import-outside-toplevel
+
+    from sinkjax import paths  # pylint: disable=import-outside-toplevel
+    return tokenizers.Tokenizer.from_str(paths.as_path(self._tokenizer_path).read_text())
+
+  def adds_bos(self, tok) -> bool:
+    """Whether the tokenizer's own encoding (special tokens on) starts with its BOS."""
+    tc = self.files.get("tokenizer_config.json", {})
+    if isinstance(tc.get("add_bos_token"), bool):
+      return tc["add_bos_token"]
+    try:
+      ids = self._encoder().encode("a", add_special_tokens=True).ids
+    except Exception:  # pylint: disable=broad-except
+      return True
+    return bool(ids) and ids[0] == tok.bos_id
+
+  def token_text(self, token_id: int) -> str | None:
+    if not self.files and not getattr(self, "_tokenizer_path", None):
+      return None
+    try:
+      return self._encoder().id_to_token(token_id)
+    except Exception:  # pylint: disable=broad-except
+      return None
+
+  def _ids(self, value) -> list[int]:
+    if isinstance(value, int):
+      return [value]
+    if isinstance(value, list):
+      return [v for v in value if isinstance(v, int)]
+    return []
+
+  def generation_eos_ids(self) -> list[int]:
+    """What `model.generate` stops at: generation_config.json's eos_token_id, else config.json's."""
+    for name in ("generation_config.json", "config.json"):
+      ids = self._ids(self.files.get(name, {}).get("eos_token_id"))
+      if ids:
+        return ids
+    return []
+
+  def eos_ids(self) -> list[int]:
+    """The end-of-text token (the hf backend's eot_token_id: the tokenizer's eos_token) first, then the rest."""
+    out = []
+    tc = self.files.get("tokenizer_config.json", {})
+    eos = tc.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos, str):
+      try:
+        tid = self._encoder().token_to_id(eos)
+      except Exception:  # pylint: disable=broad-except
+        tid = None
+      if tid is not None:
+        out.append(tid)
+    return out + [i for i in self.generation_eos_ids() if i not in out]
+
+  def chat_template(self) -> str | None:
+    t = self.files.get("tokenizer_config.json", {}).get("chat_template")
+    return t if isinstance(t, str) else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Multiple choice from a JSONL file (what `sinkjax.eval --mc` was): a local lm-eval task
+# ----------------------------------------------------------------------------------------------------------------
+
+MC_TASK_TEMPLATE = """\
+# A sinkjax multiple-choice file as an lm-eval task (written by sinkjax.lm_eval --mc): one JSON object per line,
+# {{"context": str, "choices": [str, ...], "label": int}}; each choice is scored as log p(choice | context) with the
+# choice appended to the context as it is (no delimiter: give choices their leading space, " Paris").
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+output_type: multiple_choice
+test_split: test
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: label
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def load_mc_items(path) -> list[dict]:
+  """Reads and checks a multiple-choice JSONL file; a bad line is an LMEvalError naming the file and line."""
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  path = paths.as_path(path, "--mc")
+  if not path.is_file():
+    raise LMEvalError(f"multiple-choice file {path} does not exist")
+  items = []
+  for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    if not line.strip():
+      continue
+    where = f"{path}:{n}"
+    try:
+      obj = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise LMEvalError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+      raise LMEvalError(f"{where}: expected an object {{\"context\": str, \"choices\": [str, ...], \"label\": int}}")
+    ctx, choices, label = obj.get("context"), obj.get("choices"), obj.get("label")
+    if not isinstance(ctx, str):
+      raise LMEvalError(f"{where}: 'context' must be a string")
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+      raise LMEvalError(f"{where}: 'choices' must be a non-empty list of non-empty strings")
+    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(choices):
+      raise LMEvalError(f"{where}: 'label' must be an integer index into 'choices' (0..{len(choices) - 1})")
+    items.append({"context": ctx, "choices": choices, "label": label})
+  if not items:
+    raise LMEvalError(f"multiple-choice file {path} holds no items")
+  return items
+
+
+def write_mc_task(path, task_dir) -> str:
+  """Checks the multiple-choice file `path` and writes its lm-eval task YAML into `task_dir`; returns the task name
+  (`mc_<file stem>`)."""
+  import re  # pylint: disable=import-outside-toplevel
+
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  load_mc_items(path)
+  where = str(path) if paths.is_remote(path) else str(pathlib.Path(path).resolve())
+  task = "mc_" + re.sub(r"[^A-Za-z0-9_]+", "_", pathlib.PurePosixPath(str(path)).stem)
+  (pathlib.Path(task_dir) / f"{task}.yaml").write_text(MC_TASK_TEMPLATE.format(task=task, path=json.dumps(where)))
+  return task
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):
+    print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="python -m sinkjax.lm_eval",
+              description="Evaluate a sinkjax run with EleutherAI's lm-evaluation-harness (its tasks, prompts, "
+                          "few-shot contexts and metrics); writes lm-eval's results_*.json (and samples_*.jsonl) "
+                          "under --output-path and prints its table.")
+  p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory (trained or imported)")
+  p.add_argument("--tasks", default="",
+                 help="comma-separated lm-eval task or group names (or task YAML files), or 'paper' for Table 1's "
+                      "downstream tasks (" + ", ".join(PAPER_TASKS) + ")")
+  p.add_argument("--mc", default=None, metavar="FILE.jsonl",
+                 help='a multiple-choice file, one {"context": str, "choices": [str, ...], "label": int} per line, '
+                      "evaluated as a local lm-eval task mc_<file stem> (acc, acc_norm)")
+  p.add_argument("--include-path", default=None, metavar="DIR", help="a directory of extra task YAML files")
+  p.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                 help="few-shot examples per prompt (default: each task's own)")
+  p.add_argument("--limit", type=float, default=None, metavar="N",
+                 help="at most N documents per task (a fraction if < 1; for trials, not for reported numbers)")
+  p.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per forward pass (default 8)")
+  p.add_argument("--output-path", default=None, metavar="DIR", help="where lm-eval writes results_*.json")
+  p.add_argument("--log-samples", action="store_true", help="also write every document's samples_<task>_*.jsonl")
+  p.add_argument("--apply-chat-template", action="store_true",
+                 help="render prompts as chat turns (the tokenizer's chat template, else User:/Assistant:)")
+  p.add_argument("--model-args", default="", metavar="k=v,...",
+                 help="SinkjaxLM arguments: step, max_length, max_gen_toks, add_bos_token, prefix_token_id, dtype, "
+                      "seed")
+  p.add_argument("--confirm-run-unsafe-code", action="store_true",
+                 help="allow tasks that execute model-written code (humaneval; also set HF_ALLOW_CODE_EVAL=1)")
+  p.add_argument("--seed", type=int, default=0, help="seed of lm-eval's few-shot sampling and of Python/NumPy")
+  return p
+
+
+def expand_tasks(text: str, *, allow_empty: bool = False) -> list[str]:
+  names = []
+  for t in (x.strip() for x in text.split(",")):
+    if not t:
+      continue
+    for name in (PAPER_TASKS if t == "paper" else (t,)):
+      if name not in names:
+        names.append(name)
+  if not names and not allow_empty:
+    raise LMEvalError("--tasks names no task (give --tasks T1,T2, --tasks paper or --mc FILE.jsonl)")
+  return names
+
+
+def resolve_tasks(names: list[str], include_paths: list[str]):
+  """(task manager, names) with every name checked against lm-eval's task index (and the include paths)."""
+  from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
+  manager = TaskManager(include_path=list(include_paths) or None)
+  resolved, missing = [], []
+  for name in names:
+    if name.endswith(".yaml"):
+      if not pathlib.Path(name).is_file():
+        missing.append(name)
+      else:
+        resolved.append(str(pathlib.Path(name).absolute()))
+      continue
+    found = manager.match_tasks([name])
+    if not found:
+      missing.append(name)
+    resolved += [f for f in found if f not in resolved]
+  if missing:
+    raise LMEvalError(f"unknown task{'s' if len(missing) > 1 else ''}: {', '.join(missing)} (lm-eval lists its "
+                      "tasks with `lm_eval ls tasks`; local YAML tasks need --include-path DIR)")
+  return manager, resolved
+
+
+def _model_args(text: str) -> dict:
+  out = {}
+  for part in (p.strip() for p in text.split(",")):
+    if not part:
+      continue
+    if "=" not in part:
+      raise LMEvalError(f"--model-args entry {part!r} must look like key=value")
+    k, v = part.split("=", 1)
+    out[k.strip()] = v.strip()
+  return out
+
+
+def run(args) -> dict:
+  """Loads the run, evaluates the tasks with lm-eval's `simple_evaluate`, saves and returns lm-eval's results."""
+  if not HAVE_LM_EVAL:
+    raise LMEvalError(INSTALL_HINT)
+  from lm_eval import simple_evaluate  # pylint: disable=import-outside-toplevel
+  from lm_eval.loggers import EvaluationTracker  # pylint: disable=import-outside-toplevel
+
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  if args.batch_size < 1:
+    raise LMEvalError(f"--batch-size must be >= 1, got {args.batch_size}")
+  if args.num_fewshot is not None and args.num_fewshot < 0:
+    raise LMEvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+  if args.limit is not None and args.limit <= 0:
+    raise LMEvalError(f"--limit must be > 0, got {args.limit}")
+  if args.log_samples and not args.output_path:
+    raise LMEvalError("--log-samples needs --output-path DIR (where the samples are written)")
+  extra = _model_args(args.model_args)
+  if "checkpoint" in extra or "pretrained" in extra:
+    raise LMEvalError("give the run with --checkpoint, not in --model-args")
+  names = expand_tasks(args.tasks, allow_empty=args.mc is not None)
+  if args.include_path is not None and not pathlib.Path(args.include_path).is_dir():
+    raise LMEvalError(f"--include-path {args.include_path} is not a directory")
+  paths.check_bucket(args.checkpoint, "--checkpoint")
+  if not paths.as_path(args.checkpoint, "--checkpoint").is_dir():
+    raise LMEvalError(f"run directory {args.checkpoint} does not exist")
+  with tempfile.TemporaryDirectory(prefix="sinkjax_lm_eval_") as task_dir:
+    includes = [args.include_path] if args.include_path else []
+    if args.mc is not None:
+      names.append(write_mc_task(args.mc, task_dir))
+      includes.append(task_dir)
+    manager, tasks = resolve_tasks(names, includes)      # before the model loads: a typo fails at once
+    tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
+    limit = args.limit
+    if limit is not None and limit >= 1 and float(limit).is_integer():
+      limit = int(limit)
+    # lm-eval builds the model from its registry, as `lm_eval --model sinkjax --model_args pretrained=RUN,...` does
+    results = simple_evaluate(
+        model="sinkjax", model_args={"pretrained": str(args.checkpoint), **extra}, batch_size=args.batch_size,
+        tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, log_samples=args.log_samples,
+        evaluation_tracker=tracker, apply_chat_template=args.apply_chat_template, task_manager=manager,
+        confirm_run_unsafe_code=args.confirm_run_unsafe_code, random_seed=args.seed, numpy_random_seed=args.seed,
+        torch_random_seed=args.seed, fewshot_random_seed=args.seed)
+  if results is None:
+    raise LMEvalError("lm-eval returned no results")
+  if tracker is not None:
+    samples = results.pop("samples", None) if args.log_samples else None
+    tracker.save_results_aggregated(results=results, samples=samples)
+    if samples is not None:
+      for task_name in results["configs"]:
+        tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+      results["samples"] = samples
+  return results
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  from sinkjax.checkpoint import CheckpointError  # pylint: disable=import-outside-toplevel
+  from sinkjax.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from sinkjax.data import DataError  # pylint: disable=import-outside-toplevel
+  try:
+    results = run(args)
+  except (LMEvalError, CheckpointError, ConfigError, DataError) as e:
+    print(f"sinkjax.lm_eval: error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 1
+  from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
+  print(f"sinkjax ({args.checkpoint}, step {results['config'].get('sinkjax_step', '?')}), limit: {args.limit}, "
+        f"num_fewshot: {args.num_fewshot}, batch_size: {args.batch_size}")
+  print(make_table(results))
+  if "groups" in results:
+    print(make_table(results, "groups"))
+  if args.output_path:
+    print(f"sinkjax.lm_eval: wrote {args.output_path}", file=sys.stderr)
+  return 0
+
+
+def register() -> None:
+  """Registers `SinkjaxLM` as lm-eval's model `sinkjax` (done when this module is imported), lazily by name, so that
+  `python -m sinkjax.lm_eval` (this file as __main__) and `import sinkjax.lm_eval` register the same thing."""
+  if not HAVE_LM_EVAL:
+    return
+  import lm_eval.models  # pylint: disable=import-outside-toplevel,unused-import  # lm-eval's own names first
+  from lm_eval.api.registry import model_registry  # pylint: disable=import-outside-toplevel
+  if "sinkjax" not in model_registry:
+    model_registry.register("sinkjax", target="sinkjax.lm_eval:SinkjaxLM")
+
+
+register()
+
+
+if __name__ == "__main__":
+  from sinkjax.lm_eval import main as _main   # the module's own classes (lm-eval builds the model from there)
+  sys.exit(_main())
