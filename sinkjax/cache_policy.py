@@ -24,6 +24,7 @@ import pathlib
 import numpy as np
 
 from sinkjax import paths
+from sinkjax.cli import UserError
 
 SOURCES = ("importance", "alpha")
 SCOPES = ("layer", "global")
@@ -31,7 +32,7 @@ GQA_RULES = ("any", "mean")
 REPORT_KEYS = {"importance": "importance", "alpha": "sink_ratio_alpha"}
 
 
-class PolicyError(ValueError):
+class PolicyError(UserError):
   """A bad head-policy input (the message says what to change)."""
 
 

@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 
 from sinkjax import paths
 from sinkjax.config import CheckpointConfig
+from sinkjax.cli import UserError
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -46,7 +47,7 @@ class _QuietOrbax(logging.Filter):
 logging.getLogger("absl").addFilter(_QuietOrbax())
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
   """A user-facing checkpoint problem (missing run dir / checkpoint, mismatching run)."""
 
 

@@ -14,10 +14,9 @@ from typing import Any
 import yaml
 
 from sinkjax import choices
+from sinkjax.cli import ConfigError  # noqa: F401  (re-exported: sinkjax.config.ConfigError)
 
 
-class ConfigError(ValueError):
-  """A user-facing configuration problem (the message says what to change)."""
 
 
 @dataclasses.dataclass

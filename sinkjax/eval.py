@@ -38,6 +38,7 @@ from sinkjax import analysis
 from sinkjax.balance import head_imbalance
 from sinkjax.data import FEATURES
 from sinkjax.model import forward_with_importance
+from sinkjax.cli import UserError
 
 MODEL_FEATURES = FEATURES                # the batch features of sinkjax.data (what the model and BPB read)
 
@@ -73,7 +74,7 @@ DEFINITIONS = {
 }
 
 
-class EvalError(ValueError):
+class EvalError(UserError):
   """A user-facing evaluation problem (bad arguments or inputs)."""
 
 

@@ -48,9 +48,10 @@ from flax import nnx
 
 from sinkjax import cache_policy, paths
 from sinkjax.cache import make_cache
+from sinkjax.cli import UserError
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
   """A bad command line (the message says what to change)."""
 
 

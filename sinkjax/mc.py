@@ -22,9 +22,10 @@ import numpy as np
 from flax import nnx
 
 from sinkjax.model import forward_with_importance
+from sinkjax.cli import UserError
 
 
-class MCError(ValueError):
+class MCError(UserError):
   """A malformed multiple-choice file (the message names the file and line)."""
 
 

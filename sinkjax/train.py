@@ -45,12 +45,13 @@ from sinkjax import sharding as sharding_lib
 from sinkjax import tracking
 from sinkjax.config import Config, ConfigError
 from sinkjax.model import Transformer, count_params, forward_with_importance
+from sinkjax.cli import UserError
 
 TRAIN_FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 EVAL_FEATURES = TRAIN_FEATURES + ("target_bytes",)
 
 
-class TrainError(RuntimeError):
+class TrainError(UserError):
   """The run had to stop (e.g. non-finite losses); the message says why and what to change."""
 
 

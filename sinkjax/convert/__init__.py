@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import sys
+from sinkjax.cli import UserError
 
 
-class ConvertError(ValueError):
+class ConvertError(UserError):
   """A user-facing conversion problem (bad directory, unsupported architecture or option)."""
 
 

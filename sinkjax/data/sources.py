@@ -43,13 +43,14 @@ from typing import Sequence
 import numpy as np
 
 from sinkjax import paths
+from sinkjax.cli import UserError
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _SOURCE_HINT = "give a path or glob of .txt/.jsonl/.parquet files, 'default', or tfds:NAME"
 _SCAN_BLOCKS = 256   # sources with at most this many blocks are fully checked for content at build time
 
 
-class DataError(ValueError):
+class DataError(UserError):
   """A user-facing data problem; the one-line message names the setting or file to fix."""
 
 

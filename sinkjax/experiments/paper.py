@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from sinkjax.experiments import int_at_least
+from sinkjax.cli import UserError
 
 VARIANTS = ("vanilla", "sink", "gated")
 LOSSES = {"base": 0.0, "aux": 1e-4}            # loss.aux_weight: the paper's lambda for training from scratch (eq. 7)
@@ -743,7 +744,7 @@ def finetune_markdown(ft: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------ driver
 
-class StudyError(RuntimeError):
+class StudyError(UserError):
   """A user-facing problem of the study (the message says what to change)."""
 
 

@@ -31,6 +31,7 @@ import pathlib
 import sys
 
 import numpy as np
+from sinkjax.cli import UserError
 
 FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ", "Here we go. ",
           "There and back again. ")
@@ -42,7 +43,7 @@ QUESTION = "What is the pass key? The pass key is #"
 KEY_DIGITS = 5
 
 
-class PasskeyError(ValueError):
+class PasskeyError(UserError):
   """A bad command line (the message says what to change)."""
 
 
