@@ -188,6 +188,9 @@ def test_value_norms_by_hand():
       np.testing.assert_allclose(got[f"bos_{key}_norm_per_head"][layer], n[:, 0].mean(0), rtol=1e-5)
       np.testing.assert_allclose(got[f"{key}_norm_per_head"][layer], n[:, 1:].reshape(-1, 3).mean(0), rtol=1e-5)
   assert "bos_value_norm_per_head" in tr.evaluate(params, "softmax", x, y, tpos)
+  x, _, _ = tr.make_batch(jax.random.key(3), 5, T, d, bos=False)
+  got = tr.value_norms(params, x, "softmax")
+  assert got["bos_value_norm_per_head"] is None and len(got["value_norm_per_head"]) == 2
 
 
 # -------------------------------------------------------------------------------------------------- CLI

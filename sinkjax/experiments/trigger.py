@@ -253,9 +253,10 @@ def _masked_mean(a, m, axes):
 def value_norms(params, x, variant: str, impl: str = "reference") -> dict[str, Any]:
   """Per layer and head [L][H]: the mean norm of the BOS token's value vector v = h W_V and of the other tokens',
   and of what each writes to the residual stream through W_O (v W_O, the part attention weight multiplies); the
-  "BOS value ≈ 0" of a sink is bos / other << 1."""
+  "BOS value ≈ 0" of a sink is bos / other << 1. Without a BOS token (--no-bos) the BOS entries are None."""
   h = x
   bos = x[..., BOS] > 0.5
+  has_bos = bool(np.asarray(bos).any())
   out = {k: [] for k in ("bos_value_norm_per_head", "value_norm_per_head", "bos_output_norm_per_head",
                          "output_norm_per_head")}
   for p in params:
@@ -266,6 +267,8 @@ def value_norms(params, x, variant: str, impl: str = "reference") -> dict[str, A
       out[f"bos_{key}_norm_per_head"].append(np.asarray(_masked_mean(n, bos[..., None], (0, 1))).tolist())
       out[f"{key}_norm_per_head"].append(np.asarray(_masked_mean(n, ~bos[..., None], (0, 1))).tolist())
     h = h + _layer(p, h, bos, variant, impl, False)[0]
+  if not has_bos:
+    out.update(bos_value_norm_per_head=None, bos_output_norm_per_head=None)
   return out
 
 
