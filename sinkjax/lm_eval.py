@@ -70,7 +70,7 @@ class LMEvalError(ValueError):
   """A user-facing problem (the message says what to change)."""
 
 
-def _bucket(n: int, cap: int, least: int = 16) -> int:
+def _bucket(n: int, cap: int, least: int = 64) -> int:
   """The padded length of n tokens: the next power of two (at least `least`), at most `cap` (and at least n)."""
   return max(n, min(cap, max(least, 1 << (max(n, 1) - 1).bit_length())))
 
@@ -345,7 +345,8 @@ class SinkjaxLM(_Base):
     # a right-padded prompt: the logits at P-1 see only the prompt (causal), and the cache is cut back to P tokens
     # (its later slots are invalid and overwritten by the decoded tokens)
     _, logits, cache = gen.prefill_fn(gen.state, gen.new_cache(), jnp.asarray(prompt), key, *knobs)
-    cache = dataclasses.replace(cache, length=jnp.asarray(P, cache.length.dtype))
+    cache = dataclasses.replace(cache, length=jax.device_put(np.asarray(P, cache.length.dtype),
+                                                            cache.length.sharding))  # as decode's
     nxt = self._sample(logits[:, P - 1], jax.random.fold_in(key, 1), *knobs)
     out: list[int] = []
     for i in range(max_new):
@@ -581,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--confirm-run-unsafe-code", action="store_true",
                  help="allow tasks that execute model-written code (humaneval; also set HF_ALLOW_CODE_EVAL=1)")
   p.add_argument("--seed", type=int, default=0, help="seed of lm-eval's few-shot sampling and of Python/NumPy")
+  p.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
+                 help="bootstrap resamples for the stderr of metrics without a closed form (lm-eval's default "
+                      "100000; 0 = none)")
   return p
 
 
@@ -598,18 +602,24 @@ def expand_tasks(text: str, *, allow_empty: bool = False) -> list[str]:
 
 
 def resolve_tasks(names: list[str], include_paths: list[str]):
-  """(task manager, names) with every name checked against lm-eval's task index (and the include paths)."""
+  """(task manager, names) with every name checked against lm-eval's task index and the include paths. When the
+  include paths hold every name, lm-eval's own index (~10 s to build) is not read."""
   from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
-  manager = TaskManager(include_path=list(include_paths) or None)
+  yaml_files = [n for n in names if n.endswith(".yaml")]
+  missing = [n for n in yaml_files if not pathlib.Path(n).is_file()]
+  if missing:
+    raise LMEvalError(f"task file{'s' if len(missing) > 1 else ''} not found: {', '.join(missing)}")
+  wanted = [n for n in names if not n.endswith(".yaml")]
+  manager = None
+  if include_paths and not yaml_files:
+    local = TaskManager(include_path=list(include_paths), include_defaults=False)
+    if all(local.match_tasks([n]) for n in wanted):
+      manager = local
+  if manager is None:
+    manager = TaskManager(include_path=list(include_paths) or None)
   resolved, missing = [], []
   for name in names:
-    if name.endswith(".yaml"):
-      if not pathlib.Path(name).is_file():
-        missing.append(name)
-      else:
-        resolved.append(str(pathlib.Path(name).absolute()))
-      continue
-    found = manager.match_tasks([name])
+    found = [str(pathlib.Path(name).absolute())] if name.endswith(".yaml") else manager.match_tasks([name])
     if not found:
       missing.append(name)
     resolved += [f for f in found if f not in resolved]
@@ -645,6 +655,8 @@ def run(args) -> dict:
     raise LMEvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
   if args.limit is not None and args.limit <= 0:
     raise LMEvalError(f"--limit must be > 0, got {args.limit}")
+  if args.bootstrap_iters < 0:
+    raise LMEvalError(f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
   if args.log_samples and not args.output_path:
     raise LMEvalError("--log-samples needs --output-path DIR (where the samples are written)")
   extra = _model_args(args.model_args)
@@ -672,7 +684,7 @@ def run(args) -> dict:
         tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, log_samples=args.log_samples,
         evaluation_tracker=tracker, apply_chat_template=args.apply_chat_template, task_manager=manager,
         confirm_run_unsafe_code=args.confirm_run_unsafe_code, random_seed=args.seed, numpy_random_seed=args.seed,
-        torch_random_seed=args.seed, fewshot_random_seed=args.seed)
+        torch_random_seed=args.seed, fewshot_random_seed=args.seed, bootstrap_iters=args.bootstrap_iters)
   if results is None:
     raise LMEvalError("lm-eval returned no results")
   if tracker is not None:
@@ -690,11 +702,17 @@ def main(argv=None) -> int:
   from sinkjax.checkpoint import CheckpointError  # pylint: disable=import-outside-toplevel
   from sinkjax.config import ConfigError  # pylint: disable=import-outside-toplevel
   from sinkjax.data import DataError  # pylint: disable=import-outside-toplevel
+  import multiprocessing  # pylint: disable=import-outside-toplevel
+  # lm-eval's bootstrap stderr runs a multiprocessing pool; forking this process (JAX's threads) can deadlock
+  method = multiprocessing.get_start_method(allow_none=True)
+  multiprocessing.set_start_method("forkserver", force=True)
   try:
     results = run(args)
   except (LMEvalError, CheckpointError, ConfigError, DataError) as e:
     print(f"sinkjax.lm_eval: error: {' '.join(str(e).split())}", file=sys.stderr)
     return 1
+  finally:
+    multiprocessing.set_start_method(method, force=True)
   from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
   print(f"sinkjax ({args.checkpoint}, step {results['config'].get('sinkjax_step', '?')}), limit: {args.limit}, "
         f"num_fewshot: {args.num_fewshot}, batch_size: {args.batch_size}")

@@ -1,0 +1,426 @@
+"""sinkjax as an lm-evaluation-harness model (`sinkjax.lm_eval`), checked against lm-eval's own `hf` backend.
+
+The reference is independent of sinkjax: a random Llama built with transformers (2 layers) and a byte-level BPE
+tokenizer trained here with `tokenizers` on a few standard-library sources, saved as a Hugging Face directory, run
+through lm-eval's `hf` backend (PyTorch). The same directory is imported with `python -m sinkjax.convert.hf --dtype
+float32` and run through `python -m sinkjax.lm_eval`. Both see the same local tasks (JSONL data and task YAML
+written here, nothing downloaded): multiple choice with one few-shot example, a loglikelihood task (one empty
+context, one context ending in a space), rolling log-likelihood on texts longer than the model's 64 positions, and
+greedy generation with `until` strings. Per-document log-likelihoods agree within 1e-3, perplexity metrics within
+1e-4 relative, greedy generations exactly.
+
+A nanochat-architecture run (soft-capped logits, ReLU^2, parameter-free norms, padded vocabulary; no Hugging Face
+class has it) is trained here for a few steps with `python -m sinkjax.train` and evaluated end to end; batch sizes 1
+and 8 give the same log-likelihoods; an unknown task or a missing run is one line and exit 1.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install "
+                                                "'sinkjax[eval]')")
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")      # local JSON files only: never reach the Hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from sinkjax import lm_eval as sj  # noqa: E402  (after the environment above)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MAX_LEN = 64                                              # the toy's max_position_embeddings: rolling windows cut
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Local tasks
+# ---------------------------------------------------------------------------------------------------------------
+
+def _stdlib_texts() -> list[str]:
+  std = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  return [(std / f).read_text() for f in ("textwrap.py", "string.py", "fnmatch.py", "this.py")]
+
+
+MC_DOCS = [
+    {"question": "The capital of France is", "choices": ["Paris", "Rome", "Berlin"], "label": 0},
+    {"question": "Water freezes at zero degrees", "choices": ["Celsius", "Kelvin"], "label": 0},
+    {"question": "A function in Python is defined with", "choices": ["def", "func", "lambda x", "define"],
+     "label": 0},
+    {"question": "The opposite of up is", "choices": ["down", "left", "sideways"], "label": 0},
+    {"question": "Two plus two equals", "choices": ["four", "five", "twenty-two"], "label": 0},
+]
+LL_DOCS = [
+    {"context": "", "target": "import string"},
+    {"context": "def wrap(text, width=70, ", "target": "**kwargs):"},
+    {"context": "The quick brown fox", "target": " jumps over the lazy dog"},
+]
+
+
+def write_tasks(root: pathlib.Path) -> pathlib.Path:
+  """Task YAML + JSONL data for the four request kinds; returns the include directory."""
+  texts = _stdlib_texts()
+  data = root / "data"
+  data.mkdir(parents=True)
+  rows = {
+      "mc_train": [{"question": "The color of the sky is", "choices": ["blue", "green"], "label": 0}],
+      "mc_test": MC_DOCS,
+      "ll_test": LL_DOCS,
+      "ppl_test": [{"text": texts[0][:900]}, {"text": texts[1][300:1400]}, {"text": "short text"},
+                   {"text": texts[3][:500]}],
+      "gen_test": [{"prompt": texts[0][:120], "answer": "x"}, {"prompt": texts[2][200:260], "answer": "y"},
+                   {"prompt": "def main():\n    ", "answer": "z"}, {"prompt": texts[1][:40], "answer": "w"}],
+  }
+  for name, docs in rows.items():
+    (data / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+  tasks = root / "tasks"
+  tasks.mkdir()
+
+  def files(**splits):
+    return "dataset_path: json\ndataset_kwargs:\n  data_files:\n" + "".join(
+        f"    {k}: {json.dumps(str(data / (v + '.jsonl')))}\n" for k, v in splits.items())
+
+  (tasks / "toy_mc.yaml").write_text(f"""task: toy_mc
+{files(train="mc_train", test="mc_test")}output_type: multiple_choice
+training_split: train
+fewshot_split: train
+test_split: test
+num_fewshot: 1
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: choices
+doc_to_target: label
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+""")
+  (tasks / "toy_ll.yaml").write_text(f"""task: toy_ll
+{files(test="ll_test")}output_type: loglikelihood
+test_split: test
+doc_to_text: context
+doc_to_target: target
+target_delimiter: ""
+metric_list:
+  - metric: perplexity
+  - metric: acc
+""")
+  (tasks / "toy_ppl.yaml").write_text(f"""task: toy_ppl
+{files(test="ppl_test")}output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: text
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+""")
+  (tasks / "toy_gen.yaml").write_text(f"""task: toy_gen
+{files(test="gen_test")}output_type: generate_until
+test_split: test
+doc_to_text: prompt
+doc_to_target: answer
+generation_kwargs:
+  until: ["\\n\\n", "ing"]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""")
+  return tasks
+
+
+TASKS = ["toy_mc", "toy_ll", "toy_ppl", "toy_gen"]
+
+
+def samples_of(out: pathlib.Path) -> dict:
+  """{task: {doc_id: sample}} from lm-eval's samples_<task>_<date>.jsonl files under `out`."""
+  got = {}
+  for path in glob.glob(str(out / "**" / "samples_*.jsonl"), recursive=True):
+    task = pathlib.Path(path).name[len("samples_"):].rsplit("_", 1)[0]
+    got[task] = {s["doc_id"]: s for s in map(json.loads, pathlib.Path(path).read_text().splitlines())}
+  return got
+
+
+def results_of(out: pathlib.Path) -> dict:
+  files = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
+  assert len(files) == 1, files
+  return json.loads(pathlib.Path(files[0]).read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference: a random Llama with a real BPE tokenizer, run through lm-eval's hf backend
+# ---------------------------------------------------------------------------------------------------------------
+
+def make_toy_llama(out: pathlib.Path) -> pathlib.Path:
+  torch = pytest.importorskip("torch", reason="torch is not installed (the oracle: pip install -e '.[test]')")
+  transformers = pytest.importorskip("transformers", reason="transformers is not installed (the oracle)")
+  pytest.importorskip("accelerate", reason="accelerate is not installed (lm-eval's hf backend needs it)")
+  tokenizers = pytest.importorskip("tokenizers")
+  from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(_stdlib_texts(), trainers.BpeTrainer(
+      vocab_size=384, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                     special_tokens=[("<s>", bos)])   # Llama's: BOS first
+  transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                       clean_up_tokenization_spaces=False).save_pretrained(out)
+  torch.manual_seed(0)
+  cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=MAX_LEN, bos_token_id=bos, eos_token_id=eos,
+                                 initializer_range=0.2, tie_word_embeddings=False)
+  transformers.LlamaForCausalLM(cfg).eval().save_pretrained(out)
+  return out
+
+
+def hf_reference(hf_dir, tasks, include, out) -> tuple[dict, dict]:
+  """lm-eval's hf backend on `tasks` (batch 1, float32, CPU), its samples written and read back as lm-eval logs them:
+  (results, {task: {doc_id: sample}})."""
+  from lm_eval.loggers import EvaluationTracker
+  from lm_eval.tasks import TaskManager
+  res = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32",
+                                                        "device": "cpu"},
+                                tasks=tasks, batch_size=1, log_samples=True, bootstrap_iters=0,
+                                task_manager=TaskManager(include_path=str(include), include_defaults=False))
+  tracker = EvaluationTracker(output_path=str(out))
+  tracker.general_config_tracker.log_experiment_args("hf", {"pretrained": "hf"}, None, None, True)
+  samples = res.pop("samples")
+  tracker.save_results_aggregated(results=res, samples=samples)
+  for task in tasks:
+    tracker.save_results_samples(task_name=task, samples=samples[task])
+  return res, samples_of(pathlib.Path(out))
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+  """(hf dir, sinkjax run dir, task dir, hf backend's samples, hf backend's results)."""
+  root = tmp_path_factory.mktemp("lm_eval_toy")
+  hf_dir = make_toy_llama(root / "hf")
+  run_dir = root / "run"
+  res = subprocess.run([sys.executable, "-m", "sinkjax.convert.hf", "--hf-dir", str(hf_dir), "--out", str(run_dir),
+                        "--dtype", "float32"], capture_output=True, text=True, cwd=root,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert res.returncode == 0, res.stderr
+  tasks = write_tasks(root)
+  ref, ref_samples = hf_reference(hf_dir, TASKS, tasks, root / "hf_out")
+  return hf_dir, run_dir, tasks, ref_samples, ref["results"]
+
+
+@pytest.fixture(scope="module")
+def toy_sinkjax(toy, tmp_path_factory):
+  """python -m sinkjax.lm_eval on the imported toy (in-process: the CLI's main), its outputs and printed table."""
+  _, run_dir, tasks, _, _ = toy
+  out = tmp_path_factory.mktemp("lm_eval_out")
+  code = sj.main(["--checkpoint", str(run_dir), "--tasks", ",".join(TASKS), "--include-path", str(tasks),
+                  "--batch-size", "4", "--output-path", str(out), "--log-samples", "--bootstrap-iters", "0"])
+  assert code == 0
+  return out
+
+
+def test_multiple_choice_and_loglikelihood_match_the_hf_backend(toy, toy_sinkjax):
+  ref = toy[3]
+  got = samples_of(toy_sinkjax)
+  worst = 0.0
+  for task in ("toy_mc", "toy_ll"):
+    assert sorted(got[task]) == sorted(ref[task]), task
+    for doc_id, r in ref[task].items():
+      g = got[task][doc_id]
+      assert g["arguments"] == r["arguments"], (task, doc_id)                     # the same requests
+      for (lp_r, greedy_r), (lp_g, greedy_g) in zip((x[0] for x in r["resps"]), (x[0] for x in g["resps"])):
+        worst = max(worst, abs(float(lp_r) - float(lp_g)))
+        assert abs(float(lp_r) - float(lp_g)) < 1e-3, (task, doc_id, lp_r, lp_g)
+        assert bool(greedy_r) == bool(greedy_g), (task, doc_id)
+  print(f"max |loglikelihood difference| vs hf: {worst:.2e}")
+  res = results_of(toy_sinkjax)["results"]
+  for key in ("acc,none", "acc_norm,none"):
+    assert res["toy_mc"][key] == pytest.approx(toy[4]["toy_mc"][key], abs=1e-12)
+  assert res["toy_ll"]["perplexity,none"] == pytest.approx(toy[4]["toy_ll"]["perplexity,none"], rel=1e-3)
+
+
+def test_rolling_loglikelihood_and_perplexities_match_the_hf_backend(toy, toy_sinkjax):
+  ref, ref_res = toy[3]["toy_ppl"], toy[4]["toy_ppl"]
+  got = samples_of(toy_sinkjax)["toy_ppl"]
+  for doc_id, r in ref.items():
+    lp_r, lp_g = float(r["resps"][0][0]), float(got[doc_id]["resps"][0][0])
+    assert abs(lp_r - lp_g) < 1e-3, (doc_id, lp_r, lp_g)
+  res = results_of(toy_sinkjax)["results"]["toy_ppl"]
+  for key in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+    assert res[key] == pytest.approx(ref_res[key], rel=1e-4), key
+  # some texts are longer than the model: the windows really were cut
+  import tokenizers
+  tok = tokenizers.Tokenizer.from_file(str(toy[0] / "tokenizer.json"))
+  assert max(len(tok.encode(r["doc"]["text"]).ids) for r in ref.values()) > 2 * MAX_LEN
+
+
+def test_greedy_generations_equal_the_hf_backend(toy, toy_sinkjax):
+  ref = toy[3]["toy_gen"]
+  got = samples_of(toy_sinkjax)["toy_gen"]
+  gens = []
+  for doc_id, r in ref.items():
+    assert got[doc_id]["resps"] == r["resps"], (doc_id, got[doc_id]["resps"], r["resps"])
+    gens.append(r["resps"][0][0])
+  assert any(gens), gens                                 # not all empty
+
+
+def test_standard_outputs_and_the_results_record(toy, toy_sinkjax):
+  res = results_of(toy_sinkjax)
+  assert set(TASKS) <= set(res["results"])
+  assert res["config"]["model"] == "sinkjax"
+  assert res["config"]["model_args"]["pretrained"] == str(toy[1])
+  assert res["config"]["sinkjax_step"] == 0 and res["config"]["max_length"] == MAX_LEN
+  assert res["n-shot"]["toy_mc"] == 1
+  assert set(samples_of(toy_sinkjax)) == set(TASKS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A nanochat-architecture run (no Hugging Face class): end to end, batch sizes, errors
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def nanochat_run(tmp_path_factory):
+  """configs/nanochat.yaml at a tiny size (2 layers x 4 heads x 64, vanilla, soft-cap, padded vocabulary, stream
+  packing), trained 8 steps on a few standard-library texts with the bytes tokenizer."""
+  root = tmp_path_factory.mktemp("nanochat_run")
+  corpus = root / "corpus"
+  corpus.mkdir()
+  text = "".join(_stdlib_texts())
+  for i in range(0, len(text), 600):                       # ~60 documents: a validation split of several
+    (corpus / f"doc{i // 600:03d}.txt").write_text(text[i:i + 600])
+  run_dir = root / "run"
+  cmd = [sys.executable, "-m", "sinkjax.train", "--config", str(REPO / "configs" / "nanochat.yaml"),
+         "model.depth=0", "model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=4",
+         "model.head_dim=16", f"model.max_seq_len={MAX_LEN}", "model.dtype=float32", "data.tokenizer=bytes",
+         f"data.source={corpus}", f"data.seq_len={MAX_LEN}", "data.val_fraction=0.25", "train.batch_size=8",
+         "train.steps=8", "train.eval_every=8", "train.eval_batches=1", "checkpoint.every=8",
+         "train.muon_momentum_warmup=0", f"run.dir={run_dir}"]
+  res = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert res.returncode == 0, res.stderr[-2000:]
+  return run_dir
+
+
+def test_a_nanochat_architecture_run_evaluates_end_to_end(nanochat_run, toy, tmp_path, capsys):
+  from sinkjax.run import read_run_config
+  m = read_run_config(nanochat_run).model
+  assert (m.logit_softcap, m.mlp, m.norm_scale, m.vocab_pad_to, m.init) == (15.0, "relu2", False, 64, "nanochat")
+  out = tmp_path / "out"
+  code = sj.main(["--checkpoint", str(nanochat_run), "--tasks", ",".join(TASKS), "--include-path", str(toy[2]),
+                  "--output-path", str(out), "--log-samples", "--limit", "3", "--bootstrap-iters", "0"])
+  printed = capsys.readouterr().out
+  assert code == 0
+  res = results_of(out)["results"]
+  for task, key in (("toy_mc", "acc,none"), ("toy_ll", "perplexity,none"), ("toy_ppl", "bits_per_byte,none"),
+                    ("toy_gen", "exact_match,none")):
+    assert math.isfinite(res[task][key]), (task, res[task])
+  assert 0 < res["toy_ppl"]["bits_per_byte,none"] < 20
+  assert "toy_ppl" in printed and "bits_per_byte" in printed            # lm-eval's table
+  assert set(samples_of(out)) == set(TASKS)
+
+
+def test_batch_sizes_one_and_eight_give_the_same_loglikelihoods(nanochat_run):
+  from lm_eval.api.instance import Instance
+  texts = _stdlib_texts()
+  ll = [Instance("loglikelihood", {}, (texts[0][i * 37:i * 37 + 30], texts[0][i * 37 + 30:i * 37 + 45]), i)
+        for i in range(11)] + [Instance("loglikelihood", {}, ("", "def f():"), 11)]
+  rolling = [Instance("loglikelihood_rolling", {}, (t[:300],), i) for i, t in enumerate(texts)]
+  outs = []
+  for bs in (1, 8):
+    lm = sj.SinkjaxLM(pretrained=str(nanochat_run), batch_size=bs)
+    outs.append((lm.loglikelihood(ll, disable_tqdm=True), lm.loglikelihood_rolling(rolling, disable_tqdm=True)))
+  (ll1, r1), (ll8, r8) = outs
+  np.testing.assert_allclose([x[0] for x in ll1], [x[0] for x in ll8], rtol=0, atol=1e-4)
+  assert [x[1] for x in ll1] == [x[1] for x in ll8]
+  np.testing.assert_allclose(r1, r8, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors and the multiple-choice file format (what sinkjax.eval --mc read)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _one_line_error(capsys, argv) -> str:
+  assert sj.main(argv) == 1
+  err = capsys.readouterr().err.strip()
+  assert "\n" not in err and err.startswith("sinkjax.lm_eval: error:"), err
+  return err
+
+
+def test_errors_are_one_line_and_exit_1(toy, tmp_path, capsys):
+  res = subprocess.run([sys.executable, "-m", "sinkjax.lm_eval", "--checkpoint", str(tmp_path / "nope"), "--tasks",
+                        "arc_easy"], capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert res.returncode == 1
+  assert res.stderr.strip() == f"sinkjax.lm_eval: error: run directory {tmp_path / 'nope'} does not exist"
+  (tmp_path / "empty").mkdir()
+  assert "not a run directory" in _one_line_error(capsys, ["--checkpoint", str(tmp_path / "empty"), "--tasks",
+                                                           "toy_mc", "--include-path", str(toy[2])])
+  err = _one_line_error(capsys, ["--checkpoint", str(toy[1]), "--tasks", "toy_mc,no_such_task",
+                                 "--include-path", str(toy[2])])
+  assert "unknown task: no_such_task" in err, err
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps({"context": "a", "choices": [" b"], "label": 3}) + "\n")
+  assert "bad.jsonl:1" in _one_line_error(capsys, ["--checkpoint", str(toy[1]), "--mc", str(bad)])
+  assert "--tasks names no task" in _one_line_error(capsys, ["--checkpoint", str(toy[1])])
+  with pytest.raises(SystemExit) as e:
+    sj.main(["--tasks", "x"])                                                    # --checkpoint is required
+  assert e.value.code == 2
+
+
+def test_missing_lm_eval_is_one_line_naming_the_extra(tmp_path):
+  code = ("import sys; sys.modules['lm_eval'] = None\n"
+          "import sinkjax.lm_eval as m\n"
+          "sys.exit(m.main(['--checkpoint', 'x', '--tasks', 'arc_easy']))")
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert res.returncode == 1
+  assert res.stderr.strip() == "sinkjax.lm_eval: error: lm-evaluation-harness is not installed; pip install " \
+                               "'sinkjax[eval]'"
+  res = subprocess.run([sys.executable, "-c", "import sys, sinkjax; print('lm_eval' in sys.modules)"],
+                       capture_output=True, text=True)
+  assert res.stdout.strip() == "False"                 # import sinkjax never imports lm-eval
+
+
+@pytest.mark.parametrize("line,msg", [
+    ("{oops", "not valid JSON"),
+    (json.dumps([1, 2]), "expected an object"),
+    (json.dumps({"context": 1, "choices": ["a"], "label": 0}), "'context' must be a string"),
+    (json.dumps({"context": "c", "choices": [], "label": 0}), "'choices' must be a non-empty list"),
+    (json.dumps({"context": "c", "choices": ["a", "b"], "label": 2}), "'label' must be an integer index"),
+    (json.dumps({"context": "c", "choices": ["a", "b"], "label": True}), "'label' must be an integer index"),
+])
+def test_mc_file_errors_name_the_line(tmp_path, line, msg):
+  path = tmp_path / "items.jsonl"
+  path.write_text(json.dumps({"context": "ok", "choices": [" a"], "label": 0}) + "\n\n" + line + "\n")
+  with pytest.raises(sj.LMEvalError, match=msg) as e:
+    sj.load_mc_items(path)
+  assert "items.jsonl:3" in str(e.value)
+
+
+def test_an_mc_file_is_a_local_task_scored_like_the_hf_backend(toy, tmp_path):
+  """--mc FILE.jsonl: each choice appended to its context as is; the same log-likelihoods as the hf backend on the
+  same task file."""
+  items = [{"context": d["question"], "choices": [" " + c for c in d["choices"]], "label": d["label"]}
+           for d in MC_DOCS]
+  path = tmp_path / "quiz.jsonl"
+  path.write_text("".join(json.dumps(i) + "\n" for i in items))
+  task_dir = tmp_path / "task"
+  task_dir.mkdir()
+  assert sj.write_mc_task(path, task_dir) == "mc_quiz"
+  ref, ref_samples = hf_reference(toy[0], ["mc_quiz"], task_dir, tmp_path / "hf_out")
+  out = tmp_path / "out"
+  assert sj.main(["--checkpoint", str(toy[1]), "--mc", str(path), "--output-path", str(out), "--log-samples",
+                  "--bootstrap-iters", "0"]) == 0
+  got = samples_of(out)["mc_quiz"]
+  for doc_id, s in ref_samples["mc_quiz"].items():
+    g = got[doc_id]
+    assert g["arguments"]["gen_args_0"]["arg_1"] == s["arguments"]["gen_args_0"]["arg_1"]   # " Paris": as given
+    for r, x in zip(s["resps"], g["resps"]):
+      assert abs(float(r[0][0]) - float(x[0][0])) < 1e-3
+  assert results_of(out)["results"]["mc_quiz"]["acc,none"] == ref["results"]["mc_quiz"]["acc,none"]
