@@ -1,7 +1,7 @@
 """Evaluate a checkpoint: validation BPB, head importance / imbalance and attention-sink diagnostics.
 
     python -m sinkjax.eval --checkpoint RUN_DIR [--out DIR] [--data SOURCE] [--packing stream|document]
-                           [--batches N] [--batch-size B] [--tau 0.75] [--step S] [--mc FILE.jsonl]
+                           [--batches N] [--batch-size B] [--tau 0.75] [--step S]
 
 Restores the parameters of RUN_DIR's latest (or --step) checkpoint, runs held-out batches (the validation split
 of the run's data, or of --data) through the model and writes into --out (default RUN_DIR/eval/):
@@ -15,7 +15,10 @@ first_token_attention [L] (+ _per_head [L][H]), sink_logit_attention [L] (sink l
 sink_ratio_alpha [L][H] (eq. 9); first_token_value_norm / other_value_norm / value_norm_ratio [L],
 value_norm_by_position [L][P]; gate_mean, gate_sparsity [L] (fraction of gate values < gate_sparsity_threshold),
 gate_histogram; max_activation [L] (+ _first_token / _other), m_act; value_zeroing {tau, bpb_none, bpb_all,
-bpb_selected, heads_selected, ...}; multiple_choice (with --mc); definitions (what each quantity means).
+bpb_selected, heads_selected, ...}; definitions (what each quantity means).
+
+Downstream tasks (multiple choice, generation, perplexity) are lm-evaluation-harness tasks: `python -m
+sinkjax.lm_eval` (a multiple-choice JSONL file, which `--mc` used to read here, is its `--mc FILE.jsonl`).
 
 BPB and importance use the model's own forward pass (the training kernel path, `forward_with_importance`);
 the diagnostics use `sinkjax.analysis.recorded_forward` (the model's own forward, recording its attention weights).
@@ -210,10 +213,6 @@ def markdown(report: dict, figures: list[pathlib.Path]) -> str:
       f"| value zeroing: BPB none / all heads / alpha > {vz['tau']} ({vz['num_heads_selected']} of "
       f"{vz['num_heads']} heads) | {vz['bpb_none']:.4f} / {vz['bpb_all']:.4f} / {vz['bpb_selected']:.4f} |",
   ]
-  if r.get("multiple_choice"):
-    mc = r["multiple_choice"]
-    lines.append(f"| multiple choice `{mc['file']}` ({mc['num_items']} items): acc / acc_norm | "
-                 f"{mc['accuracy']:.3f} / {mc['accuracy_norm']:.3f} |")
   lines += ["", "Per layer:", "",
             "| layer | first-token attn | sink logit | CV(Imp) | value norm first / other | gate mean | "
             f"gate < {r['gate_sparsity_threshold']} | max abs h |",
@@ -243,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = _Parser(prog="python -m sinkjax.eval",
               description="Evaluate a checkpoint: validation BPB, head importance and imbalance, attention-sink "
                           "diagnostics (first-token attention, value norms, gates, massive activations, value "
-                          "zeroing) and optional multiple-choice accuracy; writes report.json, report.md and PNGs.")
+                          "zeroing); writes report.json, report.md and PNGs. Downstream tasks: python -m "
+                          "sinkjax.lm_eval.")
   p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory of a training run")
   p.add_argument("--out", default=None, metavar="DIR", help="output directory (default RUN_DIR/eval)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
@@ -255,17 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--batches", type=int, default=None, help="number of eval batches (default train.eval_batches)")
   p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the training micro-batch)")
   p.add_argument("--tau", type=float, default=0.75, help="sink-ratio threshold of selective value zeroing (000 App. A)")
-  p.add_argument("--mc", default=None, metavar="FILE.jsonl",
-                 help='multiple-choice items, one JSON object per line: {"context": str, "choices": [str, ...], '
-                      '"label": int}')
+  p.add_argument("--mc", default=None, help=argparse.SUPPRESS)     # moved to sinkjax.lm_eval (one line says so)
   return p
 
 
 def run(args) -> dict:
-  from sinkjax import mc
   from sinkjax.data import make_eval_batches
   from sinkjax.run import load_run
 
+  if args.mc is not None:
+    raise EvalError(f"multiple choice is an lm-evaluation-harness task now: python -m sinkjax.lm_eval --checkpoint "
+                    f"{args.checkpoint} --mc {args.mc} (docs/EVAL.md)")
   for name in ("batches", "batch_size"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise EvalError(f"--{name.replace('_', '-')} must be >= 1")
@@ -277,7 +277,6 @@ def run(args) -> dict:
   out = paths.as_path(args.out, "--out") if args.out else run_dir / "eval"
   if args.out:
     paths.check_bucket(out, "--out")        # before the work: a missing bucket is found now, not at the end
-  mc_items = mc.load_items(args.mc) if args.mc else None      # fail fast, before restoring
   t0 = time.perf_counter()
   model, cfg, tokenizer, step = load_run(run_dir, args.step)
   if args.data is not None:
@@ -292,9 +291,6 @@ def run(args) -> dict:
             "data_source": cfg.data.source, "packing": cfg.data.packing, "eval_batches": len(batches),
             "batch_size": batch_size, "seq_len": cfg.data.seq_len}
   report.update(evaluate(model, batches, tau=args.tau))
-  if mc_items is not None:
-    res = mc.score(model, tokenizer, mc_items, max_len=cfg.model.max_seq_len)
-    report["multiple_choice"] = {"file": str(args.mc), **res}
   report["definitions"] = DEFINITIONS
   report["eval_seconds"] = time.perf_counter() - t0
 
@@ -311,10 +307,9 @@ def main(argv=None) -> int:
   from sinkjax.checkpoint import CheckpointError
   from sinkjax.config import ConfigError
   from sinkjax.data import DataError
-  from sinkjax.mc import MCError
   try:
     report = run(args)
-  except (EvalError, CheckpointError, ConfigError, DataError, MCError) as e:
+  except (EvalError, CheckpointError, ConfigError, DataError) as e:
     print(f"sinkjax.eval: error: {' '.join(str(e).split())}", file=sys.stderr)
     return 1
   out = args.out or f"{str(args.checkpoint).rstrip('/')}/eval"
@@ -322,7 +317,6 @@ def main(argv=None) -> int:
   print(f"sinkjax.eval: val_bpb {report['val_bpb']:.4f}  head_imbalance {report['head_imbalance']:.4f}  "
         f"first-token attention {np.mean(report['first_token_attention']):.3f}  value zeroing all/selected "
         f"{vz['bpb_all']:.4f}/{vz['bpb_selected']:.4f}"
-        + (f"  mc acc {report['multiple_choice']['accuracy']:.3f}" if "multiple_choice" in report else "")
         + f"; wrote {out}/report.json")
   return 0
 

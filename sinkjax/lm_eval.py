@@ -52,6 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sinkjax.cli import Parser, UserError, run_main
+
 try:                      # lm-eval is an extra (pip install 'sinkjax[eval]'); sinkjax itself never imports this module
   from lm_eval.api.model import TemplateLM as _Base
   HAVE_LM_EVAL = True
@@ -66,7 +68,7 @@ PAPER_TASKS = ("mmlu", "gsm8k", "humaneval", "arc_easy", "arc_challenge", "hella
                "winogrande")
 
 
-class LMEvalError(ValueError):
+class LMEvalError(UserError):
   """A user-facing problem (the message says what to change)."""
 
 
@@ -113,15 +115,31 @@ class SinkjaxLM(_Base):
     run_dir = checkpoint or pretrained
     if not run_dir:
       raise LMEvalError("the sinkjax model needs checkpoint=RUN_DIR (a run directory)")
+    from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
+    logging.getLogger("absl").setLevel(logging.ERROR)    # Orbax's read-only notices
+    self.run_dir = str(run_dir)
+    model, cfg, tok, self.step = load_run(run_dir, None if step in (None, "") else int(step))
+    self._setup(model, cfg, tok, batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks,
+                add_bos_token=add_bos_token, prefix_token_id=prefix_token_id, dtype=dtype, seed=seed)
 
+  @classmethod
+  def from_model(cls, model, cfg, tokenizer, **kwargs) -> "SinkjaxLM":
+    """An lm-eval model of an in-memory sinkjax model (`cfg` its Config, `tokenizer` a sinkjax tokenizer), e.g. to
+    evaluate inside a Python session: `lm_eval.simple_evaluate(model=SinkjaxLM.from_model(...), tasks=[...])`.
+    Keyword arguments as for the constructor (batch_size, max_length, add_bos_token, ...)."""
+    if not HAVE_LM_EVAL:
+      raise LMEvalError(INSTALL_HINT)
+    lm = cls.__new__(cls)
+    _Base.__init__(lm)
+    lm.run_dir, lm.step = None, None
+    lm._setup(model, cfg, tokenizer, **kwargs)    # pylint: disable=protected-access
+    return lm
+
+  def _setup(self, model, cfg, tok, *, batch_size=8, max_length=None, max_gen_toks=256, add_bos_token=None,
+             prefix_token_id=None, dtype=None, seed=0):
     from sinkjax import lora, sharding as sharding_lib  # pylint: disable=import-outside-toplevel
     from sinkjax.config import MeshConfig  # pylint: disable=import-outside-toplevel
     from sinkjax.generate import Generator  # pylint: disable=import-outside-toplevel
-    from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
-    logging.getLogger("absl").setLevel(logging.ERROR)    # Orbax's read-only notices
-
-    self.run_dir = str(run_dir)
-    model, cfg, tok, self.step = load_run(run_dir, None if step in (None, "") else int(step))
     model = lora.merge(model)
     if dtype and dtype != cfg.model.dtype:
       model = self._with_dtype(model, cfg, dtype)
@@ -146,6 +164,8 @@ class SinkjaxLM(_Base):
     self._rows = sharding_lib.batch_sharding(self.mesh)
     self._shards = sharding_lib.batch_shards(self.mesh)
     self.graphdef, self.state = nnx.split(model)
+    if self._shards > 1:                     # rows are split over the devices: every device holds the weights
+      self.state = jax.device_put(self.state, sharding_lib.replicated(self.mesh))
     self._generator = None
     self._Generator = Generator
     self._key = jax.random.key(self.seed)
@@ -548,14 +568,8 @@ def write_mc_task(path, task_dir) -> str:
 # Command line
 # ----------------------------------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):
-    print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-    sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="python -m sinkjax.lm_eval",
+  p = Parser(prog="python -m sinkjax.lm_eval",
               description="Evaluate a sinkjax run with EleutherAI's lm-evaluation-harness (its tasks, prompts, "
                           "few-shot contexts and metrics); writes lm-eval's results_*.json (and samples_*.jsonl) "
                           "under --output-path and prints its table.")
@@ -699,29 +713,27 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  from sinkjax.checkpoint import CheckpointError  # pylint: disable=import-outside-toplevel
-  from sinkjax.config import ConfigError  # pylint: disable=import-outside-toplevel
-  from sinkjax.data import DataError  # pylint: disable=import-outside-toplevel
-  import multiprocessing  # pylint: disable=import-outside-toplevel
-  # lm-eval's bootstrap stderr runs a multiprocessing pool; forking this process (JAX's threads) can deadlock
-  method = multiprocessing.get_start_method(allow_none=True)
-  multiprocessing.set_start_method("forkserver", force=True)
-  try:
-    results = run(args)
-  except (LMEvalError, CheckpointError, ConfigError, DataError) as e:
-    print(f"sinkjax.lm_eval: error: {' '.join(str(e).split())}", file=sys.stderr)
-    return 1
-  finally:
-    multiprocessing.set_start_method(method, force=True)
-  from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
-  print(f"sinkjax ({args.checkpoint}, step {results['config'].get('sinkjax_step', '?')}), limit: {args.limit}, "
-        f"num_fewshot: {args.num_fewshot}, batch_size: {args.batch_size}")
-  print(make_table(results))
-  if "groups" in results:
-    print(make_table(results, "groups"))
-  if args.output_path:
-    print(f"sinkjax.lm_eval: wrote {args.output_path}", file=sys.stderr)
-  return 0
+
+  def action() -> int:
+    import multiprocessing  # pylint: disable=import-outside-toplevel
+    # lm-eval's bootstrap stderr runs a multiprocessing pool; forking this process (JAX's threads) can deadlock
+    method = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("forkserver", force=True)
+    try:
+      results = run(args)
+    finally:
+      multiprocessing.set_start_method(method, force=True)
+    from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
+    print(f"sinkjax ({args.checkpoint}, step {results['config'].get('sinkjax_step', '?')}), limit: {args.limit}, "
+          f"num_fewshot: {args.num_fewshot}, batch_size: {args.batch_size}")
+    print(make_table(results))
+    if "groups" in results:
+      print(make_table(results, "groups"))
+    if args.output_path:
+      print(f"sinkjax.lm_eval: wrote {args.output_path}", file=sys.stderr)
+    return 0
+
+  return run_main("sinkjax.lm_eval", action)
 
 
 def register() -> None:

@@ -1,4 +1,4 @@
-"""Evaluation (`sinkjax.eval`, `sinkjax.analysis`, `sinkjax.mc`) checked against independent computations.
+"""Evaluation (`sinkjax.eval`, `sinkjax.analysis`, multiple choice through `sinkjax.lm_eval`) checked against independent computations.
 
 The models are trained in this file on a byte-level "memorize a phrase" task with optax (a few dozen steps), so
 that the numbers are those of a model that has learned something, not of an initialization. Batches are built
@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 
-from sinkjax import analysis, mc
+from sinkjax import analysis
 from sinkjax import eval as ev
 from sinkjax.config import ModelConfig
 from sinkjax.model import Transformer, forward_with_importance
@@ -343,21 +343,28 @@ def test_value_zeroing_matches_zeroing_the_value_by_hand(models, eval_batches):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Multiple choice
+# Multiple choice: lm-eval's loglikelihood requests answered by sinkjax.lm_eval (what sinkjax.eval --mc was)
 # ---------------------------------------------------------------------------------------------------------------
 
-class _Bytes:
-  bos_id = BOS
+def _lm(model):
+  pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'sinkjax[eval]')")
+  from sinkjax.config import Config
+  from sinkjax.data import ByteTokenizer
+  from sinkjax.lm_eval import SinkjaxLM
+  return SinkjaxLM.from_model(model, Config(model=model.cfg), ByteTokenizer(), batch_size=2, max_length=64)
 
-  def encode(self, text):
-    return list(text.encode())
+
+def _loglikelihoods(lm, pairs):
+  from lm_eval.api.instance import Instance
+  return [lp for lp, _ in lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)],
+                                           disable_tqdm=True)]
 
 
-def test_choice_logprobs_equal_direct_computation(models, tmp_path):
+def test_choice_logprobs_equal_direct_computation(models):
   model = models["sink"]
   items = [{"context": "the quick brown", "choices": [" fox", " dog jumps", "x"], "label": 0},
            {"context": "lazy", "choices": [" dog.", " cat"], "label": 0}]
-  got = mc.choice_logprobs(model, _Bytes(), items, max_len=64, batch_size=2)
+  got = _loglikelihoods(_lm(model), [(it["context"], ch) for it in items for ch in it["choices"]])
   seqs = [([BOS] + list(it["context"].encode()) + list(ch.encode()), 1 + len(it["context"].encode()))
           for it in items for ch in it["choices"]]
   # one unpadded-style forward for all: every row is filled up to a common length with ordinary tokens of the
@@ -369,33 +376,21 @@ def test_choice_logprobs_equal_direct_computation(models, tmp_path):
   logp = np_log_softmax(forward(model, {"inputs": x, "segment_ids": np.ones_like(x), "positions":
                                         np.broadcast_to(np.arange(T), x.shape)})[0])
   want = [sum(logp[r, t - 1, ids[t]] for t in range(start, len(ids))) for r, (ids, start) in enumerate(seqs)]
-  np.testing.assert_allclose([lp for lps in got for lp in lps], want, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_mc_scorer_picks_the_memorized_continuation(models, tmp_path):
+def test_mc_scorer_picks_the_memorized_continuation(models):
   """The models were trained to continue one fixed phrase: the phrase's continuation is the forced answer."""
-  path = tmp_path / "mc.jsonl"
   items = [{"context": "the quick brown", "choices": [" cat jumps", " fox jumps", " dog jumps"], "label": 1},
            {"context": "jumps over the", "choices": [" lazy dog.", " quick dog", " lazy fox."], "label": 0},
            {"context": "fox jumps", "choices": [" under", " after", " over "], "label": 2}]
-  path.write_text("\n".join(json.dumps(i) for i in items) + "\n\n")
-  loaded = mc.load_items(path)
-  assert loaded == items
   for model in models.values():
-    res = mc.score(model, _Bytes(), loaded, max_len=64)
-    assert res["accuracy"] == 1.0 and res["accuracy_norm"] == 1.0, res
-
-
-@pytest.mark.parametrize("line,msg", [("{not json", "not valid JSON"), ("[1, 2]", "expected an object"),
-                                      ('{"context": 1, "choices": ["a"], "label": 0}', "'context'"),
-                                      ('{"context": "a", "choices": [], "label": 0}', "'choices'"),
-                                      ('{"context": "a", "choices": ["a", "b"], "label": 2}', "'label'")])
-def test_mc_file_errors_name_the_line(tmp_path, line, msg):
-  path = tmp_path / "bad.jsonl"
-  path.write_text('{"context": "a", "choices": ["b"], "label": 0}\n' + line + "\n")
-  with pytest.raises(mc.MCError, match=msg) as e:
-    mc.load_items(path)
-  assert f"{path}:2" in str(e.value)
+    lps = _loglikelihoods(_lm(model), [(it["context"], ch) for it in items for ch in it["choices"]])
+    at = 0
+    for it in items:
+      n = len(it["choices"])
+      assert int(np.argmax(lps[at:at + n])) == it["label"], (it, lps[at:at + n])
+      at += n
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -413,9 +408,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
   assert "does not exist" in _cli_error(capsys, ["--checkpoint", str(tmp_path / "nope")])
   (tmp_path / "run").mkdir()
   assert "not a run directory" in _cli_error(capsys, ["--checkpoint", str(tmp_path / "run")])
-  bad = tmp_path / "bad.jsonl"
-  bad.write_text("{oops\n")
-  assert "bad.jsonl:1" in _cli_error(capsys, ["--checkpoint", str(tmp_path / "run"), "--mc", str(bad)])
+  err = _cli_error(capsys, ["--checkpoint", str(tmp_path / "run"), "--mc", "items.jsonl"])   # moved, with a pointer
+  assert "python -m sinkjax.lm_eval --checkpoint" in err and "--mc items.jsonl" in err, err
   assert "--tau" in _cli_error(capsys, ["--checkpoint", str(tmp_path / "run"), "--tau", "1.5"])
   with pytest.raises(SystemExit) as e:
     ev.main([])                                                         # --checkpoint is required
@@ -459,7 +453,7 @@ def test_sink_model_puts_less_attention_on_the_first_token_than_vanilla():
 
 @pytest.mark.slow
 def test_cli_end_to_end_on_a_run_of_the_training_cli(tmp_path):
-  """python -m sinkjax.train on a small text corpus, then python -m sinkjax.eval with --mc: every report key and
+  """python -m sinkjax.train on a small text corpus, then python -m sinkjax.eval: every report key and
   figure exists, and val_bpb on the training's validation batches equals the trainer's own last val_bpb."""
   corpus = tmp_path / "corpus"
   corpus.mkdir()
@@ -472,16 +466,14 @@ def test_cli_end_to_end_on_a_run_of_the_training_cli(tmp_path):
                f"data.source={corpus}", "data.val_fraction=0.3", "train.batch_size=8", "train.steps=20",
                "train.eval_every=20", "train.eval_batches=2", "checkpoint.every=20", f"run.dir={run_dir}"]
   subprocess.run(train_cmd, check=True, capture_output=True, cwd=tmp_path)
-  mc_file = tmp_path / "mc.jsonl"
-  mc_file.write_text(json.dumps({"context": "the quick", "choices": [" brown", " green"], "label": 0}) + "\n")
   out = tmp_path / "eval"
-  res = subprocess.run([sys.executable, "-m", "sinkjax.eval", "--checkpoint", str(run_dir), "--out", str(out),
-                        "--mc", str(mc_file)], capture_output=True, text=True, cwd=tmp_path)
+  res = subprocess.run([sys.executable, "-m", "sinkjax.eval", "--checkpoint", str(run_dir), "--out", str(out)],
+                       capture_output=True, text=True, cwd=tmp_path)
   assert res.returncode == 0, res.stderr
   report = json.loads((out / "report.json").read_text())
   for key in ("val_bpb", "val_loss", "importance", "head_imbalance", "cv_per_layer", "first_token_attention",
               "sink_logit_attention", "first_token_value_norm", "other_value_norm", "gate_mean", "gate_sparsity",
-              "max_activation", "value_zeroing", "multiple_choice"):
+              "max_activation", "value_zeroing"):
     assert key in report, key
   assert np.array(report["importance"]).shape == (2, 4)
   for name in ("importance", "first_token_attention", "value_norm", "gate_histogram", "loss", "head_imbalance"):

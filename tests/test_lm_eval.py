@@ -326,20 +326,66 @@ def test_a_nanochat_architecture_run_evaluates_end_to_end(nanochat_run, toy, tmp
   assert set(samples_of(out)) == set(TASKS)
 
 
-def test_batch_sizes_one_and_eight_give_the_same_loglikelihoods(nanochat_run):
+@pytest.fixture(scope="module")
+def nanochat_lm(nanochat_run):
+  return sj.SinkjaxLM(pretrained=str(nanochat_run), batch_size=8, seed=3)
+
+
+def test_batch_sizes_one_and_eight_give_the_same_loglikelihoods(nanochat_lm):
+  """And both equal a direct forward of each unpadded row (no HF class for this architecture: the reference is the
+  model itself, one sequence at a time, log-softmax in NumPy)."""
   from lm_eval.api.instance import Instance
   texts = _stdlib_texts()
-  ll = [Instance("loglikelihood", {}, (texts[0][i * 37:i * 37 + 30], texts[0][i * 37 + 30:i * 37 + 45]), i)
-        for i in range(11)] + [Instance("loglikelihood", {}, ("", "def f():"), 11)]
+  pairs = [(texts[0][i * 37:i * 37 + 30], texts[0][i * 37 + 30:i * 37 + 45]) for i in range(11)] + [("", "def f():")]
+  ll = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
   rolling = [Instance("loglikelihood_rolling", {}, (t[:300],), i) for i, t in enumerate(texts)]
-  outs = []
+  outs, lm = [], nanochat_lm
   for bs in (1, 8):
-    lm = sj.SinkjaxLM(pretrained=str(nanochat_run), batch_size=bs)
+    lm.batch_size_per_device = bs
     outs.append((lm.loglikelihood(ll, disable_tqdm=True), lm.loglikelihood_rolling(rolling, disable_tqdm=True)))
   (ll1, r1), (ll8, r8) = outs
+  d_ll = np.max(np.abs(np.array([x[0] for x in ll1]) - [x[0] for x in ll8]))
+  d_r = np.max(np.abs(np.array(r1) - r8) / np.abs(r8))
+  print(f"batch 1 vs 8: max |dlogL| {d_ll:.2e}, rolling max relative {d_r:.2e}")
   np.testing.assert_allclose([x[0] for x in ll1], [x[0] for x in ll8], rtol=0, atol=1e-4)
   assert [x[1] for x in ll1] == [x[1] for x in ll8]
   np.testing.assert_allclose(r1, r8, rtol=1e-6)
+  # the direct computation: BOS + context + continuation (bytes), no segment ids; lm-eval's rule moves a context's
+  # trailing whitespace to the continuation. Rows are filled up to a common length with ordinary tokens after
+  # their end, which causal attention keeps from influencing the positions scored (one plain forward for all).
+  bos = lm.tok.bos_id
+  rows = []
+  for ctx, cont in pairs:
+    n = len(ctx) - len(ctx.rstrip())
+    ctx, cont = (ctx[:-n], ctx[-n:] + cont) if n else (ctx, cont)
+    rows.append(([bos] + list(ctx.encode()) + list(cont.encode()), len(cont.encode())))
+  T = max(len(ids) for ids, _ in rows)
+  x = np.full((len(rows), T), ord("z"), np.int32)
+  for r, (ids, _) in enumerate(rows):
+    x[r, :len(ids)] = ids
+  logits = np.asarray(lm.model(x)).astype(np.float64)
+  logp = logits - logits.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  for r, ((ids, c), (got, _)) in enumerate(zip(rows, ll8)):
+    want = sum(logp[r, t - 1, ids[t]] for t in range(len(ids) - c, len(ids)))
+    assert abs(got - want) < 1e-3, (pairs[r], got, want)
+
+
+def test_sampling_follows_the_generation_kwargs(nanochat_lm):
+  """top_k=1 sampling is greedy decoding; temperature sampling draws other continuations; max_gen_toks caps."""
+  from lm_eval.api.instance import Instance
+  lm = nanochat_lm
+  prompt = _stdlib_texts()[1][:50]
+
+  def gen(**kw):
+    return lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [], **kw}), 0)],
+                             disable_tqdm=True)[0]
+
+  greedy = gen(max_gen_toks=16, do_sample=False)
+  assert gen(max_gen_toks=16, do_sample=True, temperature=1.0, top_k=1) == greedy
+  sampled = {gen(max_gen_toks=16, do_sample=True, temperature=1.5) for _ in range(4)}
+  assert len(sampled) > 1 or greedy not in sampled, sampled
+  assert len(gen(max_gen_toks=3, do_sample=False).encode()) <= 3                  # bytes tokenizer: 3 tokens
 
 
 # ---------------------------------------------------------------------------------------------------------------
