@@ -60,7 +60,9 @@ class ModelConfig:
   tie_embeddings: bool = False
   dtype: str = "bfloat16"           # compute dtype; params stay in param_dtype
   param_dtype: str = "float32"
-  remat: bool = False
+  remat: bool = False               # recompute each layer's activations in the backward (per layer, model.remat_policy)
+  remat_policy: str = "nothing"     # nothing: keep only each layer's input | dots: also its weight matmuls' results
+  scan_layers: bool = False         # the layers as one lax.scan over stacked weights (one layer for the compiler)
   attn_impl: str = "auto"           # flash_attention backend
   # Architecture options of imported Hugging Face models (sinkjax.convert.hf); the defaults are the nanochat model.
   mlp_hidden: int = 0               # MLP hidden width; 0 = mlp_ratio * d_model
@@ -166,6 +168,8 @@ class TrainConfig:
   max_nonfinite: int = 5            # consecutive non-finite steps (loss, gradient or update) before the run stops
   stop_at_step: int = 0             # end this invocation after this step with a checkpoint, schedule unchanged
                                     # (chunked jobs on preemptible machines); 0 = run to train.steps
+  loss_chunk: int = 0               # > 0: logits and cross-entropy this many positions of every row at a time, never
+                                    # [tokens, vocab] at once (recomputed in the backward); 0 = all positions at once
   init_from: str = ""               # fine-tuning: a run dir (e.g. from sinkjax.convert.hf) whose weights start the run
   profile_start: int = 0            # jax.profiler trace of steps [profile_start, profile_start + profile_steps)
   profile_steps: int = 0            # into RUN_DIR/profile (TensorBoard's profile plugin, or Perfetto); 0 = off
@@ -224,6 +228,7 @@ CHOICES = {
     "model.dtype": choices.DTYPES,
     "model.param_dtype": choices.PARAM_DTYPES,
     "model.attn_impl": choices.ATTN_IMPLS,
+    "model.remat_policy": choices.REMAT_POLICIES,
     "model.init": choices.INITS,
     "model.rope_style": choices.ROPE_STYLES,
     "train.muon_ns_dtype": choices.NS_DTYPES,
@@ -255,7 +260,7 @@ RANGES = {
     "train.adamw_lr": ">=0", "train.weight_decay": ">=0", "train.grad_clip": ">=0", "train.warmup_steps": ">=0",
     "train.decay_frac": "[0,1]", "train.muon_momentum": "[0,1)", "train.muon_momentum_start": "[0,1]",
     "train.muon_momentum_warmup": ">=0", "train.max_nonfinite": ">=1", "train.stop_at_step": ">=0",
-    "train.profile_start": ">=0", "train.profile_steps": ">=0",
+    "train.profile_start": ">=0", "train.profile_steps": ">=0", "train.loss_chunk": ">=0",
     "checkpoint.every": ">=1", "checkpoint.keep": ">=1",
     "mesh.data": "-1|>=1", "mesh.fsdp": ">=1", "mesh.tensor": ">=1",
 }

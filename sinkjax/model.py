@@ -17,6 +17,10 @@ from sinkjax.layers import MLP, Attention, MoE, RMSNorm, RopeScaling, default_po
 from sinkjax.sharding import logical
 
 DTYPES = {name: jnp.dtype(name) for name in choices.DTYPES}
+# model.remat_policy: what a rematerialized layer keeps from its forward pass for the backward (everything else is
+# recomputed). nothing: only the layer's input (least memory); dots: also the results of matmuls with weights.
+REMAT_POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def rope_scaling(cfg: ModelConfig) -> RopeScaling | None:
@@ -116,25 +120,63 @@ class Transformer(nnx.Module):
     """logits; with a `sinkjax.cache.KVCache`, (logits, updated cache): T == 1 decodes one token against the cache,
     T > 1 prefills an EMPTY cache with a prompt (positions 0..T-1). Generation lives in `sinkjax.generate`.
     record / zero_first_value ([L, Hq] bool): for `sinkjax.analysis`, see `Attention.__call__`."""
-    B, T = tokens.shape
-    if positions is None:
-      positions = default_positions(segment_ids, B, T)
-    x = x0 = self.embed_tokens(tokens)
     if cache is not None:
+      B, T = tokens.shape
+      positions = default_positions(segment_ids, B, T) if positions is None else positions
+      x = x0 = self.embed_tokens(tokens)
       layer_caches = cache.layers(T)
       for i, block in enumerate(self.layers):
         x, layer_caches[i] = block(self.block_input(i, x, x0), segment_ids, positions, cache=layer_caches[i])
       return self.logits(x), cache.advance(layer_caches, T)
-    for i, block in enumerate(self.layers):
-      x = self.block_input(i, x, x0)
-      if record or zero_first_value is not None:
-        x = block(x, segment_ids, positions, record=record,
+    return self.logits(self.hidden(tokens, segment_ids=segment_ids, positions=positions, record=record,
+                                   zero_first_value=zero_first_value))
+
+  def hidden(self, tokens, *, segment_ids=None, positions=None, record: bool = False, zero_first_value=None):
+    """The residual stream after the last block [B,T,d_model] (`logits` turns it into logits). Training runs the
+    blocks as model.remat / model.scan_layers say; record / zero_first_value always run them one by one."""
+    B, T = tokens.shape
+    if positions is None:
+      positions = default_positions(segment_ids, B, T)
+    x = x0 = self.embed_tokens(tokens)
+    if record or zero_first_value is not None:
+      for i, block in enumerate(self.layers):
+        x = block(self.block_input(i, x, x0), segment_ids, positions, record=record,
                   zero_first_value=None if zero_first_value is None else zero_first_value[i])
-      elif self.cfg.remat:
-        x = nnx.remat(lambda blk, h: blk(h, segment_ids, positions))(block, x)
-      else:
-        x = block(x, segment_ids, positions)
-    return self.logits(x)
+      return x
+    if self.cfg.scan_layers and self._uniform_blocks():
+      return self._scanned_blocks(x, x0, segment_ids, positions)
+    run = lambda blk, h: blk(h, segment_ids, positions)
+    if self.cfg.remat:
+      run = nnx.remat(run, policy=REMAT_POLICIES[self.cfg.remat_policy])
+    for i, block in enumerate(self.layers):
+      x = run(block, self.block_input(i, x, x0))
+    return x
+
+  def _uniform_blocks(self) -> bool:
+    """Whether every block has the same structure (no per-layer sliding windows), so one can stand for all."""
+    first = nnx.graphdef(self.layers[0])
+    return all(nnx.graphdef(b) == first for b in self.layers[1:])
+
+  def _scanned_blocks(self, x, x0, segment_ids, positions):
+    """The blocks as one `lax.scan` over their stacked parameters (MaxText's scan_layers): the compiler sees one
+    layer, so its FSDP gathers and (with model.remat) its saved activations live one layer at a time, and compile
+    time does not grow with depth. Parameters stay one module per layer (checkpoints are unchanged); the stack is
+    built inside the step. Each layer's head importance is sown back on its own Attention afterwards."""
+    graphdef = nnx.graphdef(self.layers[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.layers])
+
+    def body(h, layer):
+      state, i = layer
+      block = nnx.merge(graphdef, state)
+      h = block(self.block_input(i, h, x0), segment_ids, positions)
+      return h, pop_head_importance(block)[0]
+
+    if self.cfg.remat:
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat_policy], prevent_cse=False)
+    x, imps = jax.lax.scan(body, x, (stacked, jnp.arange(len(self.layers))))
+    for block, imp in zip(self.layers, imps):
+      block.attn.sow(nnx.Intermediate, "head_importance", imp, reduce_fn=lambda _, new: new, init_fn=lambda: None)
+    return x
 
   def logits(self, x):
     """Final norm, LM head (vocabulary padding sliced off), float32, soft-cap."""

@@ -30,7 +30,7 @@ from sinkjax.config import Config, ConfigError, MeshConfig
 
 CONFIG_FILE = "config.yaml"
 # Model keys a resumed or fine-tuning run may change: they do not change the parameters.
-RESUMABLE_MODEL_KEYS = ("dtype", "remat", "attn_impl")
+RESUMABLE_MODEL_KEYS = ("dtype", "remat", "remat_policy", "scan_layers", "attn_impl")
 # Model keys that a fine-tuning config repeats for reference; they must equal the train.init_from run's.
 INIT_CHECKED_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
 # data.* keys added after runs were made, with the value every run made before them used.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import io
 import json
 import math
@@ -44,7 +45,8 @@ from sinkjax import run as run_lib
 from sinkjax import sharding as sharding_lib
 from sinkjax import tracking
 from sinkjax.config import Config, ConfigError
-from sinkjax.model import Transformer, count_params, forward_with_importance
+from sinkjax.layers import pop_head_importance
+from sinkjax.model import Transformer, count_params
 from sinkjax.cli import UserError
 
 TRAIN_FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -66,19 +68,44 @@ class Interrupted(Exception):
 # The step (pure functions of the train state; jitted once in `Trainer`)
 # --------------------------------------------------------------------------------------------------------------
 
-def token_losses(model, batch):
-  """(per-token NLL [B,T] float32, importance [L,H]) of a batch."""
-  logits, imp = forward_with_importance(model, batch["inputs"], segment_ids=batch["segment_ids"],
-                                        positions=batch["positions"])
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), imp
+def token_losses(model, batch, chunk: int = 0):
+  """(per-token NLL [B,T] float32, importance [L,H]) of a batch; chunk > 0 computes the logits `chunk` positions of
+  every row at a time (`chunked_nll`)."""
+  x = model.hidden(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+  imp = pop_head_importance(model)
+  T = x.shape[1]
+  if chunk <= 0 or chunk >= T:
+    return optax.softmax_cross_entropy_with_integer_labels(model.logits(x), batch["targets"]), imp
+  return chunked_nll(model.logits, x, batch["targets"], chunk), imp
 
 
-def loss_fn(params, graphdef, rest, batch, total_weight, loss_cfg, shared, num_micro):
+def chunked_nll(logits_fn, x, targets, chunk: int):
+  """Cross-entropy [B,T] of logits_fn(x) against targets, `chunk` positions of every row at a time: a scan over
+  position blocks whose body is rematerialized, so neither pass ever holds more than [B, chunk, vocab] float32
+  logits (the backward recomputes a block's logits, then its gradient). Rows stay whole blocks of the batch axes'
+  sharding. Exact: the same per-token values as the whole [B,T,V] computation (T padded up to a multiple of chunk;
+  the padding's losses are dropped)."""
+  B, T, D = x.shape
+  n = -(-T // chunk)
+  pad = n * chunk - T
+  xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, D).swapaxes(0, 1)
+  ts = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def block(_, xt):
+    xb, tb = xt
+    return None, optax.softmax_cross_entropy_with_integer_labels(logits_fn(xb), tb)
+
+  _, nll = jax.lax.scan(block, None, (xs, ts))
+  return nll.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
+
+
+def loss_fn(params, graphdef, rest, batch, total_weight, loss_cfg, shared, num_micro, chunk=0):
   """One micro-batch's share of the step loss: CE summed over it / tokens of the whole step + aux / micro-batches.
 
   Summed over the micro-batches this is the masked mean CE over the global batch plus the mean aux loss.
   """
-  nll, imp = token_losses(nnx.merge(graphdef, params, rest), batch)
+  nll, imp = token_losses(nnx.merge(graphdef, params, rest), batch, chunk)
   ce_sum = jnp.sum(nll * batch["loss_mask"])
   if loss_cfg.aux_weight > 0:
     aux = balance.aux_loss(imp, loss_cfg.aux_weight, loss_cfg.num_shared_heads, shared)
@@ -106,7 +133,7 @@ def make_train_step(cfg: Config, graphdef, rest, tx: optax.GradientTransformatio
     rest = default_rest if rest is None else rest
     params = state["params"]
     total = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-    run = lambda mb: grad_fn(params, graphdef, rest, mb, total, cfg.loss, shared, A)
+    run = lambda mb: grad_fn(params, graphdef, rest, mb, total, cfg.loss, shared, A, cfg.train.loss_chunk)
     if A == 1:
       (_, (ce_sum, aux, imp)), grads = run(batch)
     else:
@@ -143,14 +170,14 @@ def make_train_step(cfg: Config, graphdef, rest, tx: optax.GradientTransformatio
   return train_step
 
 
-def make_eval_step(graphdef, rest):
+def make_eval_step(graphdef, rest, chunk: int = 0):
   """eval_step(params, batch, rest=None) -> (sum of NLL in nats, sum of target bytes) over the batch's loss-mask
   targets with bytes (BPB = nats / ln 2 / bytes, nanochat's rule: `analysis.nll_sums`; `rest` as in
   `make_train_step`)."""
   default_rest = rest
 
   def eval_step(params, batch, rest=None):
-    nll, _ = token_losses(nnx.merge(graphdef, params, default_rest if rest is None else rest), batch)
+    nll, _ = token_losses(nnx.merge(graphdef, params, default_rest if rest is None else rest), batch, chunk)
     sums = analysis.nll_sums(nll, batch)
     return sums["bpb_nll"], sums["bytes"]
   return eval_step
@@ -493,7 +520,7 @@ class Program:
                               in_shardings=(self.state_sh, self.batch_sh, self.rest_sh),
                               out_shardings=(self.state_sh, sharding_lib.replicated(mesh)),
                               donate_argnums=self.donate)
-    self.eval_step = jax.jit(make_eval_step(self.graphdef, None),
+    self.eval_step = jax.jit(make_eval_step(self.graphdef, None, self.cfg.train.loss_chunk),
                              in_shardings=(self.state_sh["params"], self.batch_sh, self.rest_sh),
                              out_shardings=sharding_lib.replicated(mesh))
 
