@@ -224,3 +224,109 @@ def test_passkey_random_maps_and_the_head_they_miss():
   rand = sorted(v for k, v in ppl.items() if "random" in k)
   assert len(rand) == 5 and sorted(rand + [imp]).index(imp) + 1 == 3
   assert f"ranks 3rd of 6 ({imp:.3f} against the random maps' " + ", ".join(f"{x:.3f}" for x in rand) in stream
+
+
+# ------------------------------------------------------------------------------------------------ dose study
+
+def dose_runs(runs):
+  """{(lambda, seed): record} from the dose study's raw per-run files (docs/results/paper_cpu_dose/runs/NAME/
+  paper_eval.json) and, for lambda 0 / 1e-4, the main grid's gated base / aux runs."""
+  out = {}
+  for r in runs:
+    if r["variant"] == "gated":
+      out[{"base": 0.0, "aux": 1e-4}[r["loss"]], r["seed"]] = r
+  for d in sorted((DOSE_DIR / "runs").glob("gated_*_s*")):
+    _, label, seed = d.name.rsplit("_", 2)
+    lam = {"base": 0.0, "aux": 1e-4}.get(label, None)
+    lam = float(label[3:]) if lam is None else lam
+    ev = json.loads((d / "paper_eval.json").read_text())
+    if (lam, int(seed[1:])) in out:               # a main-grid run is never retrained into the dose study
+      raise AssertionError(f"{d.name} duplicates a main-grid run")
+    out[lam, int(seed[1:])] = ev
+  return out
+
+
+@pytest.fixture(scope="module")
+def dose(runs):
+  if not (DOSE_DIR / "runs").is_dir():
+    pytest.skip("no dose-study raw files committed yet")
+  return dose_runs(runs)
+
+
+def test_dose_table(dose, doc):
+  rows = {r[0]: r for r in table(doc, "λ | val BPB per seed")}
+  lams = sorted({lam for lam, _ in dose})
+  assert sorted(rows) == sorted(f"{lam:g}" for lam in lams)
+  for lam in lams:
+    rs = [dose[lam, s] for s in sorted(s for l, s in dose if l == lam)]
+    b = np.array([r["val_bpb"] for r in rs])
+    i = np.array([r["head_imbalance"] for r in rs])
+    aux = np.mean([lam * 4 * np.sum(np.square(r["cv_per_layer"])) for r in rs])
+    ranks = np.mean([np.sort(r["importance"], -1)[:, ::-1].mean(0) for r in rs], 0)
+    want = [f"{lam:g}", ", ".join(f"{x:.4f}" for x in b), f"{b.mean():.4f} ± {b.std(ddof=1):.4f}",
+            ", ".join(f"{x:.3f}" for x in i), f"{i.mean():.3f}", f"{aux:.1e}",
+            f"{np.mean([np.mean(r['importance']) for r in rs]):.3f}", f"{ranks[0]:.3f} / {ranks[1:].mean():.3f}"]
+    assert rows[f"{lam:g}"] == want, lam
+
+
+def test_dose_tests_against_the_null_arms(dose, runs, doc, flat):
+  base = {s: r for (l, s), r in dose.items() if l == 0.0}
+  null = [dose[1e-8, s]["val_bpb"] - base[s]["val_bpb"] for s in sorted(base) if (1e-8, s) in dose]
+  d = np.array(diffs(runs, "vanilla") + diffs(runs, "sink") + null)
+  s0 = float(np.sqrt((d ** 2).mean()))
+  ni = [dose[1e-8, s]["head_imbalance"] - base[s]["head_imbalance"] for s in sorted(base) if (1e-8, s) in dose]
+  si = float(np.sqrt(np.mean(np.square(ni))))
+  assert f"σ₀ = {s0:.4f}, the RMS about zero of {len(d)} null differences" in flat
+  assert f"σ₀ = {si:.3f}, the RMS about zero of {len(ni)} null differences" in flat
+  rows = {r[0]: r for r in table(doc, "effect (paired with λ = 0)")}
+  for lam in sorted({l for l, _ in dose if l not in (0.0, 1e-8)}):
+    seeds = sorted(s for l, s in dose if l == lam)
+    for key, sigma, nd, name in (("val_bpb", s0, 4, "val BPB"), ("head_imbalance", si, 3, "final head imbalance")):
+      dd = np.array([dose[lam, s][key] - base[s][key] for s in seeds])
+      z = dd.mean() / (sigma / math.sqrt(len(dd)))
+      row = rows[f"λ = {lam:g}, {name}"]
+      assert row[1:5] == [", ".join(f"{x:+.{nd}f}" for x in dd), f"{dd.mean():+.{nd}f}", f"{z:+.2f}",
+                          f"{sign_p(dd):.3g}"], (lam, key)
+
+
+# ------------------------------------------------------------------------------------------------ TRIGGER.md
+
+TRIGGER = ROOT / "docs" / "results" / "trigger"
+
+
+def test_trigger_tables_are_the_committed_runs():
+  """Every table TRIGGER.md shows for a committed run is that run's table.txt, line for line, and the table is
+  what its results.json holds."""
+  text = (ROOT / "docs" / "TRIGGER.md").read_text()
+  for run in ("quick", "nobos"):
+    lines = [l.rstrip() for l in (TRIGGER / run / "table.txt").read_text().splitlines() if l.strip()]
+    body = [l for l in lines if not l.startswith("(")]
+    assert "\n".join(body[2:]) in "\n".join(l.rstrip() for l in text.splitlines()), run
+    for rec in json.loads((TRIGGER / run / "results.json").read_text()):
+      row = [l for l in body[2:] if l.split()[0] == rec["variant"]][0].split()
+      assert int(row[3]) == rec["steps"] and row[5] == f"{rec['final_loss']:.2e}"
+      assert row[7] == f"{rec['bos_attention_nontrigger']:.3f}" and row[8] == f"{rec['bos_attention_trigger']:.3f}"
+
+
+def test_trigger_value_norms_quoted():
+  flat = " ".join((ROOT / "docs" / "TRIGGER.md").read_text().split())
+  recs = {r["variant"]: r for r in json.loads((TRIGGER / "quick" / "results.json").read_text())}
+  norm = lambda r, k: r[k][0][0]
+  relu = recs["relu"]
+  b, o = norm(relu, "bos_value_norm_per_head"), norm(relu, "value_norm_per_head")
+  bo, oo = norm(relu, "bos_output_norm_per_head"), norm(relu, "output_norm_per_head")
+  assert f"has {b / o:.2f} of the other tokens' mean norm ({b:.3f} vs {o:.3f}; after W_O {bo / oo:.2f}: " \
+         f"{bo:.3f} vs {oo:.3f}" in flat
+  ratios = [norm(recs[v], "bos_value_norm_per_head") / norm(recs[v], "value_norm_per_head")
+            for v in ("softmax", "sink", "gated")]
+  assert f"drive it to {min(ratios):.4f}–{max(ratios):.3f} of the others'" in flat
+  sm = recs["softmax"]
+  assert f"(softmax {norm(sm, 'bos_value_norm_per_head'):.3f} vs {norm(sm, 'value_norm_per_head'):.3f}" in flat
+  t = [r["train_time_s"] for r in recs.values()]
+  assert f"{min(t):.0f}–{max(t):.0f} s of training per variant" in flat
+  nobos = json.loads((TRIGGER / "nobos" / "results.json").read_text())
+  assert all(r["bos_value_norm_per_head"] is None for r in nobos)          # no BOS token, no BOS norm
+  t44 = {r["variant"]: r for r in json.loads((TRIGGER / "4x4_1000steps" / "results.json").read_text())}
+  assert f"took {t44['softmax']['train_time_s'] / t44['softmax']['steps']:.2f} s per step for softmax and " \
+         f"{t44['relu']['train_time_s'] / t44['relu']['steps']:.3f} s for ReLU" in flat
+  assert not any(r["converged"] for r in t44.values())
