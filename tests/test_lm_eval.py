@@ -287,6 +287,48 @@ def test_standard_outputs_and_the_results_record(toy, toy_sinkjax):
   assert set(samples_of(toy_sinkjax)) == set(TASKS)
 
 
+@pytest.mark.slow
+def test_a_trained_lora_run_matches_the_hf_backend_on_its_export(toy, tmp_path):
+  """The imported toy fine-tuned by python -m sinkjax.train (LoRA rank 4, 6 steps), exported with convert.hf
+  --export (adapters merged): lm-eval's hf backend on the export and sinkjax.lm_eval on the run (which merges the
+  adapters itself) give the same per-document log-likelihoods, perplexities and greedy generations."""
+  hf_dir, run_dir, tasks = toy[0], toy[1], toy[2]
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  text = "".join(_stdlib_texts())
+  for i in range(0, len(text), 600):
+    (corpus / f"doc{i // 600:03d}.txt").write_text(text[i:i + 600])
+  ft, exported = tmp_path / "ft", tmp_path / "ft_hf"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  res = subprocess.run([sys.executable, "-m", "sinkjax.train", "--config", str(REPO / "configs" / "tiny.yaml"),
+                        f"train.init_from={run_dir}", "model.num_layers=2", "model.d_model=64", "model.num_heads=4",
+                        "model.num_kv_heads=2", "model.head_dim=16", "model.dtype=float32",
+                        f"data.tokenizer={hf_dir / 'tokenizer.json'}", f"data.source={corpus}",
+                        f"data.seq_len={MAX_LEN}", "data.val_fraction=0.25", "lora.rank=4", "train.optimizer=adamw",
+                        "train.adamw_lr=0.01", "train.batch_size=8", "train.steps=6", "train.eval_every=6",
+                        "train.eval_batches=1", "checkpoint.every=6", f"run.dir={ft}"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path)
+  assert res.returncode == 0, res.stderr[-2000:]
+  res = subprocess.run([sys.executable, "-m", "sinkjax.convert.hf", "--export", str(ft), "--out", str(exported)],
+                       capture_output=True, text=True, env=env, cwd=tmp_path)
+  assert res.returncode == 0, res.stderr[-2000:]
+  ref_res, ref = hf_reference(exported, TASKS, tasks, tmp_path / "hf_out")
+  out = tmp_path / "out"
+  assert sj.main(["--checkpoint", str(ft), "--tasks", ",".join(TASKS), "--include-path", str(tasks),
+                  "--output-path", str(out), "--log-samples", "--bootstrap-iters", "0"]) == 0
+  got = samples_of(out)
+  for task in ("toy_mc", "toy_ll", "toy_ppl"):
+    for doc_id, r in ref[task].items():
+      for x, y in zip(r["resps"], got[task][doc_id]["resps"]):
+        assert abs(float(x[0][0] if task != "toy_ppl" else x[0]) - float(y[0][0] if task != "toy_ppl" else y[0])) \
+            < 1e-3, (task, doc_id, x, y)
+  for doc_id, r in ref["toy_gen"].items():
+    assert got["toy_gen"][doc_id]["resps"] == r["resps"], doc_id
+  res = results_of(out)["results"]["toy_ppl"]
+  for key in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+    assert res[key] == pytest.approx(ref_res["results"]["toy_ppl"][key], rel=1e-4), key
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A nanochat-architecture run (no Hugging Face class): end to end, batch sizes, errors
 # ---------------------------------------------------------------------------------------------------------------
