@@ -262,7 +262,7 @@ RANGES = {
     "train.muon_momentum_warmup": ">=0", "train.max_nonfinite": ">=1", "train.stop_at_step": ">=0",
     "train.profile_start": ">=0", "train.profile_steps": ">=0", "train.loss_chunk": ">=0",
     "checkpoint.every": ">=1", "checkpoint.keep": ">=1",
-    "mesh.data": "-1|>=1", "mesh.fsdp": ">=1", "mesh.tensor": ">=1",
+    "mesh.data": "-1|>=1", "mesh.fsdp": "-1|>=1", "mesh.tensor": "-1|>=1",
 }
 _RANGE_TESTS = {
     "any": (lambda v: True, "finite"),
