@@ -257,6 +257,9 @@ def _run(args) -> int:
   from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
   topo = parse_topology(args.topology)
   cfg = config_lib.load_config(args.config, args.overrides)
+  if cfg.train.init_from:             # fine-tuning: the model is the imported run's (its config.yaml alone is read)
+    from sinkjax import run as run_lib  # pylint: disable=import-outside-toplevel
+    run_lib.adopt_init_model(cfg)
   _vocab(cfg)
   report = compile_config(cfg, topo, eval_step=not args.no_eval)
   report["config"] = args.config
