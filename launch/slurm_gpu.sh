@@ -2,7 +2,7 @@
 # SLURM launcher for sinkjax on NVIDIA GPU nodes: one process per GPU, jax.distributed over all of them.
 #
 #   launch/slurm_gpu.sh [--nodes N] [--gpus-per-node G] [--partition P] [--time HH:MM:SS] [--account A]
-#                       [--venv PATH] [--dry-run] -- --config configs/d20_sink_aux.yaml [key=value ...]
+#                       [--venv PATH] [--dry-run] -- --config configs/paper/d20_sink_aux.yaml [key=value ...]
 #
 # Writes a batch script and submits it with sbatch (--dry-run prints the script and the sbatch command instead).
 # Each task runs `python -m sinkjax.train ...`; sinkjax.train calls jax.distributed.initialize(), which reads the
@@ -28,7 +28,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "slurm_gpu.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
-[[ ${#train_args[@]} -gt 0 ]] || { echo "slurm_gpu.sh: give training arguments after --, e.g. -- --config configs/d20_sink_aux.yaml" >&2; exit 2; }
+[[ ${#train_args[@]} -gt 0 ]] || { echo "slurm_gpu.sh: give training arguments after --, e.g. -- --config configs/paper/d20_sink_aux.yaml" >&2; exit 2; }
 [[ "$nodes" =~ ^[1-9][0-9]*$ && "$gpus" =~ ^[1-9][0-9]*$ ]] || { echo "slurm_gpu.sh: --nodes and --gpus-per-node must be positive integers" >&2; exit 2; }
 
 args=$(printf '%q ' "${train_args[@]}")

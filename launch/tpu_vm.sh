@@ -3,7 +3,7 @@
 #
 #   launch/tpu_vm.sh create  --name NAME --zone ZONE --type v5litepod-8 [--version RUNTIME] [--spot]
 #   launch/tpu_vm.sh setup   --name NAME --zone ZONE [--repo URL] [--branch BRANCH]
-#   launch/tpu_vm.sh run     --name NAME --zone ZONE -- --config configs/d20_sink_aux.yaml [key=value ...]
+#   launch/tpu_vm.sh run     --name NAME --zone ZONE -- --config configs/paper/d20_sink_aux.yaml [key=value ...]
 #   launch/tpu_vm.sh ssh     --name NAME --zone ZONE
 #   launch/tpu_vm.sh delete  --name NAME --zone ZONE
 #
@@ -52,7 +52,7 @@ case "$cmd" in
   setup)
     remote "set -e; if [ ! -d sinkjax ]; then git clone --branch $branch $repo sinkjax; fi; cd sinkjax && git pull --ff-only && pip install -U -e '.[tpu]'" ;;
   run)
-    [[ ${#train_args[@]} -gt 0 ]] || { echo "tpu_vm.sh: run needs training arguments after --, e.g. -- --config configs/d20_sink_aux.yaml" >&2; exit 2; }
+    [[ ${#train_args[@]} -gt 0 ]] || { echo "tpu_vm.sh: run needs training arguments after --, e.g. -- --config configs/paper/d20_sink_aux.yaml" >&2; exit 2; }
     args=$(printf '%q ' "${train_args[@]}")
     remote "cd sinkjax && python -m sinkjax.train $args" ;;
   ssh)

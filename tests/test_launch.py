@@ -31,8 +31,8 @@ def test_tpu_dry_runs():
   assert "--spot" in out
   out = sh(*base, "setup", *common).stdout
   assert "--worker=all" in out and "pip\\ install" in out and "\\[tpu\\]" in out
-  out = sh(*base, "run", *common, "--", "--config", "configs/d20_sink_aux.yaml", "train.steps=10").stdout
-  assert "--worker=all" in out and "sinkjax.train" in out and "configs/d20_sink_aux.yaml" in out
+  out = sh(*base, "run", *common, "--", "--config", "configs/paper/d20_sink_aux.yaml", "train.steps=10").stdout
+  assert "--worker=all" in out and "sinkjax.train" in out and "configs/paper/d20_sink_aux.yaml" in out
   assert "train.steps=10" in out
   out = sh(*base, "delete", *common).stdout
   assert "gcloud compute tpus tpu-vm delete pod1 --zone=us-central2-b --quiet" in out
@@ -47,12 +47,12 @@ def test_tpu_errors_are_one_line():
 
 def test_slurm_dry_run():
   r = sh("bash", "launch/slurm_gpu.sh", "--nodes", "2", "--gpus-per-node", "4", "--partition", "gpu", "--dry-run",
-         "--", "--config", "configs/d26_gated_aux.yaml")
+         "--", "--config", "configs/paper/d26_gated_aux.yaml")
   assert r.returncode == 0
   out = r.stdout
   assert "#SBATCH --nodes=2" in out and "#SBATCH --ntasks-per-node=4" in out and "#SBATCH --partition=gpu" in out
   assert "export SINKJAX_DISTRIBUTED=1" in out
-  assert "srun --kill-on-bad-exit=1 python -m sinkjax.train --config configs/d26_gated_aux.yaml" in out
+  assert "srun --kill-on-bad-exit=1 python -m sinkjax.train --config configs/paper/d26_gated_aux.yaml" in out
   r = sh("bash", "launch/slurm_gpu.sh", "--nodes", "0", "--", "--config", "x")
   assert r.returncode == 2 and "positive integers" in r.stderr
 

@@ -112,7 +112,7 @@ def test_paper_configs_are_base_train_at_their_depth(depth):
   gpt_kwargs = dict(sequence_len=2048, vocab_size=65536, n_layer=depth, n_head=heads, n_kv_head=heads, n_embd=d)
   with torch.device("meta"):
     n_params = sum(p.numel() for p in peer.gpt.GPT(peer.gpt.GPTConfig(**gpt_kwargs)).parameters())
-  cfg = load_config(f"configs/d{depth}_vanilla_base.yaml", ["model.vocab_size=65536"])
+  cfg = load_config(f"configs/paper/d{depth}_vanilla_base.yaml", ["model.vocab_size=65536"])
   assert nc_convert.gpt_config_of(cfg.model) == gpt_kwargs
   ours = count_params(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
   assert ours == n_params

@@ -303,7 +303,7 @@ def test_stream_config_errors(tmp_path):
     load_config(str(ROOT / "configs" / "tiny.yaml"), ["data.format=sft", "data.packing=stream"])
   assert "\n" not in str(e.value)
   assert load_config(str(ROOT / "configs" / "tiny.yaml")).data.packing == "document"
-  assert load_config(str(ROOT / "configs" / "d20_vanilla_aux.yaml")).data.packing == "stream"
+  assert load_config(str(ROOT / "configs" / "paper" / "d20_vanilla_aux.yaml")).data.packing == "stream"
   short = _cfg(_jsonl(tmp_path, ["tiny"]), seq_len=64, val_fraction=1.0)
   with pytest.raises(DataError, match="fewer than data.seq_len \\+ 1 = 65 tokens"):
     make_eval_batches(short, build_tokenizer(short), batch_size=1, num_batches=1, process_index=0, process_count=1)
