@@ -213,6 +213,21 @@ def print_report(config: str, r: dict) -> None:
     print(f"  {k:<28} {v}")
 
 
+TABLE_HEADER = ("| config (overrides) | slice | mesh | tokens / chip / micro-step | GiB per chip (args + temps) "
+                "| HBM GiB | fits | attention | compile s |\n|---|---|---|---:|---:|---:|---|---|---:|")
+
+
+def markdown_row(r: dict) -> str:
+  """One row of docs/TPU.md's table from a --json report."""
+  b = r["per_chip_bytes"]
+  parts = f" ({_gib(b['arguments'])} + {_gib(b['temporaries'])})" if "arguments" in b else " (compiler's count)"
+  mesh = "x".join(str(v) for v in r["mesh"].values())
+  name = r.get("config", "?") + (" " + " ".join(r["overrides"]) if r.get("overrides") else "")
+  return (f"| `{name}` | {r['topology']}{' x' + str(r['slices']) if r['slices'] > 1 else ''} | {mesh} | "
+          f"{r['tokens_per_chip_per_micro_step']:,} | {_gib(b['total'])}{parts} | {_gib(r['hbm_per_chip_bytes'])} | "
+          f"{'yes' if r['fits'] else 'no'} | {r['attention_kernel']} | {r['compile_seconds']:.0f} |")
+
+
 def _vocab(cfg) -> None:
   """model.vocab_size from the tokenizer file when it exists (the trainer's rule), else as configured."""
   from sinkjax import paths  # pylint: disable=import-outside-toplevel
@@ -243,13 +258,23 @@ def main(argv=None) -> int:
   parser = cli.Parser(prog="python -m sinkjax.compile",
                       description="Compile the training step of a config for a TPU slice with compile-only devices "
                                   "(libtpu; no TPU needed) and report whether it fits the chips' memory.")
-  parser.add_argument("--config", required=True, help="YAML config file (configs/...)")
-  parser.add_argument("--topology", required=True,
+  parser.add_argument("--config", help="YAML config file (configs/...)")
+  parser.add_argument("--topology",
                       help="v5e:4x8 | v5litepod-32 | v4-32 | v5p-64 | v6e-8 | 2xv5litepod-32 (two slices) ...")
+  parser.add_argument("--table", nargs="+", metavar="JSON",
+                      help="instead of compiling: print the Markdown table of these --json reports (docs/TPU.md)")
   parser.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
   parser.add_argument("--no-eval", action="store_true", help="skip the eval step")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
   args = parser.parse_args(argv)
+  if args.table:
+    print(TABLE_HEADER)
+    for path in args.table:
+      with open(path) as f:
+        print(markdown_row(json.load(f)))
+    return 0
+  if not args.config or not args.topology:
+    parser.error("--config and --topology are required (or --table JSON ...)")
   return cli.run_main("sinkjax.compile", lambda: _run(args), extra_errors=(CompileError,))
 
 
