@@ -88,10 +88,10 @@ def metrics(run_dir) -> dict:
   return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_offline_run_holds_the_history_and_a_resume_continues_the_run_id(tmp_path):
+def test_offline_run_holds_the_history_and_a_resume_continues_the_run_id(tmp_path, compile_cache):
   run_dir, wandb_dir = tmp_path / "run", tmp_path / "wandb_dir"
   wandb_dir.mkdir()
-  res = train(run_dir, 6, wandb_dir)
+  res = train(run_dir, 6, wandb_dir, env=compile_cache)      # the resume below reuses the compiled steps
   assert res.returncode == 0, res.stderr[-3000:]
   run_id = (run_dir / "wandb_id").read_text().strip()
   first = glob.glob(str(wandb_dir / "wandb" / f"offline-run-*-{run_id}" / f"run-{run_id}.wandb"))
@@ -113,7 +113,7 @@ def test_offline_run_holds_the_history_and_a_resume_continues_the_run_id(tmp_pat
   assert cfg["logging"]["wandb_tags"] == ["tiny", "offline"] and cfg["run"]["dir"] == str(run_dir)
 
   # the same command with more steps resumes from the checkpoint of step 6 and continues the same W&B run
-  res = train(run_dir, 10, wandb_dir)
+  res = train(run_dir, 10, wandb_dir, env=compile_cache)
   assert res.returncode == 0, res.stderr[-3000:]
   assert "resuming from step 6" in res.stdout
   assert (run_dir / "wandb_id").read_text().strip() == run_id
