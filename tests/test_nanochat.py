@@ -227,7 +227,7 @@ def update_differences(start, theirs, ours, step):
 def test_training_matches_nanochat_float32_newton_schulz(monkeypatch):
   """12 steps from the same weights on the same stream batches, Newton-Schulz in float32 on both sides (nanochat's
   own function with its cast edited): losses within 1e-3 (step 1) and 2e-2 (later), every tensor's update within
-  0.1 % of nanochat's after the first and the last step (measured: <= 5e-5, docs/NANOCHAT.md)."""
+  0.1 % of nanochat's after the first and the last step (measured: <= 5e-5, docs/CONVERT.md)."""
   theirs, ours, start, their_params, our_params = run_both("float32", monkeypatch)
   assert abs(ours[0] - theirs[0]) < 1e-3
   np.testing.assert_allclose(ours[1:], theirs[1:], atol=2e-2, rtol=0)
@@ -242,7 +242,7 @@ def test_training_matches_nanochat_recipe_as_is(monkeypatch):
   """The recipe as nanochat runs it (Newton-Schulz in bfloat16 on both sides): losses within 1e-3 (step 1) and 2e-2
   (later). Updates are compared loosely: two bfloat16 Newton-Schulz implementations of the same maths differ by
   ~5 % on a random matrix and by up to ~30 % on a first-step gradient, whose small singular values the quintic
-  iteration amplifies (docs/NANOCHAT.md)."""
+  iteration amplifies (docs/CONVERT.md)."""
   theirs, ours, start, their_params, our_params = run_both("bfloat16", monkeypatch)
   assert abs(ours[0] - theirs[0]) < 1e-3
   np.testing.assert_allclose(ours[1:], theirs[1:], atol=2e-2, rtol=0)
