@@ -2,9 +2,10 @@
 
     python -m sinkjax.lm_eval --checkpoint RUN --tasks T1,T2 [--include-path DIR] [--num-fewshot K] [--limit N]
         [--batch-size B] [--output-path DIR] [--log-samples] [--apply-chat-template] [--model-args k=v,...]
-        [--confirm-run-unsafe-code] [--seed S]
+        [--mc FILE.jsonl] [--confirm-run-unsafe-code] [--seed S] [--bootstrap-iters N]
 
-`--tasks paper` is the downstream half of the paper's Table 1 (`PAPER_TASKS`). The command is a thin wrapper over
+`--tasks paper` is the downstream half of the paper's Table 1 (`PAPER_TASKS`); `--mc FILE.jsonl` evaluates a sinkjax
+multiple-choice file as a local lm-eval task (`MC_TASK_TEMPLATE`). The command is a thin wrapper over
 lm-eval's own `simple_evaluate`: lm-eval builds the prompts, few-shot contexts, filters and metrics; this module
 only answers its three kinds of request with a sinkjax model, then writes lm-eval's standard outputs under
 `--output-path` (`results_<date>.json`, and with `--log-samples` `samples_<task>_<date>.jsonl`) and prints its table.
@@ -419,7 +420,10 @@ class _HFSideFiles:
       return
     from sinkjax import paths  # pylint: disable=import-outside-toplevel
     try:
-      folder = paths.as_path(tokenizer).parent
+      path = paths.as_path(tokenizer)
+      if path.is_dir():                        # data.tokenizer may name the directory holding tokenizer.json
+        path = path / "tokenizer.json"
+      tokenizer, folder = str(path), path.parent
       for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
         p = folder / name
         if p.is_file():
@@ -427,14 +431,17 @@ class _HFSideFiles:
     except (OSError, ValueError):
       self.files = {}
     self.is_model_dir = "tokenizer_config.json" in self.files
-    self._vocab = None
     self._tokenizer_path = tokenizer
 
-  def _encoder(self):
+  @functools.cached_property
+  def _tokenizer(self):
     import tokenizers  # pylint: disable=import-outside-toplevel
 
     from sinkjax import paths  # pylint: disable=import-outside-toplevel
     return tokenizers.Tokenizer.from_str(paths.as_path(self._tokenizer_path).read_text())
+
+  def _encoder(self):
+    return self._tokenizer
 
   def adds_bos(self, tok) -> bool:
     """Whether the tokenizer's own encoding (special tokens on) starts with its BOS."""
