@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+from scipy.stats import chi2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "RESULTS.md"
@@ -229,13 +230,13 @@ def test_passkey_random_maps_and_the_head_they_miss():
 # ------------------------------------------------------------------------------------------------ dose study
 
 def dose_runs(runs):
-  """{(lambda, seed): record} from the dose study's raw per-run files (docs/results/paper_cpu_dose/runs/NAME/
+  """{(lambda, seed): record} from the dose study's raw per-run files (docs/results/paper_cpu_dose/raw/NAME/
   paper_eval.json) and, for lambda 0 / 1e-4, the main grid's gated base / aux runs."""
   out = {}
   for r in runs:
     if r["variant"] == "gated":
       out[{"base": 0.0, "aux": 1e-4}[r["loss"]], r["seed"]] = r
-  for d in sorted((DOSE_DIR / "runs").glob("gated_*_s*")):
+  for d in sorted((DOSE_DIR / "raw").glob("gated_*_s*")):
     _, label, seed = d.name.rsplit("_", 2)
     lam = {"base": 0.0, "aux": 1e-4}.get(label, None)
     lam = float(label[3:]) if lam is None else lam
@@ -248,7 +249,7 @@ def dose_runs(runs):
 
 @pytest.fixture(scope="module")
 def dose(runs):
-  if not (DOSE_DIR / "runs").is_dir():
+  if not (DOSE_DIR / "raw").is_dir():
     pytest.skip("no dose-study raw files committed yet")
   return dose_runs(runs)
 
@@ -276,17 +277,25 @@ def test_dose_tests_against_the_null_arms(dose, runs, doc, flat):
   s0 = float(np.sqrt((d ** 2).mean()))
   ni = [dose[1e-8, s]["head_imbalance"] - base[s]["head_imbalance"] for s in sorted(base) if (1e-8, s) in dose]
   si = float(np.sqrt(np.mean(np.square(ni))))
-  assert f"σ₀ = {s0:.4f}, the RMS about zero of {len(d)} null differences" in flat
-  assert f"σ₀ = {si:.3f}, the RMS about zero of {len(ni)} null differences" in flat
+  words = {3: "three", 9: "nine"}
+  assert f"BPB σ₀ = {s0:.4f}, the RMS of {words[len(d)]} null differences" in flat
+  assert f"head imbalance σ₀ = {si:.3f} (gated λ = 1e-8, {words[len(ni)]} differences)" in flat
+  ranked = lambda r: np.sort(r["importance"], -1)[:, ::-1]
+  top = [(ranked(dose[1e-8, s])[:, 0] - ranked(base[s])[:, 0]).mean() for s in sorted(base)]
+  rest = [(ranked(dose[1e-8, s])[:, 1:] - ranked(base[s])[:, 1:]).mean() for s in sorted(base)]
+  assert (f"importance of the strongest head σ₀ = {np.sqrt(np.mean(np.square(top))):.3f} and of the others "
+          f"σ₀ = {np.sqrt(np.mean(np.square(rest))):.3f}") in flat
   rows = {r[0]: r for r in table(doc, "effect (paired with λ = 0)")}
   for lam in sorted({l for l, _ in dose if l not in (0.0, 1e-8)}):
     seeds = sorted(s for l, s in dose if l == lam)
     for key, sigma, nd, name in (("val_bpb", s0, 4, "val BPB"), ("head_imbalance", si, 3, "final head imbalance")):
       dd = np.array([dose[lam, s][key] - base[s][key] for s in seeds])
       z = dd.mean() / (sigma / math.sqrt(len(dd)))
+      n_null = len(d) if key == "val_bpb" else len(ni)
+      upper = sigma * math.sqrt(n_null / chi2.ppf(0.025, n_null))               # the floor's upper 95 % bound
       row = rows[f"λ = {lam:g}, {name}"]
-      assert row[1:5] == [", ".join(f"{x:+.{nd}f}" for x in dd), f"{dd.mean():+.{nd}f}", f"{z:+.2f}",
-                          f"{sign_p(dd):.3g}"], (lam, key)
+      assert row[1:6] == [", ".join(f"{x:+.{nd}f}" for x in dd), f"{dd.mean():+.{nd}f}", f"{z:+.2f}",
+                          f"{dd.mean() / (upper / math.sqrt(len(dd))):+.2f}", f"{sign_p(dd):.3g}"], (lam, key)
 
 
 # ------------------------------------------------------------------------------------------------ TRIGGER.md
@@ -330,3 +339,24 @@ def test_trigger_value_norms_quoted():
   assert f"took {t44['softmax']['train_time_s'] / t44['softmax']['steps']:.2f} s per step for softmax and " \
          f"{t44['relu']['train_time_s'] / t44['relu']['steps']:.3f} s for ReLU" in flat
   assert not any(r["converged"] for r in t44.values())
+
+
+def test_dose_prose(dose, flat):
+  new = sorted((DOSE_DIR / "raw").glob("gated_*_s*"))
+  t = [json.loads((d / "done.json").read_text())["train_seconds"] for d in new]
+  assert f"The {len(new)} new runs took {min(t):.0f}–{max(t):.0f} s of training each".replace("The 9", "The nine") \
+      in flat
+  base = {s: r for (l, s), r in dose.items() if l == 0.0}
+  null = [dose[1e-8, s]["val_bpb"] - base[s]["val_bpb"] for s in sorted(base)]
+  assert "(" + ", ".join(f"{x:+.4f}" for x in null) + "), so every new run" in flat
+  worst = max(dose[l, s]["val_bpb"] - base[s]["val_bpb"] for (l, s) in dose if l >= 1e-4)
+  assert f"the largest single-seed difference is {worst:+.4f}" in flat
+  curve_max = max(y for d in new if d.name.startswith("gated_lam0.01_")
+                  for y in (json.loads(l)["head_imbalance"] for l in (d / "metrics.jsonl").read_text().splitlines()
+                            if l.strip() and json.loads(l).get("head_imbalance") is not None))
+  assert f"at λ = 1e-2 the imbalance never exceeds {curve_max:.3f}" in flat
+  mean_imp = lambda lam: np.mean([np.mean(r["importance"]) for (l, s), r in dose.items() if l == lam])
+  assert f"the mean importance rises {mean_imp(0.0):.3f} → {mean_imp(1e-2):.3f}" in flat
+  repro = json.loads((REPRO_DIR / "raw" / "gated_base_s0" / "paper_eval.json").read_text())
+  assert (f"gave val BPB {repro['val_bpb']:.4f} instead of {base[0]['val_bpb']:.4f} and imbalance "
+          f"{repro['head_imbalance']:.3f} instead of {base[0]['head_imbalance']:.3f}") in flat

@@ -55,3 +55,13 @@ def test_readings_claim_no_more_than_the_tests():
   nofloor_mixed = stats.verdict([-0.068, -0.032, 0.063], None, what="gated imbalance", nd=3)
   assert "no direction is established" in nofloor_mixed["sentence"]
   assert stats.fmt(-2.3e-4, 3) == "-2.3e-04" and stats.fmt(0.0123, 3) == "+0.012"
+
+
+def test_floor_upper_bound_and_the_wording_it_bounds():
+  # n = 3 null differences: chi^2_3's 2.5 % quantile is 0.2158 (tables), so the bound is sigma * sqrt(3 / 0.2158)
+  assert stats.sigma_upper(0.01, 3) == pytest.approx(0.01 * math.sqrt(3 / 0.215795), rel=1e-4)
+  assert stats.sigma_upper(1.0, 9) == pytest.approx(math.sqrt(9 / 2.700389), rel=1e-4)
+  shaky = stats.verdict([0.09, 0.09, 0.02], 0.03, what="x", floor_n=3, nd=3)    # z = 3.8 vs the estimate, 1.0 vs bound
+  assert shaky["reading"] == "above the floor's estimate, not its upper bound" and "not established" in shaky["sentence"]
+  firm = stats.verdict([-0.28, -0.27, -0.13], 0.011, what="x", floor_n=3, nd=3)
+  assert firm["reading"] == "above the floor, consistent sign" and firm["z_upper"]["z"] < -2

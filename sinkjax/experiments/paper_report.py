@@ -85,11 +85,12 @@ def grid_stats(grid: dict, gated_null: dict | None = None) -> dict:
     imb_floor = stats.noise_floor({"gated lambda 1e-8": [v[1] for _, v in sorted(gated_null.items())]})
   effects = {}
   for v in VARIANTS:
-    effects[f"{v} BPB"] = stats.verdict(diff[v, "val_bpb"][1], floor["sigma"],
+    effects[f"{v} BPB"] = stats.verdict(diff[v, "val_bpb"][1], floor["sigma"], floor_n=floor["n"],
                                         what=f"{v}, val BPB aux − base")
   for v in VARIANTS:
     sig = imb_floor["sigma"] if (v == "gated" and imb_floor) else None
     effects[f"{v} imbalance"] = stats.verdict(diff[v, "head_imbalance"][1], sig, nd=3,
+                                              floor_n=imb_floor["n"] if sig else None,
                                               what=f"{v}, final head imbalance aux − base")
   return {"bpb_floor": floor, "imbalance_floor_gated": imb_floor, "effects": effects,
           "finetune": _finetune(grid.get("finetune")), "table1": _table1(runs),
@@ -351,12 +352,12 @@ def _read(path):
 
 
 def repro_runs(repro_dir: pathlib.Path, grid: dict) -> list[dict]:
-  """Main-grid runs retrained into repro_dir/runs/NAME (done.json + paper_eval.json) with the committed record of
+  """Main-grid runs retrained, their raw files in repro_dir/raw/NAME (done.json + paper_eval.json) with the committed record of
   the same name: whether the retrained model is the committed one (val BPB and importances equal) and its value
   zeroing scored both ways."""
   committed = {f"{r['variant']}_{r['loss']}_s{r['seed']}": r for r in grid["runs"]}
   out = []
-  for d in sorted((repro_dir / "runs").glob("*_s*")) if (repro_dir / "runs").is_dir() else []:
+  for d in sorted((repro_dir / "raw").glob("*_s*")) if (repro_dir / "raw").is_dir() else []:
     ev, done = _read(d / "paper_eval.json"), _read(d / "done.json")
     if ev is None or done is None or d.name not in committed:
       continue
@@ -433,10 +434,12 @@ def dose_stats(dose: dict, grid: dict | None) -> dict:
     _, db = stats.paired(bpb, base_bpb)
     _, di = stats.paired(imb, base_imb)
     effects[f"λ {lam:g} BPB"] = stats.verdict(db, bpb_floor["sigma"] if bpb_floor else None,
+                                              floor_n=bpb_floor and bpb_floor["n"],
                                               what=f"{variant} λ = {lam:g} − λ = 0, val BPB")
     effects[f"λ {lam:g} imbalance"] = stats.verdict(di, imb_floor["sigma"] if imb_floor else None, nd=3,
+                                                    floor_n=imb_floor and imb_floor["n"],
                                                     what=f"{variant} λ = {lam:g} − λ = 0, final head imbalance")
-    effects.update(_rank_effects(runs, variant, lam, tuple(f and f["sigma"] for f in rank_floors)))
+    effects.update(_rank_effects(runs, variant, lam, rank_floors))
   return {"variant": variant, "lambdas": lambdas, "bpb_floor": bpb_floor, "imbalance_floor": imb_floor,
           "rank_floors": {"strongest": rank_floors[0], "others": rank_floors[1]},
           "per_lambda": {f"{k:g}": v for k, v in per_lambda.items()}, "effects": effects}
@@ -455,12 +458,15 @@ def _rank_diffs(runs, variant, lam) -> tuple[list[float], list[float]]:
 
 
 def _rank_effects(runs, variant, lam, floors=(None, None)) -> dict:
-  """The rank-matched importance changes (`_rank_diffs`) tested against the null arm's, when there is one."""
+  """The rank-matched importance changes (`_rank_diffs`) tested against the null arm's (noise_floor records),
+  when there is one."""
   top, rest = _rank_diffs(runs, variant, lam)
-  return {f"λ {lam:g} strongest head": stats.verdict(top, floors[0], nd=3, what=f"λ = {lam:g} − 0, strongest head "
-                                                                                 f"per layer (importance)"),
-          f"λ {lam:g} other heads": stats.verdict(rest, floors[1], nd=3, what=f"λ = {lam:g} − 0, the other heads "
-                                                                             f"(importance)")}
+  sig = lambda f: (f["sigma"], f["n"]) if f else (None, None)
+  (s0, n0), (s1, n1) = sig(floors[0]), sig(floors[1])
+  return {f"λ {lam:g} strongest head": stats.verdict(top, s0, nd=3, floor_n=n0,
+                                                     what=f"λ = {lam:g} − 0, strongest head per layer (importance)"),
+          f"λ {lam:g} other heads": stats.verdict(rest, s1, nd=3, floor_n=n1,
+                                                  what=f"λ = {lam:g} − 0, the other heads (importance)")}
 
 
 def plot_dose(dose: dict, ds: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -542,14 +548,16 @@ DOSE_EFFECT_NAMES = {"BPB": "val BPB", "imbalance": "final head imbalance", "str
 
 def dose_effects_lines(ds: dict) -> list[str]:
   """The dose study's tests, one row per lambda and quantity (RESULTS.md copies this table)."""
-  lines = ["| effect (paired with λ = 0) | per seed | mean | z vs floor | sign test p | reading |",
-           "|---|---|---:|---:|---:|---|"]
+  lines = ["| effect (paired with λ = 0) | per seed | mean | z vs floor | z vs its upper 95 % bound | sign test p | "
+           "reading |", "|---|---|---:|---:|---:|---:|---|"]
   for key, e in ds["effects"].items():
     _, lam, what = key.split(" ", 2)
     nd = 4 if what == "BPB" else 3
     z = "no floor" if e["z"] is None else f"{e['z']['z']:+.2f}"
+    zu = f"{e['z_upper']['z']:+.2f}" if e.get("z_upper") else "-"
     lines.append(f"| λ = {lam}, {DOSE_EFFECT_NAMES[what]} | {', '.join(stats.fmt(x, nd) for x in e['diffs'])} | "
-                 f"{stats.fmt(e['mean'], nd)} | {z} | {e['sign_test']['p_two_sided']:.3g} | {e['reading']} |")
+                 f"{stats.fmt(e['mean'], nd)} | {z} | {zu} | {e['sign_test']['p_two_sided']:.3g} | "
+                 f"{e['reading']} |")
   return lines
 
 
@@ -613,7 +621,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m sinkjax.experiments.paper_report", description=__doc__.split("\n")[0])
   p.add_argument("--grid", default=str(GRID), help="the main grid's results.json")
   p.add_argument("--dose", default=str(DOSE), help="the dose study's dose.json ('none': skip)")
-  p.add_argument("--repro", default=str(REPRO), help="retrained main-grid runs (runs/NAME/paper_eval.json)")
+  p.add_argument("--repro", default=str(REPRO), help="retrained main-grid runs (raw/NAME/paper_eval.json)")
   p.add_argument("--write", action="store_true", help="write stats.md / stats.json (and the dose report) next to "
                                                       "the inputs")
   args = p.parse_args(argv)

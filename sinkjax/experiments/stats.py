@@ -71,9 +71,18 @@ def fmt(x: float, nd: int) -> str:
   return f"{x:+.{nd}f}" if x == 0 or abs(x) >= 0.5 * 10 ** -nd else f"{x:+.1e}"
 
 
-def verdict(diffs, sigma: float | None, *, what: str, nd: int = 4) -> dict:
+def sigma_upper(sigma: float, n: int, level: float = 0.95) -> float:
+  """The upper end of the two-sided `level` confidence interval of a floor estimated as the RMS of n null
+  differences (n sigma_hat^2 / sigma^2 ~ chi^2_n): sigma_hat * sqrt(n / chi2.ppf((1 - level) / 2, n))."""
+  from scipy.stats import chi2
+  return sigma * math.sqrt(n / chi2.ppf((1 - level) / 2, n))
+
+
+def verdict(diffs, sigma: float | None, *, what: str, nd: int = 4, floor_n: int | None = None) -> dict:
   """Both tests of one effect and a sentence that claims no more than they allow. sigma None: no null arm at
-  this scale of the quantity, so only the sign test (and the wording says so)."""
+  this scale of the quantity, so only the sign test (and the wording says so). floor_n: how many null differences
+  sigma was estimated from; then z is also taken against the floor's upper 95 % bound (`sigma_upper`), and an
+  effect above the estimate but not above that bound is worded as such."""
   d = [float(x) for x in diffs]
   n = len(d)
   st = sign_test(d)
@@ -98,9 +107,21 @@ def verdict(diffs, sigma: float | None, *, what: str, nd: int = 4) -> dict:
   z = z_test(d, sigma)
   out["z"] = z
   above = abs(z["z"]) >= Z_CRIT
-  if above and same:
+  robust = True
+  if floor_n:
+    up = sigma_upper(sigma, floor_n)
+    out["z_upper"] = z_test(d, up)
+    robust = abs(out["z_upper"]["z"]) >= Z_CRIT
+  if above and same and not robust:
+    out["reading"] = "above the floor's estimate, not its upper bound"
+    claim = (f"above the estimated floor and of the same sign in every seed, but not above the floor's upper 95 % "
+             f"bound {up:.{nd}f} (z = {out['z_upper']['z']:+.2f}; the floor rests on {floor_n} null differences): "
+             "suggestive, not established")
+  elif above and same:
     out["reading"] = "above the floor, consistent sign"
-    claim = f"above the noise floor and of the same sign in every seed"
+    claim = "above the noise floor and of the same sign in every seed"
+    if floor_n:
+      claim += f", also against the floor's upper 95 % bound {up:.{nd}f} (z = {out['z_upper']['z']:+.2f})"
   elif above:
     out["reading"] = "above the floor, mixed sign"
     claim = "above the noise floor on average, but not of the same sign in every seed"
