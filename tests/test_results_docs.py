@@ -360,3 +360,10 @@ def test_dose_prose(dose, flat):
   repro = json.loads((REPRO_DIR / "raw" / "gated_base_s0" / "paper_eval.json").read_text())
   assert (f"gave val BPB {repro['val_bpb']:.4f} instead of {base[0]['val_bpb']:.4f} and imbalance "
           f"{repro['head_imbalance']:.3f} instead of {base[0]['head_imbalance']:.3f}") in flat
+
+
+def test_size_paragraph(dose, flat):
+  new = sorted((DOSE_DIR / "raw").glob("gated_*_s*"))
+  t = [json.loads((d / "done.json").read_text())["train_seconds"] for d in new]
+  e = [json.loads((d / "paper_eval.json").read_text())["eval_seconds"] for d in new]
+  assert f"took {min(t):.0f}–{max(t):.0f} s of training and {min(e):.0f}–{max(e):.0f} s of evaluation each" in flat
