@@ -1,4 +1,4 @@
-"""Put sink-aware attention into your own Flax NNX model and add the CV^2 load-balancing loss (paper eq. 7).
+"""Put sink-aware attention into your own Flax NNX model and add the CV^2 load-balancing loss ([Sink-MoE] eq. 7).
 
 Run: python examples/flax_host_model.py
 The model below is yours (not from sinkjax); only the attention layer, `pop_head_importance` and the losses are

@@ -2,25 +2,25 @@
 
 There is one forward pass: `recorded_forward` calls the model with `record=True`, and each layer records what it
 attended with (q/k/v, the gate, its materialized attention weights from `Attention.attention_weights`, which know
-the variant, sliding windows and sink tokens) and each block its output; value zeroing (paper 000 App. A) is the
+the variant, sliding windows and sink tokens) and each block its output; value zeroing ([Sink-MoE] App. A) is the
 model's `zero_first_value` option. Everything here is a pure function of the model and a batch; the recorded
 values are removed again, so the model is left as it was.
 
 Statistics (all accumulated as sums and counts so that several batches combine into exact means):
-- first-token attention per layer/head, the F-Attn of paper 003 Table 4: mean over the valid, non-first queries of
+- first-token attention per layer/head, the F-Attn of [GatedAttn] Table 4: mean over the valid, non-first queries of
   the attention weight A_{t,first(t)} on the first token of the query's own segment: its document's BOS under
   data.packing=document, the row's first token (the paper's k_0, whatever it is) under data.packing=stream, whose
   rows are one segment. "Document" below means such a segment. For sink attention the
   weight is taken in the softmax that includes the sink logit, and the weight on the sink itself (= 1 - G) is
   reported beside it.
-- sink ratio alpha[l,h] (paper 000 eq. 9): (1/T) sum_i A_{i,first} over ALL valid queries, the first one included;
+- sink ratio alpha[l,h] ([Sink-MoE] eq. 9): (1/T) sum_i A_{i,first} over ALL valid queries, the first one included;
   selective value zeroing acts on heads with alpha > tau.
-- value norms (paper 000 Fig. 2): ||v_t||_2 (per KV head, averaged over heads) at documents' first tokens, at the
+- value norms ([Sink-MoE] Fig. 2): ||v_t||_2 (per KV head, averaged over heads) at documents' first tokens, at the
   other tokens, and by in-document position.
-- gate statistics (paper 003 Table 4 "Gate Score", Fig. 3): mean of G over the tokens that count for head
+- gate statistics ([GatedAttn] Table 4 "Gate Score", Fig. 3): mean of G over the tokens that count for head
   importance, the fraction of gate values below `SPARSE_GATE` and a histogram on [0, 1]; an elementwise gate
   contributes each of its elements.
-- massive activations (paper 003 Table 4 "M-Act"): max |h| of the hidden state after each block over valid tokens,
+- massive activations ([GatedAttn] Table 4 "M-Act"): max |h| of the hidden state after each block over valid tokens,
   also split into documents' first tokens and the rest.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def recorded_forward(model: Transformer, tokens, *, segment_ids=None, positions=
                      keep_weights: bool = True):
   """(logits [B,T,V], [LayerTrace per layer] or None): the model's own forward pass with its layers recording
   (`record=True`) what the diagnostics need, and optionally the first token's value zeroed where
-  `zero_first_value` [L, Hq] (paper 000 App. A). keep_weights=False records nothing (BPB-only passes). The model's
+  `zero_first_value` [L, Hq] ([Sink-MoE] App. A). keep_weights=False records nothing (BPB-only passes). The model's
   sown values are removed again, so it stays as it was."""
   logits = model(tokens, segment_ids=segment_ids, positions=positions, record=keep_weights,
                  zero_first_value=zero_first_value)

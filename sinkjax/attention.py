@@ -1,4 +1,4 @@
-"""The three attention variants of the paper (000 §2-3) as pure functions over `flash_attention`.
+"""The three attention variants of the paper ([Sink-MoE] §2-3) as pure functions over `flash_attention`.
 
 Each returns `(out, gate)`: `out` [B,T,Hq,D] and the per-head gate G [B,T,Hq] (or [B,T,Hq,D] for an elementwise
 gate) that the load-balancing loss averages into head importance (eq. 5). None materializes attention weights: the
@@ -21,7 +21,8 @@ def _heads_last(lse):
 
 
 def attend_prefix(q, out, lse, prefix, *, scale, q_valid=None):
-  """Merges attention over `prefix` keys into a flash result through the two LSEs (learnable sink tokens, 001).
+  """Merges attention over `prefix` keys into a flash result through the two LSEs (learnable sink tokens,
+  [StreamingLLM]).
 
   prefix = (k_p, v_p), each [B or 1, n, Hkv, D]: n keys visible to EVERY query (every segment of a packed row and
   every cache slot), which segment-equality masking cannot express. Their attention is a tiny closed-form [T, n]
@@ -174,9 +175,10 @@ def sink_attention(q, k, v, sink, *, segment_ids=None, scale=None, impl="auto", 
 
 
 def gate_score(gate_logits, activation: str = "sigmoid"):
-  """The gate score G of gate logits z (what head importance averages, 000 eq. 5; 003 Table 4 "Gate Score").
+  """The gate score G of gate logits z (what head importance averages, [Sink-MoE] eq. 5; [GatedAttn] Table 4
+  "Gate Score").
 
-  sigmoid: sigma(z). ns_sigmoid: 0.5 + 0.5 sigma(z), the factor itself (003 §4.2, Table 4 row 7).
+  sigmoid: sigma(z). ns_sigmoid: 0.5 + 0.5 sigma(z), the factor itself ([GatedAttn] §4.2, Table 4 row 7).
   silu / silu_additive: sigma(z), the sigmoid factor of SiLU(z) = z sigma(z). SiLU multiplies (silu) by an unbounded,
   possibly negative factor, or adds (silu_additive) without any factor, so neither has a gate score of its own;
   sigma(z) keeps G in [0, 1] (importance and its CV stay defined) and is the share of z that SiLU lets through.
@@ -188,12 +190,12 @@ def gate_score(gate_logits, activation: str = "sigmoid"):
 
 
 def apply_gate(y, gate_logits, activation: str = "sigmoid"):
-  """Gating of paper 003 eq. 5 and its variants on y [B,T,H,D] (SDPA output at G1, values at G2) -> (y', G).
+  """Gating of [GatedAttn] eq. 5 and its variants on y [B,T,H,D] (SDPA output at G1, values at G2) -> (y', G).
 
   gate_logits z: [B,T,Hg] (headwise: one score per head, broadcast over D) or [B,T,Hg,D] (elementwise), with
   Hg = H (head-specific) or 1 (head-shared: the same score for every head); B and T may be 1 (input-independent).
   Multiplicative: y' = y * f(z), f = sigmoid | ns_sigmoid (0.5 + 0.5 sigmoid) | silu (Table 1 row 15).
-  Additive (silu_additive, Table 1 row 14): y' = y + SiLU(z) (003 §2.2 (4b) with the SiLU of (5)).
+  Additive (silu_additive, Table 1 row 14): y' = y + SiLU(z) ([GatedAttn] §2.2 (4b) with the SiLU of (5)).
   G = `gate_score(z)` broadcast to [B,T,H] (headwise) or [B,T,H,D] (elementwise), float32.
   """
   z = gate_logits.astype(jnp.float32)
@@ -213,9 +215,9 @@ def apply_gate(y, gate_logits, activation: str = "sigmoid"):
 
 def gated_attention(q, k, v, gate_logits, *, activation="sigmoid", segment_ids=None, scale=None, impl="auto",
                     prefix=None, **kernel_kwargs):
-  """Qwen-style gated attention (003 G1, after SDPA): out = sdpa_out * sigmoid(gate_logits) (`apply_gate`).
+  """Qwen-style gated attention ([GatedAttn] G1, after SDPA): out = sdpa_out * sigmoid(gate_logits) (`apply_gate`).
 
-  gate_logits: [B,T,Hq] (headwise, paper eq. 2) or [B,T,Hq,D] (elementwise, Qwen3-Next); Hq may be 1
+  gate_logits: [B,T,Hq] (headwise, [Sink-MoE] eq. 2) or [B,T,Hq,D] (elementwise, Qwen3-Next); Hq may be 1
   (head-shared). `activation`: see `apply_gate`. Returns (out, G [B,T,Hq] or [B,T,Hq,D]). `prefix`: sink tokens.
   """
   out, _, _ = _flash(q, k, v, segment_ids, scale, impl, prefix, kernel_kwargs)
@@ -224,12 +226,12 @@ def gated_attention(q, k, v, gate_logits, *, activation="sigmoid", segment_ids=N
 
 def value_gated_attention(q, k, v, gate_logits, *, activation="sigmoid", values_gated=False, segment_ids=None,
                           scale=None, impl="auto", prefix=None, **kernel_kwargs):
-  """003 G2, gating after the value projection: v'_j = v_j * sigmoid(x_j W) (`apply_gate`), then causal SDPA.
+  """[GatedAttn] G2, gating after the value projection: v'_j = v_j * sigmoid(x_j W) (`apply_gate`), then causal SDPA.
 
   gate_logits: [B,S,Hkv] or [B,S,Hkv,D] (Hkv may be 1, head-shared), from each KEY token's own input x_j, so the
-  gate is fixed per value and cannot depend on the query (003 §4.2 (iii)). values_gated=True: `v` already holds the
-  gated values (a layer gates them where they are projected, so that a KV cache stores gated values) and only the
-  score of `gate_logits` is computed; it may then belong to the query tokens (T) instead.
+  gate is fixed per value and cannot depend on the query ([GatedAttn] §4.2 (iii)). values_gated=True: `v` already
+  holds the gated values (a layer gates them where they are projected, so that a KV cache stores gated values) and
+  only the score of `gate_logits` is computed; it may then belong to the query tokens (T) instead.
   Returns (out [B,T,Hq,D], G): the value gate of each token repeated to the query heads of its KV group,
   [B,·,Hq] or [B,·,Hq,D] (the gate a head applies to that token's value).
   """
@@ -256,7 +258,7 @@ def _bos_and_counts(segment_ids, bos_mask, B: int, T: int):
 
 
 def relu_attention_weights(q, k, *, segment_ids=None, scale=None, bos_mask=None):
-  """Materialized causal ReLU attention weights (paper 004 §3.4), float32 [B,Hq,T,S=T].
+  """Materialized causal ReLU attention weights ([SinkNecessary] §3.4), float32 [B,Hq,T,S=T].
 
   alpha_{t,j} = ReLU(z_tj) / n_t for visible keys j <= t (same segment), z_tj = q_t.k_j * scale, where
   n_t = max(1, #{j <= t in t's segment : j is not BOS}). The BOS key is NOT removed from the numerator: it
@@ -280,7 +282,7 @@ def relu_attention_weights(q, k, *, segment_ids=None, scale=None, bos_mask=None)
 
 
 def relu_attention(q, k, v, *, segment_ids=None, scale=None, bos_mask=None):
-  """Causal ReLU attention of paper 004 §3.4 (not a softmax, so weights are materialized and there is no LSE).
+  """Causal ReLU attention of [SinkNecessary] §3.4 (not a softmax, so weights are materialized and there is no LSE).
 
   out_t = sum_{j<=t} ReLU(q_t.k_j * scale) / n_t * v_j with n_t the number of non-BOS positions up to t (see
   `relu_attention_weights`). Layout [B,T,H,D]; GQA (Hq % Hkv == 0) is allowed.

@@ -1,4 +1,4 @@
-"""Head importance, head imbalance and the sink-aware load-balancing loss (000 §4, eq. 5-8)."""
+"""Head importance, head imbalance and the sink-aware load-balancing loss ([Sink-MoE] §4, eq. 5-8)."""
 from __future__ import annotations
 
 import jax

@@ -1,9 +1,10 @@
 """Which KV heads keep a full cache: the per-head policy of `sinkjax.cache.HybridKVCache`, from measured importance.
 
 A policy is an [L][Hkv] boolean map, True = full (every position), False = streaming (sinks + window). It comes from
-- importance (000 eq. 5), as `sinkjax.train` logs it per step in metrics.jsonl (last record) and `sinkjax.eval`
+- importance ([Sink-MoE] eq. 5), as `sinkjax.train` logs it per step in metrics.jsonl (last record) and `sinkjax.eval`
   writes it into report.json: the heads with the LOWEST importance (gate near 0, most sink-like) stream;
-- or eval's sink ratio alpha (000 eq. 9, report.json `sink_ratio_alpha`): the heads with the HIGHEST alpha stream;
+- or eval's sink ratio alpha ([Sink-MoE] eq. 9, report.json `sink_ratio_alpha`): the heads with the HIGHEST alpha
+  stream;
 - or an explicit map (a JSON [L][Hkv] of booleans or 0/1);
 - or a random choice of the same size (the control for the two above).
 

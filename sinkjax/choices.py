@@ -5,7 +5,7 @@ arguments against the same tuple, so a value is added in one place.
 """
 ATTENTION_VARIANTS = ("vanilla", "sink", "gated", "relu")
 GATE_KINDS = ("headwise", "elementwise")
-GATE_POSITIONS = ("sdpa", "value")                        # 003 G1 | G2
+GATE_POSITIONS = ("sdpa", "value")                        # [GatedAttn] G1 | G2
 GATE_ACTIVATIONS = ("sigmoid", "ns_sigmoid", "silu", "silu_additive")
 GATE_INPUTS = ("dependent", "independent")
 MLP_KINDS = ("relu2", "swiglu", "clamped_swiglu")

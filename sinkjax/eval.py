@@ -58,22 +58,22 @@ DEFINITIONS = {
     "head_imbalance": "mean over layers of CV(Imp[l,:]) = std/mean over heads, population std (eq. 6)",
     "cv_per_layer": "CV(Imp[l,:]) per layer",
     "first_token_attention": "mean over heads and over valid non-first queries t of A[t, first(t)], the attention "
-                             "weight on the first token of t's own document (003 Table 4 F-Attn); for sink "
+                             "weight on the first token of t's own document ([GatedAttn] Table 4 F-Attn); for sink "
                              "attention A is the softmax including the sink logit",
     "sink_logit_attention": "mean weight outside the sequence keys over the same queries: on the sink logit (sink "
                             "attention, = 1 - G) and on learnable sink tokens; null when there is neither",
     "sink_ratio_alpha": "alpha[l,h] = (1/T) sum_i A[i, first(i)] over all valid queries i, the document's first "
-                        "included (000 eq. 9)",
+                        "included ([Sink-MoE] eq. 9)",
     "value_norm": "||v_t||_2 of the value projection, mean over KV heads; first = documents' first tokens, "
                   "other = the remaining valid tokens; by position = in-document position 0..63",
     "gate_mean": "mean gate value G over the importance tokens (implicit gate 1 - A_first for vanilla, "
                  "sigma(LSE - sink) for sink, sigmoid(x W) for gated; elementwise gates count every element)",
     "gate_sparsity": f"fraction of gate values below {analysis.SPARSE_GATE} over the same tokens",
-    "max_activation": "max |h| of the hidden state after each block over valid tokens (003 Table 4 M-Act); m_act "
-                      "is its mean over layers",
+    "max_activation": "max |h| of the hidden state after each block over valid tokens ([GatedAttn] Table 4 "
+                      "M-Act); m_act is its mean over layers",
     "value_zeroing": "BPB of the model's forward with every document's first-token value vector set to zero "
                      "in no head (bpb_none), all heads (bpb_all), or heads with alpha > tau (bpb_selected), "
-                     "000 App. A",
+                     "[Sink-MoE] App. A",
 }
 
 
@@ -132,7 +132,7 @@ def sink_diagnostics(model, batches) -> dict:
 
 
 def zeroed_bpb(model, batches, zero_lh) -> float:
-  """BPB with the first token's value zeroed in the heads where zero_lh [L,Hq] is True (000 App. A)."""
+  """BPB with the first token's value zeroed in the heads where zero_lh [L,Hq] is True ([Sink-MoE] App. A)."""
   zero = jnp.asarray(zero_lh, bool)
   nll = nbytes = 0.0
   for b in batches:
@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="how the held-out text becomes rows (data.packing; default: the run's)")
   p.add_argument("--batches", type=int, default=None, help="number of eval batches (default train.eval_batches)")
   p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the training micro-batch)")
-  p.add_argument("--tau", type=float, default=0.75, help="sink-ratio threshold of selective value zeroing (000 App. A)")
+  p.add_argument("--tau", type=float, default=0.75,
+                 help="sink-ratio threshold of selective value zeroing ([Sink-MoE] App. A)")
   p.add_argument("--mc", default=None, help=argparse.SUPPRESS)     # moved to sinkjax.lm_eval (one line says so)
   return p
 

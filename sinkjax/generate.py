@@ -22,7 +22,7 @@ else by n.
 
 - `--cache hybrid` (implied by `--full-heads F` or `--full-heads-from MAP`): a per-head policy (`HybridKVCache`,
   DuoAttention's split): a fraction F (or a count) of the KV heads keep a full cache at their true positions, the
-  others sinks + window as above. The full heads are those with the highest measured importance (000 eq. 5; from
+  others sinks + window as above. The full heads are those with the highest measured importance ([Sink-MoE] eq. 5; from
   the run's metrics.jsonl or eval's report.json) or lowest sink ratio alpha, per layer or globally; see
   `sinkjax.cache_policy` for the flags (--full-heads-by/-scope/-gqa, --head-scores, --full-heads-random).
 

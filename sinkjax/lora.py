@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (Hu et al. 2021; paper 000 §5 fine-tunes Llama 3 / Qwen3 with rank 16 and eq. 8).
+"""LoRA fine-tuning (Hu et al. 2021; [Sink-MoE] §5 fine-tunes Llama 3 / Qwen3 with rank 16 and eq. 8).
 
     model = lora.apply(model, cfg.lora, rngs)           # targeted projections become LoRALinear (base frozen)
     opt = nnx.Optimizer(model, tx, wrt=lora.trainable(cfg.lora))   # the optimizer only sees the adapters

@@ -1,4 +1,5 @@
-"""The optimizer of the paper's recipe (000 Table 1, i.e. nanochat 9d4c9b7's `setup_optimizers`), as one optax chain.
+"""The optimizer of the paper's recipe ([Sink-MoE] Table 1, i.e. nanochat 9d4c9b7's `setup_optimizers`), as one
+optax chain.
 
 Parameters are routed by their nnx path (`param_labels`):
   matrix   kernels inside the blocks (attention q/k/v/o, gate projections, MLP; MoE experts [E, in, out] per expert)

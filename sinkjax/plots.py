@@ -120,7 +120,7 @@ def _save(fig, path):
 
 
 def plot_first_token_attention(per_head_lh, path, *, sink_weight=None, title="first-token attention") -> pathlib.Path:
-  """Mean attention on each document's first token per layer (line) with every head (dots), as paper 003 Fig. 2;
+  """Mean attention on each document's first token per layer (line) with every head (dots), as [GatedAttn] Fig. 2;
   `sink_weight` [L] (sink attention) adds the weight on the sink logit."""
   a = np.asarray(per_head_lh, np.float32)
   L, H = a.shape
@@ -143,7 +143,7 @@ def plot_first_token_attention(per_head_lh, path, *, sink_weight=None, title="fi
 
 def plot_value_norms(norm_by_position, path, title="value norm by position") -> pathlib.Path:
   """||v_t||_2 (mean over heads and documents) against the in-document position t, one line per layer, as paper
-  000 Fig. 2 (position 0 is the document's first token)."""
+  [Sink-MoE] Fig. 2 (position 0 is the document's first token)."""
   n = np.asarray(norm_by_position, np.float32)
   L, P = n.shape
   fig, ax = plt.subplots(figsize=(7, 4))
@@ -159,7 +159,7 @@ def plot_value_norms(norm_by_position, path, title="value norm by position") -> 
 
 
 def plot_gate_histogram(edges, density_lb, path, title="gate distribution") -> pathlib.Path:
-  """Distribution of the gate values G on [0, 1] per layer (and over all layers), as paper 003 Fig. 3."""
+  """Distribution of the gate values G on [0, 1] per layer (and over all layers), as [GatedAttn] Fig. 3."""
   edges = np.asarray(edges, np.float32)
   d = np.asarray(density_lb, np.float32)
   L = d.shape[0]

@@ -1,4 +1,4 @@
-"""The three variants and the balance loss against materialized-attention formulas (000 eq. 1-8, App. B)."""
+"""The three variants and the balance loss against materialized-attention formulas ([Sink-MoE] eq. 1-8, App. B)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

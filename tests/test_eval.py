@@ -308,7 +308,7 @@ def test_value_norm_and_activation_statistics(models, eval_batches):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Value zeroing (000 App. A)
+# Value zeroing ([Sink-MoE] App. A)
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_value_zeroing_all_heads_changes_bpb_and_tau_one_changes_nothing(models, eval_batches):
@@ -418,7 +418,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_sink_model_puts_less_attention_on_the_first_token_than_vanilla():
-  """A trigger-conditional LM task (after paper 004): documents are BOS, a key letter, then a deterministic
+  """A trigger-conditional LM task (after [SinkNecessary]): documents are BOS, a key letter, then a deterministic
   alphabet walk (the next letter is the current one + 1, no attention needed) interrupted by '#' triggers after
   which the key letter must be copied. Attention is useful only at triggers; elsewhere a vanilla head has to park
   its weight somewhere harmless and forms a sink on the first token, while a sink-attention head parks it on

@@ -124,7 +124,7 @@ def test_sink_states_go_to_adamw_with_the_embeddings():
 
 
 def test_eval_on_imported_model_gives_importance_heatmap(finetuned):
-  """sinkjax.eval on a converted Hugging Face model: the layer x head importance (paper Fig. 4) and its heatmap,
+  """sinkjax.eval on a converted Hugging Face model: the layer x head importance ([Sink-MoE] Fig. 4) and its heatmap,
   with importance = 1 - mean first-token attention per head (vanilla gate) as reported alongside."""
   base, _, tmp = finetuned
   rng = np.random.default_rng(2)

@@ -1,8 +1,8 @@
-"""The gating ablations of paper 003 (Table 1 / Table 4): gate position G1 (after SDPA) / G2 (after the value
+"""The gating ablations of [GatedAttn] (Table 1 / Table 4): gate position G1 (after SDPA) / G2 (after the value
 projection), headwise / elementwise, head-specific / head-shared, sigmoid / NS-sigmoid / SiLU / additive SiLU, and an
 input-independent gate.
 
-References are written out here: a materialized causal softmax in numpy and each gate as 003 §2.2 defines it,
+References are written out here: a materialized causal softmax in numpy and each gate as [GatedAttn] §2.2 defines it,
 y' = y * f(z) (multiplicative) or y' = y + SiLU(z) (additive), with z = x W + b (or a learned logit).
 """
 import jax
@@ -28,7 +28,8 @@ def sigmoid(z):
 
 
 def np_gate(y, z, activation):
-  """003 eq. 5 and variants; z [B,T,Hg] (headwise) or [B,T,Hg,D], Hg = H or 1 (head-shared) broadcast over heads."""
+  """[GatedAttn] eq. 5 and variants; z [B,T,Hg] (headwise) or [B,T,Hg,D], Hg = H or 1 (head-shared) broadcast over
+  heads."""
   z = z[..., None] if z.ndim == 3 else z
   return {"sigmoid": lambda: y * sigmoid(z), "ns_sigmoid": lambda: y * (0.5 + 0.5 * sigmoid(z)),
           "silu": lambda: y * z * sigmoid(z), "silu_additive": lambda: y + z * sigmoid(z)}[activation]()
@@ -169,7 +170,7 @@ def test_gate_parameter_counts(gate):
   for kw, heads in (({}, HQ), ({"gate_shared": True}, 1), ({"gate_position": "value"}, HKV)):
     ind = make(gate_input="independent", **kw)
     assert ind.gate_proj is None and ind.gate_logit.shape == (heads * unit,) and gate_params(ind) == heads * unit
-  assert np.all(np.asarray(make(gate_input="independent").gate_logit[...]) == 0.0)     # 003: zero-initialized
+  assert np.all(np.asarray(make(gate_input="independent").gate_logit[...]) == 0.0)     # [GatedAttn]: zero-initialized
 
 
 def test_default_gated_attention_is_unchanged():
@@ -242,7 +243,7 @@ def test_tiny_model_trains_one_step(opts):
 
 
 def test_eval_statistics_report_table4_columns():
-  """Gate-score mean, first-token attention and max activation (003 Table 4) come out of the eval diagnostics;
+  """Gate-score mean, first-token attention and max activation ([GatedAttn] Table 4) come out of the eval diagnostics;
   the gate mean is the mean of the gate score the layers record as importance."""
   model, _ = tiny_model(gate_position="value", gate="elementwise")
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 16), 0, VOCAB)

@@ -1,4 +1,5 @@
-"""Trigger-conditional task of paper 004 (sinkjax.experiments.trigger) and ReLU attention (004 §3.4)."""
+"""Trigger-conditional task of [SinkNecessary] (sinkjax.experiments.trigger) and ReLU attention
+([SinkNecessary] §3.4)."""
 import json
 import os
 import subprocess
@@ -123,7 +124,7 @@ def test_relu_attention_matches_formula_segments_gqa_bos_mask():
   assert w.shape == (B, Hq, T, T) and float(jnp.min(w)) >= 0
 
 
-# ------------------------------------------------------------------------------- Theorem 3 (004 App. F)
+# ------------------------------------------------------------------------------- Theorem 3 ([SinkNecessary] App. F)
 
 def _theorem3_params(d):
   """App. F: W_V = W_O = I and q_i.k_j = x_{i,2} (x_{j,2} + x_{j,3}) (trigger query, any non-BOS key)."""

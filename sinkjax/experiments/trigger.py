@@ -1,21 +1,22 @@
-"""Trigger-conditional averaging task of paper 004 ("Attention sinks are provably necessary in softmax
+"""Trigger-conditional averaging task of [SinkNecessary] ("Attention sinks are provably necessary in softmax
 transformers"), trained with softmax, ReLU, sink and gated attention.
 
     python -m sinkjax.experiments.trigger [--quick] [--out DIR] [--seed N]
 
-Task (004 §3.2). A sequence of T tokens in R^d (1-indexed positions here, as in the paper; the code is 0-indexed):
+Task ([SinkNecessary] §3.2). A sequence of T tokens in R^d (1-indexed positions here, as in the paper; the code is
+0-indexed):
   * position 1 is BOS: coordinate 1 = 1, every other coordinate 0 (no content);
   * the trigger position t* is uniform on {2, ..., T}: coordinate 2 = 1, content coordinates 4..d i.i.d. U(-1, 1);
   * every other position: coordinate 3 = 1 (non-trigger non-BOS indicator), content i.i.d. U(-1, 1).
   The target is the zero vector everywhere except at t*, where it is the mean of the (full) token vectors
   x_2, ..., x_{t*}: all non-BOS tokens up to and including the trigger.
 
-Models (004 §3.4, §4.2, App. A). Attention-only, no norms, no MLPs, every head of width d (head_dim = d_model,
-as in the paper's code), unscaled scores (scale 1, as in the paper). Each layer adds W_O·attn(x) to the residual
-stream; the prediction is what the layers wrote, h_L - x. For one layer that is the paper's single-layer model
-f(X) = W_O·attn(X) exactly; for L > 1 it is the paper's residual model with its target x + y.
+Models ([SinkNecessary] §3.4, §4.2, App. A). Attention-only, no norms, no MLPs, every head of width d (head_dim =
+d_model, as in the paper's code), unscaled scores (scale 1, as in the paper). Each layer adds W_O·attn(x) to the
+residual stream; the prediction is what the layers wrote, h_L - x. For one layer that is the paper's single-layer
+model f(X) = W_O·attn(X) exactly; for L > 1 it is the paper's residual model with its target x + y.
   * softmax: `sinkjax.attention.vanilla_attention`;
-  * relu:    `sinkjax.attention.relu_attention` (ReLU(z)/#non-BOS positions up to t, 004 §3.4);
+  * relu:    `sinkjax.attention.relu_attention` (ReLU(z)/#non-BOS positions up to t, [SinkNecessary] §3.4);
   * sink:    `sinkjax.attention.sink_attention` with a learnable logit per head (initialized to 0);
   * gated:   `sinkjax.attention.gated_attention` with a headwise gate sigmoid(h W_g) from the layer input.
 Training (App. A): Adam(b1=0.9, b2=0.95), batch 128, MSE loss, d = T = 16, weights N(0, 0.02), lr 1e-3 for one
@@ -23,8 +24,8 @@ layer and 1e-4 for deeper models, until the largest absolute error over the whol
 5e-3 (or a step cap).
 
 Outputs in --out: results.json (one record per variant x depth, schema in SPEC.md plus extra keys), attention
-map figures (mean/std over 1000 test sequences with the trigger at position 8 for 1x1 models, as 004 Fig. 3; one
-example per head for deeper models, as Fig. 4-5), and a printed table.
+map figures (mean/std over 1000 test sequences with the trigger at position 8 for 1x1 models, as [SinkNecessary]
+Fig. 3; one example per head for deeper models, as Fig. 4-5), and a printed table.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ BOS, TRIG, OTHER = 0, 1, 2                   # indicator coordinates (paper's 1,
 # ----------------------------------------------------------------------------------------------------- task
 
 def task_targets(x):
-  """Targets of 004 §3.2 for inputs x [..., T, d]: zero except at the trigger, where it is the mean of the
+  """Targets of [SinkNecessary] §3.2 for inputs x [..., T, d]: zero except at the trigger, where it is the mean of the
   non-BOS tokens up to and including the trigger. The trigger is read from coordinate 2 (index 1)."""
   x = jnp.asarray(x)
   T = x.shape[-2]
@@ -69,7 +70,7 @@ def task_targets(x):
 
 
 def make_batch(key, batch: int, seq_len: int, dim: int, trigger_pos: int | None = None, bos: bool = True):
-  """(x [B,T,d], y [B,T,d], trigger index [B], 0-indexed) for the task of 004 §3.2.
+  """(x [B,T,d], y [B,T,d], trigger index [B], 0-indexed) for the task of [SinkNecessary] §3.2.
 
   trigger_pos: fixed 0-indexed trigger position (1..T-1); None samples it uniformly from {1, ..., T-1}, i.e. the
   paper's {2, ..., T} 1-indexed.
@@ -339,7 +340,7 @@ def _heatmap(fig, ax, a, title, T, vmax=1.0):
 
 
 def plot_mean_std(maps: dict[str, np.ndarray], T: int, trigger: int, path: str):
-  """004 Fig. 3: mean and std over test sequences of the 1x1 attention maps, one row per variant."""
+  """[SinkNecessary] Fig. 3: mean and std over test sequences of the 1x1 attention maps, one row per variant."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -358,7 +359,7 @@ def plot_mean_std(maps: dict[str, np.ndarray], T: int, trigger: int, path: str):
 
 
 def plot_heads(attn: np.ndarray, title: str, T: int, path: str):
-  """004 Fig. 4-5: one example's attention map for every (layer, head); attn [L,H,T,T]."""
+  """[SinkNecessary] Fig. 4-5: one example's attention map for every (layer, head); attn [L,H,T,T]."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -414,7 +415,7 @@ def _positive_float(s):
 
 def build_parser():
   p = _Parser(prog="python -m sinkjax.experiments.trigger",
-              description="Trigger-conditional task of paper 004: softmax / ReLU / sink / gated attention.")
+              description="Trigger-conditional task of [SinkNecessary]: softmax / ReLU / sink / gated attention.")
   p.add_argument("--quick", action="store_true", help="only the 1-layer 1-head models, with a smaller step cap")
   p.add_argument("--out", default="runs/trigger", help="output directory (default: runs/trigger)")
   p.add_argument("--seed", type=_nonneg_int, default=0, help="random seed (default 0)")
@@ -471,7 +472,7 @@ def main(argv=None) -> int:
     parser.error(f"--out: cannot create {args.out!r}: {e.strerror or e}")
 
   T, d = args.seq_len, args.dim
-  fig_trigger = min(7, T - 1)                                               # position 8 (1-indexed), as in 004
+  fig_trigger = min(7, T - 1)                                    # position 8 (1-indexed), as in [SinkNecessary]
   eval_key, fig_key = jax.random.split(jax.random.key(10_000 + args.seed))
   bos = not args.no_bos
   x_ev, y_ev, t_ev = make_batch(eval_key, args.eval_size, T, d, bos=bos)
