@@ -1,4 +1,4 @@
-"""The method paper's (000) from-scratch study with error bars: variants x {base, base + aux} x seeds.
+"""The method paper's ([Sink-MoE]) from-scratch study with error bars: variants x {base, base + aux} x seeds.
 
     python -m sinkjax.experiments.paper [--scale cpu|gpu] [--seeds N] [--first-seed K]
         [--variants vanilla,sink,gated] [--out DIR] [--dry-run] [--report-only] [--finetune] [--steps N]
@@ -9,13 +9,13 @@ groups, lr 0.02, no warmup, linear decay to 0 over the final 20 %, clipping at 1
 corpus (`data.source=default`) with the byte tokenizer; `base` has loss.aux_weight = 0, `aux` the paper's
 lambda = 1e-4 (eq. 7). Each run is then evaluated with `sinkjax.eval`'s functions (val BPB, importance, head
 imbalance, first-token attention, sink ratio alpha, teacher-forced value zeroing) plus value zeroing as the paper
-defines it (000 App. A): the first token's value zeroed in the KV cache *after* prefilling a prompt, the continuation
-scored token by token against that cache (`prefill_value_zeroing`).
+defines it ([Sink-MoE] App. A): the first token's value zeroed in the KV cache *after* prefilling a prompt, the
+continuation scored token by token against that cache (`prefill_value_zeroing`).
 
 Outputs in --out: runs/NAME/ (one training run each, with done.json once trained and paper_eval.json once
 evaluated: a rerun skips both), results.json, results.md and figures: table1_bpb.png (the Table 1 analogue),
 imbalance_curves.png (Fig. 5), first_token_attention.png, value_zeroing.png, importance.png. With --finetune also
-finetune/ (eq. 7 vs eq. 8 fine-tuning of each trained base run, 000 App. D), finetune.json and finetune.png.
+finetune/ (eq. 7 vs eq. 8 fine-tuning of each trained base run, [Sink-MoE] App. D), finetune.json and finetune.png.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from sinkjax.cli import UserError
 
 VARIANTS = ("vanilla", "sink", "gated")
 LOSSES = {"base": 0.0, "aux": 1e-4}            # loss.aux_weight: the paper's lambda for training from scratch (eq. 7)
-TAU = 0.75                                     # 000 App. A: selective zeroing of heads with alpha > tau
+TAU = 0.75                                     # [Sink-MoE] App. A: selective zeroing of heads with alpha > tau
 RECIPE_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "nanochat.yaml"
 
 
@@ -202,9 +202,10 @@ _prefill_zeroed_jit = jax.jit(_prefill_zeroed_logprobs, static_argnums=(0, 5))
 def prefill_zeroed_logprobs(model, inputs, targets, zero_lh, prompt_len: int):
   """log p(targets[:, t] | inputs[:, :t+1]) for t = prompt_len .. T-1, [B, T - prompt_len]: inputs[:, :prompt_len]
   are prefilled into a full KV cache, the first token's value is then zeroed in the cache where zero_lh [L, Hq]
-  (000 App. A: "zeros out the first token's value vector after generating the KV cache"), and inputs[:, prompt_len:]
-  are decoded one by one against it. Rows are plain causal sequences (data.packing=stream: slot 0 is the row's first
-  token, the paper's k_0). MHA or GQA groups zeroed alike (`zero_cache_first_value` checks)."""
+  ([Sink-MoE] App. A: "zeros out the first token's value vector after generating the KV cache"), and
+  inputs[:, prompt_len:] are decoded one by one against it. Rows are plain causal sequences (data.packing=stream:
+  slot 0 is the row's first token, the paper's k_0). MHA or GQA groups zeroed alike (`zero_cache_first_value`
+  checks)."""
   inputs, targets = jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32)
   if not 0 < prompt_len < inputs.shape[1]:
     raise ValueError(f"prompt_len must be in 1..{inputs.shape[1] - 1}, got {prompt_len}")
@@ -215,7 +216,7 @@ def prefill_zeroed_logprobs(model, inputs, targets, zero_lh, prompt_len: int):
 
 def prefill_value_zeroing(model, batches, alpha_lh, *, tau: float, prompt_len: int) -> dict:
   """BPB of the continuations (targets prompt_len..T-1 of every row) with the first token's value zeroed in the KV
-  cache after prefill: in no head, all heads, and heads with alpha > tau (000 App. A, Table 3)."""
+  cache after prefill: in no head, all heads, and heads with alpha > tau ([Sink-MoE] App. A, Table 3)."""
   selected = np.asarray(alpha_lh) > tau
   masks = {"none": np.zeros_like(selected), "all": np.ones_like(selected), "selected": selected}
   nll = {k: 0.0 for k in masks}
@@ -434,8 +435,9 @@ def _per_layer(records, key, reduce_heads=False):
 
 
 def plot_first_token(records: list[dict], path) -> pathlib.Path:
-  """Per variant and layer: first-token attention (F-Attn, 003 Table 4; solid), the sink ratio alpha averaged over
-  heads (000 eq. 9; dashed) and, for sink attention, the weight on the sink logit (dotted); mean +- std over seeds."""
+  """Per variant and layer: first-token attention (F-Attn, [GatedAttn] Table 4; solid), the sink ratio alpha averaged
+  over heads ([Sink-MoE] eq. 9; dashed) and, for sink attention, the weight on the sink logit (dotted); mean +- std
+  over seeds."""
   plt = _plt()
   variants = list(dict.fromkeys(r["variant"] for r in records))
   fig, axes = plt.subplots(1, len(variants), figsize=(max(4.6 * len(variants), 8.0), 3.8), squeeze=False)
@@ -615,7 +617,7 @@ def results_markdown(res: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------ fine-tuning
 
-FINETUNE_LAMBDA = 1e-2           # 000 §5.1: lambda for fine-tuning
+FINETUNE_LAMBDA = 1e-2           # [Sink-MoE] §5.1: lambda for fine-tuning
 FINETUNE_SHARED = 1              # m shared heads per layer (eq. 8)
 FINETUNE_MODES = {               # name -> (aux_weight, num_shared_heads, shared set fixed from the base run)
     "none": (0.0, 0, False),
@@ -693,7 +695,7 @@ def run_finetune(args, scale: Scale, specs: list[RunSpec], root: pathlib.Path) -
 
 
 def plot_finetune(ft: dict, path) -> pathlib.Path:
-  """000 Fig. 11 analogue: importance before fine-tuning and after each mode (columns), one row per variant; the
+  """[Sink-MoE] Fig. 11 analogue: importance before fine-tuning and after each mode (columns), one row per variant; the
   shared heads (top-m per layer before) are boxed in red, one colour scale per row."""
   plt = _plt()
   from matplotlib.patches import Rectangle
@@ -976,7 +978,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
   p = _Parser(prog="python -m sinkjax.experiments.paper",
-              description="Paper 000's from-scratch study: attention variants x {base, base + aux (eq. 7)} x seeds "
+              description="[Sink-MoE]'s from-scratch study: attention variants x {base, base + aux (eq. 7)} x seeds "
                           "with the paper's recipe, evaluated (Table 1, Fig. 5, first-token attention, value zeroing "
                           "both ways, importance), resumable; --finetune adds eq. 7 vs eq. 8 fine-tuning.")
   p.add_argument("--scale", choices=tuple(SCALES), default="cpu",
@@ -1002,7 +1004,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="train nothing: write results.json / results.md / figures from the runs finished so far "
                       "(e.g. while the study is still running in another process)")
   p.add_argument("--finetune", action="store_true",
-                 help="also fine-tune each base run of the first seed with eq. 7 and eq. 8 (000 App. D)")
+                 help="also fine-tune each base run of the first seed with eq. 7 and eq. 8 ([Sink-MoE] App. D)")
   return p
 
 
