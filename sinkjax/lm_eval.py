@@ -64,7 +64,7 @@ except ImportError:       # the CLI says how to install it; the class below refu
 
 INSTALL_HINT = "lm-evaluation-harness is not installed; pip install 'sinkjax[eval]'"
 
-# The downstream columns of the paper's Table 1 (000 §5.1), as lm-eval task names.
+# The downstream columns of the paper's Table 1 ([Sink-MoE] §5.1), as lm-eval task names.
 PAPER_TASKS = ("mmlu", "gsm8k", "humaneval", "arc_easy", "arc_challenge", "hellaswag", "piqa", "openbookqa", "boolq",
                "winogrande")
 
