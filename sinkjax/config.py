@@ -46,17 +46,17 @@ class ModelConfig:
   logit_softcap: float = 15.0       # 0 disables
   rope_theta: float = 10000.0
   max_seq_len: int = 2048
-  sink_tokens: int = 0              # learnable sink tokens prepended to K/V (seed 001)
+  sink_tokens: int = 0              # learnable sink tokens prepended to K/V ([StreamingLLM])
   sink_init: float = 0.0            # initial sink logit (sink attention)
   gate_bias_init: float = 0.0       # initial gate bias (gated attention): sigmoid(0) = 0.5
-  # Gating ablations of paper 003 (Table 1 / Table 4), gated attention only; the defaults are its best gate (G1).
+  # Gating ablations of [GatedAttn] (Tables 1 and 4), gated attention only; the defaults are its best gate (G1).
   gate_position: str = "sdpa"       # sdpa: out = SDPA * g(x_t) (G1) | value: v_j * g(x_j) before attention (G2)
   gate_shared: bool = False         # head-shared: one score per token (headwise) / per dim (elementwise) for all
                                     # heads, from a projection with 1/H of the outputs
   gate_activation: str = "sigmoid"  # y * sigmoid(z) | y * ns_sigmoid(z) = 0.5 + 0.5 sigmoid | y * silu(z)
                                     # | silu_additive: y + SiLU(z)  (z = x W + b)
   gate_input: str = "dependent"     # dependent: z = x W + b | independent: z = a learned logit per head (and dim),
-                                    # initialized to gate_bias_init (003 Table 4 row 6: 0)
+                                    # initialized to gate_bias_init ([GatedAttn] Table 4 row 6: 0)
   tie_embeddings: bool = False
   dtype: str = "bfloat16"           # compute dtype; params stay in param_dtype
   param_dtype: str = "float32"
@@ -470,7 +470,7 @@ def _validate_architecture(m: ModelConfig) -> None:
 
 
 def _validate_gate(m: ModelConfig) -> None:
-  """The gating ablations (003) configure the gate of gated attention; elsewhere there is no gate to configure."""
+  """The [GatedAttn] ablations configure the gate of gated attention; elsewhere there is no gate to configure."""
   default = ModelConfig()
   changed = [k for k in ("gate_position", "gate_shared", "gate_activation", "gate_input")
              if getattr(m, k) != getattr(default, k)]

@@ -7,7 +7,7 @@ model collects them after its forward pass with `pop_head_importance(model)` -> 
 `sinkjax.balance.aux_loss`. Linen users get the same layer from `linen_attention(...)` (via `nnx.bridge`), whose
 importances land in the `intermediates` collection.
 
-Gating ablations (paper 003 Table 1 / Table 4; gated attention only, `Attention(...)` arguments and the same-named
+Gating ablations ([GatedAttn] Tables 1 and 4; gated attention only, `Attention(...)` arguments and the same-named
 `model.*` config keys). With z = x W + b from the layer's normed input x (the defaults give the G1 gate,
 out = SDPA(q, k, v) * sigmoid(z), headwise or elementwise as `gate`):
 - gate_position: "sdpa" (G1, the gate of the query token scales the SDPA output) | "value" (G2: each value is gated
@@ -169,10 +169,10 @@ class Attention(nnx.Module):
 
   Args:
     attention: "vanilla" | "sink" | "gated" | "relu".
-    gate: "headwise" (one gate per head, paper eq. 2) | "elementwise" (one per head dim, Qwen3-Next); gated only.
+    gate: "headwise" (one gate per head, [Sink-MoE] eq. 2) | "elementwise" (one per head dim, Qwen3-Next); gated only.
     sink_init: initial sink logit per head (sink attention).
     gate_bias_init: initial bias of the gate projection (gated attention); sigmoid(0) = 0.5.
-    gate_position, gate_shared, gate_activation, gate_input: the gating ablations of paper 003 (gated only; the
+    gate_position, gate_shared, gate_activation, gate_input: the gating ablations of [GatedAttn] (gated only; the
       defaults are the G1 gate above; see the module docstring, "Gating ablations").
     impl: `flash_attention` backend ("auto" picks Pallas on TPU/GPU, blockwise XLA on CPU).
     norm_scale, norm_eps: learnable scale and epsilon of the QK-norms (Qwen3: scaled; nanochat: parameter-free).
@@ -182,7 +182,7 @@ class Attention(nnx.Module):
       1/sqrt(d_model), as nanochat's `init_weights`); output projections start at zero either way.
     rope_scaling: a `RopeScaling` (llama3 / yarn long-context frequencies), None = plain RoPE.
     sliding_window: > 0 makes this a sliding-window layer: query t sees keys t - window < s <= t (GPT-OSS).
-    sink_tokens: n learnable sink tokens (seed 001): n d_model vectors `sink_states` of this layer, projected by
+    sink_tokens: n learnable sink tokens ([StreamingLLM]): n d_model vectors `sink_states` of this layer, projected by
       its own k_proj/v_proj (and k_norm), prepended to the keys/values at RoPE positions 0..n-1 while the sequence
       is shifted to positions n, n+1, ...; every query sees them (all packed segments, all cache slots) and a
       streaming KV cache never evicts them (they are parameters, not cache entries). Not for ReLU attention.
@@ -359,7 +359,7 @@ class Attention(nnx.Module):
         to the query heads when values are zeroed), gate, and its materialized attention weights
         (`attention_weights`: the weights on the sequence keys and the weight outside them).
       zero_first_value: bool [Hq]; zero the value vector of every document's first token (a row's first token
-        without segment ids) in those query heads before attention (000 App. A, value zeroing).
+        without segment ids) in those query heads before attention ([Sink-MoE] App. A, value zeroing).
     """
     B, T, _ = x.shape
     if cache is not None and T == 1:

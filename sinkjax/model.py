@@ -1,4 +1,4 @@
-"""The decoder-only language model of the paper's baseline (nanochat-style GPT, 000 Table 1).
+"""The decoder-only language model of the paper's baseline (nanochat-style GPT, [Sink-MoE] Table 1).
 
 Pre-norm blocks with parameter-free RMSNorm, RoPE, QK-norm, ReLU^2 MLP (4x), untied embeddings, no biases,
 logit soft-cap, GQA option; the attention variant comes from `sinkjax.layers.Attention`. Model code knows nothing
