@@ -104,6 +104,9 @@ def test_readings_quote_their_tests(runs, flat):
   assert f"Gated's {g.mean():+.4f} (aux worse) is z = {g.mean() / (s0 / math.sqrt(3)):+.2f}" in flat
   assert f"three of three is p = {sign_p(g):.2f}" in flat
   assert f"within {g.max() - g.min():.3f} of each other" in flat
+  from scipy.stats import ttest_1samp
+  assert f"would give p ≈ {ttest_1samp(g, 0.0).pvalue:.2f}" in flat
+  assert f"{s0 / g.std(ddof=1):.0f} times less than the floor".replace("7 times", "seven times") in flat
   gi = diffs(runs, "gated", "head_imbalance")
   assert "aux − base is " + ", ".join(f"{x:+.3f}" for x in gi).replace("-", "−") in flat
   assert f"sign test p = {sign_p(gi):g}" in flat
@@ -367,3 +370,30 @@ def test_size_paragraph(dose, flat):
   t = [json.loads((d / "done.json").read_text())["train_seconds"] for d in new]
   e = [json.loads((d / "paper_eval.json").read_text())["eval_seconds"] for d in new]
   assert f"took {min(t):.0f}–{max(t):.0f} s of training and {min(e):.0f}–{max(e):.0f} s of evaluation each" in flat
+
+
+def test_value_zeroing_on_one_window(runs, doc, flat):
+  """Every run scored both ways on targets 64-255 (retrained base runs + dose runs): the table rows and the
+  ranges quoted, from the raw paper_eval.json files."""
+  files = sorted(REPRO_DIR.glob("raw/*/paper_eval.json")) + sorted(DOSE_DIR.glob("raw/*/paper_eval.json"))
+  rows = {r[0]: r for r in table(doc, "run | teacher-forced, targets 0–255")}
+  got = []
+  for f in files:
+    ev = json.loads(f.read_text())
+    d = lambda k: ev[k]["bpb_all"] - ev[k]["bpb_none"]
+    vals = (d("value_zeroing_teacher_forced"), d("value_zeroing_teacher_forced_window"),
+            d("value_zeroing_after_prefill"))
+    assert ev["value_zeroing_after_prefill"]["prompt_len"] == ev["value_zeroing_teacher_forced_window"]["prompt_len"]
+    assert rows[f.parent.name][1:] == [f"{x:+.4f}" for x in vals], f.parent.name
+    got.append(vals)
+  assert len(rows) == len(files) == 12
+  g = np.array(got)
+  gap = np.abs(g[:, 1] - g[:, 2]).max()
+  assert f"at most {gap:.4f} BPB apart on any of the {len(files)} runs" in flat
+  r = lambda c: f"{g[:, c].min():+.4f} … {g[:, c].max():+.4f}".replace("-", "−")
+  assert f"teacher-forced {r(1)}, after prefill {r(2)}" in flat
+  assert f"The {r(0)} of teacher-forced zeroing over the whole row" in flat
+  committed = {f"{x['variant']}_{x['loss']}_s{x['seed']}": x["val_bpb"] for x in runs}
+  for name in ("vanilla_base_s0", "sink_base_s0", "gated_base_s0"):
+    new = json.loads((REPRO_DIR / "raw" / name / "paper_eval.json").read_text())["val_bpb"]
+    assert f"{committed[name]:.4f} → {new:.4f} {name.split('_')[0]}" in flat

@@ -287,9 +287,13 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
     lines.append(f"| {v} | {cell(row.get('teacher_forced'))} | {cell(row.get('after_prefill'))} | "
                  f"{cell(row.get('teacher_forced_window'))} |")
   if gs.get("repro"):
+    same = all(r["val_bpb_diff"] == 0 and r["importance_max_abs_diff"] < 1e-6 for r in gs["repro"])
     lines += ["", "### Retrained main-grid runs, scored both ways on the same window", "",
-              "Each retrained with the main grid's config and seed (`docs/results/paper_cpu_repro/`); 'same model' "
-              "compares its val BPB and importances with the committed run's.", "",
+              "Each retrained with the main grid's config and seed (`docs/results/paper_cpu_repro/`). " +
+              ("They are the committed models (val BPB and importances equal), so these scores re-score them."
+               if same else "They are not the committed models (val BPB or importances differ), so they do not "
+               "re-score those: they are fresh runs of the same configs, on which the two definitions are compared."),
+              "",
               "| run | val BPB committed → retrained | max abs importance difference | after prefill, committed |",
               "|---|---|---:|---:|"]
     for r in gs["repro"]:
@@ -298,6 +302,13 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
     lines += ["", *window_lines([r for r in gs["repro"] if "tf_window" in r])]
   if gs.get("window_dose"):
     lines += ["", "### Dose-study runs, scored both ways on the same window", "", *window_lines(gs["window_dose"])]
+  rows = [r for r in gs.get("repro", []) + gs.get("window_dose", []) if "tf_window" in r]
+  if rows:
+    rng = lambda k: f"{min(r[k] for r in rows):+.4f} … {max(r[k] for r in rows):+.4f}"
+    gap = max(abs(r["tf_window"] - r["ap_window"]) for r in rows)
+    lines += ["", f"Over these {len(rows)} runs, all heads − none: teacher-forced on targets 0–255 {rng('tf_whole')}; "
+              f"on targets 64–255 teacher-forced {rng('tf_window')} and after prefill {rng('ap_window')}, the two "
+              f"definitions at most {gap:.4f} apart on any run."]
   lines += ["", "## First-token attention and sink ratio (ranges over every layer of every run of a variant)", "",
             "| variant | F-Attn per layer | α per layer (mean over heads) | largest α of any head | sink-logit weight "
             "per layer |", "|---|---|---|---|---|"]
