@@ -3,13 +3,16 @@
 A problem the user can fix (a bad value, a missing file, an unreachable bucket) is a `UserError` (or a subclass:
 `ConfigError`, `DataError`, `CheckpointError`, ...), raised where it is found with a message that says what to change.
 `run_main(prog, fn)` turns one into `prog: error: MESSAGE` on stderr (one line) and exit status 1; argparse errors
-are `prog: error: ... (see --help)` and status 2. This module imports nothing heavy (no jax), so every layer can
-raise these errors.
+are `prog: error: ... (see --help)` and status 2; a run stopped by a signal (`Interrupted`) is one line and status
+128 + the signal number. A command whose extra is not installed says which one (`require_extra`). This module
+imports nothing heavy (no jax), so every layer can raise these errors.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
+import signal
 import sys
 import warnings
 
@@ -24,6 +27,29 @@ class ConfigError(UserError):
   """A user-facing configuration problem (the message says what to change)."""
 
 
+class Interrupted(Exception):
+  """Training stopped by SIGTERM / SIGINT after saving a checkpoint (the same command resumes it)."""
+
+  def __init__(self, signum: int, step: int):
+    super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint saved, rerun the same "
+                     "command to resume")
+    self.signum = signum
+
+
+# What each extra brings that a command imports at its start (pyproject.toml's optional dependencies).
+EXTRAS = {"train": ("grain", "orbax.checkpoint", "tensorflow_datasets", "matplotlib", "tensorboardX", "tqdm")}
+
+
+def require_extra(prog: str, extra: str = "train") -> None:
+  """Called by a command run as a script before it imports the extra's packages: one line naming the extra to
+  install and exit status 1 when one is missing (the core install is the layer and kernels alone)."""
+  missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m.split(".")[0]) is None
+             or importlib.util.find_spec(m) is None]
+  if missing:
+    print(f"{prog}: error: {', '.join(missing)} not installed; pip install 'sinkjax[{extra}]'", file=sys.stderr)
+    sys.exit(1)
+
+
 class Parser(argparse.ArgumentParser):
   """argparse with errors as one line that points at --help (exit status 2)."""
 
@@ -33,10 +59,17 @@ class Parser(argparse.ArgumentParser):
 
 
 def run_main(prog: str, fn, extra_errors: tuple = ()) -> int:
-  """Runs fn() -> exit status; a UserError (or one of extra_errors) becomes one line on stderr and status 1."""
+  """Runs fn() -> exit status (None: 0); a UserError (or one of extra_errors) becomes one line on stderr and status
+  1, an `Interrupted` run one line and status 128 + the signal number (Ctrl-C elsewhere: 130)."""
   one_line_warnings()
   try:
     return fn() or 0
+  except Interrupted as e:
+    print(f"{prog}: {e}", file=sys.stderr)
+    return 128 + e.signum
+  except KeyboardInterrupt:          # Ctrl-C outside a training loop: end the line, no traceback
+    print("", file=sys.stderr)
+    return 128 + signal.SIGINT
   except (UserError, *extra_errors) as e:
     print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
     return 1

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from sinkjax import choices
+from sinkjax import choices, paths
 from sinkjax.cli import ConfigError  # noqa: F401  (re-exported: sinkjax.config.ConfigError)
 
 
@@ -371,7 +371,6 @@ def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> C
   """Reads a YAML config (with `base:` inheritance), applies `dotted.key=value` overrides and validates."""
   cfg = Config()
   if path:
-    from sinkjax import paths  # pylint: disable=import-outside-toplevel  # paths imports ConfigError from here
     for source, tree in _read_yaml(paths.as_path(path, "config file")):
       _apply(cfg, tree, source)
   for text in overrides:
