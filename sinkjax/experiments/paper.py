@@ -34,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax.experiments import int_at_least
+from sinkjax import cli, paths
 from sinkjax.cli import UserError
+from sinkjax.experiments import int_at_least
 
 VARIANTS = ("vanilla", "sink", "gated")
 LOSSES = {"base": 0.0, "aux": 1e-4}            # loss.aux_weight: the paper's lambda for training from scratch (eq. 7)
@@ -750,16 +751,6 @@ class StudyError(UserError):
   """A user-facing problem of the study (the message says what to change)."""
 
 
-def _user_errors() -> tuple:
-  """The exceptions that carry a one-line message for the user (bad config, data, checkpoint, a failed run)."""
-  from sinkjax.checkpoint import CheckpointError
-  from sinkjax.config import ConfigError
-  from sinkjax.data import DataError
-  from sinkjax.eval import EvalError
-  from sinkjax.train import TrainError
-  return (StudyError, ConfigError, DataError, CheckpointError, TrainError, EvalError)
-
-
 def _exclusive(out: pathlib.Path):
   """An exclusive lock on OUT (released when the process ends, however it ends): two invocations training the same
   run directories would overwrite each other's checkpoints and metrics."""
@@ -847,7 +838,7 @@ def run_study(args, scale: Scale, specs: list[RunSpec], mirror=None) -> dict:
     try:
       done, trained = train_run(run_config(scale, spec, run_dir, steps=args.steps), run_dir)
       rec, evaluated = evaluate_run(run_dir, scale)
-    except _user_errors() as e:
+    except UserError as e:              # a bad config, data or checkpoint, a failed run: which run it was
       raise StudyError(f"run {spec.name}: {e}") from e
     what = ("trained + evaluated" if trained else "evaluated (trained before)") if evaluated or trained else \
         "done before, skipped"
@@ -950,7 +941,7 @@ def run_dose(args, scale: Scale, specs: list[RunSpec], out: pathlib.Path) -> dic
     try:
       done, trained = train_run(run_config(scale, spec, run_dir, steps=args.steps), run_dir)
       rec, evaluated = evaluate_run(run_dir, scale)
-    except _user_errors() as e:
+    except UserError as e:              # a bad config, data or checkpoint, a failed run: which run it was
       raise StudyError(f"run {spec.name}: {e}") from e
     what = ("trained + evaluated" if trained else "evaluated (trained before)") if evaluated or trained else \
         "done before, skipped"
@@ -971,16 +962,12 @@ def run_dose(args, scale: Scale, specs: list[RunSpec], out: pathlib.Path) -> dic
   return res
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):                                   # one line, exit status 2
-    self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="python -m sinkjax.experiments.paper",
-              description="[Sink-MoE]'s from-scratch study: attention variants x {base, base + aux (eq. 7)} x seeds "
-                          "with the paper's recipe, evaluated (Table 1, Fig. 5, first-token attention, value zeroing "
-                          "both ways, importance), resumable; --finetune adds eq. 7 vs eq. 8 fine-tuning.")
+  p = cli.Parser(prog="python -m sinkjax.experiments.paper",
+                 description="[Sink-MoE]'s from-scratch study: attention variants x {base, base + aux (eq. 7)} x "
+                             "seeds with the paper's recipe, evaluated (Table 1, Fig. 5, first-token attention, "
+                             "value zeroing both ways, importance), resumable; --finetune adds eq. 7 vs eq. 8 "
+                             "fine-tuning.")
   p.add_argument("--scale", choices=tuple(SCALES), default="cpu",
                  help="cpu: ~2-3 min runs on 2 idle cores; gpu: ~3-5 min runs on one GPU; smoke: 2-step test runs")
   p.add_argument("--seeds", type=int_at_least(1), default=3, help="number of seeds (default 3)")
@@ -1053,33 +1040,28 @@ def main(argv=None) -> int:
     return 0
   if args.scale == "gpu" and jax.default_backend() == "cpu":
     parser.error("--scale gpu needs a GPU (JAX sees only the CPU); use --scale cpu")
-  from sinkjax import paths
-  from sinkjax.train import Interrupted
-  try:
-    mirror = paths.Mirror(args.out)          # --out may be gs:// / s3://: the runs are made locally, then uploaded
-    out = mirror.local
-    out.mkdir(parents=True, exist_ok=True)
-    # held until the process ends; --report-only trains nothing and may run beside a study that is training
-    lock = None if args.report_only else _exclusive(out)  # noqa: F841  # pylint: disable=unused-variable
-    _lock(out, scale, args.steps)
-    if args.lambdas:
-      res = run_dose(args, scale, specs, out)
-      print(f"wrote {out}/dose.json ({len(res['runs'])} finished runs of {len(specs)})")
-      mirror.sync()
-      return 0
-    res = run_study(args, scale, specs, mirror)
-  except Interrupted as e:
-    print(f"{parser.prog}: {e}", file=sys.stderr)
-    return 128 + e.signum
-  except _user_errors() as e:
-    print(f"{parser.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
-    return 1
-  except OSError as e:
-    parser.error(f"--out {out}: {e.strerror or e}")
-  out = args.out.rstrip("/")
-  print(f"wrote {out}/results.json, {out}/results.md and {len(res['figures'])} figures "
-        f"({len(res['runs'])} finished runs)")
-  return 0
+
+  def study():
+    local = out
+    try:
+      mirror = paths.Mirror(args.out)        # --out may be gs:// / s3://: the runs are made locally, then uploaded
+      local = mirror.local
+      local.mkdir(parents=True, exist_ok=True)
+      # held while the study runs; --report-only trains nothing and may run beside a study that is training
+      lock = None if args.report_only else _exclusive(local)  # noqa: F841  # pylint: disable=unused-variable
+      _lock(local, scale, args.steps)
+      if args.lambdas:
+        res = run_dose(args, scale, specs, local)
+        print(f"wrote {local}/dose.json ({len(res['runs'])} finished runs of {len(specs)})")
+        mirror.sync()
+        return
+      res = run_study(args, scale, specs, mirror)
+    except OSError as e:
+      parser.error(f"--out {local}: {e.strerror or e}")
+    url = args.out.rstrip("/")
+    print(f"wrote {url}/results.json, {url}/results.md and {len(res['figures'])} figures "
+          f"({len(res['runs'])} finished runs)")
+  return cli.run_main("sinkjax.experiments.paper", study)
 
 
 if __name__ == "__main__":
