@@ -392,6 +392,7 @@ def test_passkey_probe_end_to_end(run_dir, tmp_path, capsys):
     batch = passkey.passkey_batch(tok, 120, depth, 3, seed=0)
     right = sum(gen.generate(list(row[:-5]), 5, temperature=0.0) == list(row[-5:]) for row in batch.ids)
     rec = [r for r in records if r["mode"].startswith("hybrid") and r["depth"] == depth][0]
+    assert rec["full_map"] == np.asarray(full, int).tolist()          # the map each hybrid row used, stored
     assert rec["accuracy"] == right / 3
     # digits right: each key token the greedy choice given the right tokens before it (one-token generations)
     digits = [gen.generate(list(row[:len(row) - 5 + i]), 1, temperature=0.0) == [row[len(row) - 5 + i]]
