@@ -39,6 +39,10 @@ _SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
               512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
 
+# NVIDIA GPUs: compile-only CUDA devices from XLA's GPU target config (shipped in sinkjax/target_configs/; the `gpu`
+# extra's CUDA plugin compiles, no GPU needed). `h100:8` is one node of 8 GPUs, `h100:2x8` two such nodes.
+GPUS = {"h100": dict(target_config="h100_sxm.txtpb", max_per_node=8)}
+
 
 class CompileError(UserError):
   """A user-facing problem with the command's arguments or environment (one line)."""
@@ -47,13 +51,17 @@ class CompileError(UserError):
 @dataclasses.dataclass
 class Topology:
   name: str            # the JAX topology name, e.g. v5e:4x8
-  generation: str      # v4 | v5e | v5p | v6e
+  generation: str      # v4 | v5e | v5p | v6e | h100
   slices: int
   hbm_bytes: int
+  platform: str = "tpu"  # tpu | gpu
 
 
 def parse_topology(text: str) -> Topology:
-  """A JAX topology name or a Cloud TPU accelerator type, optionally with `Nx` slices in front."""
+  """A JAX topology name or a Cloud TPU accelerator type, optionally with `Nx` slices in front; or NVIDIA GPUs as
+  `h100:GPUS` (one node) / `h100:NODESxGPUS`."""
+  if text.strip().lower().startswith(tuple(GPUS)):
+    return _parse_gpu_topology(text.strip().lower())
   slices = 1
   m = re.fullmatch(r"(\d+)x(v.+)", text.strip())
   if m:
@@ -76,6 +84,71 @@ def parse_topology(text: str) -> Topology:
   if slices < 1:
     raise CompileError(f"--topology: the slice count must be >= 1, got {slices}")
   return Topology(text, gen, slices, GENERATIONS[gen]["hbm_gib"] * GIB)
+
+
+def _parse_gpu_topology(text: str) -> Topology:
+  m = re.fullmatch(r"([a-z0-9]+):(?:(\d+)x)?(\d+)", text)
+  if not m or m.group(1) not in GPUS:
+    raise CompileError(f"--topology {text!r}: give GPUs as {'|'.join(GPUS)}:GPUS (one node, e.g. h100:8) or "
+                       "NODESxGPUS (h100:2x8)")
+  gpu, nodes, per_node = m.group(1), int(m.group(2) or 1), int(m.group(3))
+  if nodes < 1 or not 1 <= per_node <= GPUS[gpu]["max_per_node"]:
+    raise CompileError(f"--topology {text!r}: 1 to {GPUS[gpu]['max_per_node']} GPUs per node and at least one node "
+                       f"(more GPUs: NODESxGPUS, e.g. {gpu}:2x8)")
+  name = f"{gpu}:{per_node}" if nodes == 1 else f"{gpu}:{nodes}x{per_node}"
+  return Topology(name, gpu, 1, _gpu_memory_bytes(_target_config(gpu)), platform="gpu")
+
+
+def _target_config(gpu: str) -> str:
+  """XLA's GpuTargetConfigProto (text format) for the GPU, as shipped with sinkjax."""
+  from importlib import resources  # pylint: disable=import-outside-toplevel
+  return resources.files("sinkjax").joinpath("target_configs", GPUS[gpu]["target_config"]).read_text()
+
+
+def _gpu_memory_bytes(target_config: str) -> int:
+  """The device memory the target config states (what the CUDA driver reports for the GPU)."""
+  return int(re.search(r"device_memory_size:\s*(\d+)", target_config).group(1))
+
+
+def cuda_plugin_installed() -> bool:
+  """Whether JAX's CUDA PJRT plugin (jax[cuda12] / jax[cuda13]) is installed; it is not imported here."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  try:
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+  except ModuleNotFoundError:        # no jax_plugins namespace at all
+    return False
+
+
+def prepare_gpu() -> None:
+  """Checks for the CUDA plugin and, before JAX starts its backends, tells it not to start the GPU one (there is no
+  GPU): the plugin is then registered for topologies only."""
+  if not cuda_plugin_installed():
+    raise CompileError("compiling for NVIDIA GPUs needs JAX's CUDA plugin: pip install 'sinkjax[gpu]'")
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+  if not xla_bridge.backends_are_initialized() and not jax.config.jax_platforms:
+    jax.config.update("jax_platforms", "cpu")
+
+
+def gpu_devices(topo: Topology):
+  """Compile-only CUDA devices of the topology (XLA:GPU and Triton compile; no GPU present). JAX must register its
+  CUDA plugin without starting it: `jax_platforms` is set to "cpu" here unless JAX's backends already started or
+  JAX_PLATFORMS says otherwise."""
+  prepare_gpu()
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  spec = topo.name.split(":", 1)[1]
+  nodes, per_node = spec.split("x") if "x" in spec else ("1", spec)
+  # "<partitions>x<hosts per partition>x<devices per host>": an H100 node is its own NVLink domain (a partition).
+  shape = f"{nodes}x1x{per_node}"
+  try:
+    return topologies.get_topology_desc(platform="cuda", target_config=_target_config(topo.generation),
+                                        topology=shape).devices
+  except NotImplementedError:
+    raise CompileError("JAX's CUDA plugin is installed but did not register (JAX started its backends before "
+                       "sinkjax.compile could say not to start the GPU one): run with JAX_PLATFORMS=cpu") from None
+  except Exception as e:  # pylint: disable=broad-except  # JaxRuntimeError from the plugin
+    raise CompileError(f"--topology {topo.name}: the CUDA plugin refused it ({' '.join(str(e).split())[:200]})") \
+        from None
 
 
 def _accelerator_type(topo: Topology) -> str:
@@ -120,7 +193,7 @@ def attention_kernel(hlo: str, impl: str) -> str:
   """Which attention kernel the compiled program holds, read from its HLO (not from the settings)."""
   if "tpu_custom_call" in hlo:
     return "mosaic"
-  if "triton" in hlo:
+  if "__gpu$xla.gpu.triton" in hlo:     # Pallas's Triton custom call; bare "triton" is also XLA:GPU's own GEMM fusions
     return "triton"
   if impl in ("pallas_tpu", "pallas_gpu") and "callback" in hlo:
     return "pallas-interpreter"
@@ -144,7 +217,8 @@ def compile_config(cfg, topo: Topology, *, eval_step: bool = True, devices=None)
   from sinkjax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
   from sinkjax.kernels import default_impl  # pylint: disable=import-outside-toplevel
   from sinkjax.train import Program  # pylint: disable=import-outside-toplevel
-  devices = tpu_devices(topo) if devices is None else devices
+  if devices is None:
+    devices = gpu_devices(topo) if topo.platform == "gpu" else tpu_devices(topo)
   mesh = sharding_lib.make_mesh(cfg.mesh, devices)
   program = Program(cfg, mesh)
   impl = cfg.model.attn_impl if cfg.model.attn_impl != "auto" else default_impl(sharding_lib.mesh_platform(mesh))
@@ -256,11 +330,13 @@ def _hints(r: dict) -> str:
 def main(argv=None) -> int:
   from sinkjax import cli  # pylint: disable=import-outside-toplevel
   parser = cli.Parser(prog="python -m sinkjax.compile",
-                      description="Compile the training step of a config for a TPU slice with compile-only devices "
-                                  "(libtpu; no TPU needed) and report whether it fits the chips' memory.")
+                      description="Compile the training step of a config for a TPU slice or NVIDIA GPUs with "
+                                  "compile-only devices (libtpu or JAX's CUDA plugin; no TPU or GPU needed) and report "
+                                  "whether it fits the chips' memory.")
   parser.add_argument("--config", help="YAML config file (configs/...)")
   parser.add_argument("--topology",
-                      help="v5e:4x8 | v5litepod-32 | v4-32 | v5p-64 | v6e-8 | 2xv5litepod-32 (two slices) ...")
+                      help="v5e:4x8 | v5litepod-32 | v4-32 | v5p-64 | v6e-8 | 2xv5litepod-32 (two slices) ... | "
+                           "h100:8 (one node of 8 NVIDIA H100) | h100:2x8 (nodes x GPUs)")
   parser.add_argument("--table", nargs="+", metavar="JSON",
                       help="instead of compiling: print the Markdown table of these --json reports (docs/TPU.md)")
   parser.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
@@ -281,6 +357,8 @@ def main(argv=None) -> int:
 def _run(args) -> int:
   from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
   topo = parse_topology(args.topology)
+  if topo.platform == "gpu":
+    prepare_gpu()
   cfg = config_lib.load_config(args.config, args.overrides)
   if cfg.train.init_from:             # fine-tuning: the model is the imported run's (its config.yaml alone is read)
     from sinkjax import run as run_lib  # pylint: disable=import-outside-toplevel
