@@ -21,6 +21,9 @@ full heads of each layer, and `ring`, W slots of only the streaming heads; the s
 structure), so shapes are fixed, the decode step compiles once and a streaming head costs O(W) memory, not O(C).
 The attention layer attends each group with its own positions (`LayerCache.groups`) and puts the heads back in
 order. A layer whose heads are all in one group computes exactly what the plain cache of that kind computes.
+
+Cached attention lives here, beside the views it reads: `decode(layer, x, view)` runs one new token of an
+`Attention` layer against its view (the layer's projections, RoPE and variant switch, the cache's positions).
 """
 from __future__ import annotations
 
@@ -121,6 +124,57 @@ class SplitLayerCache:
                  for heads, view in ((self.full_heads, self.full), (self.ring_heads, self.ring)) if heads)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Cached attention: one new token of an attention layer against its cache view
+# ----------------------------------------------------------------------------------------------------------------
+
+def take_heads(a, heads, axis: int):
+  """a restricted to the heads `heads` (a tuple of indices) along `axis`; a itself for None."""
+  return a if heads is None else jnp.take(a, jnp.asarray(heads, jnp.int32), axis=axis)
+
+
+def query_heads(kv_heads, group: int) -> tuple:
+  """The query heads that read the KV heads `kv_heads` (GQA: query head i reads KV head i // group)."""
+  return tuple(h * group + i for h in kv_heads for i in range(group))
+
+
+def decode(layer, x, cache):
+  """One new token x [B,1,d_model] through `layer` (a `sinkjax.layers.Attention`) against its cache view: store the
+  token's un-rotated k/v and attend each head group of the cache (one for a `LayerCache`; full and streaming heads of
+  a `SplitLayerCache`) with that group's positions; heads back in order. Returns (y [B,1,d_model], updated view)."""
+  B = x.shape[0]
+  q, k, v = layer.project_unrotated(x)
+  cache = cache.write(k, v)
+  groups = cache.groups()
+  outs = [_attend_group(layer, x, q, view, kv_heads) for kv_heads, view in groups]
+  if len(groups) == 1 and groups[0][0] is None:
+    out = outs[0]
+  else:                                   # query heads of the groups, concatenated -> layer order
+    group = layer.num_heads // layer.num_kv_heads
+    order = [i for kv_heads, _ in groups for i in query_heads(kv_heads or range(layer.num_kv_heads), group)]
+    out = jnp.take(jnp.concatenate(outs, axis=2), jnp.asarray(np.argsort(order)), axis=2)
+  return layer.o_proj(out.reshape(B, 1, layer.num_heads * layer.head_dim)), cache
+
+
+def _attend_group(layer, x, q, cache, kv_heads):
+  """Attention of the new token's queries [B,1,Hq,D] (un-rotated) over one cache group's KV heads `kv_heads` (None
+  = all): every cached key rotated to its position within that cache (true positions in a full cache;
+  StreamingLLM's shifted positions in a sink + window ring), the query to the newest position, the whole
+  fixed-size cache attended with empty slots masked by kv segment 0."""
+  B = x.shape[0]
+  n, C, window = layer.num_sink_tokens, cache.capacity, layer.cfg.sliding_window
+  q = take_heads(q, None if kv_heads is None else query_heads(kv_heads, layer.num_heads // layer.num_kv_heads), 2)
+  q = layer.rotate(q, jnp.full((B, 1), cache.query_position + n, jnp.int32), "q")
+  k_all = layer.rotate(cache.k, jnp.broadcast_to(cache.key_positions + n, (B, C)), "k")
+  visible = cache.valid
+  if window:                              # slots are not in age order once a streaming ring wraps
+    visible &= cache.key_positions > cache.query_position - window
+  seg = (jnp.ones((B, 1), jnp.int32), jnp.broadcast_to(visible, (B, C)).astype(jnp.int32))
+  out, _ = layer.attend(x, q, k_all, cache.v, seg, impl="reference", slide=False,   # T = 1: [C]-wide softmax
+                        kv_heads=kv_heads)
+  return out
+
+
 def check_prefill(num_new: int, limit: int) -> None:
   if num_new > limit:
     raise ValueError(f"cannot prefill {num_new} tokens into a cache of size {limit}; prefill at most the cache size "
@@ -151,9 +205,8 @@ class KVCache:
   @classmethod
   def for_model(cls, cfg, batch: int, capacity: int, *, sink_size: int = 0) -> "KVCache":
     """An empty cache shaped for a `ModelConfig` (in its compute dtype)."""
-    from sinkjax.model import DTYPES
     return cls.create(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, sink_size=sink_size,
-                      dtype=DTYPES[cfg.dtype])
+                      dtype=jnp.dtype(cfg.dtype))
 
   @property
   def capacity(self) -> int:
@@ -220,10 +273,9 @@ class HybridKVCache:
   @classmethod
   def for_model(cls, cfg, full_heads, batch: int, capacity: int, window: int, *,
                 sink_size: int) -> "HybridKVCache":
-    from sinkjax.model import DTYPES
     assert len(full_heads) == cfg.num_layers and all(len(r) == cfg.num_kv_heads for r in full_heads), full_heads
     return cls.create(full_heads, batch, capacity, window, cfg.head_dim, sink_size=sink_size,
-                      dtype=DTYPES[cfg.dtype])
+                      dtype=jnp.dtype(cfg.dtype))
 
   @property
   def length(self):

@@ -32,6 +32,20 @@ class ModelConfig:
     """The MLP hidden width: model.mlp_hidden, or mlp_ratio x d_model when it is 0."""
     return self.mlp_hidden or self.mlp_ratio * self.d_model
 
+  def attention_config(self, layer: int | None = None) -> AttentionConfig:
+    """The attention section: the model.* keys named as `AttentionConfig`'s fields (model.attn_bias / attn_impl as
+    use_bias / impl, the model.rope_* keys as one `RopeScaling`) and the sliding window of layer `layer` (0 on a
+    "full" layer of model.layer_types; None: model.sliding_window as set). Building it checks it."""
+    names = {f.name for f in dataclasses.fields(AttentionConfig)} & {f.name for f in dataclasses.fields(self)}
+    full = layer is not None and self.layer_types and self.layer_types[layer] == "full"
+    rope = None if self.rope_scaling == "none" else RopeScaling(
+        self.rope_scaling, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+        self.rope_original_max_seq_len or self.max_seq_len, self.rope_beta_fast, self.rope_beta_slow,
+        self.rope_truncate, self.rope_attention_factor)
+    return AttentionConfig(**{**{n: getattr(self, n) for n in names}, "use_bias": self.attn_bias,
+                              "impl": self.attn_impl, "rope_scaling": rope,
+                              "sliding_window": 0 if full else self.sliding_window})
+
   attention: str = "vanilla"        # vanilla | sink | gated | relu
   gate: str = "headwise"            # headwise | elementwise (gated attention)
   num_layers: int = 4
@@ -98,6 +112,67 @@ class ModelConfig:
   rope_style: str = "llama"         # llama | nanochat: nanochat's rotation sign, bfloat16 cos/sin tables and
                                     # QK-norm after RoPE (layers.apply_rope)
   residual_scalars: bool = False    # per-layer resid_lambdas / x0_lambdas of nanochat's later GPT (6bb9240)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Long-context RoPE frequency scaling, as Hugging Face's `rope_type` (modeling_rope_utils): "llama3" (Llama 3.1)
+  or "yarn" (GPT-OSS, YaRN). `original_max_seq_len` is the pretraining context the correction is relative to."""
+  kind: str = "none"
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_seq_len: int = 8192
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True
+  attention_factor: float = 0.0     # yarn: multiplier of cos/sin; 0 = 0.1 ln(factor) + 1
+
+  def cos_sin_scale(self) -> float:
+    if self.kind != "yarn":
+      return 1.0
+    if self.attention_factor:
+      return self.attention_factor
+    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """The attention section of the model config: everything one `sinkjax.layers.Attention` is built from, checked
+  once, when it is made (a ConfigError, a ValueError, names the key). Fields are the model.* keys of the same names
+  (`ModelConfig.attention_config`); standalone users pass them as keywords to `Attention(d_model, num_heads, ...)`.
+  The gate options are gated attention's ([GatedAttn]; layers' "Gating ablations")."""
+  d_model: int
+  num_heads: int
+  num_kv_heads: int | None = None   # None = num_heads
+  head_dim: int | None = None       # None = d_model // num_heads
+  attention: str = "vanilla"        # vanilla | sink | gated | relu
+  gate: str = "headwise"            # headwise (one gate per head, [Sink-MoE] eq. 2) | elementwise (per head dim)
+  gate_position: str = "sdpa"       # sdpa (G1) | value (G2)
+  gate_shared: bool = False         # one gate for every head
+  gate_activation: str = "sigmoid"  # sigmoid | ns_sigmoid | silu | silu_additive
+  gate_input: str = "dependent"     # dependent (z = x W + b) | independent (learned logits)
+  gate_bias_init: float = 0.0       # initial gate bias / logit; sigmoid(0) = 0.5
+  sink_init: float = 0.0            # initial sink logit per head (sink attention)
+  sink_tokens: int = 0              # learnable sink tokens ([StreamingLLM]) before the keys, RoPE positions 0..n-1
+  qk_norm: bool = True
+  norm_scale: bool = False          # learnable QK-norm scales (Qwen3; nanochat: parameter-free)
+  norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None   # llama3 / yarn long-context frequencies; None = plain RoPE
+  rope_style: str = "llama"         # llama (HF sign, QK-norm before RoPE) | nanochat (layers.apply_rope)
+  sliding_window: int = 0           # > 0: query t sees keys t - window < s <= t (GPT-OSS); this layer's own
+  use_bias: bool = False            # q/k/v/o biases (model.attn_bias)
+  init: str = "default"             # default (lecun normal) | nanochat (q/k/v/gate uniform, std 1/sqrt(d_model))
+  zero_init_output: bool = True     # o_proj starts at zero
+  impl: str = "auto"                # flash_attention backend (model.attn_impl)
+  dtype: Any = "float32"            # compute dtype (a name or a jnp dtype)
+  param_dtype: Any = "float32"
+
+  def __post_init__(self):
+    object.__setattr__(self, "num_kv_heads", self.num_kv_heads or self.num_heads)
+    object.__setattr__(self, "head_dim", self.head_dim or self.d_model // self.num_heads)
+    _check_attention(self)
 
 
 @dataclasses.dataclass
@@ -429,9 +504,7 @@ def validate(cfg: Config) -> None:
   _check_ranges(cfg)
   m = cfg.model
   resolve_depth(m)
-  if m.num_heads % m.num_kv_heads:
-    raise ConfigError(f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads "
-                      f"({m.num_kv_heads})")
+  m.attention_config()                   # checks the attention section
   if cfg.train.batch_size % cfg.train.grad_accum:
     raise ConfigError(f"train.batch_size ({cfg.train.batch_size}) must be divisible by train.grad_accum "
                       f"({cfg.train.grad_accum})")
@@ -442,7 +515,6 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"train.profile_steps > 0 needs train.profile_start >= 1 (a step number; pick one after the "
                       f"first, which compiles), got {cfg.train.profile_start}")
   _validate_architecture(m)
-  _validate_gate(m)
   _validate_lora(cfg.lora)
   if cfg.data.format == "sft" and cfg.data.packing == "stream":
     raise ConfigError("data.packing=stream cuts plain text into rows, but data.format=sft keeps its own layout (one "
@@ -464,18 +536,30 @@ def _validate_architecture(m: ModelConfig) -> None:
     raise ConfigError(f"model.layer_types has {len(m.layer_types)} entries but model.num_layers is {m.num_layers}")
   if "sliding" in m.layer_types and not m.sliding_window:
     raise ConfigError("model.layer_types names sliding layers: set model.sliding_window > 0")
-  if m.sliding_window and m.attention == "relu":
-    raise ConfigError("model.sliding_window needs a softmax variant (vanilla, sink or gated), got relu")
 
 
-def _validate_gate(m: ModelConfig) -> None:
-  """The [GatedAttn] ablations configure the gate of gated attention; elsewhere there is no gate to configure."""
-  default = ModelConfig()
-  changed = [k for k in ("gate_position", "gate_shared", "gate_activation", "gate_input")
-             if getattr(m, k) != getattr(default, k)]
-  if changed and m.attention != "gated":
+GATE_OPTIONS = ("gate_position", "gate_shared", "gate_activation", "gate_input")   # gated attention's alone
+
+
+def _check_attention(a: AttentionConfig) -> None:
+  """What an attention section may hold: known choices, whole GQA groups, and each option where its variant is."""
+  for name in ("attention", "gate", "gate_position", "gate_activation", "gate_input", "rope_style", "init"):
+    allowed = CHOICES[f"model.{name}"]
+    if getattr(a, name) not in allowed:
+      raise ConfigError(f"model.{name} must be one of {'|'.join(allowed)}, got {getattr(a, name)!r}")
+  if a.num_heads % a.num_kv_heads:
+    raise ConfigError(f"model.num_heads ({a.num_heads}) must be a multiple of model.num_kv_heads "
+                      f"({a.num_kv_heads})")
+  default = {f.name: f.default for f in dataclasses.fields(a)}
+  changed = [k for k in GATE_OPTIONS if getattr(a, k) != default[k]]
+  if changed and a.attention != "gated":
     raise ConfigError(f"model.{changed[0]} configures the gate of gated attention: set model.attention=gated "
-                      f"(got {m.attention!r}) or leave it at its default")
+                      f"(got {a.attention!r}) or leave it at its default")
+  if a.sink_tokens < 0:
+    raise ConfigError(f"model.sink_tokens must be >= 0, got {a.sink_tokens}")
+  for name in ("sliding_window", "sink_tokens"):
+    if getattr(a, name) and a.attention == "relu":
+      raise ConfigError(f"model.{name} needs a softmax variant (vanilla, sink or gated), got relu")
 
 
 def _validate_lora(lora: LoRAConfig) -> None:

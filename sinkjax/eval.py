@@ -159,7 +159,7 @@ def evaluate(model, batches, *, tau: float = 0.75) -> dict:
   """Every number of the report except run metadata and multiple choice."""
   report = language_model_metrics(model, batches)
   report.update(sink_diagnostics(model, batches))
-  if model.cfg.attention != "sink" and not model.cfg.sink_tokens:
+  if not model.layers[0].attn.has_outside_weight:       # no sink logit, no sink tokens: nothing outside the keys
     report["sink_logit_attention"] = None
   report["gate_sparsity_threshold"] = analysis.SPARSE_GATE
   report["value_zeroing"] = value_zeroing(model, batches, report["sink_ratio_alpha"], tau)

@@ -1,7 +1,8 @@
 """Flax NNX layers: sink-aware multi-head attention and the pieces of the decoder block.
 
 `Attention` is the drop-in layer: q/k/v/o projections, GQA, RoPE, optional QK-norm, and one of the attention
-variants of `sinkjax.attention` (chosen by name; this module is the only place that switches on it). Every call
+variants of `sinkjax.attention` (chosen by name; this module is the only place that switches on it), built from an
+`AttentionConfig` (the model config's attention section, checked once) or from the same options as keywords. Every call
 records the per-head importance of its gate (eq. 5) with `nnx.sow` under the name `head_importance`, so a host
 model collects them after its forward pass with `pop_head_importance(model)` -> [L, H] and adds
 `sinkjax.balance.aux_loss`. Linen users get the same layer from `linen_attention(...)` (via `nnx.bridge`), whose
@@ -33,13 +34,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from sinkjax import attention as variants
-from sinkjax.choices import (ATTENTION_VARIANTS, GATE_INPUTS, GATE_KINDS, GATE_POSITIONS, INITS, MLP_KINDS,
-                             ROPE_STYLES)
+from sinkjax import cache as cache_lib
 from sinkjax.balance import head_importance
+from sinkjax.cache import query_heads, take_heads
+from sinkjax.choices import MLP_KINDS
+from sinkjax.config import AttentionConfig, RopeScaling  # noqa: F401  (RopeScaling re-exported for layer users)
 from sinkjax.kernels import dense
 from sinkjax.kernels.reference import attention_weights as reference_weights
 from sinkjax.sharding import logical, target_platform
@@ -59,28 +61,6 @@ class RMSNorm(nnx.Module):
     if self.scale is not None:
       y = y * self.scale[...].astype(jnp.float32)
     return y.astype(x.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """Long-context RoPE frequency scaling, as Hugging Face's `rope_type` (modeling_rope_utils): "llama3" (Llama 3.1)
-  or "yarn" (GPT-OSS, YaRN). `original_max_seq_len` is the pretraining context the correction is relative to."""
-  kind: str = "none"
-  factor: float = 1.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_seq_len: int = 8192
-  beta_fast: float = 32.0
-  beta_slow: float = 1.0
-  truncate: bool = True
-  attention_factor: float = 0.0     # yarn: multiplier of cos/sin; 0 = 0.1 ln(factor) + 1
-
-  def cos_sin_scale(self) -> float:
-    if self.kind != "yarn":
-      return 1.0
-    if self.attention_factor:
-      return self.attention_factor
-    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
@@ -164,95 +144,106 @@ def matrix_init(init: str, fan_in: int) -> dict:
   return {"kernel_init": lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -s, s)}
 
 
-class Attention(nnx.Module):
-  """Causal multi-head attention with a per-head gate: vanilla, sink (GPT-OSS), gated (Qwen, G1) or ReLU.
+@dataclasses.dataclass(frozen=True)
+class Gate:
+  """The gate of gated attention ([GatedAttn]; "Gating ablations" above): its shape, where it acts, its activation.
 
-  Args:
-    attention: "vanilla" | "sink" | "gated" | "relu".
-    gate: "headwise" (one gate per head, [Sink-MoE] eq. 2) | "elementwise" (one per head dim, Qwen3-Next); gated only.
-    sink_init: initial sink logit per head (sink attention).
-    gate_bias_init: initial bias of the gate projection (gated attention); sigmoid(0) = 0.5.
-    gate_position, gate_shared, gate_activation, gate_input: the gating ablations of [GatedAttn] (gated only; the
-      defaults are the G1 gate above; see the module docstring, "Gating ablations").
-    impl: `flash_attention` backend ("auto" picks Pallas on TPU/GPU, blockwise XLA on CPU).
-    norm_scale, norm_eps: learnable scale and epsilon of the QK-norms (Qwen3: scaled; nanochat: parameter-free).
-    rope_style: "llama" (HF sign, QK-norm before RoPE) | "nanochat" (nanochat's rotation sign and bfloat16 tables,
-      QK-norm after RoPE; see `apply_rope`).
-    init: "default" (flax's lecun-normal kernels) | "nanochat" (q/k/v and gate projections uniform with std
-      1/sqrt(d_model), as nanochat's `init_weights`); output projections start at zero either way.
-    rope_scaling: a `RopeScaling` (llama3 / yarn long-context frequencies), None = plain RoPE.
-    sliding_window: > 0 makes this a sliding-window layer: query t sees keys t - window < s <= t (GPT-OSS).
-    sink_tokens: n learnable sink tokens ([StreamingLLM]): n d_model vectors `sink_states` of this layer, projected by
-      its own k_proj/v_proj (and k_norm), prepended to the keys/values at RoPE positions 0..n-1 while the sequence
-      is shifted to positions n, n+1, ...; every query sees them (all packed segments, all cache slots) and a
-      streaming KV cache never evicts them (they are parameters, not cache entries). Not for ReLU attention.
+  A static part of the layer (equal in every layer, so blocks still stack for the layer scan). Its parameters stay on
+  the `Attention` as `gate_proj` (z = x W + b) or `gate_logit` (input-independent z), the names checkpoints hold.
+  `heads` (Hg): the heads of the gated tensor, query heads at G1 and KV heads at G2, 1 when head-shared.
+  """
+  kind: str             # headwise | elementwise
+  position: str         # sdpa (G1) | value (G2)
+  shared: bool
+  activation: str
+  dependent: bool       # z = x W + b; else learned logits
+  heads: int
+  head_dim: int
+  group: int            # query heads per KV head
+
+  @classmethod
+  def of(cls, cfg: AttentionConfig) -> Gate | None:
+    """The gate a config asks for: None unless attention is "gated"."""
+    if cfg.attention != "gated":
+      return None
+    heads = 1 if cfg.gate_shared else cfg.num_heads if cfg.gate_position == "sdpa" else cfg.num_kv_heads
+    return cls(cfg.gate, cfg.gate_position, cfg.gate_shared, cfg.gate_activation, cfg.gate_input == "dependent",
+               heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+
+  @property
+  def shape(self) -> tuple:
+    """z per token: (Hg,) headwise, (Hg, D) elementwise."""
+    return (self.heads,) if self.kind == "headwise" else (self.heads, self.head_dim)
+
+  def parameters(self, cfg: AttentionConfig, rngs: nnx.Rngs) -> tuple:
+    """(gate_proj, gate_logit), one of them None: the projection d_model -> Hg (x D) with bias gate_bias_init, or
+    the learned logits initialized to gate_bias_init ([GatedAttn]: 0), flat like that bias (a vector, so the
+    optimizer gives it AdamW at the scalar rate, not Muon)."""
+    width, pdt = math.prod(self.shape), jnp.dtype(cfg.param_dtype)
+    if not self.dependent:
+      return None, nnx.Param(jnp.full((width,), cfg.gate_bias_init, pdt))
+    proj = nnx.Linear(cfg.d_model, width, use_bias=True, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt,
+                      dot_general=dense.dot_general, bias_init=nnx.initializers.constant(cfg.gate_bias_init),
+                      rngs=rngs, kernel_metadata=logical("embed", "heads"), **matrix_init(cfg.init, cfg.d_model))
+    return proj, None
+
+  def logits(self, gate_proj, gate_logit, x, kv_heads=None):
+    """z [B,T,Hg] or [B,T,Hg,D] (float32) for inputs x [B,T,d_model]; an input-independent gate broadcasts its
+    logits. With `kv_heads`, only the gate heads of those KV heads (a head-shared gate belongs to all)."""
+    B, T, _ = x.shape
+    z = gate_proj(x) if gate_proj is not None else jnp.broadcast_to(gate_logit[...], (B, T) + gate_logit.shape)
+    z = z.astype(jnp.float32).reshape((B, T) + self.shape)
+    if kv_heads is None or self.shared:
+      return z
+    return take_heads(z, kv_heads if self.position == "value" else query_heads(kv_heads, self.group), 2)
+
+  def attend(self, q, k, v, z, **kw):
+    """(out, G) of attention with this gate of logits z; at G2 `v` holds values the layer gated already."""
+    if self.position == "value":
+      return variants.value_gated_attention(q, k, v, z, activation=self.activation, values_gated=True, **kw)
+    return variants.gated_attention(q, k, v, z, activation=self.activation, **kw)
+
+
+class Attention(nnx.Module):
+  """Causal multi-head attention with a per-head gate: vanilla, sink (GPT-OSS), gated (Qwen, G1) or ReLU; GQA, RoPE,
+  optional QK-norm, sliding windows and learnable sink tokens.
+
+  `Attention(cfg)` from an `AttentionConfig` (a model's: `ModelConfig.attention_config(layer)`; its fields are the
+  options), or standalone `Attention(d_model, num_heads, num_kv_heads=None, head_dim=None, attention="sink", ...,
+  rngs=rngs)` with the same fields as keywords. Parameters: q/k/v/o_proj, q_norm/k_norm (qk_norm), `sink` [Hq]
+  (sink attention), `gate_proj` or `gate_logit` (gated attention, see `Gate`) and `sink_states` [n, d_model]: n
+  sink tokens ([StreamingLLM]) projected by this layer's k_proj/v_proj (and k_norm), prepended to the keys/values at
+  RoPE positions 0..n-1 while the sequence moves to n, n+1, ...; every query sees them (all packed segments, all
+  cache slots) and a streaming KV cache never evicts them. Decoding with a KV cache is `sinkjax.cache.decode`.
   """
 
-  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-               *, attention: str = "vanilla", gate: str = "headwise", qk_norm: bool = True,
-               gate_position: str = "sdpa", gate_shared: bool = False, gate_activation: str = "sigmoid",
-               gate_input: str = "dependent",
-               rope_theta: float = 10000.0, use_bias: bool = False, sink_init: float = 0.0,
-               gate_bias_init: float = 0.0, impl: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32,
-               zero_init_output: bool = True, sink_tokens: int = 0, norm_scale: bool = False,
-               norm_eps: float = 1e-6, rope_scaling: RopeScaling | None = None, sliding_window: int = 0,
-               rope_style: str = "llama", init: str = "default", rngs: nnx.Rngs):
-    if attention not in ATTENTION_VARIANTS:
-      raise ValueError(f"attention must be one of {ATTENTION_VARIANTS}, got {attention!r}")
-    if gate not in GATE_KINDS:
-      raise ValueError(f"gate must be one of {GATE_KINDS}, got {gate!r}")
-    for name, val, allowed in (("gate_position", gate_position, GATE_POSITIONS),
-                               ("gate_activation", gate_activation, variants.GATE_ACTIVATIONS),
-                               ("gate_input", gate_input, GATE_INPUTS)):
-      if val not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {val!r}")
-    self.gate_position, self.gate_shared = gate_position, gate_shared
-    self.gate_activation, self.gate_input = gate_activation, gate_input
-    num_kv_heads = num_kv_heads or num_heads
-    head_dim = head_dim or d_model // num_heads
-    if num_heads % num_kv_heads:
-      raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if rope_style not in ROPE_STYLES or init not in INITS:
-      raise ValueError(f"rope_style must be one of {ROPE_STYLES} and init one of {INITS}, got {rope_style!r}, "
-                       f"{init!r}")
-    self.rope_style = rope_style
-    self.attention, self.gate_kind, self.impl = attention, gate, impl
-    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-    self.rope_theta = rope_theta
-    self.rope_scaling = rope_scaling
-    if sliding_window and attention == "relu":
-      raise ValueError("sliding_window needs a softmax variant (vanilla, sink or gated), got 'relu'")
-    self.sliding_window = sliding_window
-    lin = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, dot_general=dense.dot_general, rngs=rngs)
-    def proj(n_in, n_out, axes, **kw):
-      return nnx.Linear(n_in, n_out, kernel_metadata=logical(*axes), **lin, **kw)
-    self.q_proj = proj(d_model, num_heads * head_dim, ("embed", "q_heads"), **matrix_init(init, d_model))
-    self.k_proj = proj(d_model, num_kv_heads * head_dim, ("embed", "kv_heads"), **matrix_init(init, d_model))
-    self.v_proj = proj(d_model, num_kv_heads * head_dim, ("embed", "kv_heads"), **matrix_init(init, d_model))
-    out_init = nnx.initializers.zeros_init() if zero_init_output else nnx.initializers.lecun_normal()
-    self.o_proj = proj(num_heads * head_dim, d_model, ("q_heads", "embed"), kernel_init=out_init)
-    norm = dict(eps=norm_eps, use_scale=norm_scale, param_dtype=param_dtype)
-    self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else None
-    self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else None
-    self.sink = nnx.Param(jnp.full((num_heads,), sink_init, param_dtype)) if attention == "sink" else None
-    # Gate heads Hg: the heads of the gated tensor (query heads at G1, KV heads at G2), 1 when head-shared.
-    self.gate_heads = 1 if gate_shared else (num_heads if gate_position == "sdpa" else num_kv_heads)
-    width = self.gate_heads * (1 if gate == "headwise" else head_dim)
-    dependent = attention == "gated" and gate_input == "dependent"
-    self.gate_proj = nnx.Linear(d_model, width, use_bias=True, dtype=dtype, param_dtype=param_dtype,
-                                dot_general=dense.dot_general, bias_init=nnx.initializers.constant(gate_bias_init),
-                                rngs=rngs,
-                                kernel_metadata=logical("embed", "heads"),
-                                **matrix_init(init, d_model)) if dependent else None
-    # Input-independent gate: learned logits, flat [width] like gate_proj's bias (a vector, so the optimizer gives it
-    # AdamW at the scalar rate, not Muon).
-    self.gate_logit = nnx.Param(jnp.full((width,), gate_bias_init, param_dtype)
-                                ) if attention == "gated" and not dependent else None
-    if sink_tokens < 0 or (sink_tokens and attention == "relu"):
-      raise ValueError(f"sink_tokens must be >= 0 and needs a softmax variant (got {sink_tokens}, {attention!r})")
-    self.num_sink_tokens = sink_tokens
-    self.sink_states = nnx.Param(0.02 * jax.random.normal(rngs.params(), (sink_tokens, d_model), param_dtype),
-                                 **logical(None, "embed")) if sink_tokens else None
+  def __init__(self, cfg: AttentionConfig | int, *args, rngs: nnx.Rngs, **options):
+    if not isinstance(cfg, AttentionConfig):                # the keyword constructor
+      cfg = AttentionConfig(cfg, *args, **options)
+    d, H, Hkv, D = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.cfg, self.gate, self.attention, self.num_sink_tokens = cfg, Gate.of(cfg), cfg.attention, cfg.sink_tokens
+    self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
+    pdt = jnp.dtype(cfg.param_dtype)
+    lin = dict(use_bias=cfg.use_bias, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, dot_general=dense.dot_general,
+               rngs=rngs)
+    proj = lambda n_in, n_out, axes, **kw: nnx.Linear(n_in, n_out, kernel_metadata=logical(*axes), **lin, **kw)
+    self.q_proj = proj(d, H * D, ("embed", "q_heads"), **matrix_init(cfg.init, d))
+    self.k_proj = proj(d, Hkv * D, ("embed", "kv_heads"), **matrix_init(cfg.init, d))
+    self.v_proj = proj(d, Hkv * D, ("embed", "kv_heads"), **matrix_init(cfg.init, d))
+    out_init = nnx.initializers.zeros_init() if cfg.zero_init_output else nnx.initializers.lecun_normal()
+    self.o_proj = proj(H * D, d, ("q_heads", "embed"), kernel_init=out_init)
+    norm = dict(eps=cfg.norm_eps, use_scale=cfg.norm_scale, param_dtype=pdt)
+    self.q_norm = RMSNorm(D, **norm) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(D, **norm) if cfg.qk_norm else None
+    self.sink = nnx.Param(jnp.full((H,), cfg.sink_init, pdt)) if cfg.attention == "sink" else None
+    self.gate_proj, self.gate_logit = self.gate.parameters(cfg, rngs) if self.gate is not None else (None, None)
+    self.sink_states = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.sink_tokens, d), pdt),
+                                 **logical(None, "embed")) if cfg.sink_tokens else None
+
+  @property
+  def has_outside_weight(self) -> bool:
+    """Whether attention weight can fall outside the sequence keys: on a sink logit or on sink tokens."""
+    return self.sink is not None or self.sink_states is not None
 
   def project(self, x, positions):
     """q [B,T,Hq,D], k/v [B,T,Hkv,D] with QK-norm and RoPE applied; `positions` are document positions (0 at a
@@ -268,20 +259,20 @@ class Attention(nnx.Module):
     q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
-    if self.attention == "gated" and self.gate_position == "value":
+    if self.gate is not None and self.gate.position == "value":
       # G2 gates each value where it is made, so KV caches and sink tokens hold gated values; `attend` reports it.
-      v, _ = variants.apply_gate(v, self.gate_logits(x), self.gate_activation)
-    if self.q_norm is not None and self.rope_style != "nanochat":
+      v, _ = variants.apply_gate(v, self.gate_logits(x), self.gate.activation)
+    if self.q_norm is not None and self.cfg.rope_style != "nanochat":
       q, k = self.q_norm(q), self.k_norm(k)
     return q, k, v
 
   def rotate(self, x, positions, which: str):
     """RoPE at int positions [B,T] of queries (which="q") or keys ("k"), then their QK-norm where it follows RoPE
     (the one place this layer's rotary settings apply)."""
-    scaling = self.rope_scaling
-    y = apply_rope(x, positions, rope_frequencies(self.head_dim, self.rope_theta, scaling),
-                   1.0 if scaling is None else scaling.cos_sin_scale(), self.rope_style)
-    if self.q_norm is not None and self.rope_style == "nanochat":
+    scaling = self.cfg.rope_scaling
+    y = apply_rope(x, positions, rope_frequencies(self.head_dim, self.cfg.rope_theta, scaling),
+                   1.0 if scaling is None else scaling.cos_sin_scale(), self.cfg.rope_style)
+    if self.q_norm is not None and self.cfg.rope_style == "nanochat":
       y = (self.q_norm if which == "q" else self.k_norm)(y)
     return y
 
@@ -290,54 +281,33 @@ class Attention(nnx.Module):
     only the KV heads `kv_heads` (a tuple of indices) when given."""
     if self.sink_states is None:
       return None
-    n = self.num_sink_tokens
     _, k, v = self.project_unrotated(self.sink_states[...][None])
-    k = self.rotate(k, jnp.arange(n, dtype=jnp.int32)[None], "k")
-    k, v = (_take_heads(a, kv_heads, 2) for a in (k, v))
+    k = self.rotate(k, jnp.arange(self.num_sink_tokens, dtype=jnp.int32)[None], "k")
+    k, v = (take_heads(a, kv_heads, 2) for a in (k, v))
     return tuple(jnp.broadcast_to(a, (B,) + a.shape[1:]) for a in (k, v))
 
   def gate_logits(self, x, kv_heads=None):
-    """Gate logits z (gated attention) for inputs x [B,T,d_model]: [B,T,Hg] (headwise) or [B,T,Hg,D] (elementwise),
-    Hg = `gate_heads`; an input-independent gate broadcasts its learned logits over B and T. With `kv_heads`, only
-    the gate heads that belong to those KV heads (a head-shared gate belongs to all)."""
-    B, T, _ = x.shape
-    if self.gate_proj is not None:
-      z = self.gate_proj(x)
-    else:
-      z = jnp.broadcast_to(self.gate_logit[...], (B, T) + self.gate_logit.shape)
-    shape = (B, T, self.gate_heads) + (() if self.gate_kind == "headwise" else (self.head_dim,))
-    z = z.astype(jnp.float32).reshape(shape)
-    if kv_heads is None or self.gate_shared:
-      return z
-    return _take_heads(z, self.query_heads(kv_heads) if self.gate_position == "sdpa" else kv_heads, 2)
-
-  def query_heads(self, kv_heads):
-    """The query heads that read the KV heads `kv_heads` (GQA: query head i reads KV head i // (Hq / Hkv))."""
-    group = self.num_heads // self.num_kv_heads
-    return tuple(h * group + i for h in kv_heads for i in range(group))
+    """Gate logits of inputs x [B,T,d_model] (gated attention; `Gate.logits`)."""
+    return self.gate.logits(self.gate_proj, self.gate_logit, x, kv_heads)
 
   def attend(self, x, q, k, v, segment_ids, *, impl=None, slide=True, kv_heads=None):
     """The variant switch: (out [B,T,Hq,D], gate [B,T,Hq] or [B,T,Hq,D]). Sink tokens join every variant here.
     slide=False leaves out the sliding window (the KV-cache decode step applies it by cache position instead).
     kv_heads: q, k, v hold only these KV heads (a tuple of indices) and their query heads, and so do the per-head
     parameters used here (a head group of a `sinkjax.cache.HybridKVCache`); None = every head."""
-    impl = impl or self.impl
-    kw = dict(segment_ids=segment_ids)
-    if self.sliding_window and slide:
-      kw["window"] = self.sliding_window
+    if self.attention == "relu":
+      return variants.relu_attention(q, k, v, segment_ids=segment_ids)
+    kw = dict(segment_ids=segment_ids, impl=impl or self.cfg.impl)
+    if self.cfg.sliding_window and slide:
+      kw["window"] = self.cfg.sliding_window
     if self.sink_states is not None:
       kw["prefix"] = self.sink_kv(x.shape[0], kv_heads)
-    if self.attention == "vanilla":
-      return variants.vanilla_attention(q, k, v, impl=impl, **kw)
     if self.attention == "sink":
-      sink = _take_heads(self.sink[...], None if kv_heads is None else self.query_heads(kv_heads), 0)
-      return variants.sink_attention(q, k, v, sink, impl=impl, **kw)
+      heads = None if kv_heads is None else query_heads(kv_heads, self.num_heads // self.num_kv_heads)
+      return variants.sink_attention(q, k, v, take_heads(self.sink[...], heads, 0), **kw)
     if self.attention == "gated":
-      gate_kw = dict(activation=self.gate_activation, impl=impl, **kw)
-      if self.gate_position == "value":                  # G2: v was gated in project_unrotated
-        return variants.value_gated_attention(q, k, v, self.gate_logits(x, kv_heads), values_gated=True, **gate_kw)
-      return variants.gated_attention(q, k, v, self.gate_logits(x, kv_heads), **gate_kw)
-    return variants.relu_attention(q, k, v, **kw)
+      return self.gate.attend(q, k, v, self.gate_logits(x, kv_heads), **kw)
+    return variants.vanilla_attention(q, k, v, **kw)
 
   def importance_mask(self, segment_ids, B: int, T: int):
     """Tokens that count for head importance: non-padding, and for vanilla not a document's first token (the row's
@@ -352,7 +322,8 @@ class Attention(nnx.Module):
   def __call__(self, x, *, segment_ids=None, positions=None, cache=None, record: bool = False,
                zero_first_value=None):
     """y [B,T,d_model]; with `cache` (a `sinkjax.cache.LayerCache`) returns (y, updated cache) instead: T == 1
-    decodes one token against the cache, T > 1 prefills an empty cache (plain causal self-attention over x).
+    decodes one token against the cache (`sinkjax.cache.decode`), T > 1 prefills an empty cache (plain causal
+    self-attention over x).
 
     For `sinkjax.analysis` (the one forward pass: analysis never re-implements it):
       record: also sow `trace`, a dict of what this layer attended with: q, k, v (rotated, as attended; K/V repeated
@@ -363,21 +334,21 @@ class Attention(nnx.Module):
     """
     B, T, _ = x.shape
     if cache is not None and T == 1:
-      return self._decode(x, cache)
+      return cache_lib.decode(self, x, cache)
     if positions is None:
       positions = default_positions(segment_ids, B, T)
     q0, k0, v = self.project_unrotated(x)
     positions = positions + self.num_sink_tokens           # sink tokens hold positions 0..n-1
     q, k = self.rotate(q0, positions, "q"), self.rotate(k0, positions, "k")
     if zero_first_value is not None:
-      k, v = self.zero_first_values(k, v, segment_ids, zero_first_value)
+      k, v = zero_first_values(self, k, v, segment_ids, zero_first_value)
     out, gate = self.attend(x, q, k, v, segment_ids)
     y = self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
     if cache is not None:
       return y, cache.prefill(k0, v)
     keep_last = dict(reduce_fn=lambda _, new: new, init_fn=lambda: None)
     if record:
-      weights, outside = self.attention_weights(q, k, segment_ids)
+      weights, outside = attention_weights(self, q, k, segment_ids)
       self.sow(nnx.Intermediate, "trace", dict(q=q, k=k, v=v, gate=gate, weights=weights, outside=outside),
                **keep_last)
     # Each call replaces the previous record (instead of sow's default of appending to a tuple), so a model that is
@@ -386,79 +357,61 @@ class Attention(nnx.Module):
              **keep_last)
     return y
 
-  def zero_first_values(self, k, v, segment_ids, heads):
-    """(k, v) repeated to the Hq query heads (so one head of a GQA group can be zeroed alone; repeating K/V does not
-    change attention) with v zeroed at every document's first token in the query heads where `heads` [Hq]."""
-    B, T = v.shape[:2]
-    rep = self.num_heads // self.num_kv_heads
-    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    starts = variants.document_first_index(segment_ids, T) == jnp.arange(T)[None, :]
-    if segment_ids is not None:
-      starts &= segment_ids != 0
-    kill = starts[:, :, None, None] & jnp.asarray(heads, bool)[None, None, :, None]
-    return k, jnp.where(kill, jnp.zeros_like(v), v)
 
-  def attention_weights(self, q, k, segment_ids):
-    """This layer's attention weights, materialized, in the softmax it actually uses: (A [B,Hq,T,T] on the
-    sequence keys, the weight outside them [B,T,Hq]: on the sink logit (sink attention, a column with zero value,
-    GPT-OSS) plus on the learnable sink tokens). Sliding windows apply; gated attention gives the softmax before
-    its output gate; ReLU attention its ReLU weights. Padding queries are all zero."""
-    B, T, Hq, D = q.shape
-    seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.broadcast_to(segment_ids, (B, T))
-    if self.attention == "relu":
-      return variants.relu_attention_weights(q, k, segment_ids=seg), jnp.zeros((B, T, Hq), jnp.float32)
-    scale = 1.0 / math.sqrt(D)
-    logits, mask, _, _ = reference_weights(q, k, seg, seg, causal=True, scale=scale,
-                                           window=self.sliding_window or None)
-    columns = [jnp.where(mask[:, None], logits, -jnp.inf)]                          # [B,Hq,T,T]
-    if self.sink_states is not None:
-      k_p = jnp.repeat(self.sink_kv(B)[0], Hq // k.shape[2], axis=2)
-      columns.append(jnp.einsum("bthd,bnhd->bhtn", q.astype(jnp.float32), k_p.astype(jnp.float32),
-                                precision=jax.lax.Precision.HIGHEST) * scale)
-    if self.attention == "sink":
-      columns.append(jnp.broadcast_to(self.sink[...].astype(jnp.float32)[None, :, None, None], (B, Hq, T, 1)))
-    z = jnp.concatenate(columns, axis=-1)
-    valid = (seg != 0)[:, None, :, None]
-    p = jax.nn.softmax(jnp.where(valid, z, 0.0), axis=-1) * valid
-    return p[..., :T], jnp.swapaxes(p[..., T:].sum(-1), 1, 2)
-
-  def _decode(self, x, cache):
-    """One new token: store its un-rotated k/v in the cache and attend each head group of the cache (one for a
-    `LayerCache`; full and streaming heads of a `SplitLayerCache`) with that group's positions; heads back in order."""
-    B = x.shape[0]
-    q, k, v = self.project_unrotated(x)
-    cache = cache.write(k, v)
-    groups = cache.groups()
-    outs = [self._attend_cached(x, q, view, kv_heads) for kv_heads, view in groups]
-    if len(groups) == 1 and groups[0][0] is None:
-      out = outs[0]
-    else:                                   # query heads of the groups, concatenated -> layer order
-      order = [i for kv_heads, _ in groups for i in self.query_heads(kv_heads or range(self.num_kv_heads))]
-      out = jnp.take(jnp.concatenate(outs, axis=2), jnp.asarray(np.argsort(order)), axis=2)
-    return self.o_proj(out.reshape(B, 1, self.num_heads * self.head_dim)), cache
-
-  def _attend_cached(self, x, q, cache, kv_heads):
-    """Attention of the new token's queries [B,1,Hq,D] (un-rotated) over one cache group's KV heads `kv_heads` (None
-    = all): every cached key rotated to its position within that cache (true positions in a full cache;
-    StreamingLLM's shifted positions in a sink + window ring), the query to the newest position, the whole
-    fixed-size cache attended with empty slots masked by kv segment 0."""
-    B = x.shape[0]
-    n, C = self.num_sink_tokens, cache.capacity
-    q = _take_heads(q, None if kv_heads is None else self.query_heads(kv_heads), 2)
-    q = self.rotate(q, jnp.full((B, 1), cache.query_position + n, jnp.int32), "q")
-    k_all = self.rotate(cache.k, jnp.broadcast_to(cache.key_positions + n, (B, C)), "k")
-    visible = cache.valid
-    if self.sliding_window:                 # slots are not in age order once a streaming ring wraps
-      visible &= cache.key_positions > cache.query_position - self.sliding_window
-    seg = (jnp.ones((B, 1), jnp.int32), jnp.broadcast_to(visible, (B, C)).astype(jnp.int32))
-    out, _ = self.attend(x, q, k_all, cache.v, seg, impl="reference", slide=False,   # T = 1: [C]-wide softmax
-                         kv_heads=kv_heads)
-    return out
+def zero_first_values(layer: Attention, k, v, segment_ids, heads):
+  """(k, v) repeated to the Hq query heads (so one head of a GQA group can be zeroed alone; repeating K/V does not
+  change attention) with v zeroed at every document's first token in the query heads where `heads` [Hq]."""
+  T = v.shape[1]
+  rep = layer.num_heads // layer.num_kv_heads
+  k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+  starts = variants.document_first_index(segment_ids, T) == jnp.arange(T)[None, :]
+  if segment_ids is not None:
+    starts &= segment_ids != 0
+  kill = starts[:, :, None, None] & jnp.asarray(heads, bool)[None, None, :, None]
+  return k, jnp.where(kill, jnp.zeros_like(v), v)
 
 
-def _take_heads(a, heads, axis: int):
-  """a restricted to the heads `heads` (a tuple of indices) along `axis`; a itself for None."""
-  return a if heads is None else jnp.take(a, jnp.asarray(heads, jnp.int32), axis=axis)
+def attention_weights(layer: Attention, q, k, segment_ids):
+  """A layer's attention weights, materialized, in the softmax it actually uses: (A [B,Hq,T,T] on the sequence keys,
+  the weight outside them [B,T,Hq]: on the sink logit (sink attention, a column with zero value, GPT-OSS) plus on
+  the learnable sink tokens). Sliding windows apply; gated attention gives the softmax before its output gate; ReLU
+  attention its ReLU weights. Padding queries are all zero."""
+  B, T, Hq, D = q.shape
+  seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.broadcast_to(segment_ids, (B, T))
+  if layer.attention == "relu":
+    return variants.relu_attention_weights(q, k, segment_ids=seg), jnp.zeros((B, T, Hq), jnp.float32)
+  scale = 1.0 / math.sqrt(D)
+  logits, mask, _, _ = reference_weights(q, k, seg, seg, causal=True, scale=scale,
+                                         window=layer.cfg.sliding_window or None)
+  columns = [jnp.where(mask[:, None], logits, -jnp.inf)]                          # [B,Hq,T,T]
+  if layer.sink_states is not None:
+    k_p = jnp.repeat(layer.sink_kv(B)[0], Hq // k.shape[2], axis=2)
+    columns.append(jnp.einsum("bthd,bnhd->bhtn", q.astype(jnp.float32), k_p.astype(jnp.float32),
+                              precision=jax.lax.Precision.HIGHEST) * scale)
+  if layer.attention == "sink":
+    columns.append(jnp.broadcast_to(layer.sink[...].astype(jnp.float32)[None, :, None, None], (B, Hq, T, 1)))
+  z = jnp.concatenate(columns, axis=-1)
+  valid = (seg != 0)[:, None, :, None]
+  p = jax.nn.softmax(jnp.where(valid, z, 0.0), axis=-1) * valid
+  return p[..., :T], jnp.swapaxes(p[..., T:].sum(-1), 1, 2)
+
+
+def hf_attention_tensors(cfg: AttentionConfig) -> dict | None:
+  """The tensors of an `Attention` with `cfg` under transformers' names (after `self_attn.`): {HF name: (path in the
+  layer, transpose?)}, for the variants transformers has: vanilla (Llama, Qwen3) and sink (GPT-OSS's `sinks`);
+  None for the others (gated, ReLU, sink tokens). Torch linear weights are [out, in], ours [in, out]."""
+  if cfg.attention not in ("vanilla", "sink") or cfg.sink_tokens:
+    return None
+  out = {}
+  for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    out[f"{p}.weight"] = ((p, "kernel"), True)
+    if cfg.use_bias:
+      out[f"{p}.bias"] = ((p, "bias"), False)
+  if cfg.qk_norm:
+    out.update({f"{n}.weight": ((n, "scale"), False) for n in ("q_norm", "k_norm")})
+  if cfg.attention == "sink":
+    out["sinks"] = (("sink",), False)
+  return out
 
 
 def pop_head_importance(model: nnx.Module):

@@ -13,7 +13,7 @@ from flax import nnx
 from sinkjax import choices
 from sinkjax.config import ModelConfig
 from sinkjax.kernels import dense
-from sinkjax.layers import MLP, Attention, MoE, RMSNorm, RopeScaling, default_positions, pop_head_importance
+from sinkjax.layers import MLP, Attention, MoE, RMSNorm, default_positions, pop_head_importance
 from sinkjax.sharding import logical
 
 DTYPES = {name: jnp.dtype(name) for name in choices.DTYPES}
@@ -23,34 +23,15 @@ REMAT_POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-def rope_scaling(cfg: ModelConfig) -> RopeScaling | None:
-  if cfg.rope_scaling == "none":
-    return None
-  return RopeScaling(cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                     cfg.rope_original_max_seq_len or cfg.max_seq_len, cfg.rope_beta_fast, cfg.rope_beta_slow,
-                     cfg.rope_truncate, cfg.rope_attention_factor)
-
-
-def layer_window(cfg: ModelConfig, layer: int) -> int:
-  """The sliding window of layer `layer` (0 = full attention): model.layer_types, else every layer alike."""
-  kind = cfg.layer_types[layer] if cfg.layer_types else "sliding"
-  return cfg.sliding_window if kind == "sliding" else 0
-
-
 class Block(nnx.Module):
+  """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)). The attention is built from the config's
+  attention section for layer `layer` (its sliding window follows model.layer_types)."""
+
   def __init__(self, cfg: ModelConfig, *, layer: int = 0, rngs: nnx.Rngs):
     dt, pdt = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     norm = dict(eps=cfg.norm_eps, use_scale=cfg.norm_scale, param_dtype=pdt)
     self.attn_norm = RMSNorm(cfg.d_model, **norm)
-    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, attention=cfg.attention,
-                          gate=cfg.gate, qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, sink_init=cfg.sink_init,
-                          gate_bias_init=cfg.gate_bias_init, impl=cfg.attn_impl, dtype=dt, param_dtype=pdt,
-                          gate_position=cfg.gate_position, gate_shared=cfg.gate_shared,
-                          gate_activation=cfg.gate_activation, gate_input=cfg.gate_input,
-                          sink_tokens=cfg.sink_tokens, use_bias=cfg.attn_bias, norm_scale=cfg.norm_scale,
-                          norm_eps=cfg.norm_eps, rope_scaling=rope_scaling(cfg),
-                          sliding_window=layer_window(cfg, layer), rope_style=cfg.rope_style, init=cfg.init,
-                          rngs=rngs)
+    self.attn = Attention(cfg.attention_config(layer), rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, **norm)
     mlp = dict(kind=cfg.mlp, use_bias=cfg.mlp_bias, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha, dtype=dt,
                param_dtype=pdt, rngs=rngs)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sinkjax import cache as cache_lib
 from sinkjax import cache_policy as cp
 from sinkjax import generate as gen_lib
 from sinkjax.cache import HybridKVCache, KVCache
@@ -152,8 +153,8 @@ def test_hybrid_decode_step_is_traced_once(monkeypatch):
   model, cfg = random_model(attention="sink", sink_tokens=1)
   full = [[True, False], [False, False]]
   calls = []
-  original = Attention._attend_cached
-  monkeypatch.setattr(Attention, "_attend_cached", lambda self, *a: calls.append(1) or original(self, *a))
+  original = cache_lib._attend_group
+  monkeypatch.setattr(cache_lib, "_attend_group", lambda *a: calls.append(1) or original(*a))
   gen = gen_lib.Generator(model, capacity=50, sink_size=2, window=8, full_heads=full)
   seen = []
   out = gen.generate([1, 2, 3], 41, temperature=1.0, seed=0,

@@ -183,7 +183,7 @@ def test_default_gated_attention_is_unchanged():
   vanilla = Attention(DM, HQ, HKV, D, rngs=nnx.Rngs(0))
   for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
     np.testing.assert_array_equal(getattr(layer, name).kernel[...], getattr(vanilla, name).kernel[...])
-  assert (layer.gate_position, layer.gate_shared, layer.gate_activation, layer.gate_input) == \
+  assert (layer.cfg.gate_position, layer.cfg.gate_shared, layer.cfg.gate_activation, layer.cfg.gate_input) == \
       ("sdpa", False, "sigmoid", "dependent")
   cfg = ModelConfig()
   assert (cfg.gate_position, cfg.gate_shared, cfg.gate_activation, cfg.gate_input) == \

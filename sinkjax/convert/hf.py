@@ -31,6 +31,7 @@ from sinkjax import paths
 from sinkjax import run as run_lib
 from sinkjax.config import Config, ModelConfig
 from sinkjax.convert import ConvertError, run_cli
+from sinkjax.layers import hf_attention_tensors
 
 FAMILIES = ("llama", "qwen3", "gpt_oss")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
@@ -132,9 +133,11 @@ def family_of(m: ModelConfig) -> str:
     problems.append("model.logit_softcap must be 0")
   if m.sink_tokens:
     problems.append("model.sink_tokens must be 0")
-  if m.attention == "sink" and m.moe_experts and m.mlp == "clamped_swiglu" and not m.qk_norm and m.mlp_bias:
+  attn = hf_attention_tensors(m.attention_config())      # None: an attention transformers does not have
+  sinks = attn is not None and "sinks" in attn
+  if sinks and m.moe_experts and m.mlp == "clamped_swiglu" and not m.qk_norm and m.mlp_bias:
     family = "gpt_oss"
-  elif m.attention == "vanilla" and not m.moe_experts and m.mlp == "swiglu" and not m.sliding_window:
+  elif attn is not None and not sinks and not m.moe_experts and m.mlp == "swiglu" and not m.sliding_window:
     family = "qwen3" if m.qk_norm else "llama"
     if m.attn_bias and m.qk_norm:
       problems.append("Qwen3 has no attention biases here (model.attn_bias)")
@@ -193,20 +196,14 @@ def _pairs(m: ModelConfig, family: str) -> list[tuple[str, tuple, bool]]:
            ("model.norm.weight", ("final_norm", "scale"), False)]
   if not m.tie_embeddings:
     pairs.append(("lm_head.weight", ("lm_head", "kernel"), True))
+  attn = hf_attention_tensors(m.attention_config()).items()       # the same names in every layer
   for i in range(m.num_layers):
     hf, ours = f"model.layers.{i}.", ("layers", i)
     pairs += [(hf + "input_layernorm.weight", ours + ("attn_norm", "scale"), False),
               (hf + "post_attention_layernorm.weight", ours + ("mlp_norm", "scale"), False)]
-    for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      pairs.append((hf + f"self_attn.{p}.weight", ours + ("attn", p, "kernel"), True))
-      if m.attn_bias:
-        pairs.append((hf + f"self_attn.{p}.bias", ours + ("attn", p, "bias"), False))
-    if m.qk_norm:
-      pairs += [(hf + "self_attn.q_norm.weight", ours + ("attn", "q_norm", "scale"), False),
-                (hf + "self_attn.k_norm.weight", ours + ("attn", "k_norm", "scale"), False)]
+    pairs += [(hf + "self_attn." + name, ours + ("attn", *path), transpose) for name, (path, transpose) in attn]
     if family == "gpt_oss":
-      pairs += [(hf + "self_attn.sinks", ours + ("attn", "sink"), False),
-                (hf + "mlp.router.weight", ours + ("mlp", "router", "kernel"), True),
+      pairs += [(hf + "mlp.router.weight", ours + ("mlp", "router", "kernel"), True),
                 (hf + "mlp.router.bias", ours + ("mlp", "router", "bias"), False),
                 (hf + "mlp.experts.down_proj", ours + ("mlp", "down_kernel"), False),
                 (hf + "mlp.experts.down_proj_bias", ours + ("mlp", "down_bias"), False)]
