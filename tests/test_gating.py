@@ -17,7 +17,8 @@ from sinkjax.attention import gated_attention, value_gated_attention
 from sinkjax.cache import KVCache
 from sinkjax.config import ModelConfig
 from sinkjax.layers import Attention, pop_head_importance
-from sinkjax.model import Transformer, count_params, param_count_formula
+from sinkjax.model import Transformer, count_params
+from tests.helpers import param_count_formula
 
 B, T, HQ, HKV, D, DM, VOCAB = 2, 8, 4, 2, 8, 32, 50
 ACTIVATIONS = ("sigmoid", "ns_sigmoid", "silu", "silu_additive")

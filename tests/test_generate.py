@@ -252,7 +252,8 @@ def test_sink_token_model_trains(attention):
 
 
 def test_param_count_includes_sink_tokens():
-  from sinkjax.model import count_params, param_count_formula
+  from sinkjax.model import count_params
+  from tests.helpers import param_count_formula
   cfg = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=VOCAB,
                     attention="gated", sink_tokens=3)
   assert count_params(Transformer(cfg, rngs=nnx.Rngs(0))) == param_count_formula(cfg)
