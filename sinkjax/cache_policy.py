@@ -79,7 +79,8 @@ def read_scores(path, source: str, shape: tuple[int, int]) -> np.ndarray:
   key = REPORT_KEYS[source]
   try:
     if path.suffix == ".jsonl":
-      from sinkjax.plots import read_metrics
+      # here, not at the top: sinkjax.run imports Orbax, and the commands' argument parsing stays light
+      from sinkjax.run import read_metrics  # pylint: disable=import-outside-toplevel
       values = [r[key] for r in read_metrics(path) if key in r][-1]
     else:
       values = json.loads(path.read_text())[key]

@@ -118,6 +118,31 @@ def watch_launcher(launcher_pid: int, *, poll_s: float = 1.0, grace_s: float = O
   return thread
 
 
+class SignalFlag:
+  """Turns SIGTERM/SIGINT into a flag the training loop checks after each step and casts in `StopVote` (a second
+  signal kills as usual)."""
+
+  def __init__(self):
+    self.signum = None
+    self._old = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():   # signal handlers only work there
+      for s in (signal.SIGTERM, signal.SIGINT):
+        self._old[s] = signal.signal(s, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signum = signum
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+  def __exit__(self, *exc):
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
 class StopVote:
   """Agreement on stopping: every process casts its local SIGTERM / SIGINT flag, and all read the same result, the
   largest signal number any process has seen (None when none has). So all processes save the same step and stop

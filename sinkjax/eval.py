@@ -25,6 +25,11 @@ the diagnostics use `sinkjax.analysis.recorded_forward` (the model's own forward
 """
 from __future__ import annotations
 
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.eval")     # before the imports below: without the train extra, one line naming it
+
 import argparse
 import json
 import math
@@ -37,11 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import analysis
+from sinkjax import analysis, paths, plots
 from sinkjax.balance import head_imbalance
-from sinkjax.data import FEATURES
-from sinkjax.model import forward_with_importance
 from sinkjax.cli import UserError
+from sinkjax.data import FEATURES, make_eval_batches
+from sinkjax.model import forward_with_importance
+from sinkjax.run import load_run, read_metrics
 
 MODEL_FEATURES = FEATURES                # the batch features of sinkjax.data (what the model and BPB read)
 
@@ -171,10 +177,9 @@ def evaluate(model, batches, *, tau: float = 0.75) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 def write_figures(report: dict, out_dir: pathlib.Path, metrics_path: pathlib.Path | None) -> list[pathlib.Path]:
-  from sinkjax import plots
   variant = report.get("attention", "")
   first = "row" if report.get("packing") == "stream" else "document"
-  paths = [
+  figures = [
       plots.plot_importance_heatmap(report["importance"], out_dir / "importance.png",
                                     f"head importance ({variant})"),
       plots.plot_first_token_attention(report["first_token_attention_per_head"], out_dir / "first_token_attention.png",
@@ -186,8 +191,8 @@ def write_figures(report: dict, out_dir: pathlib.Path, metrics_path: pathlib.Pat
                                 out_dir / "gate_histogram.png", f"gate distribution ({variant})"),
   ]
   if metrics_path is not None and metrics_path.is_file():
-    paths += plots.plot_training_curves(metrics_path, out_dir)
-  return paths
+    figures += plots.plot_training_curves(read_metrics(metrics_path), out_dir)
+  return figures
 
 
 def _fmt(x, nd=3):
@@ -232,18 +237,12 @@ def markdown(report: dict, figures: list[pathlib.Path]) -> str:
 # CLI
 # ---------------------------------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):
-    print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-    sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="python -m sinkjax.eval",
-              description="Evaluate a checkpoint: validation BPB, head importance and imbalance, attention-sink "
-                          "diagnostics (first-token attention, value norms, gates, massive activations, value "
-                          "zeroing); writes report.json, report.md and PNGs. Downstream tasks: python -m "
-                          "sinkjax.lm_eval.")
+  p = cli.Parser(prog="python -m sinkjax.eval",
+                 description="Evaluate a checkpoint: validation BPB, head importance and imbalance, attention-sink "
+                             "diagnostics (first-token attention, value norms, gates, massive activations, value "
+                             "zeroing); writes report.json, report.md and PNGs. Downstream tasks: python -m "
+                             "sinkjax.lm_eval.")
   p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory of a training run")
   p.add_argument("--out", default=None, metavar="DIR", help="output directory (default RUN_DIR/eval)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
@@ -261,9 +260,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> dict:
-  from sinkjax.data import make_eval_batches
-  from sinkjax.run import load_run
-
   if args.mc is not None:
     raise EvalError(f"multiple choice is an lm-evaluation-harness task now: python -m sinkjax.lm_eval --checkpoint "
                     f"{args.checkpoint} --mc {args.mc} (docs/EVAL.md)")
@@ -272,7 +268,6 @@ def run(args) -> dict:
       raise EvalError(f"--{name.replace('_', '-')} must be >= 1")
   if not 0.0 <= args.tau <= 1.0:
     raise EvalError(f"--tau must be in [0, 1], got {args.tau}")
-  from sinkjax import paths  # pylint: disable=import-outside-toplevel
   paths.check_bucket(args.checkpoint, "--checkpoint")   # the flag whose path fails is the one named
   run_dir = paths.as_path(args.checkpoint, "--checkpoint")
   out = paths.as_path(args.out, "--out") if args.out else run_dir / "eval"
@@ -305,21 +300,15 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  from sinkjax.checkpoint import CheckpointError
-  from sinkjax.config import ConfigError
-  from sinkjax.data import DataError
-  try:
+
+  def evaluate_and_print():
     report = run(args)
-  except (EvalError, CheckpointError, ConfigError, DataError) as e:
-    print(f"sinkjax.eval: error: {' '.join(str(e).split())}", file=sys.stderr)
-    return 1
-  out = args.out or f"{str(args.checkpoint).rstrip('/')}/eval"
-  vz = report["value_zeroing"]
-  print(f"sinkjax.eval: val_bpb {report['val_bpb']:.4f}  head_imbalance {report['head_imbalance']:.4f}  "
-        f"first-token attention {np.mean(report['first_token_attention']):.3f}  value zeroing all/selected "
-        f"{vz['bpb_all']:.4f}/{vz['bpb_selected']:.4f}"
-        + f"; wrote {out}/report.json")
-  return 0
+    out = args.out or f"{str(args.checkpoint).rstrip('/')}/eval"
+    vz = report["value_zeroing"]
+    print(f"sinkjax.eval: val_bpb {report['val_bpb']:.4f}  head_imbalance {report['head_imbalance']:.4f}  "
+          f"first-token attention {np.mean(report['first_token_attention']):.3f}  value zeroing all/selected "
+          f"{vz['bpb_all']:.4f}/{vz['bpb_selected']:.4f}; wrote {out}/report.json")
+  return cli.run_main("sinkjax.eval", evaluate_and_print)
 
 
 if __name__ == "__main__":

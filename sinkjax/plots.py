@@ -1,7 +1,6 @@
 """Figures of a run (training curves, head imbalance, layer x head importance), shared by train and eval."""
 from __future__ import annotations
 
-import json
 import pathlib
 
 import matplotlib
@@ -10,17 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-
-def read_metrics(metrics_path) -> list[dict]:
-  """The records of a metrics.jsonl file (a truncated last line, e.g. from a killed run, is skipped)."""
-  records = []
-  from sinkjax import paths  # pylint: disable=import-outside-toplevel
-  for line in paths.as_path(metrics_path).read_text().splitlines():
-    try:
-      records.append(json.loads(line))
-    except json.JSONDecodeError:
-      continue
-  return records
+from sinkjax import paths as paths_lib  # noqa: E402
 
 
 def _series(records, key):
@@ -28,10 +17,9 @@ def _series(records, key):
   return ([p[0] for p in pts], [p[1] for p in pts]) if pts else ([], [])
 
 
-def plot_training_curves(metrics_path, out_dir) -> list[pathlib.Path]:
-  """Writes loss.png (train loss, aux loss on its own log axis, val BPB) and head_imbalance.png into out_dir."""
-  records = read_metrics(metrics_path)
-  from sinkjax import paths as paths_lib  # pylint: disable=import-outside-toplevel
+def plot_training_curves(records: list[dict], out_dir) -> list[pathlib.Path]:
+  """Writes loss.png (train loss, aux loss on its own log axis, val BPB) and head_imbalance.png into out_dir, from
+  the records of a metrics.jsonl (`sinkjax.run.read_metrics`)."""
   out_dir = paths_lib.as_path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   paths = []
@@ -109,7 +97,6 @@ def plot_importance_heatmap(imp_lh, path, title: str = "head importance") -> pat
 
 def _save(fig, path):
   """Writes `fig` as PNG to a local path or an object-store URL (`sinkjax.paths`) and returns the path."""
-  from sinkjax import paths as paths_lib  # pylint: disable=import-outside-toplevel
   path = paths_lib.as_path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.tight_layout()

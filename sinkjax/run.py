@@ -5,7 +5,8 @@ A run directory (`run.dir`) holds `config.yaml` (the resolved config), `checkpoi
 `read_run_config`), checked before training writes into it (`prepare_run_dir`), started from another run
 (`train.init_from`: `adopt_init_model`, `restore_init_params`, `save_params_run` for converters) and where the
 importances of a run are measured for eq. 8's fixed shared heads (`head_importance_of`, `shared_heads_of_run`,
-`fixed_shared_heads`). `sinkjax.checkpoint` is Orbax only; `sinkjax.lora` is adapters only.
+`fixed_shared_heads`); `read_metrics` reads its metrics.jsonl. `sinkjax.checkpoint` is Orbax only; `sinkjax.lora`
+is adapters only.
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from sinkjax import balance
+from sinkjax import balance, lora, paths
 from sinkjax import config as config_lib
-from sinkjax import paths
 from sinkjax import sharding as sharding_lib
 from sinkjax.checkpoint import CHECKPOINT_DIR, CheckpointError, Checkpointer, abstract_with_shardings, restore_newest
 from sinkjax.config import Config, ConfigError, MeshConfig
+from sinkjax.data import build_tokenizer, make_eval_batches
+from sinkjax.model import Transformer, forward_with_importance
 
 CONFIG_FILE = "config.yaml"
 # Model keys a resumed or fine-tuning run may change: they do not change the parameters.
@@ -35,6 +37,17 @@ RESUMABLE_MODEL_KEYS = ("dtype", "remat", "remat_policy", "scan_layers", "attn_i
 INIT_CHECKED_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
 # data.* keys added after runs were made, with the value every run made before them used.
 LEGACY_DATA_SETTINGS = {"shuffle_batches": 0, "packing": "document"}
+
+
+def read_metrics(metrics_path) -> list[dict]:
+  """The records of a metrics.jsonl file (a truncated last line, e.g. from a killed run, is skipped)."""
+  records = []
+  for line in paths.as_path(metrics_path).read_text().splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return records
 
 
 class LoadedRun(NamedTuple):
@@ -57,10 +70,6 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> LoadedRun:
   """A training run's model with the parameters of its latest (or given) checkpoint, replicated over this process'
   devices whatever mesh trained them; only the parameters are restored. A LoRA run comes back with its adapters
   (`sinkjax.lora.merge` folds them in)."""
-  from sinkjax import lora  # pylint: disable=import-outside-toplevel
-  from sinkjax.data import build_tokenizer  # the data package imports heavy readers lazily; keep startup light
-  from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
-
   paths.check_bucket(run_dir, "run directory")
   run_dir = paths.as_path(run_dir, "run directory")
   if not run_dir.is_dir():
@@ -237,7 +246,6 @@ def adopt_init_model(cfg: Config) -> Config | None:
 def restore_init_params(cfg: Config, init_cfg: Config, mesh):
   """The parameters (nnx.State of nnx.Param, no adapters) of the latest checkpoint of train.init_from, placed with
   the training shardings."""
-  from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
   abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
   target = abstract_with_shardings(abstract, sharding_lib.state_shardings(mesh, abstract))
   init_ckpt = Checkpointer(cfg.train.init_from, init_cfg.checkpoint, read_only=True)
@@ -256,8 +264,6 @@ def restore_init_params(cfg: Config, init_cfg: Config, mesh):
 
 def head_importance_of(model: nnx.Module, batches) -> np.ndarray:
   """Mean [L, H] head importance (eq. 5) of `model` over `batches` (dicts with inputs, segment_ids, positions)."""
-  from sinkjax.model import forward_with_importance  # pylint: disable=import-outside-toplevel
-
   graphdef, state = nnx.split(model)
 
   @jax.jit
@@ -276,7 +282,6 @@ def shared_heads_of_run(run_dir: str | pathlib.Path, num_shared: int, *, num_bat
                         batch_size: int = 4, data_cfg=None) -> tuple[np.ndarray, np.ndarray]:
   """(importance [L,H], shared mask [L,H] bool: the top-`num_shared` heads of each layer) of a pretrained run,
   measured on `num_batches` validation batches of `data_cfg` (default: the run's own data section)."""
-  from sinkjax.data import make_eval_batches  # pylint: disable=import-outside-toplevel
   loaded = load_run(run_dir)
   batches = make_eval_batches(data_cfg or loaded.cfg.data, loaded.tokenizer, batch_size=batch_size,
                               num_batches=num_batches)
@@ -286,9 +291,8 @@ def shared_heads_of_run(run_dir: str | pathlib.Path, num_shared: int, *, num_bat
 
 def _recorded_importance(path):
   """The last importance [L,H] in a metrics.jsonl, or the importance of an eval report.json."""
-  from sinkjax import plots  # pylint: disable=import-outside-toplevel
   if path.suffix == ".jsonl":
-    return [r["importance"] for r in plots.read_metrics(path) if "importance" in r][-1]
+    return [r["importance"] for r in read_metrics(path) if "importance" in r][-1]
   return json.loads(path.read_text())["importance"]
 
 

@@ -1,5 +1,34 @@
-"""Helpers shared by several test files: independent references that the tests compare the code against."""
+"""Helpers shared by several test files: independent references that the tests compare the code against, and the
+commands run in subprocesses."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
 from sinkjax.config import ModelConfig
+from sinkjax.run import read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# References, written out independently of sinkjax in float64 numpy
+# ---------------------------------------------------------------------------------------------------------------
+
+def rms_norm(x, eps=1e-6):
+  """Parameter-free RMS norm over the last axis."""
+  return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+
+
+def rope(x, pos, theta=10000.0):
+  """Split-halves RoPE: pairs (x_i, x_{i+D/2}) rotated by pos * theta^(-2i/D); x [..., T, H, D], pos [..., T]."""
+  d = x.shape[-1]
+  ang = np.asarray(pos, np.float64)[..., None, None] * theta ** -(np.arange(0, d, 2) / d)     # [..., T, 1, D/2]
+  a, b = x[..., :d // 2], x[..., d // 2:]
+  return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1)
 
 
 def param_count_formula(cfg: ModelConfig) -> int:
@@ -25,3 +54,52 @@ def param_count_formula(cfg: ModelConfig) -> int:
     mlp = cfg.moe_experts * mlp + d * cfg.moe_experts + cfg.moe_experts     # experts + router
   final = (d if cfg.norm_scale else 0) + (2 * cfg.num_layers if cfg.residual_scalars else 0)
   return v * d * (1 if cfg.tie_embeddings else 2) + cfg.num_layers * (attn + mlp) + final
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Commands in subprocesses
+# ---------------------------------------------------------------------------------------------------------------
+
+def command_env(extra=None, devices: int = 1) -> dict:
+  """A command's environment: this process' on `devices` CPU devices (the test session simulates 8, which makes
+  every compile of a one-device run slower), plus `extra`."""
+  return {**os.environ, "JAX_PLATFORMS": "cpu", **(extra or {}),
+          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def start_command(module: str, *args, env=None, devices: int = 1, cwd=ROOT, **popen) -> subprocess.Popen:
+  """`python -m MODULE ARGS...` started in a subprocess, its stdout and stderr piped as text."""
+  return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=command_env(env, devices),
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> subprocess.CompletedProcess:
+  """Waits for a started command; its status and output."""
+  out, err = proc.communicate(timeout=timeout)
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_command(module: str, *args, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+  """`python -m MODULE ARGS...` run to its end in a subprocess (`start_command`'s keywords)."""
+  return finish(start_command(module, *args, **kw), timeout)
+
+
+def one_error_line(result: subprocess.CompletedProcess, status: int = 1) -> str:
+  """The one line on stderr of a command that failed with `status` (no traceback, nothing else)."""
+  lines = [l for l in result.stderr.splitlines() if l.strip()]
+  assert result.returncode == status, (result.returncode, result.stdout[-3000:], result.stderr[-3000:])
+  assert len(lines) == 1, result.stderr[-3000:]
+  return lines[0]
+
+
+def losses(run_dir) -> list[tuple[int, float]]:
+  """(step, loss) of each record in RUN_DIR/metrics.jsonl; [] before the first is written."""
+  path = pathlib.Path(run_dir) / "metrics.jsonl"
+  return [(r["step"], r["loss"]) for r in read_metrics(path)] if path.is_file() else []
+
+
+def run_ok(module: str, *args, **kw) -> subprocess.CompletedProcess:
+  """`run_command` that must succeed (its output in the failure message)."""
+  r = run_command(module, *args, **kw)
+  assert r.returncode == 0, f"{module} {' '.join(map(str, args))} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+  return r

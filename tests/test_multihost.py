@@ -21,7 +21,8 @@ import time
 import numpy as np
 import pytest
 
-from sinkjax.plots import read_metrics
+from sinkjax.run import read_metrics
+from tests.helpers import losses, run_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = "configs/tiny.yaml"
@@ -116,11 +117,6 @@ def wait_for(cond, timeout, what, launch=None):
   if launch is not None:
     launch.stop()
   pytest.fail(f"timed out after {timeout}s waiting for {what}" + (f": {launch.text()}" if launch else ""))
-
-
-def _losses(run_dir):
-  path = pathlib.Path(run_dir) / "metrics.jsonl"
-  return [(r["step"], r["loss"]) for r in read_metrics(path)] if path.is_file() else []
 
 
 def _steps(run_dir):
@@ -219,10 +215,7 @@ def test_two_processes_train_log_once_and_evaluate_in_one(tmp_path, compile_cach
   data = run_dir / "checkpoints" / "6" / "data"
   assert sorted(p.name for p in data.glob("process_*")) == ["process_0-of-2.json", "process_1-of-2.json"]
 
-  env = {**os.environ, **compile_cache, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-         "JAX_PLATFORMS": "cpu"}
-  r = subprocess.run([sys.executable, "-m", "sinkjax.eval", "--checkpoint", str(run_dir), "--batches", "1"],
-                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  r = run_command("sinkjax.eval", "--checkpoint", run_dir, "--batches", "1", env=compile_cache, timeout=300)
   assert r.returncode == 0, r.stderr
   report = json.loads((run_dir / "eval" / "report.json").read_text())
   # The eval batch is the training micro-batch of 8 rows: the 4 + 4 validation rows the two processes evaluated.
@@ -238,11 +231,11 @@ def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, compile_cache, l
   rc, _, err = launch(["--config", TINY, *ov, f"run.dir={part}", "train.stop_at_step=4"],
                       env=compile_cache).wait(400)
   assert rc == 0, err
-  assert _steps(part) == [3, 4] and len(_losses(part)) == 4
+  assert _steps(part) == [3, 4] and len(losses(part)) == 4
   rc, out, err = launch(["--config", TINY, *ov, f"run.dir={part}"], env=compile_cache).wait(400)
   assert rc == 0, err
   assert "resuming from step 4" in out
-  assert _losses(part) == _losses(whole) and len(_losses(whole)) == 6
+  assert losses(part) == losses(whole) and len(losses(whole)) == 6
   assert read_metrics(part / "metrics.jsonl")[-1]["val_bpb"] == read_metrics(whole / "metrics.jsonl")[-1]["val_bpb"]
 
   # One process cannot take over the two processes' data positions: refused in one line, checkpoint untouched.
@@ -274,7 +267,7 @@ def test_kill_9_of_one_process_ends_the_job_and_a_rerun_resumes(tmp_path, compil
                         env=compile_cache).wait(400)
   assert rc == 0, err
   assert f"resuming from step {last}" in out and f"done: step {last + 2}/{last + 2}" in out
-  assert [s for s, _ in _losses(run_dir)] == list(range(1, last + 3))
+  assert [s for s, _ in losses(run_dir)] == list(range(1, last + 3))
 
 
 @pytest.mark.slow    # ~1 min: one 2-process run
@@ -283,14 +276,14 @@ def test_sigterm_to_one_process_saves_the_same_step_everywhere(tmp_path, compile
   ov = OV + ["checkpoint.every=1000", "train.eval_batches=0"]
   run = launch(["--config", TINY, *ov, "train.steps=100000", f"run.dir={run_dir}"], env=compile_cache)
   pids = run.pids()
-  wait_for(lambda: len(_losses(run_dir)) >= 3, 300, "three logged steps", run)
+  wait_for(lambda: len(losses(run_dir)) >= 3, 300, "three logged steps", run)
   os.kill(pids[1], signal.SIGTERM)
   rc, _, err = run.wait(timeout=120)
   assert rc == 128 + signal.SIGTERM, err
   stops = {i: re.findall(r"stopped by SIGTERM at step (\d+)", "\n".join(_lines(err, f"[p{i}]"))) for i in (0, 1)}
   assert len(stops[0]) == 1 and stops[0] == stops[1], err
   step = int(stops[0][0])
-  assert _steps(run_dir) == [step] and _losses(run_dir)[-1][0] == step
+  assert _steps(run_dir) == [step] and losses(run_dir)[-1][0] == step
   assert sorted(p.name for p in (run_dir / "checkpoints" / str(step) / "data").glob("process_*")) == \
       ["process_0-of-2.json", "process_1-of-2.json"]
 

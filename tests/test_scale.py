@@ -23,11 +23,9 @@ from sinkjax import optim
 from sinkjax import sharding as sharding_lib
 from sinkjax.config import MeshConfig, load_config
 from sinkjax.model import Transformer
-from sinkjax.plots import read_metrics
 from sinkjax.train import train
+from tests.helpers import ROOT, TINY, command_env, losses, start_command
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
 # vocab 260 (>= the byte tokenizer's 257) divides the tensor axis, so the vocab rule is exercised.
 SMALL = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=16",
          "model.vocab_size=260", "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=8",
@@ -35,23 +33,13 @@ SMALL = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.n
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2)]
 
 
-def _env(extra, devices):
-  return {**os.environ, **extra, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-          "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": "default"}
-
-
 def cli(args, extra, devices=1):
-  return subprocess.Popen([sys.executable, "-m", "sinkjax.train", *args], cwd=ROOT, env=_env(extra, devices),
-                          text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  return start_command("sinkjax.train", *args, env={**extra, "PYTHONWARNINGS": "default"}, devices=devices)
 
 
 def py(code, extra, devices=1):
-  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(extra, devices), text=True,
-                        capture_output=True, timeout=300)
-
-
-def _losses(run_dir):
-  return [(r["step"], r["loss"]) for r in read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")]
+  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True, timeout=300,
+                        env=command_env({**extra, "PYTHONWARNINGS": "default"}, devices))
 
 
 def _mesh_ov(m):
@@ -122,11 +110,11 @@ def mesh_runs(tmp_path_factory, compile_cache):
 
 
 @pytest.mark.slow    # ~2 min on a 2-core CPU: four compilations of the step
-def test_meshes_give_the_same_losses(mesh_runs):
-  ref = _losses(mesh_runs[(1, 1, 1)])
+def test_meshes_give_the_samelosses(mesh_runs):
+  ref = losses(mesh_runs[(1, 1, 1)])
   assert [s for s, _ in ref] == [1, 2, 3]
   for m in MESHES:
-    got = _losses(mesh_runs[m])
+    got = losses(mesh_runs[m])
     assert [s for s, _ in got] == [1, 2, 3], m
     np.testing.assert_allclose([l for _, l in got], [l for _, l in ref], rtol=2e-5, err_msg=str(m))
 
@@ -200,8 +188,8 @@ def test_checkpoint_moves_between_device_counts(mesh_runs, tmp_path, compile_cac
   out = train(load_config(TINY, SMALL + ["train.steps=4", *_mesh_ov((1, 4, 2)), f"run.dir={moved}"]),
               progress=False)
   assert out["start_step"] == 3 and out["end_step"] == 4
-  assert [s for s, _ in _losses(moved)] == [1, 2, 3, 4]
-  assert np.isfinite(_losses(moved)[-1][1])
+  assert [s for s, _ in losses(moved)] == [1, 2, 3, 4]
+  assert np.isfinite(losses(moved)[-1][1])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -228,12 +216,13 @@ def test_kill_9_resumes_from_the_last_complete_checkpoint(tmp_path, compile_cach
   complete = _steps(run_dir)            # Orbax renames a step into place only once it is complete
   last = complete[-1]
   target = last + 3
-  again = cli(["--config", TINY, *KILL_OV, f"train.steps={target}", f"run.dir={run_dir}"], compile_cache)
+  again = cli(["--config", TINY, *KILL_OV, "train.steps=100000", f"train.stop_at_step={target}",
+               f"run.dir={run_dir}"], compile_cache)       # the same schedule (train.steps), three more steps
   out, err = again.communicate(timeout=300)
   assert again.returncode == 0, err
   assert f"resuming from step {last}" in out, out
-  assert f"done: step {target}/{target}" in out, out
-  assert [s for s, _ in _losses(run_dir)] == list(range(1, target + 1))
+  assert f"done: step {target}/100000" in out, out
+  assert [s for s, _ in losses(run_dir)] == list(range(1, target + 1))
   assert _steps(run_dir)[-1] == target
 
 
@@ -258,13 +247,13 @@ def test_corrupted_latest_checkpoint_falls_back_with_a_warning(tmp_path, compile
   printed = [l for l in capfd.readouterr().err.splitlines() if l.strip()]
   assert len(printed) <= 2, printed
   assert out["start_step"] == 2 and out["end_step"] == 6
-  assert [s for s, _ in _losses(run_dir)] == [1, 2, 3, 4, 5, 6]
+  assert [s for s, _ in losses(run_dir)] == [1, 2, 3, 4, 5, 6]
   assert _steps(run_dir) == [2, 4, 6]   # step 4 written again; the damaged one set aside
   moved = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("4.corrupt-")]
   assert len(moved) == 1 and "restoring checkpoint step 4 failed" in (moved[0] / "restore-errors.log").read_text()
   whole = tmp_path / "whole"
   train(load_config(TINY, SMALL + ["checkpoint.every=2", f"run.dir={whole}", "train.steps=6"]), progress=False)
-  assert _losses(run_dir) == _losses(whole)
+  assert losses(run_dir) == losses(whole)
 
 
 def test_failed_checkpoint_write_is_one_clear_line(tmp_path):

@@ -6,11 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +21,7 @@ from sinkjax.attention import vanilla_attention
 from sinkjax.config import ConfigError, DataConfig, ModelConfig, load_config
 from sinkjax.data import DataError, build_tokenizer, make_eval_batches, make_train_iterator
 from sinkjax.model import Transformer, forward_with_importance
+from tests.helpers import finish, losses, start_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BOS = 256                                   # byte tokenizer
@@ -328,36 +326,27 @@ SMALL = ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.n
          "data.packing=stream"]
 
 
-def _cli(module, args, env):
-  return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE,
-                          env={**os.environ, **env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
-
-
 def _finish(proc):
-  out, err = proc.communicate(timeout=600)
-  assert proc.returncode == 0, err[-3000:]
-  return out
-
-
-def _losses(run_dir):
-  return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+  r = finish(proc)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return r.stdout
 
 
 def test_cli_trains_resumes_and_evaluates_with_stream_packing(tmp_path, compile_cache):
   """tiny.yaml with data.packing=stream: 4 steps in one go equal 2 + 2 resumed steps (losses, val_bpb), and
   sinkjax.eval on the run reads stream batches and reproduces the trainer's last val_bpb."""
   train_args = ["--config", "configs/tiny.yaml", *SMALL, "train.steps=4"]
-  whole = _cli("sinkjax.train", train_args + [f"run.dir={tmp_path / 'a'}"], compile_cache)
-  first = _cli("sinkjax.train", train_args + [f"run.dir={tmp_path / 'b'}", "train.stop_at_step=2"], compile_cache)
+  whole = start_command("sinkjax.train", *train_args, f"run.dir={tmp_path / 'a'}", env=compile_cache)
+  first = start_command("sinkjax.train", *train_args, f"run.dir={tmp_path / 'b'}", "train.stop_at_step=2",
+                        env=compile_cache)
   _finish(whole)
   _finish(first)
-  out = _finish(_cli("sinkjax.train", train_args + [f"run.dir={tmp_path / 'b'}"], compile_cache))
+  out = _finish(start_command("sinkjax.train", *train_args, f"run.dir={tmp_path / 'b'}", env=compile_cache))
   assert "resuming from step 2" in out
-  assert _losses(tmp_path / "a") == _losses(tmp_path / "b") and len(_losses(tmp_path / "a")) == 4
+  assert losses(tmp_path / "a") == losses(tmp_path / "b") and len(losses(tmp_path / "a")) == 4
   assert load_config(str(tmp_path / "b" / "config.yaml")).data.packing == "stream"
-  _finish(_cli("sinkjax.eval", ["--checkpoint", str(tmp_path / "b"), "--out", str(tmp_path / "eval")],
-               compile_cache))
+  _finish(start_command("sinkjax.eval", "--checkpoint", tmp_path / "b", "--out", tmp_path / "eval",
+                        env=compile_cache))
   report = json.loads((tmp_path / "eval" / "report.json").read_text())
   last = [json.loads(l) for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines() if "val_bpb" in l]
   assert report["packing"] == "stream" and report["eval_tokens"] == 2 * 8 * 32      # full rows, every target

@@ -6,13 +6,10 @@ The models here are a few thousand parameters so that the file runs in a few min
 JAX compilation cache (also handed to the CLI subprocesses) lets repeated runs of one shape compile once.
 """
 import hashlib
-import json
 import os
 import pathlib
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -25,31 +22,14 @@ from flax import nnx
 from sinkjax import balance, optim
 from sinkjax.config import load_config
 from sinkjax.data import build_tokenizer, make_train_iterator
+from sinkjax.cli import Interrupted
 from sinkjax.model import Transformer
-from sinkjax.plots import read_metrics
-from sinkjax.train import TRAIN_FEATURES, Interrupted, TrainError, make_train_step, train
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
+from sinkjax.run import read_metrics
+from sinkjax.train import TRAIN_FEATURES, TrainError, make_train_step, train
+from tests.helpers import TINY, finish, losses, one_error_line, start_command
 SMALL = ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=16",
          "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=16", "train.log_every=1", "train.eval_batches=1",
          "train.eval_every=0", "checkpoint.every=100"]
-
-
-def cli(args, env_extra, **kw):
-  """`python -m sinkjax.train ARGS` on one CPU device (the in-process tests cover the 8-device mesh)."""
-  env = {**os.environ, **env_extra, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-  return subprocess.Popen([sys.executable, "-m", "sinkjax.train", *args], cwd=ROOT, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
-
-
-def one_error_line(proc):
-  out, err = proc.communicate(timeout=300)
-  lines = [l for l in err.splitlines() if l.strip()]
-  assert proc.returncode != 0, (out, err)
-  assert "Traceback" not in err, err
-  assert len(lines) == 1, err
-  return lines[0]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -168,21 +148,17 @@ def test_optimizer_groups():
 # The loop, checkpoints, CLI
 # ------------------------------------------------------------------------------------------------------------
 
-def _losses(run_dir):
-  return [(r["step"], r["loss"]) for r in read_metrics(pathlib.Path(run_dir) / "metrics.jsonl")]
-
-
 def test_exact_resume(tmp_path, compile_cache):
   """k steps, stop with a checkpoint, resume to 2k == 2k uninterrupted: bitwise equal losses and parameters
   (optimizer state, RNG and the data iterator position are restored; gradient accumulation on)."""
   ov = SMALL + ["train.steps=6", "train.grad_accum=2", "loss.aux_weight=0.0001"]
   whole = train(load_config(TINY, ov + [f"run.dir={tmp_path / 'a'}"]), progress=False)
   first = train(load_config(TINY, ov + [f"run.dir={tmp_path / 'b'}", "train.stop_at_step=3"]), progress=False)
-  assert first["end_step"] == 3 and len(_losses(tmp_path / "b")) == 3
+  assert first["end_step"] == 3 and len(losses(tmp_path / "b")) == 3
   second = train(load_config(TINY, ov + [f"run.dir={tmp_path / 'b'}"]), progress=False)
   assert second["start_step"] == 3
-  assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
-  assert len(_losses(tmp_path / "a")) == 6 and whole["val_bpb"] == second["val_bpb"]
+  assert losses(tmp_path / "a") == losses(tmp_path / "b")
+  assert len(losses(tmp_path / "a")) == 6 and whole["val_bpb"] == second["val_bpb"]
 
   from sinkjax.run import load_run
   (ma, _, _, _), (mb, cfg, tok, _) = load_run(tmp_path / "a"), load_run(tmp_path / "b")
@@ -291,7 +267,7 @@ def test_sigterm_saves_a_checkpoint_and_resumes(tmp_path, compile_cache):
   with pytest.raises(Interrupted) as e:
     train(load_config(TINY, ov), progress=False)
   assert e.value.signum == signal.SIGTERM
-  stopped = _losses(run_dir)[-1][0]
+  stopped = losses(run_dir)[-1][0]
   assert 2 <= stopped < 200
   steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
   assert steps == [stopped]
@@ -325,8 +301,9 @@ def test_cli_smoke_and_user_errors(tmp_path, compile_cache):
   """configs/tiny.yaml through the CLI leaves a complete run directory; user errors are one line on stderr with
   a non-zero exit and leave an existing run directory untouched. The error cases run concurrently."""
   run_dir = tmp_path / "tiny"
-  smoke = cli(["--config", "configs/tiny.yaml", "train.steps=4", "train.batch_size=4", "train.log_every=2",
-               "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2", f"run.dir={run_dir}"], compile_cache)
+  smoke = start_command("sinkjax.train", "--config", "configs/tiny.yaml", "train.steps=4", "train.batch_size=4",
+                        "train.log_every=2", "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2",
+                        f"run.dir={run_dir}", env=compile_cache)
   blocker = tmp_path / "a_file"
   blocker.write_text("")
   bad = {
@@ -337,20 +314,22 @@ def test_cli_smoke_and_user_errors(tmp_path, compile_cache):
       "unwritable run dir": ([f"run.dir={blocker}/run"], "is not writable"),
       "not an override": (["steps"], "must look like section.key=value"),
   }
-  procs = {name: cli(["--config", "configs/tiny.yaml", *args], compile_cache) for name, (args, _) in bad.items()}
-  missing_cfg = cli(["--config", "configs/nope.yaml"], compile_cache)
-  help_ = cli(["--help"], compile_cache)
-  no_args = cli([], compile_cache)
+  procs = {name: start_command("sinkjax.train", "--config", "configs/tiny.yaml", *args, env=compile_cache)
+           for name, (args, _) in bad.items()}
+  missing_cfg = start_command("sinkjax.train", "--config", "configs/nope.yaml", env=compile_cache)
+  help_ = start_command("sinkjax.train", "--help", env=compile_cache)
+  no_args = start_command("sinkjax.train", env=compile_cache)
   for name, (_, expect) in bad.items():
-    line = one_error_line(procs[name])
+    line = one_error_line(finish(procs[name]))
     assert expect in line, (name, line)
-  assert "does not exist" in one_error_line(missing_cfg)
-  assert "--config" in one_error_line(no_args)
-  out, _ = help_.communicate(timeout=300)
-  assert help_.returncode == 0 and out.startswith("usage:") and "section.key=value" in out
+  assert "does not exist" in one_error_line(finish(missing_cfg))
+  assert "--config" in one_error_line(finish(no_args), status=2)
+  help_ = finish(help_)
+  assert help_.returncode == 0 and help_.stdout.startswith("usage:") and "section.key=value" in help_.stdout
 
-  out, err = smoke.communicate(timeout=600)
-  assert smoke.returncode == 0, err
+  smoke = finish(smoke)
+  out = smoke.stdout
+  assert smoke.returncode == 0, smoke.stderr
   names = {p.name for p in run_dir.iterdir()}
   assert {"checkpoints", "metrics.jsonl", "config.yaml", "tb", "loss.png", "head_imbalance.png",
           "importance.png"} <= names
@@ -368,7 +347,7 @@ def test_cli_smoke_and_user_errors(tmp_path, compile_cache):
 
   # An existing run directory survives a mismatching command untouched.
   before = _digest(run_dir)
-  line = one_error_line(cli(["--config", "configs/tiny.yaml", "model.num_layers=3", f"run.dir={run_dir}"],
-                            compile_cache))
+  line = one_error_line(finish(start_command("sinkjax.train", "--config", "configs/tiny.yaml", "model.num_layers=3",
+                                            f"run.dir={run_dir}", env=compile_cache)))
   assert "different model (num_layers)" in line
   assert _digest(run_dir) == before

@@ -290,7 +290,7 @@ def evaluate_run(run_dir: pathlib.Path, scale: Scale, *, tau: float = TAU) -> tu
 
 def imbalance_curve(run_dir: pathlib.Path) -> list[list[float]]:
   """[[step, head_imbalance], ...] of the run's metrics.jsonl (the training batches' importances, eq. 6)."""
-  from sinkjax.plots import read_metrics
+  from sinkjax.run import read_metrics
   return [[r["step"], r["head_imbalance"]] for r in read_metrics(run_dir / "metrics.jsonl")
           if r.get("head_imbalance") is not None]
 
@@ -1007,6 +1007,7 @@ def _dry_run(out: pathlib.Path, scale: Scale, specs, reuse=()) -> None:
 
 
 def main(argv=None) -> int:
+  cli.require_extra("sinkjax.experiments.paper")   # the study trains (sinkjax.train imported when it runs)
   argv = sys.argv[1:] if argv is None else list(argv)
   parser = build_parser()
   args = parser.parse_args(argv)
