@@ -35,8 +35,14 @@ the --full-heads-from map), and prints a StreamingLLM-style table with each cach
 """
 from __future__ import annotations
 
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.generate")   # before the imports below: without the train extra, one line naming it
+
 import argparse
 import functools
+import logging
 import math
 import sys
 import time
@@ -49,6 +55,7 @@ from flax import nnx
 from sinkjax import cache_policy, paths
 from sinkjax.cache import make_cache
 from sinkjax.cli import UserError
+from sinkjax.run import load_run
 
 
 class UsageError(UserError):
@@ -309,14 +316,9 @@ def format_table(rows: list[dict], window: int) -> str:
 # Command line
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):               # one line, not argparse's usage block
-    raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="python -m sinkjax.generate", description=__doc__.split("\n\n")[0],
-              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.Parser(prog="python -m sinkjax.generate", description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--checkpoint", required=True, help="run directory of a training run")
   p.add_argument("--prompt", help="text to continue (BOS is prepended)")
   p.add_argument("--max-new-tokens", type=int, help="number of tokens to generate (>= 1); required with --prompt")
@@ -383,9 +385,7 @@ def _validate_cache(args) -> None:
 
 
 def run(args) -> None:
-  import logging
   logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
-  from sinkjax.run import load_run
   model, cfg, tok, _ = load_run(args.checkpoint)
   if args.ppl is not None:
     run_ppl(args, model, cfg, tok)
@@ -443,21 +443,15 @@ def run_generate(args, model, cfg, tok) -> None:
 
 
 def main(argv=None) -> int:
-  parser = build_parser()
-  try:
-    args = parser.parse_args(argv)
+  args = build_parser().parse_args(argv)
+
+  def checked_run():
     _validate(args)
     paths.check_bucket(args.checkpoint, "--checkpoint")
     if not paths.as_path(args.checkpoint, "--checkpoint").is_dir():
       raise UsageError(f"run directory {args.checkpoint} does not exist")
     run(args)
-  except ValueError as e:                  # UsageError, CheckpointError, ConfigError, DataError
-    print(f"sinkjax.generate: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-    return 1                               # as sinkjax.train / sinkjax.eval
-  except KeyboardInterrupt:
-    print("", file=sys.stderr)
-    return 130
-  return 0
+  return cli.run_main("sinkjax.generate", checked_run)
 
 
 if __name__ == "__main__":

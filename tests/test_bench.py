@@ -1,5 +1,6 @@
 """sinkjax.bench.train: the nanochat peer row (present, or skipped with a one-line note), Muon's FLOP count and the
 round-robin timing (settling calls, paired per-round ratios)."""
+import math
 import pathlib
 
 import jax.numpy as jnp
@@ -35,8 +36,8 @@ def test_nanochat_row_is_nanochats_own_model_at_the_same_shape():
   cfg = load_config("configs/tiny.yaml", SMALL)
   run, n, note = bench.nanochat_runner(peer.root, cfg, bench.random_batch(2, 8))
   assert run is not None, note
-  for _ in range(3):
-    run()
+  losses = [float(run()) for _ in range(3)]
+  assert all(math.isfinite(l) for l in losses) and losses[2] < losses[1] < losses[0], losses
   padded = load_config("configs/tiny.yaml", SMALL + ["model.vocab_pad_to=64"])
   assert n == count_params(Transformer(padded.model, rngs=nnx.Rngs(0)))
 

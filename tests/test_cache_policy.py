@@ -17,7 +17,8 @@ from sinkjax import cache_policy as cp
 from sinkjax import generate as gen_lib
 from sinkjax.cache import HybridKVCache, KVCache
 from sinkjax.layers import Attention
-from tests.test_generate import _rms, _rope, random_model
+from tests.helpers import rms_norm, rope
+from tests.test_generate import random_model
 
 KNOBS = (jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0))
 
@@ -79,19 +80,19 @@ def reference_decode(layer, x, t: int, full_kv, S: int, W: int) -> np.ndarray:
   H, Hkv, D, n = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.num_sink_tokens
   xs = np.asarray(x[0], np.float64)
   proj = lambda z, lin, h: (z @ W_(lin)).reshape(len(z), h, D)
-  q, k, v = _rms(proj(xs, layer.q_proj, H)), _rms(proj(xs, layer.k_proj, Hkv)), proj(xs, layer.v_proj, Hkv)
+  q, k, v = rms_norm(proj(xs, layer.q_proj, H)), rms_norm(proj(xs, layer.k_proj, Hkv)), proj(xs, layer.v_proj, Hkv)
   if n:
     sinks = np.asarray(layer.sink_states[...], np.float64)
-    ks, vs = _rope(_rms(proj(sinks, layer.k_proj, Hkv)), np.arange(n)), proj(sinks, layer.v_proj, Hkv)
+    ks, vs = rope(rms_norm(proj(sinks, layer.k_proj, Hkv)), np.arange(n)), proj(sinks, layer.v_proj, Hkv)
   out = np.zeros((H, D))
   for i in range(H):
     h = i // (H // Hkv)
     idx, pos, qpos = kept_keys(t, full_kv[h], S, W)
-    keys = _rope(k[idx][:, h:h + 1], pos + n)[:, 0]
+    keys = rope(k[idx][:, h:h + 1], pos + n)[:, 0]
     vals = v[idx][:, h]
     if n:
       keys, vals = np.concatenate([ks[:, h], keys]), np.concatenate([vs[:, h], vals])
-    z = keys @ _rope(q[t:t + 1, i:i + 1], np.array([qpos + n]))[0, 0] / np.sqrt(D)
+    z = keys @ rope(q[t:t + 1, i:i + 1], np.array([qpos + n]))[0, 0] / np.sqrt(D)
     extra = np.asarray(layer.sink[...], np.float64)[i] if layer.attention == "sink" else -np.inf
     m = max(z.max(), extra)
     p = np.exp(z - m) / (np.exp(z - m).sum() + np.exp(extra - m))

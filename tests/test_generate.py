@@ -15,6 +15,7 @@ from sinkjax.cache import KVCache, slot_of, slot_positions
 from sinkjax.config import ModelConfig
 from sinkjax.layers import Attention, pop_head_importance
 from sinkjax.model import Transformer
+from tests.helpers import rms_norm, rope
 
 VOCAB = 50
 
@@ -133,19 +134,6 @@ def test_prompt_longer_than_streaming_cache_is_streamed():
 # Learnable sink tokens
 
 
-def _rope(x, pos, theta=10000.0):
-  """Split-halves RoPE written out independently: pairs (x_i, x_{i+D/2}) rotated by pos * theta^(-2i/D)."""
-  D = x.shape[-1]
-  ang = pos[:, None] * theta ** (-np.arange(0, D, 2) / D)
-  c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-  a, b = x[..., :D // 2], x[..., D // 2:]
-  return np.concatenate([a * c - b * s, b * c + a * s], -1)
-
-
-def _rms(x, eps=1e-6):
-  return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
-
-
 @pytest.mark.parametrize("attention", ["vanilla", "sink"])
 def test_sink_tokens_hand_built_positions_and_visibility(attention):
   """Packed row [doc 1 (3 tokens), doc 2 (2 tokens), padding]: each query sees the 2 sink tokens (keys at RoPE
@@ -162,10 +150,10 @@ def test_sink_tokens_hand_built_positions_and_visibility(attention):
   W = lambda lin: np.asarray(lin.kernel[...], np.float64)
   xs, sinks = np.asarray(x[0], np.float64), np.asarray(layer.sink_states[...], np.float64)
   proj = lambda z, lin, h: (z @ W(lin)).reshape(len(z), h, D)
-  q = _rope(_rms(proj(xs, layer.q_proj, H)), np.array([0, 1, 2, 0, 1, 0]) + n)
-  k = _rope(_rms(proj(xs, layer.k_proj, H)), np.array([0, 1, 2, 0, 1, 0]) + n)
+  q = rope(rms_norm(proj(xs, layer.q_proj, H)), np.array([0, 1, 2, 0, 1, 0]) + n)
+  k = rope(rms_norm(proj(xs, layer.k_proj, H)), np.array([0, 1, 2, 0, 1, 0]) + n)
   v = proj(xs, layer.v_proj, H)
-  ks = _rope(_rms(proj(sinks, layer.k_proj, H)), np.arange(n))
+  ks = rope(rms_norm(proj(sinks, layer.k_proj, H)), np.arange(n))
   vs = proj(sinks, layer.v_proj, H)
   docs, out, gates = [1, 1, 1, 2, 2, 0], np.zeros((6, H, D)), np.zeros((6, H))
   for t in range(5):
@@ -296,10 +284,17 @@ def test_sampling_knobs():
     (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3"], "not a run directory"),
 ])
 def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
+  """A bad value is one line and status 1; a command line argparse refuses, one line and status 2 (sinkjax.cli)."""
   argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-  assert gen_lib.main(argv) != 0
+  try:
+    status = gen_lib.main(argv)
+  except SystemExit as e:
+    status = e.code
   err = capsys.readouterr().err.strip()
-  assert len(err.splitlines()) == 1 and err.startswith("sinkjax.generate: error:") and message in err, err
+  parsing = message in ("invalid choice", "--checkpoint")       # the two that argparse refuses
+  assert status == (2 if parsing else 1), (status, err)
+  assert len(err.splitlines()) == 1 and message in err, err
+  assert err.startswith("python -m sinkjax.generate: error:" if parsing else "sinkjax.generate: error:"), err
 
 
 def test_cli_help(capsys):

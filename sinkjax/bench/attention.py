@@ -20,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from sinkjax import cli
 from sinkjax.kernels import BlockSizes, default_impl, flash_attention
 
 _BWD_TILES = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
@@ -103,7 +104,8 @@ def _tiles_text(blocks: BlockSizes) -> str:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.Parser(prog="python -m sinkjax.bench.attention", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--heads", type=int, default=4)

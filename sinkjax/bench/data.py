@@ -6,14 +6,18 @@ Builds the training iterator (default corpus, bytes tokenizer, batch 16 unless t
 """
 from __future__ import annotations
 
-import argparse
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.bench.data")   # before the imports below, which need the train extra
+
 import os
 import platform
 import sys
 import time
 
 from sinkjax.config import DataConfig
-from sinkjax.data import DataError, build_tokenizer, make_train_iterator
+from sinkjax.data import build_tokenizer, make_train_iterator
 
 
 def measure(cfg: DataConfig, batch_size: int, seconds: float, warmup: int = 3) -> dict:
@@ -40,7 +44,7 @@ def measure(cfg: DataConfig, batch_size: int, seconds: float, warmup: int = 3) -
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m sinkjax.bench.data", description=__doc__.splitlines()[0])
+  p = cli.Parser(prog="python -m sinkjax.bench.data", description=__doc__.splitlines()[0])
   p.add_argument("--source", default="default", help="data.source (default: the embedded corpus)")
   p.add_argument("--tokenizer", default="bytes", help="data.tokenizer")
   p.add_argument("--seq-len", type=int, nargs="+", default=[256, 1024])
@@ -49,16 +53,14 @@ def main(argv=None) -> int:
   p.add_argument("--prefetch", type=int, default=2)
   p.add_argument("--seconds", type=float, default=5.0, help="measured wall time per configuration")
   args = p.parse_args(argv)
-  rows = []
-  try:
-    for seq_len in args.seq_len:
-      for workers in args.workers:
-        cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, seq_len=seq_len, num_workers=workers,
-                         prefetch=args.prefetch)
-        rows.append(measure(cfg, args.batch, args.seconds))
-  except DataError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  return cli.run_main("sinkjax.bench.data", lambda: print_table(args))
+
+
+def print_table(args) -> None:
+  """Measures every seq_len x workers configuration, then prints the Markdown table."""
+  rows = [measure(DataConfig(source=args.source, tokenizer=args.tokenizer, seq_len=seq_len, num_workers=workers,
+                             prefetch=args.prefetch), args.batch, args.seconds)
+          for seq_len in args.seq_len for workers in args.workers]
   print(f"data pipeline throughput: source={args.source} tokenizer={args.tokenizer} batch={args.batch} "
         f"prefetch={args.prefetch}; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}")
@@ -68,7 +70,6 @@ def main(argv=None) -> int:
   for r in rows:
     print(f"| {r['seq_len']} | {r['batch']} | {r['workers']} | {r['first_s']:.2f} | {r['batches']} | "
           f"{r['batches_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['loss_frac']:.4f} |")
-  return 0
 
 
 if __name__ == "__main__":

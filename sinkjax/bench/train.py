@@ -35,6 +35,11 @@ T 512, batch 8, vocabulary 257, float32).
 """
 from __future__ import annotations
 
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.bench.train")   # before the imports below, which need the train extra
+
 import argparse
 import os
 import pathlib
@@ -126,7 +131,8 @@ def torch_runner(cfg, batch):
 
 def _adamw_step(torch, model, loss_of, batch):
   """One torch training step on `batch` (the peers' common part): loss_of(inputs, targets), backward, clipping at
-  1.0 as the sinkjax step does, torch AdamW."""
+  1.0 as the sinkjax step does, torch AdamW. Returns the step's loss (a detached tensor: reading it is the caller's
+  choice, the timing does not)."""
   opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95))
   x, y = torch.from_numpy(batch["inputs"]).long(), torch.from_numpy(batch["targets"]).long()
 
@@ -136,6 +142,7 @@ def _adamw_step(torch, model, loss_of, batch):
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
+    return loss.detach()
   return run_once
 
 
@@ -236,9 +243,9 @@ def paired_ratio(reference: list, other: list) -> tuple:
   return statistics.median(r), min(r), max(r)
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(prog="python -m sinkjax.bench.train", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+  p = cli.Parser(prog="python -m sinkjax.bench.train", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", default="configs/tiny.yaml", help="shapes and recipe to start from")
   p.add_argument("--layers", type=int)
   p.add_argument("--d-model", type=int)
@@ -258,7 +265,11 @@ def main(argv=None):
   for key, val in PRESETS.get(args.preset, {}).items():
     if getattr(args, key) is None:
       setattr(args, key, val)
+  return cli.run_main("sinkjax.bench.train", lambda: measure(args))
 
+
+def measure(args) -> None:
+  """Times every row's step (and the peers') in round-robin rounds and prints the tables."""
   ov = [f"model.dtype={args.dtype}", f"model.vocab_size={VOCAB}", "train.grad_accum=1"]
   for key, val in (("model.num_layers", args.layers), ("model.d_model", args.d_model),
                    ("model.num_heads", args.heads), ("model.num_kv_heads", args.heads),
@@ -345,4 +356,4 @@ def print_tables(args, base, ov, rows, res, rounds, params, mm_n, mm_flops, nano
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -16,7 +16,11 @@ loading them executes code. Linear weights are transposed ([out, in] in torch, [
 """
 from __future__ import annotations
 
-import argparse
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.convert.hf")   # before the imports below, which need the train extra
+
 import dataclasses
 import json
 import math
@@ -24,14 +28,17 @@ import pathlib
 import re
 import sys
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from sinkjax import checkpoint, lora, paths
 from sinkjax import config as config_lib
-from sinkjax import paths
 from sinkjax import run as run_lib
 from sinkjax.config import Config, ModelConfig
-from sinkjax.convert import ConvertError, run_cli
+from sinkjax.convert import ConvertError
 from sinkjax.layers import hf_attention_tensors
+from sinkjax.model import Transformer
 
 FAMILIES = ("llama", "qwen3", "gpt_oss")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
@@ -311,14 +318,9 @@ def params_from_hf(hf_dir: str | pathlib.Path, m: ModelConfig, family: str) -> d
 
 def model_with_params(m: ModelConfig, params: dict[tuple, np.ndarray]):
   """A Transformer of config `m` holding `params` (every parameter must be given, with its shape)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  from sinkjax.model import DTYPES, Transformer  # pylint: disable=import-outside-toplevel
-
   abstract = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
   graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
-  pdt = DTYPES[m.param_dtype]
+  pdt = jnp.dtype(m.param_dtype)
   leaves, missing = [], []
   for path, var in nnx.to_flat_state(state):
     if path not in params:
@@ -345,7 +347,6 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "float32", param_dtype: st
 
 def params_to_hf(model, family: str) -> dict[str, np.ndarray]:
   """{Hugging Face tensor name: float32 array} of a sinkjax model (LoRA adapters must be merged first)."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
   m = model.cfg
   flat = {path: np.asarray(var.get_value(), np.float32) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   out = {}
@@ -373,7 +374,6 @@ def convert(hf_dir: str | pathlib.Path, run_dir: str | pathlib.Path, *, dtype: s
   """Imports a Hugging Face directory into a run directory (config.yaml + Orbax checkpoint at step 0) that
   `sinkjax.run.load_run`, evaluation, generation and fine-tuning (train.init_from) read. Either may be a gs:// or
   s3:// URL (a remote Hugging Face directory is downloaded to a temporary directory first)."""
-  from sinkjax import checkpoint  # pylint: disable=import-outside-toplevel
   paths.check_bucket(run_dir, "--out")
   run_dir = paths.as_path(run_dir, "--out")
   if (run_dir / checkpoint.CHECKPOINT_DIR).exists():
@@ -412,7 +412,6 @@ def save_hf(model, out_dir: str | pathlib.Path, *, dtype: str = "float32", token
 
 
 def _write_hf(model, out_dir: pathlib.Path, *, dtype: str, max_shard_bytes: int) -> None:
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from safetensors.flax import save_file  # pylint: disable=import-outside-toplevel
   family = family_of(model.cfg)
   tensors = params_to_hf(model, family)
@@ -440,7 +439,6 @@ def _write_hf(model, out_dir: pathlib.Path, *, dtype: str, max_shard_bytes: int)
 def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, dtype: str = "float32",
            step: int | None = None):
   """Exports a run (its LoRA adapters merged into the base weights) as a Hugging Face directory."""
-  from sinkjax import lora  # pylint: disable=import-outside-toplevel
   model, cfg, _, _ = run_lib.load_run(run_dir, step=step)
   model = lora.merge(model)
   tok = cfg.data.tokenizer if cfg.data.tokenizer != "bytes" else None
@@ -448,7 +446,7 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, dtype: s
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(
+  parser = cli.Parser(
       prog="python -m sinkjax.convert.hf",
       description="Import a Hugging Face checkpoint (Llama 3, Qwen3, GPT-OSS; safetensors) into a sinkjax run "
                   "directory, or export a run back to a Hugging Face directory.")
@@ -471,7 +469,7 @@ def main(argv=None) -> int:
             f"{m.num_heads}/{m.num_kv_heads} heads, attention {m.attention}, vocab {m.vocab_size}")
     else:
       print(f"exported {args.export} -> {export(args.export, args.out, dtype=args.dtype or 'float32', step=args.step)}")
-  return run_cli("sinkjax.convert.hf", action)
+  return cli.run_main("sinkjax.convert.hf", action)
 
 
 if __name__ == "__main__":

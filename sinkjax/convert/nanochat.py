@@ -19,7 +19,11 @@ Linear weights are transposed ([out, in] in torch, [in, out] in Flax).
 """
 from __future__ import annotations
 
-import argparse
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.convert.nanochat")   # before the imports below, which need the train extra
+
 import dataclasses
 import io
 import json
@@ -29,13 +33,15 @@ import sys
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
+from sinkjax import checkpoint, lora, paths
 from sinkjax import config as config_lib
-from sinkjax import paths
 from sinkjax import run as run_lib
-from sinkjax.config import Config, ModelConfig
-from sinkjax.convert import ConvertError, run_cli
+from sinkjax.config import Config, DataConfig, ModelConfig
+from sinkjax.convert import ConvertError
 from sinkjax.convert.hf import model_with_params
+from sinkjax.data import build_tokenizer
 
 TORCH_RMS_EPS = float(np.finfo(np.float32).eps)      # F.rms_norm(x, shape) with eps=None on float32 inputs
 GPT_CONFIG_KEYS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
@@ -132,7 +138,6 @@ def params_from_nanochat(state_dict: dict, m: ModelConfig) -> dict[tuple, np.nda
 
 def params_to_nanochat(model) -> dict[str, np.ndarray]:
   """{nanochat state-dict name: float32 array} of a sinkjax model (merge LoRA adapters first)."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
   check_exportable(model.cfg)
   flat = {path: np.asarray(var.get_value(), np.float32)
           for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
@@ -205,8 +210,6 @@ def read_checkpoint(directory, step: int | None = None) -> tuple[dict, dict, int
 def _tokenizer_setting(model_cfg: ModelConfig, tokenizer: str | None, run_dir) -> str:
   """data.tokenizer of the imported run: a copy of --tokenizer inside it, or "bytes" when the vocabulary is the byte
   tokenizer's; checked against the model's vocabulary."""
-  from sinkjax.data import build_tokenizer  # pylint: disable=import-outside-toplevel
-  from sinkjax.config import DataConfig  # pylint: disable=import-outside-toplevel
   if tokenizer is None:
     if model_cfg.vocab_size != 257:
       raise ConvertError(f"the model's vocabulary has {model_cfg.vocab_size} tokens: give its tokenizer as "
@@ -230,7 +233,6 @@ def convert(checkpoint_dir, run_dir, *, step: int | None = None, tokenizer: str 
             dtype: str = "bfloat16", param_dtype: str = "float32") -> tuple[Config, int]:
   """Imports a nanochat checkpoint into a run directory (config.yaml + Orbax checkpoint at step 0) that
   `load_run`, eval, generate and train.init_from read. Returns (config, nanochat step)."""
-  from sinkjax import checkpoint  # pylint: disable=import-outside-toplevel
   paths.check_bucket(run_dir, "--out")
   run_dir = paths.as_path(run_dir, "--out")
   if (run_dir / checkpoint.CHECKPOINT_DIR).exists():
@@ -254,7 +256,6 @@ def export(run_dir, out_dir, *, step: int | None = None):
   """Writes model_{step:06d}.pt + meta_{step:06d}.json (LoRA adapters merged) that nanochat's
   `GPT(GPTConfig(**meta["model_config"]))` loads with strict=True; the run's tokenizer.json is copied beside.
   `out_dir` may be a gs:// / s3:// URL (written locally, then uploaded)."""
-  from sinkjax import lora  # pylint: disable=import-outside-toplevel
   torch = _torch()
   paths.check_bucket(out_dir, "--out")
   model, cfg, _, step = run_lib.load_run(run_dir, step=step)
@@ -271,7 +272,7 @@ def export(run_dir, out_dir, *, step: int | None = None):
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(
+  parser = cli.Parser(
       prog="python -m sinkjax.convert.nanochat",
       description="Import a nanochat checkpoint (model_NNNNNN.pt + meta_NNNNNN.json, commit 9d4c9b7 or the later "
                   "6bb9240 architecture) into a sinkjax run directory, or export a run to nanochat's format.")
@@ -296,7 +297,7 @@ def main(argv=None) -> int:
             f"d_model {m.d_model}, {m.num_heads}/{m.num_kv_heads} heads, vocab {m.vocab_size}")
     else:
       print(f"exported {args.export} -> {export(args.export, args.out, step=args.step)}")
-  return run_cli("sinkjax.convert.nanochat", action)
+  return cli.run_main("sinkjax.convert.nanochat", action)
 
 
 if __name__ == "__main__":

@@ -24,14 +24,25 @@ of the bytes. Train on it with `data.source=OUT.jsonl`.
 """
 from __future__ import annotations
 
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.experiments.passkey")   # before the imports below, which need the train extra
+
 import argparse
 import dataclasses
 import json
+import logging
 import pathlib
 import sys
 
 import numpy as np
+
+from sinkjax import cache_policy, paths
 from sinkjax.cli import UserError
+from sinkjax.data.sources import DefaultSource
+from sinkjax.generate import kv_bytes, streaming_scores
+from sinkjax.run import load_run
 
 FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ", "Here we go. ",
           "There and back again. ")
@@ -128,7 +139,6 @@ def training_documents(docs: int, max_len: int, text_fraction: float, seed: int)
 
 def corpus_chunks(total: int, chunk: int, rng: np.random.Generator) -> list[str]:
   """About `total` characters of the embedded corpus's training split, in random chunks of `chunk` characters."""
-  from sinkjax.data.sources import DefaultSource
   src = DefaultSource("train", 0.02)
   out, got = [], 0
   while got < total:
@@ -152,11 +162,10 @@ def write_training_data(path: str, docs: int, max_len: int, text_fraction: float
 
 def cache_modes(sink_size: int, window: int, policies) -> list[tuple[str, dict, np.ndarray | None]]:
   """(name, cache arguments of `streaming_scores` without capacity, [L][Hkv] map or None) of every mode probed."""
-  from sinkjax.cache_policy import as_tuple
   modes = [("full cache", {}, None), (f"sinks + window (S={sink_size}, W={window})",
                                       dict(sink_size=sink_size, window=window), None)]
-  modes += [(f"hybrid {label}", dict(sink_size=sink_size, window=window, full_heads=as_tuple(full)), full)
-            for label, full in policies]
+  modes += [(f"hybrid {label}", dict(sink_size=sink_size, window=window, full_heads=cache_policy.as_tuple(full)),
+             full) for label, full in policies]
   return modes
 
 
@@ -173,7 +182,6 @@ def _mode_cache(kw: dict, total: int) -> dict:
 def probe(model, tokenizer, *, lengths, depths, samples: int, sink_size: int, window: int, policies=(),
           seed: int = 0) -> list[dict]:
   """Passkey accuracy per cache mode, context length and depth (one record each)."""
-  from sinkjax.generate import kv_bytes, streaming_scores
   cfg, records = model.cfg, []
   every = cfg.num_layers * cfg.num_kv_heads
   for length in lengths:
@@ -215,15 +223,9 @@ def format_results(records: list[dict]) -> str:
 # ---------------------------------------------------------------------------------------------------- command line
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):               # one line, not argparse's usage block
-    raise PasskeyError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-  from sinkjax import cache_policy
-  p = _Parser(prog="python -m sinkjax.experiments.passkey", description=__doc__.split("\n\n")[0],
-              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.Parser(prog="python -m sinkjax.experiments.passkey", description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--checkpoint", help="run directory of a training run (the probe)")
   p.add_argument("--lengths", default="128,256,512", help="prompt lengths in tokens, comma-separated")
   p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1], comma-separated")
@@ -262,9 +264,6 @@ def make_data(args) -> None:
 
 
 def run_probe(args) -> None:
-  import logging
-  from sinkjax import cache_policy
-  from sinkjax.run import load_run
   logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
   if args.checkpoint is None:
     raise PasskeyError("give --checkpoint RUN_DIR (or --make-data OUT.jsonl)")
@@ -279,7 +278,6 @@ def run_probe(args) -> None:
     print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
   records = probe(model, tok, lengths=lengths, depths=depths, samples=args.samples, sink_size=args.sink_size,
                   window=args.window, policies=policies, seed=args.seed)
-  from sinkjax import paths  # pylint: disable=import-outside-toplevel
   out = paths.as_path(args.out or f"{str(args.checkpoint).rstrip('/')}/passkey", "--out")
   out.mkdir(parents=True, exist_ok=True)
   table = format_results(records)
@@ -289,16 +287,9 @@ def run_probe(args) -> None:
 
 
 def main(argv=None) -> int:
-  try:
-    args = build_parser().parse_args(argv)
-    if args.make_data is not None:
-      make_data(args)
-    else:
-      run_probe(args)
-  except ValueError as e:                  # PasskeyError, PolicyError, CheckpointError, ...
-    print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-    return 2
-  return 0
+  args = build_parser().parse_args(argv)
+  return cli.run_main("sinkjax.experiments.passkey",
+                      lambda: run_probe(args) if args.make_data is None else make_data(args))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ Fig. 3; one example per head for deeper models, as Fig. 4-5), and a printed tabl
 """
 from __future__ import annotations
 
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.experiments.trigger")   # before the imports below (tqdm, matplotlib: the train extra)
+
 import argparse
 import json
 import math
@@ -42,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sinkjax import paths
 from sinkjax.attention import (gated_attention, relu_attention, relu_attention_weights, sink_attention,
                                vanilla_attention)
 from sinkjax.experiments import int_at_least
@@ -394,11 +400,6 @@ def format_table(records: list[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):                                   # one-line error, exit status 2
-    self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 _positive_int = int_at_least(1)
 _nonneg_int = int_at_least(0)
 
@@ -414,8 +415,8 @@ def _positive_float(s):
 
 
 def build_parser():
-  p = _Parser(prog="python -m sinkjax.experiments.trigger",
-              description="Trigger-conditional task of [SinkNecessary]: softmax / ReLU / sink / gated attention.")
+  p = cli.Parser(prog="python -m sinkjax.experiments.trigger",
+                 description="Trigger-conditional task of [SinkNecessary]: softmax / ReLU / sink / gated attention.")
   p.add_argument("--quick", action="store_true", help="only the 1-layer 1-head models, with a smaller step cap")
   p.add_argument("--out", default="runs/trigger", help="output directory (default: runs/trigger)")
   p.add_argument("--seed", type=_nonneg_int, default=0, help="random seed (default 0)")
@@ -442,7 +443,8 @@ def build_parser():
   return p
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
+  """The checked command line: (args, variants, [(layers, heads)], step cap); a bad one exits with status 2."""
   parser = build_parser()
   args = parser.parse_args(argv)
   variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -461,16 +463,24 @@ def main(argv=None) -> int:
       assert configs and all(len(c) == 2 and min(c) >= 1 for c in configs)
     except (ValueError, AssertionError):
       parser.error(f"--configs: expected a list like 1x1,2x2,4x4; got {args.configs!r}")
-  from sinkjax import paths  # pylint: disable=import-outside-toplevel
   try:
-    mirror = paths.Mirror(args.out)       # --out may be gs:// / s3://: written locally, uploaded after each model
-    out_url, args.out = args.out, str(mirror.local)
-    os.makedirs(args.out, exist_ok=True)
+    args.mirror = paths.Mirror(args.out)  # --out may be gs:// / s3://: written locally, uploaded after each model
+    os.makedirs(args.mirror.local, exist_ok=True)
   except paths.StorageError as e:
     parser.error(str(e))
   except OSError as e:
     parser.error(f"--out: cannot create {args.out!r}: {e.strerror or e}")
+  return args, variants, configs, max_steps
 
+
+def main(argv=None) -> int:
+  args, variants, configs, max_steps = parse_args(argv)
+  return cli.run_main("sinkjax.experiments.trigger", lambda: run_study(args, variants, configs, max_steps))
+
+
+def run_study(args, variants, configs, max_steps) -> None:
+  """Trains and evaluates every variant x (layers, heads); writes results.json, table.txt and the figures."""
+  mirror, out_url, out = args.mirror, args.out, str(args.mirror.local)
   T, d = args.seq_len, args.dim
   fig_trigger = min(7, T - 1)                                    # position 8 (1-indexed), as in [SinkNecessary]
   eval_key, fig_key = jax.random.split(jax.random.key(10_000 + args.seed))
@@ -483,7 +493,7 @@ def main(argv=None) -> int:
   for layers, heads in configs:
     lr = args.lr_single if layers == 1 else args.lr_multi
     single_maps = {}
-    for vi, variant in enumerate(variants):
+    for variant in variants:
       run_seed = args.seed * 1000 + 17 * layers + heads
       params, info = train(variant, layers, heads, lr=lr, max_steps=max_steps, seed=run_seed,
                            batch=args.batch_size, seq_len=T, dim=d, stop_linf=args.stop_error, impl=args.impl,
@@ -498,20 +508,20 @@ def main(argv=None) -> int:
       if layers == 1 and heads == 1:
         single_maps[variant] = attn[0, :, 0]
       else:
-        path = os.path.join(args.out, f"attention_{variant}_{layers}L{heads}H.png")
+        path = os.path.join(out, f"attention_{variant}_{layers}L{heads}H.png")
         plot_heads(attn[:, 0], f"{variant} attention, {layers} layers x {heads} heads, one test sequence, "
                    f"trigger at position {fig_trigger + 1}", T, path)
         figures.append(path)
-      with open(os.path.join(args.out, "results.json"), "w") as f:        # rewritten after every model
+      with open(os.path.join(out, "results.json"), "w") as f:        # rewritten after every model
         json.dump(records, f, indent=1)
       mirror.sync()
     if single_maps:
-      path = os.path.join(args.out, "attention_1L1H.png")
+      path = os.path.join(out, "attention_1L1H.png")
       plot_mean_std(single_maps, T, fig_trigger, path)
       figures.append(path)
 
   table = format_table(records)
-  with open(os.path.join(args.out, "table.txt"), "w") as f:
+  with open(os.path.join(out, "table.txt"), "w") as f:
     f.write(table + "\n")
   if not bos:
     table += "\n(--no-bos: there is no BOS token; the BOS columns are the attention on position 1, an ordinary token)"
@@ -519,7 +529,6 @@ def main(argv=None) -> int:
   print(table)
   print(f"\nwrote {out_url.rstrip('/')}/results.json and {len(figures)} figure(s) in {out_url} "
         f"({time.perf_counter() - t_start:.0f} s)")
-  return 0
 
 
 if __name__ == "__main__":
