@@ -38,6 +38,11 @@ One process (all its local devices: rows are split over them); requests are not 
 """
 from __future__ import annotations
 
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.lm_eval")   # before the imports below: a run is read with the train extra's Orbax
+
 import argparse
 import contextlib
 import dataclasses
@@ -45,6 +50,7 @@ import functools
 import json
 import logging
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -53,7 +59,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sinkjax import choices, lora, paths
+from sinkjax import sharding as sharding_lib
 from sinkjax.cli import Parser, UserError, run_main
+from sinkjax.config import MeshConfig
+from sinkjax.data.sft import _PLAIN_ROLES, ChatFormat
+from sinkjax.generate import Generator, sample_logits
+from sinkjax.model import Transformer
+from sinkjax.run import load_run
 
 try:                      # lm-eval is an extra (pip install 'sinkjax[eval]'); sinkjax itself never imports this module
   from lm_eval.api.model import TemplateLM as _Base
@@ -116,7 +129,6 @@ class SinkjaxLM(_Base):
     run_dir = checkpoint or pretrained
     if not run_dir:
       raise LMEvalError("the sinkjax model needs checkpoint=RUN_DIR (a run directory)")
-    from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
     logging.getLogger("absl").setLevel(logging.ERROR)    # Orbax's read-only notices
     self.run_dir = str(run_dir)
     model, cfg, tok, self.step = load_run(run_dir, None if step in (None, "") else int(step))
@@ -138,9 +150,6 @@ class SinkjaxLM(_Base):
 
   def _setup(self, model, cfg, tok, *, batch_size=8, max_length=None, max_gen_toks=256, add_bos_token=None,
              prefix_token_id=None, dtype=None, seed=0):
-    from sinkjax import lora, sharding as sharding_lib  # pylint: disable=import-outside-toplevel
-    from sinkjax.config import MeshConfig  # pylint: disable=import-outside-toplevel
-    from sinkjax.generate import Generator  # pylint: disable=import-outside-toplevel
     model = lora.merge(model)
     if dtype and dtype != cfg.model.dtype:
       model = self._with_dtype(model, cfg, dtype)
@@ -189,9 +198,6 @@ class SinkjaxLM(_Base):
   @staticmethod
   def _with_dtype(model, cfg, dtype: str):
     """The same parameters in a model of another compute dtype."""
-
-    from sinkjax import choices  # pylint: disable=import-outside-toplevel
-    from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
     if dtype not in choices.DTYPES:
       raise LMEvalError(f"dtype must be one of {'|'.join(choices.DTYPES)}, got {dtype!r}")
     cfg.model = dataclasses.replace(cfg.model, dtype=dtype)
@@ -351,7 +357,6 @@ class SinkjaxLM(_Base):
   def _generate(self, ids: list[int], max_new: int, until: list[str], *, temperature: float, top_k: int,
                 top_p: float) -> list[int]:
     """Up to `max_new` tokens after `ids` through the KV cache; stops at a stop token or an `until` string."""
-    from sinkjax.generate import sample_logits  # pylint: disable=import-outside-toplevel
     if self._generator is None:       # one row: on one device (replicated over several, each would compute it all)
       one = nnx.merge(self.graphdef, jax.device_put(self.state, jax.devices()[0])) if self._shards > 1 else self.model
       self._generator = self._Generator(one, capacity=self.max_length)
@@ -392,7 +397,6 @@ class SinkjaxLM(_Base):
   def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
     """The conversation as the run was fine-tuned on it (`sinkjax.data.sft.ChatFormat`): the tokenizer's chat
     template when its directory has one, else sinkjax's plain "User: ... / Assistant: ..." layout."""
-    from sinkjax.data.sft import ChatFormat, _PLAIN_ROLES  # pylint: disable=import-outside-toplevel
     tokenizer = self.cfg.data.tokenizer
     fmt = ChatFormat(None if tokenizer in ("", "bytes") else tokenizer)
     msgs = [{"role": m["role"], "content": m["content"]} for m in chat_history]
@@ -418,7 +422,6 @@ class _HFSideFiles:
     self.is_model_dir = False
     if not tokenizer or tokenizer == "bytes":
       return
-    from sinkjax import paths  # pylint: disable=import-outside-toplevel
     try:
       path = paths.as_path(tokenizer)
       if path.is_dir():                        # data.tokenizer may name the directory holding tokenizer.json
@@ -436,8 +439,6 @@ class _HFSideFiles:
   @functools.cached_property
   def _tokenizer(self):
     import tokenizers  # pylint: disable=import-outside-toplevel
-
-    from sinkjax import paths  # pylint: disable=import-outside-toplevel
     return tokenizers.Tokenizer.from_str(paths.as_path(self._tokenizer_path).read_text())
 
   def _encoder(self):
@@ -530,7 +531,6 @@ metadata:
 
 def load_mc_items(path) -> list[dict]:
   """Reads and checks a multiple-choice JSONL file; a bad line is an LMEvalError naming the file and line."""
-  from sinkjax import paths  # pylint: disable=import-outside-toplevel
   path = paths.as_path(path, "--mc")
   if not path.is_file():
     raise LMEvalError(f"multiple-choice file {path} does not exist")
@@ -561,9 +561,6 @@ def load_mc_items(path) -> list[dict]:
 def write_mc_task(path, task_dir) -> str:
   """Checks the multiple-choice file `path` and writes its lm-eval task YAML into `task_dir`; returns the task name
   (`mc_<file stem>`)."""
-  import re  # pylint: disable=import-outside-toplevel
-
-  from sinkjax import paths  # pylint: disable=import-outside-toplevel
   load_mc_items(path)
   where = str(path) if paths.is_remote(path) else str(pathlib.Path(path).resolve())
   task = "mc_" + re.sub(r"[^A-Za-z0-9_]+", "_", pathlib.PurePosixPath(str(path)).stem)
@@ -668,8 +665,6 @@ def run(args) -> dict:
     raise LMEvalError(INSTALL_HINT)
   from lm_eval import simple_evaluate  # pylint: disable=import-outside-toplevel
   from lm_eval.loggers import EvaluationTracker  # pylint: disable=import-outside-toplevel
-
-  from sinkjax import paths  # pylint: disable=import-outside-toplevel
   if args.batch_size < 1:
     raise LMEvalError(f"--batch-size must be >= 1, got {args.batch_size}")
   if args.num_fewshot is not None and args.num_fewshot < 0:

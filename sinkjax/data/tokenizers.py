@@ -22,6 +22,7 @@ import re
 
 import numpy as np
 
+from sinkjax import paths
 from sinkjax.data.sources import DataError
 
 _BOS_CANDIDATES = ("<|begin_of_text|>", "<|bos|>", "<bos>", "<s>", "[BOS]", "<|startoftext|>", "<|endoftext|>",
@@ -106,7 +107,6 @@ class HFTokenizer:
                       "pip install tokenizers") from None
     self.name = path
     try:
-      from sinkjax import paths  # pylint: disable=import-outside-toplevel
       self._json = paths.as_path(path).read_bytes().decode("utf-8")
       self._tok = tokenizers.Tokenizer.from_str(self._json)
     except Exception as e:  # pylint: disable=broad-except
@@ -210,7 +210,6 @@ def build_tokenizer(data_cfg):
   spec = (data_cfg.tokenizer or "bytes").strip()
   if spec == "bytes":
     return ByteTokenizer()
-  from sinkjax import paths  # pylint: disable=import-outside-toplevel
   try:
     p = paths.as_path(spec, "data.tokenizer")
   except paths.StorageError as e:

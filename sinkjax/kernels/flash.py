@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from sinkjax.choices import ATTN_IMPLS
-from sinkjax.kernels import reference
+from sinkjax.kernels import local, reference
 from sinkjax.kernels.blocks import BlockSizes, check_tile
 from sinkjax.sharding import BATCH_AXES, HEAD_AXIS, target_platform
 
@@ -154,7 +154,6 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
     if not causal:
       raise ValueError("window (sliding-window attention) needs causal=True")
     if T == S:
-      from sinkjax.kernels import local  # pylint: disable=import-outside-toplevel
       return local.attention(q, k, v, q_seg, kv_seg, scale=scale, window=int(window))
     return reference.attention(q, k, v, q_seg, kv_seg, causal=True, scale=scale, window=int(window))
   target = platform or target_platform()
