@@ -12,6 +12,7 @@ from flax import nnx
 from sinkjax import analysis
 from sinkjax.config import ModelConfig
 from sinkjax.model import Transformer
+from tests.helpers import rms_norm, rope
 
 B, T, V = 2, 12, 40
 SEG = np.array([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3], np.int32)        # two documents; padding at the end
@@ -41,17 +42,6 @@ def perturbed_model(**kw):
 # The reference: the whole network in float64 numpy from the state dict, attention materialized
 # ---------------------------------------------------------------------------------------------------------------
 
-def _rms(x, eps):
-  return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
-
-
-def _rope(x, pos, theta):
-  d = x.shape[-1]
-  ang = pos[..., None, None] * theta ** -(np.arange(0, d, 2) / d)                 # [..., T, 1, D/2]
-  a, b = x[..., :d // 2], x[..., d // 2:]
-  return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1)
-
-
 def reference(sd, cfg, tokens, seg):
   """(logits [B,T,V], per layer: A [B,H,T,T] on the sequence keys, weight outside them [B,T,H], v [B,T,Hkv,D])."""
   f64 = lambda a: np.asarray(a, np.float64)
@@ -63,16 +53,16 @@ def reference(sd, cfg, tokens, seg):
   valid = seg != 0
   x = x0 = f64(sd["embed"]["embedding"])[tokens]
   if cfg.embed_norm:
-    x = x0 = _rms(x, eps)
+    x = x0 = rms_norm(x, eps)
   layers = []
   for l in range(cfg.num_layers):
     if cfg.residual_scalars:
       x = f64(sd["resid_lambdas"])[l] * x + f64(sd["x0_lambdas"])[l] * x0
     a = {k: jax.tree.map(f64, v) for k, v in sd["layers"][l]["attn"].items()}
-    h = _rms(x, eps)
+    h = rms_norm(x, eps)
     proj = lambda z, name, heads: (z @ a[name]["kernel"]).reshape(z.shape[:-1] + (heads, D))
-    q, k, v = _rope(_rms(proj(h, "q_proj", H), eps), pos, cfg.rope_theta), \
-        _rope(_rms(proj(h, "k_proj", K), eps), pos, cfg.rope_theta), proj(h, "v_proj", K)
+    q, k, v = rope(rms_norm(proj(h, "q_proj", H), eps), pos, cfg.rope_theta), \
+        rope(rms_norm(proj(h, "k_proj", K), eps), pos, cfg.rope_theta), proj(h, "v_proj", K)
     k, vv = np.repeat(k, H // K, 2), np.repeat(v, H // K, 2)
     window = cfg.sliding_window if cfg.layer_types and cfg.layer_types[l] == "sliding" else 10**9
     allowed = (idx[None, :, None] >= idx[None, None, :]) & (idx[None, :, None] - idx[None, None, :] < window) \
@@ -81,7 +71,7 @@ def reference(sd, cfg, tokens, seg):
     cols = [z]
     if n:
       st = a["sink_states"]
-      kp = np.repeat(_rope(_rms(proj(st, "k_proj", K), eps), np.arange(n), cfg.rope_theta), H // K, 1)
+      kp = np.repeat(rope(rms_norm(proj(st, "k_proj", K), eps), np.arange(n), cfg.rope_theta), H // K, 1)
       vp = np.repeat(proj(st, "v_proj", K), H // K, 1)
       cols.append(np.where(valid[:, None, :, None], np.einsum("bthd,nhd->bhtn", q, kp) / np.sqrt(D), -np.inf))
     if cfg.attention == "sink":
@@ -99,8 +89,8 @@ def reference(sd, cfg, tokens, seg):
     layers.append((A, np.swapaxes(p[..., T:].sum(-1), 1, 2), v))
     x = x + out.reshape(B, T, H * D) @ a["o_proj"]["kernel"]
     m = sd["layers"][l]["mlp"]
-    x = x + np.square(np.maximum(_rms(x, eps) @ f64(m["up_proj"]["kernel"]), 0)) @ f64(m["down_proj"]["kernel"])
-  logits = _rms(x, eps) @ f64(sd["lm_head"]["kernel"])
+    x = x + np.square(np.maximum(rms_norm(x, eps) @ f64(m["up_proj"]["kernel"]), 0)) @ f64(m["down_proj"]["kernel"])
+  logits = rms_norm(x, eps) @ f64(sd["lm_head"]["kernel"])
   return cfg.logit_softcap * np.tanh(logits / cfg.logit_softcap), layers, first
 
 

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests import gcs_emulator
+from tests.helpers import one_error_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -49,13 +50,6 @@ def _run(module: str, args: list[str], cwd, em=None, timeout: int = 600, **extra
 
 def _losses(text: str) -> dict[int, float]:
   return {r["step"]: r["loss"] for r in (json.loads(line) for line in text.splitlines() if line.strip())}
-
-
-def _error_line(r: subprocess.CompletedProcess) -> str:
-  lines = [line for line in r.stderr.splitlines() if line.strip()]
-  assert r.returncode == 1, r.stderr[-3000:]
-  assert len(lines) == 1, r.stderr[-3000:]
-  return lines[0]
 
 
 def test_train_stop_resume_and_eval_in_a_bucket(gcs, tmp_path):
@@ -107,7 +101,7 @@ def test_train_stop_resume_and_eval_in_a_bucket(gcs, tmp_path):
 ])
 def test_bad_urls_are_one_line_errors(gcs, tmp_path, run_dir, needle):
   r = _run("sinkjax.train", ["--config", TINY, f"run.dir={run_dir}", "train.steps=1", *SMALL], tmp_path, gcs)
-  line = _error_line(r)
+  line = one_error_line(r)
   assert line.startswith("sinkjax.train: error:") and needle in line, line
   assert not list(tmp_path.iterdir())          # nothing written locally (no 'gs:' or 'hdfs:' folder)
 
@@ -117,7 +111,7 @@ def test_missing_credentials_is_a_one_line_error(tmp_path):
   writing anything, naming the fix."""
   r = _run("sinkjax.train", ["--config", TINY, "run.dir=gs://bucket/r", "train.steps=1", *SMALL], tmp_path,
            GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "missing-key.json"), timeout=300)
-  line = _error_line(r)
+  line = one_error_line(r)
   assert "no Google Cloud credentials" in line and "GOOGLE_APPLICATION_CREDENTIALS" in line, line
   assert not list(tmp_path.iterdir())
 
@@ -128,7 +122,7 @@ def test_missing_credentials_is_a_one_line_error(tmp_path):
 ])
 def test_missing_credentials_name_the_flag_whose_path_failed(tmp_path, module, args, flag):
   r = _run(module, args, tmp_path, GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "missing-key.json"), timeout=300)
-  line = _error_line(r)
+  line = one_error_line(r)
   assert f"{flag} 'gs://bucket/r': no Google Cloud credentials" in line, line
 
 

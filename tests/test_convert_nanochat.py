@@ -2,14 +2,13 @@
 nanochat's own loader accepts), runs that load_run / eval / generate / train.init_from use, export back, and
 one-line errors for bad input."""
 import json
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from tests import nanochat_peer
+from tests.helpers import run_ok
 from tests.test_nanochat import perturbed_nanochat
 from sinkjax.run import load_run
 from sinkjax.convert import nanochat as nc
@@ -44,10 +43,6 @@ def byte_model(tree, seed=0):
   return types.SimpleNamespace(peer=peer, model=model, kwargs=kwargs)
 
 
-def cli(*args, timeout=300):
-  return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.parametrize("tree", ["nanochat-9d4c9b7", "nanochat-6bb9240"])
 def test_import_newest_step_then_logits_match(tree, tmp_path):
   """Newest step by default, `_orig_mod.` keys and a bf16 embedding accepted; the run's model gives nanochat's
@@ -73,24 +68,18 @@ def test_cli_import_eval_generate_finetune_export(tmp_path):
   nm = byte_model("nanochat-9d4c9b7")
   write_checkpoint(tmp_path / "ckpt", nm.model, nm.kwargs, 7)
   run = tmp_path / "run"
-  out = cli("sinkjax.convert.nanochat", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(run), "--dtype",
-            "float32")
-  assert out.returncode == 0 and "step 7" in out.stdout, out.stderr
+  out = run_ok("sinkjax.convert.nanochat", "--checkpoint", tmp_path / "ckpt", "--out", run, "--dtype", "float32")
+  assert "step 7" in out.stdout
   (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 30}) + "\n" for i in range(200)))
-  out = cli("sinkjax.eval", "--checkpoint", str(run), "--data", str(tmp_path / "docs.jsonl"), "--batches", "1",
-            "--batch-size", "2", "--out", str(tmp_path / "eval"))
-  assert out.returncode == 0, out.stderr[-2000:]
+  run_ok("sinkjax.eval", "--checkpoint", run, "--data", tmp_path / "docs.jsonl", "--batches", "1", "--batch-size", "2",
+         "--out", tmp_path / "eval")
   assert np.isfinite(json.loads((tmp_path / "eval" / "report.json").read_text())["val_bpb"])
-  out = cli("sinkjax.generate", "--checkpoint", str(run), "--prompt", "doc", "--max-new-tokens", "5",
-            "--temperature", "0")
-  assert out.returncode == 0, out.stderr[-2000:]
+  run_ok("sinkjax.generate", "--checkpoint", run, "--prompt", "doc", "--max-new-tokens", "5", "--temperature", "0")
   tuned = tmp_path / "tuned"
-  out = cli("sinkjax.train", "--config", str(run / "config.yaml"), f"train.init_from={run}", f"run.dir={tuned}",
-            f"data.source={tmp_path / 'docs.jsonl'}", "data.seq_len=32", "train.batch_size=8", "train.steps=2",
-            "train.eval_batches=0", "checkpoint.async_save=false", "train.muon_ns_dtype=float32")
-  assert out.returncode == 0, out.stderr[-2000:]
-  out = cli("sinkjax.convert.nanochat", "--export", str(tuned), "--out", str(tmp_path / "back"))
-  assert out.returncode == 0, out.stderr[-2000:]
+  run_ok("sinkjax.train", "--config", run / "config.yaml", f"train.init_from={run}", f"run.dir={tuned}",
+         f"data.source={tmp_path / 'docs.jsonl'}", "data.seq_len=32", "train.batch_size=8", "train.steps=2",
+         "train.eval_batches=0", "checkpoint.async_save=false", "train.muon_ns_dtype=float32")
+  run_ok("sinkjax.convert.nanochat", "--export", tuned, "--out", tmp_path / "back")
   meta = json.loads((tmp_path / "back" / "meta_000002.json").read_text())
   back = nm.peer.gpt.GPT(nm.peer.gpt.GPTConfig(**meta["model_config"]))
   back.load_state_dict(torch.load(tmp_path / "back" / "model_000002.pt", weights_only=True), strict=True)

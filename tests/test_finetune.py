@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -21,14 +19,9 @@ from sinkjax import lora, optim  # noqa: E402
 from sinkjax.run import load_run  # noqa: E402
 from sinkjax.config import Config, ModelConfig  # noqa: E402
 from sinkjax.model import Transformer  # noqa: E402
+from tests.helpers import run_ok  # noqa: E402
 
 VOCAB = 64
-
-
-def _cli(*args, timeout=240):
-  out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
-  assert out.returncode == 0, f"{' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-  return out
 
 
 def _write_tokenizer(path):
@@ -52,7 +45,7 @@ def finetuned(tmp_path_factory):
   hf.save_pretrained(hf_dir, safe_serialization=True)
   _write_tokenizer(hf_dir)
   base = tmp / "base"
-  _cli("sinkjax.convert.hf", "--hf-dir", str(hf_dir), "--out", str(base))
+  run_ok("sinkjax.convert.hf", "--hf-dir", str(hf_dir), "--out", str(base))
   # A learnable task: the response repeats the prompt.
   rng = np.random.default_rng(0)
   with open(tmp / "sft.jsonl", "w") as f:
@@ -60,13 +53,13 @@ def finetuned(tmp_path_factory):
       words = " ".join(f"w{i}" for i in rng.integers(2, VOCAB, 6))
       f.write(json.dumps({"prompt": words, "response": words}) + "\n")
   run = tmp / "sft_run"
-  _cli("sinkjax.train", "--config", "configs/finetune_llama3.yaml",
-       "model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
-       "model.dtype=float32", f"train.init_from={base}", f"data.source={tmp / 'sft.jsonl'}",
-       f"data.tokenizer={hf_dir / 'tokenizer.json'}", "data.seq_len=32", "data.val_fraction=0.25",
-       "train.batch_size=8", "train.steps=6", "train.warmup_steps=0", "train.adamw_lr=0.01", "train.log_every=1",
-       "train.eval_every=0", "train.eval_batches=1", "checkpoint.async_save=false", "lora.rank=4",
-       f"run.dir={run}")
+  run_ok("sinkjax.train", "--config", "configs/finetune_llama3.yaml",
+         "model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
+         "model.dtype=float32", f"train.init_from={base}", f"data.source={tmp / 'sft.jsonl'}",
+         f"data.tokenizer={hf_dir / 'tokenizer.json'}", "data.seq_len=32", "data.val_fraction=0.25",
+         "train.batch_size=8", "train.steps=6", "train.warmup_steps=0", "train.adamw_lr=0.01", "train.log_every=1",
+         "train.eval_every=0", "train.eval_batches=1", "checkpoint.async_save=false", "lora.rank=4",
+         f"run.dir={run}")
   return base, run, tmp
 
 
@@ -98,7 +91,7 @@ def test_finetune_trains_only_adapters(finetuned):
 def test_finetune_export_loads_in_transformers(finetuned):
   _, run, tmp = finetuned
   out = tmp / "exported"
-  _cli("sinkjax.convert.hf", "--export", str(run), "--out", str(out))
+  run_ok("sinkjax.convert.hf", "--export", str(run), "--out", str(out))
   model, _, _, _ = load_run(run)
   tokens = np.random.default_rng(1).integers(0, VOCAB, (1, 12))
   ours = np.asarray(model(jax.numpy.asarray(tokens)))
@@ -132,8 +125,8 @@ def test_eval_on_imported_model_gives_importance_heatmap(finetuned):
     for _ in range(400):           # the eval reads the validation split (2 % of the documents)
       f.write(json.dumps({"text": " ".join(f"w{i}" for i in rng.integers(2, VOCAB, 20))}) + "\n")
   out = tmp / "eval_base"
-  _cli("sinkjax.eval", "--checkpoint", str(base), "--data", str(tmp / "text.jsonl"), "--batches", "2",
-       "--batch-size", "4", "--out", str(out))
+  run_ok("sinkjax.eval", "--checkpoint", str(base), "--data", str(tmp / "text.jsonl"), "--batches", "2",
+         "--batch-size", "4", "--out", str(out))
   report = json.loads((out / "report.json").read_text())
   imp = np.asarray(report["importance"])
   assert imp.shape == (2, 4) and np.all((imp > 0) & (imp < 1))
@@ -146,7 +139,7 @@ def test_eval_reads_an_sft_run_with_its_own_examples(finetuned):
   loss on the response tokens only, so the report's BPB is over response bytes."""
   _, run, tmp = finetuned
   out = tmp / "eval_sft"
-  _cli("sinkjax.eval", "--checkpoint", str(run), "--batches", "1", "--batch-size", "4", "--out", str(out))
+  run_ok("sinkjax.eval", "--checkpoint", str(run), "--batches", "1", "--batch-size", "4", "--out", str(out))
   report = json.loads((out / "report.json").read_text())
   assert np.isfinite(report["val_bpb"]) and report["eval_tokens"] > 0
   from sinkjax.data import build_tokenizer, make_eval_batches

@@ -14,6 +14,7 @@ from flax import nnx
 
 from sinkjax.config import load_config
 from sinkjax.model import Transformer, count_params, forward_with_importance
+from tests.helpers import rms_norm, rope
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 VOCAB = 65536                                     # nanochat's tokenizer (the configs take it from data.tokenizer)
@@ -33,7 +34,7 @@ def expected_params(layers, heads, width, head_dim, vocab, attention):
 @pytest.mark.parametrize("variant", ["vanilla", "sink", "gated"])
 @pytest.mark.parametrize("loss", ["base", "aux"])
 def test_paper_run_configs(size, variant, loss):
-  cfg = load_config(str(CONFIGS / f"{size}_{variant}_{loss}.yaml"))
+  cfg = load_config(str(CONFIGS / "paper" / f"{size}_{variant}_{loss}.yaml"))
   layers, heads, width = SIZES[size]
   m = cfg.model
   assert (m.num_layers, m.num_heads, m.num_kv_heads, m.d_model, m.head_dim) == (layers, heads, heads, width, 128)
@@ -47,7 +48,7 @@ def test_paper_run_configs(size, variant, loss):
 @pytest.mark.parametrize("size", sorted(SIZES))
 @pytest.mark.parametrize("variant", ["vanilla", "sink", "gated"])
 def test_paper_param_count(size, variant):
-  cfg = load_config(str(CONFIGS / f"{size}_{variant}_base.yaml"), [f"model.vocab_size={VOCAB}"])
+  cfg = load_config(str(CONFIGS / "paper" / f"{size}_{variant}_base.yaml"), [f"model.vocab_size={VOCAB}"])
   abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
   assert count_params(abstract) == expected_params(*SIZES[size], 128, VOCAB, variant)
 
@@ -64,18 +65,6 @@ def test_paper_sizes_match_their_names():
 # Independent forward pass
 # ------------------------------------------------------------------------------------------------------------
 
-def _rms(x, eps=1e-6):
-  return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
-def _rope(x, pos, theta):
-  d = x.shape[-1]
-  inv = theta ** -(jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-  ang = pos[:, :, None, None].astype(jnp.float32) * inv                  # [B,T,1,D/2]
-  a, b = x[..., :d // 2], x[..., d // 2:]
-  return jnp.concatenate([a * jnp.cos(ang) - b * jnp.sin(ang), b * jnp.cos(ang) + a * jnp.sin(ang)], axis=-1)
-
-
 def reference_forward(sd, cfg, tokens, seg):
   """logits [B,T,V] and importance [L,H] from the state dict `sd`, attention materialized."""
   B, T = tokens.shape
@@ -90,16 +79,16 @@ def reference_forward(sd, cfg, tokens, seg):
   allowed = (idx[None, :, None] >= idx[None, None, :]) & (seg[:, :, None] == seg[:, None, :]) & valid[:, :, None]
   allowed = jnp.asarray(allowed)[:, None]                                # [B,1,T,S]
 
-  x = _rms(sd["embed"]["embedding"][tokens])
+  x = rms_norm(sd["embed"]["embedding"][tokens])
   imps = []
   for l in range(cfg.num_layers):
     p = sd["layers"][l]
     a = p["attn"]
-    h = _rms(x)
+    h = rms_norm(x)
     q = (h @ a["q_proj"]["kernel"]).reshape(B, T, H, D)
     k = (h @ a["k_proj"]["kernel"]).reshape(B, T, H, D)
     v = (h @ a["v_proj"]["kernel"]).reshape(B, T, H, D)
-    q, k = _rope(_rms(q), pos, cfg.rope_theta), _rope(_rms(k), pos, cfg.rope_theta)
+    q, k = rope(rms_norm(q), pos, cfg.rope_theta), rope(rms_norm(k), pos, cfg.rope_theta)
     z = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D)
     z = jnp.where(allowed, z, -jnp.inf)
     if cfg.attention == "sink":
@@ -123,8 +112,8 @@ def reference_forward(sd, cfg, tokens, seg):
     imps.append((gate * w).sum((0, 2)) / w.sum((0, 2)))
     x = x + o.reshape(B, T, H * D) @ a["o_proj"]["kernel"]
     m = p["mlp"]
-    x = x + jnp.square(jax.nn.relu(_rms(x) @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
-  logits = _rms(x) @ sd["lm_head"]["kernel"]
+    x = x + jnp.square(jax.nn.relu(rms_norm(x) @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"]
+  logits = rms_norm(x) @ sd["lm_head"]["kernel"]
   return cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap), jnp.stack(imps)
 
 

@@ -4,9 +4,6 @@ zeroed by hand, the Table 1 statistics against hand computations, and the grid r
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +16,7 @@ from sinkjax.config import ModelConfig
 from sinkjax.experiments import paper
 from sinkjax.layers import pop_head_importance
 from sinkjax.model import Transformer
+from tests.helpers import run_command
 
 VOCAB = 40
 
@@ -192,10 +190,7 @@ def check_artefacts(out, names):
 
 
 def run_cli(argv):
-  """The CLI in a subprocess on one CPU device (the test session simulates 8, which makes every compile slower)."""
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-  return subprocess.run([sys.executable, "-m", "sinkjax.experiments.paper", *argv], capture_output=True, text=True,
-                        env=env, timeout=900)
+  return run_command("sinkjax.experiments.paper", *argv, timeout=900)
 
 
 def test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs(tmp_path):

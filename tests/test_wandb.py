@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from tests.helpers import run_command
+
 wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install 'sinkjax[wandb]')")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -74,14 +76,13 @@ def offline_run(records) -> dict:
 
 
 def train(run_dir, steps: int, wandb_dir, *extra, env=None):
-  cmd = [sys.executable, "-m", "sinkjax.train", "--config", str(REPO / "configs" / "tiny.yaml"),
-         "model.num_layers=1", "model.d_model=32", "model.head_dim=8", "data.seq_len=32", "model.max_seq_len=32",
-         "train.batch_size=8", f"train.steps={steps}", "train.log_every=2", "train.eval_every=3",
-         "train.eval_batches=1", "checkpoint.every=3", f"run.dir={run_dir}", "logging.wandb=true",
-         "logging.wandb_project=sinkjax-test", "logging.wandb_tags=[tiny,offline]", *extra]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir),
-         "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", **(env or {})}
-  return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=run_dir.parent)
+  return run_command(
+      "sinkjax.train", "--config", REPO / "configs" / "tiny.yaml", "model.num_layers=1", "model.d_model=32",
+      "model.head_dim=8", "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=8", f"train.steps={steps}",
+      "train.log_every=2", "train.eval_every=3", "train.eval_batches=1", "checkpoint.every=3", f"run.dir={run_dir}",
+      "logging.wandb=true", "logging.wandb_project=sinkjax-test", "logging.wandb_tags=[tiny,offline]", *extra,
+      cwd=run_dir.parent, env={"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true",
+                               "WANDB_CONSOLE": "off", **(env or {})})
 
 
 def metrics(run_dir) -> dict:
