@@ -10,13 +10,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sinkjax import choices
 from sinkjax.config import ModelConfig
 from sinkjax.kernels import dense
 from sinkjax.layers import MLP, Attention, MoE, RMSNorm, default_positions, pop_head_importance
 from sinkjax.sharding import logical
 
-DTYPES = {name: jnp.dtype(name) for name in choices.DTYPES}
 # model.remat_policy: what a rematerialized layer keeps from its forward pass for the backward (everything else is
 # recomputed). nothing: only the layer's input (least memory); dots: also the results of matmuls with weights.
 REMAT_POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
@@ -28,7 +26,7 @@ class Block(nnx.Module):
   attention section for layer `layer` (its sliding window follows model.layer_types)."""
 
   def __init__(self, cfg: ModelConfig, *, layer: int = 0, rngs: nnx.Rngs):
-    dt, pdt = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+    dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)     # names the config has checked
     norm = dict(eps=cfg.norm_eps, use_scale=cfg.norm_scale, param_dtype=pdt)
     self.attn_norm = RMSNorm(cfg.d_model, **norm)
     self.attn = Attention(cfg.attention_config(layer), rngs=rngs)
@@ -69,7 +67,7 @@ class Transformer(nnx.Module):
     if cfg.vocab_size < 1:
       raise ValueError("model.vocab_size must be set (the trainer fills it from the tokenizer)")
     self.cfg = cfg
-    dt, pdt = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+    dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)     # names the config has checked
     vocab = padded_vocab(cfg)
     self.embed = nnx.Embed(vocab, cfg.d_model, dtype=dt, param_dtype=pdt, embedding_init=nnx.initializers.normal(1.0),
                            embedding_metadata=logical("vocab", "embed"), rngs=rngs)
