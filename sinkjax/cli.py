@@ -41,8 +41,9 @@ EXTRAS = {"train": ("grain", "orbax.checkpoint", "tensorflow_datasets", "matplot
 
 
 def require_extra(prog: str, extra: str = "train") -> None:
-  """Called by a command run as a script before it imports the extra's packages: one line naming the extra to
-  install and exit status 1 when one is missing (the core install is the layer and kernels alone)."""
+  """Where a command starts, before anything imports the extra's packages (a command module: under `if __name__ ==
+  "__main__"` above its imports; one that imports them later: first thing in main()): one line naming the extra to
+  install and exit status 1 when one is missing (the core install is the layer and the kernels alone)."""
   missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m.split(".")[0]) is None
              or importlib.util.find_spec(m) is None]
   if missing:
