@@ -124,11 +124,33 @@ class Transformer(nnx.Module):
       return x
     if self.cfg.scan_layers and self._uniform_blocks():
       return self._scanned_blocks(x, x0, segment_ids, positions)
-    run = lambda blk, h: blk(h, segment_ids, positions)
-    if self.cfg.remat:
-      run = nnx.remat(run, policy=REMAT_POLICIES[self.cfg.remat_policy])
+    if not self.cfg.remat:
+      for i, block in enumerate(self.layers):
+        x = block(self.block_input(i, x, x0), segment_ids, positions)
+      return x
+    imps = []
     for i, block in enumerate(self.layers):
-      x = run(block, self.block_input(i, x, x0))
+      x, imp = self._layer_fn(nnx.graphdef(block), x0, segment_ids, positions)(x, (nnx.state(block), i))
+      imps.append(imp)
+    return self._sow_importances(x, imps)
+
+  def _layer_fn(self, graphdef, x0, segment_ids, positions):
+    """(h, (block state, i)) -> (block i's output, its head importance [H]): one layer as a pure function of its
+    parameters, rematerialized with model.remat (jax.checkpoint with model.remat_policy). Pure, so it composes with
+    lax.scan and with LoRA's split parameters (nnx.remat on the module would write back into them)."""
+    def layer(h, args):
+      state, i = args
+      block = nnx.merge(graphdef, state)
+      h = block(self.block_input(i, h, x0), segment_ids, positions)
+      return h, pop_head_importance(block)[0]
+    if self.cfg.remat:
+      return jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat_policy], prevent_cse=False)
+    return layer
+
+  def _sow_importances(self, x, imps):
+    """Records each layer's importance on its own Attention (what `pop_head_importance` reads); returns x."""
+    for block, imp in zip(self.layers, imps):
+      block.attn.sow(nnx.Intermediate, "head_importance", imp, reduce_fn=lambda _, new: new, init_fn=lambda: None)
     return x
 
   def _uniform_blocks(self) -> bool:
@@ -141,21 +163,10 @@ class Transformer(nnx.Module):
     layer, so its FSDP gathers and (with model.remat) its saved activations live one layer at a time, and compile
     time does not grow with depth. Parameters stay one module per layer (checkpoints are unchanged); the stack is
     built inside the step. Each layer's head importance is sown back on its own Attention afterwards."""
-    graphdef = nnx.graphdef(self.layers[0])
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.layers])
-
-    def body(h, layer):
-      state, i = layer
-      block = nnx.merge(graphdef, state)
-      h = block(self.block_input(i, h, x0), segment_ids, positions)
-      return h, pop_head_importance(block)[0]
-
-    if self.cfg.remat:
-      body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat_policy], prevent_cse=False)
+    body = self._layer_fn(nnx.graphdef(self.layers[0]), x0, segment_ids, positions)
     x, imps = jax.lax.scan(body, x, (stacked, jnp.arange(len(self.layers))))
-    for block, imp in zip(self.layers, imps):
-      block.attn.sow(nnx.Intermediate, "head_importance", imp, reduce_fn=lambda _, new: new, init_fn=lambda: None)
-    return x
+    return self._sow_importances(x, list(imps))
 
   def logits(self, x):
     """Final norm, LM head (vocabulary padding sliced off), float32, soft-cap."""
