@@ -329,6 +329,7 @@ def _hints(r: dict) -> str:
 
 def main(argv=None) -> int:
   from sinkjax import cli  # pylint: disable=import-outside-toplevel
+  cli.require_extra("sinkjax.compile")   # it builds the trainer's step (sinkjax.train): the train extra
   parser = cli.Parser(prog="python -m sinkjax.compile",
                       description="Compile the training step of a config for a TPU slice or NVIDIA GPUs with "
                                   "compile-only devices (libtpu or JAX's CUDA plugin; no TPU or GPU needed) and report "

@@ -2,7 +2,7 @@
 in sinkjax/target_configs/), the Pallas GPU kernel compiles with Triton for them, and `sinkjax.compile --topology
 h100:8` reports the trainer's step.
 
-The plugin comes with the `gpu` extra (`pip install 'sinkjax[gpu]'`: jax[cuda12] and jax-triton, ~5.5 GB), which
+The plugin comes with the `gpu` extra (`pip install 'sinkjax[gpu]'`: jax[cuda12], ~5.5 GB), which
 the test command (`.[test]`) does not install; the tests that need it skip with that reason where it is absent, and
 one checks that the command then says so in one line."""
 import json
