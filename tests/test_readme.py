@@ -5,6 +5,7 @@ import pathlib
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -52,3 +53,21 @@ def test_scripts_the_readme_runs_directly_are_executable():
     assert modes.get(path) == "100755", f"{path} has mode {modes.get(path)} in git: run `git update-index " \
                                          f"--chmod=+x {path}`"
     assert os.access(ROOT / path, os.X_OK), path
+
+
+def test_every_module_command_in_the_readme_exists_with_its_flags():
+  """Each `python -m sinkjax...` line of the README names a command whose --help lists every flag the line uses (the
+  commands themselves ran as written on a fresh clone when the README was last rewritten; this keeps them honest)."""
+  calls = {}
+  for line in _code_lines():
+    for part in line.split("&&"):
+      words = shlex.split(part)
+      if len(words) > 2 and words[:2] == ["python", "-m"] and words[2].startswith("sinkjax."):
+        calls.setdefault(words[2], set()).update(w.split("=")[0] for w in words[3:] if w.startswith("--"))
+  assert "sinkjax.train" in calls and "sinkjax.eval" in calls, calls
+  for module, flags in sorted(calls.items()):
+    r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, (module, r.stderr[-500:])
+    missing = [f for f in flags if f not in r.stdout]
+    assert not missing, f"README runs {module} with {missing}, which its --help does not list"
