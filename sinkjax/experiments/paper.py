@@ -825,6 +825,18 @@ def write_results(out: pathlib.Path, args, scale: Scale, specs, machine: dict, f
   return res
 
 
+def run_one(scale, spec, run_dir, steps):
+  """Trains (unless done) and evaluates (unless done) one run of a study; (its eval record, what was done)."""
+  try:
+    _, trained = train_run(run_config(scale, spec, run_dir, steps=steps), run_dir)
+    rec, evaluated = evaluate_run(run_dir, scale)
+  except UserError as e:              # a bad config, data or checkpoint, a failed run: which run it was
+    raise StudyError(f"run {spec.name}: {e}") from e
+  what = ("trained + evaluated" if trained else "evaluated (trained before)") if evaluated or trained else \
+      "done before, skipped"
+  return rec, what
+
+
 def run_study(args, scale: Scale, specs: list[RunSpec], mirror=None) -> dict:
   """Trains and evaluates every run of the grid not yet done (a progress line each), then writes the results.
   `mirror` (`sinkjax.paths.Mirror`) uploads each finished run when --out is a bucket."""
@@ -835,13 +847,7 @@ def run_study(args, scale: Scale, specs: list[RunSpec], mirror=None) -> dict:
   for i, spec in enumerate([] if args.report_only else specs, 1):
     run_dir = out / "runs" / spec.name
     t0 = time.perf_counter()
-    try:
-      done, trained = train_run(run_config(scale, spec, run_dir, steps=args.steps), run_dir)
-      rec, evaluated = evaluate_run(run_dir, scale)
-    except UserError as e:              # a bad config, data or checkpoint, a failed run: which run it was
-      raise StudyError(f"run {spec.name}: {e}") from e
-    what = ("trained + evaluated" if trained else "evaluated (trained before)") if evaluated or trained else \
-        "done before, skipped"
+    rec, what = run_one(scale, spec, run_dir, args.steps)
     print(f"[{i}/{len(specs)}] {spec.name}: {what}; val_bpb {rec['val_bpb']:.4f}, head imbalance "
           f"{rec['head_imbalance']:.3f} ({time.perf_counter() - t0:.0f} s; study {time.perf_counter() - t_start:.0f} s)",
           flush=True)
@@ -938,13 +944,7 @@ def run_dose(args, scale: Scale, specs: list[RunSpec], out: pathlib.Path) -> dic
     if not (run_dir / "paper_eval.json").is_file() and (spec.variant, spec.loss, spec.seed) in reuse:
       print(f"[{i}/{len(specs)}] {spec.name}: reused from {args.reuse}", flush=True)
       continue
-    try:
-      done, trained = train_run(run_config(scale, spec, run_dir, steps=args.steps), run_dir)
-      rec, evaluated = evaluate_run(run_dir, scale)
-    except UserError as e:              # a bad config, data or checkpoint, a failed run: which run it was
-      raise StudyError(f"run {spec.name}: {e}") from e
-    what = ("trained + evaluated" if trained else "evaluated (trained before)") if evaluated or trained else \
-        "done before, skipped"
+    rec, what = run_one(scale, spec, run_dir, args.steps)
     print(f"[{i}/{len(specs)}] {spec.name} (lambda {spec.lam:g}): {what}; val_bpb {rec['val_bpb']:.4f}, head "
           f"imbalance {rec['head_imbalance']:.3f} ({time.perf_counter() - t0:.0f} s; study "
           f"{time.perf_counter() - t_start:.0f} s)", flush=True)
