@@ -76,7 +76,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False               # recompute each layer's activations in the backward (per layer, model.remat_policy)
   remat_policy: str = "nothing"     # nothing: keep only each layer's input | dots: also its weight matmuls' results
-  scan_layers: bool = False         # the layers as one lax.scan over stacked weights (one layer for the compiler)
+  scan_layers: bool = False         # the layers as one lax.scan over stacked weights (one layer or repeating group)
   attn_impl: str = "auto"           # flash_attention backend
   # Architecture options of imported Hugging Face models (sinkjax.convert.hf); the defaults are the nanochat model.
   mlp_hidden: int = 0               # MLP hidden width; 0 = mlp_ratio * d_model

@@ -30,6 +30,7 @@ for every head, so its importance CV is 0 and the aux loss has nothing to balanc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -44,7 +45,7 @@ from sinkjax.choices import MLP_KINDS
 from sinkjax.config import AttentionConfig, RopeScaling  # noqa: F401  (RopeScaling re-exported for layer users)
 from sinkjax.kernels import dense
 from sinkjax.kernels.reference import attention_weights as reference_weights
-from sinkjax.sharding import logical, target_platform
+from sinkjax.sharding import logical, per_batch_shard, target_platform
 
 
 
@@ -520,25 +521,38 @@ class MoE(nnx.Module):
     self.gate_bias, self.up_bias, self.down_bias = zeros(hidden), zeros(hidden), zeros(d_model)
 
   def __call__(self, x):
-    B, T, D = x.shape
-    xf = x.reshape(B * T, D)
-    logits = self.router(xf.astype(jnp.float32))                          # [N, E]
-    top_logits, experts = jax.lax.top_k(logits, self.top_k)               # [N, k]
-    weights = jax.nn.softmax(top_logits, axis=-1)
-    flat = experts.reshape(-1)                                            # [N*k], token-major
-    order = jnp.argsort(flat, stable=True)
-    expert_of_row = flat[order]
-    token_of_row = order // self.top_k
-    sizes = jnp.bincount(flat, length=self.gate_kernel.shape[0]).astype(jnp.int32)
-    dt = self.dtype
-    rows = xf[token_of_row].astype(dt)
+    names = ("gate_kernel", "up_kernel", "down_kernel", "gate_bias", "up_bias", "down_bias")
+    weights = {n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}
+    weights["router_kernel"] = self.router.kernel[...]
+    weights["router_bias"] = self.router.bias[...]
+    route = functools.partial(moe_tokens, top_k=self.top_k, kind=self.kind, limit=self.limit, alpha=self.alpha,
+                              dtype=self.dtype)
+    # Per batch shard: the sort by expert is then over the shard's own tokens (one global sort would gather every
+    # token of the step onto every device: GPT-OSS-20B on 16 chips needed 222 GiB per chip).
+    return per_batch_shard(route, x.shape[0])(x, weights)
 
-    def proj(h, kernel, bias):
-      y = jax.lax.ragged_dot(h, kernel[...].astype(dt), sizes, preferred_element_type=jnp.float32)
-      return y if bias is None else y + bias[...][expert_of_row].astype(jnp.float32)
 
-    h = mlp_activation(self.kind, proj(rows, self.gate_kernel, self.gate_bias),
-                       proj(rows, self.up_kernel, self.up_bias), limit=self.limit, alpha=self.alpha)
-    y = proj(h.astype(dt), self.down_kernel, self.down_bias) * weights.reshape(-1)[order][:, None]
-    out = jnp.zeros((B * T, D), jnp.float32).at[token_of_row].add(y)
-    return out.reshape(B, T, D).astype(x.dtype)
+def moe_tokens(x, w: dict, *, top_k: int, kind: str, limit: float, alpha: float, dtype):
+  """`MoE` over x [B, T, D] with its weights as arrays (router_kernel/_bias, gate/up/down_kernel, optional
+  gate/up/down_bias): route, sort the token copies by expert, three `ragged_dot`s, scatter-add back."""
+  B, T, D = x.shape
+  xf = x.reshape(B * T, D)
+  logits = xf.astype(jnp.float32) @ w["router_kernel"].astype(jnp.float32) + w["router_bias"].astype(jnp.float32)
+  top_logits, experts = jax.lax.top_k(logits, top_k)                                            # [N, k]
+  weights = jax.nn.softmax(top_logits, axis=-1)
+  flat = experts.reshape(-1)                                                                    # [N*k], token-major
+  order = jnp.argsort(flat, stable=True)
+  expert_of_row = flat[order]
+  token_of_row = order // top_k
+  sizes = jnp.bincount(flat, length=w["gate_kernel"].shape[0]).astype(jnp.int32)
+  rows = xf[token_of_row].astype(dtype)
+
+  def proj(h, name):
+    y = jax.lax.ragged_dot(h, w[f"{name}_kernel"].astype(dtype), sizes, preferred_element_type=jnp.float32)
+    bias = w.get(f"{name}_bias")
+    return y if bias is None else y + bias[expert_of_row].astype(jnp.float32)
+
+  h = mlp_activation(kind, proj(rows, "gate"), proj(rows, "up"), limit=limit, alpha=alpha)
+  y = proj(h.astype(dtype), "down") * weights.reshape(-1)[order][:, None]
+  out = jnp.zeros((B * T, D), jnp.float32).at[token_of_row].add(y)
+  return out.reshape(B, T, D).astype(x.dtype)

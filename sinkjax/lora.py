@@ -33,9 +33,11 @@ class LoRALinear(nnx.Module):
     self.kernel, self.bias = base.kernel, base.bias
     self.rank, self.scale = rank, alpha / rank
     # A: Kaiming-uniform as in the reference implementation (peft); B: zeros, so training starts at the base model.
+    # Adapters are float32 even over a bfloat16 base (what the optimizer updates stays exact; they are small).
     init = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
-    self.lora_a = nnx.LoRAParam(init(rngs.params(), (self.in_features, rank), base.param_dtype))
-    self.lora_b = nnx.LoRAParam(jnp.zeros((rank, self.out_features), base.param_dtype))
+    adapter_dtype = jnp.promote_types(base.param_dtype, jnp.float32)
+    self.lora_a = nnx.LoRAParam(init(rngs.params(), (self.in_features, rank), adapter_dtype))
+    self.lora_b = nnx.LoRAParam(jnp.zeros((rank, self.out_features), adapter_dtype))
 
   def __call__(self, x):
     dt = self.dtype or x.dtype

@@ -122,8 +122,9 @@ class Transformer(nnx.Module):
         x = block(self.block_input(i, x, x0), segment_ids, positions, record=record,
                   zero_first_value=None if zero_first_value is None else zero_first_value[i])
       return x
-    if self.cfg.scan_layers and self._uniform_blocks():
-      return self._scanned_blocks(x, x0, segment_ids, positions)
+    period = self._block_period() if self.cfg.scan_layers else 0
+    if period:
+      return self._scanned_blocks(x, x0, segment_ids, positions, period)
     if not self.cfg.remat:
       for i, block in enumerate(self.layers):
         x = block(self.block_input(i, x, x0), segment_ids, positions)
@@ -153,20 +154,37 @@ class Transformer(nnx.Module):
       block.attn.sow(nnx.Intermediate, "head_importance", imp, reduce_fn=lambda _, new: new, init_fn=lambda: None)
     return x
 
-  def _uniform_blocks(self) -> bool:
-    """Whether every block has the same structure (no per-layer sliding windows), so one can stand for all."""
-    first = nnx.graphdef(self.layers[0])
-    return all(nnx.graphdef(b) == first for b in self.layers[1:])
+  def _block_period(self) -> int:
+    """The smallest p such that block i has the structure of block i mod p (1: all alike; 2: GPT-OSS's alternating
+    sliding / full layers), or 0 when no p < L divides the stack into repeats."""
+    defs = [nnx.graphdef(b) for b in self.layers]
+    L = len(defs)
+    for p in range(1, L // 2 + 1):
+      if L % p == 0 and all(defs[i] == defs[i % p] for i in range(p, L)):
+        return p
+    return 0
 
-  def _scanned_blocks(self, x, x0, segment_ids, positions):
-    """The blocks as one `lax.scan` over their stacked parameters (MaxText's scan_layers): the compiler sees one
-    layer, so its FSDP gathers and (with model.remat) its saved activations live one layer at a time, and compile
-    time does not grow with depth. Parameters stay one module per layer (checkpoints are unchanged); the stack is
-    built inside the step. Each layer's head importance is sown back on its own Attention afterwards."""
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.layers])
-    body = self._layer_fn(nnx.graphdef(self.layers[0]), x0, segment_ids, positions)
-    x, imps = jax.lax.scan(body, x, (stacked, jnp.arange(len(self.layers))))
-    return self._sow_importances(x, list(imps))
+  def _scanned_blocks(self, x, x0, segment_ids, positions, period: int = 1):
+    """The blocks as one `lax.scan` over their stacked parameters (MaxText's scan_layers), `period` blocks of
+    different structure per step (the repeating group): the compiler sees one group, so its FSDP gathers and (with
+    model.remat) its saved activations live one group at a time, and compile time does not grow with depth.
+    Parameters stay one module per layer (checkpoints are unchanged); the stack is built inside the step. Each
+    layer's head importance is sown back on its own Attention afterwards."""
+    groups = len(self.layers) // period
+    stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.layers[j::period]])
+               for j in range(period)]
+    layers = [self._layer_fn(nnx.graphdef(self.layers[j]), x0, segment_ids, positions) for j in range(period)]
+
+    def body(h, args):
+      states, g = args
+      imps = []
+      for j, (layer, state) in enumerate(zip(layers, states)):
+        h, imp = layer(h, (state, g * period + j))
+        imps.append(imp)
+      return h, jnp.stack(imps)
+
+    x, imps = jax.lax.scan(body, x, (stacked, jnp.arange(groups)))
+    return self._sow_importances(x, list(imps.reshape(len(self.layers), *imps.shape[2:])))
 
   def logits(self, x):
     """Final norm, LM head (vocabulary padding sliced off), float32, soft-cap."""

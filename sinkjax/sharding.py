@@ -37,6 +37,22 @@ def target_platform() -> str:
   return "gpu" if platform in ("cuda", "rocm") else platform
 
 
+def per_batch_shard(fn, batch: int):
+  """`fn(x, weights)` run once per batch shard when a mesh is active (`jax.set_mesh`): x [B, ...] split over the
+  mesh's batch axes, `weights` (a pytree) whole on every shard (gathered first where sharded, as FSDP does anyway),
+  the output split like x. For computations that are independent per row but whose shapes are not (a sort of the
+  tokens, `ragged_dot`), which XLA's partitioner would otherwise run on the whole gathered batch everywhere. The
+  weights' cotangents are summed over the shards (shard_map's transpose of an unsplit input). Without an active
+  mesh, with no batch axis of size > 1, or when B does not divide, `fn` itself."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn
+  axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+  if not axes or batch % math.prod(mesh.shape[a] for a in axes):
+    return fn
+  return jax.shard_map(fn, mesh=mesh, in_specs=(P(axes), P()), out_specs=P(axes), check_vma=False)
+
+
 def mesh_platform(mesh: Mesh) -> str:
   """The platform of a concrete mesh's devices ("tpu", "gpu" or "cpu")."""
   platform = mesh.devices.flat[0].platform

@@ -279,6 +279,16 @@ def test_lora_rank_zero_is_off_and_targets_select():
   assert isinstance(model.layers[0].mlp.up_proj, nnx.Linear)
 
 
+def test_lora_adapters_are_float32_over_a_bfloat16_base():
+  """A bfloat16 base (GPT-OSS on a v5litepod-16 is imported so) keeps its weights; the adapters the optimizer updates
+  are float32."""
+  from sinkjax.layers import Attention
+  attn = Attention(32, 4, num_kv_heads=2, param_dtype="bfloat16", rngs=nnx.Rngs(0))
+  lora.apply(attn, LoRAConfig(rank=2), nnx.Rngs(1))
+  assert attn.q_proj.kernel[...].dtype == jnp.bfloat16
+  assert {v.dtype for v in jax.tree.leaves(nnx.state(attn, nnx.LoRAParam))} == {jnp.dtype(jnp.float32)}
+
+
 def test_shared_heads_from_pretrained_importance():
   """Fixed shared set: the top-m heads of the pretrained model's measured importance (eq. 8)."""
   model = _tiny()

@@ -122,15 +122,34 @@ def test_memory_settings_change_nothing_but_memory(memory, compile_cache):
 
 
 def test_scan_layers_runs_as_one_scan_and_falls_back_for_mixed_layers():
-  """model.scan_layers puts one lax.scan over the layers in the program; layers of different structure (a sliding
-  window on some) cannot share one body and run one by one."""
-  def program(extra):
-    cfg = load_config(TINY, SMALL + ["model.vocab_size=257", "model.num_layers=3", "model.scan_layers=true", *extra])
+  """model.scan_layers puts one lax.scan over the layers in the program; layers that repeat with a period (GPT-OSS's
+  alternating sliding / full) scan over the repeating group; layers with no period run one by one."""
+  def program(extra, layers=3):
+    cfg = load_config(TINY, SMALL + ["model.vocab_size=257", f"model.num_layers={layers}", "model.scan_layers=true",
+                                     *extra])
     graphdef, state = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
     return str(jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.zeros((2, 8), jnp.int32)))
-  layer_scan = re.compile(r"scan\[[^\]]*length=3\b")      # the kernel's own pair loop is a scan too, of another length
-  assert len(layer_scan.findall(program([]))) == 1
-  assert not layer_scan.findall(program(["model.sliding_window=4", "model.layer_types=[full,sliding,full]"]))
+  def layer_scans(length, text):       # the kernel's own pair loop is a scan too, of another length
+    return re.compile(rf"scan\[[^\]]*length={length}\b").findall(text)
+  assert len(layer_scans(3, program([]))) == 1
+  assert not layer_scans(3, program(["model.sliding_window=4", "model.layer_types=[full,sliding,full]"]))
+  pairs = program(["model.sliding_window=4", "model.layer_types=[sliding,full,sliding,full,sliding,full]"], 6)
+  assert len(layer_scans(3, pairs)) == 1          # three groups of (sliding, full)
+
+
+def test_scan_over_alternating_layers_is_the_per_layer_step(compile_cache):
+  """A scan over (sliding, full) pairs gives the per-layer loop's step: loss, importances in layer order, weights."""
+  ov = ["model.attention=sink", "loss.aux_weight=0.01", "model.num_layers=4", "model.sliding_window=3",
+        "model.layer_types=[sliding,full,sliding,full]", "model.remat=true"]
+  _, step_a, state_a, batch = _setup(ov)
+  _, step_b, state_b, _ = _setup(ov + ["model.scan_layers=true"])
+  sa, ma = step_a(state_a, batch)
+  sb, mb = step_b(state_b, batch)
+  for k in ("loss", "aux_loss", "grad_norm"):
+    np.testing.assert_allclose(float(ma[k]), float(mb[k]), rtol=2e-6, err_msg=k)
+  np.testing.assert_allclose(np.asarray(ma["importance"]), np.asarray(mb["importance"]), atol=1e-6)
+  for a, b in zip(jax.tree.leaves(sa["params"]), jax.tree.leaves(sb["params"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
 def test_no_aux_term_when_weight_is_zero(compile_cache):
