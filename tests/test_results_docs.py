@@ -203,31 +203,105 @@ def test_finetuning_tables(doc, flat):
 
 # ------------------------------------------------------------------------------------------------ STREAMING.md
 
-def test_passkey_random_maps_and_the_head_they_miss():
-  """random_maps.json is what `--full-heads-random 0..4` drew (re-derived from the seeds), and STREAMING.md's reading
-  of it holds: no F = 0.25 map holds layer 0's head 3, the F = 0.5 maps of seeds 1 and 3 (and only those) do, and
-  the seeds it names as including that head at F = 0.25 do."""
+PASSKEY = ROOT / "docs" / "results" / "passkey_tiny"
+
+
+def _passkey(name):
+  return json.loads((PASSKEY / name).read_text())
+
+
+def _pk_rows(recs, mode, ctx):
+  return [r for r in recs if r["mode"] == mode and r["context"] == ctx]
+
+
+def _pk_cells(recs, modes):
+  """(KV bytes at 498, digits 247, digits 498, key at depth 1 247, key at depth 1 498) as the doc prints them: one
+  mode's values, or min–max over several."""
+  def fmt(xs):
+    return f"{min(xs):.2f}–{max(xs):.2f}" if min(xs) != max(xs) else f"{xs[0]:.2f}"
+  digits = lambda m, c: np.mean([r["digit_accuracy"] for r in _pk_rows(recs, m, c)])
+  key = lambda m, c: [r["accuracy"] for r in _pk_rows(recs, m, c) if r["depth"] == 1.0][0]
+  return (f"{_pk_rows(recs, modes[0], 498)[0]['kv_bytes']:,}", fmt([digits(m, 247) for m in modes]),
+          fmt([digits(m, 498) for m in modes]), fmt([key(m, 247) for m in modes]), fmt([key(m, 498) for m in modes]))
+
+
+def test_passkey_table_and_ablations_come_from_the_raw_records():
+  """STREAMING.md's passkey table, row by row, from the probe's results*.json (one per command), and its reading:
+  the random maps are what the seeds draw, layer 0's head 3 is in exactly the maps the doc says, the one-head map
+  retrieves and the all-but-one map does not."""
   from sinkjax.cache_policy import random_heads
-  stream = " ".join((ROOT / "docs" / "STREAMING.md").read_text().split())
-  maps = json.loads((ROOT / "docs" / "results" / "passkey_tiny" / "random_maps.json").read_text())["maps"]
-  for a in (0.25, 0.5):
-    for s in range(5):
-      m = np.asarray(maps[f"F={a:g} random (seed {s})"], bool)
-      assert (m == random_heads((4, 4), a, "layer", s)).all() and (m.sum(-1) == int(4 * a)).all()
-      assert m[0, 3] == (a == 0.5 and s in (1, 3)), (a, s)
-  assert "none of the five F = 0.25 random maps contains it" in stream
-  named = [14, 20, 22, 25, 26]
-  assert "seeds 14, 20, 22, 25 and 26 are the first that do" in stream
-  assert [s for s in range(5, 27) if random_heads((4, 4), 0.25, "layer", s)[0, 3]] == named
+  doc = (ROOT / "docs" / "STREAMING.md").read_text()
+  stream = " ".join(doc.split())
+  main, incl = _passkey("results.json"), _passkey("results_random_with_l0h3.json")
+  only, allbut = _passkey("results_only_l0h3.json"), _passkey("results_all_but_l0h3.json")
+  assert np.asarray(_passkey("only_l0h3.json")).sum() == 1 and _passkey("only_l0h3.json")[0][3] == 1
+  assert (np.asarray(_passkey("all_but_l0h3.json")) == 1 - np.asarray(_passkey("only_l0h3.json"))).all()
+  holds = lambda recs, m: bool(np.asarray(_pk_rows(recs, m, 247)[0]["full_map"])[0, 3])
+  for recs, seeds in ((main, range(5)), (incl, (14, 20, 22, 25, 26))):
+    for r in recs:
+      if "random" in r["mode"]:
+        a, s = float(r["mode"].split("F=")[1].split()[0]), int(r["mode"].split("seed ")[1].rstrip(")"))
+        assert s in seeds and (np.asarray(r["full_map"], bool) == random_heads((4, 4), a, "layer", s)).all()
+  assert [s for s in range(27) if random_heads((4, 4), 0.25, "layer", s)[0, 3]] == [14, 20, 22, 25, 26]
+  assert [s for s in range(5) if random_heads((4, 4), 0.5, "layer", s)[0, 3]] == [1, 3]
+  want = [("full", "16/16", main, ["full cache"]),
+          ("sinks + window (S 4, W 64)", "0/16", main, ["sinks + window (S=4, W=64)"]),
+          ("only layer 0 head 3 full", "1/16", only, ["hybrid map only_l0h3.json"]),
+          ("every head full but layer 0 head 3", "15/16", allbut, ["hybrid map all_but_l0h3.json"])]
+  for F, n in (("0.25", 4), ("0.5", 8)):
+    want.append((f"F = {F} by importance", f"{n}/16", main, [f"hybrid F={F} by importance"]))
+    rand = [f"hybrid F={F} random (seed {s})" for s in range(5)]
+    w, wo = [m for m in rand if holds(main, m)], [m for m in rand if not holds(main, m)]
+    seeds = lambda ms: ", ".join(m.split("seed ")[1].rstrip(")") for m in ms)
+    if w:
+      want.append((f"F = {F} random with layer 0 head 3 (seeds {seeds(w)})", f"{n}/16", main, w))
+    want.append((f"F = {F} random without layer 0 head 3 (seeds {seeds(wo)})", f"{n}/16", main, wo))
+  want.append(("F = 0.25 random with layer 0 head 3 (seeds 14, 20, 22, 25, 26)", "4/16", incl,
+               [f"hybrid F=0.25 random (seed {s})" for s in (14, 20, 22, 25, 26)]))
+  got = {r[0]: r[1:] for r in table(doc, "cache | full heads | KV bytes (498)")}
+  assert len(got) == len(want)
+  for label, full, recs, modes in want:
+    kv, d247, d498, k247, k498 = _pk_cells(recs, modes)
+    assert got[label] == [full, kv, f"{d247} / {d498}", f"{k247} / {k498}"], label
+  # the reading: the one-head map keeps the full cache's digits, the all-but-one map is at chance
+  full_d, only_d, allbut_d = (_pk_cells(r, [m])[1:3] for r, m in ((main, "full cache"),
+                              (only, "hybrid map only_l0h3.json"), (allbut, "hybrid map all_but_l0h3.json")))
+  assert f"({only_d[0]} / {only_d[1]} against {full_d[0]} / {full_d[1]})" in stream
+  assert f"falls to chance ({allbut_d[0]} / {allbut_d[1]})" in stream
+  assert float(allbut_d[0]) < 0.2 and float(only_d[0]) > float(full_d[0]) - 0.05
+
+
+def test_passkey_perplexity_table_and_ranks():
+  """The --ppl rows STREAMING.md quotes are ppl.md's / ppl_ablations.md's, and the importance map's rank among its
+  random peers (3rd of 6 at both sizes) holds."""
   ppl = {}
-  for line in (ROOT / "docs" / "results" / "passkey_tiny" / "ppl.md").read_text().splitlines():
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    if cells[0].startswith("hybrid F=0.25"):
-      ppl[cells[0]] = float(cells[3])
-  imp = ppl["hybrid F=0.25 by importance (S=4, W=64)"]
-  rand = sorted(v for k, v in ppl.items() if "random" in k)
-  assert len(rand) == 5 and sorted(rand + [imp]).index(imp) + 1 == 3
-  assert f"ranks 3rd of 6 ({imp:.3f} against the random maps' " + ", ".join(f"{x:.3f}" for x in rand) in stream
+  for name in ("ppl.md", "ppl_ablations.md"):
+    for line in (PASSKEY / name).read_text().splitlines():
+      cells = [c.strip() for c in line.strip("|").split("|")]
+      if len(cells) == 8 and cells[3][:1].isdigit():
+        ppl[cells[0]] = (float(cells[3]), float(cells[5]))
+  stream = " ".join((ROOT / "docs" / "STREAMING.md").read_text().split())
+  rows = {r[0]: r for r in table((ROOT / "docs" / "STREAMING.md").read_text(), "cache | full heads | KV cache bytes")}
+  single = {"full": "full cache", "window only (S = 0)": "window only (S=0, W=64)",
+            "sinks + window": "sinks + window (S=4, W=64)",
+            "only layer 0 head 3 full": "hybrid map only_l0h3.json (S=4, W=64)",
+            "every head full but layer 0 head 3": "hybrid map all_but_l0h3.json (S=4, W=64)",
+            "hybrid F = 0.25 by importance": "hybrid F=0.25 by importance (S=4, W=64)",
+            "hybrid F = 0.5 by importance": "hybrid F=0.5 by importance (S=4, W=64)"}
+  for label, key in single.items():
+    assert rows[label][3:5] == [f"{ppl[key][0]:.3f}", f"{ppl[key][1]:.3f}"], label
+  for F in ("0.25", "0.5"):
+    rand = [ppl[f"hybrid F={F} random (seed {s}) (S=4, W=64)"] for s in range(5)]
+    span = lambda i: f"{min(r[i] for r in rand):.3f}–{max(r[i] for r in rand):.3f}"
+    assert rows[f"hybrid F = {F} random, seeds 0–4 (min–max)"][3:5] == [span(0), span(1)]
+    imp = ppl[f"hybrid F={F} by importance (S=4, W=64)"][0]
+    assert sorted([r[0] for r in rand] + [imp]).index(imp) + 1 == 3
+  rand25 = sorted(ppl[f"hybrid F=0.25 random (seed {s}) (S=4, W=64)"][0] for s in range(5))
+  imp25 = ppl["hybrid F=0.25 by importance (S=4, W=64)"][0]
+  assert f"(F = 0.25: {imp25:.3f} against " + ", ".join(f"{x:.3f}" for x in rand25) + ")" in stream
+  hybrids = [v[0] for k, v in ppl.items() if k.startswith("hybrid")]
+  worse = sum(v > ppl["sinks + window (S=4, W=64)"][0] for v in hybrids)
+  assert f"{worse} of the {len(hybrids)} hybrid maps measured are slightly *worse*" in stream
 
 
 # ------------------------------------------------------------------------------------------------ dose study
