@@ -20,32 +20,10 @@ from sinkjax.cli import ConfigError  # noqa: F401  (re-exported: sinkjax.config.
 
 
 @dataclasses.dataclass
-class ModelConfig:
-  # Hashable by value (lists as tuples): the model keeps its config as static graph metadata, and nnx.jit / jax.jit
-  # caches key on it, so an unhashable config would re-trace on every call.
-  def __hash__(self):
-    return hash(tuple((f.name, tuple(v) if isinstance(v, list) else v)
-                      for f in dataclasses.fields(self) for v in [getattr(self, f.name)]))
-
-  @property
-  def mlp_width(self) -> int:
-    """The MLP hidden width: model.mlp_hidden, or mlp_ratio x d_model when it is 0."""
-    return self.mlp_hidden or self.mlp_ratio * self.d_model
-
-  def attention_config(self, layer: int | None = None) -> AttentionConfig:
-    """The attention section: the model.* keys named as `AttentionConfig`'s fields (model.attn_bias / attn_impl as
-    use_bias / impl, the model.rope_* keys as one `RopeScaling`) and the sliding window of layer `layer` (0 on a
-    "full" layer of model.layer_types; None: model.sliding_window as set). Building it checks it."""
-    names = {f.name for f in dataclasses.fields(AttentionConfig)} & {f.name for f in dataclasses.fields(self)}
-    full = layer is not None and self.layer_types and self.layer_types[layer] == "full"
-    rope = None if self.rope_scaling == "none" else RopeScaling(
-        self.rope_scaling, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-        self.rope_original_max_seq_len or self.max_seq_len, self.rope_beta_fast, self.rope_beta_slow,
-        self.rope_truncate, self.rope_attention_factor)
-    return AttentionConfig(**{**{n: getattr(self, n) for n in names}, "use_bias": self.attn_bias,
-                              "impl": self.attn_impl, "rope_scaling": rope,
-                              "sliding_window": 0 if full else self.sliding_window})
-
+class PaperModel:
+  """The model section's core: the paper's model ([Sink-MoE] Table 1, nanochat's GPT), its attention variants and
+  gate ablations, and how it is computed (dtypes, remat, scan, kernel). One of the three parts of `ModelConfig`;
+  the model.* keys stay flat (a YAML never names the part)."""
   attention: str = "vanilla"        # vanilla | sink | gated | relu
   gate: str = "headwise"            # headwise | elementwise (gated attention)
   num_layers: int = 4
@@ -71,6 +49,7 @@ class ModelConfig:
                                     # | silu_additive: y + SiLU(z)  (z = x W + b)
   gate_input: str = "dependent"     # dependent: z = x W + b | independent: z = a learned logit per head (and dim),
                                     # initialized to gate_bias_init ([GatedAttn] Table 4 row 6: 0)
+  norm_eps: float = 1e-6            # RMSNorm epsilon (HF: rms_norm_eps)
   tie_embeddings: bool = False
   dtype: str = "bfloat16"           # compute dtype; params stay in param_dtype
   param_dtype: str = "float32"
@@ -78,7 +57,12 @@ class ModelConfig:
   remat_policy: str = "nothing"     # nothing: keep only each layer's input | dots: also its weight matmuls' results
   scan_layers: bool = False         # the layers as one lax.scan over stacked weights (one layer or repeating group)
   attn_impl: str = "auto"           # flash_attention backend
-  # Architecture options of imported Hugging Face models (sinkjax.convert.hf); the defaults are the nanochat model.
+
+
+@dataclasses.dataclass
+class ImportedArchitecture:
+  """Architecture options of imported Hugging Face models (sinkjax.convert.hf: Llama 3, Qwen3, GPT-OSS); the defaults
+  are the paper's model, so a config that never imports leaves them alone."""
   mlp_hidden: int = 0               # MLP hidden width; 0 = mlp_ratio * d_model
   mlp_bias: bool = False            # biases in the MLP / expert projections (GPT-OSS)
   swiglu_limit: float = 7.0         # clamped_swiglu: gate <= limit, |up| <= limit (GPT-OSS)
@@ -86,7 +70,6 @@ class ModelConfig:
   moe_experts: int = 0              # > 0: the MLP is a top-k routed mixture of this many experts (GPT-OSS)
   moe_top_k: int = 1                # experts per token; their softmaxed router logits weight the outputs
   norm_scale: bool = False          # learnable RMSNorm scales (block, final and QK norms), as HF Llama/Qwen
-  norm_eps: float = 1e-6            # RMSNorm epsilon (HF: rms_norm_eps)
   embed_norm: bool = True           # RMSNorm on the embedding output (nanochat does; HF models do not)
   attn_bias: bool = False           # biases in the q/k/v/o projections (GPT-OSS)
   rope_scaling: str = "none"        # none | llama3 | yarn (HF rope_type), applied to rope_theta's frequencies
@@ -101,7 +84,11 @@ class ModelConfig:
   sliding_window: int = 0           # > 0: "sliding" layers see only the last sliding_window keys (incl. self)
   layer_types: list = dataclasses.field(default_factory=list)   # per layer full|sliding; [] = all full
                                     # (all sliding when sliding_window > 0)
-  # nanochat (configs/nanochat.yaml, sinkjax.convert.nanochat); the defaults are this project's earlier choices.
+
+
+@dataclasses.dataclass
+class NanochatCompatibility:
+  """nanochat's conventions (configs/nanochat.yaml, sinkjax.convert.nanochat); the defaults are this project's."""
   depth: int = 0                    # > 0: nanochat base_train's shapes from the depth: num_layers = depth,
                                     # d_model = 64 depth, heads = the divisor of d_model nearest d_model / 128,
                                     # num_kv_heads = num_heads, head_dim = d_model / heads (`resolve_depth`)
@@ -112,6 +99,38 @@ class ModelConfig:
   rope_style: str = "llama"         # llama | nanochat: nanochat's rotation sign, bfloat16 cos/sin tables and
                                     # QK-norm after RoPE (layers.apply_rope)
   residual_scalars: bool = False    # per-layer resid_lambdas / x0_lambdas of nanochat's later GPT (6bb9240)
+
+
+
+@dataclasses.dataclass
+class ModelConfig(NanochatCompatibility, ImportedArchitecture, PaperModel):
+  """The model.* keys: `PaperModel` (the paper's model), `ImportedArchitecture` (Hugging Face imports) and
+  `NanochatCompatibility`, one flat section in YAML and on the command line (fields in that order)."""
+
+  # Hashable by value (lists as tuples): the model keeps its config as static graph metadata, and nnx.jit / jax.jit
+  # caches key on it, so an unhashable config would re-trace on every call.
+  def __hash__(self):
+    return hash(tuple((f.name, tuple(v) if isinstance(v, list) else v)
+                      for f in dataclasses.fields(self) for v in [getattr(self, f.name)]))
+
+  @property
+  def mlp_width(self) -> int:
+    """The MLP hidden width: model.mlp_hidden, or mlp_ratio x d_model when it is 0."""
+    return self.mlp_hidden or self.mlp_ratio * self.d_model
+
+  def attention_config(self, layer: int | None = None) -> AttentionConfig:
+    """The attention section: the model.* keys named as `AttentionConfig`'s fields (model.attn_bias / attn_impl as
+    use_bias / impl, the model.rope_* keys as one `RopeScaling`) and the sliding window of layer `layer` (0 on a
+    "full" layer of model.layer_types; None: model.sliding_window as set). Building it checks it."""
+    names = {f.name for f in dataclasses.fields(AttentionConfig)} & {f.name for f in dataclasses.fields(self)}
+    full = layer is not None and self.layer_types and self.layer_types[layer] == "full"
+    rope = None if self.rope_scaling == "none" else RopeScaling(
+        self.rope_scaling, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+        self.rope_original_max_seq_len or self.max_seq_len, self.rope_beta_fast, self.rope_beta_slow,
+        self.rope_truncate, self.rope_attention_factor)
+    return AttentionConfig(**{**{n: getattr(self, n) for n in names}, "use_bias": self.attn_bias,
+                              "impl": self.attn_impl, "rope_scaling": rope,
+                              "sliding_window": 0 if full else self.sliding_window})
 
 
 @dataclasses.dataclass(frozen=True)

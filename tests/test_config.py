@@ -125,3 +125,23 @@ def test_resume_with_another_step_count(run_dir, capsys):
                 progress=False)
   assert f"resuming {run_dir} with changed settings: train.matrix_lr 0.02 -> 0.01" in capsys.readouterr().out
   assert again["start_step"] == 3 and math.isfinite(out["final_loss"])
+
+
+def test_model_section_parts_hold_what_their_users_set():
+  """ModelConfig is PaperModel + ImportedArchitecture + NanochatCompatibility (one flat model.* section): a Hugging
+  Face import sets only the first two, configs/nanochat.yaml only the first and the last."""
+  transformers = pytest.importorskip("transformers", reason="the import check needs transformers (test extra)")
+  from sinkjax import config as C
+  from sinkjax.convert.hf import model_config_from_hf
+  parts = (C.PaperModel, C.ImportedArchitecture, C.NanochatCompatibility)
+  names = [[f.name for f in dataclasses.fields(p)] for p in parts]
+  assert [f.name for f in dataclasses.fields(C.ModelConfig)] == sum(names, [])
+  default = C.ModelConfig()
+  changed = lambda m: {f.name for f in dataclasses.fields(m) if getattr(m, f.name) != getattr(default, f.name)}
+  oss = transformers.GptOssConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=64, head_dim=16,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300, num_local_experts=4,
+                                  num_experts_per_tok=2)
+  got = changed(model_config_from_hf(oss.to_dict()))
+  assert got & set(names[1]) and not got & set(names[2])
+  got = changed(C.load_config(str(ROOT / "configs" / "nanochat.yaml"), []).model)
+  assert got & set(names[2]) and not got & set(names[1])
