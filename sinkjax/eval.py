@@ -22,6 +22,11 @@ sinkjax.lm_eval` (a multiple-choice JSONL file, which `--mc` used to read here, 
 
 BPB and importance use the model's own forward pass (the training kernel path, `forward_with_importance`);
 the diagnostics use `sinkjax.analysis.recorded_forward` (the model's own forward, recording its attention weights).
+
+Value zeroing ([Sink-MoE] App. A) comes in two definitions: teacher-forced (`value_zeroing`, the report's: the first
+token's value zeroed inside one forward pass over the whole row) and after prefill (`prefill_value_zeroing`, the
+paper's: zeroed in the KV cache after prefilling a prompt, the continuation decoded token by token against it);
+`teacher_forced_value_zeroing` scores the first on the second's targets. `sinkjax.experiments.paper` reports all three.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ if __name__ == "__main__":
   cli.require_extra("sinkjax.eval")     # before the imports below: without the train extra, one line naming it
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -44,6 +50,7 @@ from flax import nnx
 
 from sinkjax import analysis, paths, plots
 from sinkjax.balance import head_imbalance
+from sinkjax.cache import KVCache
 from sinkjax.cli import UserError
 from sinkjax.data import FEATURES, make_eval_batches
 from sinkjax.model import forward_with_importance
@@ -147,18 +154,106 @@ def zeroed_bpb(model, batches, zero_lh) -> float:
   return nll / math.log(2) / nbytes
 
 
+def _zeroing_masks(alpha_lh, tau: float) -> dict:
+  """The heads whose first value is zeroed, [L,Hq] bool, in the three settings of [Sink-MoE] App. A (Table 3): in no
+  head ("none"), in all heads ("all") and in the heads with sink ratio alpha > tau ("selected")."""
+  selected = np.asarray(alpha_lh) > tau
+  return {"none": np.zeros_like(selected), "all": np.ones_like(selected), "selected": selected}
+
+
 def value_zeroing(model, batches, alpha_lh, tau: float) -> dict:
-  alpha = np.asarray(alpha_lh)
-  selected = alpha > tau
+  masks = _zeroing_masks(alpha_lh, tau)
+  selected = masks["selected"]
   return {
       "tau": tau,
-      "bpb_none": zeroed_bpb(model, batches, np.zeros_like(selected)),
-      "bpb_all": zeroed_bpb(model, batches, np.ones_like(selected)),
-      "bpb_selected": zeroed_bpb(model, batches, selected),
+      **{f"bpb_{k}": zeroed_bpb(model, batches, m) for k, m in masks.items()},
       "heads_selected": [[int(l), int(h)] for l, h in zip(*np.nonzero(selected))],
       "num_heads_selected": int(selected.sum()),
       "num_heads": int(selected.size),
   }
+
+
+def _kv_heads_to_keep(zero_lh, num_kv_heads: int) -> np.ndarray:
+  """[L, Hkv] bool, False where the first value is zeroed. The cache holds K/V heads, so a query head can be zeroed
+  alone only when every head of its GQA group is zeroed alike (MHA: always)."""
+  zero = np.asarray(zero_lh, bool)
+  groups = zero.reshape(zero.shape[0], num_kv_heads, -1)
+  if (groups.any(-1) != groups.all(-1)).any():
+    raise ValueError("after-prefill value zeroing acts on K/V heads: every query head of a GQA group must be zeroed "
+                     "alike")
+  return ~groups[..., 0]
+
+
+def _prefill_zeroed_logprobs(graphdef, state, inputs, targets, keep_lkv, prompt_len: int):
+  model = nnx.merge(graphdef, state)
+  B, T = inputs.shape
+  cache = KVCache.for_model(model.cfg, B, T)
+  _, cache = model(inputs[:, :prompt_len], cache=cache)
+  cache = dataclasses.replace(cache, v=tuple(
+      vl.at[:, 0].multiply(keep[None, :, None].astype(vl.dtype)) for vl, keep in zip(cache.v, keep_lkv)))
+
+  def step(cache, xs):
+    tok, target = xs
+    logits, cache = model(tok[:, None], cache=cache)
+    logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+    return cache, jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
+
+  xs = (jnp.swapaxes(inputs[:, prompt_len:], 0, 1), jnp.swapaxes(targets[:, prompt_len:], 0, 1))
+  return jnp.swapaxes(jax.lax.scan(step, cache, xs)[1], 0, 1)
+
+
+_prefill_zeroed_jit = jax.jit(_prefill_zeroed_logprobs, static_argnums=(0, 5))
+
+
+def prefill_zeroed_logprobs(model, inputs, targets, zero_lh, prompt_len: int):
+  """log p(targets[:, t] | inputs[:, :t+1]) for t = prompt_len .. T-1, [B, T - prompt_len]: inputs[:, :prompt_len]
+  are prefilled into a full KV cache, the first token's value is then zeroed in the cache where zero_lh [L, Hq]
+  ([Sink-MoE] App. A: "zeros out the first token's value vector after generating the KV cache"), and
+  inputs[:, prompt_len:] are decoded one by one against it. Rows are plain causal sequences (data.packing=stream:
+  slot 0 is the row's first token, the paper's k_0). MHA or GQA groups zeroed alike (`_kv_heads_to_keep` checks)."""
+  inputs, targets = jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32)
+  if not 0 < prompt_len < inputs.shape[1]:
+    raise ValueError(f"prompt_len must be in 1..{inputs.shape[1] - 1}, got {prompt_len}")
+  keep = jnp.asarray(_kv_heads_to_keep(zero_lh, model.cfg.num_kv_heads))
+  graphdef, state = nnx.split(model)
+  return _prefill_zeroed_jit(graphdef, state, inputs, targets, keep, prompt_len)
+
+
+def prefill_value_zeroing(model, batches, alpha_lh, *, tau: float, prompt_len: int) -> dict:
+  """BPB of the continuations (targets prompt_len..T-1 of every row) with the first token's value zeroed in the KV
+  cache after prefill: in no head, all heads, and heads with alpha > tau ([Sink-MoE] App. A, Table 3)."""
+  masks = _zeroing_masks(alpha_lh, tau)
+  nll = {k: 0.0 for k in masks}
+  nbytes = 0.0
+  for b in batches:
+    keep = (np.asarray(b["loss_mask"]) > 0)[:, prompt_len:]
+    by = np.where(keep, np.asarray(b["target_bytes"])[:, prompt_len:], 0).astype(np.float64)
+    nbytes += by.sum()
+    for k, m in masks.items():
+      lp = np.asarray(prefill_zeroed_logprobs(model, b["inputs"], b["targets"], m, prompt_len), np.float64)
+      nll[k] += float(-(lp * (by > 0)).sum())
+  out = {"tau": tau, "prompt_len": prompt_len, "scored_bytes": int(nbytes),
+         "num_heads_selected": int(masks["selected"].sum()), "num_heads": int(masks["selected"].size)}
+  out.update({f"bpb_{k}": v / math.log(2) / max(nbytes, 1.0) for k, v in nll.items()})
+  return out
+
+
+def teacher_forced_value_zeroing(model, batches, alpha_lh, *, tau: float, prompt_len: int) -> dict:
+  """Teacher-forced value zeroing (`zeroed_bpb`: the first token's value zeroed inside one forward pass over the
+  whole row) scored on the same targets as `prefill_value_zeroing`: positions prompt_len..T-1 only, so that the two
+  definitions differ in what they zero, not in what they score."""
+  masks = _zeroing_masks(alpha_lh, tau)
+  window = []
+  for b in batches:
+    b = dict(b)
+    mask = np.array(b["loss_mask"], copy=True)
+    mask[:, :prompt_len] = 0
+    b["loss_mask"] = mask
+    window.append(b)
+  out = {"tau": tau, "prompt_len": prompt_len, "num_heads_selected": int(masks["selected"].sum()),
+         "num_heads": int(masks["selected"].size)}
+  out.update({f"bpb_{k}": zeroed_bpb(model, window, m) for k, m in masks.items()})
+  return out
 
 
 def evaluate(model, batches, *, tau: float = 0.75) -> dict:

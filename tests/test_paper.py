@@ -1,89 +1,14 @@
-"""The paper study runner (`sinkjax.experiments.paper`): value zeroing after prefill against a KV cache built and
-zeroed by hand, the Table 1 statistics against hand computations, and the grid runner end to end on 2-step runs
-(every artefact written, a rerun skips finished runs, bad arguments are one-line errors)."""
-import dataclasses
+"""The paper study runner (`sinkjax.experiments.paper`): the Table 1 statistics against hand computations, and the
+grid runner end to end on 2-step runs (every artefact written, a rerun skips finished runs, bad arguments are
+one-line errors). Its after-prefill value zeroing is `sinkjax.eval`'s, tested in tests/test_eval.py."""
 import json
 import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from sinkjax.cache import KVCache
-from sinkjax.config import ModelConfig
 from sinkjax.experiments import paper
-from sinkjax.layers import pop_head_importance
-from sinkjax.model import Transformer
 from tests.helpers import run_command
-
-VOCAB = 40
-
-
-def random_model(num_kv_heads=4, attention="vanilla"):
-  """A small float32 model with every parameter random (the default init zeroes output projections and the LM head,
-  which would make every value, and so value zeroing, invisible in the logits)."""
-  cfg = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=num_kv_heads, head_dim=8, vocab_size=VOCAB,
-                    dtype="float32", attention=attention)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-  leaves, treedef = jax.tree.flatten(state)
-  rng = np.random.RandomState(1)
-  leaves = [jnp.asarray(rng.normal(size=x.shape) * (0.5 if x.ndim < 2 else x.shape[0] ** -0.5), x.dtype)
-            for x in leaves]
-  return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-
-
-def log_probs(logits, targets):
-  return np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, -1)), np.asarray(targets)[..., None], -1)[..., 0]
-
-
-def hand_zeroed_cache_logprobs(model, inputs, targets, P, zero_lh):
-  """The reference: prefill through the model, zero slot 0 of the value cache by hand, decode token by token."""
-  B, T = inputs.shape
-  cache = KVCache.for_model(model.cfg, B, T)
-  _, cache = model(jnp.asarray(inputs[:, :P]), cache=cache)
-  v = [np.array(x) for x in cache.v]
-  for l, h in zip(*np.nonzero(zero_lh)):
-    v[l][:, 0, h, :] = 0.0
-  cache = dataclasses.replace(cache, v=tuple(jnp.asarray(x) for x in v))
-  out = []
-  for t in range(P, T):
-    logits, cache = model(jnp.asarray(inputs[:, t:t + 1]), cache=cache)
-    out.append(log_probs(logits[:, 0], targets[:, t]))
-  return np.stack(out, 1)
-
-
-@pytest.mark.parametrize("attention", ["vanilla", pytest.param("sink", marks=pytest.mark.slow),
-                                       pytest.param("gated", marks=pytest.mark.slow)])
-def test_value_zeroing_after_prefill_equals_a_hand_zeroed_cache(attention):
-  model = random_model(attention=attention)
-  rng = np.random.RandomState(2)
-  seq = rng.randint(1, VOCAB, size=(2, 13))
-  inputs, targets, P = seq[:, :-1], seq[:, 1:], 5
-  zero = np.array([[True, False, True, False], [False, False, False, True]])
-  got = np.asarray(paper.prefill_zeroed_logprobs(model, inputs, targets, zero, P))
-  want = hand_zeroed_cache_logprobs(model, inputs, targets, P, zero)
-  assert got.shape == (2, 12 - P)
-  np.testing.assert_allclose(got, want, atol=2e-5)
-  # Zeroing nothing is the plain causal forward over the whole row (positions P.. of its log-probs) ...
-  none = np.asarray(paper.prefill_zeroed_logprobs(model, inputs, targets, np.zeros_like(zero), P))
-  full = log_probs(model(jnp.asarray(inputs)), targets)
-  pop_head_importance(model)
-  np.testing.assert_allclose(none, full[:, P:], atol=2e-5)
-  # ... and zeroing does change what the continuation sees.
-  assert np.abs(got - none).max() > 1e-4
-
-
-def test_value_zeroing_after_prefill_zeroes_whole_gqa_groups_only():
-  model = random_model(num_kv_heads=2)
-  seq = np.random.RandomState(3).randint(1, VOCAB, size=(1, 9))
-  group = np.array([[True, True, False, False], [False, False, False, False]])      # KV head 0 of layer 0
-  got = np.asarray(paper.prefill_zeroed_logprobs(model, seq[:, :-1], seq[:, 1:], group, 4))
-  np.testing.assert_allclose(got, hand_zeroed_cache_logprobs(model, seq[:, :-1], seq[:, 1:], 4,
-                                                             np.array([[True, False], [False, False]])), atol=2e-5)
-  with pytest.raises(ValueError, match="GQA group"):
-    paper.prefill_zeroed_logprobs(model, seq[:, :-1], seq[:, 1:], np.eye(2, 4, dtype=bool), 4)
 
 
 def test_table1_means_stds_and_paired_differences_by_hand():
@@ -229,37 +154,6 @@ def test_whole_grid_with_two_seeds_and_finetuning(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ dose study
-
-def stream_batch(seq, target_bytes=1):
-  """A data.packing=stream row batch by hand: one document per row, every target scored, one byte per target."""
-  inputs, targets = seq[:, :-1], seq[:, 1:]
-  B, T = inputs.shape
-  return {"inputs": inputs, "targets": targets, "segment_ids": np.ones((B, T), np.int32),
-          "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)), "loss_mask": np.ones((B, T), np.float32),
-          "target_bytes": np.full((B, T), target_bytes, np.int32)}
-
-
-def test_teacher_forced_value_zeroing_scores_the_after_prefill_window():
-  """Both definitions score targets P..T-1: with nothing zeroed they are the same model on the same targets, so
-  their BPB agree (one through the KV cache token by token, one in a single forward); with every head zeroed the
-  teacher-forced BPB is the hand-computed mean NLL of those targets of the zeroed forward, in bits."""
-  from sinkjax import analysis
-  model = random_model()
-  seq = np.random.RandomState(4).randint(1, VOCAB, size=(2, 13))
-  batch, P = stream_batch(seq), 5
-  alpha = np.zeros((2, 4))
-  tf = paper.teacher_forced_value_zeroing(model, [batch], alpha, tau=0.75, prompt_len=P)
-  ap = paper.prefill_value_zeroing(model, [batch], alpha, tau=0.75, prompt_len=P)
-  assert tf["prompt_len"] == P and tf["bpb_none"] == pytest.approx(ap["bpb_none"], abs=1e-5)
-  logits, _ = analysis.recorded_forward(model, jnp.asarray(batch["inputs"]), segment_ids=jnp.asarray(batch["segment_ids"]),
-                                        positions=jnp.asarray(batch["positions"]),
-                                        zero_first_value=jnp.ones((2, 4), bool), keep_weights=False)
-  want = -log_probs(logits, batch["targets"])[:, P:].mean() / math.log(2)
-  assert tf["bpb_all"] == pytest.approx(float(want), abs=1e-5)
-  whole = paper.teacher_forced_value_zeroing(model, [batch], alpha, tau=0.75, prompt_len=0)   # the old window
-  assert abs(whole["bpb_none"] - tf["bpb_none"]) > 1e-4                                         # the window matters
-  assert np.asarray(batch["loss_mask"]).min() == 1                                               # not mutated
-
 
 def test_dose_grid_names_reuse_the_main_grids_runs():
   specs = paper.make_dose_grid(["gated"], [0.0, 1e-4, 1e-3, 1e-2], [0, 1])

@@ -10,7 +10,7 @@ corpus (`data.source=default`) with the byte tokenizer; `base` has loss.aux_weig
 lambda = 1e-4 (eq. 7). Each run is then evaluated with `sinkjax.eval`'s functions (val BPB, importance, head
 imbalance, first-token attention, sink ratio alpha, teacher-forced value zeroing) plus value zeroing as the paper
 defines it ([Sink-MoE] App. A): the first token's value zeroed in the KV cache *after* prefilling a prompt, the
-continuation scored token by token against that cache (`prefill_value_zeroing`).
+continuation scored token by token against that cache (`sinkjax.eval.prefill_value_zeroing`).
 
 Outputs in --out: runs/NAME/ (one training run each, with done.json once trained and paper_eval.json once
 evaluated: a rerun skips both), results.json, results.md and figures: table1_bpb.png (the Table 1 analogue),
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import json
-import math
 import os
 import pathlib
 import platform
@@ -30,11 +30,10 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from sinkjax import cli, paths
+from sinkjax import config as config_lib
 from sinkjax.cli import UserError
 from sinkjax.experiments import int_at_least
 
@@ -127,7 +126,6 @@ def make_dose_grid(variants, lambdas, seeds) -> list[RunSpec]:
 
 def run_config(scale: Scale, spec: RunSpec, run_dir, *, steps: int | None = None, extra=()):
   """The resolved `Config` of one run: the recipe, the scale's shape and the run's variant, lambda and seed."""
-  from sinkjax import config as config_lib
   overrides = list(COMMON) + list(scale.overrides) + [
       f"model.attention={spec.variant}", f"loss.aux_weight={spec.lam}", f"train.seed={spec.seed}",
       f"run.dir={run_dir}"]
@@ -152,7 +150,7 @@ def _write_json(path, obj) -> None:
 
 def train_run(cfg, run_dir: pathlib.Path) -> tuple[dict, bool]:
   """(done.json's record, whether it trained now): trains (or resumes) the run unless done.json says it finished."""
-  from sinkjax.train import train
+  from sinkjax.train import train  # lazy: the train extra (main() checks it), not loaded for --help
   done = _read_json(run_dir / "done.json")
   if done is not None and done.get("steps") == cfg.train.steps:
     return done, False
@@ -165,97 +163,16 @@ def train_run(cfg, run_dir: pathlib.Path) -> tuple[dict, bool]:
   return done, True
 
 
-# ------------------------------------------------------------------------------ value zeroing after prefill
-
-def _kv_heads_to_keep(zero_lh, num_kv_heads: int) -> np.ndarray:
-  """[L, Hkv] bool, False where the first value is zeroed. The cache holds K/V heads, so a query head can be zeroed
-  alone only when every head of its GQA group is zeroed alike (MHA: always)."""
-  zero = np.asarray(zero_lh, bool)
-  groups = zero.reshape(zero.shape[0], num_kv_heads, -1)
-  if (groups.any(-1) != groups.all(-1)).any():
-    raise ValueError("after-prefill value zeroing acts on K/V heads: every query head of a GQA group must be zeroed "
-                     "alike")
-  return ~groups[..., 0]
-
-
-def _prefill_zeroed_logprobs(graphdef, state, inputs, targets, keep_lkv, prompt_len: int):
-  from sinkjax.cache import KVCache
-  model = nnx.merge(graphdef, state)
-  B, T = inputs.shape
-  cache = KVCache.for_model(model.cfg, B, T)
-  _, cache = model(inputs[:, :prompt_len], cache=cache)
-  cache = dataclasses.replace(cache, v=tuple(
-      vl.at[:, 0].multiply(keep[None, :, None].astype(vl.dtype)) for vl, keep in zip(cache.v, keep_lkv)))
-
-  def step(cache, xs):
-    tok, target = xs
-    logits, cache = model(tok[:, None], cache=cache)
-    logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
-    return cache, jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
-
-  xs = (jnp.swapaxes(inputs[:, prompt_len:], 0, 1), jnp.swapaxes(targets[:, prompt_len:], 0, 1))
-  return jnp.swapaxes(jax.lax.scan(step, cache, xs)[1], 0, 1)
-
-
-_prefill_zeroed_jit = jax.jit(_prefill_zeroed_logprobs, static_argnums=(0, 5))
-
-
-def prefill_zeroed_logprobs(model, inputs, targets, zero_lh, prompt_len: int):
-  """log p(targets[:, t] | inputs[:, :t+1]) for t = prompt_len .. T-1, [B, T - prompt_len]: inputs[:, :prompt_len]
-  are prefilled into a full KV cache, the first token's value is then zeroed in the cache where zero_lh [L, Hq]
-  ([Sink-MoE] App. A: "zeros out the first token's value vector after generating the KV cache"), and
-  inputs[:, prompt_len:] are decoded one by one against it. Rows are plain causal sequences (data.packing=stream:
-  slot 0 is the row's first token, the paper's k_0). MHA or GQA groups zeroed alike (`zero_cache_first_value`
-  checks)."""
-  inputs, targets = jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32)
-  if not 0 < prompt_len < inputs.shape[1]:
-    raise ValueError(f"prompt_len must be in 1..{inputs.shape[1] - 1}, got {prompt_len}")
-  keep = jnp.asarray(_kv_heads_to_keep(zero_lh, model.cfg.num_kv_heads))
-  graphdef, state = nnx.split(model)
-  return _prefill_zeroed_jit(graphdef, state, inputs, targets, keep, prompt_len)
-
-
-def prefill_value_zeroing(model, batches, alpha_lh, *, tau: float, prompt_len: int) -> dict:
-  """BPB of the continuations (targets prompt_len..T-1 of every row) with the first token's value zeroed in the KV
-  cache after prefill: in no head, all heads, and heads with alpha > tau ([Sink-MoE] App. A, Table 3)."""
-  selected = np.asarray(alpha_lh) > tau
-  masks = {"none": np.zeros_like(selected), "all": np.ones_like(selected), "selected": selected}
-  nll = {k: 0.0 for k in masks}
-  nbytes = 0.0
-  for b in batches:
-    keep = (np.asarray(b["loss_mask"]) > 0)[:, prompt_len:]
-    by = np.where(keep, np.asarray(b["target_bytes"])[:, prompt_len:], 0).astype(np.float64)
-    nbytes += by.sum()
-    for k, m in masks.items():
-      lp = np.asarray(prefill_zeroed_logprobs(model, b["inputs"], b["targets"], m, prompt_len), np.float64)
-      nll[k] += float(-(lp * (by > 0)).sum())
-  out = {"tau": tau, "prompt_len": prompt_len, "scored_bytes": int(nbytes),
-         "num_heads_selected": int(selected.sum()), "num_heads": int(selected.size)}
-  out.update({f"bpb_{k}": v / math.log(2) / max(nbytes, 1.0) for k, v in nll.items()})
-  return out
-
-
-def teacher_forced_value_zeroing(model, batches, alpha_lh, *, tau: float, prompt_len: int) -> dict:
-  """Teacher-forced value zeroing (`sinkjax.eval.zeroed_bpb`: the first token's value zeroed inside one forward pass
-  over the whole row) scored on the same targets as `prefill_value_zeroing`: positions prompt_len..T-1 only, so that
-  the two definitions differ in what they zero, not in what they score."""
-  from sinkjax import eval as eval_lib
-  selected = np.asarray(alpha_lh) > tau
-  window = []
-  for b in batches:
-    b = dict(b)
-    mask = np.array(b["loss_mask"], copy=True)
-    mask[:, :prompt_len] = 0
-    b["loss_mask"] = mask
-    window.append(b)
-  out = {"tau": tau, "prompt_len": prompt_len, "num_heads_selected": int(selected.sum()),
-         "num_heads": int(selected.size)}
-  for k, m in (("none", np.zeros_like(selected)), ("all", np.ones_like(selected)), ("selected", selected)):
-    out[f"bpb_{k}"] = eval_lib.zeroed_bpb(model, window, m)
-  return out
-
-
 # ----------------------------------------------------------------------------------------------------- evaluation
+
+def _held_out(run_dir: pathlib.Path, scale: Scale) -> tuple:
+  """(the run's model, restored from its latest checkpoint; the scale's held-out batches of its data: eval_batches
+  batches of train.batch_size rows)."""
+  from sinkjax.data import make_eval_batches  # lazy: the train extra (main() checks it), not loaded for --help
+  from sinkjax.run import load_run  # lazy: the train extra (main() checks it), not loaded for --help
+  model, cfg, tok, _ = load_run(run_dir)
+  return model, make_eval_batches(cfg.data, tok, batch_size=cfg.train.batch_size, num_batches=scale.eval_batches)
+
 
 EVAL_KEYS = ("val_bpb", "val_loss", "importance", "head_imbalance", "cv_per_layer", "first_token_attention",
              "first_token_attention_per_head", "sink_logit_attention", "sink_ratio_alpha", "value_norm_ratio",
@@ -264,24 +181,22 @@ EVAL_KEYS = ("val_bpb", "val_loss", "importance", "head_imbalance", "cv_per_laye
 
 def evaluate_run(run_dir: pathlib.Path, scale: Scale, *, tau: float = TAU) -> tuple[dict, bool]:
   """(paper_eval.json's record, whether it evaluated now): `sinkjax.eval.evaluate` on the run's held-out batches
-  (teacher-forced value zeroing included) plus `prefill_value_zeroing`, unless paper_eval.json exists."""
-  from sinkjax import eval as eval_lib
-  from sinkjax.run import load_run
-  from sinkjax.data import make_eval_batches
+  (teacher-forced value zeroing included) plus its after-prefill value zeroing (`prefill_value_zeroing`) and the
+  teacher-forced one on the same targets (`teacher_forced_value_zeroing`), unless paper_eval.json exists."""
+  from sinkjax import eval as eval_lib  # lazy: the train extra (main() checks it), not loaded for --help
   rec = _read_json(run_dir / "paper_eval.json")
   if rec is not None:
     return rec, False
   t0 = time.perf_counter()
-  model, cfg, tok, _ = load_run(run_dir)
-  batches = make_eval_batches(cfg.data, tok, batch_size=cfg.train.batch_size, num_batches=scale.eval_batches)
+  model, batches = _held_out(run_dir, scale)
   report = eval_lib.evaluate(model, batches, tau=tau)
   rec = {k: report[k] for k in EVAL_KEYS}
   vz = report["value_zeroing"]
   rec["value_zeroing_teacher_forced"] = {k: vz[k] for k in ("tau", "bpb_none", "bpb_all", "bpb_selected",
                                                             "num_heads_selected", "num_heads")}
-  rec["value_zeroing_after_prefill"] = prefill_value_zeroing(model, batches, report["sink_ratio_alpha"], tau=tau,
-                                                             prompt_len=scale.prompt_len)
-  rec["value_zeroing_teacher_forced_window"] = teacher_forced_value_zeroing(
+  rec["value_zeroing_after_prefill"] = eval_lib.prefill_value_zeroing(
+      model, batches, report["sink_ratio_alpha"], tau=tau, prompt_len=scale.prompt_len)
+  rec["value_zeroing_teacher_forced_window"] = eval_lib.teacher_forced_value_zeroing(
       model, batches, report["sink_ratio_alpha"], tau=tau, prompt_len=scale.prompt_len)
   rec.update(eval_tokens=report["eval_tokens"], eval_seconds=time.perf_counter() - t0)
   _write_json(run_dir / "paper_eval.json", rec)
@@ -290,7 +205,7 @@ def evaluate_run(run_dir: pathlib.Path, scale: Scale, *, tau: float = TAU) -> tu
 
 def imbalance_curve(run_dir: pathlib.Path) -> list[list[float]]:
   """[[step, head_imbalance], ...] of the run's metrics.jsonl (the training batches' importances, eq. 6)."""
-  from sinkjax.run import read_metrics
+  from sinkjax.run import read_metrics  # lazy: the train extra (main() checks it), not loaded for --help
   return [[r["step"], r["head_imbalance"]] for r in read_metrics(run_dir / "metrics.jsonl")
           if r.get("head_imbalance") is not None]
 
@@ -345,9 +260,9 @@ LOSS_STYLE = {"base": dict(color="tab:blue", label="base"), "aux": dict(color="t
 
 
 def _plt():
-  import matplotlib
+  import matplotlib  # lazy: the train extra, and slow to import; only the figures need it
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # lazy: as above, and after choosing the Agg backend
   return plt
 
 
@@ -634,9 +549,7 @@ def finetune_run(scale: Scale, base_dir: pathlib.Path, spec: RunSpec, mode: str,
                  steps: int | None) -> dict:
   """Fine-tunes the trained base run `base_dir` (train.init_from) with `mode`'s loss and returns the held-out
   val BPB, importance and head imbalance (finetune_eval.json; a rerun reuses it)."""
-  from sinkjax import eval as eval_lib
-  from sinkjax.run import load_run
-  from sinkjax.data import make_eval_batches
+  from sinkjax import eval as eval_lib  # lazy: the train extra (main() checks it), not loaded for --help
   rec = _read_json(run_dir / "finetune_eval.json")
   if rec is not None:
     return rec
@@ -646,8 +559,7 @@ def finetune_run(scale: Scale, base_dir: pathlib.Path, spec: RunSpec, mode: str,
     extra.append(f"loss.shared_heads_from={base_dir / 'paper_eval.json'}")
   cfg = run_config(scale, spec, run_dir, steps=steps or scale.finetune_steps, extra=extra)
   done, _ = train_run(cfg, run_dir)
-  model, cfg, tok, _ = load_run(run_dir)
-  batches = make_eval_batches(cfg.data, tok, batch_size=cfg.train.batch_size, num_batches=scale.eval_batches)
+  model, batches = _held_out(run_dir, scale)
   lm = eval_lib.language_model_metrics(model, batches)
   rec = {"mode": mode, "aux_weight": weight, "num_shared_heads": m, "shared_fixed": fixed, "steps": done["steps"],
          **{k: lm[k] for k in ("val_bpb", "importance", "head_imbalance")}}
@@ -699,7 +611,7 @@ def plot_finetune(ft: dict, path) -> pathlib.Path:
   """[Sink-MoE] Fig. 11 analogue: importance before fine-tuning and after each mode (columns), one row per variant; the
   shared heads (top-m per layer before) are boxed in red, one colour scale per row."""
   plt = _plt()
-  from matplotlib.patches import Rectangle
+  from matplotlib.patches import Rectangle  # lazy: matplotlib, as in _plt
   cols = ["before"] + list(FINETUNE_MODES)
   fig, axes = plt.subplots(len(ft), len(cols), figsize=(3.3 * len(cols), 3.2 * len(ft)), squeeze=False)
   for row, (v, res) in zip(axes, ft.items()):
@@ -754,7 +666,6 @@ class StudyError(UserError):
 def _exclusive(out: pathlib.Path):
   """An exclusive lock on OUT (released when the process ends, however it ends): two invocations training the same
   run directories would overwrite each other's checkpoints and metrics."""
-  import fcntl  # pylint: disable=import-outside-toplevel
   f = open(out / ".study.lock", "a+")  # pylint: disable=consider-using-with
   try:
     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -800,7 +711,6 @@ def machine_info() -> dict:
 
 def write_results(out: pathlib.Path, args, scale: Scale, specs, machine: dict, ft: dict | None) -> dict:
   """results.json, results.md and the figures from every finished run in OUT."""
-  from sinkjax import config as config_lib
   records = collect(out)
   if not records:
     raise StudyError(f"no finished runs in {out}/runs yet")
@@ -882,7 +792,6 @@ def recipe_differences(scale: Scale, committed: dict, steps: int | None) -> dict
   its results.json: {"changed": {key: [committed, now]}, "new": [keys this checkout has that it lacks],
   "gone": [keys it has that this checkout lacks]}. Reuse requires "changed" and "gone" empty (a key added since,
   at a default that keeps the old behaviour, is listed but does not block)."""
-  from sinkjax import config as config_lib
   first = committed["runs"][0]
   spec = RunSpec(first["variant"], first["loss"], first["seed"])
   now = _flatten(config_lib.to_dict(run_config(scale, spec, "RUN_DIR", steps=steps)))
