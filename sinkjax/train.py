@@ -23,18 +23,16 @@ if __name__ == "__main__":
   cli.require_extra("sinkjax.train")    # before the imports below: without the train extra, one line naming it
 
 import copy
-import functools
 import math
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import optax
 import yaml
 from flax import nnx
 
-from sinkjax import analysis, balance, distributed, optim, paths, tracking
+from sinkjax import distributed, optim, paths, tracking
 from sinkjax import lora as lora_lib
 from sinkjax import checkpoint as ckpt_lib
 from sinkjax import config as config_lib
@@ -43,135 +41,12 @@ from sinkjax import sharding as sharding_lib
 from sinkjax.cli import Interrupted, UserError
 from sinkjax.config import Config, ConfigError
 from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator, to_global_batch
-from sinkjax.layers import pop_head_importance
 from sinkjax.metrics import MetricsLogger, Profiler
+from sinkjax.step import EVAL_FEATURES, TRAIN_FEATURES, make_eval_step, make_train_step
 from sinkjax.model import Transformer, count_params
-
-TRAIN_FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
-EVAL_FEATURES = TRAIN_FEATURES + ("target_bytes",)
-
 
 class TrainError(UserError):
   """The run had to stop (e.g. non-finite losses); the message says why and what to change."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The step (pure functions of the train state; jitted once in `Trainer`)
-# --------------------------------------------------------------------------------------------------------------
-
-def token_losses(model, batch, chunk: int = 0):
-  """(per-token NLL [B,T] float32, importance [L,H]) of a batch; chunk > 0 computes the logits `chunk` positions of
-  every row at a time (`chunked_nll`)."""
-  x = model.hidden(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"])
-  imp = pop_head_importance(model)
-  T = x.shape[1]
-  if chunk <= 0 or chunk >= T:
-    return optax.softmax_cross_entropy_with_integer_labels(model.logits(x), batch["targets"]), imp
-  return chunked_nll(model.logits, x, batch["targets"], chunk), imp
-
-
-def chunked_nll(logits_fn, x, targets, chunk: int):
-  """Cross-entropy [B,T] of logits_fn(x) against targets, `chunk` positions of every row at a time: a scan over
-  position blocks whose body is rematerialized, so neither pass ever holds more than [B, chunk, vocab] float32
-  logits (the backward recomputes a block's logits, then its gradient). Rows stay whole blocks of the batch axes'
-  sharding. Exact: the same per-token values as the whole [B,T,V] computation (T padded up to a multiple of chunk;
-  the padding's losses are dropped)."""
-  B, T, D = x.shape
-  n = -(-T // chunk)
-  pad = n * chunk - T
-  xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, D).swapaxes(0, 1)
-  ts = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
-
-  @functools.partial(jax.checkpoint, prevent_cse=False)
-  def block(_, xt):
-    xb, tb = xt
-    return None, optax.softmax_cross_entropy_with_integer_labels(logits_fn(xb), tb)
-
-  _, nll = jax.lax.scan(block, None, (xs, ts))
-  return nll.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
-
-
-def loss_fn(params, graphdef, rest, batch, total_weight, loss_cfg, shared, num_micro, chunk=0):
-  """One micro-batch's share of the step loss: CE summed over it / tokens of the whole step + aux / micro-batches.
-
-  Summed over the micro-batches this is the masked mean CE over the global batch plus the mean aux loss.
-  """
-  nll, imp = token_losses(nnx.merge(graphdef, params, rest), batch, chunk)
-  ce_sum = jnp.sum(nll * batch["loss_mask"])
-  if loss_cfg.aux_weight > 0:
-    aux = balance.aux_loss(imp, loss_cfg.aux_weight, loss_cfg.num_shared_heads, shared)
-  else:
-    aux = jnp.zeros((), jnp.float32)
-  return ce_sum / total_weight + aux / num_micro, (ce_sum, aux, imp)
-
-
-def _all_finite(tree):
-  return jax.tree.reduce(lambda a, b: a & b, jax.tree.map(lambda x: jnp.isfinite(x).all(), tree), jnp.array(True))
-
-
-def make_train_step(cfg: Config, graphdef, rest, tx: optax.GradientTransformation, shared=None):
-  """train_step(state, batch, rest=None) -> (state, metrics); batch arrays are [global_batch, T].
-
-  `state["params"]` holds the trained parameters (the LoRA adapters when lora.rank > 0); `rest` is the rest of the
-  model (the frozen base weights with LoRA, empty otherwise). Pass it as the third argument so that jit sees it as
-  an input rather than a constant baked into the program; None falls back to the `rest` given here.
-  """
-  default_rest = rest
-  A = cfg.train.grad_accum
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-  def train_step(state, batch, rest=None):
-    rest = default_rest if rest is None else rest
-    params = state["params"]
-    total = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-    run = lambda mb: grad_fn(params, graphdef, rest, mb, total, cfg.loss, shared, A, cfg.train.loss_chunk)
-    if A == 1:
-      (_, (ce_sum, aux, imp)), grads = run(batch)
-    else:
-      # [B, ...] -> [A, B/A, ...] taking every A-th row, so each micro-batch stays split over the batch axes.
-      micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // A, A, *x.shape[1:]), 0, 1), batch)
-
-      def body(acc, mb):
-        (_, out), g = run(mb)
-        return jax.tree.map(jnp.add, acc, (g, *out)), None
-
-      L, H = cfg.model.num_layers, cfg.model.num_heads
-      zero = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()), jnp.zeros((L, H)))
-      (grads, ce_sum, aux, imp), _ = jax.lax.scan(body, zero, micro)
-      aux, imp = aux / A, imp / A
-    ce = ce_sum / total
-    loss = ce + aux
-    grad_norm = optax.global_norm(grads)
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
-    new_params = optax.apply_updates(params, updates)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(new_params)
-    keep_if_ok = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    new_state = {
-        "params": keep_if_ok(new_params, params),
-        "opt_state": keep_if_ok(opt_state, state["opt_state"]),
-        "step": state["step"] + 1,
-        "rng": state["rng"],        # the run's base key; nothing in the step draws from it (kept for checkpoints)
-        "nonfinite": jnp.where(ok, 0, state["nonfinite"] + 1),
-    }
-    metrics = {"loss": loss, "ce_loss": ce, "aux_loss": aux, "importance": imp,
-               "head_imbalance": balance.head_imbalance(imp), "grad_norm": grad_norm,
-               "finite": ok, "nonfinite": new_state["nonfinite"]}
-    return new_state, metrics
-
-  return train_step
-
-
-def make_eval_step(graphdef, rest, chunk: int = 0):
-  """eval_step(params, batch, rest=None) -> (sum of NLL in nats, sum of target bytes) over the batch's loss-mask
-  targets with bytes (BPB = nats / ln 2 / bytes, nanochat's rule: `analysis.nll_sums`; `rest` as in
-  `make_train_step`)."""
-  default_rest = rest
-
-  def eval_step(params, batch, rest=None):
-    nll, _ = token_losses(nnx.merge(graphdef, params, default_rest if rest is None else rest), batch, chunk)
-    sums = analysis.nll_sums(nll, batch)
-    return sums["bpb_nll"], sums["bytes"]
-  return eval_step
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def sinkjax_training(cfg, model, batches):
   import jax
   from flax import nnx
   from sinkjax import optim
-  from sinkjax.train import make_train_step
+  from sinkjax.step import make_train_step
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx, _ = optim.build_optimizer(cfg, len(batches))
   state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),

@@ -121,7 +121,7 @@ def test_meshes_give_the_samelosses(mesh_runs):
 
 def test_parameters_are_sharded_by_the_rules():
   """On a (2,2,2) mesh, the trainer's shardings put each parameter where the rules say, and a step keeps them."""
-  from sinkjax.train import make_train_step
+  from sinkjax.step import make_train_step
   cfg = load_config(TINY, SMALL)
   mesh = sharding_lib.make_mesh(MeshConfig(2, 2, 2))
   model = Transformer(cfg.model, rngs=nnx.Rngs(0))

@@ -275,7 +275,7 @@ def test_model_on_stream_rows_is_plain_causal_and_gates_on_the_rows_first_token(
 
 def test_stream_bpb_is_nanochats_rule_by_hand(tmp_path):
   """BPB: NLL of the targets with bytes (BOS targets left out) / ln 2 / their bytes; val_loss: every target."""
-  from sinkjax.train import make_eval_step
+  from sinkjax.step import make_eval_step
   b = _stream_batch(tmp_path)
   model = _perturbed_model()
   logits = np.asarray(forward_with_importance(model, jnp.asarray(b["inputs"]))[0], np.float64)   # plain causal

@@ -25,7 +25,8 @@ from sinkjax.data import build_tokenizer, make_train_iterator
 from sinkjax.cli import Interrupted
 from sinkjax.model import Transformer
 from sinkjax.run import read_metrics
-from sinkjax.train import TRAIN_FEATURES, TrainError, make_train_step, train
+from sinkjax.step import TRAIN_FEATURES, make_train_step
+from sinkjax.train import TrainError, train
 from tests.helpers import TINY, finish, losses, one_error_line, start_command
 SMALL = ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=16",
          "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=16", "train.log_every=1", "train.eval_batches=1",

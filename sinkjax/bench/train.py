@@ -55,7 +55,7 @@ from flax import nnx
 from sinkjax import optim
 from sinkjax.config import load_config
 from sinkjax.model import Transformer, count_params
-from sinkjax.train import make_train_step
+from sinkjax.step import make_train_step
 
 VOCAB = 257   # the byte tokenizer
 PRESETS = {"cpu-peer": dict(layers=4, d_model=256, heads=4, head_dim=64, seq=512, batch=8)}

@@ -843,7 +843,7 @@ def dose_records(out: pathlib.Path, specs: list[RunSpec], reuse: dict) -> list[d
 
 def run_dose(args, scale: Scale, specs: list[RunSpec], out: pathlib.Path) -> dict:
   """Trains and evaluates the dose grid's runs that neither OUT/runs nor the reusable committed study hold, then
-  writes dose.json (and, when the report code is there, dose.md and figures)."""
+  writes dose.json (its statistics, dose.md and figures are `sinkjax.experiments.paper_report`'s)."""
   reuse, why = reusable_records(args.reuse, scale, args.steps)
   print(f"reuse of {args.reuse}: {why.get('reused')} {why.get('reason', '')}", flush=True)
   t_start = time.perf_counter()
@@ -864,10 +864,9 @@ def run_dose(args, scale: Scale, specs: list[RunSpec], out: pathlib.Path) -> dic
          "lambdas": sorted({s.lam for s in specs}), "seeds": sorted({s.seed for s in specs}),
          "variants": list(dict.fromkeys(s.variant for s in specs)), "grid_size": len(specs), "reuse": why,
          "machine": {**machine_info()}, "runs": records}
-  write_dose = globals().get("write_dose_results")
-  if write_dose is not None:
-    res = write_dose(out, res)
   _write_json(out / "dose.json", res)
+  print(f"wrote {out / 'dose.json'}; statistics, dose.md and figures: python -m sinkjax.experiments.paper_report "
+        f"--dose {out / 'dose.json'} --write", flush=True)
   return res
 
 
@@ -887,7 +886,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lambdas", default=None,
                  help="the dose study instead of the main grid: comma-separated aux weights (e.g. 0,1e-4,1e-3,1e-2) "
                       "x --variants (default gated) x seeds; lambda 0 and 1e-4 are the main grid's base / aux runs, "
-                      "taken from --reuse when it matches this recipe. Writes dose.json, dose.md and dose figures")
+                      "taken from --reuse when it matches this recipe. Writes dose.json (then: paper_report --dose)")
   p.add_argument("--reuse", default=str(COMMITTED_RESULTS),
                  help="with --lambdas: the committed main-grid results.json whose base / aux runs stand in for "
                       "lambda 0 / 1e-4 when no run directory holds them ('none': train them; default "
