@@ -341,7 +341,7 @@ def plot_imbalance_curves(curves: dict, path) -> pathlib.Path:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  fig.suptitle("head imbalance during training (000 Fig. 5 analogue; band: min-max over seeds)", fontsize=10)
+  fig.suptitle("head imbalance during training ([Sink-MoE] Fig. 5 analogue; band: min-max over seeds)", fontsize=10)
   return _save(fig, path)
 
 
@@ -496,7 +496,7 @@ def attention_markdown(records: list[dict]) -> list[str]:
 def results_markdown(res: dict) -> str:
   m, sc = res["machine"], res["scale"]
   lines = [
-      "# Paper 000 from scratch: base vs base + aux, with seeds", "",
+      "# [Sink-MoE] from scratch: base vs base + aux, with seeds", "",
       f"Command: `{res['command']}`", "",
       f"Machine: {m['cpu_count']} CPU cores, JAX {m['jax']} on {m['backend']} ({m['devices']}); load average "
       f"{m['load_start']} at the start, {m['load_end']} at the end (other jobs shared the machine).", "",
@@ -513,12 +513,12 @@ def results_markdown(res: dict) -> str:
       "## Table 1 analogue: validation BPB", "",
       *table1_markdown(res["table1"]), "",
       "std is over seeds (ddof 1); the paired difference is taken per seed (same data order and init seed), so seed "
-      "noise shared by base and aux cancels. Paper 000 Table 1 reports aux − base of −0.0007 to −0.0055 BPB.", "",
+      "noise shared by base and aux cancels. [Sink-MoE] Table 1 reports aux − base of −0.0007 to −0.0055 BPB.", "",
       "![table 1](table1_bpb.png)", "", "## Fig. 5 analogue: head imbalance during training", "",
       "![imbalance](imbalance_curves.png)", "",
       "## First-token attention and sink ratio", "", *attention_markdown(res["runs"]), "",
       "![first token](first_token_attention.png)", "",
-      f"## Value zeroing (000 App. A, τ = {TAU})", "",
+      f"## Value zeroing ([Sink-MoE] App. A, τ = {TAU})", "",
       "Teacher-forced: the first token's value is zeroed inside one forward pass over the whole row, so every query "
       "(the prompt's too) sees it zeroed (`sinkjax.eval`). After prefill (the paper's): the first "
       f"{res['scale']['prompt_len']} tokens of a row are prefilled into the KV cache with their values intact, the "
@@ -639,7 +639,7 @@ def plot_finetune(ft: dict, path) -> pathlib.Path:
 
 
 def finetune_markdown(ft: dict) -> list[str]:
-  lines = ["## Fine-tuning: eq. 7 vs eq. 8 (000 App. D, head pinning)", "",
+  lines = ["## Fine-tuning: eq. 7 vs eq. 8 ([Sink-MoE] App. D, head pinning)", "",
            f"Each base run of the first seed fine-tuned from its final checkpoint (`train.init_from`) with the same "
            f"recipe, λ = {FINETUNE_LAMBDA:g}, m = {FINETUNE_SHARED} shared head per layer. Shared heads = the top-m "
            "heads per layer of the base run's held-out importance. 'top changed' = layers whose top-m head after "
