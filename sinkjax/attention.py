@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from sinkjax.choices import GATE_ACTIVATIONS
 from sinkjax.kernels import flash_attention
+from sinkjax.kernels.reference import attention_mask
 
 
 def _heads_last(lse):
@@ -267,7 +268,6 @@ def relu_attention_weights(q, k, *, segment_ids=None, scale=None, bos_mask=None)
   BOS defaults to the first token of each segment (position 0 without segment ids); `bos_mask` [B,T] bool overrides.
   Padding rows (segment id 0) are all zero.
   """
-  from sinkjax.kernels.reference import attention_mask
   B, T, Hq, D = q.shape
   Hkv = k.shape[2]
   scale = 1.0 / math.sqrt(D) if scale is None else scale

@@ -108,7 +108,7 @@ def model_params(cfg):
 def torch_runner(cfg, batch):
   """(run_once, parameter count, description) of HF LlamaForCausalLM + torch AdamW, or (None, None, reason)."""
   try:
-    import torch
+    import torch  # optional: the PyTorch oracle row (test / oracle extra)
     import transformers
   except ImportError as e:
     return None, None, f"not run ({e.name} is not installed: pip install torch transformers)"

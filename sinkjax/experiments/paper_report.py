@@ -495,7 +495,7 @@ def _rank_effects(runs, variant, lam, floors=(None, None)) -> dict:
 
 
 def plot_dose(dose: dict, ds: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
-  import matplotlib
+  import matplotlib  # lazy: slow to import, and only the figures need it
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   runs = dose["runs"]

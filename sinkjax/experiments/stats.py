@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy.stats import chi2  # scipy comes with jax
 
 Z_CRIT = 2.0       # |z| at and above which a mean difference is read as above the noise floor (~ p 0.05 two-sided)
 
@@ -74,7 +75,6 @@ def fmt(x: float, nd: int) -> str:
 def sigma_upper(sigma: float, n: int, level: float = 0.95) -> float:
   """The upper end of the two-sided `level` confidence interval of a floor estimated as the RMS of n null
   differences (n sigma_hat^2 / sigma^2 ~ chi^2_n): sigma_hat * sqrt(n / chi2.ppf((1 - level) / 2, n))."""
-  from scipy.stats import chi2
   return sigma * math.sqrt(n / chi2.ppf((1 - level) / 2, n))
 
 

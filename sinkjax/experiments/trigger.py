@@ -215,7 +215,7 @@ def train(variant: str, layers: int, heads: int, *, lr: float, max_steps: int, s
           seq_len: int = 16, dim: int = 16, stop_linf: float = 5e-3, impl: str = "reference", chunk: int = 250,
           init_std: float = 0.02, progress: bool = True, bos: bool = True):
   """Train one model; returns (params, info) with info = steps, converged, last batch loss / max error, time."""
-  from tqdm import tqdm
+  from tqdm import tqdm  # lazy: --help stays light
   key = jax.random.key(seed)
   k_init, k_data = jax.random.split(key)
   params = init_params(k_init, variant, layers, heads, dim, init_std)
@@ -347,7 +347,7 @@ def _heatmap(fig, ax, a, title, T, vmax=1.0):
 
 def plot_mean_std(maps: dict[str, np.ndarray], T: int, trigger: int, path: str):
   """[SinkNecessary] Fig. 3: mean and std over test sequences of the 1x1 attention maps, one row per variant."""
-  import matplotlib
+  import matplotlib  # lazy: slow to import, and only the figures need it
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   names = list(maps)
@@ -366,7 +366,7 @@ def plot_mean_std(maps: dict[str, np.ndarray], T: int, trigger: int, path: str):
 
 def plot_heads(attn: np.ndarray, title: str, T: int, path: str):
   """[SinkNecessary] Fig. 4-5: one example's attention map for every (layer, head); attn [L,H,T,T]."""
-  import matplotlib
+  import matplotlib  # lazy: slow to import, and only the figures need it
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   L, H = attn.shape[:2]
