@@ -212,8 +212,9 @@ def _memory(compiled) -> dict:
 _OOM = re.compile(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
 
 
-def compile_config(cfg, topo: Topology, *, eval_step: bool = True, devices=None) -> dict:
-  """Compiles cfg's train (and eval) step for the topology; returns the report (see `main` for its keys)."""
+def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple | None = None, devices=None) -> dict:
+  """Compiles cfg's train (and eval) step for the topology, and with decode = (rows, capacity) the KV-cache decode
+  step of `sinkjax.generate`; returns the report (see `main` for its keys)."""
   from sinkjax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
   from sinkjax.kernels import default_impl  # pylint: disable=import-outside-toplevel
   from sinkjax.train import Program  # pylint: disable=import-outside-toplevel
@@ -250,6 +251,12 @@ def compile_config(cfg, topo: Topology, *, eval_step: bool = True, devices=None)
       report["eval_per_chip_bytes"] = _memory(eval_lowered.compile())
     except Exception as e:  # pylint: disable=broad-except
       report["eval_per_chip_bytes"] = {"error": " ".join(str(e).split())[:200]}
+  if decode:
+    report["decode_rows"], report["decode_capacity"] = decode
+    try:
+      report["decode_per_chip_bytes"] = _memory(program.lower_decode(*decode).compile())
+    except Exception as e:  # pylint: disable=broad-except
+      report["decode_per_chip_bytes"] = {"error": " ".join(str(e).split())[:200]}
   return report
 
 
@@ -281,6 +288,10 @@ def print_report(config: str, r: dict) -> None:
   if "eval_per_chip_bytes" in r:
     e = r["eval_per_chip_bytes"]
     rows.append(("eval step (GiB)", f"total {_gib(e['total'])}" if "total" in e else e["error"]))
+  if "decode_per_chip_bytes" in r:
+    d = r["decode_per_chip_bytes"]
+    rows.append(("decode step (GiB)", f"{r['decode_rows']} rows x {r['decode_capacity']} KV slots: arguments "
+                 f"{_gib(d['arguments'])} (weights + cache), total {_gib(d['total'])}" if "total" in d else d["error"]))
   rows.append(("fits", "yes" if r["fits"] else "NO"))
   print(f"sinkjax.compile: {config}")
   for k, v in rows:
@@ -342,6 +353,9 @@ def main(argv=None) -> int:
                       help="instead of compiling: print the Markdown table of these --json reports (docs/TPU.md)")
   parser.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
   parser.add_argument("--no-eval", action="store_true", help="skip the eval step")
+  parser.add_argument("--decode", metavar="ROWSxSLOTS", default=None,
+                      help="also compile sinkjax.generate's decode step: ROWS sequences against a full KV cache of "
+                           "SLOTS positions, e.g. 64x4096")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
   args = parser.parse_args(argv)
   if args.table:
@@ -355,6 +369,19 @@ def main(argv=None) -> int:
   return cli.run_main("sinkjax.compile", lambda: _run(args), extra_errors=(CompileError,))
 
 
+def _decode_shape(text: str | None) -> tuple | None:
+  """--decode ROWSxSLOTS -> (rows, slots)."""
+  if text is None:
+    return None
+  try:
+    rows, slots = (int(x) for x in text.lower().split("x"))
+  except ValueError:
+    raise CompileError(f"--decode takes ROWSxSLOTS (e.g. 64x4096), got {text!r}") from None
+  if rows < 1 or slots < 2:
+    raise CompileError(f"--decode {text}: need at least 1 row and 2 slots")
+  return rows, slots
+
+
 def _run(args) -> int:
   from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
   topo = parse_topology(args.topology)
@@ -365,7 +392,7 @@ def _run(args) -> int:
     from sinkjax import run as run_lib  # pylint: disable=import-outside-toplevel
     run_lib.adopt_init_model(cfg)
   _vocab(cfg)
-  report = compile_config(cfg, topo, eval_step=not args.no_eval)
+  report = compile_config(cfg, topo, eval_step=not args.no_eval, decode=_decode_shape(args.decode))
   report["config"] = args.config
   report["overrides"] = list(args.overrides)
   print_report(args.config + (" " + " ".join(args.overrides) if args.overrides else ""), report)

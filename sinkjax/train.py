@@ -38,6 +38,7 @@ from sinkjax import checkpoint as ckpt_lib
 from sinkjax import config as config_lib
 from sinkjax import run as run_lib
 from sinkjax import sharding as sharding_lib
+from sinkjax.cache import make_cache
 from sinkjax.cli import Interrupted, UserError
 from sinkjax.config import Config, ConfigError
 from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator, to_global_batch
@@ -161,6 +162,26 @@ class Program:
       train = self.train_step.lower(state, self.abstract_batch(self.cfg.train.batch_size), rest)
       evals = self.eval_step.lower(state["params"], self.abstract_batch(self.micro, EVAL_FEATURES), rest)
     return train, evals
+
+  def lower_decode(self, rows: int, capacity: int):
+    """`sinkjax.generate`'s decode step (the model on one new token per row against a full KV cache of `capacity`
+    slots; the cache donated) lowered for this mesh: parameters placed as in training, the cache and the tokens
+    split over the batch axes when `rows` divides (else whole on every device)."""
+    graphdef = self.graphdef
+
+    def decode(params, rest, cache, token):
+      logits, cache = nnx.merge(graphdef, params, rest)(token[:, None], cache=cache)
+      return logits[:, -1], cache
+
+    split = rows % sharding_lib.batch_shards(self.mesh) == 0
+    place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=(
+        self.batch_sh if split and x.ndim and x.shape[0] == rows else sharding_lib.replicated(self.mesh)))
+    cache = jax.tree.map(place, jax.eval_shape(lambda: make_cache(self.cfg.model, rows, capacity)))
+    params = ckpt_lib.abstract_with_shardings(self.state_shapes["params"], self.state_sh["params"])
+    rest = ckpt_lib.abstract_with_shardings(self.rest_shapes, self.rest_sh)
+    with jax.set_mesh(self.mesh):
+      return jax.jit(decode, donate_argnums=(2,)).lower(params, rest, cache, place(jax.ShapeDtypeStruct((rows,),
+                                                                                                       jnp.int32)))
 
 
 class Trainer(Program):
