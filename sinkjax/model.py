@@ -105,7 +105,11 @@ class Transformer(nnx.Module):
       x = x0 = self.embed_tokens(tokens)
       layer_caches = cache.layers(T)
       for i, block in enumerate(self.layers):
-        x, layer_caches[i] = block(self.block_input(i, x, x0), segment_ids, positions, cache=layer_caches[i])
+        # Block i's weights wait for its input (an optimization barrier): the compiler cannot fetch every layer's
+        # weights ahead (under FSDP, gather them: GPT-OSS's decode on a v5e slice held many layers' experts at once).
+        graphdef, state = nnx.split(block)
+        h, state = jax.lax.optimization_barrier((self.block_input(i, x, x0), state))
+        x, layer_caches[i] = nnx.merge(graphdef, state)(h, segment_ids, positions, cache=layer_caches[i])
       return self.logits(x), cache.advance(layer_caches, T)
     return self.logits(self.hidden(tokens, segment_ids=segment_ids, positions=positions, record=record,
                                    zero_first_value=zero_first_value))
