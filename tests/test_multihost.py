@@ -168,7 +168,9 @@ def test_processes_agree_on_a_signal_only_one_of_them_got(launch):
   rc, out, err = run.wait(timeout=180)
   assert rc == 0, err
   for i in (0, 1):
-    assert _lines(out, f"[p{i}]") == [f"process {i} of 2: 3 local devices of 6, votes 15 None"], out
+    # only the report lines: a cut-up piece of gloo's multi-threaded chatter (e.g. a lone "5") may carry no marker
+    reports = [l for l in _lines(out, f"[p{i}]") if l.startswith("process ")]
+    assert reports == [f"process {i} of 2: 3 local devices of 6, votes 15 None"], out
 
 
 def test_processes_stop_when_the_launcher_is_killed(tmp_path, launch):
