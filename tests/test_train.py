@@ -102,6 +102,17 @@ def test_remat_with_lora_and_mixed_layers_trains():
   np.testing.assert_allclose(losses[0], losses[1], rtol=2e-6)
 
 
+def _assert_same_step(step_a, state_a, step_b, state_b, batch):
+  """Both steps on one batch: the same loss, aux loss, gradient norm, importances and updated weights."""
+  sa, ma = step_a(state_a, batch)
+  sb, mb = step_b(state_b, batch)
+  for k in ("loss", "aux_loss", "grad_norm"):
+    np.testing.assert_allclose(float(ma[k]), float(mb[k]), rtol=2e-6, err_msg=k)
+  np.testing.assert_allclose(np.asarray(ma["importance"]), np.asarray(mb["importance"]), atol=1e-6)
+  for a, b in zip(jax.tree.leaves(sa["params"]), jax.tree.leaves(sb["params"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
 @pytest.mark.parametrize("memory", [["model.scan_layers=true"], ["model.remat=true"], ["train.loss_chunk=7"],
                                     ["model.scan_layers=true", "model.remat=true", "model.remat_policy=dots",
                                      "train.loss_chunk=16"]])
@@ -113,13 +124,7 @@ def test_memory_settings_change_nothing_but_memory(memory, compile_cache):
   _, step_a, state_a, batch = _setup(ov)
   _, step_b, state_b, _ = _setup(ov + memory)
   batch["loss_mask"][0, :5] = 0.0
-  sa, ma = step_a(state_a, batch)
-  sb, mb = step_b(state_b, batch)
-  for k in ("loss", "aux_loss", "grad_norm"):
-    np.testing.assert_allclose(float(ma[k]), float(mb[k]), rtol=2e-6, err_msg=k)
-  np.testing.assert_allclose(np.asarray(ma["importance"]), np.asarray(mb["importance"]), atol=1e-6)
-  for a, b in zip(jax.tree.leaves(sa["params"]), jax.tree.leaves(sb["params"])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  _assert_same_step(step_a, state_a, step_b, state_b, batch)
 
 
 def test_scan_layers_runs_as_one_scan_and_falls_back_for_mixed_layers():
@@ -144,13 +149,7 @@ def test_scan_over_alternating_layers_is_the_per_layer_step(compile_cache):
         "model.layer_types=[sliding,full,sliding,full]", "model.remat=true"]
   _, step_a, state_a, batch = _setup(ov)
   _, step_b, state_b, _ = _setup(ov + ["model.scan_layers=true"])
-  sa, ma = step_a(state_a, batch)
-  sb, mb = step_b(state_b, batch)
-  for k in ("loss", "aux_loss", "grad_norm"):
-    np.testing.assert_allclose(float(ma[k]), float(mb[k]), rtol=2e-6, err_msg=k)
-  np.testing.assert_allclose(np.asarray(ma["importance"]), np.asarray(mb["importance"]), atol=1e-6)
-  for a, b in zip(jax.tree.leaves(sa["params"]), jax.tree.leaves(sb["params"])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  _assert_same_step(step_a, state_a, step_b, state_b, batch)
 
 
 def test_no_aux_term_when_weight_is_zero(compile_cache):
