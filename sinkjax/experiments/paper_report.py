@@ -3,20 +3,22 @@
     python -m sinkjax.experiments.paper_report [--grid docs/results/paper_cpu/results.json]
         [--dose docs/results/paper_cpu_dose/dose.json] [--write]
 
-Prints the noise floor and every effect's test (`sinkjax.experiments.stats`); with --write also writes
-`stats.md` / `stats.json` next to the grid's results.json and, given --dose, `dose.md`, `dose_stats.json`,
-`dose_imbalance.png` and `dose_importance.png` next to dose.json. docs/RESULTS.md quotes these files;
-tests/test_results_docs.py recomputes what it quotes from the raw files.
+Prints every effect's tests (`sinkjax.experiments.stats`); with --write also writes `stats.md` / `stats.json` next
+to the grid's results.json and, given --dose, `dose.md`, `dose_stats.json`, `dose_imbalance.png` and
+`dose_importance.png` next to dose.json. docs/RESULTS.md quotes these files; tests/test_results_docs.py recomputes
+what it quotes from the raw files with scipy.
 
-What is tested and against what (fixed before the dose runs were read):
-- **BPB floor** (main grid): the pooled RMS of the paired aux - base differences of vanilla and sink at lambda =
-  1e-4. Their aux term is ~1e-8 (vanilla) and ~1e-6 (sink) of a loss of ~1.3, so the aux run is in effect the
-  base run perturbed: a null arm. For the dose study the gated lambda = 1e-8 runs (aux term ~1e-8, the same order
-  as vanilla's) - gated base are pooled in as well, when present.
-- **Head-imbalance floor** (gated only): the gated lambda = 1e-8 - base differences, when present; no other arm
-  is a null at gated's level of imbalance (vanilla's imbalance is ~0.002, 100x smaller), so without them the
-  imbalance effects get the sign test only.
-- Every effect: paired per-seed differences, z against the floor and the exact sign test (`stats.verdict`).
+What is tested and how:
+- Every effect is a per-seed paired difference (treated - control, same seed) read with the paired t-interval
+  (t_{n-1}), the exact permutation test and the exact sign test (`stats.paired_effect`); an effect not detected is
+  printed with the smallest effect the design could detect (power 0.8, two-sided 0.05, its own SD and n).
+- Null arms (vanilla and sink at lambda 1e-4, whose aux term is ~1e-9 / 1e-6 of the loss; gated at lambda 1e-8)
+  are drift controls (`stats.drift`): how far two runs of one seed move apart, or a code change moves them. They
+  are never the noise of another arm.
+- Arms on different commits are stated as such: in the dose study lambda 0 and 1e-4 are the main grid's runs
+  (commit 9d017eb), the other lambdas ran on 2e0c6b5; lambda 1e-3 and 1e-2 are therefore also compared with lambda
+  1e-8, the same-commit near-zero arm.
+- Unpaired comparisons (attention variants against each other) use Welch's t (`stats.welch`).
 """
 from __future__ import annotations
 
@@ -70,33 +72,43 @@ def _rng(xs, nd=3, fmt="f"):
 
 # ---------------------------------------------------------------------------------------------------- main grid
 
-def grid_stats(grid: dict, gated_null: dict | None = None) -> dict:
-  """Every test of the main grid. gated_null: {seed: (bpb diff, imbalance diff)} of the dose study's gated
-  lambda = 1e-8 arm, when it exists (then the gated imbalance effect is tested against it)."""
+PAPER_BPB_EFFECTS = (0.003, 0.006)   # [Sink-MoE] Table 1's aux - base gains, in BPB (the sizes power is asked for)
+
+
+def grid_stats(grid: dict) -> dict:
+  """Every test of the main grid: aux - base per variant (BPB and final imbalance, paired by seed), the variants'
+  base BPB against vanilla (Welch, unpaired), and the power of the design."""
   runs = grid["runs"]
   diff = {}
   for v in VARIANTS:
     for key in ("val_bpb", "head_imbalance"):
-      seeds, d = stats.paired(_by(runs, v, "aux", key), _by(runs, v, "base", key))
-      diff[v, key] = (seeds, d)
-  floor = stats.noise_floor({"vanilla": diff["vanilla", "val_bpb"][1], "sink": diff["sink", "val_bpb"][1]})
-  imb_floor = None
-  if gated_null:
-    imb_floor = stats.noise_floor({"gated lambda 1e-8": [v[1] for _, v in sorted(gated_null.items())]})
+      diff[v, key] = stats.paired(_by(runs, v, "aux", key), _by(runs, v, "base", key))
   effects = {}
   for v in VARIANTS:
-    effects[f"{v} BPB"] = stats.verdict(diff[v, "val_bpb"][1], floor["sigma"], floor_n=floor["n"],
-                                        what=f"{v}, val BPB aux − base")
+    effects[f"{v} BPB"] = stats.paired_effect(diff[v, "val_bpb"][1], what=f"{v}, val BPB aux − base")
   for v in VARIANTS:
-    sig = imb_floor["sigma"] if (v == "gated" and imb_floor) else None
-    effects[f"{v} imbalance"] = stats.verdict(diff[v, "head_imbalance"][1], sig, nd=3,
-                                              floor_n=imb_floor["n"] if sig else None,
-                                              what=f"{v}, final head imbalance aux − base")
-  return {"bpb_floor": floor, "imbalance_floor_gated": imb_floor, "effects": effects,
+    effects[f"{v} imbalance"] = stats.paired_effect(diff[v, "head_imbalance"][1], nd=3,
+                                                    what=f"{v}, final head imbalance aux − base")
+  variants = {}
+  for v in ("sink", "gated"):
+    w = stats.welch(list(_by(runs, v, "base", "val_bpb").values()), list(_by(runs, "vanilla", "base",
+                                                                              "val_bpb").values()))
+    variants[f"{v} − vanilla"] = w
+  return {"effects": effects, "variants_base_bpb": variants,
+          "power": power_figures([diff[v, "val_bpb"][1] for v in VARIANTS], n=len(diff["gated", "val_bpb"][1])),
           "finetune": _finetune(grid.get("finetune")), "table1": _table1(runs),
           "seeds": diff["gated", "val_bpb"][0], "aux_terms": _aux_terms(runs), "value_norm_ratio": _vnr(runs),
           "value_zeroing": _value_zeroing(runs), "timing": _timing(runs), "curves": _curves(runs),
           "first_token": _first_token(runs)}
+
+
+def power_figures(groups, n: int, effects=PAPER_BPB_EFFECTS) -> dict:
+  """What a design of n seeds can resolve at the noise of these arms: the SD of a paired BPB difference pooled over
+  the arms (each about its own mean), the smallest effect detectable at n (power 0.8, two-sided 0.05), and the
+  seeds needed for each of the paper's effect sizes."""
+  sd, df = stats.pooled_sd(groups)
+  return {"sd": sd, "df": df, "n": n, "arms": len(groups), "detectable": stats.detectable_effect(sd, n),
+          "seeds_needed": {f"{e:g}": stats.seeds_needed(e, sd) for e in effects}}
 
 
 DOMINANT = 0.9        # a head with held-out importance above this before fine-tuning is listed head by head
@@ -204,41 +216,51 @@ def _first_token(runs) -> dict:
 
 
 def _p(x: float) -> str:
-  return f"{x:.3g}"
+  return f"{x:.2g}" if x >= 0.001 else f"{x:.1e}"
 
 
-def effects_table(effects: dict, nd_by: dict | None = None) -> list[str]:
-  lines = ["| effect | per seed | mean | z vs floor (p) | sign test: + of n, p two-sided (least possible) | "
-           "reading |", "|---|---|---:|---:|---|---|"]
+def effect_cells(e: dict, nd: int) -> list[str]:
+  """The cells every effect row shows: per seed, mean, 95 % t-interval, paired t p, exact permutation p, sign
+  test p, and the reading (with the smallest detectable effect when not detected)."""
+  t = e["t"]
+  reading = e["reading"] if e["detected"] else f"not detected (detectable: ±{e['detectable']:.{nd}f})"
+  return [", ".join(stats.fmt(x, nd) for x in e["diffs"]), stats.fmt(e["mean"], nd),
+          f"{stats.fmt(t['low'], nd)} … {stats.fmt(t['high'], nd)}", _p(t["p"]), _p(e["permutation"]["p"]),
+          _p(e["sign_test"]["p_two_sided"]), reading]
+
+
+EFFECT_HEADER = ("per seed | mean | 95 % t-interval | paired t p | permutation p | sign test p | reading |",
+                 "---|---:|---|---:|---:|---:|---|")
+
+
+def effects_table(effects: dict) -> list[str]:
+  lines = [f"| effect | {EFFECT_HEADER[0]}", f"|---|{EFFECT_HEADER[1]}"]
   for name, e in effects.items():
-    nd = 3 if "imbalance" in name else 4
-    z = "no floor" if e["z"] is None else f"{e['z']['z']:+.2f} ({_p(e['z']['p_two_sided'])})"
-    st = e["sign_test"]
-    lines.append(f"| {e['what']} | {', '.join(stats.fmt(x, nd) for x in e['diffs'])} | {stats.fmt(e['mean'], nd)} | {z} | "
-                 f"{st['positive']} of {e['n']}, {_p(st['p_two_sided'])} ({_p(st['p_min_two_sided'])}) | "
-                 f"{e['reading']} |")
+    nd = 3 if ("imbalance" in name or "head" in name) else 4
+    lines.append(f"| {e['what']} | " + " | ".join(effect_cells(e, nd)) + " |")
   return lines
 
 
-def floor_lines(floor: dict, what: str, nd: int = 4) -> list[str]:
-  arms = "; ".join(f"{k}: {', '.join(f'{x:+.{nd}f}' for x in v)} (RMS {floor['per_arm_rms'][k]:.{nd}f})"
-                   for k, v in floor["arms"].items())
-  return [f"**{what}**: σ₀ = {floor['sigma']:.{nd}f}, the RMS about zero of {floor['n']} null differences "
-          f"({arms}). An n-seed mean's standard error under the null is σ₀/√n.", ""]
+def power_lines(pw: dict, what: str, unit: str = "BPB", nd: int = 4) -> list[str]:
+  need = ", ".join(f"{k} {unit}: {v}" for k, v in pw["seeds_needed"].items())
+  return [f"**Power ({what})**: the SD of one paired difference, pooled over {pw['arms']} arms ({pw['df']} df), "
+          f"is {pw['sd']:.{nd}f}; with n = {pw['n']} seeds the smallest mean effect the paired t-test detects (power "
+          f"{stats.POWER:g}, two-sided {stats.ALPHA:g}) is ±{pw['detectable']:.{nd}f} {unit}. Seeds needed, at this "
+          f"noise, for an effect of {need}.", ""]
 
 
 def table1_lines(gs: dict) -> list[str]:
-  """val BPB mean ± std per variant and loss, the paired differences with z against the BPB floor and the sign
-  test, and the final head imbalance base → aux per seed."""
-  lines = ["| attention | base | base + aux | aux − base, per seed | mean | z vs σ₀ | sign test p | "
-           "head imbalance base → aux, per seed |", "|---|---|---|---|---:|---:|---:|---|"]
+  """val BPB mean ± std per variant and loss, the paired aux - base differences with their tests, and the final
+  head imbalance base → aux per seed."""
+  lines = ["| attention | base | base + aux | aux − base, per seed | mean | 95 % t-interval | paired t p | "
+           "permutation p | head imbalance base → aux, per seed |", "|---|---|---|---|---:|---|---:|---:|---|"]
   for v in VARIANTS:
     t = gs["table1"][v]
     e = gs["effects"][f"{v} BPB"]
+    c = effect_cells(e, 4)
     imb = ", ".join(f"{a:.3f} → {b:.3f}" for a, b in zip(t["base"]["head_imbalance"], t["aux"]["head_imbalance"]))
     lines.append(f"| {v} | {t['base']['mean']:.4f} ± {t['base']['std']:.4f} | {t['aux']['mean']:.4f} ± "
-                 f"{t['aux']['std']:.4f} | {', '.join(f'{x:+.4f}' for x in e['diffs'])} | {e['mean']:+.4f} | "
-                 f"{e['z']['z']:+.2f} | {e['sign_test']['p_two_sided']:.3g} | {imb} |")
+                 f"{t['aux']['std']:.4f} | {c[0]} | {c[1]} | {c[2]} | {c[3]} | {c[4]} | {imb} |")
   return lines
 
 
@@ -321,24 +343,25 @@ def finetune_lines(ft: dict | None) -> list[str]:
 def grid_markdown(gs: dict, grid_path: str) -> str:
   c, t = gs["curves"], gs["timing"]
   lines = [
-      "# Main cpu grid: noise floor and tests", "",
+      "# Main cpu grid: tests", "",
       f"Generated by `python -m sinkjax.experiments.paper_report --write` from `{grid_path}` (no training). "
-      f"Tests: `sinkjax.experiments.stats` (z against the floor, |z| ≥ {stats.Z_CRIT:g} read as above it; exact sign "
-      "test, whose least two-sided p with 3 seeds is 0.25).", "",
-      "## Noise floor", "",
-      *floor_lines(gs["bpb_floor"], "BPB floor (vanilla and sink, aux − base at λ = 1e-4, pooled)"),
-      f"Why these are null arms: the aux term at the aux runs' held-out importances is "
-      f"{gs['aux_terms']['vanilla']:.1e} (vanilla), {gs['aux_terms']['sink']:.1e} (sink) and "
-      f"{gs['aux_terms']['gated']:.1e} (gated), next to a loss of ~1.3.", ""]
-  if gs["imbalance_floor_gated"]:
-    lines += floor_lines(gs["imbalance_floor_gated"], "Head-imbalance floor (gated, λ = 1e-8 − base, the dose study)",
-                         3)
-  else:
-    lines += ["**Head-imbalance floor**: none (no null arm at gated's level of imbalance); imbalance effects get the "
-              "sign test only.", ""]
-  lines += ["## Table 1 analogue with its tests", "", *table1_lines(gs), "", "## Effects", "",
-            *effects_table(gs["effects"]), ""]
+      "Tests (`sinkjax.experiments.stats`): per-seed paired differences with the 95 % t-interval (t_2 = 4.30 at "
+      "3 seeds), the exact permutation and sign tests (least two-sided p with 3 seeds: 0.25), and the smallest "
+      "detectable effect beside every \"not detected\".", "",
+      *power_lines(gs["power"], "main grid, BPB aux − base"),
+      f"Vanilla's and sink's aux runs are near-null arms: the aux term at their held-out importances is "
+      f"{gs['aux_terms']['vanilla']:.1e} (vanilla) and {gs['aux_terms']['sink']:.1e} (sink), next to a loss of "
+      f"~1.3 (gated: {gs['aux_terms']['gated']:.1e}); their differences show how far two runs of one seed drift "
+      "apart.", "",
+      "## Table 1 analogue with its tests", "", *table1_lines(gs), "", "## Effects", "",
+      *effects_table(gs["effects"]), ""]
   lines += [f"- {e['sentence']}" for e in gs["effects"].values()] + [""]
+  lines += ["## Variants against vanilla, base runs (Welch's t, unpaired)", "",
+            "| comparison | difference of means | 95 % interval | Welch df | p |", "|---|---:|---|---:|---:|"]
+  for k, w in gs["variants_base_bpb"].items():
+    lines.append(f"| {k}, val BPB | {w['diff']:+.4f} | {w['low']:+.4f} … {w['high']:+.4f} | {w['df']:.1f} | "
+                 f"{_p(w['p'])} |")
+  lines += [""]
   lines += value_sections(gs)
   lines += ["", "## First-token attention and sink ratio (ranges over every layer of every run of a variant)", "",
             "| variant | F-Attn per layer | α per layer (mean over heads) | largest α of any head | sink-logit weight "
@@ -419,29 +442,55 @@ def window_lines(rows: list[dict]) -> list[str]:
 
 # --------------------------------------------------------------------------------------------------- dose study
 
+# The committed dose.json predates the runner's commit records: its lambda 0 / 1e-4 runs are the main grid's (made
+# with 9d017eb), the others were made with 2e0c6b5 (docs/RESULTS.md, "Two codes"). Runs made since carry "commit".
+LEGACY_COMMITS = {"committed main grid": "9d017eb", "": "2e0c6b5"}
+
+
+def commit_of(record: dict) -> str:
+  """The commit a run was made with: its own record, else the committed dose study's (`LEGACY_COMMITS`)."""
+  if record.get("commit"):
+    return record["commit"]
+  return next(c for prefix, c in LEGACY_COMMITS.items() if str(record.get("source", "")).startswith(prefix))
+
+
+QUANTITIES = (("val_bpb", "val BPB", 4), ("head_imbalance", "final head imbalance", 3))
+
+
+def _effect(diffs, quantity, lam, control, nd, variant, drift=False) -> dict:
+  what = f"{variant} λ = {lam:g} − λ = {control:g}, {quantity}"
+  e = stats.drift(diffs, what=what, nd=nd) if drift else stats.paired_effect(diffs, what=what, nd=nd)
+  return {**e, "lambda": lam, "control": control, "quantity": quantity}
+
+
+def _dose_effects(runs, variant, lam, control, drift=False) -> list[dict]:
+  """lambda - control per seed: val BPB, final imbalance and (rank-matched) importance of the strongest head per
+  layer and of the others."""
+  out = []
+  for key, name, nd in QUANTITIES:
+    _, d = stats.paired(_by(runs, variant, lam, key), _by(runs, variant, control, key))
+    out.append(_effect(d, name, lam, control, nd, variant, drift))
+  top, rest = _rank_diffs(runs, variant, lam, control)
+  out.append(_effect(top, "strongest head per layer", lam, control, 3, variant, drift))
+  out.append(_effect(rest, "other heads", lam, control, 3, variant, drift))
+  return out
+
+
 def dose_stats(dose: dict, grid: dict | None) -> dict:
+  """Every test of the dose study: each lambda against lambda 0 (paired by seed), the null arm lambda 1e-8 against
+  lambda 0 as drift, the lambdas made on the null arm's commit against it, every dose's BPB difference averaged
+  per seed, and the power of the design (BPB with the main grid's arms, imbalance)."""
   runs = dose["runs"]
   lambdas = sorted({float(r["lambda"]) for r in runs})
   variant = dose["variants"][0]
-  base_bpb, base_imb = _by(runs, variant, 0.0, "val_bpb"), _by(runs, variant, 0.0, "head_imbalance")
-  arms = {}
-  if grid is not None:
-    for v in ("vanilla", "sink"):
-      arms[f"{v} λ 1e-4"] = stats.paired(_by(grid["runs"], v, "aux", "val_bpb"),
-                                          _by(grid["runs"], v, "base", "val_bpb"))[1]
-  null = {}
-  if NULL_LAMBDA in lambdas:
-    _, nb = stats.paired(_by(runs, variant, NULL_LAMBDA, "val_bpb"), base_bpb)
-    seeds, ni = stats.paired(_by(runs, variant, NULL_LAMBDA, "head_imbalance"), base_imb)
-    arms[f"{variant} λ 1e-8"] = nb
-    null = {s: (b, i) for s, b, i in zip(seeds, nb, ni)}
-  bpb_floor = stats.noise_floor(arms) if arms else None
-  imb_floor = stats.noise_floor({f"{variant} λ 1e-8": [v[1] for _, v in sorted(null.items())]}) if null else None
-  rank_floors = (None, None)
-  if null:
-    top, rest = _rank_diffs(runs, variant, NULL_LAMBDA)
-    rank_floors = (stats.noise_floor({"strongest": top}), stats.noise_floor({"others": rest}))
-  per_lambda, effects = {}, {}
+  commits = {}
+  for r in runs:
+    commits.setdefault(f"{float(r['lambda']):g}", set()).add(commit_of(r))
+  mixed = {k: sorted(v) for k, v in commits.items() if len(v) > 1}
+  if mixed:
+    raise ValueError(f"dose study: an arm mixes commits {mixed}; rerun it on one commit")
+  commits = {k: v.pop() for k, v in commits.items()}
+  per_lambda = {}
   for lam in lambdas:
     bpb, imb = _by(runs, variant, lam, "val_bpb"), _by(runs, variant, lam, "head_imbalance")
     seeds = sorted(bpb)
@@ -453,45 +502,44 @@ def dose_stats(dose: dict, grid: dict | None) -> dict:
         "train_seconds": [r.get("train_seconds") for r in rs],
         "importance_by_rank": [np.sort(np.asarray(r["importance"]), -1)[:, ::-1].mean(0).tolist() for r in rs],
         "mean_importance": [float(np.mean(r["importance"])) for r in rs],
-        "source": [r.get("source", "") for r in rs]}
-    if lam in (0.0, NULL_LAMBDA):
-      continue
-    _, db = stats.paired(bpb, base_bpb)
-    _, di = stats.paired(imb, base_imb)
-    effects[f"λ {lam:g} BPB"] = stats.verdict(db, bpb_floor["sigma"] if bpb_floor else None,
-                                              floor_n=bpb_floor and bpb_floor["n"],
-                                              what=f"{variant} λ = {lam:g} − λ = 0, val BPB")
-    effects[f"λ {lam:g} imbalance"] = stats.verdict(di, imb_floor["sigma"] if imb_floor else None, nd=3,
-                                                    floor_n=imb_floor and imb_floor["n"],
-                                                    what=f"{variant} λ = {lam:g} − λ = 0, final head imbalance")
-    effects.update(_rank_effects(runs, variant, lam, rank_floors))
-  return {"variant": variant, "lambdas": lambdas, "bpb_floor": bpb_floor, "imbalance_floor": imb_floor,
-          "rank_floors": {"strongest": rank_floors[0], "others": rank_floors[1]},
-          "per_lambda": {f"{k:g}": v for k, v in per_lambda.items()}, "effects": effects}
+        "source": [r.get("source", "") for r in rs], "commit": commits[f"{lam:g}"]}
+  doses = [lam for lam in lambdas if lam not in (0.0, NULL_LAMBDA)]
+  effects = [e for lam in doses for e in _dose_effects(runs, variant, lam, 0.0)]
+  drift, same_commit = [], []
+  if NULL_LAMBDA in lambdas:
+    drift = _dose_effects(runs, variant, NULL_LAMBDA, 0.0, drift=True)
+    same_commit = [e for lam in doses if commits[f"{lam:g}"] == commits[f"{NULL_LAMBDA:g}"]
+                   for e in _dose_effects(runs, variant, lam, NULL_LAMBDA)[:2]]
+  bpb = {lam: dict(zip(*stats.paired(_by(runs, variant, lam, "val_bpb"), _by(runs, variant, 0.0, "val_bpb"))))
+         for lam in doses}
+  seeds = sorted(set.intersection(*(set(v) for v in bpb.values()))) if bpb else []
+  every = [bpb[lam][s] for lam in doses for s in seeds]
+  pooled = {"doses": [f"{lam:g}" for lam in doses], "positive": sum(x > 0 for x in every), "n": len(every),
+            "per_seed_mean": stats.paired_effect([float(np.mean([bpb[lam][s] for lam in doses])) for s in seeds],
+                                                 what=f"{variant}, val BPB of every dose − λ = 0, mean over doses "
+                                                      "per seed")} if len(seeds) > 1 else None
+  groups = [e["diffs"] for e in effects + drift if e["quantity"] == "val BPB"]
+  if grid is not None:
+    groups += [stats.paired(_by(grid["runs"], v, "aux", "val_bpb"), _by(grid["runs"], v, "base", "val_bpb"))[1]
+               for v in ("vanilla", "sink")]
+  n = len(seeds) or 1
+  power = {"bpb": power_figures(groups, n) if n > 1 else None,
+           "imbalance": power_figures([e["diffs"] for e in effects + drift if e["quantity"] == "final head "
+                                       "imbalance"], n, effects=(0.05, 0.1)) if n > 1 else None}
+  return {"variant": variant, "lambdas": lambdas, "commits": commits, "per_lambda":
+          {f"{k:g}": v for k, v in per_lambda.items()}, "effects": effects, "drift": drift,
+          "same_commit": same_commit, "all_doses_bpb": pooled, "power": power}
 
 
-def _rank_diffs(runs, variant, lam) -> tuple[list[float], list[float]]:
+def _rank_diffs(runs, variant, lam, control=0.0) -> tuple[list[float], list[float]]:
   """Per seed: (strongest head per layer, mean over layers) and (the other heads, mean over layers and heads) of
-  the lambda run minus the lambda = 0 run, head ranks matched within each layer."""
-  base = {r["seed"]: np.sort(np.asarray(r["importance"]), -1)[:, ::-1] for r in runs
-          if r["variant"] == variant and float(r["lambda"]) == 0.0}
-  treat = {r["seed"]: np.sort(np.asarray(r["importance"]), -1)[:, ::-1] for r in runs
-           if r["variant"] == variant and float(r["lambda"]) == float(lam)}
+  the lambda run minus the control run, head ranks matched within each layer."""
+  ranked = lambda l: {r["seed"]: np.sort(np.asarray(r["importance"]), -1)[:, ::-1] for r in runs
+                      if r["variant"] == variant and float(r["lambda"]) == float(l)}
+  base, treat = ranked(control), ranked(lam)
   seeds = sorted(set(base) & set(treat))
   return ([float((treat[s][:, 0] - base[s][:, 0]).mean()) for s in seeds],
           [float((treat[s][:, 1:] - base[s][:, 1:]).mean()) for s in seeds])
-
-
-def _rank_effects(runs, variant, lam, floors=(None, None)) -> dict:
-  """The rank-matched importance changes (`_rank_diffs`) tested against the null arm's (noise_floor records),
-  when there is one."""
-  top, rest = _rank_diffs(runs, variant, lam)
-  sig = lambda f: (f["sigma"], f["n"]) if f else (None, None)
-  (s0, n0), (s1, n1) = sig(floors[0]), sig(floors[1])
-  return {f"λ {lam:g} strongest head": stats.verdict(top, s0, nd=3, floor_n=n0,
-                                                     what=f"λ = {lam:g} − 0, strongest head per layer (importance)"),
-          f"λ {lam:g} other heads": stats.verdict(rest, s1, nd=3, floor_n=n1,
-                                                  what=f"λ = {lam:g} − 0, the other heads (importance)")}
 
 
 def plot_dose(dose: dict, ds: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -528,16 +576,15 @@ def plot_dose(dose: dict, ds: dict, out_dir: pathlib.Path) -> list[pathlib.Path]
     if lam == 0 or not d:
       continue
     ax3.scatter([x] * len(d), d, color=col, s=25)
+    t = stats.t_interval(d) if len(d) > 1 else None
     ax3.plot([x - 0.2, x + 0.2], [np.mean(d)] * 2, color="black", lw=2)
-    if ds["bpb_floor"]:
-      z2 = 2 * ds["bpb_floor"]["sigma"] / np.sqrt(len(d))
-      ax3.fill_between([x - 0.3, x + 0.3], [-z2] * 2, [z2] * 2, color="gray", alpha=0.25, lw=0)
+    if t is not None:
+      ax3.plot([x + 0.25] * 2, [t["low"], t["high"]], color="black", lw=1)
   ax3.axhline(0, color="gray", lw=1)
   ax3.set_xticks(range(len(lambdas)), [f"{lam:g}" for lam in lambdas])
   ax3.set_xlabel("λ (aux weight)")
   ax3.set_ylabel("BPB(λ) − BPB(λ = 0), same seed")
-  ax3.set_title("paired difference per seed (bar: mean)\ngray: |z| < 2 for the mean against the noise floor σ₀"
-                if ds["bpb_floor"] else "paired difference per seed (bar: mean)")
+  ax3.set_title("paired difference per seed (bar: mean)\nline: its 95 % t-interval (t with n − 1 df)")
   ax3.grid(alpha=0.3)
   ax2.set_xticks(range(len(lambdas)), [f"{lam:g}" for lam in lambdas])
   ax2.set_xlabel("λ (aux weight)")
@@ -567,22 +614,24 @@ def plot_dose(dose: dict, ds: dict, out_dir: pathlib.Path) -> list[pathlib.Path]
   return [p1, p2]
 
 
-DOSE_EFFECT_NAMES = {"BPB": "val BPB", "imbalance": "final head imbalance", "strongest head": "strongest head per layer",
-                     "other heads": "other heads"}
+def dose_effects_lines(effects: list[dict], control_label: str = "paired with") -> list[str]:
+  """One row per lambda and quantity (RESULTS.md copies these tables)."""
+  lines = [f"| effect ({control_label}) | {EFFECT_HEADER[0]}", f"|---|{EFFECT_HEADER[1]}"]
+  for e in effects:
+    nd = 4 if e["quantity"] == "val BPB" else 3
+    lines.append(f"| λ = {e['lambda']:g} − {e['control']:g}, {e['quantity']} | " + " | ".join(effect_cells(e, nd))
+                 + " |")
+  return lines
 
 
-def dose_effects_lines(ds: dict) -> list[str]:
-  """The dose study's tests, one row per lambda and quantity (RESULTS.md copies this table)."""
-  lines = ["| effect (paired with λ = 0) | per seed | mean | z vs floor | z vs its upper 95 % bound | sign test p | "
-           "reading |", "|---|---|---:|---:|---:|---:|---|"]
-  for key, e in ds["effects"].items():
-    _, lam, what = key.split(" ", 2)
-    nd = 4 if what == "BPB" else 3
-    z = "no floor" if e["z"] is None else f"{e['z']['z']:+.2f}"
-    zu = f"{e['z_upper']['z']:+.2f}" if e.get("z_upper") else "-"
-    lines.append(f"| λ = {lam}, {DOSE_EFFECT_NAMES[what]} | {', '.join(stats.fmt(x, nd) for x in e['diffs'])} | "
-                 f"{stats.fmt(e['mean'], nd)} | {z} | {zu} | {e['sign_test']['p_two_sided']:.3g} | "
-                 f"{e['reading']} |")
+def drift_lines(effects: list[dict]) -> list[str]:
+  lines = ["| drift control | per seed | mean | 95 % t-interval | paired t p | reading |", "|---|---|---:|---|---:|---|"]
+  for e in effects:
+    nd = 4 if e["quantity"] == "val BPB" else 3
+    t = e["t"]
+    lines.append(f"| λ = {e['lambda']:g} − {e['control']:g}, {e['quantity']} | "
+                 f"{', '.join(stats.fmt(x, nd) for x in e['diffs'])} | {stats.fmt(e['mean'], nd)} | "
+                 f"{stats.fmt(t['low'], nd)} … {stats.fmt(t['high'], nd)} | {_p(t['p'])} | {e['reading']} |")
   return lines
 
 
@@ -591,17 +640,14 @@ def _mean_std(xs) -> str:
 
 
 def dose_markdown(dose: dict, ds: dict, dose_path: str) -> str:
+  commits = ", ".join(f"λ {k}: {v}" for k, v in ds["commits"].items())
   lines = ["# Dose study: gated attention × λ × seeds", "",
            f"Generated by `python -m sinkjax.experiments.paper_report --write` from `{dose_path}` (runs: "
            f"`{dose['command']}`). λ = 0 and 1e-4 are the main grid's gated base / aux runs "
-           "(`docs/results/paper_cpu/results.json`, same recipe, checked by `paper.recipe_differences`).", ""]
-  if ds["bpb_floor"]:
-    lines += floor_lines(ds["bpb_floor"], "BPB floor (null arms pooled)")
-  if ds["imbalance_floor"]:
-    lines += floor_lines(ds["imbalance_floor"], "Head-imbalance floor (gated λ = 1e-8 − λ = 0)", 3)
-  for k, f in ds["rank_floors"].items():
-    if f:
-      lines += floor_lines(f, f"Importance floor, {k} head(s) (gated λ = 1e-8 − λ = 0, ranks matched)", 3)
+           "(`docs/results/paper_cpu/results.json`, same recipe, checked by `paper.recipe_differences`). "
+           f"Commits: {commits}.", ""]
+  if ds["power"]["bpb"]:
+    lines += power_lines(ds["power"]["bpb"], "BPB, dose arms and the main grid's arms")
   lines += ["| λ | val BPB per seed | mean ± std | final head imbalance per seed | mean | aux term at the end "
             "(held-out) | mean importance | strongest / others (mean over layers) |",
             "|---|---|---|---|---|---|---|---|"]
@@ -611,8 +657,17 @@ def dose_markdown(dose: dict, ds: dict, dose_path: str) -> str:
     lines.append(f"| {lam} | {', '.join(f'{x:.4f}' for x in b)} | {_mean_std(b)} | "
                  f"{', '.join(f'{x:.3f}' for x in i)} | {np.mean(i):.3f} | {np.mean(r['aux_term']):.1e} | "
                  f"{np.mean(r['mean_importance']):.3f} | {ranks[0]:.3f} / {ranks[1:].mean():.3f} |")
-  lines += ["", "## Tests (paired with λ = 0, per seed)", "", *dose_effects_lines(ds), ""]
-  lines += [f"- {e['sentence']}" for e in ds["effects"].values()] + [""]
+  lines += ["", "## Tests (paired with λ = 0, per seed)", "", *dose_effects_lines(ds["effects"]), ""]
+  if ds["drift"]:
+    lines += ["## Drift: the null arm (λ = 1e-8, a different commit from λ = 0)", "", *drift_lines(ds["drift"]), ""]
+  if ds["same_commit"]:
+    lines += ["## The same commit: against λ = 1e-8", "",
+              *dose_effects_lines(ds["same_commit"], "paired with λ = 1e-8, same commit"), ""]
+  if ds["all_doses_bpb"]:
+    a = ds["all_doses_bpb"]
+    lines += [f"BPB: {a['positive']} of the {a['n']} dose differences against λ = 0 are positive. "
+              f"{a['per_seed_mean']['sentence']}", ""]
+  lines += [f"- {e['sentence']}" for e in ds["effects"] + ds["drift"] + ds["same_commit"]] + [""]
   lines += ["![imbalance and BPB per λ](dose_imbalance.png)", "", "![importance by rank](dose_importance.png)", ""]
   return "\n".join(lines)
 
@@ -631,17 +686,6 @@ def _jsonable(x):
   return x
 
 
-def gated_null_of(dose: dict | None) -> dict | None:
-  if dose is None:
-    return None
-  runs = dose["runs"]
-  v = dose["variants"][0]
-  b0, i0 = _by(runs, v, 0.0, "val_bpb"), _by(runs, v, 0.0, "head_imbalance")
-  b1, i1 = _by(runs, v, NULL_LAMBDA, "val_bpb"), _by(runs, v, NULL_LAMBDA, "head_imbalance")
-  seeds = sorted(set(b0) & set(b1))
-  return {s: (b1[s] - b0[s], i1[s] - i0[s]) for s in seeds} or None
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m sinkjax.experiments.paper_report", description=__doc__.split("\n")[0])
   p.add_argument("--grid", default=str(GRID), help="the main grid's results.json")
@@ -654,15 +698,15 @@ def main(argv=None) -> int:
   grid = json.loads(grid_path.read_text())
   dose_path = None if args.dose == "none" else pathlib.Path(args.dose)
   dose = json.loads(dose_path.read_text()) if dose_path is not None and dose_path.is_file() else None
-  gs = grid_stats(grid, gated_null_of(dose))
+  gs = grid_stats(grid)
   gs["repro"] = repro_runs(pathlib.Path(args.repro), grid)
   gs["window_dose"] = [{"name": f"{r['variant']}_{r['loss']}_s{r['seed']}", **_vz_both(r)} for r in
                        (dose or {}).get("runs", []) if "value_zeroing_teacher_forced_window" in r]
   rel = lambda q: str(q.resolve().relative_to(REPO)) if q.resolve().is_relative_to(REPO) else str(q)
   print(f"main grid ({rel(grid_path)}):")
-  f = gs["bpb_floor"]
-  print(f"  BPB noise floor sigma0 = {f['sigma']:.4f} (RMS of {f['n']} null differences: "
-        + "; ".join(f"{k} {', '.join(f'{x:+.4f}' for x in v)}" for k, v in f["arms"].items()) + ")")
+  pw = gs["power"]
+  print(f"  power: paired BPB SD {pw['sd']:.4f} (pooled, {pw['df']} df); detectable at n = {pw['n']}: "
+        f"±{pw['detectable']:.4f}; seeds needed: {pw['seeds_needed']}")
   for e in gs["effects"].values():
     print(f"  - {e['sentence']}")
   if args.write:
@@ -670,16 +714,11 @@ def main(argv=None) -> int:
     (grid_path.parent / "stats.json").write_text(json.dumps(_jsonable(gs), indent=1))
   if dose is not None:
     ds = dose_stats(dose, grid)
-    print(f"dose study ({rel(dose_path)}):")
-    if ds["bpb_floor"]:
-      print(f"  BPB noise floor sigma0 = {ds['bpb_floor']['sigma']:.4f} ({ds['bpb_floor']['n']} null differences, "
-            f"arms {', '.join(ds['bpb_floor']['arms'])})")
-    if ds["imbalance_floor"]:
-      print(f"  imbalance noise floor sigma0 = {ds['imbalance_floor']['sigma']:.4f}")
+    print(f"dose study ({rel(dose_path)}): commits {ds['commits']}")
     for lam, r in ds["per_lambda"].items():
       print(f"  lambda {lam}: val BPB {np.mean(r['val_bpb']):.4f} ({', '.join(f'{x:.4f}' for x in r['val_bpb'])}), "
             f"imbalance {np.mean(r['head_imbalance']):.3f} ({', '.join(f'{x:.3f}' for x in r['head_imbalance'])})")
-    for e in ds["effects"].values():
+    for e in ds["effects"] + ds["drift"] + ds["same_commit"]:
       print(f"  - {e['sentence']}")
     if args.write:
       plot_dose(dose, ds, dose_path.parent)

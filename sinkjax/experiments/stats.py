@@ -1,30 +1,36 @@
-"""Small-n statistics for the seed studies: paired differences, a noise floor from a null arm, and the tests (with
-what they can and cannot show) that the reports word their readings from.
+"""Small-n statistics for the seed studies: paired differences with a t-interval, exact rank-free tests, Welch's t
+for unpaired arms, and the smallest effect a design could detect.
 
-A study here has n = 3 seeds per arm. Two tests are stated for every effect (a per-seed paired difference d_s =
-x(treated, s) - x(control, s)):
+A study here has n = 3 seeds per arm. An effect is a per-seed paired difference d_s = x(treated, s) - x(control, s)
+(a seed fixes the init and the data order of both runs, so the noise they share cancels). Every effect is read with:
 
-- **z against the noise floor.** The floor sigma0 is the RMS of paired differences from a *null arm*: two runs that
-  differ by a change that does (next to) nothing, so that whatever difference they show is the noise of training
-  itself (a perturbation early in training sends the run down another path). RMS about zero, not std about the
-  mean, because the null's expected difference is 0. Under the null an n-seed mean has standard error
-  sigma0 / sqrt(n); z = mean(d) / (sigma0 / sqrt(n)), two-sided normal p. |z| >= Z_CRIT is read as "above the
-  floor". The floor is itself estimated from few differences, so z is a screen, not an exact test.
-- **Exact sign test.** Under the null each seed's difference is positive with probability 1/2. With n seeds the
-  smallest attainable p is 0.5^n one-sided and 2 * 0.5^n two-sided: for n = 3, 0.125 and 0.25, so three seeds of
-  the same sign can never reach p < 0.05 by this test (n = 5 is the least that can: 0.0625 two-sided, 0.031
-  one-sided).
+- **Paired t** (`t_interval`): mean(d) with its two-sided 95 % interval mean ± t_{n-1} · sd(d)/sqrt(n), t critical
+  values for the actual n (t_2 = 4.30 at n = 3, not 2), and the t-test's p. The noise is the SD of the effect's own
+  differences: no other arm stands in for it.
+- **Exact permutation test** (`permutation_test`): all 2^n sign flips of the differences; p = the share whose |mean|
+  reaches the observed one. Its least two-sided p is 2 / 2^n: 0.25 at n = 3, so three seeds can never reach 0.05 by
+  it (n = 6 is the least that can: 0.031).
+- **Exact sign test** (`sign_test`): k of n positive against Binomial(n, 1/2); the same least p, 2 · 0.5^n.
+- **Power** (`detectable_effect`, `t_power`): the smallest true mean difference that the paired t-test at two-sided 0.05
+  detects with probability 0.8, from the observed SD and n (the noncentral t), printed beside every "not detected";
+  `seeds_needed` inverts it.
 
-`verdict` turns the two into a reading whose wording never claims more than they allow.
+Arms that are not paired (different seeds, a different commit) get `welch`. A *null arm* (a change too small to act,
+or none) is a control for **drift**: its mean difference is reported as drift (`drift`), never used as the noise of
+another arm. `paired_effect` turns these into a reading whose wording claims no more than they allow.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
-from scipy.stats import chi2  # scipy comes with jax
+from scipy import optimize
+from scipy import stats as sps
 
-Z_CRIT = 2.0       # |z| at and above which a mean difference is read as above the noise floor (~ p 0.05 two-sided)
+ALPHA = 0.05        # two-sided level of every test
+POWER = 0.8         # the power `detectable_effect` asks for
+MAX_EXACT = 20      # the permutation test enumerates 2^n sign flips up to this n
 
 
 def paired(treated: dict, control: dict) -> tuple[list[int], list[float]]:
@@ -33,20 +39,46 @@ def paired(treated: dict, control: dict) -> tuple[list[int], list[float]]:
   return seeds, [float(treated[s]) - float(control[s]) for s in seeds]
 
 
-def noise_floor(arms: dict) -> dict:
-  """Pooled RMS about zero of the null arms' paired differences, arms = {name: [d, ...]}: sigma0 =
-  sqrt(mean of every d^2), with what was pooled."""
-  values = [float(x) for v in arms.values() for x in v]
-  if not values:
-    raise ValueError("a noise floor needs at least one null difference")
-  rms = math.sqrt(sum(x * x for x in values) / len(values))
-  return {"sigma": rms, "n": len(values), "arms": {k: [float(x) for x in v] for k, v in arms.items()},
-          "per_arm_rms": {k: math.sqrt(sum(x * x for x in v) / len(v)) for k, v in arms.items() if len(v)}}
+def _diffs(diffs, least: int = 2) -> np.ndarray:
+  d = np.asarray(diffs, np.float64).ravel()
+  if d.size < least:
+    raise ValueError(f"{d.size} paired difference(s): a t-interval needs at least {least}; run more seeds")
+  return d
+
+
+def t_interval(diffs, level: float = 1 - ALPHA) -> dict:
+  """One-sample t of the differences against 0: mean, sd (ddof 1), se = sd/sqrt(n), df = n - 1, the two-sided
+  critical value t_crit = t_{df}((1 + level)/2), the interval [low, high] = mean ± t_crit·se, t = mean/se and its
+  two-sided p. sd = 0 gives t = ±inf (p 0) for a nonzero mean and nan for a zero one."""
+  d = _diffs(diffs)
+  n, mean, sd = d.size, float(d.mean()), float(d.std(ddof=1))
+  se = sd / math.sqrt(n)
+  tc = float(sps.t.ppf((1 + level) / 2, n - 1))
+  if se > 0:
+    t = mean / se
+    p = float(2 * sps.t.sf(abs(t), n - 1))
+  else:
+    t, p = (math.copysign(math.inf, mean), 0.0) if mean else (math.nan, math.nan)
+  return {"n": n, "mean": mean, "sd": sd, "se": se, "df": n - 1, "t_crit": tc, "low": mean - tc * se,
+          "high": mean + tc * se, "t": t, "p": p, "level": level}
+
+
+def permutation_test(diffs) -> dict:
+  """Exact paired permutation test: every one of the 2^n sign flips of the differences; p two-sided = the share
+  of flips whose |mean| is at least the observed |mean| (up to rounding), and the least p that n allows (2 / 2^n)."""
+  d = _diffs(diffs, 1)
+  if d.size > MAX_EXACT:
+    raise ValueError(f"{d.size} differences: the exact test enumerates 2^n flips, at most n = {MAX_EXACT}")
+  signs = np.array(list(itertools.product((1.0, -1.0), repeat=d.size)))
+  means = np.abs(signs @ d) / d.size
+  observed = abs(float(d.mean()))
+  hits = int(np.sum(means >= observed * (1 - 1e-12) - 1e-15))
+  return {"n": int(d.size), "p": hits / len(signs), "p_min": min(1.0, 2 / len(signs)), "flips": len(signs)}
 
 
 def sign_test(diffs) -> dict:
   """Exact two-sided sign test of the differences (zeros dropped): k of n positive; p = P(a Binomial(n, 1/2) at
-  least as far from n/2 as k); also the smallest p that n allows, one- and two-sided."""
+  least as far from n/2 as k); also the least p that n allows, one- and two-sided."""
   d = [x for x in diffs if x != 0]
   n = len(d)
   k = sum(1 for x in d if x > 0)
@@ -59,12 +91,71 @@ def sign_test(diffs) -> dict:
           "p_min_one_sided": 0.5 ** n, "p_min_two_sided": min(1.0, 2 * 0.5 ** n)}
 
 
-def z_test(diffs, sigma: float) -> dict:
-  """z = mean / (sigma / sqrt(n)) and its two-sided normal p."""
-  d = np.asarray(diffs, np.float64)
-  se = sigma / math.sqrt(d.size)
-  z = float(d.mean() / se) if se > 0 else math.copysign(math.inf, float(d.mean()))
-  return {"mean": float(d.mean()), "se": se, "z": z, "p_two_sided": math.erfc(abs(z) / math.sqrt(2))}
+def welch(a, b, level: float = 1 - ALPHA) -> dict:
+  """Welch's t for two unpaired arms: diff = mean(a) - mean(b), se = sqrt(s_a²/n_a + s_b²/n_b), the
+  Welch–Satterthwaite df, t = diff/se, two-sided p and the `level` interval diff ± t_{df}·se."""
+  a, b = _diffs(a), _diffs(b)
+  va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+  diff, se = float(a.mean() - b.mean()), math.sqrt(va + vb)
+  if se == 0:
+    raise ValueError("both arms are constant: Welch's t is undefined")
+  df = (va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))
+  t = diff / se
+  tc = float(sps.t.ppf((1 + level) / 2, df))
+  return {"diff": diff, "se": se, "df": float(df), "t": t, "p": float(2 * sps.t.sf(abs(t), df)), "t_crit": tc,
+          "low": diff - tc * se, "high": diff + tc * se, "n": (int(a.size), int(b.size)), "level": level}
+
+
+def t_power(effect: float, sd: float, n: int, *, alpha: float = ALPHA, arms: int = 1) -> float:
+  """Probability that the two-sided t-test at `alpha` rejects when the true mean difference is `effect` and the
+  SD of one observation is `sd`. arms = 1: paired (or one-sample) differences of n seeds, df = n - 1, ncp =
+  effect/(sd/sqrt(n)); arms = 2: two unpaired arms of n each, df = 2n - 2, ncp = effect/(sd·sqrt(2/n))."""
+  if arms not in (1, 2) or n < 2 or sd <= 0:
+    raise ValueError(f"power needs arms 1 or 2, n >= 2 and sd > 0 (got arms={arms}, n={n}, sd={sd})")
+  df = n - 1 if arms == 1 else 2 * n - 2
+  ncp = abs(effect) / (sd * math.sqrt(arms / n))
+  tc = sps.t.ppf(1 - alpha / 2, df)
+  lower = float(sps.nct.cdf(-tc, df, ncp))
+  return float(sps.nct.sf(tc, df, ncp)) + (lower if math.isfinite(lower) else 0.0)
+
+
+def detectable_effect(sd: float, n: int, *, alpha: float = ALPHA, power: float = POWER, arms: int = 1) -> float:
+  """The smallest true |mean difference| that the t-test of `t_power` detects with probability `power` (the
+  noncentral t solved for its noncentrality): at n = 3 paired, 3.26 sd; at n = 10, 1.00 sd."""
+  if sd <= 0:
+    raise ValueError("detectable_effect needs sd > 0")
+  f = lambda e: t_power(e, sd, n, alpha=alpha, arms=arms) - power
+  hi = sd
+  while f(hi) < 0:
+    hi *= 2
+  return float(optimize.brentq(f, 0.0, hi, xtol=sd * 1e-10))
+
+
+def seeds_needed(effect: float, sd: float, *, alpha: float = ALPHA, power: float = POWER, arms: int = 1,
+                 most: int = 100_000) -> int:
+  """The least n (seeds per arm) whose t-test detects a true |mean difference| `effect` with probability
+  `power`, at the SD `sd` of one paired difference (arms = 1) or of one run (arms = 2)."""
+  if effect == 0:
+    raise ValueError("seeds_needed needs a nonzero effect")
+  ok = lambda n: t_power(effect, sd, n, alpha=alpha, arms=arms) >= power
+  lo, hi = 2, 2
+  while not ok(hi):
+    lo, hi = hi, hi * 2
+    if hi > most:
+      raise ValueError(f"more than {most} seeds would be needed")
+  while lo < hi:                                   # power grows with n: the least n that reaches `power`
+    mid = (lo + hi) // 2
+    lo, hi = (mid + 1, hi) if not ok(mid) else (lo, mid)
+  return hi
+
+
+def pooled_sd(groups) -> tuple[float, int]:
+  """(SD pooled over groups, each about its own mean: sqrt(sum of squared deviations / sum of (n_i - 1)), df)."""
+  groups = [np.asarray(g, np.float64) for g in groups if len(g) > 1]
+  df = sum(g.size - 1 for g in groups)
+  if df == 0:
+    raise ValueError("pooled_sd needs a group of at least two values")
+  return math.sqrt(sum(float(((g - g.mean()) ** 2).sum()) for g in groups) / df), df
 
 
 def fmt(x: float, nd: int) -> str:
@@ -72,63 +163,60 @@ def fmt(x: float, nd: int) -> str:
   return f"{x:+.{nd}f}" if x == 0 or abs(x) >= 0.5 * 10 ** -nd else f"{x:+.1e}"
 
 
-def sigma_upper(sigma: float, n: int, level: float = 0.95) -> float:
-  """The upper end of the two-sided `level` confidence interval of a floor estimated as the RMS of n null
-  differences (n sigma_hat^2 / sigma^2 ~ chi^2_n): sigma_hat * sqrt(n / chi2.ppf((1 - level) / 2, n))."""
-  return sigma * math.sqrt(n / chi2.ppf((1 - level) / 2, n))
+def _p(x: float) -> str:
+  return f"{x:.2g}" if x >= 0.001 else f"{x:.1e}"
 
 
-def verdict(diffs, sigma: float | None, *, what: str, nd: int = 4, floor_n: int | None = None) -> dict:
-  """Both tests of one effect and a sentence that claims no more than they allow. sigma None: no null arm at
-  this scale of the quantity, so only the sign test (and the wording says so). floor_n: how many null differences
-  sigma was estimated from; then z is also taken against the floor's upper 95 % bound (`sigma_upper`), and an
-  effect above the estimate but not above that bound is worded as such."""
-  d = [float(x) for x in diffs]
+def _sign_words(d: list[float], st: dict) -> str:
   n = len(d)
-  st = sign_test(d)
-  mean = float(np.mean(d))
-  per_seed = ", ".join(fmt(x, nd) for x in d)
-  same = st["n"] == n and st["positive"] in (0, n)
-  direction = "higher" if mean > 0 else "lower"
   every = {1: "the one seed", 2: "both seeds"}.get(n, f"all {n} seeds")
-  sign_txt = (f"{every} {direction}" if same else
-              f"{st['positive']} of {n} seeds higher, {n - st['positive']} lower or equal")
-  sign_txt += f" (sign test p = {st['p_two_sided']:.3g} two-sided; the least {n} seeds allow is " \
-              f"{st['p_min_two_sided']:.3g})"
-  out = {"what": what, "diffs": d, "mean": mean, "n": n, "sign_test": st, "sigma": sigma}
-  if sigma is None:
-    out["z"] = None
-    out["reading"] = "no null arm" if not same else "consistent sign, untested against a floor"
-    tail = (f"so this is a direction seen in {n} of {n} seeds, not a demonstrated effect" if same else
-            "and the sign changes between seeds: no direction is established")
-    out["sentence"] = (f"{what}: {fmt(mean, nd)} on average (per seed {per_seed}); {sign_txt}. No null arm measures "
-                       f"the noise of this quantity here, {tail}.")
-    return out
-  z = z_test(d, sigma)
-  out["z"] = z
-  above = abs(z["z"]) >= Z_CRIT
-  robust = True
-  if floor_n:
-    up = sigma_upper(sigma, floor_n)
-    out["z_upper"] = z_test(d, up)
-    robust = abs(out["z_upper"]["z"]) >= Z_CRIT
-  if above and same and not robust:
-    out["reading"] = "above the floor's estimate, not its upper bound"
-    claim = (f"above the estimated floor and of the same sign in every seed, but not above the floor's upper 95 % "
-             f"bound {up:.{nd}f} (z = {out['z_upper']['z']:+.2f}; the floor rests on {floor_n} null differences): "
-             "suggestive, not established")
-  elif above and same:
-    out["reading"] = "above the floor, consistent sign"
-    claim = "above the noise floor and of the same sign in every seed"
-    if floor_n:
-      claim += f", also against the floor's upper 95 % bound {up:.{nd}f} (z = {out['z_upper']['z']:+.2f})"
-  elif above:
-    out["reading"] = "above the floor, mixed sign"
-    claim = "above the noise floor on average, but not of the same sign in every seed"
+  if st["n"] == n and st["positive"] in (0, n):
+    return f"{every} {'higher' if st['positive'] else 'lower'}"
+  return f"{st['positive']} of {n} seeds higher, {n - st['positive']} lower or equal"
+
+
+def paired_effect(diffs, *, what: str, nd: int = 4) -> dict:
+  """Every test of one paired effect and a sentence that claims no more than they allow. Detected = the paired
+  t-test's two-sided p < ALPHA (the t-interval excludes 0); the permutation and sign tests are stated beside it with
+  the least p their n allows. Not detected: the sentence gives the smallest effect this design could detect."""
+  d = [float(x) for x in diffs]
+  t = t_interval(d)
+  perm, st = permutation_test(d), sign_test(d)
+  n = len(d)
+  mde = detectable_effect(t["sd"], n) if t["sd"] > 0 else 0.0
+  detected = t["p"] < ALPHA
+  out = {"what": what, "diffs": d, "n": n, "mean": t["mean"], "t": t, "permutation": perm, "sign_test": st,
+         "detectable": mde, "detected": bool(detected)}
+  rank_free = (f"exact permutation p = {_p(perm['p'])}, sign test p = {_p(st['p_two_sided'])}"
+               f" (the least {n} seeds allow: {_p(perm['p_min'])})")
+  body = (f"{what}: {fmt(t['mean'], nd)} on average (per seed {', '.join(fmt(x, nd) for x in d)}; "
+          f"{_sign_words(d, st)}); 95 % t-interval {fmt(t['low'], nd)} … {fmt(t['high'], nd)} "
+          f"(t_{t['df']} = {t['t']:+.2f}, p = {_p(t['p'])}); {rank_free}")
+  if detected:
+    out["reading"] = "detected (paired t)"
+    claim = "detected by the paired t-test, whose noise is these differences' own SD"
+    if perm["p_min"] >= ALPHA:
+      claim += f" (estimated from {n} differences; the rank-free tests cannot reach {ALPHA:g} at n = {n})"
   else:
-    out["reading"] = "within the floor"
-    claim = (f"within the noise floor: no effect is detected (at this n a mean effect smaller than about "
-             f"{Z_CRIT * z['se']:.{nd}f} could not be told from the floor)")
-  out["sentence"] = (f"{what}: {fmt(mean, nd)} on average (per seed {per_seed}); z = {z['z']:+.2f} against the "
-                     f"floor {sigma:.{nd}f} (p = {z['p_two_sided']:.2g}); {sign_txt}. Reading: {claim}.")
+    out["reading"] = "not detected"
+    claim = (f"not detected; the smallest effect this design could detect (power {POWER:g}, two-sided {ALPHA:g}, "
+             f"SD {t['sd']:.{nd}f}, n = {n}) is ±{mde:.{nd}f}")
+  out["sentence"] = f"{body}. Reading: {claim}."
+  return out
+
+
+def drift(diffs, *, what: str, nd: int = 4) -> dict:
+  """A null arm's paired differences read as drift (what the runs move by when the change should do nothing: a
+  code change, a perturbation of training), with its t-interval; never used as another arm's noise."""
+  d = [float(x) for x in diffs]
+  t = t_interval(d)
+  st = sign_test(d)
+  out = {"what": what, "diffs": d, "n": len(d), "mean": t["mean"], "t": t, "sign_test": st}
+  seen = t["p"] < ALPHA
+  out["reading"] = "drift detected (paired t)" if seen else "no drift detected"
+  out["sentence"] = (f"{what} (drift control): {fmt(t['mean'], nd)} on average (per seed "
+                     f"{', '.join(fmt(x, nd) for x in d)}; {_sign_words(d, st)}); 95 % t-interval "
+                     f"{fmt(t['low'], nd)} … {fmt(t['high'], nd)} (t_{t['df']} = {t['t']:+.2f}, p = {_p(t['p'])}): "
+                     + ("the arms drift apart by more than chance; effects against the same control carry it."
+                        if seen else "no drift detected at this n."))
   return out
