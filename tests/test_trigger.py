@@ -221,6 +221,7 @@ def test_cli_smoke(tmp_path):
       assert isinstance(rec[key], float) and np.isfinite(rec[key])
     assert rec["baseline_loss"] > 0
   assert "sink_attention_nontrigger" in recs[2] and "gate_trigger" in recs[3]
+  assert all(isinstance(rec["solved"], bool) and rec["heldout_max_abs_error"] >= 0 for rec in recs)
   assert (out / "attention_1L1H.png").stat().st_size > 0
   assert "final_loss" in r.stdout and "baseline" in r.stdout
 
@@ -236,3 +237,16 @@ def test_quick_training_softmax_sinks_relu_does_not(tmp_path):
     assert recs[variant]["final_loss"] < 1e-2 * recs[variant]["baseline_loss"]
   assert recs["softmax"]["bos_attention_nontrigger"] > 0.95
   assert recs["relu"]["bos_attention_nontrigger"] < 0.05
+
+
+def test_solved_is_judged_on_a_held_out_batch():
+  """`solved` applies the stop rule to the batch it is given (the study passes a held-out one): its error is
+  max |pred - y| computed by hand, and the rule holds just above that error and fails just below it."""
+  T, d = 8, 6
+  x, y, _ = tr.make_batch(jax.random.key(5), 7, T, d)
+  params = tr.init_params(jax.random.key(6), "softmax", 1, 1, d, init_std=0.3)
+  got = tr.solved_on_heldout(params, "softmax", x, y, 5e-3)
+  want = float(np.max(np.abs(np.asarray(tr.forward(params, x, "softmax")) - np.asarray(y))))
+  assert got["heldout_max_abs_error"] == pytest.approx(want) and got["solved"] == (want < 5e-3)
+  assert tr.solved_on_heldout(params, "softmax", x, y, want * 1.01)["solved"]
+  assert not tr.solved_on_heldout(params, "softmax", x, y, want * 0.99)["solved"]
