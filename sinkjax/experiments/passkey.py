@@ -15,7 +15,8 @@ cached decode step over prompt + key gives the exact greedy result for a whole b
 Cache modes, one table each: the full cache; sinks + window (every head streaming); and for each --full-heads F the
 hybrid cache whose full heads are chosen by importance (`sinkjax.cache_policy`) and, per --full-heads-random seed,
 the same number chosen at random. Accuracy is reported by context length and depth and writes `results.json`
-(one record per mode, length and depth) and `results.md` into --out.
+(one record per mode, length and depth, with every key's own outcome: `keys`, `key_right`, `digits_right`, so two
+caches can be compared key by key) and `results.md` into --out.
 
 --make-data writes a training JSONL (field `text`) for a model that can take the probe: --docs passkey documents
 (random key, random depth, lengths up to --max-len tokens of the byte tokenizer) mixed with chunks of the embedded
@@ -79,6 +80,7 @@ class PasskeyBatch:
   ids: np.ndarray
   answer_len: int
   depth: float
+  keys: tuple = ()
 
   @property
   def context(self) -> int:
@@ -100,9 +102,10 @@ def passkey_batch(tokenizer, length: int, depth: float, samples: int, seed: int)
   while used + len(sentence[n % len(FILLER)]) <= length:
     used += len(sentence[n % len(FILLER)])
     n += 1
-  rows, answer_len = [], None
+  rows, answer_len, keys = [], None, []
   for _ in range(samples):
     key = random_key(rng)
+    keys.append(key)
     before = round(depth * n)
     filler = [sentence[i % len(FILLER)] for i in range(n)]
     answer = tokenizer.encode(key)
@@ -113,7 +116,7 @@ def passkey_batch(tokenizer, length: int, depth: float, samples: int, seed: int)
       raise PasskeyError(f"the tokenizer splits keys or needles unevenly ({tokenizer!r}); the probe needs a "
                          "tokenizer whose 5-digit numbers all have the same length (e.g. data.tokenizer=bytes)")
     rows.append(ids)
-  return PasskeyBatch(np.asarray(rows, np.int32), answer_len, depth)
+  return PasskeyBatch(np.asarray(rows, np.int32), answer_len, depth, tuple(keys))
 
 
 # -------------------------------------------------------------------------------------------------- training data
@@ -179,6 +182,13 @@ def _mode_cache(kw: dict, total: int) -> dict:
   return dict(capacity=total, **kw)
 
 
+def key_outcomes(hit: np.ndarray, answer_len: int) -> tuple[list[bool], list[int]]:
+  """Per key (row of `hit`, [N, T] bool: each target the greedy choice given the right tokens before it): whether
+  the whole key is right and how many of its answer_len tokens are."""
+  ans = np.asarray(hit, bool)[:, -answer_len:]
+  return ans.all(axis=1).tolist(), ans.sum(axis=1).astype(int).tolist()
+
+
 def probe(model, tokenizer, *, lengths, depths, samples: int, sink_size: int, window: int, policies=(),
           seed: int = 0) -> list[dict]:
   """Passkey accuracy per cache mode, context length and depth (one record each)."""
@@ -191,14 +201,15 @@ def probe(model, tokenizer, *, lengths, depths, samples: int, sink_size: int, wi
     for name, kw, full in cache_modes(sink_size, window, policies):
       cache_kw = _mode_cache(kw, ids.shape[1])
       _, hit = streaming_scores(model, ids, **cache_kw)
-      right = hit[:, -answer:].all(axis=1).reshape(len(depths), samples)
-      digits = hit[:, -answer:].mean(axis=1).reshape(len(depths), samples)
+      right, digits = key_outcomes(hit, answer)
       n_full = every if not kw else (0 if full is None else int(np.sum(full)))
-      for b, row, drow in zip(batches, right, digits):
-        records.append(dict(mode=name, context=b.context, depth=b.depth, accuracy=float(row.mean()),
-                            digit_accuracy=float(drow.mean()), samples=samples, full_heads=n_full, heads=every,
-                            kv_bytes=kv_bytes(cfg, **cache_kw),
-                            full_map=None if full is None else np.asarray(full, bool).astype(int).tolist()))
+      for i, b in enumerate(batches):
+        cell = slice(i * samples, (i + 1) * samples)
+        records.append(dict(mode=name, context=b.context, depth=b.depth, accuracy=float(np.mean(right[cell])),
+                            digit_accuracy=float(np.sum(digits[cell]) / (samples * answer)), samples=samples,
+                            full_heads=n_full, heads=every, kv_bytes=kv_bytes(cfg, **cache_kw),
+                            full_map=None if full is None else np.asarray(full, bool).astype(int).tolist(),
+                            keys=list(b.keys), key_right=right[cell], digits_right=digits[cell]))
   return records
 
 
