@@ -106,6 +106,10 @@ def check_artefacts(out, names):
   for r in res["runs"]:
     ev = json.loads((out / "runs" / f"{r['variant']}_{r['loss']}_s{r['seed']}" / "paper_eval.json").read_text())
     assert r["val_bpb"] == ev["val_bpb"] and r["imbalance_curve"][-1][0] == 2
+    raw = out / "raw" / f"{r['variant']}_{r['loss']}_s{r['seed']}"       # the run's own files, kept without checkpoints
+    assert sorted(p.name for p in raw.iterdir()) == sorted(paper.RAW_FILES)
+    assert json.loads((raw / "paper_eval.json").read_text())["importance"] == ev["importance"]
+    assert json.loads((raw / "done.json").read_text())["commit"] == r["commit"] == res["commit"]
     for defn in ("teacher_forced", "after_prefill"):
       vz = r[f"value_zeroing_{defn}"]
       assert all(math.isfinite(vz[k]) for k in ("bpb_none", "bpb_all", "bpb_selected"))
@@ -165,11 +169,25 @@ def test_dose_grid_names_reuse_the_main_grids_runs():
   assert cfg.loss.aux_weight == 1e-2 and cfg.model.attention == "gated" and cfg.train.seed == 0
 
 
-def test_dose_reuses_committed_runs_only_when_the_recipe_matches(tmp_path):
+def _with_this_commit(tmp_path):
+  """The committed main grid's results.json as if its runs had been made with this checkout's commit."""
   committed = json.loads(paper.COMMITTED_RESULTS.read_text())
+  committed["commit"] = paper.git_commit()["commit"]
+  for r in committed["runs"]:
+    r["commit"] = committed["commit"]
+  path = tmp_path / "this_commit.json"
+  path.write_text(json.dumps(committed))
+  return committed, path
+
+
+def test_dose_reuses_committed_runs_only_of_this_commit_and_recipe(tmp_path):
   runs, why = paper.reusable_records(paper.COMMITTED_RESULTS, paper.SCALES["cpu"], None)
+  assert runs == {} and not why["reused"]
   if why["recipe_differences"]["changed"] or why["recipe_differences"]["gone"]:
     pytest.skip(f"this checkout's recipe differs from the committed study's: {why['recipe_differences']}")
+  assert "one commit" in why["reason"] and "unrecorded" in why["reason"]      # made before commits were recorded
+  committed, path = _with_this_commit(tmp_path)
+  runs, why = paper.reusable_records(path, paper.SCALES["cpu"], None)
   assert why["reused"] and ("gated", "aux", 2) in runs and len(runs) == len(committed["runs"])
   changed = json.loads(json.dumps(committed))
   changed["recipe"]["train"]["matrix_lr"] = 0.03
@@ -177,12 +195,33 @@ def test_dose_reuses_committed_runs_only_when_the_recipe_matches(tmp_path):
   runs, why = paper.reusable_records(tmp_path / "results.json", paper.SCALES["cpu"], None)
   assert runs == {} and not why["reused"] and why["recipe_differences"]["changed"] == {
       "train.matrix_lr": [0.03, committed["recipe"]["train"]["matrix_lr"]]}
-  assert paper.reusable_records(paper.COMMITTED_RESULTS, paper.SCALES["smoke"], None)[0] == {}
-  assert paper.reusable_records(paper.COMMITTED_RESULTS, paper.SCALES["cpu"], 50)[0] == {}
+  assert paper.reusable_records(path, paper.SCALES["smoke"], None)[0] == {}
+  assert paper.reusable_records(path, paper.SCALES["cpu"], 50)[0] == {}
+
+
+def test_runs_of_different_commits_are_not_aggregated():
+  same = [{"name": "a", "commit": "abc"}, {"name": "b", "commit": "abc"}]
+  assert paper.one_commit(same) == "abc" and paper.one_commit([]) is None
+  with pytest.raises(paper.StudyError) as e:
+    paper.one_commit(same + [{"name": "c", "commit": "def"}, {"name": "d"}])
+  msg = str(e.value)
+  assert "\n" not in msg and "abc: a, b" in msg and "def: c" in msg and "unrecorded: d" in msg
+
+
+def test_keep_raw_copies_the_runs_own_files_not_its_checkpoints(tmp_path):
+  run = tmp_path / "runs" / "x"
+  (run / "checkpoints").mkdir(parents=True)
+  for name in paper.RAW_FILES:
+    (run / name).write_text(name)
+  paper.keep_raw(run, tmp_path / "raw" / "x")
+  assert sorted(p.name for p in (tmp_path / "raw" / "x").iterdir()) == sorted(paper.RAW_FILES)
+  assert (tmp_path / "raw" / "x" / "metrics.jsonl").read_text() == "metrics.jsonl"
 
 
 def test_dose_dry_run_marks_the_reused_runs(tmp_path, capsys):
-  rc, cap = run_main(["--lambdas", "0,1e-4,1e-2", "--seeds", "1", "--out", str(tmp_path), "--dry-run"], capsys)
+  _, path = _with_this_commit(tmp_path)
+  rc, cap = run_main(["--lambdas", "0,1e-4,1e-2", "--seeds", "1", "--out", str(tmp_path / "out"), "--dry-run",
+                      "--reuse", str(path)], capsys)
   lines = [l for l in cap.out.splitlines() if l.startswith("[")]
   assert rc == 0 and len(lines) == 3 and all("gated" in l for l in lines)
   assert "reused" in lines[0] and "reused" in lines[1] and "to do" in lines[2] and "gated_lam0.01_s0" in lines[2]

@@ -13,7 +13,10 @@ defines it ([Sink-MoE] App. A): the first token's value zeroed in the KV cache *
 continuation scored token by token against that cache (`sinkjax.eval.prefill_value_zeroing`).
 
 Outputs in --out: runs/NAME/ (one training run each, with done.json once trained and paper_eval.json once
-evaluated: a rerun skips both), results.json, results.md and figures: table1_bpb.png (the Table 1 analogue),
+evaluated: a rerun skips both), raw/NAME/ (each finished run's own files without its checkpoints: done.json with the
+git commit it was trained with, paper_eval.json with its final importance, metrics.jsonl, config.yaml; small
+enough to commit), results.json (refused when the runs were made with different commits: the arms of one study run
+on one commit), results.md and figures: table1_bpb.png (the Table 1 analogue),
 imbalance_curves.png (Fig. 5), first_token_attention.png, value_zeroing.png, importance.png. With --finetune also
 finetune/ (eq. 7 vs eq. 8 fine-tuning of each trained base run, [Sink-MoE] App. D), finetune.json and finetune.png.
 """
@@ -26,6 +29,8 @@ import json
 import os
 import pathlib
 import platform
+import shutil
+import subprocess
 import sys
 import time
 
@@ -148,6 +153,43 @@ def _write_json(path, obj) -> None:
   os.replace(tmp, path)
 
 
+def git_commit() -> dict:
+  """{"commit": HEAD of the checkout this code runs from (or "unknown"), "dirty": whether tracked files differ from
+  it}: what a run was made with."""
+  repo = pathlib.Path(__file__).resolve().parents[2]
+  try:
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=True, timeout=30).stdout.strip() != ""
+  except (OSError, subprocess.SubprocessError):
+    return {"commit": "unknown", "dirty": None}
+  return {"commit": head, "dirty": dirty}
+
+
+RAW_FILES = ("done.json", "paper_eval.json", "metrics.jsonl", "config.yaml")
+
+
+def keep_raw(run_dir: pathlib.Path, raw_dir: pathlib.Path) -> None:
+  """Copies a finished run's own files (`RAW_FILES`, not its checkpoints) to raw_dir."""
+  raw_dir.mkdir(parents=True, exist_ok=True)
+  for name in RAW_FILES:
+    if (run_dir / name).is_file():
+      shutil.copy2(run_dir / name, raw_dir / name)
+
+
+def one_commit(records: list[dict]) -> str | None:
+  """The commit every record was made with; a StudyError naming them when they differ (None: no records)."""
+  by = {}
+  for r in records:
+    by.setdefault(r.get("commit") or "unrecorded", []).append(r.get("name") or r.get("run_dir") or "?")
+  if len(by) > 1:
+    raise StudyError("runs of different commits cannot be aggregated: " + "; ".join(
+        f"{c}: {', '.join(map(str, names))}" for c, names in sorted(by.items())) + " (rerun them on one commit, or "
+        "give each commit its own --out)")
+  return next(iter(by), None)
+
+
 def train_run(cfg, run_dir: pathlib.Path) -> tuple[dict, bool]:
   """(done.json's record, whether it trained now): trains (or resumes) the run unless done.json says it finished."""
   from sinkjax.train import train  # lazy: the train extra (main() checks it), not loaded for --help
@@ -158,7 +200,7 @@ def train_run(cfg, run_dir: pathlib.Path) -> tuple[dict, bool]:
   summary = train(cfg, progress=False)
   done = {"steps": summary["steps"], "end_step": summary["end_step"], "val_bpb": summary["val_bpb"],
           "final_loss": summary["final_loss"], "num_params": summary["num_params"],
-          "train_seconds": time.perf_counter() - t0}
+          "train_seconds": time.perf_counter() - t0, **git_commit()}
   _write_json(run_dir / "done.json", done)
   return done, True
 
@@ -696,8 +738,9 @@ def collect(out: pathlib.Path) -> list[dict]:
     variant, loss, seed = d.name.rsplit("_", 2)
     if loss not in LOSSES:                    # a dose-study run (--lambdas): dose.json's, not the main grid's
       continue
-    records.append({"variant": variant, "loss": loss, "seed": int(seed[1:]), "run_dir": str(d),
-                    "final_train_loss": done["final_loss"], "train_seconds": done["train_seconds"], **ev,
+    records.append({"variant": variant, "loss": loss, "seed": int(seed[1:]), "run_dir": str(d), "name": d.name,
+                    "commit": done.get("commit"), "final_train_loss": done["final_loss"],
+                    "train_seconds": done["train_seconds"], **ev,
                     "imbalance_curve": imbalance_curve(d)})
   order = {v: i for i, v in enumerate(VARIANTS)}
   return sorted(records, key=lambda r: (order[r["variant"]], list(LOSSES).index(r["loss"]), r["seed"]))
@@ -714,10 +757,11 @@ def write_results(out: pathlib.Path, args, scale: Scale, specs, machine: dict, f
   records = collect(out)
   if not records:
     raise StudyError(f"no finished runs in {out}/runs yet")
+  commit = one_commit(records)
   recipe = config_lib.to_dict(run_config(scale, specs[0], "RUN_DIR", steps=args.steps))
   machine = {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]}
   res = {"command": "python -m sinkjax.experiments.paper " + " ".join(args.argv), "scale": dataclasses.asdict(scale),
-         "recipe": recipe, "machine": machine, "seeds": sorted({s.seed for s in specs}),
+         "commit": commit, "recipe": recipe, "machine": machine, "seeds": sorted({s.seed for s in specs}),
          "variants": list(dict.fromkeys(s.variant for s in specs)), "grid_size": len(specs), "runs": records,
          "table1": table1(records), "value_zeroing": value_zeroing_table(records), "finetune": ft}
   curves = {}
@@ -736,12 +780,14 @@ def write_results(out: pathlib.Path, args, scale: Scale, specs, machine: dict, f
 
 
 def run_one(scale, spec, run_dir, steps):
-  """Trains (unless done) and evaluates (unless done) one run of a study; (its eval record, what was done)."""
+  """Trains (unless done) and evaluates (unless done) one run of a study and keeps its raw files in
+  OUT/raw/NAME (`keep_raw`); (its eval record, what was done)."""
   try:
     _, trained = train_run(run_config(scale, spec, run_dir, steps=steps), run_dir)
     rec, evaluated = evaluate_run(run_dir, scale)
   except UserError as e:              # a bad config, data or checkpoint, a failed run: which run it was
     raise StudyError(f"run {spec.name}: {e}") from e
+  keep_raw(run_dir, run_dir.parent.parent / "raw" / spec.name)
   what = ("trained + evaluated" if trained else "evaluated (trained before)") if evaluated or trained else \
       "done before, skipped"
   return rec, what
@@ -803,7 +849,8 @@ def recipe_differences(scale: Scale, committed: dict, steps: int | None) -> dict
 def reusable_records(path, scale: Scale, steps: int | None) -> tuple[dict, dict]:
   """({(variant, loss, seed): record}, why) of the committed main-grid study at `path` whose runs the dose study can
   stand on instead of retraining (lambda 0 = base, 1e-4 = aux): only when it is the same scale and steps and its
-  recipe matches this checkout's (`recipe_differences`); otherwise ({}, why not)."""
+  recipe matches this checkout's (`recipe_differences`) and its runs were made with this checkout's commit;
+  otherwise ({}, why not)."""
   if path is None or not pathlib.Path(path).is_file():
     return {}, {"reused": False, "reason": f"no committed results at {path}"}
   committed = json.loads(pathlib.Path(path).read_text())
@@ -815,13 +862,19 @@ def reusable_records(path, scale: Scale, steps: int | None) -> tuple[dict, dict]
   why.update(recipe_differences=diff)
   if diff["changed"] or diff["gone"]:
     return {}, {**why, "reused": False, "reason": "the recipe differs"}
+  now = git_commit()["commit"]
+  then = committed.get("commit") or "unrecorded"
+  if then != now:
+    return {}, {**why, "reused": False, "reason": f"its runs were made with commit {then}, this checkout is {now}: "
+                "the arms of one study run on one commit"}
   return {(r["variant"], r["loss"], r["seed"]): r for r in committed["runs"]}, {**why, "reused": True}
 
 
 def _dose_record(spec: RunSpec, done: dict | None, ev: dict, run_dir: pathlib.Path | None, source: str) -> dict:
   rec = {"variant": spec.variant, "loss": spec.loss, "lambda": spec.lam, "seed": spec.seed, "source": source, **ev}
   if done is not None:
-    rec.update(final_train_loss=done["final_loss"], train_seconds=done["train_seconds"])
+    rec.update(final_train_loss=done["final_loss"], train_seconds=done["train_seconds"], commit=done.get("commit"))
+  rec["name"] = spec.name
   if run_dir is not None:
     rec.update(run_dir=str(run_dir), imbalance_curve=imbalance_curve(run_dir))
   return rec
@@ -860,9 +913,11 @@ def run_dose(args, scale: Scale, specs: list[RunSpec], out: pathlib.Path) -> dic
   records = dose_records(out, specs, reuse)
   if not records:
     raise StudyError(f"no finished dose runs in {out}/runs and nothing reusable")
+  commit = one_commit(records)
   res = {"command": "python -m sinkjax.experiments.paper " + " ".join(args.argv), "scale": dataclasses.asdict(scale),
          "lambdas": sorted({s.lam for s in specs}), "seeds": sorted({s.seed for s in specs}),
          "variants": list(dict.fromkeys(s.variant for s in specs)), "grid_size": len(specs), "reuse": why,
+         "commit": commit,
          "machine": {**machine_info()}, "runs": records}
   _write_json(out / "dose.json", res)
   print(f"wrote {out / 'dose.json'}; statistics, dose.md and figures: python -m sinkjax.experiments.paper_report "
