@@ -1,6 +1,7 @@
-"""The numbers docs/RESULTS.md quotes, recomputed from the committed raw files under docs/results/ with plain numpy
-(not through `sinkjax.experiments.paper_report`, which made them): a doc number that drifts from its source, or a
-source that changes under a doc, fails here. No training, no model; a few hundred milliseconds."""
+"""The numbers and test statistics docs/RESULTS.md, STREAMING.md and TRIGGER.md quote, recomputed from the committed
+raw files under docs/results/ with numpy and scipy (ttest_rel, permutation_test, binomtest, ttest_ind with
+equal_var=False, the noncentral t), not through `sinkjax.experiments.stats` / `paper_report`, which made them: a doc
+number that drifts from its source, or a source that changes under a doc, fails here. No training, no model."""
 import json
 import math
 import pathlib
@@ -8,7 +9,8 @@ import re
 
 import numpy as np
 import pytest
-from scipy.stats import chi2
+from scipy import optimize
+from scipy import stats as sps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "RESULTS.md"
@@ -53,31 +55,61 @@ def sel(runs, variant, loss):
 
 
 def sign_p(diffs) -> float:
-  """Exact two-sided sign test by the binomial sum."""
-  n, k = len(diffs), sum(d > 0 for d in diffs)
-  far = max(k, n - k)
-  return min(1.0, 2 * sum(math.comb(n, i) for i in range(far, n + 1)) / 2 ** n)
+  """Exact two-sided sign test (scipy's binomial test)."""
+  return sps.binomtest(sum(d > 0 for d in diffs), len(diffs), 0.5).pvalue
+
+
+def perm_p(diffs) -> float:
+  """Exact paired permutation test over all 2^n sign flips (scipy)."""
+  return sps.permutation_test((np.asarray(diffs),), np.mean, permutation_type="samples", n_resamples=np.inf).pvalue
+
+
+def p2(x: float) -> str:
+  return f"{x:.2g}" if x >= 0.001 else f"{x:.1e}"
+
+
+def detectable(sd: float, n: int) -> float:
+  """The true mean difference the two-sided 0.05 paired t-test detects with power 0.8: the noncentral t's
+  noncentrality solved by brentq on [0, 15] (n >= 3) (scipy.stats.nct), times sd / sqrt(n)."""
+  tc = sps.t.ppf(0.975, n - 1)
+  ncp = optimize.brentq(lambda c: sps.nct.sf(tc, n - 1, c) + np.nan_to_num(sps.nct.cdf(-tc, n - 1, c)) - 0.8,
+                              0.0, 15.0)
+  return ncp * sd / math.sqrt(n)
+
+
+def seeds_for(effect: float, sd: float) -> int:
+  n = 3
+  while detectable(sd, n) > effect:
+    n += 1
+  return n
+
+
+def paired_cells(treated, control, nd):
+  """The cells an effect row prints, from scipy: per seed, mean, 95 % t-interval, paired t p, permutation p, sign
+  p, reading."""
+  d = np.asarray(treated) - np.asarray(control)
+  t = sps.ttest_rel(treated, control)
+  ci = t.confidence_interval(0.95)
+  f = lambda x: f"{x:+.{nd}f}"
+  reading = "detected (paired t)" if t.pvalue < 0.05 else \
+      f"not detected (detectable: ±{detectable(d.std(ddof=1), len(d)):.{nd}f})"
+  return [", ".join(f(x) for x in d), f(d.mean()), f"{f(ci.low)} … {f(ci.high)}", p2(t.pvalue), p2(perm_p(d)),
+          p2(sign_p(d)), reading]
 
 
 def diffs(runs, variant, key="val_bpb"):
   return [a[key] - b[key] for a, b in zip(sel(runs, variant, "aux"), sel(runs, variant, "base"))]
 
 
-def floor(runs) -> float:
-  d = np.array(diffs(runs, "vanilla") + diffs(runs, "sink"))
-  return float(np.sqrt((d ** 2).mean()))
-
-
 def rng(xs, nd=3) -> str:
   return f"{min(xs):.{nd}f}–{max(xs):.{nd}f}"
 
 
-def test_noise_floor_and_the_null_arms_aux_terms(runs, flat):
-  s0 = floor(runs)
-  assert f"σ₀ = {s0:.4f} BPB" in flat
-  assert f"σ₀/√3 = {s0 / math.sqrt(3):.4f}" in flat and f"~{2 * s0 / math.sqrt(3):.3f} BPB" in flat
-  null = ", ".join(f"{d:+.4f}" for d in diffs(runs, "vanilla")).replace("-", "−")
-  assert f"vanilla {null}" in flat
+def test_drift_arms_and_their_aux_terms(runs, flat):
+  for v in ("vanilla", "sink"):
+    d = diffs(runs, v)
+    assert f"{v} " + ", ".join(f"{x:+.4f}" for x in d).replace("-", "−") + f" (SD {np.std(d, ddof=1):.4f})" in flat
+  assert f"three differences ({np.std(diffs(runs, 'gated'), ddof=1):.4f}, less than an eighth of" in flat
   for v in VARIANTS:                             # lambda * sum_l H * CV_l^2 at the held-out importances
     term = np.mean([1e-4 * 4 * np.sum(np.square(r["cv_per_layer"])) for r in sel(runs, v, "aux")])
     assert f"{term:.1e}" in flat, v
@@ -85,33 +117,40 @@ def test_noise_floor_and_the_null_arms_aux_terms(runs, flat):
 
 def test_table1_with_its_tests(runs, doc):
   rows = {r[0]: r for r in table(doc, "attention | base | base + aux")}
-  s0 = floor(runs)
   for v in VARIANTS:
     b = np.array([r["val_bpb"] for r in sel(runs, v, "base")])
     a = np.array([r["val_bpb"] for r in sel(runs, v, "aux")])
-    d = a - b
-    z = d.mean() / (s0 / math.sqrt(len(d)))
+    c = paired_cells(a, b, 4)
     imb = ", ".join(f"{x['head_imbalance']:.3f} → {y['head_imbalance']:.3f}"
                     for x, y in zip(sel(runs, v, "base"), sel(runs, v, "aux")))
-    want = [v, f"{b.mean():.4f} ± {b.std(ddof=1):.4f}", f"{a.mean():.4f} ± {a.std(ddof=1):.4f}",
-            ", ".join(f"{x:+.4f}" for x in d), f"{d.mean():+.4f}", f"{z:+.2f}", f"{sign_p(d):.3g}", imb]
+    want = [v, f"{b.mean():.4f} ± {b.std(ddof=1):.4f}", f"{a.mean():.4f} ± {a.std(ddof=1):.4f}", *c[:5], imb]
     assert rows[v] == want, v
 
 
 def test_readings_quote_their_tests(runs, flat):
-  s0 = floor(runs)
-  g = np.array(diffs(runs, "gated"))
-  assert f"Gated's {g.mean():+.4f} (aux worse) is z = {g.mean() / (s0 / math.sqrt(3)):+.2f}" in flat
-  assert f"three of three is p = {sign_p(g):.2f}" in flat
-  assert f"within {g.max() - g.min():.3f} of each other" in flat
-  from scipy.stats import ttest_1samp
-  assert f"would give p ≈ {ttest_1samp(g, 0.0).pvalue:.2f}" in flat
-  assert f"{s0 / g.std(ddof=1):.0f} times less than the floor".replace("7 times", "seven times") in flat
+  base = lambda v, k="val_bpb": [r[k] for r in sel(runs, v, "base")]
+  aux = lambda v, k="val_bpb": [r[k] for r in sel(runs, v, "aux")]
+  for v in ("vanilla", "sink"):
+    t = sps.ttest_rel(aux(v), base(v))
+    assert f"{t.pvalue:.2f}" in flat and f"±{detectable(np.std(diffs(runs, v), ddof=1), 3):.4f}" in flat
+  t = sps.ttest_rel(aux("gated"), base("gated"))
+  ci = t.confidence_interval()
+  assert (f"95 % t-interval {ci.low:+.4f} … {ci.high:+.4f}, t₂ = {t.statistic:+.2f}, p = {p2(t.pvalue)})"
+          in flat and t.pvalue < 0.05 and perm_p(diffs(runs, "gated")) == 0.25)
+  assert min(np.std(diffs(runs, v), ddof=1) for v in ("vanilla", "sink")) > 8 * np.std(diffs(runs, "gated"), ddof=1)
   gi = diffs(runs, "gated", "head_imbalance")
-  assert "aux − base is " + ", ".join(f"{x:+.3f}" for x in gi).replace("-", "−") in flat
-  assert f"sign test p = {sign_p(gi):g}" in flat
+  ti = sps.ttest_rel(aux("gated", "head_imbalance"), base("gated", "head_imbalance"))
+  assert ("aux − base is " + ", ".join(f"{x:+.3f}" for x in gi).replace("-", "−") in flat and
+          f"paired t p = {p2(ti.pvalue)}, not detected (detectable: ±{detectable(np.std(gi, ddof=1), 3):.3f})" in flat)
   si = diffs(runs, "sink", "head_imbalance")
-  assert all(x > 0 for x in si) and "(" + ", ".join(f"{x:+.3f}" for x in si) + "; sign test p = 0.25" in flat
+  ts = sps.ttest_rel(aux("sink", "head_imbalance"), base("sink", "head_imbalance"))
+  assert all(x > 0 for x in si) and ("(" + ", ".join(f"{x:+.3f}" for x in si) + f"; paired t p = {p2(ts.pvalue)}"
+                                     in flat and f"not detected (detectable: ±{detectable(np.std(si, ddof=1), 3):.3f})"
+                                     in flat)
+  for v, name in (("sink", "sink − vanilla"), ("gated", "gated − vanilla")):
+    w = sps.ttest_ind(base(v), base("vanilla"), equal_var=False)
+    d = np.mean(base(v)) - np.mean(base("vanilla"))
+    assert f"{name} {d:+.4f} (p = {p2(w.pvalue)})".replace("-0", "−0") in flat and w.pvalue > 0.05
 
 
 def test_timings(runs, flat):
@@ -347,32 +386,70 @@ def test_dose_table(dose, doc):
     assert rows[f"{lam:g}"] == want, lam
 
 
-def test_dose_tests_against_the_null_arms(dose, runs, doc, flat):
-  base = {s: r for (l, s), r in dose.items() if l == 0.0}
-  null = [dose[1e-8, s]["val_bpb"] - base[s]["val_bpb"] for s in sorted(base) if (1e-8, s) in dose]
-  d = np.array(diffs(runs, "vanilla") + diffs(runs, "sink") + null)
-  s0 = float(np.sqrt((d ** 2).mean()))
-  ni = [dose[1e-8, s]["head_imbalance"] - base[s]["head_imbalance"] for s in sorted(base) if (1e-8, s) in dose]
-  si = float(np.sqrt(np.mean(np.square(ni))))
-  words = {3: "three", 9: "nine"}
-  assert f"BPB σ₀ = {s0:.4f}, the RMS of {words[len(d)]} null differences" in flat
-  assert f"head imbalance σ₀ = {si:.3f} (gated λ = 1e-8, {words[len(ni)]} differences)" in flat
-  ranked = lambda r: np.sort(r["importance"], -1)[:, ::-1]
-  top = [(ranked(dose[1e-8, s])[:, 0] - ranked(base[s])[:, 0]).mean() for s in sorted(base)]
-  rest = [(ranked(dose[1e-8, s])[:, 1:] - ranked(base[s])[:, 1:]).mean() for s in sorted(base)]
-  assert (f"importance of the strongest head σ₀ = {np.sqrt(np.mean(np.square(top))):.3f} and of the others "
-          f"σ₀ = {np.sqrt(np.mean(np.square(rest))):.3f}") in flat
-  rows = {r[0]: r for r in table(doc, "effect (paired with λ = 0)")}
-  for lam in sorted({l for l, _ in dose if l not in (0.0, 1e-8)}):
-    seeds = sorted(s for l, s in dose if l == lam)
-    for key, sigma, nd, name in (("val_bpb", s0, 4, "val BPB"), ("head_imbalance", si, 3, "final head imbalance")):
-      dd = np.array([dose[lam, s][key] - base[s][key] for s in seeds])
-      z = dd.mean() / (sigma / math.sqrt(len(dd)))
-      n_null = len(d) if key == "val_bpb" else len(ni)
-      upper = sigma * math.sqrt(n_null / chi2.ppf(0.025, n_null))               # the floor's upper 95 % bound
-      row = rows[f"λ = {lam:g}, {name}"]
-      assert row[1:6] == [", ".join(f"{x:+.{nd}f}" for x in dd), f"{dd.mean():+.{nd}f}", f"{z:+.2f}",
-                          f"{dd.mean() / (upper / math.sqrt(len(dd))):+.2f}", f"{sign_p(dd):.3g}"], (lam, key)
+def _ranked(r):
+  return np.sort(r["importance"], -1)[:, ::-1]
+
+
+def _quantity(r, name):
+  return {"val BPB": lambda: r["val_bpb"], "final head imbalance": lambda: r["head_imbalance"],
+          "strongest head per layer": lambda: _ranked(r)[:, 0],
+          "other heads": lambda: _ranked(r)[:, 1:]}[name]()
+
+
+def test_dose_tests_paired_by_seed(dose, doc):
+  """Both dose tables (against λ = 0 and, on the same commit, against λ = 1e-8), row by row, from scipy; importance
+  ranks matched within each layer and averaged per seed before the test."""
+  for header, control, lams in (("effect (paired with)", 0.0, (1e-4, 1e-3, 1e-2)),
+                                ("effect (paired with λ = 1e-8, same commit)", 1e-8, (1e-3, 1e-2))):
+    rows = {r[0]: r[1:] for r in table(doc, header)}
+    names = ("val BPB", "final head imbalance", "strongest head per layer", "other heads")[:4 if control == 0 else 2]
+    assert len(rows) == len(lams) * len(names)
+    for lam in lams:
+      for name in names:
+        nd = 4 if name == "val BPB" else 3
+        t = [float(np.mean(_quantity(dose[lam, s], name))) for s in range(3)]
+        c = [float(np.mean(_quantity(dose[control, s], name))) for s in range(3)]
+        if name in ("strongest head per layer", "other heads"):     # the mean over layers (and heads) of rank diffs
+          t = [float(np.mean(_quantity(dose[lam, s], name) - _quantity(dose[control, s], name))) for s in range(3)]
+          c = [0.0] * 3
+        got = rows[f"λ = {lam:g} − {control:g}, {name}"]
+        assert got == paired_cells(t, c, nd), (lam, control, name)
+
+
+def test_dose_readings_and_power(dose, runs, flat):
+  """The readings' numbers, the all-doses BPB t-interval (the seed is the unit), the drift arm, and the power
+  figures of the opening section (pooled SD of six BPB arms, detectable effect at n = 3, seeds for 0.003 / 0.006)."""
+  bpb = lambda lam: np.array([dose[lam, s]["val_bpb"] for s in range(3)])
+  imb = lambda lam: np.array([dose[lam, s]["head_imbalance"] for s in range(3)])
+  t1 = sps.ttest_rel(imb(1e-3), imb(0.0))
+  t2 = sps.ttest_rel(imb(1e-2), imb(0.0))
+  assert t1.pvalue > 0.05 > t2.pvalue and all(imb(1e-3) < imb(0.0))
+  assert f"give p = {p2(t2.pvalue)}" in flat and f"p = {p2(t1.pvalue)} (t-interval" in flat
+  doses = (1e-4, 1e-3, 1e-2)
+  every = np.array([bpb(l) - bpb(0.0) for l in doses])
+  assert (every > 0).all() and f"All {every.size} differences against λ = 0" in flat
+  per_seed = every.mean(0)
+  t = sps.ttest_1samp(per_seed, 0.0)
+  ci = t.confidence_interval()
+  assert (", ".join(f"{x:+.4f}" for x in per_seed) + f", 95 % t-interval {ci.low:+.4f} … {ci.high:+.4f} "
+          f"(t₂ = {t.statistic:+.2f}, p = {p2(t.pvalue)})") in flat
+  null = bpb(1e-8) - bpb(0.0)
+  tn = sps.ttest_rel(bpb(1e-8), bpb(0.0))
+  assert f"λ = 1e-8 is {null.mean():+.4f} against the old base (t-interval {tn.confidence_interval().low:+.4f} … " \
+         f"{tn.confidence_interval().high:+.4f}, no drift detected)".replace("(t-interval -", "(t-interval −") in flat
+  top = [(_ranked(dose[1e-8, s])[:, 0] - _ranked(dose[0.0, s])[:, 0]).mean() for s in range(3)]
+  assert f"strongest head {top[0]:+.3f}, {top[1]:+.3f}, {top[2]:+.3f}".replace("-", "−") in flat
+  assert f"drift detected, p = {p2(sps.ttest_1samp(top, 0).pvalue)}" in flat
+  # power: the paired BPB differences of six arms, each about its own mean
+  arms = [diffs(runs, "vanilla"), diffs(runs, "sink")] + [bpb(l) - bpb(0.0) for l in (1e-8, 1e-4, 1e-3, 1e-2)]
+  ss = sum(np.sum((np.asarray(a) - np.mean(a)) ** 2) for a in arms)
+  sd = math.sqrt(ss / sum(len(a) - 1 for a in arms))
+  assert f"pooled over 6 arms, is {sd:.4f}" in flat and f"about ±{detectable(sd, 3):.3f}" in flat
+  assert f"**{seeds_for(0.003, sd)} seeds** (Δ 0.003) to **{seeds_for(0.006, sd)} seeds** (Δ 0.006)" in flat
+  ia = [imb(l) - imb(0.0) for l in (1e-8, 1e-4, 1e-3, 1e-2)]
+  isd = math.sqrt(sum(np.sum((a - a.mean()) ** 2) for a in ia) / sum(len(a) - 1 for a in ia))
+  assert f"about ±{detectable(isd, 3):.2f} (pooled SD {isd:.3f})" in flat
+  assert "## Real pretrained model (SmolLM2-135M)" in flat
 
 
 # ------------------------------------------------------------------------------------------------ TRIGGER.md
@@ -427,7 +504,7 @@ def test_dose_prose(dose, flat):
   null = [dose[1e-8, s]["val_bpb"] - base[s]["val_bpb"] for s in sorted(base)]
   assert "(" + ", ".join(f"{x:+.4f}" for x in null) + "), so every new run" in flat
   worst = max(dose[l, s]["val_bpb"] - base[s]["val_bpb"] for (l, s) in dose if l >= 1e-4)
-  assert f"the largest single-seed difference is {worst:+.4f}" in flat
+  assert f"The largest single-seed difference is {worst:+.4f}" in flat
   curve_max = max(y for d in new if d.name.startswith("gated_lam0.01_")
                   for y in (json.loads(l)["head_imbalance"] for l in (d / "metrics.jsonl").read_text().splitlines()
                             if l.strip() and json.loads(l).get("head_imbalance") is not None))
