@@ -458,17 +458,37 @@ TRIGGER = ROOT / "docs" / "results" / "trigger"
 
 
 def test_trigger_tables_are_the_committed_runs():
-  """Every table TRIGGER.md shows for a committed run is that run's table.txt, line for line, and the table is
-  what its results.json holds."""
+  """Every table TRIGGER.md shows is a committed run's table.txt, line for line; the table is what its results.json
+  holds, `solved` is the held-out batch's largest error against the 5e-3 rule, and the readings quote them."""
   text = (ROOT / "docs" / "TRIGGER.md").read_text()
-  for run in ("quick", "nobos"):
+  flat = " ".join(text.split())
+  for run in ("quick", "nobos", "2x2_6000steps"):
     lines = [l.rstrip() for l in (TRIGGER / run / "table.txt").read_text().splitlines() if l.strip()]
     body = [l for l in lines if not l.startswith("(")]
     assert "\n".join(body[2:]) in "\n".join(l.rstrip() for l in text.splitlines()), run
     for rec in json.loads((TRIGGER / run / "results.json").read_text()):
       row = [l for l in body[2:] if l.split()[0] == rec["variant"]][0].split()
-      assert int(row[3]) == rec["steps"] and row[5] == f"{rec['final_loss']:.2e}"
-      assert row[7] == f"{rec['bos_attention_nontrigger']:.3f}" and row[8] == f"{rec['bos_attention_trigger']:.3f}"
+      assert int(row[3]) == rec["steps"] and row[7] == f"{rec['final_loss']:.2e}"
+      assert row[9] == f"{rec['bos_attention_nontrigger']:.3f}" and row[10] == f"{rec['bos_attention_trigger']:.3f}"
+      assert rec["solved"] == (rec["heldout_max_abs_error"] < 5e-3) and row[5] == ("yes" if rec["solved"] else "no")
+      assert row[6] == f"{rec['heldout_max_abs_error']:.2e}"
+  quick = json.loads((TRIGGER / "quick" / "results.json").read_text())
+  err = [r["heldout_max_abs_error"] for r in quick]
+  assert all(r["converged"] and not r["solved"] for r in quick)
+  assert f"its largest error is {min(err) * 1e3:.1f}e-3 (sink) to {max(err) * 1e3:.1f}e-3 (softmax)" in flat
+  assert min(err) == [r for r in quick if r["variant"] == "sink"][0]["heldout_max_abs_error"]
+  sink = [r for r in quick if r["variant"] == "sink"][0]
+  assert f"its value is {sink['sink_logits'][0][0]:.2f} after training".replace("-", "−") in flat
+  nobos = {r["variant"]: r for r in json.loads((TRIGGER / "nobos" / "results.json").read_text())}
+  assert nobos["relu"]["solved"] and not nobos["sink"]["solved"] and nobos["sink"]["converged"]
+  assert (f"largest error {nobos['relu']['heldout_max_abs_error'] * 1e3:.1f}e-3" in flat and
+          f"held-out one ({nobos['sink']['heldout_max_abs_error'] * 1e3:.1f}e-3)" in flat)
+  two = json.loads((TRIGGER / "2x2_6000steps" / "results.json").read_text())
+  e2 = [r["heldout_max_abs_error"] for r in two]
+  assert f"held-out largest error {min(e2):.3f}–{max(e2):.3f}" in flat and not any(r["solved"] for r in two)
+  t2 = [r["train_time_s"] for r in two]
+  assert f"{min(t2):.0f}–{max(t2):.0f} s of training per variant; raw results" in flat
+  assert "solves the task (loss" not in flat
 
 
 def test_trigger_value_norms_quoted():
