@@ -308,6 +308,21 @@ def test_passkey_table_and_ablations_come_from_the_raw_records():
   assert f"({only_d[0]} / {only_d[1]} against {full_d[0]} / {full_d[1]})" in stream
   assert f"falls to chance ({allbut_d[0]} / {allbut_d[1]})" in stream
   assert float(allbut_d[0]) < 0.2 and float(only_d[0]) > float(full_d[0]) - 0.05
+  # the exception to "falls to chance": 498 tokens, depth 0, in digits out of 8 keys x 5
+  cell = lambda recs, m: [r for r in _pk_rows(recs, m, 498) if r["depth"] == 0.0][0]
+  got = round(cell(allbut, "hybrid map all_but_l0h3.json")["digit_accuracy"] * 40)
+  ref = round(cell(allbut, "full cache")["digit_accuracy"] * 40)
+  assert f"depth 0 it gets {got} of 40 digits right, the full cache {ref} of 40" in stream and got / 40 > 0.4
+  # the overview's quotes (section head): F = 0.25 / 0.5 by importance against the full cache, and the random maps
+  dig = lambda m, c: np.mean([r["digit_accuracy"] for r in _pk_rows(main, m, c)])
+  rand = [f"hybrid F=0.25 random (seed {s})" for s in range(5)]
+  assert (f"({dig('hybrid F=0.25 by importance', 247):.3f} vs {dig('full cache', 247):.3f} at 247 tokens; "
+          f"{dig('hybrid F=0.5 by importance', 247):.2f} with half the heads full)") in stream
+  assert (f"random maps ≤ {max(dig(m, 247) for m in rand):.3f} at 247 tokens and ≤ "
+          f"{max(dig(m, 498) for m in rand):.2f} at 498") in stream
+  assert not any(holds(main, m) for m in rand)
+  sw = "sinks + window (S=4, W=64)"
+  assert f"all-streaming {dig(sw, 247):.3f} / {dig(sw, 498):.3f}" in stream
 
 
 def test_passkey_perplexity_table_and_ranks():
