@@ -1,13 +1,17 @@
 """launch/ scripts: valid bash, shellcheck-clean, and their dry runs print the commands a user expects."""
 import os
+import shlex
 import shutil
+import socket
 import subprocess
+import sys
+import time
 
 import pytest
 
 from sinkjax.distributed import DistributedError, explicit_settings, is_multiprocess_env
 
-SCRIPTS = ["launch/tpu_vm.sh", "launch/slurm_gpu.sh", "launch/local.sh"]
+SCRIPTS = ["launch/tpu_vm.sh", "launch/tpu_worker.sh", "launch/slurm_gpu.sh", "launch/local.sh"]
 
 
 def sh(*args):
@@ -23,26 +27,180 @@ def test_bash_syntax_and_shellcheck(script):
   assert r.returncode == 0, r.stdout
 
 
-def test_tpu_dry_runs():
-  base = ["bash", "launch/tpu_vm.sh"]
-  common = ["--name", "pod1", "--zone", "us-central2-b", "--dry-run"]
-  out = sh(*base, "create", *common, "--type", "v4-32", "--spot").stdout
+FAKE_GCLOUD = r"""#!/usr/bin/env bash
+# A stand-in for gcloud: records each call in $FAKE/calls; `describe` answers the next line of $FAKE/states (READY
+# when none is left; MISSING: not found); `scp` copies into $FAKE/home; `ssh` runs the command here with HOME=$FAKE/home
+# (one worker); create / delete are only recorded.
+printf '%s\n' "$*" >> "$FAKE/calls"
+case "$*" in
+  "compute tpus tpu-vm describe "*|"compute tpus queued-resources describe "*)
+    s=READY
+    if [[ -s "$FAKE/states" ]]; then s=$(head -n 1 "$FAKE/states"); sed -i 1d "$FAKE/states"; fi
+    if [[ $s == MISSING ]]; then echo "ERROR: (gcloud.compute.tpus) NOT_FOUND" >&2; exit 1; fi
+    if [[ "$*" == *queued-resources* && $s == READY ]]; then s=ACTIVE; fi
+    echo "$s" ;;
+  "compute tpus tpu-vm scp "*) cp "$5" "$FAKE/home/${6#*:}" ;;
+  "compute tpus tpu-vm ssh "*)
+    for a in "$@"; do [[ $a != --command=* ]] || c=${a#--command=}; done
+    HOME="$FAKE/home" bash -c "$c" ;;
+esac
+"""
+# The worker's virtual environment: this interpreter, with pip recorded instead of run.
+FAKE_VENV_PYTHON = """#!/usr/bin/env bash
+if [[ "${1:-} ${2:-}" == "-m pip" ]]; then echo "$*" >> "$FAKE/pip"; exit 0; fi
+exec %s "$@"
+"""
+
+
+@pytest.fixture
+def fake(tmp_path):
+  """A fake gcloud on PATH (its calls in FAKE/calls) and a fake worker home with a virtual environment."""
+  (tmp_path / "bin").mkdir()
+  (tmp_path / "bin" / "gcloud").write_text(FAKE_GCLOUD)
+  venv_bin = tmp_path / "home" / "sinkjax-venv" / "bin"
+  venv_bin.mkdir(parents=True)
+  (venv_bin / "python").write_text(FAKE_VENV_PYTHON % shlex.quote(sys.executable))
+  for f in (tmp_path / "bin" / "gcloud", venv_bin / "python"):
+    f.chmod(0o755)
+  env = {**os.environ, "FAKE": str(tmp_path), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+  env.pop("SINKJAX_PYTHON", None)
+  return tmp_path, env
+
+
+def _tpu(env, *args, timeout=120):
+  return subprocess.run(["bash", "launch/tpu_vm.sh", *map(str, args)], capture_output=True, text=True, env=env,
+                        timeout=timeout)
+
+
+def _calls(tmp):
+  path = tmp / "calls"
+  return path.read_text().splitlines() if path.exists() else []
+
+
+SLICE = ["--name", "pod1", "--zone", "us-central2-b"]
+TRAIN = ["--config", "configs/paper/d20_sink_aux.yaml", "run.dir=gs://bucket/d20"]
+
+
+def test_tpu_dry_runs_print_the_commands_and_never_call_gcloud(fake):
+  tmp, env = fake
+  out = _tpu(env, "create", *SLICE, "--dry-run", "--type", "v4-32", "--spot", "--project", "p1").stdout
   assert "gcloud compute tpus tpu-vm create pod1 --zone=us-central2-b --accelerator-type=v4-32" in out
-  assert "--spot" in out
-  out = sh(*base, "setup", *common).stdout
-  assert "--worker=all" in out and "pip\\ install" in out and "\\[tpu\\]" in out
-  out = sh(*base, "run", *common, "--", "--config", "configs/paper/d20_sink_aux.yaml", "train.steps=10").stdout
-  assert "--worker=all" in out and "sinkjax.train" in out and "configs/paper/d20_sink_aux.yaml" in out
-  assert "train.steps=10" in out
-  out = sh(*base, "delete", *common).stdout
-  assert "gcloud compute tpus tpu-vm delete pod1 --zone=us-central2-b --quiet" in out
+  assert "--spot --project=p1" in out
+  out = _tpu(env, "create", *SLICE, "--queued", "--dry-run").stdout
+  assert "gcloud compute tpus queued-resources create pod1 --node-id=pod1 --zone=us-central2-b" in out
+  out = _tpu(env, "setup", *SLICE, "--dry-run").stdout
+  assert "ls-files -z --cached --others --exclude-standard" in out             # the checkout, not a clone
+  assert "gcloud compute tpus tpu-vm scp /tmp/sinkjax-checkout.tar.gz pod1:sinkjax-checkout.tar.gz" in out
+  assert "git clone" not in out and "github" not in out
+  assert "--worker=all" in out and "tpu_worker.sh\\ setup\\ --python\\ python3.11\\ --extras\\ tpu" in out
+  # --dry-run after -- is the launcher's: honoured, and not passed to the program.
+  r = _tpu(env, "run", *SLICE, "--module", "sinkjax.eval", "--", "--checkpoint", "gs://b/d20", "--dry-run")
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.rstrip().endswith("tpu_worker.sh\\ start\\ train\\ --module\\ sinkjax.eval\\ --\\ --checkpoint\\ gs://b/d20")
+  assert r.stdout.count("--dry-run") == 0, r.stdout
+  out = _tpu(env, "babysit", *SLICE, "--spot", "--interval", "60", "--", *TRAIN, "--dry-run").stdout
+  for expected in ("tpu-vm create pod1", "tpu-vm scp", "tpu_worker.sh\\ setup", "tpu_worker.sh\\ start\\ train",
+                   "# every 60 s", "tpu-vm describe pod1 --zone=us-central2-b --format=value\\(state\\)",
+                   "tpu_worker.sh\\ status\\ train", "tpu-vm delete pod1 --zone=us-central2-b --quiet"):
+    assert expected in out, (expected, out)
+  assert out.index("tpu-vm delete") < out.rindex("tpu-vm create") and "run.dir=gs://bucket/d20" in out
+  for sub in ("status", "stop", "logs", "delete", "ssh"):
+    assert _tpu(env, sub, *SLICE, "--dry-run").stdout.startswith("gcloud compute tpus"), sub
+  assert _calls(tmp) == []
 
 
-def test_tpu_errors_are_one_line():
-  r = sh("bash", "launch/tpu_vm.sh", "run", "--zone", "z", "--dry-run")
-  assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--name is required" in r.stderr
-  r = sh("bash", "launch/tpu_vm.sh", "run", "--name", "n", "--zone", "z", "--dry-run")
-  assert r.returncode == 2 and "needs training arguments" in r.stderr
+def test_tpu_errors_are_one_line(fake):
+  _, env = fake
+  cases = {("run", "--zone", "z"): "--name is required",
+           ("run", "--name", "n", "--zone", "z", "--dry-run"): "run needs the program's arguments after --",
+           ("run", "--name", "n", "--zone", "z", "--bogus"): "unknown argument '--bogus'",
+           ("frob", "--name", "n"): "unknown subcommand 'frob'",
+           ("babysit", "--name", "n", "--zone", "z", "--", "--config", "c.yaml", "run.dir=runs/x"):
+               "babysit needs a gs:// run.dir",
+           ("setup", "--name", "n", "--zone", "z", "--", "x"): "setup takes no program arguments"}
+  for args, msg in cases.items():
+    r = _tpu(env, *args)
+    assert r.returncode == 2 and msg in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+
+
+def test_tpu_real_path_against_a_fake_gcloud(fake):
+  """setup copies this checkout and installs it with constraints.txt; run starts the job under nohup with a log per
+  worker; status / logs / stop reach it (the fake gcloud runs each ssh command here, as one worker)."""
+  tmp, env = fake
+  home = tmp / "home"
+  r = _tpu(env, "setup", *SLICE, "--project", "p1")
+  assert r.returncode == 0, r.stderr
+  calls = _calls(tmp)
+  assert calls[0].startswith("compute tpus tpu-vm scp ") and calls[0].endswith("--worker=all --project=p1")
+  assert calls[1].startswith("compute tpus tpu-vm ssh pod1 --zone=us-central2-b --worker=all --command=")
+  tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, check=True).stdout.split()
+  assert all((home / "sinkjax" / f).exists() for f in tracked if os.path.exists(f))
+  assert not list((home / "sinkjax").rglob("__pycache__"))                      # ignored files stay behind
+  pip = (tmp / "pip").read_text()
+  assert f"-c {home}/sinkjax/constraints.txt -e {home}/sinkjax[tpu]" in pip, pip
+  r = _tpu(env, "run", *SLICE, "--job", "tok", "--module", "sinkjax.data.tokenizer", "--env", "A=1", "--", "--help")
+  assert r.returncode == 0 and "sinkjax-job tok" in r.stdout and "started" in r.stdout, (r.stdout, r.stderr)
+  log = home / "sinkjax-logs" / "tok" / f"{socket.gethostname()}.log"
+  _wait_for(lambda: (log.parent / f"{socket.gethostname()}.rc").exists())
+  assert "usage: python -m sinkjax.data.tokenizer" in log.read_text()
+  assert _tpu(env, "status", *SLICE, "--job", "tok").stdout.strip().endswith(": exit 0")
+  assert "[{}] usage: python -m sinkjax.data.tokenizer".format(socket.gethostname()) in \
+      _tpu(env, "logs", *SLICE, "--job", "tok", "--lines", "100").stdout
+
+
+def test_babysit_recreates_a_preempted_slice_and_resumes_the_run(fake):
+  tmp, env = fake
+  (tmp / "states").write_text("PREEMPTED\n")   # then READY
+  r = _tpu(env, "babysit", *SLICE, "--spot", "--interval", "0", "--job", "tok", "--module", "sinkjax.data.tokenizer",
+           "--", "--help")
+  assert r.returncode == 0, (r.stdout, r.stderr)
+  assert "finished on every worker" in r.stderr
+  kinds = [" ".join(c.split()[:4]) + (" " + c.split("--command=")[1].split()[2] if "--command=bash" in c else "")
+           for c in _calls(tmp)]
+  first = kinds.index("compute tpus tpu-vm delete")
+  assert kinds[:first + 1] == ["compute tpus tpu-vm describe", "compute tpus tpu-vm delete"]
+  assert kinds[first + 1:first + 6] == ["compute tpus tpu-vm create", "compute tpus tpu-vm describe",
+                                        "compute tpus tpu-vm scp", "compute tpus tpu-vm ssh",
+                                        "compute tpus tpu-vm ssh start"], kinds
+  assert "--spot" in _calls(tmp)[first + 1]
+  assert kinds.count("compute tpus tpu-vm ssh start") == 1                       # ran once, to its end
+  # A job that keeps failing is started again --max-failures times, then babysit gives up.
+  (tmp / "calls").unlink()
+  r = _tpu(env, "babysit", *SLICE, "--interval", "0", "--job", "bad", "--max-failures", "1",
+           "--module", "sinkjax.data.tokenizer", "--", "frob")
+  assert r.returncode == 1 and "failed 2 times; giving up" in r.stderr, r.stderr
+  assert sum("tpu_worker.sh start bad" in c for c in _calls(tmp)) == 2
+
+
+def _wait_for(condition, timeout=60):
+  deadline = time.time() + timeout
+  while not condition():
+    assert time.time() < deadline, "timed out"
+    time.sleep(0.1)
+
+
+def test_worker_job_survives_its_shell_and_stops_on_sigterm(tmp_path):
+  """tpu_worker.sh start returns at once; the job runs in its own session (a closed SSH connection's SIGHUP does not
+  reach it), logs to HOST.log, and `stop` ends it with SIGTERM, which status reports."""
+  env = {**os.environ, "SINKJAX_PYTHON": sys.executable, "SINKJAX_LOGS": str(tmp_path)}
+  worker = ["bash", "launch/tpu_worker.sh"]
+  sleeper = ["--module", "timeit", "--", "-n", "1", "-r", "1", "print('begun', flush=True); import time; time.sleep(60)"]
+  t = time.time()
+  r = subprocess.run([*worker, "start", "j1", *sleeper], capture_output=True, text=True, env=env, timeout=60)
+  assert r.returncode == 0 and "started" in r.stdout and time.time() - t < 20, r
+  host = socket.gethostname()
+  pid = int((tmp_path / "j1" / f"{host}.pid").read_text().split()[0])
+  assert os.getsid(pid) != os.getsid(0)
+  _wait_for(lambda: "begun" in (tmp_path / "j1" / f"{host}.log").read_text())
+  status = lambda: subprocess.run([*worker, "status", "j1"], capture_output=True, text=True, env=env).stdout.strip()
+  assert status() == f"sinkjax-job j1 {host}: running"
+  again = subprocess.run([*worker, "start", "j1", *sleeper], capture_output=True, text=True, env=env)
+  assert "running (already" in again.stdout
+  assert "SIGTERM sent" in subprocess.run([*worker, "stop", "j1"], capture_output=True, text=True, env=env).stdout
+  _wait_for(lambda: status() != f"sinkjax-job j1 {host}: running")
+  assert status() == f"sinkjax-job j1 {host}: stopped 143"
+  with pytest.raises(ProcessLookupError):
+    os.kill(pid, 0)
 
 
 def test_slurm_dry_run():
