@@ -215,7 +215,10 @@ class DataConfig:
   source: str = "default"           # default | path/glob of .txt/.jsonl/.parquet | tfds:NAME
   seq_len: int = 256
   text_field: str = "text"
-  tokenizer: str = "bytes"          # bytes | path to a Hugging Face tokenizer.json
+  tokenizer: str = "bytes"          # bytes | path to a Hugging Face tokenizer.json (or the directory holding it)
+  add_bos: str = "auto"             # auto | true | false: BOS before each document / prompt. auto: as the tokenizer's
+                                    # own encoding does for a model's tokenizer (sinkjax.data.tokenizers), always for
+                                    # bytes and a bare tokenizer.json (sinkjax's BOS-separated documents)
   tfds_dir: str = ""
   train_split: str = "train"
   val_split: str = "validation"
@@ -329,6 +332,7 @@ CHOICES = {
     "train.optimizer": choices.OPTIMIZERS,
     "data.format": choices.DATA_FORMATS,
     "data.packing": choices.PACKINGS,
+    "data.add_bos": choices.ADD_BOS,
 }
 
 
@@ -467,6 +471,11 @@ def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> C
   if path:
     for source, tree in _read_yaml(paths.as_path(path, "config file")):
       _apply(cfg, tree, source)
+  return apply_overrides(cfg, overrides)
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | tuple = ()) -> Config:
+  """`dotted.key=value` overrides applied to `cfg` in place (as on the command lines), then validated."""
   for text in overrides:
     key, value = parse_override(text)
     tree: dict = {}

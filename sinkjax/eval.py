@@ -1,15 +1,19 @@
 """Evaluate a checkpoint: validation BPB, head importance / imbalance and attention-sink diagnostics.
 
-    python -m sinkjax.eval --checkpoint RUN_DIR [--out DIR] [--data SOURCE] [--packing stream|document]
-                           [--batches N] [--batch-size B] [--tau 0.75] [--step S]
+    python -m sinkjax.eval --checkpoint RUN_DIR [--out DIR] [--data SOURCE] [--split val|all] [--max-docs N]
+                           [--packing stream|document] [--batches N] [--batch-size B] [--tau 0.75] [--step S]
+                           [section.key=value ...]
 
 Restores the parameters of RUN_DIR's latest (or --step) checkpoint, runs held-out batches (the validation split
-of the run's data, or of --data) through the model and writes into --out (default RUN_DIR/eval/):
+of the run's data, or of --data; `--split all` every document of it, in order, `--max-docs N` the first N) through
+the model and writes into --out (default RUN_DIR/eval/):
   report.json   numbers (keys below), report.md   a short summary with the figures,
   importance.png, first_token_attention.png, value_norm.png, gate_histogram.png, and, from RUN_DIR/metrics.jsonl
   when present, loss.png and head_imbalance.png.
 
-report.json: packing (data.packing of the batches), val_loss (nats/token), val_bpb; importance [L][H] (eq. 5),
+report.json: packing (data.packing of the batches), split, eval_documents (documents in the batches, whole or in
+part; null when --batches stopped before the split's end), eval_tokens (scored targets), val_loss (nats/token),
+val_bpb; importance [L][H] (eq. 5),
 head_imbalance (eq. 6), cv_per_layer;
 first_token_attention [L] (+ _per_head [L][H]), sink_logit_attention [L] (sink logit / sink tokens, else null),
 sink_ratio_alpha [L][H] (eq. 9); first_token_value_norm / other_value_norm / value_norm_ratio [L],
@@ -301,8 +305,10 @@ def markdown(report: dict, figures: list[pathlib.Path]) -> str:
       f"# Evaluation of `{r['run_dir']}` (step {r['step']})",
       "",
       f"{r['attention']} attention, {len(r['importance'])} layers x {len(r['importance'][0])} heads; "
-      f"{r['eval_batches']} batches, {r['eval_tokens']:,} tokens, {r['eval_bytes']:,} bytes of `{r['data_source']}`"
-      f" ({r.get('packing', 'document')} packing).",
+      f"{r['eval_batches']} batches, "
+      + ("" if r.get("eval_documents") is None else f"{r['eval_documents']:,} documents, ")
+      + f"{r['eval_tokens']:,} tokens, {r['eval_bytes']:,} bytes of `{r['data_source']}`"
+      f" ({r.get('split', 'val')} split, {r.get('packing', 'document')} packing).",
       "",
       "| metric | value |", "|---|---|",
       f"| val BPB | {r['val_bpb']:.4f} |",
@@ -343,14 +349,22 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
   p.add_argument("--data", default=None, metavar="SOURCE",
                  help="held-out data: a data.source (path/glob of .txt/.jsonl/.parquet, default, tfds:NAME); "
-                      "its validation split is used (default: the run's data.source)")
+                      "its validation split is used unless --split all (default: the run's data.source)")
+  p.add_argument("--split", choices=("val", "all"), default="val",
+                 help="val: the source's validation split (default); all: every document of the source, in order")
+  p.add_argument("--max-docs", type=int, default=None, metavar="N",
+                 help="score only the first N documents of the split (in order)")
   p.add_argument("--packing", choices=("stream", "document"), default=None,
                  help="how the held-out text becomes rows (data.packing; default: the run's)")
-  p.add_argument("--batches", type=int, default=None, help="number of eval batches (default train.eval_batches)")
+  p.add_argument("--batches", type=int, default=None,
+                 help="number of eval batches (default train.eval_batches; with --split all or --max-docs: every "
+                      "batch the documents fill)")
   p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the training micro-batch)")
   p.add_argument("--tau", type=float, default=0.75,
                  help="sink-ratio threshold of selective value zeroing ([Sink-MoE] App. A)")
   p.add_argument("--mc", default=None, help=argparse.SUPPRESS)     # moved to sinkjax.lm_eval (one line says so)
+  p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                 help="config overrides of the run (e.g. model.dtype=float32 data.seq_len=1024)")
   return p
 
 
@@ -358,7 +372,7 @@ def run(args) -> dict:
   if args.mc is not None:
     raise EvalError(f"multiple choice is an lm-evaluation-harness task now: python -m sinkjax.lm_eval --checkpoint "
                     f"{args.checkpoint} --mc {args.mc} (docs/EVAL.md)")
-  for name in ("batches", "batch_size"):
+  for name in ("batches", "batch_size", "max_docs"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise EvalError(f"--{name.replace('_', '-')} must be >= 1")
   if not 0.0 <= args.tau <= 1.0:
@@ -369,17 +383,22 @@ def run(args) -> dict:
   if args.out:
     paths.check_bucket(out, "--out")        # before the work: a missing bucket is found now, not at the end
   t0 = time.perf_counter()
-  model, cfg, tokenizer, step = load_run(run_dir, args.step)
+  overrides = list(args.overrides)
   if args.data is not None:
-    cfg.data.source = args.data
+    overrides.append(f"data.source={args.data}")
   if args.packing is not None:
-    cfg.data.packing = args.packing
+    overrides.append(f"data.packing={args.packing}")
+  model, cfg, tokenizer, step = load_run(run_dir, args.step, overrides)
   batch_size = args.batch_size or max(cfg.train.batch_size // cfg.train.grad_accum, 1)
-  num_batches = args.batches or max(cfg.train.eval_batches, 1)
-  batches = make_eval_batches(cfg.data, tokenizer, batch_size=batch_size, num_batches=num_batches)
+  whole = args.split == "all" or args.max_docs is not None
+  num_batches = args.batches or (None if whole else max(cfg.train.eval_batches, 1))
+  counts = {}
+  batches = make_eval_batches(cfg.data, tokenizer, batch_size=batch_size, num_batches=num_batches,
+                              split=args.split, max_docs=args.max_docs, counts=counts)
 
   report = {"run_dir": str(run_dir), "step": step, "attention": cfg.model.attention,
-            "data_source": cfg.data.source, "packing": cfg.data.packing, "eval_batches": len(batches),
+            "data_source": cfg.data.source, "packing": cfg.data.packing, "split": args.split,
+            "eval_documents": counts["documents"], "eval_batches": len(batches),
             "batch_size": batch_size, "seq_len": cfg.data.seq_len}
   report.update(evaluate(model, batches, tau=args.tau))
   report["definitions"] = DEFINITIONS
@@ -400,7 +419,9 @@ def main(argv=None) -> int:
     report = run(args)
     out = args.out or f"{str(args.checkpoint).rstrip('/')}/eval"
     vz = report["value_zeroing"]
-    print(f"sinkjax.eval: val_bpb {report['val_bpb']:.4f}  head_imbalance {report['head_imbalance']:.4f}  "
+    docs = "" if report["eval_documents"] is None else f"{report['eval_documents']:,} documents, "
+    print(f"sinkjax.eval: {docs}{report['eval_tokens']:,} tokens scored; val_bpb {report['val_bpb']:.4f}  "
+          f"head_imbalance {report['head_imbalance']:.4f}  "
           f"first-token attention {np.mean(report['first_token_attention']):.3f}  value zeroing all/selected "
           f"{vz['bpb_all']:.4f}/{vz['bpb_selected']:.4f}; wrote {out}/report.json")
   return cli.run_main("sinkjax.eval", evaluate_and_print)

@@ -1,11 +1,17 @@
 """Text generation and streaming perplexity with a fixed-shape KV cache (`python -m sinkjax.generate`).
 
-    python -m sinkjax.generate --checkpoint RUN_DIR --prompt TEXT --max-new-tokens N \\
+    python -m sinkjax.generate --checkpoint RUN_DIR --prompt TEXT --max-new-tokens N [--chat [--system TEXT]] \\
         [--temperature T] [--top-k K] [--top-p P] [--seed S] [--cache full|streaming --sink-size S --window W]
     python -m sinkjax.generate --ppl FILE --checkpoint RUN_DIR [--sink-size S --window W] [--max-tokens N]
         [--full-heads F[,F...] [--full-heads-random SEED[,...]] | --full-heads-from MAP.json]
 
 Works for every attention variant (vanilla, sink, gated) and for models with learnable sink tokens.
+
+Tokens as the model's tokenizer wants them (`sinkjax.data.tokenizers`): the prompt gets BOS only where the tokenizer
+adds one; `--chat` renders it (after `--system`, if given) through the tokenizer's chat template with the assistant's
+generation prompt; generation stops at the model's stop ids (generation_config.json's EOS, the tokenizer's EOS, or
+BOS for sinkjax's own runs; `--no-stop` goes on) and prints every token it produced, special ones included, but
+the stop token.
 
 Cache (see `sinkjax.cache`): per layer fixed-size [B, C, Hkv, D] key/value arrays plus a token counter, so the
 prefill compiles once (for this prompt's length) and the decode step compiles once and is reused for every token.
@@ -29,7 +35,7 @@ else by n.
 A prompt longer than a streaming cache is prefilled up to W tokens and the rest is fed through the decode step
 (the same compiled function), which is exactly what token-by-token streaming would compute.
 
-`--ppl FILE` scores the file (BOS + its tokens, first `--max-tokens`) token by token under three caches: full,
+`--ppl FILE` scores the file (BOS, where the tokenizer adds one, + its tokens, first `--max-tokens`) token by token under three caches: full,
 window-only (S = 0, the same W) and sinks + window, plus a hybrid row per --full-heads F (and per random seed, or
 the --full-heads-from map), and prints a StreamingLLM-style table with each cache's key/value memory in bytes.
 """
@@ -127,13 +133,15 @@ class Generator:
                       window=self.window)
 
   def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, stop_token: int | None = None, on_token=None,
+               top_p: float = 1.0, seed: int = 0, stop_token=None, on_token=None,
                on_step=None) -> list[int]:
-    """Samples up to `max_new_tokens` tokens after `prompt_ids` (a list starting with BOS); returns them.
+    """Samples up to `max_new_tokens` tokens after `prompt_ids`; returns them.
 
     on_token(token_id) is called as each token is produced (for streaming output); on_step(cache) after every
-    decode step. Stops early after producing `stop_token` (not included in the result).
+    decode step. Stops early after producing `stop_token` (an id or a collection of ids; not included in the result).
     """
+    stops = set() if stop_token is None else ({int(stop_token)} if isinstance(stop_token, (int, np.integer))
+                                              else {int(t) for t in stop_token})
     prompt = np.asarray(prompt_ids, np.int32).reshape(self.batch, -1)
     P = prompt.shape[1]
     cache = self.new_cache()
@@ -148,7 +156,7 @@ class Generator:
     out = []
     for i in range(max_new_tokens):
       tok = int(nxt[0])
-      if stop_token is not None and tok == stop_token:
+      if tok in stops:
         break
       out.append(tok)
       if on_token is not None:
@@ -185,12 +193,16 @@ def check_window(sink_size: int, window: int) -> None:
 class TextStream:
   """Prints decoded text as tokens arrive, holding back an incomplete UTF-8 character (shown as U+FFFD)."""
 
-  def __init__(self, tokenizer, out=sys.stdout):
+  def __init__(self, tokenizer, out=sys.stdout, skip_special_tokens: bool = True):
     self.tok, self.out, self.ids, self.printed = tokenizer, out, [], ""
+    self.skip = skip_special_tokens
+
+  def text(self) -> str:
+    return self.tok.decode(self.ids, skip_special_tokens=self.skip)
 
   def __call__(self, token: int) -> None:
     self.ids.append(token)
-    text = self.tok.decode(self.ids)
+    text = self.text()
     stable = text[:-1] if text.endswith("\ufffd") else text
     if stable.startswith(self.printed) and len(stable) > len(self.printed):
       self.out.write(stable[len(self.printed):])
@@ -198,7 +210,7 @@ class TextStream:
       self.printed = stable
 
   def finish(self) -> None:
-    text = self.tok.decode(self.ids)
+    text = self.text()
     if text.startswith(self.printed):
       self.out.write(text[len(self.printed):])
     self.out.write("\n")
@@ -320,7 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
   p = cli.Parser(prog="python -m sinkjax.generate", description=__doc__.split("\n\n")[0],
                  formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--checkpoint", required=True, help="run directory of a training run")
-  p.add_argument("--prompt", help="text to continue (BOS is prepended)")
+  p.add_argument("--prompt", help="text to continue (BOS is prepended where the tokenizer adds one)")
+  p.add_argument("--chat", action="store_true",
+                 help="the prompt is a user message: render it with the tokenizer's chat template (and the "
+                      "assistant's generation prompt) before generating")
+  p.add_argument("--system", help="--chat: a system message before the user's")
   p.add_argument("--max-new-tokens", type=int, help="number of tokens to generate (>= 1); required with --prompt")
   p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
   p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
@@ -331,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--sink-size", type=int, help="streaming (heads): first tokens kept forever (default 4)")
   p.add_argument("--window", type=int, help="streaming (heads): cache size W incl. sinks (default: training "
                                             "data.seq_len)")
-  p.add_argument("--no-stop", action="store_true", help="keep going after the model emits BOS (end of document)")
+  p.add_argument("--no-stop", action="store_true",
+                 help="keep going after the model emits a stop token (its EOS; BOS for sinkjax's own runs)")
   p.add_argument("--ppl", metavar="FILE", help="score FILE under full / window-only / sink+window caches instead")
   p.add_argument("--max-tokens", type=int, default=4096, help="--ppl: score at most this many tokens (default 4096)")
   cache_policy.add_arguments(p)
@@ -350,7 +367,11 @@ def _validate(args) -> None:
     if args.cache is not None:
       raise UsageError("--ppl always compares full, window-only and sink+window caches (and --full-heads "
                        "hybrids); drop --cache")
+    if args.chat or args.system is not None:
+      raise UsageError("--ppl scores a file as it is; drop --chat/--system")
     return
+  if args.system is not None and not args.chat:
+    raise UsageError("--system is a chat message; add --chat")
   _validate_cache(args)
   if args.prompt is None or args.max_new_tokens is None:
     raise UsageError("give --prompt TEXT and --max-new-tokens N (or --ppl FILE)")
@@ -399,7 +420,7 @@ def run_ppl(args, model, cfg, tok) -> None:
   check_window(sink_size, window)
   policies = cache_policy.policies_from_args(args, cfg.model, args.checkpoint) if cache_policy.wanted(args) else []
   text = paths.as_path(args.ppl, "--ppl").read_bytes().decode("utf-8", errors="replace")
-  ids = ([tok.bos_id] + tok.encode(text))[:args.max_tokens]
+  ids = tok.encode_document(text)[:args.max_tokens]
   if len(ids) <= window:
     print(f"note: {len(ids)} tokens do not exceed the window ({window}); all modes see the same context",
           file=sys.stderr)
@@ -412,8 +433,21 @@ def run_ppl(args, model, cfg, tok) -> None:
   print(format_table(rows, window))
 
 
+def prompt_ids(tok, prompt: str, *, chat: bool = False, system: str | None = None) -> tuple[str, list[int]]:
+  """(text, ids) of a prompt as the model reads it: through the tokenizer's chat template with `chat` (the rendered
+  text tokenized without added special tokens, as transformers does), else with BOS where the tokenizer adds one.
+  A tokenizer without a chat template gets sinkjax's plain "User: ... / Assistant: " layout."""
+  if chat:
+    text = tok.chat.prompt(prompt, system)
+    return text, list(tok.encode(text))
+  return prompt, tok.encode_document(prompt)
+
+
 def run_generate(args, model, cfg, tok) -> None:
-  ids = [tok.bos_id] + tok.encode(args.prompt)
+  if args.chat and tok.chat.plain:
+    print("note: the tokenizer has no chat template; the prompt is laid out as \"User: ... Assistant: \"",
+          file=sys.stderr)
+  shown, ids = prompt_ids(tok, args.prompt, chat=args.chat, system=args.system)
   mode = "streaming" if args.cache == "hybrid" else args.cache     # the hybrid's streaming heads use S, W
   window, sink_size = cache_plan(mode, len(ids), args.max_new_tokens, args.sink_size, args.window,
                                  cfg.data.seq_len)
@@ -428,15 +462,17 @@ def run_generate(args, model, cfg, tok) -> None:
     print(f"warning: a full cache of {capacity} tokens exceeds model.max_seq_len={cfg.model.max_seq_len}; "
           "positions past it were never trained (try --cache streaming)", file=sys.stderr)
   gen = Generator(model, capacity=capacity, sink_size=sink_size, full_heads=full_heads, window=window)
-  sys.stdout.write(args.prompt)
-  stream = TextStream(tok)
+  sys.stdout.write(shown)
+  stream = TextStream(tok, skip_special_tokens=False)
   t0 = time.perf_counter()
   out = gen.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                     seed=args.seed, stop_token=None if args.no_stop else tok.bos_id, on_token=stream)
+                     seed=args.seed, stop_token=None if args.no_stop else tok.stop_ids, on_token=stream)
   stream.finish()
   dt = time.perf_counter() - t0
   if args.cache == "streaming":
     note += f", {sink_size} sinks"
+  if len(out) < args.max_new_tokens:
+    note = f"stopped at a stop token ({', '.join(map(str, tok.stop_ids))}); " + note
   print(f"[{len(out)} tokens in {dt:.2f}s incl. compilation; {note}; "
         f"KV cache {kv_bytes(cfg.model, capacity, sink_size=sink_size, full_heads=full_heads, window=window):,} "
         "bytes]", file=sys.stderr)

@@ -63,7 +63,6 @@ from sinkjax import choices, lora, paths
 from sinkjax import sharding as sharding_lib
 from sinkjax.cli import Parser, UserError, run_main
 from sinkjax.config import MeshConfig
-from sinkjax.data.sft import _PLAIN_ROLES, ChatFormat
 from sinkjax.generate import Generator, sample_logits
 from sinkjax.model import Transformer
 from sinkjax.run import load_run
@@ -158,16 +157,16 @@ class SinkjaxLM(_Base):
     self._max_length = int(max_length) if max_length not in (None, "") else cfg.model.max_seq_len
     self._max_gen_toks = int(max_gen_toks)
     self.seed = int(seed)
-    self._hf = _HFSideFiles(cfg.data.tokenizer)
+    # The tokenizer's own special tokens (sinkjax.data.tokenizers): whether it adds BOS, its EOS, its stop ids.
     self.add_bos_token = _as_bool(add_bos_token, "add_bos_token")
     if self.add_bos_token is None:
-      self.add_bos_token = self._hf.adds_bos(tok) if self._hf.is_model_dir else True
-    self._bos_text = self._hf.token_text(tok.bos_id)
+      self.add_bos_token = tok.add_bos
+    self._bos_text = tok.token_text(tok.bos_id) if hasattr(tok, "token_text") else None
     self.custom_prefix_token_id = None if prefix_token_id in (None, "") else int(prefix_token_id)
     vocab = cfg.model.vocab_size
-    eos = [i for i in self._hf.eos_ids() if 0 <= i < vocab]
+    eos = [i for i in tok.eos_ids if 0 <= i < vocab]
     self._eot = eos[0] if eos else tok.bos_id
-    self._stop_ids = set(self._hf.generation_eos_ids() or [self._eot])
+    self._stop_ids = set(tok.stop_ids)
     if self._eot == tok.bos_id:
       self._stop_ids.add(tok.bos_id)       # sinkjax documents are separated by BOS: BOS ends a generation
     self.mesh = sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
@@ -392,110 +391,19 @@ class SinkjaxLM(_Base):
   def chat_template(self, chat_template=False) -> str | None:
     if chat_template is False or chat_template is None:
       return None
-    return self._hf.chat_template() or "plain"
+    return self.tok.chat.source or "plain"
 
   def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
-    """The conversation as the run was fine-tuned on it (`sinkjax.data.sft.ChatFormat`): the tokenizer's chat
-    template when its directory has one, else sinkjax's plain "User: ... / Assistant: ..." layout."""
-    tokenizer = self.cfg.data.tokenizer
-    fmt = ChatFormat(None if tokenizer in ("", "bytes") else tokenizer)
+    """The conversation as the run was fine-tuned on it (the tokenizer's `chat`: its chat template when it has one,
+    else sinkjax's plain "User: ... / Assistant: ..." layout)."""
     msgs = [{"role": m["role"], "content": m["content"]} for m in chat_history]
-    if fmt.template is not None:
-      return fmt._render(msgs, add_generation_prompt)          # pylint: disable=protected-access
-    text = "".join(f"{_PLAIN_ROLES.get(m['role'], m['role'].title())}: {m['content']}\n\n" for m in msgs)
-    return text + ("Assistant: " if add_generation_prompt else "")
+    return self.tok.chat.render(msgs, add_generation_prompt)
 
   def get_model_info(self) -> dict:
     m = self.cfg.model
     return {"sinkjax_run": self.run_dir, "sinkjax_step": self.step, "attention": m.attention,
             "num_layers": m.num_layers, "d_model": m.d_model, "dtype": m.dtype, "max_length": self.max_length,
             "add_bos_token": self.add_bos_token}
-
-
-class _HFSideFiles:
-  """What a Hugging Face model directory around the run's tokenizer.json says (config.json, generation_config.json,
-  tokenizer_config.json): end-of-text ids and whether its tokenizer adds BOS. A run without one (the bytes
-  tokenizer, a tokenizer.json on its own) gets sinkjax's conventions."""
-
-  def __init__(self, tokenizer: str):
-    self.files = {}
-    self.is_model_dir = False
-    if not tokenizer or tokenizer == "bytes":
-      return
-    try:
-      path = paths.as_path(tokenizer)
-      if path.is_dir():                        # data.tokenizer may name the directory holding tokenizer.json
-        path = path / "tokenizer.json"
-      tokenizer, folder = str(path), path.parent
-      for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
-        p = folder / name
-        if p.is_file():
-          self.files[name] = json.loads(p.read_text())
-    except (OSError, ValueError):
-      self.files = {}
-    self.is_model_dir = "tokenizer_config.json" in self.files
-    self._tokenizer_path = tokenizer
-
-  @functools.cached_property
-  def _tokenizer(self):
-    import tokenizers  # pylint: disable=import-outside-toplevel
-    return tokenizers.Tokenizer.from_str(paths.as_path(self._tokenizer_path).read_text())
-
-  def _encoder(self):
-    return self._tokenizer
-
-  def adds_bos(self, tok) -> bool:
-    """Whether the tokenizer's own encoding (special tokens on) starts with its BOS."""
-    tc = self.files.get("tokenizer_config.json", {})
-    if isinstance(tc.get("add_bos_token"), bool):
-      return tc["add_bos_token"]
-    try:
-      ids = self._encoder().encode("a", add_special_tokens=True).ids
-    except Exception:  # pylint: disable=broad-except
-      return True
-    return bool(ids) and ids[0] == tok.bos_id
-
-  def token_text(self, token_id: int) -> str | None:
-    if not self.files and not getattr(self, "_tokenizer_path", None):
-      return None
-    try:
-      return self._encoder().id_to_token(token_id)
-    except Exception:  # pylint: disable=broad-except
-      return None
-
-  def _ids(self, value) -> list[int]:
-    if isinstance(value, int):
-      return [value]
-    if isinstance(value, list):
-      return [v for v in value if isinstance(v, int)]
-    return []
-
-  def generation_eos_ids(self) -> list[int]:
-    """What `model.generate` stops at: generation_config.json's eos_token_id, else config.json's."""
-    for name in ("generation_config.json", "config.json"):
-      ids = self._ids(self.files.get(name, {}).get("eos_token_id"))
-      if ids:
-        return ids
-    return []
-
-  def eos_ids(self) -> list[int]:
-    """The end-of-text token (the hf backend's eot_token_id: the tokenizer's eos_token) first, then the rest."""
-    out = []
-    tc = self.files.get("tokenizer_config.json", {})
-    eos = tc.get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if isinstance(eos, str):
-      try:
-        tid = self._encoder().token_to_id(eos)
-      except Exception:  # pylint: disable=broad-except
-        tid = None
-      if tid is not None:
-        out.append(tid)
-    return out + [i for i in self.generation_eos_ids() if i not in out]
-
-  def chat_template(self) -> str | None:
-    t = self.files.get("tokenizer_config.json", {}).get("chat_template")
-    return t if isinstance(t, str) else None
 
 
 # ----------------------------------------------------------------------------------------------------------------

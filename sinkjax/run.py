@@ -66,15 +66,19 @@ def read_run_config(run_dir: str | pathlib.Path) -> Config:
   return config_lib.load_config(path)
 
 
-def load_run(run_dir: str | pathlib.Path, step: int | None = None) -> LoadedRun:
+def load_run(run_dir: str | pathlib.Path, step: int | None = None, overrides=()) -> LoadedRun:
   """A training run's model with the parameters of its latest (or given) checkpoint, replicated over this process'
   devices whatever mesh trained them; only the parameters are restored. A LoRA run comes back with its adapters
-  (`sinkjax.lora.merge` folds them in)."""
+  (`sinkjax.lora.merge` folds them in). `overrides` (`section.key=value`, as on the command lines) change the run's
+  config first (e.g. model.dtype=float32, data.source=FILE); a shape key that no longer matches the checkpoint is
+  refused by the restore."""
   paths.check_bucket(run_dir, "run directory")
   run_dir = paths.as_path(run_dir, "run directory")
   if not run_dir.is_dir():
     raise CheckpointError(f"run directory {run_dir} does not exist")
   cfg = read_run_config(run_dir)
+  if overrides:
+    config_lib.apply_overrides(cfg, overrides)
   if not (run_dir / CHECKPOINT_DIR).is_dir():
     raise CheckpointError(f"{run_dir} has no checkpoint ({CHECKPOINT_DIR}/ is missing); train it first")
   ckpt = Checkpointer(run_dir, cfg.checkpoint, read_only=True)

@@ -338,7 +338,8 @@ def test_eq8_keeps_shared_heads_while_eq7_pins():
 def test_sft_batches_put_loss_on_response_tokens_only(tmp_path):
   from sinkjax.config import DataConfig
   from sinkjax.data import build_tokenizer
-  from sinkjax.data.sft import ChatFormat, make_sft_iterator
+  from sinkjax.data.sft import make_sft_iterator
+  from sinkjax.data.tokenizers import ChatTemplate, _read_side_files
   recs = [{"prompt": f"add {i} and {i}", "response": f"{2 * i}"} for i in range(9)]
   recs.append({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
   (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
@@ -355,8 +356,15 @@ def test_sft_batches_put_loss_on_response_tokens_only(tmp_path):
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({
       "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
                        "{% if add_generation_prompt %}<assistant>{% endif %}"}))
-  pieces = ChatFormat(str(tmp_path / "tokenizer.json")).pieces(recs[-1]["messages"])
+  pieces = ChatTemplate.from_files(_read_side_files(tmp_path)).pieces(recs[-1]["messages"])
   assert pieces == [("<user>hi</s>", False), ("<assistant>", False), ("hello</s>", True)]
+  # transformers 5 writes the template to chat_template.jinja: the same template, read from there.
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+  (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
+                                                "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant]"
+                                                "{% endif %}")
+  pieces = ChatTemplate.from_files(_read_side_files(tmp_path)).pieces(recs[-1]["messages"])
+  assert pieces == [("[user]hi</s>", False), ("[assistant]", False), ("hello</s>", True)]
 
 
 def test_eval_diagnostics_of_an_imported_model_equal_transformers(hf_model):

@@ -3,6 +3,7 @@
     from sinkjax.convert.hf import load_hf
     model = load_hf("path/to/hf_dir")          # a sinkjax Transformer; model(tokens) -> logits
     python -m sinkjax.convert.hf --hf-dir DIR --out RUN_DIR        # import into a run directory
+    python -m sinkjax.convert.hf --hf-dir MODEL.gguf --out RUN_DIR # a GGUF file (dequantized; sinkjax.convert.gguf)
     python -m sinkjax.convert.hf --export RUN_DIR --out DIR        # export (LoRA adapters merged) for transformers
 
 The Hugging Face architectures are configurations of the one sinkjax `Transformer` (model.* keys), not copies of it:
@@ -13,6 +14,11 @@ The Hugging Face architectures are configurations of the one sinkjax `Transforme
 and all of them: no embedding norm, no logit soft-cap. Weights are read from safetensors only (one file, several,
 or an index json; MXFP4-quantized GPT-OSS experts are dequantized); pickled `.bin` checkpoints are refused, since
 loading them executes code. Linear weights are transposed ([out, in] in torch, [in, out] in Flax).
+
+An import writes the model's tokenizer into the run (RUN_DIR/tokenizer/: tokenizer.json and the files beside it that
+say its BOS / EOS / chat template, sinkjax.data.tokenizers.SIDE_FILES; generation_config.json made from config.json's
+ids when the model has none) and records the model's context length (max_position_embeddings) as data.seq_len; an
+export writes those files back beside the weights.
 """
 from __future__ import annotations
 
@@ -21,12 +27,14 @@ from sinkjax import cli
 if __name__ == "__main__":
   cli.require_extra("sinkjax.convert.hf")   # before the imports below, which need the train extra
 
+import contextlib
 import dataclasses
 import json
 import math
 import pathlib
 import re
 import sys
+import tempfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +45,8 @@ from sinkjax import config as config_lib
 from sinkjax import run as run_lib
 from sinkjax.config import Config, ModelConfig
 from sinkjax.convert import ConvertError
+from sinkjax.convert import gguf as gguf_lib
+from sinkjax.data.tokenizers import SIDE_FILES
 from sinkjax.layers import hf_attention_tensors
 from sinkjax.model import Transformer
 
@@ -379,20 +389,44 @@ def convert(hf_dir: str | pathlib.Path, run_dir: str | pathlib.Path, *, dtype: s
   if (run_dir / checkpoint.CHECKPOINT_DIR).exists():
     raise ConvertError(f"{run_dir} already holds a checkpoint; give a new --out directory")
   paths.check_bucket(hf_dir, "--hf-dir")
-  with paths.local_dir(hf_dir, "--hf-dir") as local:
+  gguf_file = None if paths.is_remote(hf_dir) else gguf_lib.find_gguf(hf_dir)
+  with contextlib.ExitStack() as stack:
+    if gguf_file is not None:
+      local = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sinkjax-gguf-")))
+      gguf_lib.to_hf_dir(gguf_file, local)
+    else:
+      local = stack.enter_context(paths.local_dir(hf_dir, "--hf-dir"))
     model = load_hf(local, dtype="float32", param_dtype=param_dtype)
-    has_tok = (local / "tokenizer.json").is_file()
-  cfg = Config(model=dataclasses.replace(model.cfg, dtype=dtype))
-  if has_tok:        # the tokenizer stays where it is (a bucket too: data.tokenizer reads gs:// paths)
-    tok = paths.as_path(hf_dir) / "tokenizer.json"
-    cfg.data.tokenizer = str(tok) if paths.is_remote(tok) else str(pathlib.Path(tok).resolve())
-  else:
-    print(f"warning: {hf_dir} has no tokenizer.json; data.tokenizer stays 'bytes'", file=sys.stderr)
-  cfg.data.seq_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
+    cfg = Config(model=dataclasses.replace(model.cfg, dtype=dtype))
+    if (local / "tokenizer.json").is_file():
+      cfg.data.tokenizer = str(_write_tokenizer(local, run_dir / TOKENIZER_DIR))
+    else:
+      print(f"warning: {hf_dir} has no tokenizer.json; data.tokenizer stays 'bytes'", file=sys.stderr)
+  cfg.data.seq_len = cfg.model.max_seq_len        # the context the model was trained for
   cfg.run.dir = str(run_dir)
   config_lib.validate(cfg)
   run_lib.save_params_run(run_dir, cfg, model)
   return cfg
+
+
+TOKENIZER_DIR = "tokenizer"     # RUN_DIR/tokenizer/: an imported model's tokenizer files
+
+
+def _write_tokenizer(src: pathlib.Path, dst) -> pathlib.Path:
+  """Copies tokenizer.json and its side files from a Hugging Face directory to `dst` (local or a bucket); a model
+  without generation_config.json gets one with config.json's bos / eos ids (what transformers' generate reads).
+  Returns dst/tokenizer.json."""
+  dst = paths.as_path(dst)
+  dst.mkdir(parents=True, exist_ok=True)
+  for name in ("tokenizer.json",) + SIDE_FILES:
+    if (src / name).is_file():
+      paths.copy_file(src / name, dst / name)
+  if not (src / "generation_config.json").is_file():
+    hf = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+    if gen:
+      (dst / "generation_config.json").write_text(json.dumps(gen, indent=2))
+  return dst / "tokenizer.json"
 
 
 def save_hf(model, out_dir: str | pathlib.Path, *, dtype: str = "float32", tokenizer: str | None = None,
@@ -402,10 +436,12 @@ def save_hf(model, out_dir: str | pathlib.Path, *, dtype: str = "float32", token
   paths.check_bucket(out_dir, "--out")
   with paths.staged_dir(out_dir) as local:
     _write_hf(model, local, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    if tokenizer and paths.as_path(tokenizer).is_dir():
+      tokenizer = paths.as_path(tokenizer) / "tokenizer.json"
     if tokenizer and paths.as_path(tokenizer).is_file():
       src = paths.as_path(tokenizer)
       paths.copy_file(src, local / "tokenizer.json")
-      for extra in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+      for extra in SIDE_FILES:        # its BOS / EOS / chat template (sinkjax.data.tokenizers), chat_template.jinja too
         if (src.parent / extra).is_file():
           paths.copy_file(src.parent / extra, local / extra)
   return out_dir
@@ -451,7 +487,9 @@ def main(argv=None) -> int:
       description="Import a Hugging Face checkpoint (Llama 3, Qwen3, GPT-OSS; safetensors) into a sinkjax run "
                   "directory, or export a run back to a Hugging Face directory.")
   src = parser.add_mutually_exclusive_group(required=True)
-  src.add_argument("--hf-dir", help="Hugging Face model directory (config.json + *.safetensors) to import")
+  src.add_argument("--hf-dir", "--gguf", dest="hf_dir",
+                   help="what to import: a Hugging Face model directory (config.json + *.safetensors), a .gguf file "
+                        "or a directory holding one (dequantized; needs the gguf extra)")
   src.add_argument("--export", metavar="RUN_DIR", help="run directory to export (LoRA adapters are merged)")
   parser.add_argument("--out", required=True, help="the run directory (import) or Hugging Face directory (export)")
   parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),

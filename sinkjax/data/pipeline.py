@@ -12,7 +12,10 @@ Training pipeline (per JAX process):
   -> prefetch                                  .mp_prefetch(num_workers) or a prefetch thread
 
 Two packings (`data.packing`); both take the documents in shuffled order, each preceded by BOS, and fill rows of
-seq_len + 1 tokens `x`; no token is lost or duplicated.
+seq_len + 1 tokens `x`; no token is lost or duplicated. A tokenizer whose `add_bos` is false (a model's tokenizer
+that adds none, e.g. Qwen's or SmolLM2's: sinkjax.data.tokenizers) gets no BOS in `document` packing (each piece
+starts with its own first token, which is then no target) and its end-of-text token (`eot_id`) as the separator of
+the `stream` (the layout such models were pretrained on).
 
 - `document` (greedy concatenate-and-split with segment ids): documents are written one after another into a row.
   When a document does not fit in what is left of the row, the row is filled with its beginning and the rest
@@ -104,10 +107,10 @@ class _BlockPacker(grain.DatasetIterator):
   OFFSET = "offset"   # the offset's name in the state; each packing has its own, so a checkpoint of one is refused
                       # by the other (sinkjax.checkpoint compares the state's field names)
 
-  def __init__(self, parent: grain.DatasetIterator, seq_len: int, bos_id: int, max_empty: int | None):
+  def __init__(self, parent: grain.DatasetIterator, seq_len: int, bos_id: int | None, max_empty: int | None):
     super().__init__(parent)
     self._row = seq_len + 1
-    self._bos = bos_id
+    self._bos = bos_id            # None (document packing): documents start with their own first token
     self._max_empty = max_empty
     self._block_state = self._parent.get_state()
     self._block: list | None = None
@@ -166,7 +169,8 @@ class _BlockPacker(grain.DatasetIterator):
 
 
 class _PackIterator(_BlockPacker):
-  """data.packing=document: greedy concatenate-and-split of BOS-prefixed documents with segment ids."""
+  """data.packing=document: greedy concatenate-and-split of documents (BOS-prefixed unless the packer's BOS is None)
+  with segment ids."""
 
   def __next__(self) -> dict:
     r = self._row
@@ -176,19 +180,21 @@ class _PackIterator(_BlockPacker):
     nbytes = np.zeros(r, np.int32)
     fill = 0
     seg = 0
+    b = 0 if self._bos is None else 1          # the BOS slot before each piece
     while r - fill >= 2:
       doc = self._document()
       if doc is None:
         break
       ids, nb = doc
-      take = min(r - fill - 1, len(ids) - self._off)
+      take = min(r - fill - b, len(ids) - self._off)
       seg += 1
-      tokens[fill] = self._bos
-      tokens[fill + 1:fill + 1 + take] = ids[self._off:self._off + take]
-      nbytes[fill + 1:fill + 1 + take] = nb[self._off:self._off + take]
-      segs[fill:fill + 1 + take] = seg
-      pos[fill:fill + 1 + take] = np.arange(take + 1, dtype=np.int32)
-      fill += take + 1
+      if b:
+        tokens[fill] = self._bos
+      tokens[fill + b:fill + b + take] = ids[self._off:self._off + take]
+      nbytes[fill + b:fill + b + take] = nb[self._off:self._off + take]
+      segs[fill:fill + b + take] = seg
+      pos[fill:fill + b + take] = np.arange(take + b, dtype=np.int32)
+      fill += take + b
       self._off += take
       self._done_with(len(ids))
     if fill == 0:
@@ -239,7 +245,7 @@ class PackIterDataset(grain.IterDataset):
   packing: "document" (segment ids per document piece) or "stream" (rows cut from one token stream); see the module
   docstring."""
 
-  def __init__(self, parent: grain.IterDataset, *, seq_len: int, bos_id: int, max_empty: int | None = None,
+  def __init__(self, parent: grain.IterDataset, *, seq_len: int, bos_id: int | None, max_empty: int | None = None,
                packing: str = "document"):
     super().__init__(parent)
     if packing not in _PACKERS:
@@ -267,6 +273,14 @@ def _check(data_cfg, tokenizer, batch_size: int) -> None:
     raise DataError(f"data.packing must be one of {'|'.join(_PACKERS)}, got {data_cfg.packing!r}")
   if not hasattr(tokenizer, "encode_with_bytes"):
     raise TypeError(f"tokenizer must come from sinkjax.data.build_tokenizer, got {type(tokenizer).__name__}")
+
+
+def _separator(tokenizer, packing: str) -> int | None:
+  """The token before each document: BOS where the tokenizer adds one; else none (document packing) or its
+  end-of-text token (stream packing, which needs a boundary between documents)."""
+  if getattr(tokenizer, "add_bos", True):
+    return tokenizer.bos_id
+  return None if packing == "document" else tokenizer.eot_id
 
 
 def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
@@ -310,7 +324,8 @@ def make_train_dataset(data_cfg, tokenizer=None, *, batch_size: int, seed: int =
   ds = ds.to_iter_dataset(_read_options())
   # Every block is visited once per epoch; with worker slicing a worker sees them all within ~num_workers epochs.
   max_empty = 4 * n_blocks * max(1, data_cfg.num_workers) + 64
-  ds = PackIterDataset(ds, seq_len=data_cfg.seq_len, bos_id=tokenizer.bos_id, max_empty=max_empty,
+  ds = PackIterDataset(ds, seq_len=data_cfg.seq_len, bos_id=_separator(tokenizer, data_cfg.packing),
+                       max_empty=max_empty,
                        packing=data_cfg.packing)
   if data_cfg.shuffle_batches > 0:
     # Packing puts a long document's pieces in consecutive rows; mixing rows over several batches keeps one document
@@ -344,38 +359,68 @@ def _empty_row(seq_len: int) -> dict:
   return row_features(z, z, z, z)
 
 
-def make_eval_batches(data_cfg, tokenizer=None, *, batch_size: int, num_batches: int,
-                      process_index: int | None = None, process_count: int | None = None) -> list[dict]:
-  """Deterministic validation batches (this process' part of each global batch), packed like training (data.packing).
+class _FirstDocuments:
+  """The first `max_docs` non-empty documents of a block source, one block each, in stored order."""
 
-  The validation split is read in its stored order (no shuffle) and packed into rows; global batch k consists of
-  rows [k * G, (k + 1) * G) with G = batch_size * process_count, of which this process gets its `batch_size` rows.
-  Returns `num_batches` batches, or fewer if the split is smaller (the last one padded with all-padding rows,
-  loss_mask 0). DataError if the split has no text.
+  def __init__(self, src, max_docs: int):
+    self.docs = []
+    for i in range(len(src)):
+      self.docs += [d for d in src[i] if d][:max_docs - len(self.docs)]
+      if len(self.docs) >= max_docs:
+        break
+
+  def __len__(self) -> int:
+    return len(self.docs)
+
+  def __getitem__(self, index: int) -> list[str]:
+    return [self.docs[index]]
+
+
+def make_eval_batches(data_cfg, tokenizer=None, *, batch_size: int, num_batches: int | None,
+                      process_index: int | None = None, process_count: int | None = None, split: str = "val",
+                      max_docs: int | None = None, counts: dict | None = None) -> list[dict]:
+  """Deterministic evaluation batches (this process' part of each global batch), packed like training (data.packing).
+
+  The `split` ('val': the validation split; 'all': every document of data.source) is read in its stored order (no
+  shuffle), at most its first `max_docs` documents, and packed into rows; global batch k consists of rows
+  [k * G, (k + 1) * G) with G = batch_size * process_count, of which this process gets its `batch_size` rows.
+  Returns `num_batches` batches (None: as many as the documents fill), or fewer if the split is smaller (the last one
+  padded with all-padding rows, loss_mask 0). DataError if the split has no text. `counts`, a dict, receives
+  "documents": how many documents the batches hold (whole or in part; None where that would need a second pass).
   """
   tokenizer = tokenizer or ByteTokenizer()
   _check(data_cfg, tokenizer, batch_size)
-  if num_batches < 1:
+  if num_batches is not None and num_batches < 1:
     raise DataError(f"number of eval batches must be >= 1, got {num_batches}")
+  if max_docs is not None and max_docs < 1:
+    raise DataError(f"the number of documents must be >= 1, got {max_docs}")
   pi, pc = _process(process_index, process_count)
-  src = build_source(data_cfg, "val")
-  ds = grain.MapDataset.source(src).map_with_index(_Tokenize(tokenizer, None))
-  ds = PackIterDataset(ds.to_iter_dataset(_read_options()), seq_len=data_cfg.seq_len, bos_id=tokenizer.bos_id,
-                       packing=data_cfg.packing)
+  src = build_source(data_cfg, split)
+  if max_docs is not None:
+    src = _FirstDocuments(src, max_docs)
+  tokenize = _Tokenize(tokenizer, None)
+  ds = grain.MapDataset.source(src).map_with_index(tokenize)
+  packer = PackIterDataset(ds.to_iter_dataset(_read_options()), seq_len=data_cfg.seq_len,
+                           bos_id=_separator(tokenizer, data_cfg.packing), packing=data_cfg.packing)
   g = batch_size * pc
-  need = num_batches * g
+  need = None if num_batches is None else num_batches * g
   rows = []
-  it = iter(ds)
+  it = iter(packer)
   for row in it:
     rows.append(row)
-    if len(rows) >= need:
+    if need is not None and len(rows) >= need:
       break
+  if counts is not None:
+    counts["documents"] = None
+    if need is None or len(rows) < need:       # the whole split went in: count its documents
+      counts["documents"] = sum(1 for i in range(len(src)) for d in src[i] if d)
   if not rows:
     what = ("has no text" if data_cfg.packing == "document" else
             f"holds fewer than data.seq_len + 1 = {data_cfg.seq_len + 1} tokens (data.packing=stream keeps full rows "
             "only)")
-    raise DataError(f"the validation split of data.source {data_cfg.source!r} {what}; raise data.val_fraction or "
-                    "add documents")
+    which = "the whole" if split == "all" else "the validation split of"
+    raise DataError(f"{which} data.source {data_cfg.source!r} {what}; "
+                    + ("add documents" if split == "all" else "raise data.val_fraction or add documents"))
   n = -(-len(rows) // g)
   rows += [_empty_row(data_cfg.seq_len)] * (n * g - len(rows))
   batches = []

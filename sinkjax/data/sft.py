@@ -4,8 +4,9 @@ Each line of a `.jsonl` file is one example, either
   {"prompt": "...", "response": "..."}                       (also "completion" for "response")
   {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
 A prompt/response pair is the conversation [user: prompt, assistant: response]. Conversations are rendered with the
-tokenizer's chat template when its directory has a tokenizer_config.json with `chat_template` (rendered in Jinja's
-sandbox, as transformers does), else with a plain "User: ... / Assistant: ..." layout. The text of each assistant
+tokenizer's chat template when it has one (`tokenizer.chat`, sinkjax.data.tokenizers: tokenizer_config.json's
+`chat_template` or chat_template.jinja, rendered as transformers does), else with a plain "User: ... / Assistant:
+..." layout. The text of each assistant
 turn (and the template's end-of-turn after it) carries loss; everything else is context (loss_mask 0).
 
 Batches have the features of `sinkjax.data.pipeline` (inputs, targets, segment_ids, positions, loss_mask,
@@ -26,7 +27,7 @@ from sinkjax import paths
 from sinkjax.data.pipeline import FEATURES, _process, row_features
 from sinkjax.data.sources import DataError, expand_files
 
-_PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+_ROLES = ("system", "user", "assistant")
 
 
 def read_examples(pattern: str) -> list[list[dict]]:
@@ -53,7 +54,7 @@ def read_examples(pattern: str) -> list[list[dict]]:
 def _conversation(rec, where: str) -> list[dict]:
   if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
     msgs = rec["messages"]
-    if not all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in _PLAIN_ROLES
+    if not all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in _ROLES
                for m in msgs) or not any(m["role"] == "assistant" for m in msgs):
       raise DataError(f"{where}: messages must be {{role: system|user|assistant, content: str}} with at least one "
                       "assistant turn")
@@ -65,68 +66,17 @@ def _conversation(rec, where: str) -> list[dict]:
   raise DataError(f"{where}: an SFT example needs 'prompt' and 'response' strings or a 'messages' list")
 
 
-class ChatFormat:
-  """Renders a conversation into (text, is_response) pieces: the tokenizer's chat template, or a plain layout."""
-
-  def __init__(self, tokenizer_path: str | None):
-    self.template, self.special = None, {}
-    cfg_path = paths.as_path(tokenizer_path).parent / "tokenizer_config.json" if tokenizer_path else None
-    if cfg_path is not None and cfg_path.is_file():
-      tc = json.loads(cfg_path.read_text())
-      template = tc.get("chat_template")
-      if isinstance(template, list):          # [{name, template}, ...]: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-      if isinstance(template, str):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        self.template = env.from_string(template)
-        for key in ("bos_token", "eos_token"):
-          tok = tc.get(key)
-          self.special[key] = tok.get("content", "") if isinstance(tok, dict) else (tok or "")
-
-  def _render(self, msgs, add_generation_prompt: bool) -> str:
-    return self.template.render(messages=msgs, add_generation_prompt=add_generation_prompt, **self.special)
-
-  def pieces(self, msgs: list[dict]) -> list[tuple[str, bool]]:
-    if self.template is None:
-      out = []
-      for m in msgs:
-        out.append((f"{_PLAIN_ROLES[m['role']]}: ", False))
-        out.append((m["content"] + "\n\n", m["role"] == "assistant"))
-      return out
-    # Render growing prefixes: what an assistant turn adds after its generation prompt is response text.
-    out, done = [], ""
-    for i, m in enumerate(msgs):
-      if m["role"] == "assistant":
-        prompt = self._render(msgs[:i], True)
-        if not prompt.startswith(done):
-          raise DataError("the chat template does not render conversations incrementally; use prompt/response "
-                          "data with a tokenizer without chat_template")
-        out.append((prompt[len(done):], False))
-        done = prompt
-      full = self._render(msgs[:i + 1], False)
-      if not full.startswith(done):
-        raise DataError("the chat template does not render conversations incrementally")
-      out.append((full[len(done):], m["role"] == "assistant"))
-      done = full
-    return [(t, r) for t, r in out if t]
-
-
-def _raise(message):
-  raise DataError(f"chat template: {message}")
-
-
-def tokenize_example(msgs, tokenizer, fmt: ChatFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(ids, is_response, nbytes) of one conversation, BOS first (unless the template already put it there)."""
+def tokenize_example(msgs, tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(ids, is_response, nbytes) of one conversation in the tokenizer's chat layout, BOS first where the tokenizer
+  adds one (unless the template already put it there)."""
   ids, resp, nbytes = [], [], []
-  for text, is_resp in fmt.pieces(msgs):
+  for text, is_resp in tokenizer.chat.pieces(msgs):
     t, b = tokenizer.encode_with_bytes(text)
     ids.append(t)
     nbytes.append(b)
     resp.append(np.full(len(t), is_resp))
   ids, resp, nbytes = (np.concatenate(x) if x else np.zeros(0) for x in (ids, resp, nbytes))
-  if not len(ids) or ids[0] != tokenizer.bos_id:
+  if tokenizer.add_bos and (not len(ids) or ids[0] != tokenizer.bos_id):
     ids, resp, nbytes = np.r_[tokenizer.bos_id, ids], np.r_[False, resp], np.r_[0, nbytes]
   return ids.astype(np.int32), resp.astype(bool), nbytes.astype(np.int32)
 
@@ -164,7 +114,9 @@ def pack_rows(examples, seq_len: int) -> list[dict]:
 
 
 def _split(convs: list, data_cfg, split: str) -> list:
-  """Deterministic train/val split by example index (every k-th example is validation)."""
+  """Deterministic train/val split by example index (every k-th example is validation); 'all' keeps every one."""
+  if split == "all":
+    return convs
   k = max(2, round(1 / max(data_cfg.val_fraction, 1e-9)))
   keep = [c for i, c in enumerate(convs) if (i % k == k - 1) == (split == "val")]
   if not keep:
@@ -173,11 +125,12 @@ def _split(convs: list, data_cfg, split: str) -> list:
   return keep
 
 
-def sft_rows(data_cfg, tokenizer, split: str = "train") -> list[dict]:
-  convs = _split(read_examples(data_cfg.source), data_cfg, split)
-  tok_path = data_cfg.tokenizer if data_cfg.tokenizer != "bytes" else None
-  fmt = ChatFormat(tok_path)
-  rows = pack_rows((tokenize_example(c, tokenizer, fmt) for c in convs), data_cfg.seq_len)
+def sft_rows(data_cfg, tokenizer, split: str = "train", max_docs: int | None = None, counts: dict | None = None
+             ) -> list[dict]:
+  convs = _split(read_examples(data_cfg.source), data_cfg, split)[:max_docs]
+  if counts is not None:
+    counts["documents"] = len(convs)
+  rows = pack_rows((tokenize_example(c, tokenizer) for c in convs), data_cfg.seq_len)
   if not rows:
     raise DataError(f"data.source {data_cfg.source!r}: no {split} example keeps a response token within "
                     f"data.seq_len={data_cfg.seq_len}")
@@ -204,13 +157,19 @@ def make_sft_iterator(data_cfg, tokenizer, *, batch_size: int, seed: int = 0,
   return iter(ds.to_iter_dataset())
 
 
-def make_sft_eval_batches(data_cfg, tokenizer, *, batch_size: int, num_batches: int,
-                          process_index: int | None = None, process_count: int | None = None) -> list[dict]:
-  """The first validation rows as `num_batches` global batches of batch_size x process_count rows (the last one
-  padded with rows of loss_mask 0); this process gets its `batch_size` rows of each."""
+def make_sft_eval_batches(data_cfg, tokenizer, *, batch_size: int, num_batches: int | None,
+                          process_index: int | None = None, process_count: int | None = None, split: str = "val",
+                          max_docs: int | None = None, counts: dict | None = None) -> list[dict]:
+  """The first rows of the `split` ('val', or 'all' the examples; at most the first `max_docs`) as `num_batches`
+  global batches (None: all of them) of batch_size x process_count rows (the last one padded with rows of loss_mask
+  0); this process gets its `batch_size` rows of each. `counts` receives "documents", the examples read."""
   pi, pc = _process(process_index, process_count)
   g = batch_size * pc
-  rows = sft_rows(data_cfg, tokenizer, "val")[:g * num_batches]
+  rows = sft_rows(data_cfg, tokenizer, split, max_docs, counts)
+  if num_batches is not None:
+    if counts is not None and len(rows) > g * num_batches:
+      counts["documents"] = None                      # the batches stop before the split's end
+    rows = rows[:g * num_batches]
   pad = {f: np.zeros_like(v) for f, v in rows[0].items()}
   rows += [pad] * (-len(rows) % g)
   return [_stack(rows[k + pi * batch_size:k + (pi + 1) * batch_size]) for k in range(0, len(rows), g)]

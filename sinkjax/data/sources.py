@@ -460,15 +460,18 @@ def _tfds_source(name: str, data_cfg, split: str) -> BlockSource:
     tfds_split, flt = data_cfg.train_split, "all"
   else:   # no validation split: carve it out of the training split by hash
     tfds_split, flt = data_cfg.train_split, split
+  if split == "all":
+    tfds_split, flt = (data_cfg.val_split if data_cfg.val_split in splits else data_cfg.train_split), "all"
   return TfdsSource(name, tfds_split, data_dir, data_cfg.text_field, flt, data_cfg.val_fraction,
                     int(splits[tfds_split].num_examples))
 
 
 # ------------------------------------------------------------------------------------------------------ build
 def build_source(data_cfg, split: str) -> BlockSource:
-  """The block source of `data.source` for split 'train' or 'val' (DataError on bad input)."""
-  if split not in ("train", "val"):
-    raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+  """The block source of `data.source` for split 'train', 'val' or 'all' (every document, in stored order;
+  DataError on bad input)."""
+  if split not in ("train", "val", "all"):
+    raise ValueError(f"split must be 'train', 'val' or 'all', got {split!r}")
   if not 0.0 <= data_cfg.val_fraction <= 1.0:
     raise DataError(f"data.val_fraction must be in [0, 1], got {data_cfg.val_fraction}")
   source = (data_cfg.source or "").strip()
@@ -486,7 +489,7 @@ def build_source(data_cfg, split: str) -> BlockSource:
 
 def check_nonempty(src: BlockSource, data_cfg, split: str) -> None:
   """DataError if the split certainly has no text (small sources are scanned fully, large ones not at all)."""
-  what = "validation" if split == "val" else "training"
+  what = {"val": "validation", "train": "training", "all": "whole"}[split]
   fix = ("raise data.val_fraction or add documents" if split == "val" else
          "lower data.val_fraction or add documents with text")
   if len(src) == 0:

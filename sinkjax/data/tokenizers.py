@@ -14,19 +14,40 @@ special tokens dropped), `token_bytes` (np.int32 [vocab_size]: UTF-8 byte length
   `<|begin_of_text|>`), else the first present of `<|begin_of_text|>`, `<|bos|>`, `<bos>`, `<s>`, `[BOS]`,
   `<|startoftext|>`, `<|endoftext|>`, `[CLS]`; if none exists a new id equal to the tokenizer's size is added
   (vocab_size grows by one; decode drops it).
+
+The special tokens a tokenizer's model uses live here too, read from the files beside tokenizer.json (a Hugging Face
+model's tokenizer_config.json, generation_config.json, chat_template.jinja, config.json):
+- `add_bos`: whether a document or prompt gets BOS prepended. A model's tokenizer (its directory has a
+  tokenizer_config.json) adds one only where its own encoding does: `add_bos_token` when the config sets it, else its
+  post-processor's template (Llama 3: yes; Qwen, SmolLM2: no). A bare tokenizer.json (sinkjax's own trained or
+  nanochat's BPE) and the bytes tokenizer keep sinkjax's BOS-separated documents. `data.add_bos` overrides (auto |
+  true | false).
+- `eos_ids` (the tokenizer's eos_token first, then generation_config.json's / config.json's eos_token_id) and
+  `stop_ids`, what generation stops at (generation_config.json's eos ids as transformers' `generate`; else the
+  eos_token; else BOS, the end of a sinkjax document).
+- `chat`: a `ChatTemplate`, the tokenizer's own chat template (tokenizer_config.json's `chat_template` or
+  chat_template.jinja) rendered as transformers renders it, or sinkjax's plain "User: ... / Assistant: ..." layout
+  for a tokenizer that has none. A tokenizer that has one never gets another layout.
+- `side_files`: those files' contents, so an export writes them back.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import re
 
 import numpy as np
 
 from sinkjax import paths
+from sinkjax.choices import ADD_BOS
 from sinkjax.data.sources import DataError
 
 _BOS_CANDIDATES = ("<|begin_of_text|>", "<|bos|>", "<bos>", "<s>", "[BOS]", "<|startoftext|>", "<|endoftext|>",
                    "[CLS]")
+
+
+SIDE_FILES = ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json", "chat_template.jinja")
+_PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
 def clean_text(text: str) -> str:
@@ -52,8 +73,12 @@ class ByteTokenizer:
   vocab_size = 257
   bos_id = 256
 
-  def __init__(self):
+  def __init__(self, add_bos: bool = True):
     self.token_bytes = np.array([1] * 256 + [0], np.int32)
+    self.add_bos = add_bos
+    self.eos_ids, self.stop_ids = [], [self.bos_id]
+    self.chat = ChatTemplate(None)
+    self.side_files = {}
 
   def encode(self, text: str) -> list[int]:
     return list(_utf8(text))
@@ -62,8 +87,16 @@ class ByteTokenizer:
     ids = np.frombuffer(_utf8(text), np.uint8).astype(np.int32)
     return ids, np.ones_like(ids)
 
-  def decode(self, ids) -> str:
+  def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    del skip_special_tokens                   # BOS has no text
     return bytes(int(i) for i in np.asarray(ids).reshape(-1) if 0 <= int(i) < 256).decode("utf-8", "replace")
+
+  def encode_document(self, text: str) -> list[int]:
+    return _with_bos(self, self.encode(text))
+
+  @property
+  def eot_id(self) -> int:
+    return self.bos_id
 
   def __repr__(self) -> str:
     return "ByteTokenizer(vocab_size=257, bos_id=256)"
@@ -99,13 +132,13 @@ def _component_types(node) -> set[str]:
 class HFTokenizer:
   """A Hugging Face `tokenizers` tokenizer loaded from tokenizer.json."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, add_bos: str = "auto"):
     try:
       import tokenizers  # pylint: disable=import-outside-toplevel
     except ImportError:
       raise DataError("data.tokenizer names a tokenizer.json, which needs the tokenizers package; "
                       "pip install tokenizers") from None
-    self.name = path
+    self.name, self._add_bos = path, add_bos
     try:
       self._json = paths.as_path(path).read_bytes().decode("utf-8")
       self._tok = tokenizers.Tokenizer.from_str(self._json)
@@ -113,14 +146,16 @@ class HFTokenizer:
       raise DataError(f"data.tokenizer {path!r} is not a valid Hugging Face tokenizer.json "
                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                       "give 'bytes' or a tokenizer.json path") from None
+    self.side_files = _read_side_files(paths.as_path(path).parent)
     self._setup()
 
   def __getstate__(self):
-    return {"name": self.name, "_json": self._json}
+    return {"name": self.name, "_json": self._json, "side_files": self.side_files, "add_bos": self._add_bos}
 
   def __setstate__(self, state):
     import tokenizers  # pylint: disable=import-outside-toplevel
     self.name, self._json = state["name"], state["_json"]
+    self.side_files, self._add_bos = state["side_files"], state["add_bos"]
     self._tok = tokenizers.Tokenizer.from_str(self._json)
     self._setup()
 
@@ -130,14 +165,18 @@ class HFTokenizer:
     base_size = max(vocab.values()) + 1 if vocab else 0
     added = self._tok.get_added_tokens_decoder()
     self._special_ids = {i for i, t in added.items() if t.special}
-    bos = None
+    tc = _json_file(self.side_files, "tokenizer_config.json")
+    bos, template_bos = None, False
     template = (spec.get("post_processor") or {})
     for proc in [template] + list(template.get("processors", []) or []):
       single = proc.get("single") if isinstance(proc, dict) else None
       if isinstance(single, list) and single and isinstance(single[0], dict) and "SpecialToken" in single[0]:
         bos = vocab.get(single[0]["SpecialToken"].get("id"))
         if bos is not None:
+          template_bos = True
           break
+    if bos is None and _token_text(tc.get("bos_token")) in vocab:
+      bos = vocab[_token_text(tc.get("bos_token"))]
     if bos is None:
       for cand in _BOS_CANDIDATES:
         if cand in vocab:
@@ -147,6 +186,24 @@ class HFTokenizer:
     self.bos_id = base_size if bos is None else int(bos)
     self.vocab_size = base_size + (1 if self._extra_bos else 0)
     self._special_ids.add(self.bos_id)
+    self.is_model_tokenizer = "tokenizer_config.json" in self.side_files
+    if self._add_bos != "auto":
+      self.add_bos = self._add_bos == "true"
+    elif isinstance(tc.get("add_bos_token"), bool):
+      self.add_bos = tc["add_bos_token"]
+    else:
+      self.add_bos = template_bos or not self.is_model_tokenizer
+    eos = []
+    if _token_text(tc.get("eos_token")) in vocab:
+      eos.append(vocab[_token_text(tc["eos_token"])])
+    generation = []
+    for name in ("generation_config.json", "config.json"):
+      generation = _ids(_json_file(self.side_files, name).get("eos_token_id"))
+      if generation:
+        break
+    self.eos_ids = eos + [i for i in generation if i not in eos]
+    self.stop_ids = generation or eos or [self.bos_id]
+    self.chat = ChatTemplate.from_files(self.side_files)
 
     # UTF-8 byte length of every token, for the table and for decoding-free byte accounting.
     types = _component_types(spec.get("decoder")) | _component_types(spec.get("pre_tokenizer"))
@@ -197,19 +254,160 @@ class HFTokenizer:
     counts[-1] += total - reach[-1]
     return ids, counts.astype(np.int32)
 
-  def decode(self, ids) -> str:
+  def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    """The text of `ids`; special tokens dropped unless `skip_special_tokens` is False (generated text shows them)."""
     ids = [int(i) for i in np.asarray(ids).reshape(-1) if not (self._extra_bos and int(i) == self.bos_id)]
-    return self._tok.decode(ids, skip_special_tokens=True)
+    return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+  def encode_document(self, text: str) -> list[int]:
+    """A document or prompt as the model reads it: BOS first where `add_bos`."""
+    return _with_bos(self, self.encode(text))
+
+  @property
+  def eot_id(self) -> int:
+    """The end-of-text token: the tokenizer's EOS, else BOS (sinkjax's document separator)."""
+    return self.eos_ids[0] if self.eos_ids else self.bos_id
+
+  def token_text(self, token_id: int) -> str | None:
+    return self._tok.id_to_token(int(token_id))
 
   def __repr__(self) -> str:
     return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id})"
 
 
+def _with_bos(tok, ids: list[int]) -> list[int]:
+  return [tok.bos_id] + list(ids) if tok.add_bos else list(ids)
+
+
+def _token_text(value) -> str | None:
+  """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+  value = value.get("content") if isinstance(value, dict) else value
+  return value if isinstance(value, str) else None
+
+
+def _ids(value) -> list[int]:
+  if isinstance(value, bool):
+    return []
+  if isinstance(value, int):
+    return [value]
+  if isinstance(value, list):
+    return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+  return []
+
+
+def _read_side_files(folder) -> dict[str, str]:
+  """The text of the Hugging Face files beside a tokenizer.json (those of SIDE_FILES present, and config.json)."""
+  out = {}
+  for name in SIDE_FILES + ("config.json",):
+    try:
+      p = folder / name
+      if p.is_file():
+        out[name] = p.read_text(encoding="utf-8")
+    except OSError:
+      pass
+  return out
+
+
+def _json_file(files: dict, name: str) -> dict:
+  try:
+    value = json.loads(files[name]) if name in files else {}
+  except ValueError:
+    raise DataError(f"the tokenizer's {name} is not valid JSON; fix or remove it") from None
+  return value if isinstance(value, dict) else {}
+
+
+class ChatTemplate:
+  """A conversation ([{role, content}, ...]) as text: the tokenizer's Jinja chat template, rendered as transformers'
+  `apply_chat_template` renders it (Jinja's sandbox, trim_blocks / lstrip_blocks, its `raise_exception`, `tojson`,
+  `strftime_now`, bos_token / eos_token), or with `template` None sinkjax's plain layout
+  "User: ...\n\nAssistant: ...\n\n". Rendered text is tokenized without adding special tokens, as transformers
+  does: the template writes whatever BOS its model wants."""
+
+  def __init__(self, template: str | None, special: dict | None = None):
+    self.source, self.special = template, dict(special or {})
+    self._template = None
+    if template is not None:
+      try:
+        import jinja2.ext  # pylint: disable=import-outside-toplevel
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
+      except ImportError:
+        raise DataError("the tokenizer has a chat template, which needs jinja2; pip install jinja2") from None
+      env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+      env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+          x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+      env.globals["raise_exception"] = _raise
+      env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+      try:
+        self._template = env.from_string(template)
+      except jinja2.TemplateError as e:
+        raise DataError(f"the tokenizer's chat template does not parse ({e}); fix or remove it") from None
+
+  @classmethod
+  def from_files(cls, files: dict) -> "ChatTemplate":
+    tc = _json_file(files, "tokenizer_config.json")
+    template = tc.get("chat_template")
+    if isinstance(template, list):          # [{name, template}, ...]: the default one
+      template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                      None)
+    if not isinstance(template, str):
+      template = files.get("chat_template.jinja")
+    special = {k: _token_text(tc.get(k)) or "" for k in ("bos_token", "eos_token")}
+    return cls(template, special)
+
+  @property
+  def plain(self) -> bool:
+    return self._template is None
+
+  def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    if self._template is None:
+      text = "".join(f"{_PLAIN_ROLES.get(m['role'], str(m['role']).title())}: {m['content']}\n\n" for m in messages)
+      return text + ("Assistant: " if add_generation_prompt else "")
+    return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+
+  def prompt(self, text: str, system: str | None = None) -> str:
+    """One user turn (after an optional system message) and the assistant's generation prompt."""
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return self.render(msgs, add_generation_prompt=True)
+
+  def pieces(self, msgs: list[dict]) -> list[tuple[str, bool]]:
+    """(text, is_response) pieces of a conversation: each assistant turn's text (and the template's end-of-turn
+    after it) is response, everything else context."""
+    if self._template is None:
+      out = []
+      for m in msgs:
+        out.append((f"{_PLAIN_ROLES[m['role']]}: ", False))
+        out.append((m["content"] + "\n\n", m["role"] == "assistant"))
+      return out
+    # Render growing prefixes: what an assistant turn adds after its generation prompt is response text.
+    out, done = [], ""
+    for i, m in enumerate(msgs):
+      if m["role"] == "assistant":
+        prompt = self.render(msgs[:i], True)
+        if not prompt.startswith(done):
+          raise DataError("the chat template does not render conversations incrementally; use prompt/response "
+                          "data with a tokenizer without chat_template")
+        out.append((prompt[len(done):], False))
+        done = prompt
+      full = self.render(msgs[:i + 1], False)
+      if not full.startswith(done):
+        raise DataError("the chat template does not render conversations incrementally")
+      out.append((full[len(done):], m["role"] == "assistant"))
+      done = full
+    return [(t, r) for t, r in out if t]
+
+
+def _raise(message):
+  raise DataError(f"chat template: {message}")
+
+
 def build_tokenizer(data_cfg):
   """`data.tokenizer`: 'bytes' or the path of a Hugging Face tokenizer.json (or a directory holding one)."""
   spec = (data_cfg.tokenizer or "bytes").strip()
+  add_bos = str(getattr(data_cfg, "add_bos", "auto")).lower()
+  if add_bos not in ADD_BOS:
+    raise DataError(f"data.add_bos must be one of {'|'.join(ADD_BOS)}, got {add_bos!r}")
   if spec == "bytes":
-    return ByteTokenizer()
+    return ByteTokenizer(add_bos=add_bos != "false")
   try:
     p = paths.as_path(spec, "data.tokenizer")
   except paths.StorageError as e:
@@ -220,4 +418,4 @@ def build_tokenizer(data_cfg):
   if not p.is_file():
     raise DataError(f"data.tokenizer {spec!r} does not exist; give 'bytes' or the path of a Hugging Face "
                     "tokenizer.json")
-  return HFTokenizer(path)
+  return HFTokenizer(path, add_bos)
