@@ -181,10 +181,11 @@ def test_commands_on_the_real_model(smol, tmp_path):
   (tmp_path / "docs.jsonl").write_text("\n".join(docs) + "\n")
   r = subprocess.run([sys.executable, "-m", "sinkjax.eval", "--checkpoint", str(smol["run"]), "--data",
                       str(tmp_path / "docs.jsonl"), "--split", "all", "--out", str(tmp_path / "eval"),
-                      "--batch-size", "2", "data.seq_len=256"],
+                      "--batch-size", "2", "data.seq_len=512"],
                      capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
   assert r.returncode == 0, r.stderr[-2000:]
   report = json.loads((tmp_path / "eval" / "report.json").read_text())
-  n_tokens = sum(len(smol["hf_tok"](p).input_ids) - 1 for p in TEXT.split("\n\n"))
+  n_tokens = sum(len(smol["hf_tok"](p).input_ids) - 1 for p in TEXT.split("\n\n"))   # one row: no first token
+  assert n_tokens == 319                                                                 # of a document is a target
   assert report["eval_documents"] == 3 and report["eval_tokens"] == n_tokens
   assert "3 documents" in r.stdout
