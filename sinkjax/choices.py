@@ -9,6 +9,7 @@ GATE_POSITIONS = ("sdpa", "value")                        # [GatedAttn] G1 | G2
 GATE_ACTIVATIONS = ("sigmoid", "ns_sigmoid", "silu", "silu_additive")
 GATE_INPUTS = ("dependent", "independent")
 MLP_KINDS = ("relu2", "swiglu", "clamped_swiglu")
+MOE_ROUTERS = ("topk_softmax", "softmax_topk", "softmax_topk_norm")   # model.moe_router (layers.moe_tokens)
 ROPE_SCALINGS = ("none", "llama3", "yarn")
 ROPE_STYLES = ("llama", "nanochat")
 INITS = ("default", "nanochat")
@@ -22,4 +23,5 @@ PACKINGS = ("stream", "document")
 ADD_BOS = ("auto", "true", "false")         # data.add_bos (sinkjax.data.tokenizers)
 LAYER_TYPES = ("full", "sliding")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-REMAT_POLICIES = ("nothing", "dots")
+REMAT_POLICIES = ("nothing", "dots", "save_qkv_proj", "save_out_proj", "save_attention", "offload_dots",
+                  "offload_qkv_proj", "offload_out_proj", "offload_attention")   # sinkjax.model.REMAT_POLICIES

@@ -228,7 +228,7 @@ def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple
       "topology": topo.name, "slices": topo.slices, "chips": len(devices), "device_kind": devices[0].device_kind,
       "mesh": dict(mesh.shape), "hbm_per_chip_bytes": topo.hbm_bytes, "num_params": program.num_params,
       "tokens_per_chip_per_micro_step": rows_per_chip * cfg.data.seq_len, "rows_per_chip": rows_per_chip,
-      "grad_accum": cfg.train.grad_accum, "remat": cfg.model.remat,
+      "grad_accum": cfg.train.grad_accum, "remat": cfg.model.remat, "remat_policy": cfg.model.remat_policy,
       "model_flops_per_step": model_flops_per_step(cfg, program.num_params),
   }
   t0 = time.perf_counter()
@@ -246,6 +246,7 @@ def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple
   report["per_chip_bytes"] = _memory(compiled)
   report["attention_kernel"] = attention_kernel(compiled.as_text(), impl)
   report["fits"] = report["per_chip_bytes"]["total"] <= topo.hbm_bytes
+  report.update(speed_report(compiled, CHIPS[topo.generation], report["model_flops_per_step"], len(devices)))
   if eval_step:
     try:
       report["eval_per_chip_bytes"] = _memory(eval_lowered.compile())
@@ -260,6 +261,378 @@ def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple
   return report
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Speed: what the compiled program computes and moves per step, read from its HLO, and a roofline estimate of its
+# time. Separate from the memory report above; `compile_config` adds these keys.
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """Per-chip peak figures that the roofline estimate divides by."""
+  peak_flops: float        # dense bf16 matmul FLOP/s
+  hbm_bandwidth: float     # bytes/s
+  ici_bandwidth: float     # bytes/s over all of the chip's inter-chip links (NVLink for GPUs)
+  source: str
+
+
+# The vendors' figures (docs/TPU.md shows this table).
+CHIPS = {
+    "v4": Chip(275e12, 1200e9, 1.1e15 / 4096, "cloud.google.com/tpu/docs/v4: 275 TFLOPs, 1200 GBps; ICI: the pod's "
+                                               "1.1 PB/s all-reduce bandwidth / 4096 chips"),
+    "v5e": Chip(197e12, 819e9, 400e9, "cloud.google.com/tpu/docs/v5e: 197 TFLOPs, 819 GBps, bidirectional ICI "
+                                      "400 GBps per chip"),
+    "v5p": Chip(459e12, 2765e9, 600e9, "cloud.google.com/tpu/docs/v5p: 459 TFLOPs, 2765 GBps, ICI 4800 Gbps"),
+    "v6e": Chip(918e12, 1638e9, 800e9, "cloud.google.com/tpu/docs/v6e: 918 TFLOPs, 1638 GBps, bidirectional ICI "
+                                       "800 GBps per chip"),
+    "h100": Chip(989e12, 3.35e12, 900e9, "NVIDIA H100 SXM datasheet: 989 TFLOPS dense BF16, 3.35 TB/s HBM3, NVLink "
+                                         "900 GB/s"),
+}
+
+_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16}
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\](?:\{([^}]*)\})?")
+_INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?%([\w.\-]+) = ")
+_COMPUTATION = re.compile(r"(?:ENTRY\s+)?%([\w.\-]+) \(")
+_CALLEE = r"=%([\w.\-]+)"
+# Instructions that move no HBM bytes of their own (views, control flow, the done half of async pairs).
+_NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "call", "conditional",
+               "after-all", "partition-id", "replica-id", "opt-barrier", "iota", "copy-done", "async-done"}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# Ring-algorithm traffic per chip in units of the collective's full array, n chips in the group.
+_RING = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: (n - 1) / n,
+         "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+         "collective-permute": lambda n: 1.0}
+_HOST_SPACE = 5                   # XLA:TPU's memory space of pinned host memory (S(5) in a layout)
+
+
+def _close(text: str, start: int) -> int:
+  """The index just past the bracket group that opens at text[start]."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += 1 if text[i] in "({[" else -1 if text[i] in ")}]" else 0
+    if depth == 0:
+      return i + 1
+  return len(text)
+
+
+def _arrays(type_text: str) -> list:
+  """[(dtype, dims, memory space)] of an HLO type (an array or a tuple of them); memory space 0 is HBM (XLA:TPU:
+  S(1) on-chip VMEM, S(5) host)."""
+  out = []
+  for dtype, dims, layout in _ARRAY.findall(type_text):
+    space = re.search(r"S\((\d+)\)", layout or "")
+    out.append((dtype, tuple(int(d) for d in dims.split(",") if d), int(space.group(1)) if space else 0))
+  return out
+
+
+def _nbytes(type_text: str, space: int | None = 0) -> int:
+  """Bytes of the arrays of a type that live in memory space `space` (None: in any)."""
+  return sum(math.prod(dims) * _DTYPE_BYTES.get(dt, 4) for dt, dims, sp in _arrays(type_text)
+             if space is None or sp == space)
+
+
+@dataclasses.dataclass
+class _Instruction:
+  name: str
+  type: str
+  opcode: str
+  args: str             # the text inside the opcode's parentheses
+  attrs: str            # the rest of the line
+
+  @property
+  def operands(self) -> list:
+    return re.findall(r"%([\w.\-]+)", self.args)
+
+  def callees(self, key: str = r"calls|to_apply|body|true_computation|false_computation") -> list:
+    return re.findall(rf"(?:{key}){_CALLEE}", self.attrs)
+
+
+def _parse_hlo(text: str) -> tuple[dict, str]:
+  """({computation: {instruction name: _Instruction}} in program order, the entry computation) of HLO text."""
+  comps, entry, current = {}, None, None
+  for line in text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m and line.rstrip().endswith("{"):
+      current = comps.setdefault(m.group(1), {})
+      entry = m.group(1) if line.startswith("ENTRY") else entry
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m or current is None:
+      continue
+    i = m.end()
+    j = _close(line, i) if line[i] == "(" else _ARRAY.match(line, i).end()
+    op = re.match(r"\s*([\w\-]+)\(", line[j:])
+    if op:
+      k = j + op.end() - 1
+      end = _close(line, k)
+      current[m.group(1)] = _Instruction(m.group(1), line[i:j], op.group(1), line[k + 1:end - 1], line[end:])
+  return comps, entry
+
+
+class _HloCosts:
+  """The walk behind `hlo_costs`."""
+
+  def __init__(self, text: str):
+    self.comps, self.entry = _parse_hlo(text)
+    self.fused = {c for comp in self.comps.values() for i in comp.values() if i.opcode == "fusion"
+                  for c in i.callees("calls")}
+    self.out = dict(flops=0.0, recompute_flops=0.0, transcendentals=0.0, hbm_bytes=0.0, host_bytes=0.0,
+                    ici_bytes=0.0, collective_bytes={k: 0.0 for k in COLLECTIVES}, loops_of_unknown_trips=0)
+    self.channels = set()
+
+  def type_of(self, comp: str, name: str) -> str:
+    ins = self.comps.get(comp, {}).get(name)
+    return ins.type if ins else ""
+
+  def dims(self, comp: str, name: str):
+    arrays = _arrays(self.type_of(comp, name))
+    return arrays[0][1] if len(arrays) == 1 else None
+
+  def trips(self, comp: str, loop: _Instruction) -> int | None:
+    """Trips of a while loop: its condition compares the counter with one integer constant N (`i < N`, how lax.scan
+    and fori_loop lower), the counter starting at the loop's initial tuple element (a constant, else 0)."""
+    cond = re.search(r"condition" + _CALLEE, loop.attrs).group(1)
+    inside = [cond] + [c for i in self.comps.get(cond, {}).values() if i.opcode == "fusion" for c in i.callees("calls")]
+    values = [int(i.args) for c in inside for i in self.comps.get(c, {}).values() if i.opcode == "constant"
+              and re.fullmatch(r"-?\d+", i.args.strip()) and [a[:2] for a in _arrays(i.type)] in ([("s32", ())],
+                                                                                              [("s64", ())])]
+    if len(values) != 1:
+      return None
+    start, counter = 0, None
+    for i in self.comps[cond].values():
+      if i.opcode == "get-tuple-element" and i.operands:
+        counter = int(re.search(r"index=(\d+)", i.attrs).group(1))
+    init = self.comps[comp].get(loop.operands[0]) if loop.operands else None
+    if init is not None and init.opcode == "tuple" and counter is not None and counter < len(init.operands):
+      first = self.comps[comp].get(init.operands[counter])
+      if first is not None and first.opcode == "constant" and re.fullmatch(r"-?\d+", first.args.strip()):
+        start = int(first.args)
+    return values[0] - start
+
+  def flops(self, comp: str, ins: _Instruction) -> int:
+    if ins.opcode == "dot":
+      lhs = self.dims(comp, ins.operands[0])
+      dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+      if lhs is None or dims is None:
+        return 0
+      return 2 * math.prod(_arrays(ins.type)[0][1]) * math.prod(lhs[int(d)] for d in dims.group(1).split(",") if d)
+    if ins.opcode == "convolution":
+      return self.conv_flops(comp, ins)
+    return 0
+
+  def conv_flops(self, comp: str, ins: _Instruction) -> int:
+    """2 x output elements x kernel input features x the kernel taps that land inside the unpadded input (XLA:TPU
+    writes matmuls, batched ones too, as convolutions)."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    lhs, rhs = (self.dims(comp, o) for o in ins.operands[:2])
+    if labels is None or lhs is None or rhs is None:
+      return 0
+    lhs_l, rhs_l, out_l = labels.groups()
+    out = _arrays(ins.type)[0][1]
+    window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+    fields = dict(f.split("=", 1) for f in window.group(1).split()) if window else {}
+    taps = 1.0
+    for n, c in enumerate(sorted(c for c in lhs_l if c.isdigit())):
+      field = lambda key, default: fields[key].split("x")[n] if key in fields else default
+      size, stride = int(field("size", 1)), int(field("stride", 1))
+      lhs_dil, rhs_dil = int(field("lhs_dilate", 1)), int(field("rhs_dilate", 1))
+      pad_lo = int(field("pad", "0_0").split("_")[0])
+      n_in, n_out = lhs[lhs_l.index(c)], out[out_l.index(c)]
+      valid = sum(1 for o in range(n_out) for k in range(size)
+                  if 0 <= (p := o * stride + k * rhs_dil - pad_lo) <= (n_in - 1) * lhs_dil and p % lhs_dil == 0)
+      taps *= valid / max(n_out, 1)
+    return int(2 * math.prod(out) * rhs[rhs_l.index("i")] * taps)
+
+  def traffic(self, comp: str, ins: _Instruction, space: int) -> int:
+    """Bytes an unfused instruction reads and writes in memory space `space` (0: HBM, 5: host): its operands and
+    outputs there; of a fusion's operand that the fusion only slices, the slices; a fusion that updates a slice in
+    place writes the update."""
+    written, reads = _nbytes(ins.type, space), {}
+    if ins.opcode == "fusion" and ins.callees("calls"):
+      body = self.comps.get(ins.callees("calls")[0], {})
+      params = {i.name: int(i.args) for i in body.values() if i.opcode == "parameter"}
+      uses = {}
+      for i in body.values():
+        for pos, o in enumerate(i.operands):
+          if o in params:
+            part = _nbytes(i.type, None) if i.opcode in ("dynamic-slice", "slice", "gather") and pos == 0 else \
+                0 if i.opcode == "dynamic-update-slice" and pos == 0 else None
+            uses.setdefault(params[o], []).append(part)
+      reads = {k: sum(v) for k, v in uses.items() if None not in v}
+      root = list(body.values())[-1] if body else None
+      if root is not None and root.opcode == "dynamic-update-slice":
+        written = _nbytes(body[root.operands[1]].type, None) if root.operands[1] in body and written else written
+    operands = [(o, _nbytes(self.type_of(comp, o), space)) for o in ins.operands]
+    return written + sum(reads.get(k, n) if n else 0 for k, (o, n) in enumerate(operands))
+
+  def collective(self, comp: str, ins: _Instruction, mult: float):
+    kind = next((k for k in COLLECTIVES if ins.opcode.startswith(k)), None)
+    if kind is None or ins.opcode.endswith("-done"):
+      return
+    channel = re.search(r"channel_id=(\d+)", ins.attrs)
+    key = channel.group(1) if channel else (comp, ins.name)
+    if key in self.channels:          # an async collective's start and done halves both hold it
+      return
+    self.channels.add(key)
+    if kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
+      kind = "reduce-scatter"         # XLA:TPU's reduce-scatter: an all-reduce fused with the slice it keeps
+    arrays = _arrays(ins.type)
+    size = sum(math.prod(d) * _DTYPE_BYTES.get(t, 4) for t, d, _ in arrays[-1:] if kind != "reduce-scatter") or \
+        sum(_nbytes(self.type_of(comp, o), None) for o in ins.operands)
+    self.out["collective_bytes"][kind] += mult * size
+    self.out["ici_bytes"] += mult * size * _RING[kind](_group_size(ins.attrs))
+
+  def walk(self, comp: str, mult: float):
+    fused = comp in self.fused
+    for ins in self.comps.get(comp, {}).values():
+      op, attrs = ins.opcode, ins.attrs
+      flops = self.flops(comp, ins)
+      est = re.search(r'"cost_estimate":\{"flops":"?(\d+)"?,"transcendentals":"?(\d+)"?,"bytes_accessed":"?(\d+)',
+                      attrs) if op == "custom-call" else None
+      if est:                         # a Pallas kernel's pl.CostEstimate
+        flops = int(est.group(1))
+        self.out["transcendentals"] += mult * int(est.group(2))
+        self.out["hbm_bytes"] += mult * int(est.group(3))
+      self.out["flops"] += mult * flops
+      if "rematted_computation" in attrs:
+        self.out["recompute_flops"] += mult * flops
+      self.collective(comp, ins, mult)
+      if not fused and not est and op not in _NO_TRAFFIC and not op.endswith("-done") and \
+          "AllocateBuffer" not in attrs:
+        self.out["hbm_bytes"] += mult * self.traffic(comp, ins, 0)
+        self.out["host_bytes"] += mult * self.traffic(comp, ins, _HOST_SPACE)
+      if op == "while":
+        trips = self.trips(comp, ins)
+        self.out["loops_of_unknown_trips"] += trips is None
+        self.walk(re.search(r"body" + _CALLEE, attrs).group(1), mult * (trips if trips is not None else 1))
+      elif op == "conditional":       # the first branch stands for all of them
+        branches = re.search(r"branch_computations=\{%?([\w.\-]+)", attrs)
+        for c in ([branches.group(1)] if branches else ins.callees("true_computation")):
+          self.walk(c, mult)
+      elif op in ("fusion", "call") or op.endswith("-start"):
+        for c in ins.callees("calls|to_apply" if op == "call" else "calls"):
+          self.walk(c, mult)
+
+
+def _group_size(attrs: str) -> int:
+  """Devices per replica group of a collective (its `replica_groups`, in any of XLA's three spellings)."""
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if m:
+    sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+    return max(1, math.prod(sizes.get(a.strip(" '"), 1) for a in m.group(2).split(",") if a.strip()))
+  m = re.search(r"replica_groups=\[\d+,(\d+)\]", attrs)
+  if m:
+    return int(m.group(1))
+  m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+  return max(1, len(m.group(1).split(","))) if m else 1
+
+
+def hlo_costs(text: str) -> dict:
+  """Per chip and step, from the text of a compiled (SPMD-partitioned) program: `flops` (matmuls and convolutions,
+  2 per multiply-add, plus the Pallas kernels' `pl.CostEstimate` flops, which Mosaic calls carry in their backend
+  config), `recompute_flops` (the part `jax.checkpoint` recomputes: instructions JAX names under
+  "rematted_computation"), the kernels' `transcendentals`, `hbm_bytes` (what each unfused instruction reads and
+  writes in HBM, operands and outputs, only the slices of an operand a fusion slices, kernels by their estimate),
+  `host_bytes` (arrays copied to or from host memory: offloaded residuals), `collective_bytes` by kind (the arrays
+  gathered, reduce-scattered, all-reduced, ...) and `ici_bytes` (what ring algorithms move per chip for them).
+
+  Every while loop counts trip-count times, where XLA's own `cost_analysis()` counts a loop body once: the count
+  is read from the loop's condition (`counter < N`, the form lax.scan and fori_loop lower to, the counter's start
+  from the loop's initial value), nested loops multiply, and `loops_of_unknown_trips` counts loops read as one
+  trip. So scanned layers, the chunked loss and micro-batches all count. Elementwise (VPU) work is not in `flops`
+  (its cost shows in the bytes); Triton kernels carry no cost in XLA:GPU's HLO and are not counted."""
+  costs = _HloCosts(text)
+  costs.walk(costs.entry, 1.0)
+  return costs.out
+
+
+def roofline(costs: dict, chip: Chip, model_flops_per_chip: float) -> dict:
+  """An estimate, not a measurement: the step cannot run faster than its FLOPs at the chip's peak, its HBM bytes at
+  the HBM bandwidth, or its collectives' ring traffic at the ICI bandwidth; with perfect overlap it takes the
+  largest of the three. The MFU bound is the model FLOPs (6N + attention) over that time at peak."""
+  terms = {"compute": costs["flops"] / chip.peak_flops, "hbm": costs["hbm_bytes"] / chip.hbm_bandwidth,
+           "ici": costs["ici_bytes"] / chip.ici_bandwidth}
+  seconds = max(terms.values())
+  return {"estimated_seconds_by_term": terms, "estimated_step_seconds": seconds,
+          "estimated_bound": max(terms, key=terms.get),
+          "estimated_mfu": model_flops_per_chip / (seconds * chip.peak_flops) if seconds > 0 else 0.0}
+
+
+def speed_report(compiled, chip: Chip, model_flops_per_step: float, chips: int) -> dict:
+  """The report's speed keys from a compiled train step (see `main` for their meaning)."""
+  costs = hlo_costs(compiled.as_text())
+  out = {"flops_per_step": costs["flops"], "recompute_flops_per_step": costs["recompute_flops"],
+         "hbm_bytes_per_step": costs["hbm_bytes"], "host_bytes_per_step": costs["host_bytes"],
+         "collective_bytes_per_step": costs["collective_bytes"], "ici_bytes_per_step": costs["ici_bytes"],
+         "loops_of_unknown_trips": costs["loops_of_unknown_trips"], "chip_figures": dataclasses.asdict(chip)}
+  out.update(roofline(costs, chip, model_flops_per_step / chips))
+  return out
+
+
+
+def speed_rows(r: dict) -> list:
+  """The printed report's speed lines (none when the step did not compile)."""
+  if "flops_per_step" not in r:
+    return []
+  model = r["model_flops_per_step"] / r["chips"]
+  c, t = r["collective_bytes_per_step"], r["estimated_seconds_by_term"]
+  gb = lambda b: f"{b / 1e9:.2f}"
+  rows = [("FLOPs / chip / step", f"{r['flops_per_step']:.3e} compiled ({r['recompute_flops_per_step']:.3e} "
+                                  f"recomputed); model {model:.3e} (6N + attention)"),
+          ("HBM GB / chip / step", gb(r["hbm_bytes_per_step"]) + (f" (host offload {gb(r['host_bytes_per_step'])})"
+                                                                  if r["host_bytes_per_step"] else "")),
+          ("collective GB / chip / step", ", ".join(f"{k} {gb(v)}" for k, v in c.items() if v)
+           + f" (ICI traffic {gb(r['ici_bytes_per_step'])})"),
+          ("step time (estimate)", f"compute {t['compute']:.3g} s, HBM {t['hbm']:.3g} s, ICI {t['ici']:.3g} s -> "
+                                   f">= {r['estimated_step_seconds']:.3g} s ({r['estimated_bound']}-bound roofline, "
+                                   f"not a measurement); MFU <= {100 * r['estimated_mfu']:.0f}%")]
+  if r.get("loops_of_unknown_trips"):
+    rows.append(("note", f"{r['loops_of_unknown_trips']} loop(s) of unknown trip count counted once"))
+  return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --search: compile candidate remat policies (and accumulations) and pick the fastest estimated step that fits.
+
+SEARCH_POLICIES = ("nothing", "dots", "save_qkv_proj", "save_out_proj", "save_attention")
+
+
+def search(cfg_path: str, overrides: list, topo: Topology, policies=SEARCH_POLICIES, accums=(None,),
+           load=None) -> dict:
+  """Compiles the config once per (remat policy, train.grad_accum) candidate with model.remat=true and returns
+  {"candidates": [reports], "picked": the fitting report of least estimated step time, or None}."""
+  from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
+  load = load or (lambda ov: config_lib.load_config(cfg_path, ov))
+  devices = gpu_devices(topo) if topo.platform == "gpu" else tpu_devices(topo)
+  candidates = []
+  for accum in accums:
+    for policy in policies:
+      ov = list(overrides) + ["model.remat=true", f"model.remat_policy={policy}"] + \
+          ([f"train.grad_accum={accum}"] if accum else [])
+      r = compile_config(load(ov), topo, eval_step=False, devices=devices)
+      r["overrides"] = ov
+      candidates.append(r)
+  fits = [r for r in candidates if r["fits"]]
+  return {"candidates": candidates, "picked": min(fits, key=lambda r: r["estimated_step_seconds"]) if fits else None}
+
+
+def print_search(result: dict) -> None:
+  print("| remat_policy | grad_accum | rows / chip | GiB / chip | fits | FLOPs / chip | recomputed | HBM GB | ICI GB "
+        "| est. step s | bound | MFU <= |")
+  print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|")
+  for r in result["candidates"]:
+    picked = " **picked**" if r is result["picked"] else ""
+    if "flops_per_step" not in r:
+      print(f"| {r['remat_policy']}{picked} | {r['grad_accum']} | {r['rows_per_chip']} | "
+            f"{_gib(r['per_chip_bytes']['total'])} | no | | | | | | | |")
+      continue
+    print(f"| {r['remat_policy']}{picked} | {r['grad_accum']} | {r['rows_per_chip']} | "
+          f"{_gib(r['per_chip_bytes']['total'])} | {'yes' if r['fits'] else 'no'} | {r['flops_per_step']:.3e} | "
+          f"{r['recompute_flops_per_step']:.3e} | {r['hbm_bytes_per_step'] / 1e9:.1f} | "
+          f"{r['ici_bytes_per_step'] / 1e9:.2f} | {r['estimated_step_seconds']:.3g} | {r['estimated_bound']} | "
+          f"{100 * r['estimated_mfu']:.0f}% |")
+
 def _gib(b) -> str:
   return f"{b / GIB:.2f}"
 
@@ -271,7 +644,8 @@ def print_report(config: str, r: dict) -> None:
        + f": {r['chips']} x {r['device_kind']}, {_gib(r['hbm_per_chip_bytes'])} GiB HBM each"),
       ("mesh", mesh),
       ("tokens / chip / micro-step", f"{r['tokens_per_chip_per_micro_step']:,} ({r['rows_per_chip']} rows; "
-                                     f"train.grad_accum={r['grad_accum']}, model.remat={r['remat']})"),
+                                     f"train.grad_accum={r['grad_accum']}, model.remat={r['remat']}, "
+                                     f"model.remat_policy={r.get('remat_policy')})"),
       ("parameters", f"{r['num_params']:,}"),
       ("model FLOPs / step", f"{r['model_flops_per_step']:.3e}"),
       ("attention kernel", r["attention_kernel"]),
@@ -292,6 +666,7 @@ def print_report(config: str, r: dict) -> None:
     d = r["decode_per_chip_bytes"]
     rows.append(("decode step (GiB)", f"{r['decode_rows']} rows x {r['decode_capacity']} KV slots: arguments "
                  f"{_gib(d['arguments'])} (weights + cache), total {_gib(d['total'])}" if "total" in d else d["error"]))
+  rows += speed_rows(r)
   rows.append(("fits", "yes" if r["fits"] else "NO"))
   print(f"sinkjax.compile: {config}")
   for k, v in rows:
@@ -356,6 +731,11 @@ def main(argv=None) -> int:
   parser.add_argument("--decode", metavar="ROWSxSLOTS", default=None,
                       help="also compile sinkjax.generate's decode step: ROWS sequences against a full KV cache of "
                            "SLOTS positions, e.g. 64x4096")
+  parser.add_argument("--search", nargs="?", const=",".join(SEARCH_POLICIES), default=None, metavar="POLICY,...",
+                      help="compile each model.remat_policy (default: " + ", ".join(SEARCH_POLICIES) + ") with "
+                           "model.remat=true and pick the fastest estimated step that fits; prints the table")
+  parser.add_argument("--accum", default=None, metavar="N,...",
+                      help="with --search: also try these train.grad_accum values (fewer rows per chip each)")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
   args = parser.parse_args(argv)
   if args.table:
@@ -392,6 +772,8 @@ def _run(args) -> int:
     from sinkjax import run as run_lib  # pylint: disable=import-outside-toplevel
     run_lib.adopt_init_model(cfg)
   _vocab(cfg)
+  if args.search:
+    return _run_search(args, topo, cfg)
   report = compile_config(cfg, topo, eval_step=not args.no_eval, decode=_decode_shape(args.decode))
   report["config"] = args.config
   report["overrides"] = list(args.overrides)
@@ -402,6 +784,42 @@ def _run(args) -> int:
   if not report["fits"]:
     print(f"sinkjax.compile: {_hints(report)}", file=sys.stderr)
     return 1
+  return 0
+
+
+def _run_search(args, topo: Topology, cfg) -> int:
+  from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
+  policies = tuple(p.strip() for p in args.search.split(",") if p.strip())
+  bad = [p for p in policies if p not in config_lib.CHOICES["model.remat_policy"]]
+  if bad:
+    raise CompileError(f"--search {','.join(bad)}: not a model.remat_policy (choices: "
+                       f"{', '.join(config_lib.CHOICES['model.remat_policy'])})")
+  try:
+    accums = tuple(int(a) for a in args.accum.split(",")) if args.accum else (None,)
+  except ValueError:
+    raise CompileError(f"--accum takes integers separated by commas, e.g. 1,2; got {args.accum!r}") from None
+
+  def load(ov):
+    c = config_lib.load_config(args.config, ov)
+    if c.train.init_from:
+      from sinkjax import run as run_lib  # pylint: disable=import-outside-toplevel
+      run_lib.adopt_init_model(c)
+    c.model.vocab_size = cfg.model.vocab_size
+    return c
+
+  result = search(args.config, args.overrides, topo, policies, accums, load=load)
+  print(f"sinkjax.compile --search: {args.config} {' '.join(args.overrides)} on {topo.name} (estimates, not "
+        "measurements)")
+  print_search(result)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({**result, "picked": result["picked"] and result["candidates"].index(result["picked"])}, f, indent=1)
+  if result["picked"] is None:
+    print("sinkjax.compile: no candidate fits; try --accum 2,4 or a larger slice", file=sys.stderr)
+    return 1
+  p = result["picked"]
+  print(f"picked: model.remat_policy={p['remat_policy']}" + (f" train.grad_accum={p['grad_accum']}"
+                                                            if args.accum else ""))
   return 0
 
 

@@ -55,23 +55,28 @@ class PaperModel:
   param_dtype: str = "float32"
   remat: bool = False               # recompute each layer's activations in the backward (per layer, model.remat_policy)
   remat_policy: str = "nothing"     # nothing: keep only each layer's input | dots: also its weight matmuls' results
+                                    # | save_attention, save_qkv_proj, ... (sinkjax.model.REMAT_POLICIES)
   scan_layers: bool = False         # the layers as one lax.scan over stacked weights (one layer or repeating group)
   attn_impl: str = "auto"           # flash_attention backend
 
 
 @dataclasses.dataclass
 class ImportedArchitecture:
-  """Architecture options of imported Hugging Face models (sinkjax.convert.hf: Llama 3, Qwen3, GPT-OSS); the defaults
-  are the paper's model, so a config that never imports leaves them alone."""
+  """Architecture options of imported Hugging Face models (sinkjax.convert.hf: Llama 3, Qwen2.5, Qwen3, Qwen3-MoE,
+  GPT-OSS); the defaults are the paper's model, so a config that never imports leaves them alone."""
   mlp_hidden: int = 0               # MLP hidden width; 0 = mlp_ratio * d_model
   mlp_bias: bool = False            # biases in the MLP / expert projections (GPT-OSS)
   swiglu_limit: float = 7.0         # clamped_swiglu: gate <= limit, |up| <= limit (GPT-OSS)
   swiglu_alpha: float = 1.702       # clamped_swiglu: gate * sigmoid(alpha * gate) * (up + 1)
   moe_experts: int = 0              # > 0: the MLP is a top-k routed mixture of this many experts (GPT-OSS)
   moe_top_k: int = 1                # experts per token; their softmaxed router logits weight the outputs
+  moe_router: str = "topk_softmax"  # topk_softmax: softmax over the k best router logits, router with a bias (GPT-OSS)
+                                    # | softmax_topk: softmax over all experts, the k best probabilities as they are
+                                    # | softmax_topk_norm: those renormalised to sum 1 (both: no bias; Qwen3-MoE)
   norm_scale: bool = False          # learnable RMSNorm scales (block, final and QK norms), as HF Llama/Qwen
   embed_norm: bool = True           # RMSNorm on the embedding output (nanochat does; HF models do not)
   attn_bias: bool = False           # biases in the q/k/v/o projections (GPT-OSS)
+  attn_out_bias: bool = True        # with attn_bias: o_proj's bias too (Qwen2 has q/k/v biases only)
   rope_scaling: str = "none"        # none | llama3 | yarn (HF rope_type), applied to rope_theta's frequencies
   rope_factor: float = 1.0          # llama3 / yarn: context extension factor
   rope_low_freq_factor: float = 1.0     # llama3
@@ -182,6 +187,7 @@ class AttentionConfig:
   rope_style: str = "llama"         # llama (HF sign, QK-norm before RoPE) | nanochat (layers.apply_rope)
   sliding_window: int = 0           # > 0: query t sees keys t - window < s <= t (GPT-OSS); this layer's own
   use_bias: bool = False            # q/k/v/o biases (model.attn_bias)
+  attn_out_bias: bool = True        # with use_bias: o_proj's bias too (Qwen2: false)
   init: str = "default"             # default (lecun normal) | nanochat (q/k/v/gate uniform, std 1/sqrt(d_model))
   zero_init_output: bool = True     # o_proj starts at zero
   impl: str = "auto"                # flash_attention backend (model.attn_impl)
@@ -321,6 +327,7 @@ CHOICES = {
     "model.gate_activation": choices.GATE_ACTIVATIONS,
     "model.gate_input": choices.GATE_INPUTS,
     "model.mlp": choices.MLP_KINDS,
+    "model.moe_router": choices.MOE_ROUTERS,
     "model.rope_scaling": choices.ROPE_SCALINGS,
     "model.dtype": choices.DTYPES,
     "model.param_dtype": choices.PARAM_DTYPES,

@@ -6,19 +6,62 @@ about training: the loss, the aux loss and the optimizer live in `sinkjax.train`
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from sinkjax import choices
 from sinkjax.config import ModelConfig
 from sinkjax.kernels import dense
 from sinkjax.layers import MLP, Attention, MoE, RMSNorm, default_positions, pop_head_importance
-from sinkjax.sharding import logical
+from sinkjax.sharding import logical, target_platform
 
 # model.remat_policy: what a rematerialized layer keeps from its forward pass for the backward (everything else is
-# recomputed). nothing: only the layer's input (least memory); dots: also the results of matmuls with weights.
-REMAT_POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+# recomputed), by the names it saves (`checkpoint_name`: the attention kernel's "attention_*" in sinkjax.kernels.flash,
+# the attention sublayer's output "out_proj" in Block) and whether it also saves the weight matmuls' results (dots).
+#   nothing        only the layer's input (least memory; the whole forward, attention kernel included, runs again)
+#   dots           the weight matmuls' results (MaxText's `minimal`); the attention kernel's forward runs again
+#   save_qkv_proj  q, k, v as the kernel reads them (MaxText's save_qkv_proj); the rest of the forward runs again
+#   save_out_proj  the attention sublayer's output (MaxText's save_out_proj)
+#   save_attention dots and the kernel's outputs (out, LSE; MaxText's minimal_flash): nothing but elementwise
+#                  work is recomputed (most memory)
+# offload_<policy> (dots, qkv_proj, out_proj, attention): the same values moved to host memory and back instead of
+# kept in HBM (`jax.checkpoint_policies` offload policies; TPU and GPU only).
+_POLICY_NAMES = {"nothing": (False, ()), "dots": (True, ()),
+                 "save_qkv_proj": (False, ("attention_q", "attention_k", "attention_v")),
+                 "save_out_proj": (False, ("out_proj",)),
+                 "save_attention": (True, ("attention_out", "attention_lse"))}
+
+
+def _remat_policy(name: str):
+  """The jax.checkpoint policy of model.remat_policy `name` (see the table above), for the program being traced."""
+  offload = name.startswith("offload_")
+  kept = name.removeprefix("offload_")
+  kept = kept if kept in _POLICY_NAMES else "save_" + kept          # offload_qkv_proj keeps what save_qkv_proj keeps
+  dots, names = _POLICY_NAMES[kept]
+  cp = jax.checkpoint_policies
+  if not offload:
+    if dots and names:
+      return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(*names))
+    return cp.dots_with_no_batch_dims_saveable if dots else cp.save_only_these_names(*names) if names else \
+        cp.nothing_saveable
+  if target_platform() == "cpu":
+    raise ValueError(f"model.remat_policy={name} offloads to host memory, and a program compiled for the CPU has no "
+                     f"device memory to relieve: use model.remat_policy={kept} (offload needs a TPU or GPU target)")
+  to_host = dict(offload_src="device", offload_dst="pinned_host")
+  named = cp.save_and_offload_only_these_names(names_which_can_be_saved=(), names_which_can_be_offloaded=names,
+                                                 **to_host)
+  if not dots:
+    return named
+  dot = cp.offload_dot_with_no_batch_dims(**to_host)
+  return lambda prim, *args, **params: dot(prim, *args, **params) if prim is jax.lax.dot_general_p else \
+      named(prim, *args, **params)
+
+
+REMAT_POLICIES = {name: functools.partial(_remat_policy, name) for name in choices.REMAT_POLICIES}
 
 
 class Block(nnx.Module):
@@ -42,7 +85,7 @@ class Block(nnx.Module):
     h = self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions, cache=cache, record=record,
                   zero_first_value=zero_first_value)
     h, cache = h if cache is not None else (h, None)
-    x = x + h
+    x = x + checkpoint_name(h, "out_proj")         # a name for model.remat_policy=save_out_proj
     x = x + self.mlp(self.mlp_norm(x))
     if record:
       self.sow(nnx.Intermediate, "hidden", x, reduce_fn=lambda _, new: new, init_fn=lambda: None)
@@ -149,7 +192,7 @@ class Transformer(nnx.Module):
       h = block(self.block_input(i, h, x0), segment_ids, positions)
       return h, pop_head_importance(block)[0]
     if self.cfg.remat:
-      return jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat_policy], prevent_cse=False)
+      return jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat_policy](), prevent_cse=False)
     return layer
 
   def _sow_importances(self, x, imps):

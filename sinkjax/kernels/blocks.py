@@ -61,3 +61,12 @@ class BlockSizes:
   @property
   def dq(self) -> tuple:
     return self.block_q_dq, self.block_kv_dq
+
+
+def visible_tiles(nq: int, nk: int, bq: int, bk: int, offset: int, causal: bool) -> int:
+  """How many (query block, key block) tiles of an nq x nk grid a kernel computes: all of them, or under causal
+  masking (bottom-right aligned, query t sees key s <= t + offset) those with at least one visible key (tile (i, j)
+  when j * bk <= i * bq + bq - 1 + offset). What the kernels' `pl.CostEstimate` counts."""
+  if not causal:
+    return nq * nk
+  return sum(min(nk, max(0, (i * bq + bq - 1 + offset) // bk + 1)) for i in range(nq))

@@ -3,6 +3,11 @@
 One `jax.custom_vjp` wraps all the fast backends; its backward consumes the cotangents of BOTH outputs:
 with D_i = rowsum(dO o O) and the LSE cotangent g_i, dS = P o (dP - D_i + g_i). This is what lets the sink and
 gate terms of sink-aware training (all functions of the LSE) send gradient into q and k.
+
+The kernel's inputs and outputs carry `jax.ad_checkpoint.checkpoint_name`s (`CHECKPOINT_NAMES`), applied inside the
+forward rule so that the residuals the backward reads are the named values: a remat policy that saves
+"attention_out" and "attention_lse" (`sinkjax.model.REMAT_POLICIES`) keeps them, and the kernel's forward is not
+run again in the backward.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from sinkjax.choices import ATTN_IMPLS
 from sinkjax.kernels import local, reference
@@ -23,6 +29,8 @@ IMPLS = ATTN_IMPLS
 _BACKEND_MODULES = {"xla": "sinkjax.kernels.xla", "pallas_tpu": "sinkjax.kernels.pallas_tpu",
                     "pallas_gpu": "sinkjax.kernels.pallas_gpu"}
 _HARDWARE = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+# Names of the flash kernel's inputs (q, k, v as attended: after QK-norm and RoPE) and outputs, for remat policies.
+CHECKPOINT_NAMES = ("attention_q", "attention_k", "attention_v", "attention_out", "attention_lse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +67,9 @@ def _kw(st):
 
 
 def _fwd(q, k, v, q_seg, kv_seg, st):
+  q, k, v = (checkpoint_name(x, name) for x, name in zip((q, k, v), CHECKPOINT_NAMES))
   out, lse = _backend(st.impl).fwd(q, k, v, q_seg, kv_seg, **_kw(st))
+  out, lse = checkpoint_name(out, CHECKPOINT_NAMES[3]), checkpoint_name(lse, CHECKPOINT_NAMES[4])
   return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
 
 

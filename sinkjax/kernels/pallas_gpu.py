@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sinkjax.kernels.blocks import BlockSizes
+from sinkjax.kernels.blocks import BlockSizes, visible_tiles
 
 DEFAULT_BLOCK_SIZES = BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
                                  block_kv_dq=64)
@@ -178,10 +178,23 @@ def _row_spec(n, tiled):
   return pl.BlockSpec((None, None, n), lambda t, b, h: (b, h, t if tiled else 0))
 
 
-def _call(kernel, *, grid, in_specs, out_specs, out_shape, Dp, interpret, name):
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, Dp, interpret, name, cost):
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                         compiler_params=plgpu.CompilerParams(num_warps=_num_warps(Dp), num_stages=NUM_STAGES),
-                        interpret=bool(interpret), name=name)
+                        interpret=bool(interpret), cost_estimate=cost, name=name)
+
+
+def _cost(matmuls, *, B, Hq, Tp, Sp, Dp, bq, bk, causal, offset, itemsize, per_tile_rows, per_tile_cols, once):
+  """`pl.CostEstimate` of a pass that computes the causally visible (bq, bk) tiles of every (batch row, query head):
+  `matmuls` [bq, bk] x Dp matmuls (2 bq bk Dp flops each) and one exp2 per score per tile; bytes: per tile, the
+  loop's `per_tile_rows` [bq, Dp] and `per_tile_cols` [bk, Dp] loads (plus their ids and row terms), and `once`
+  [Tp or Sp, Dp] arrays read or written once per program. (The Triton lowering ignores the estimate today; it is the
+  kernel's statement of its cost, the same as the TPU kernels'.)"""
+  n = B * Hq * visible_tiles(Tp // bq, Sp // bk, bq, bk, offset, causal)
+  return pl.CostEstimate(
+      flops=int(n * matmuls * 2 * bq * bk * Dp), transcendentals=int(n * bq * bk),
+      bytes_accessed=int(n * (per_tile_rows * bq * (Dp * itemsize + 12) + per_tile_cols * bk * (Dp * itemsize + 4))
+                         + B * Hq * once))
 
 
 def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes=BlockSizes(), interpret=False):
@@ -198,6 +211,9 @@ def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes=BlockSizes(), inte
       out_specs=[q_spec, _row_spec(bq, True)],
       out_shape=[jax.ShapeDtypeStruct((B, Tp, Hq, Dp), q.dtype), jax.ShapeDtypeStruct((B, Hq, Tp), _F32)],
       Dp=Dp, interpret=interpret, name="sinkjax_flash_fwd",
+      cost=_cost(2, B=B, Hq=Hq, Tp=Tp, Sp=Sp, Dp=Dp, bq=bq, bk=bk, causal=causal, offset=S - T,
+                 itemsize=q.dtype.itemsize, per_tile_rows=0, per_tile_cols=2,           # k, v per tile
+                 once=Tp * (2 * Dp * q.dtype.itemsize + 8)),                           # q in, out, lse, q ids
   )(qp, kp, vp, qsp, kvsp)
   return out[:, :T, :, :D], lse[:, :, :T]
 
@@ -307,6 +323,9 @@ def _dq(args, tile, kw, interpret):
       in_specs=[q_spec, kv_spec, kv_spec, _seg_spec(bq, True), _seg_spec(Sp, False), q_spec, row, row],
       out_specs=q_spec, out_shape=jax.ShapeDtypeStruct((B, Tp, Hq, Dp), q.dtype),
       Dp=Dp, interpret=interpret, name="sinkjax_flash_bwd_dq",
+      cost=_cost(3, B=B, Hq=Hq, Tp=Tp, Sp=Sp, Dp=Dp, bq=bq, bk=bk, causal=kw["causal"], offset=kw["offset"],
+                 itemsize=q.dtype.itemsize, per_tile_rows=0, per_tile_cols=2,           # k, v per tile
+                 once=Tp * (3 * Dp * q.dtype.itemsize + 12)),                          # q, dout in, dq out, rows
   )(*padded)
   return dq[:, :T, :, :D]
 
@@ -328,6 +347,9 @@ def _dkv(args, tile, kw, interpret):
       in_specs=[q_spec, kv_spec, kv_spec, _seg_spec(Tp, False), _seg_spec(bk, True), q_spec, row, row],
       out_specs=[out_spec, out_spec], out_shape=[jax.ShapeDtypeStruct((B, Sp, Hq, Dp), dtype)] * 2,
       Dp=Dp, interpret=interpret, name="sinkjax_flash_bwd_dkv",
+      cost=_cost(4, B=B, Hq=Hq, Tp=Tp, Sp=Sp, Dp=Dp, bq=bq, bk=bk, causal=kw["causal"], offset=kw["offset"],
+                 itemsize=q.dtype.itemsize, per_tile_rows=2, per_tile_cols=0,           # q, dout per tile
+                 once=Sp * (2 * Dp * q.dtype.itemsize + 2 * Dp * jnp.dtype(dtype).itemsize + 4)),  # k, v; dk, dv
   )(*padded)
   if G > 1:
     dk = dk.reshape(B, Sp, Hkv, G, Dp).sum(3)

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sinkjax.kernels.blocks import BlockSizes
+from sinkjax.kernels.blocks import BlockSizes, visible_tiles
 
 DEFAULT_BLOCK_SIZES = BlockSizes(block_q=512, block_k=512, block_q_dkv=256, block_kv_dkv=256, block_q_dq=256,
                                  block_kv_dq=256)
@@ -131,6 +131,10 @@ class _Geom:
     x = jnp.pad(x, ((0, 0), (0, 0), (0, self.Tp - self.T)))
     return jnp.broadcast_to(x[:, :, None, :], (self.B, self.Hq, NUM_SUBLANES, self.Tp))
 
+  def tiles(self) -> int:
+    """(query block, kv block) tiles computed per (batch row, query head): causally hidden ones are skipped."""
+    return visible_tiles(self.nq, self.nk, self.bq, self.bk, self.off, self.causal)
+
   def kv_block(self):
     """Index map helper (i, j) -> the kv block to fetch: under causal masking blocks past the diagonal are clamped
     to the last needed one, so no DMA is issued for the skipped steps."""
@@ -194,6 +198,37 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, m_sc, l_sc,
 _SEMANTICS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
 
 
+# Cost estimates (`pl.CostEstimate`, what XLA's cost analysis and scheduler see of a Mosaic call): per computed tile,
+# the MXU work of its matmuls (2 bq bk D flops each), one exp per score, and the HBM bytes the grid's DMAs move
+# (a tile's blocks are fetched once per grid step; per-row statistics are 128-lane or 8-sublane padded as above).
+def _fwd_cost(g, itemsize):
+  n = g.B * g.Hq * g.tiles()
+  rows = g.B * g.Hq * g.Tp
+  return pl.CostEstimate(
+      flops=int(n * 4 * g.bq * g.bk * g.D),                                 # q k^T, p v
+      transcendentals=int(n * (g.bq * g.bk + g.bq)),                        # exp(s - m), exp(m_prev - m_next)
+      bytes_accessed=int(rows * (2 * g.D * itemsize + NUM_LANES * 8)        # q in, out; lse out, q segment ids
+                         + n * (2 * g.bk * g.D * itemsize + NUM_SUBLANES * g.bk * 4)))   # k, v, kv ids per tile
+
+
+def _dkv_cost(g, itemsize):
+  n = g.B * g.Hq * g.tiles()                                                # G query heads per kv head
+  return pl.CostEstimate(
+      flops=int(n * 8 * g.bq * g.bk * g.D),                                 # k q^T, p^T do, v do^T, ds^T q
+      transcendentals=int(n * g.bq * g.bk),
+      bytes_accessed=int(n * (2 * g.bq * g.D * itemsize + 3 * NUM_SUBLANES * g.bq * 4)    # q, do, lse, rt, q ids
+                         + g.B * g.Hkv * g.Sp * (4 * g.D * itemsize + NUM_LANES * 4)))    # k, v in; dk, dv out
+
+
+def _dq_cost(g, itemsize):
+  n = g.B * g.Hq * g.tiles()
+  return pl.CostEstimate(
+      flops=int(n * 6 * g.bq * g.bk * g.D),                                 # q k^T, do v^T, ds k
+      transcendentals=int(n * g.bq * g.bk),
+      bytes_accessed=int(n * (2 * g.bk * g.D * itemsize + NUM_SUBLANES * g.bk * 4)         # k, v, kv ids per tile
+                         + g.B * g.Hq * g.Tp * (3 * g.D * itemsize + NUM_LANES * 4 + 2 * NUM_SUBLANES * 4)))
+
+
 def _query_block_specs(g):
   """BlockSpecs of a (B, Hq, nq, nk) grid: q-like [bq, D] tiles, kv [bk, D] tiles of kv head h // G (causally
   clamped), q segment column, kv segment row and per-row statistics, in that order."""
@@ -227,6 +262,7 @@ def fwd(q, k, v, q_seg, kv_seg, *, causal, scale, block_sizes=BlockSizes(), inte
                       pltpu.VMEM((bq, D), _F32)],
       compiler_params=_SEMANTICS,
       interpret=_interpret(interpret),
+      cost_estimate=_fwd_cost(g, q.dtype.itemsize),
       name="sinkjax_flash_fwd",
   )(qh, kh, vh, qs, ks)
   out = jnp.swapaxes(out[:, :, :g.T], 1, 2)
@@ -330,6 +366,7 @@ def _dkv(g, q, k, v, dout, q_seg, kv_seg, lse, rt, *, scale, causal, precision, 
       scratch_shapes=[pltpu.VMEM((bk, D), _F32), pltpu.VMEM((bk, D), _F32)],
       compiler_params=_SEMANTICS,
       interpret=interpret,
+      cost_estimate=_dkv_cost(g, q.dtype.itemsize),
       name="sinkjax_flash_bwd_dkv",
   )(g.heads(q, g.T, g.Tp), g.heads(k, g.S, g.Sp), g.heads(v, g.S, g.Sp), g.heads(dout, g.T, g.Tp),
     g.seg_col(kv_seg, g.S, g.Sp), g.seg_row(q_seg, g.T, g.Tp), g.row_stat(lse), g.row_stat(rt))
@@ -350,6 +387,7 @@ def _dq(g, q, k, v, dout, q_seg, kv_seg, lse, rt, *, scale, causal, precision, i
       scratch_shapes=[pltpu.VMEM((g.bq, g.D), _F32)],
       compiler_params=_SEMANTICS,
       interpret=interpret,
+      cost_estimate=_dq_cost(g, q.dtype.itemsize),
       name="sinkjax_flash_bwd_dq",
   )(g.heads(q, g.T, g.Tp), g.heads(k, g.S, g.Sp), g.heads(v, g.S, g.Sp), g.heads(dout, g.T, g.Tp),
     g.seg_col(q_seg, g.T, g.Tp), g.seg_row(kv_seg, g.S, g.Sp), g.row_stat(lse), g.row_stat(rt))
