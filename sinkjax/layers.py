@@ -41,7 +41,7 @@ from sinkjax import attention as variants
 from sinkjax import cache as cache_lib
 from sinkjax.balance import head_importance
 from sinkjax.cache import query_heads, take_heads
-from sinkjax.choices import MLP_KINDS
+from sinkjax.choices import MLP_KINDS, MOE_ROUTERS
 from sinkjax.config import AttentionConfig, RopeScaling  # noqa: F401  (RopeScaling re-exported for layer users)
 from sinkjax.kernels import dense
 from sinkjax.kernels.reference import attention_weights as reference_weights
@@ -232,7 +232,8 @@ class Attention(nnx.Module):
     self.k_proj = proj(d, Hkv * D, ("embed", "kv_heads"), **matrix_init(cfg.init, d))
     self.v_proj = proj(d, Hkv * D, ("embed", "kv_heads"), **matrix_init(cfg.init, d))
     out_init = nnx.initializers.zeros_init() if cfg.zero_init_output else nnx.initializers.lecun_normal()
-    self.o_proj = proj(H * D, d, ("q_heads", "embed"), kernel_init=out_init)
+    self.o_proj = nnx.Linear(H * D, d, kernel_init=out_init, kernel_metadata=logical("q_heads", "embed"),
+                             **{**lin, "use_bias": cfg.use_bias and cfg.attn_out_bias})
     norm = dict(eps=cfg.norm_eps, use_scale=cfg.norm_scale, param_dtype=pdt)
     self.q_norm = RMSNorm(D, **norm) if cfg.qk_norm else None
     self.k_norm = RMSNorm(D, **norm) if cfg.qk_norm else None
@@ -406,7 +407,7 @@ def hf_attention_tensors(cfg: AttentionConfig) -> dict | None:
   out = {}
   for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
     out[f"{p}.weight"] = ((p, "kernel"), True)
-    if cfg.use_bias:
+    if cfg.use_bias and (p != "o_proj" or cfg.attn_out_bias):
       out[f"{p}.bias"] = ((p, "bias"), False)
   if cfg.qk_norm:
     out.update({f"{n}.weight": ((n, "scale"), False) for n in ("q_norm", "k_norm")})
@@ -494,7 +495,10 @@ class MLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-  """Top-k routed mixture of MLP experts (GPT-OSS): router logits -> top-k -> softmax over the k -> weighted sum.
+  """Top-k routed mixture of MLP experts: router logits -> top-k experts -> their outputs, weighted (`router`):
+  topk_softmax (GPT-OSS) softmax over the k best logits of a router with a bias; softmax_topk (Qwen3-MoE,
+  norm_topk_prob false) the k best of the softmax over all experts, as they are; softmax_topk_norm (norm_topk_prob
+  true) those renormalised to sum 1. The softmax_topk routers have no bias.
 
   Expert weights are stacked [E, ...]; tokens are sorted by expert and run through `jax.lax.ragged_dot`, so the
   compute is that of the k chosen experts per token (not all E).
@@ -502,11 +506,16 @@ class MoE(nnx.Module):
 
   def __init__(self, d_model: int, hidden: int, num_experts: int, top_k: int, *, kind: str = "clamped_swiglu",
                use_bias: bool = True, limit: float = 7.0, alpha: float = 1.702, dtype=jnp.float32,
-               param_dtype=jnp.float32, zero_init_output: bool = True, rngs: nnx.Rngs):
+               param_dtype=jnp.float32, zero_init_output: bool = True, router: str = "topk_softmax",
+               rngs: nnx.Rngs):
     if kind == "relu2":
       raise ValueError("MoE experts need a gated kind (swiglu | clamped_swiglu)")
+    if router not in MOE_ROUTERS:
+      raise ValueError(f"MoE router must be one of {MOE_ROUTERS}, got {router!r}")
     self.kind, self.limit, self.alpha, self.top_k, self.dtype = kind, limit, alpha, top_k, dtype
-    self.router = nnx.Linear(d_model, num_experts, use_bias=True, dtype=jnp.float32, param_dtype=param_dtype,
+    self.routing = router
+    self.router = nnx.Linear(d_model, num_experts, use_bias=router == "topk_softmax", dtype=jnp.float32,
+                             param_dtype=param_dtype,
                              kernel_metadata=logical("embed", None),
                              rngs=rngs)
     init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
@@ -524,22 +533,32 @@ class MoE(nnx.Module):
     names = ("gate_kernel", "up_kernel", "down_kernel", "gate_bias", "up_bias", "down_bias")
     weights = {n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}
     weights["router_kernel"] = self.router.kernel[...]
-    weights["router_bias"] = self.router.bias[...]
+    if self.router.bias is not None:
+      weights["router_bias"] = self.router.bias[...]
     route = functools.partial(moe_tokens, top_k=self.top_k, kind=self.kind, limit=self.limit, alpha=self.alpha,
-                              dtype=self.dtype)
+                              dtype=self.dtype, router=self.routing)
     # Per batch shard: the sort by expert is then over the shard's own tokens (one global sort would gather every
     # token of the step onto every device: GPT-OSS-20B on 16 chips needed 222 GiB per chip).
     return per_batch_shard(route, x.shape[0])(x, weights)
 
 
-def moe_tokens(x, w: dict, *, top_k: int, kind: str, limit: float, alpha: float, dtype):
-  """`MoE` over x [B, T, D] with its weights as arrays (router_kernel/_bias, gate/up/down_kernel, optional
-  gate/up/down_bias): route, sort the token copies by expert, three `ragged_dot`s, scatter-add back."""
+def moe_tokens(x, w: dict, *, top_k: int, kind: str, limit: float, alpha: float, dtype,
+               router: str = "topk_softmax"):
+  """`MoE` over x [B, T, D] with its weights as arrays (router_kernel, optional router_bias, gate/up/down_kernel,
+  optional gate/up/down_bias): route (`router`, see `MoE`), sort the token copies by expert, three `ragged_dot`s,
+  scatter-add back."""
   B, T, D = x.shape
   xf = x.reshape(B * T, D)
-  logits = xf.astype(jnp.float32) @ w["router_kernel"].astype(jnp.float32) + w["router_bias"].astype(jnp.float32)
-  top_logits, experts = jax.lax.top_k(logits, top_k)                                            # [N, k]
-  weights = jax.nn.softmax(top_logits, axis=-1)
+  logits = xf.astype(jnp.float32) @ w["router_kernel"].astype(jnp.float32)
+  if "router_bias" in w:
+    logits = logits + w["router_bias"].astype(jnp.float32)
+  if router == "topk_softmax":
+    top_logits, experts = jax.lax.top_k(logits, top_k)                                          # [N, k]
+    weights = jax.nn.softmax(top_logits, axis=-1)
+  else:
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+    if router == "softmax_topk_norm":
+      weights = weights / weights.sum(axis=-1, keepdims=True)
   flat = experts.reshape(-1)                                                                    # [N*k], token-major
   order = jnp.argsort(flat, stable=True)
   expert_of_row = flat[order]

@@ -76,8 +76,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, **norm)
     mlp = dict(kind=cfg.mlp, use_bias=cfg.mlp_bias, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha, dtype=dt,
                param_dtype=pdt, rngs=rngs)
-    self.mlp = MoE(cfg.d_model, cfg.mlp_width, cfg.moe_experts, cfg.moe_top_k, **mlp) if cfg.moe_experts else \
-        MLP(cfg.d_model, cfg.mlp_width, init=cfg.init, **mlp)
+    self.mlp = MoE(cfg.d_model, cfg.mlp_width, cfg.moe_experts, cfg.moe_top_k, router=cfg.moe_router, **mlp) \
+        if cfg.moe_experts else MLP(cfg.d_model, cfg.mlp_width, init=cfg.init, **mlp)
 
   def __call__(self, x, segment_ids, positions, cache=None, record: bool = False, zero_first_value=None):
     """x -> x; with a `LayerCache`, (x, updated cache). record / zero_first_value: see `Attention.__call__`; with

@@ -35,6 +35,7 @@ import pathlib
 import re
 import sys
 import tempfile
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -50,11 +51,154 @@ from sinkjax.data.tokenizers import SIDE_FILES
 from sinkjax.layers import hf_attention_tensors
 from sinkjax.model import Transformer
 
-FAMILIES = ("llama", "qwen3", "gpt_oss")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")          # buffers some older checkpoints carry
 _FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                        np.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Families: one declarative spec each
+# ----------------------------------------------------------------------------------------------------------------
+
+_REQUIRED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+  """A config.json key <-> a ModelConfig field: read on import (`default` when absent; a key without one must be
+  there), written on export. `values` maps its config.json values to the field's (an export needs the field to be
+  one of them)."""
+  hf: str
+  field: str
+  default: Any = _REQUIRED
+  values: dict | None = None
+
+  def read(self, hf: dict, family: str):
+    value = hf.get(self.hf, self.default)
+    if value is _REQUIRED or value is None and self.default is _REQUIRED:
+      raise ConvertError(f"the config.json of this {family} model lacks {self.hf}")
+    if self.values is not None:
+      return self.values[value]
+    return type(getattr(ModelConfig(), self.field))(value)      # the field's type (JSON gives 7 for 7.0)
+
+  def write(self, m: ModelConfig):
+    ours = getattr(m, self.field)
+    return ours if self.values is None else {v: k for k, v in self.values.items()}[ours]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One tensor of every layer (its name after `model.layers.{i}.`) <-> sinkjax parameter(s) (their paths after
+  ("layers", i)), by a transform `how` (TRANSFORMS):
+    copy        the same array
+    transpose   a torch Linear weight [out, in] <-> a Flax kernel [in, out]
+    interleave  a fused gate_up [..., 2h], gate at even and up at odd columns (GPT-OSS) <-> `ours` = (gate, up)
+    experts     one torch Linear weight per expert, "{e}" in the name (Qwen3-MoE) <-> a stacked kernel [E, in, out]
+  `when` names a ModelConfig bool field the tensor exists under (e.g. "mlp_bias")."""
+  hf: str
+  ours: tuple
+  how: str = "copy"
+  when: str = ""
+
+
+def _fused(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+  both = np.empty(gate.shape[:-1] + (2 * gate.shape[-1],), gate.dtype)
+  both[..., 0::2], both[..., 1::2] = gate, up
+  return both
+
+
+_T = lambda a: np.ascontiguousarray(np.swapaxes(a, -1, -2))
+TRANSFORMS = {   # how: (checkpoint arrays -> parameter arrays, parameter arrays -> checkpoint arrays)
+    "copy": (lambda ts: ts, lambda ps: ps),
+    "transpose": (lambda ts: [_T(ts[0])], lambda ps: [_T(ps[0])]),
+    "interleave": (lambda ts: [np.ascontiguousarray(ts[0][..., 0::2]), np.ascontiguousarray(ts[0][..., 1::2])],
+                   lambda ps: [_fused(*ps)]),
+    "experts": (lambda ts: [np.stack([t.T for t in ts])], lambda ps: [_T(p) for p in ps[0]]),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A Hugging Face architecture as a configuration of the one sinkjax `Transformer`, both directions.
+
+  fixed: ModelConfig fields the architecture sets on import and a model needs to export as it.
+  keys: config.json keys that vary within the architecture (`Key`), beyond the ones every family shares (sizes,
+    heads, RoPE, norm eps, tied embeddings, context length: `_shared_config`).
+  supports: (config.json key, the one value supported, why): another value is refused on import, and the value
+    is written on export.
+  extra: config.json keys written on export only.
+  mlp: the MLP / MoE tensors of a layer (attention's names come from `layers.hf_attention_tensors`, the norms'
+    are shared).
+  moe: routed experts (model.moe_experts > 0). sliding: sliding / full layers from layer_types + sliding_window.
+  """
+  model_type: str
+  architecture: str
+  fixed: dict
+  keys: tuple = ()
+  supports: tuple = ()
+  extra: dict = dataclasses.field(default_factory=dict)
+  mlp: tuple = ()
+  moe: bool = False
+  sliding: bool = False
+
+
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+DENSE_MLP = tuple(Tensor(f"mlp.{p}.weight", ("mlp", p, "kernel"), "transpose") for p in _PROJ) + \
+    tuple(Tensor(f"mlp.{p}.bias", ("mlp", p, "bias"), when="mlp_bias") for p in _PROJ)
+_SILU = ("hidden_act", "silu", "the MLP is SwiGLU here")
+_NO_SLIDING = ("use_sliding_window", False, "Qwen's sliding-window layers (max_window_layers) are not mapped; the "
+               "released models set it false")
+_ATTN_BIAS = Key("attention_bias", "attn_bias", False)
+
+LLAMA = Family(
+    "llama", "LlamaForCausalLM", fixed=dict(attention="vanilla", qk_norm=False, mlp="swiglu", attn_out_bias=True),
+    keys=(_ATTN_BIAS, Key("mlp_bias", "mlp_bias", False)), supports=(_SILU,), mlp=DENSE_MLP)
+QWEN2 = Family(
+    "qwen2", "Qwen2ForCausalLM", fixed=dict(attention="vanilla", qk_norm=False, mlp="swiglu", attn_bias=True,
+                                            attn_out_bias=False, mlp_bias=False),
+    supports=(_SILU, _NO_SLIDING), extra={"sliding_window": None}, mlp=DENSE_MLP)
+QWEN3 = Family(
+    "qwen3", "Qwen3ForCausalLM", fixed=dict(attention="vanilla", qk_norm=True, mlp="swiglu", attn_out_bias=True,
+                                            mlp_bias=False),
+    keys=(_ATTN_BIAS,), supports=(_SILU, _NO_SLIDING), extra={"sliding_window": None}, mlp=DENSE_MLP)
+QWEN3_MOE = Family(
+    "qwen3_moe", "Qwen3MoeForCausalLM", fixed=dict(attention="vanilla", qk_norm=True, mlp="swiglu",
+                                                   attn_out_bias=True, mlp_bias=False),
+    keys=(_ATTN_BIAS, Key("num_experts", "moe_experts"), Key("num_experts_per_tok", "moe_top_k"),
+          Key("moe_intermediate_size", "mlp_hidden"),
+          Key("norm_topk_prob", "moe_router", False, {False: "softmax_topk", True: "softmax_topk_norm"})),
+    supports=(_SILU, _NO_SLIDING,
+              ("decoder_sparse_step", 1, "every layer must be an MoE layer here; dense layers between are not mapped"),
+              ("mlp_only_layers", [], "every layer must be an MoE layer here; dense layers between are not mapped")),
+    extra={"sliding_window": None, "output_router_logits": False},
+    mlp=(Tensor("mlp.gate.weight", ("mlp", "router", "kernel"), "transpose"),
+         Tensor("mlp.experts.{e}.gate_proj.weight", ("mlp", "gate_kernel"), "experts"),
+         Tensor("mlp.experts.{e}.up_proj.weight", ("mlp", "up_kernel"), "experts"),
+         Tensor("mlp.experts.{e}.down_proj.weight", ("mlp", "down_kernel"), "experts")),
+    moe=True)
+GPT_OSS = Family(
+    "gpt_oss", "GptOssForCausalLM", fixed=dict(attention="sink", qk_norm=False, mlp="clamped_swiglu", mlp_bias=True,
+                                               moe_router="topk_softmax", attn_out_bias=True),
+    keys=(_ATTN_BIAS, Key("num_local_experts", "moe_experts"), Key("num_experts_per_tok", "moe_top_k"),
+          Key("swiglu_limit", "swiglu_limit", 7.0), Key("swiglu_alpha", "swiglu_alpha", 1.702)),
+    extra={"router_aux_loss_coef": 0.0, "output_router_logits": False},
+    mlp=(Tensor("mlp.router.weight", ("mlp", "router", "kernel"), "transpose"),
+         Tensor("mlp.router.bias", ("mlp", "router", "bias")),
+         Tensor("mlp.experts.gate_up_proj", (("mlp", "gate_kernel"), ("mlp", "up_kernel")), "interleave"),
+         Tensor("mlp.experts.gate_up_proj_bias", (("mlp", "gate_bias"), ("mlp", "up_bias")), "interleave"),
+         Tensor("mlp.experts.down_proj", ("mlp", "down_kernel")),
+         Tensor("mlp.experts.down_proj_bias", ("mlp", "down_bias"))),
+    moe=True, sliding=True)
+
+SPECS = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GPT_OSS)}     # the registry, by model_type
+FAMILIES = tuple(SPECS)
+ARCHITECTURES = {name: f.architecture for name, f in SPECS.items()}
+
+
+def _spec(family: str) -> Family:
+  if family not in SPECS:
+    raise ConvertError(f"model_type {family!r} is not supported; supported: {', '.join(SPECS)}")
+  return SPECS[family]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -84,13 +228,9 @@ def _rope(hf: dict) -> dict:
   return rope
 
 
-def model_config_from_hf(hf: dict, *, dtype: str = "float32", param_dtype: str = "float32") -> ModelConfig:
-  """The sinkjax ModelConfig of a Hugging Face config.json (Llama 3, Qwen3 or GPT-OSS)."""
-  family = hf.get("model_type")
-  if family not in FAMILIES:
-    raise ConvertError(f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
-  if family != "gpt_oss" and hf.get("hidden_act", "silu") != "silu":
-    raise ConvertError(f"hidden_act {hf.get('hidden_act')!r} is not supported (Llama/Qwen3 use silu)")
+def _shared_config(hf: dict, dtype: str, param_dtype: str) -> ModelConfig:
+  """The ModelConfig fields every family reads alike: sizes, heads, RoPE (default | llama3 | yarn), norms, context,
+  tied embeddings; no embedding norm, no logit soft-cap, learnable norm scales, a SwiGLU MLP."""
   heads = hf["num_attention_heads"]
   rope = _rope(hf)
   max_len = int(hf.get("max_position_embeddings") or 2048)
@@ -98,10 +238,9 @@ def model_config_from_hf(hf: dict, *, dtype: str = "float32", param_dtype: str =
       num_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], num_heads=heads,
       num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, vocab_size=hf["vocab_size"],
-      mlp="swiglu", mlp_hidden=hf["intermediate_size"], qk_norm=family == "qwen3", logit_softcap=0.0,
+      mlp="swiglu", mlp_hidden=hf["intermediate_size"], qk_norm=False, logit_softcap=0.0,
       rope_theta=float(rope["rope_theta"]), max_seq_len=max_len, tie_embeddings=bool(hf.get("tie_word_embeddings")),
       norm_scale=True, norm_eps=float(hf.get("rms_norm_eps", 1e-6)), embed_norm=False,
-      attn_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
       dtype=dtype, param_dtype=param_dtype)
   kind = rope["rope_type"]
   if kind == "llama3":
@@ -121,28 +260,58 @@ def model_config_from_hf(hf: dict, *, dtype: str = "float32", param_dtype: str =
     m.rope_attention_factor = float(factor or 0.0)
   elif kind != "default":
     raise ConvertError(f"rope_type {kind!r} is not supported (default | llama3 | yarn)")
-  if family == "qwen3" and hf.get("use_sliding_window"):
-    raise ConvertError("Qwen3 with use_sliding_window is not supported (sliding windows need sink attention here)")
-  if family == "gpt_oss":
-    m.attention, m.mlp, m.mlp_bias = "sink", "clamped_swiglu", True
-    m.moe_experts, m.moe_top_k = hf["num_local_experts"], hf["num_experts_per_tok"]
-    m.swiglu_limit, m.swiglu_alpha = float(hf.get("swiglu_limit", 7.0)), float(hf.get("swiglu_alpha", 1.702))
+  return m
+
+
+def model_config_from_hf(hf: dict, *, dtype: str = "float32", param_dtype: str = "float32") -> ModelConfig:
+  """The sinkjax ModelConfig of a Hugging Face config.json (a family of SPECS: Llama 3, Qwen2.5, Qwen3, Qwen3-MoE,
+  GPT-OSS)."""
+  family = hf.get("model_type")
+  spec = _spec(family)
+  for key, value, why in spec.supports:
+    if hf.get(key) not in (None, value):
+      raise ConvertError(f"{family} with {key}={json.dumps(hf[key])} is not supported ({why})")
+  m = _shared_config(hf, dtype, param_dtype)
+  for name, value in spec.fixed.items():
+    setattr(m, name, value)
+  for key in spec.keys:
+    setattr(m, key.field, key.read(hf, family))
+  if spec.sliding:
     types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                       for i in range(m.num_layers)]
     m.layer_types = ["sliding" if t == "sliding_attention" else "full" for t in types]
     m.sliding_window = int(hf.get("sliding_window") or 0)
     if not m.sliding_window:
       m.layer_types = ["full"] * m.num_layers
-  cfg = Config(model=m)
   try:
-    config_lib.validate(cfg)
+    config_lib.validate(Config(model=m))
   except config_lib.ConfigError as e:
     raise ConvertError(f"the checkpoint's config maps to an invalid sinkjax config: {e}") from None
   return m
 
 
+def _field(value) -> str:
+  return json.dumps(value) if isinstance(value, (bool, str)) else str(value)
+
+
+def _mismatches(spec: Family, m: ModelConfig) -> list[str]:
+  """What `m` would need to change to export as `spec` (empty: it exports as it)."""
+  # No attention biases: o_proj has none whatever model.attn_out_bias says.
+  m = dataclasses.replace(m, attn_out_bias=m.attn_out_bias or not m.attn_bias)
+  out = [f"model.{k}={_field(v)}" for k, v in spec.fixed.items() if getattr(m, k) != v]
+  if bool(m.moe_experts) != spec.moe:
+    out.append("model.moe_experts > 0" if spec.moe else "model.moe_experts=0")
+  if m.sliding_window and not spec.sliding:
+    out.append("model.sliding_window=0")
+  for key in spec.keys:
+    if key.values is not None and getattr(m, key.field) not in key.values.values():
+      out.append(f"model.{key.field} in {'|'.join(key.values.values())}")
+  return out
+
+
 def family_of(m: ModelConfig) -> str:
-  """The Hugging Face architecture a sinkjax model config can be exported as (ConvertError if none)."""
+  """The Hugging Face architecture (a family of SPECS) a sinkjax model config can be exported as (ConvertError if
+  none)."""
   problems = []
   if m.embed_norm:
     problems.append("model.embed_norm must be false")
@@ -150,18 +319,12 @@ def family_of(m: ModelConfig) -> str:
     problems.append("model.logit_softcap must be 0")
   if m.sink_tokens:
     problems.append("model.sink_tokens must be 0")
-  attn = hf_attention_tensors(m.attention_config())      # None: an attention transformers does not have
-  sinks = attn is not None and "sinks" in attn
-  if sinks and m.moe_experts and m.mlp == "clamped_swiglu" and not m.qk_norm and m.mlp_bias:
-    family = "gpt_oss"
-  elif attn is not None and not sinks and not m.moe_experts and m.mlp == "swiglu" and not m.sliding_window:
-    family = "qwen3" if m.qk_norm else "llama"
-    if m.attn_bias and m.qk_norm:
-      problems.append("Qwen3 has no attention biases here (model.attn_bias)")
-  else:
-    family = None
-    problems.append("the architecture must be Llama/Qwen3-like (vanilla attention, swiglu MLP) or GPT-OSS-like "
-                    "(sink attention, clamped_swiglu MoE with biases)")
+  misses = {name: _mismatches(spec, m) for name, spec in SPECS.items()}
+  family = next((name for name, miss in misses.items() if not miss), None)
+  if family is None:
+    nearest = min(misses, key=lambda name: len(misses[name]))
+    problems.append(f"no family ({', '.join(SPECS)}) has this architecture; the nearest, {nearest}, needs "
+                    + ", ".join(misses[nearest]))
   if problems:
     raise ConvertError("this model cannot be exported to Hugging Face: " + "; ".join(problems))
   return family
@@ -169,6 +332,8 @@ def family_of(m: ModelConfig) -> str:
 
 def hf_config(m: ModelConfig, family: str, dtype: str = "float32") -> dict:
   """config.json for transformers (both the >= 5 `rope_parameters` and the older rope_theta/rope_scaling keys)."""
+  spec = _spec(family)
+  m = dataclasses.replace(m, mlp_hidden=m.mlp_width)
   rope = {"rope_type": "default", "rope_theta": m.rope_theta}
   orig = m.rope_original_max_seq_len or m.max_seq_len
   if m.rope_scaling == "llama3":
@@ -181,65 +346,44 @@ def hf_config(m: ModelConfig, family: str, dtype: str = "float32") -> dict:
       rope["attention_factor"] = m.rope_attention_factor
   scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
   out = {
-      "architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": m.vocab_size,
+      "architectures": [spec.architecture], "model_type": family, "vocab_size": m.vocab_size,
       "hidden_size": m.d_model, "intermediate_size": m.mlp_width,
       "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
       "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
       "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
-      "tie_word_embeddings": m.tie_embeddings, "attention_bias": m.attn_bias, "attention_dropout": 0.0,
+      "tie_word_embeddings": m.tie_embeddings, "attention_dropout": 0.0,
       "rope_theta": m.rope_theta, "rope_scaling": scaling, "rope_parameters": rope, "torch_dtype": dtype,
       "dtype": dtype, "use_cache": True,
   }
-  if family == "llama":
-    out["mlp_bias"] = m.mlp_bias
-  if family == "qwen3":
-    out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.num_layers,
-               layer_types=["full_attention"] * m.num_layers)
-  if family == "gpt_oss":
+  out.update({key.hf: key.write(m) for key in spec.keys})
+  out.update({key: value for key, value, _ in spec.supports})
+  out.update(spec.extra)
+  if spec.sliding:
     types = m.layer_types or (["sliding"] * m.num_layers if m.sliding_window else ["full"] * m.num_layers)
-    out.update(num_local_experts=m.moe_experts, num_experts_per_tok=m.moe_top_k, swiglu_limit=m.swiglu_limit,
-               swiglu_alpha=m.swiglu_alpha, sliding_window=m.sliding_window or None,
-               layer_types=[f"{t}_attention" for t in types], router_aux_loss_coef=0.0,
-               output_router_logits=False)
+    out.update(sliding_window=m.sliding_window or None, layer_types=[f"{t}_attention" for t in types])
   return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Tensor names: (Hugging Face name, sinkjax parameter path, transpose?) for every 1:1 tensor
+# Tensors: (Hugging Face names, sinkjax parameter paths, transform) of every mapped tensor
 # ----------------------------------------------------------------------------------------------------------------
 
-def _pairs(m: ModelConfig, family: str) -> list[tuple[str, tuple, bool]]:
-  pairs = [("model.embed_tokens.weight", ("embed", "embedding"), False),
-           ("model.norm.weight", ("final_norm", "scale"), False)]
+def _tensors(m: ModelConfig, family: str) -> list[tuple[tuple[str, ...], tuple[tuple, ...], str]]:
+  out = [(("model.embed_tokens.weight",), (("embed", "embedding"),), "copy"),
+         (("model.norm.weight",), (("final_norm", "scale"),), "copy")]
   if not m.tie_embeddings:
-    pairs.append(("lm_head.weight", ("lm_head", "kernel"), True))
+    out.append((("lm_head.weight",), (("lm_head", "kernel"),), "transpose"))
   attn = hf_attention_tensors(m.attention_config()).items()       # the same names in every layer
+  layer = [Tensor("input_layernorm.weight", ("attn_norm", "scale")),
+           Tensor("post_attention_layernorm.weight", ("mlp_norm", "scale"))]
+  layer += [Tensor("self_attn." + name, ("attn", *path), "transpose" if t else "copy") for name, (path, t) in attn]
+  layer += [t for t in _spec(family).mlp if not t.when or getattr(m, t.when)]
   for i in range(m.num_layers):
-    hf, ours = f"model.layers.{i}.", ("layers", i)
-    pairs += [(hf + "input_layernorm.weight", ours + ("attn_norm", "scale"), False),
-              (hf + "post_attention_layernorm.weight", ours + ("mlp_norm", "scale"), False)]
-    pairs += [(hf + "self_attn." + name, ours + ("attn", *path), transpose) for name, (path, transpose) in attn]
-    if family == "gpt_oss":
-      pairs += [(hf + "mlp.router.weight", ours + ("mlp", "router", "kernel"), True),
-                (hf + "mlp.router.bias", ours + ("mlp", "router", "bias"), False),
-                (hf + "mlp.experts.down_proj", ours + ("mlp", "down_kernel"), False),
-                (hf + "mlp.experts.down_proj_bias", ours + ("mlp", "down_bias"), False)]
-    else:
-      for p in ("gate_proj", "up_proj", "down_proj"):
-        pairs.append((hf + f"mlp.{p}.weight", ours + ("mlp", p, "kernel"), True))
-        if m.mlp_bias:
-          pairs.append((hf + f"mlp.{p}.bias", ours + ("mlp", p, "bias"), False))
-  return pairs
-
-
-def _interleaved(m: ModelConfig) -> list[tuple[str, tuple, tuple]]:
-  """GPT-OSS stores each expert's gate and up projections interleaved along the last axis (gate at even columns,
-  up at odd): (HF name, gate path, up path)."""
-  out = []
-  for i in range(m.num_layers):
-    hf, ours = f"model.layers.{i}.mlp.experts.", ("layers", i, "mlp")
-    out += [(hf + "gate_up_proj", ours + ("gate_kernel",), ours + ("up_kernel",)),
-            (hf + "gate_up_proj_bias", ours + ("gate_bias",), ours + ("up_bias",))]
+    for t in layer:
+      names = tuple(f"model.layers.{i}." + t.hf.format(e=e) for e in range(m.moe_experts)) if t.how == "experts" \
+          else (f"model.layers.{i}.{t.hf}",)
+      paths = t.ours if t.how == "interleave" else (t.ours,)
+      out.append((names, tuple(("layers", i, *p) for p in paths), t.how))
   return out
 
 
@@ -288,8 +432,7 @@ def _dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
   return np.swapaxes(vals.reshape(*vals.shape[:-2], -1), 1, 2)
 
 
-def _unused(names: set[str], m: ModelConfig, family: str) -> set[str]:
-  used = {hf for hf, _, _ in _pairs(m, family)} | {hf for hf, _, _ in (_interleaved(m) if family == "gpt_oss" else [])}
+def _unused(names: set[str], used: set[str], m: ModelConfig) -> set[str]:
   quantized = {n[:-len(suffix)] for n in names for suffix in ("_blocks", "_scales") if n.endswith(suffix)}
   left = {n for n in names if n not in used and not _IGNORED.search(n)}
   left -= {n + s for n in quantized & used for s in ("_blocks", "_scales")}
@@ -303,22 +446,34 @@ def params_from_hf(hf_dir: str | pathlib.Path, m: ModelConfig, family: str) -> d
   tensors = _Tensors(pathlib.Path(hf_dir))
   names = tensors.names()
   available = names | {n[:-len("_blocks")] for n in names if n.endswith("_blocks")}
-  out = {}
-  for hf, path, transpose in _pairs(m, family):
-    if hf not in available:
-      raise ConvertError(f"{hf_dir} lacks the tensor {hf} that a {family} model of this config needs")
-    t = tensors.get(hf)
-    out[path] = np.ascontiguousarray(t.T) if transpose else t
-  if family == "gpt_oss":
-    for hf, gate, up in _interleaved(m):
-      if hf not in available:
-        raise ConvertError(f"{hf_dir} lacks the tensor {hf}")
-      t = tensors.get(hf)
-      out[gate], out[up] = np.ascontiguousarray(t[..., 0::2]), np.ascontiguousarray(t[..., 1::2])
-  extra = _unused(names, m, family)
+  out, used = {}, set()
+  for hf_names, paths, how in _tensors(m, family):
+    missing = [n for n in hf_names if n not in available]
+    if missing:
+      raise ConvertError(f"{hf_dir} lacks the tensor {missing[0]} that a {family} model of this config needs")
+    out.update(zip(paths, TRANSFORMS[how][0]([tensors.get(n) for n in hf_names])))
+    used.update(hf_names)
+  extra = _unused(names, used, m)
   if extra:
     raise ConvertError(f"{hf_dir} has tensors this converter does not map (e.g. {sorted(extra)[0]}); "
                        "is config.json the one these weights belong to?")
+  return out
+
+
+def params_to_hf(model, family: str) -> dict[str, np.ndarray]:
+  """{Hugging Face tensor name: float32 array} of a sinkjax model (LoRA adapters must be merged first)."""
+  m = model.cfg
+  flat = {path: np.asarray(var.get_value(), np.float32) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+  def param(path):
+    if path in flat:
+      return flat[path]
+    assert path[-1] == "scale", path          # a parameter-free RMSNorm exports as a unit scale
+    return np.ones((m.head_dim if path[-2] in ("q_norm", "k_norm") else m.d_model,), np.float32)
+
+  out = {}
+  for hf_names, paths, how in _tensors(m, family):
+    out.update(zip(hf_names, TRANSFORMS[how][1]([param(p) for p in paths])))
   return out
 
 
@@ -353,26 +508,6 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "float32", param_dtype: st
   hf = read_hf_config(path)
   m = model_config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
   return model_with_params(m, params_from_hf(path, m, hf["model_type"]))
-
-
-def params_to_hf(model, family: str) -> dict[str, np.ndarray]:
-  """{Hugging Face tensor name: float32 array} of a sinkjax model (LoRA adapters must be merged first)."""
-  m = model.cfg
-  flat = {path: np.asarray(var.get_value(), np.float32) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-  out = {}
-  for hf, path, transpose in _pairs(m, family):
-    if path not in flat:                  # a parameter-free RMSNorm exports as a unit scale
-      assert path[-1] == "scale", path
-      out[hf] = np.ones((m.head_dim if path[-2] in ("q_norm", "k_norm") else m.d_model,), np.float32)
-      continue
-    out[hf] = np.ascontiguousarray(flat[path].T) if transpose else flat[path]
-  if family == "gpt_oss":
-    for hf, gate, up in _interleaved(m):
-      g, u = flat[gate], flat[up]
-      both = np.empty(g.shape[:-1] + (2 * g.shape[-1],), np.float32)
-      both[..., 0::2], both[..., 1::2] = g, u
-      out[hf] = both
-  return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
