@@ -219,6 +219,8 @@ class LoRAConfig:
 @dataclasses.dataclass
 class DataConfig:
   source: str = "default"           # default | path/glob of .txt/.jsonl/.parquet | tfds:NAME
+  val_source: str = ""              # a path/glob of files that IS the validation split (nanochat: the last shard);
+                                    # then the whole data.source trains. "" = split data.source (val_split/fraction)
   seq_len: int = 256
   text_field: str = "text"
   tokenizer: str = "bytes"          # bytes | path to a Hugging Face tokenizer.json (or the directory holding it)
@@ -269,6 +271,8 @@ class TrainConfig:
   muon_momentum_warmup: int = 300   # 0 = muon_momentum from the first step
   muon_ns_dtype: str = "bfloat16"   # dtype of Muon's Newton-Schulz iteration (nanochat: bfloat16)
   max_nonfinite: int = 5            # consecutive non-finite steps (loss, gradient or update) before the run stops
+  epochs: int = 0                   # data.format=sft: stop after this many passes over the training examples, with a
+                                    # checkpoint (train.steps 0: the steps those passes make); 0 = no limit
   stop_at_step: int = 0             # end this invocation after this step with a checkpoint, schedule unchanged
                                     # (chunked jobs on preemptible machines); 0 = run to train.steps
   loss_chunk: int = 0               # > 0: logits and cross-entropy this many positions of every row at a time, never
@@ -365,6 +369,7 @@ RANGES = {
     "train.adamw_lr": ">=0", "train.weight_decay": ">=0", "train.grad_clip": ">=0", "train.warmup_steps": ">=0",
     "train.decay_frac": "[0,1]", "train.muon_momentum": "[0,1)", "train.muon_momentum_start": "[0,1]",
     "train.muon_momentum_warmup": ">=0", "train.max_nonfinite": ">=1", "train.stop_at_step": ">=0",
+    "train.epochs": ">=0",
     "train.profile_start": ">=0", "train.profile_steps": ">=0", "train.loss_chunk": ">=0",
     "checkpoint.every": ">=1", "checkpoint.keep": ">=1",
     "mesh.data": "-1|>=1", "mesh.fsdp": "-1|>=1", "mesh.tensor": "-1|>=1",

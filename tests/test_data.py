@@ -422,3 +422,61 @@ def test_source_documents_txt_one_document_per_file(tmp_path):
   (tmp_path / "a.txt").write_text("para one\n\npara two\n")
   src = build_source(_cfg(tmp_path / "a.txt", val_fraction=0.0), "train")
   assert source_documents(src) == ["para one\n\npara two\n"]
+
+
+# ------------------------------------------------------------------------------------- data.val_source, epochs
+def test_val_source_is_the_validation_split_and_source_trains_whole(tmp_path):
+  """data.val_source: validation = every document of those files, training (and 'all') = every document of
+  data.source, whatever data.val_fraction says; a validation file inside data.source is refused."""
+  train_docs, val_docs = _docs(30, seed=1), [f"<v{i}>held out {i}</v{i}>" for i in range(4)]
+  (tmp_path / "train").mkdir()
+  _write_jsonl(tmp_path / "train", train_docs, name="shard_00000.jsonl")
+  val = _write_jsonl(tmp_path, val_docs, name="shard_00099.jsonl")
+  cfg = _cfg(tmp_path / "train" / "*.jsonl", val_source=str(val), val_fraction=0.5)
+  assert source_documents(build_source(cfg, "train")) == train_docs
+  assert source_documents(build_source(cfg, "all")) == train_docs
+  assert source_documents(build_source(cfg, "val")) == val_docs
+  tok = build_tokenizer(DataConfig())
+  (b,) = make_eval_batches(dataclasses.replace(cfg, seq_len=64), tok, batch_size=8, num_batches=None,
+                           process_index=0, process_count=1)
+  assert b["target_bytes"].sum() == sum(len(d.encode()) for d in val_docs)     # the val file's text, all of it
+  _err(lambda: build_source(_cfg(tmp_path / "**" / "*.jsonl", val_source=str(val)), "train"),
+       r"data.val_source file .*shard_00099.jsonl' is also in data.source")
+  _err(lambda: build_source(_cfg(tmp_path / "train", val_source=str(tmp_path / "nope.jsonl")), "val"),
+       r"data.val_source .*nope.jsonl' matched no files")
+  _err(lambda: build_source(_cfg("tfds:x", val_source=str(val)), "val"), "data.val_source is for file sources")
+
+
+@pytest.mark.parametrize("packing", ["stream", "document"])
+def test_second_epoch_prints_one_line_when_it_starts(tmp_path, capfd, packing):
+  """The line comes with the first row that needs a token of the second pass (a hand count of the rows one pass
+  fills), and only once over three passes."""
+  docs = ["a" * 5, "bb" * 7, "c" * 11, "d" * 3]                 # byte tokenizer: a token per byte
+  src = _write_jsonl(tmp_path, docs)
+  seq_len = 8
+  cfg = _cfg(src, val_source=str(_write_jsonl(tmp_path, ["v"], name="v.jsonl")), seq_len=seq_len, packing=packing,
+             shuffle_batches=0)
+  it = make_train_iterator(cfg, build_tokenizer(cfg), batch_size=1, process_index=0, process_count=1)
+  r = seq_len + 1
+  if packing == "stream":              # one stream BOS d1 BOS d2 ...: rows of r tokens
+    rows_one_pass = sum(len(d) + 1 for d in docs) // r       # rows filled before a token of pass 2 is needed
+  else:                                # greedy: a document continues in the next row behind a fresh BOS
+    rows_one_pass, fill = 0, 0
+    for d in docs:
+      left = len(d)
+      while left:
+        if r - fill < 2:
+          rows_one_pass, fill = rows_one_pass + 1, 0
+        take = min(r - fill - 1, left)
+        fill, left = fill + take + 1, left - take
+    rows_one_pass += fill >= r - 1       # a row with < 2 slots left ends before pass 2 is read
+  capfd.readouterr()
+  for _ in range(rows_one_pass):
+    next(it)
+  assert "second epoch" not in capfd.readouterr().err
+  next(it)
+  err = capfd.readouterr().err
+  lines = [l for l in err.splitlines() if "second epoch" in l]
+  assert len(lines) == 1 and "every one of the 4 blocks of 1 file(s)" in lines[0], err
+  _take(it, 3 * rows_one_pass)
+  assert "epoch" not in capfd.readouterr().err

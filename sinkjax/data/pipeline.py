@@ -4,7 +4,8 @@ Training pipeline (per JAX process):
 
   blocks of documents (sources.py)             grain.MapDataset.source
   -> this process' shard                       ds[process_index::process_count]
-  -> shuffle blocks, new order every epoch     .shuffle(seed).repeat()      (epochs forever)
+  -> shuffle blocks, new order every epoch     .shuffle(seed).repeat()      (epochs forever; one line on stderr
+                                                                            when the second epoch starts)
   -> tokenize (+ shuffle docs inside a block)  .map_with_index(...)         (read threads)
   -> pack into rows of seq_len + 1 tokens      PackIterDataset              (data.packing; checkpointable, exact)
   -> shuffle rows in windows of a few batches  WindowShuffleIterDataset     (data.shuffle_batches)
@@ -47,6 +48,7 @@ worker count (resume with the same `data.num_workers`).
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,18 +63,28 @@ _READ_THREADS = 2
 _READ_BUFFER = 16
 
 
-class _Tokenize:
-  """Block of texts -> list of (ids int32, nbytes int32) per non-empty document, docs shuffled by (seed, index)."""
+class _Block(list):
+  """A tokenized block: its documents' (ids, nbytes), and `starts_epoch`, the epoch (0 = first pass) it opens when it
+  is the first block of a repeat of the source (else 0)."""
+  starts_epoch = 0
 
-  def __init__(self, tokenizer, seed: int | None):
+
+class _Tokenize:
+  """Block of texts -> list of (ids int32, nbytes int32) per non-empty document, docs shuffled by (seed, index).
+  `epoch_blocks`: the blocks in one pass over the source (the repeated dataset's index // epoch_blocks is the epoch)."""
+
+  def __init__(self, tokenizer, seed: int | None, epoch_blocks: int | None = None):
     self._tok = tokenizer
     self._seed = seed
+    self._epoch_blocks = epoch_blocks
 
   def __call__(self, index: int, docs: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
     if self._seed is not None and len(docs) > 1:
       order = np.random.default_rng([self._seed, int(index)]).permutation(len(docs))
       docs = [docs[i] for i in order]
-    out = []
+    out = _Block()
+    if self._epoch_blocks and index and index % self._epoch_blocks == 0:
+      out.starts_epoch = index // self._epoch_blocks
     for text in docs:
       if not text:
         continue
@@ -107,11 +119,13 @@ class _BlockPacker(grain.DatasetIterator):
   OFFSET = "offset"   # the offset's name in the state; each packing has its own, so a checkpoint of one is refused
                       # by the other (sinkjax.checkpoint compares the state's field names)
 
-  def __init__(self, parent: grain.DatasetIterator, seq_len: int, bos_id: int | None, max_empty: int | None):
+  def __init__(self, parent: grain.DatasetIterator, seq_len: int, bos_id: int | None, max_empty: int | None,
+               repeat_note: str | None = None):
     super().__init__(parent)
     self._row = seq_len + 1
     self._bos = bos_id            # None (document packing): documents start with their own first token
     self._max_empty = max_empty
+    self._repeat_note = repeat_note
     self._block_state = self._parent.get_state()
     self._block: list | None = None
     self._doc = 0
@@ -127,6 +141,9 @@ class _BlockPacker(grain.DatasetIterator):
       return False
     self._doc = 0
     self._off = 0
+    if self._repeat_note and getattr(self._block, "starts_epoch", 0) == 1:
+      # One line, by whichever packer (process, worker) reads the first block of the second pass
+      print(self._repeat_note, file=sys.stderr, flush=True)
     if not self._block:
       self._empty += 1
       if self._max_empty is not None and self._empty > self._max_empty:
@@ -246,7 +263,7 @@ class PackIterDataset(grain.IterDataset):
   docstring."""
 
   def __init__(self, parent: grain.IterDataset, *, seq_len: int, bos_id: int | None, max_empty: int | None = None,
-               packing: str = "document"):
+               packing: str = "document", repeat_note: str | None = None):
     super().__init__(parent)
     if packing not in _PACKERS:
       raise DataError(f"data.packing must be one of {'|'.join(_PACKERS)}, got {packing!r}")
@@ -254,9 +271,11 @@ class PackIterDataset(grain.IterDataset):
     self._bos = bos_id
     self._max_empty = max_empty
     self._packing = packing
+    self._repeat_note = repeat_note    # printed (stderr) when the parent's first block of a second pass arrives
 
   def __iter__(self) -> _BlockPacker:
-    return _PACKERS[self._packing](self._parent.__iter__(), self._seq_len, self._bos, self._max_empty)
+    return _PACKERS[self._packing](self._parent.__iter__(), self._seq_len, self._bos, self._max_empty,
+                                   self._repeat_note)
 
   def __str__(self) -> str:
     return f"PackIterDataset(seq_len={self._seq_len}, packing={self._packing})"
@@ -320,13 +339,16 @@ def make_train_dataset(data_cfg, tokenizer=None, *, batch_size: int, seed: int =
   n_blocks = len(ds)
   seed32 = int(seed) % 2**32
   ds = ds.shuffle(seed=seed32).repeat(None)
-  ds = ds.map_with_index(_Tokenize(tokenizer, seed32))
+  ds = ds.map_with_index(_Tokenize(tokenizer, seed32, epoch_blocks=n_blocks))
   ds = ds.to_iter_dataset(_read_options())
   # Every block is visited once per epoch; with worker slicing a worker sees them all within ~num_workers epochs.
   max_empty = 4 * n_blocks * max(1, data_cfg.num_workers) + 64
   ds = PackIterDataset(ds, seq_len=data_cfg.seq_len, bos_id=_separator(tokenizer, data_cfg.packing),
-                       max_empty=max_empty,
-                       packing=data_cfg.packing)
+                       max_empty=max_empty, packing=data_cfg.packing,
+                       repeat_note=f"sinkjax.data: the training data starts its second epoch (every one of the "
+                                   f"{n_blocks:,} blocks of {src.description} read once"
+                                   + (f" by process {pi}" if pc > 1 else "") + "); from here on the run repeats "
+                                   "documents: add data or lower train.steps")
   if data_cfg.shuffle_batches > 0:
     # Packing puts a long document's pieces in consecutive rows; mixing rows over several batches keeps one document
     # from filling a batch. Grain's window shuffle restores exactly (it re-reads the window from its start state).
@@ -418,6 +440,8 @@ def make_eval_batches(data_cfg, tokenizer=None, *, batch_size: int, num_batches:
     what = ("has no text" if data_cfg.packing == "document" else
             f"holds fewer than data.seq_len + 1 = {data_cfg.seq_len + 1} tokens (data.packing=stream keeps full rows "
             "only)")
+    if split == "val" and (getattr(data_cfg, "val_source", "") or "").strip():
+      raise DataError(f"data.val_source {data_cfg.val_source!r} {what}; give validation files with more text")
     which = "the whole" if split == "all" else "the validation split of"
     raise DataError(f"{which} data.source {data_cfg.source!r} {what}; "
                     + ("add documents" if split == "all" else "raise data.val_fraction or add documents"))

@@ -22,8 +22,10 @@ shuffled separately by the pipeline).
 Text decoding: bytes that are not valid UTF-8 are replaced by U+FFFD (never an error), so one bad byte does not stop
 a long run; byte counts (and so BPB) refer to the text after this replacement.
 
-Train/validation split: TFDS datasets with a `data.val_split` use it. Every other source is split per document by a
-hash of a stable document key (file path relative to the matched files' common directory, plus the line / row number
+Train/validation split: `data.val_source` (a path / directory / glob of files, e.g. nanochat's choice, the last
+FineWeb-Edu shard: sinkjax.data.fineweb) makes those files the validation split and the whole `data.source` the
+training split (no file may be in both). Without it, TFDS datasets with a `data.val_split` use it, and every other
+source is split per document by a hash of a stable document key (file path relative to the matched files' common directory, plus the line / row number
 in it; for `default` the path inside the standard library or the help-topic name): a document is validation iff
 `hash(key) < data.val_fraction`. The split is therefore stable across machines and independent of the order files
 are listed in.
@@ -312,11 +314,11 @@ class _ParquetFile:
     return out
 
 
-def expand_files(pattern: str) -> list[str]:
-  """The sorted files a `data.source` path / directory / glob names, local or gs:// / s3:// (DataError if none or
-  unsupported)."""
+def expand_files(pattern: str, setting: str = "data.source") -> list[str]:
+  """The sorted files a `data.source` (or `setting`) path / directory / glob names, local or gs:// / s3:// (DataError
+  if none or unsupported)."""
   if paths.is_remote(pattern):
-    return _checked_files(pattern, _expand_remote(pattern))
+    return _checked_files(pattern, _expand_remote(pattern, setting), setting)
   p = os.path.expanduser(pattern)
   if glob.has_magic(p):
     files = sorted(f for f in glob.glob(p, recursive=True) if os.path.isfile(f))
@@ -327,12 +329,12 @@ def expand_files(pattern: str) -> list[str]:
     files = [p]
   else:
     files = []
-  return _checked_files(pattern, files)
+  return _checked_files(pattern, files, setting)
 
 
-def _expand_remote(pattern: str) -> list[str]:
+def _expand_remote(pattern: str, setting: str) -> list[str]:
   try:
-    paths.check_bucket(pattern, "data.source")
+    paths.check_bucket(pattern, setting)
   except paths.StorageError as e:
     raise DataError(str(e)) from None
   if glob.has_magic(pattern):
@@ -343,12 +345,12 @@ def _expand_remote(pattern: str) -> list[str]:
   return [pattern] if p.is_file() else []
 
 
-def _checked_files(pattern: str, files: list[str]) -> list[str]:
+def _checked_files(pattern: str, files: list[str], setting: str) -> list[str]:
   if not files:
-    raise DataError(f"data.source {pattern!r} matched no files; {_SOURCE_HINT}")
+    raise DataError(f"{setting} {pattern!r} matched no files; {_SOURCE_HINT}")
   bad = [f for f in files if pathlib.Path(f).suffix.lower() not in SUPPORTED_SUFFIXES]
   if bad:
-    raise DataError(f"data.source {pattern!r} matched {bad[0]!r}, which is not .txt/.jsonl/.parquet; "
+    raise DataError(f"{setting} {pattern!r} matched {bad[0]!r}, which is not .txt/.jsonl/.parquet; "
                     f"narrow the glob or {_SOURCE_HINT}")
   return files
 
@@ -356,8 +358,8 @@ def _checked_files(pattern: str, files: list[str]) -> list[str]:
 class FilesSource(BlockSource):
   """Concatenation of .txt / .jsonl / .parquet files, local or in a bucket (gs://, s3://)."""
 
-  def __init__(self, pattern: str, split: str, val_fraction: float, text_field: str):
-    files = expand_files(pattern)
+  def __init__(self, pattern: str, split: str, val_fraction: float, text_field: str, setting: str = "data.source"):
+    files = expand_files(pattern, setting)
     flt = _Split(split, val_fraction)
     local = [f if paths.is_remote(f) else os.path.abspath(f) for f in files]   # URLs: '/'-separated already
     common = os.path.dirname(local[0]) if len(local) == 1 else os.path.commonpath(local)
@@ -375,7 +377,7 @@ class FilesSource(BlockSource):
     self.num_records = sum(f.num_records for f in self._files)
     self.description = f"{len(files)} file(s) matching {pattern!r}"
     if self.num_records == 0:
-      raise DataError(f"data.source {pattern!r} contains no documents (all files are empty); "
+      raise DataError(f"{setting} {pattern!r} contains no documents (all files are empty); "
                       "give files with text")
 
   def __len__(self) -> int:
@@ -468,8 +470,9 @@ def _tfds_source(name: str, data_cfg, split: str) -> BlockSource:
 
 # ------------------------------------------------------------------------------------------------------ build
 def build_source(data_cfg, split: str) -> BlockSource:
-  """The block source of `data.source` for split 'train', 'val' or 'all' (every document, in stored order;
-  DataError on bad input)."""
+  """The block source of `data.source` for split 'train', 'val' or 'all' (every document of data.source, in stored
+  order); with `data.val_source` set, 'train' is the whole data.source and 'val' the whole val_source. DataError on
+  bad input."""
   if split not in ("train", "val", "all"):
     raise ValueError(f"split must be 'train', 'val' or 'all', got {split!r}")
   if not 0.0 <= data_cfg.val_fraction <= 1.0:
@@ -477,7 +480,14 @@ def build_source(data_cfg, split: str) -> BlockSource:
   source = (data_cfg.source or "").strip()
   if not source:
     raise DataError(f"data.source is empty; {_SOURCE_HINT}")
-  if source == "default":
+  val_source = (getattr(data_cfg, "val_source", "") or "").strip()
+  if val_source:
+    _check_val_source(source, val_source)
+    if split == "val":
+      src = FilesSource(val_source, "all", 0.0, data_cfg.text_field, setting="data.val_source")
+    else:
+      src = _whole_source(source, data_cfg)
+  elif source == "default":
     src = DefaultSource(split, data_cfg.val_fraction)
   elif source.startswith("tfds:"):
     src = _tfds_source(source[len("tfds:"):].strip(), data_cfg, split)
@@ -487,17 +497,46 @@ def build_source(data_cfg, split: str) -> BlockSource:
   return src
 
 
+def _whole_source(source: str, data_cfg) -> BlockSource:
+  if source == "default":
+    return DefaultSource("all", 0.0)
+  return FilesSource(source, "all", 0.0, data_cfg.text_field)
+
+
+def _check_val_source(source: str, val_source: str) -> None:
+  """data.val_source names files, none of which data.source also names (the validation text is never trained on)."""
+  if val_source == "default" or val_source.startswith("tfds:"):
+    raise DataError(f"data.val_source {val_source!r} must be a path or glob of .txt/.jsonl/.parquet files (a TFDS "
+                    "dataset's validation split is data.val_split)")
+  if source.startswith("tfds:"):
+    raise DataError(f"data.val_source is for file sources; data.source {source!r} is a TFDS dataset, whose "
+                    "validation split is data.val_split: leave data.val_source empty")
+  val_files = expand_files(val_source, "data.val_source")
+  if source == "default":
+    return
+  norm = lambda f: f if paths.is_remote(f) else os.path.abspath(f)
+  both = sorted(set(map(norm, expand_files(source))) & set(map(norm, val_files)))
+  if both:
+    raise DataError(f"data.val_source file {both[0]!r} is also in data.source {source!r}; narrow data.source so that "
+                    "it leaves the validation files out (e.g. a glob of the training shards only)")
+
+
 def check_nonempty(src: BlockSource, data_cfg, split: str) -> None:
   """DataError if the split certainly has no text (small sources are scanned fully, large ones not at all)."""
   what = {"val": "validation", "train": "training", "all": "whole"}[split]
-  fix = ("raise data.val_fraction or add documents" if split == "val" else
-         "lower data.val_fraction or add documents with text")
+  if (getattr(data_cfg, "val_source", "") or "").strip():
+    name, where, fix = ("data.val_source", data_cfg.val_source, "give files with text") if split == "val" else (
+        "data.source", data_cfg.source, "give files with text")
+    setting = ""
+  else:
+    name, where = "data.source", data_cfg.source
+    fix = ("raise data.val_fraction or add documents" if split == "val" else
+           "lower data.val_fraction or add documents with text")
+    setting = f" (data.val_fraction={data_cfg.val_fraction})"
   if len(src) == 0:
-    raise DataError(f"data.source {data_cfg.source!r} has no documents in the {what} split "
-                    f"(data.val_fraction={data_cfg.val_fraction}); {fix}")
+    raise DataError(f"{name} {where!r} has no documents in the {what} split{setting}; {fix}")
   if len(src) <= _SCAN_BLOCKS and not any(any(d for d in src[i]) for i in range(len(src))):
-    raise DataError(f"data.source {data_cfg.source!r} has no non-empty documents in the {what} split "
-                    f"(data.val_fraction={data_cfg.val_fraction}); {fix}")
+    raise DataError(f"{name} {where!r} has no non-empty documents in the {what} split{setting}; {fix}")
 
 
 def source_documents(src: BlockSource) -> Sequence[str]:
