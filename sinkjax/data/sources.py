@@ -511,7 +511,10 @@ def _check_val_source(source: str, val_source: str) -> None:
   if source.startswith("tfds:"):
     raise DataError(f"data.val_source is for file sources; data.source {source!r} is a TFDS dataset, whose "
                     "validation split is data.val_split: leave data.val_source empty")
-  val_files = expand_files(val_source, "data.val_source")
+  try:
+    val_files = expand_files(val_source, "data.val_source")
+  except DataError as e:
+    raise DataError(f"{e} (or set data.val_source= to split data.source by data.val_fraction)") from None
   if source == "default":
     return
   norm = lambda f: f if paths.is_remote(f) else os.path.abspath(f)
