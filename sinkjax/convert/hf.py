@@ -66,15 +66,16 @@ _REQUIRED = object()
 @dataclasses.dataclass(frozen=True)
 class Key:
   """A config.json key <-> a ModelConfig field: read on import (`default` when absent; a key without one must be
-  there), written on export. `values` maps its config.json values to the field's (an export needs the field to be
-  one of them)."""
+  there; `also`: other names it may have there), written on export. `values` maps its config.json values to the
+  field's (an export needs the field to be one of them)."""
   hf: str
   field: str
   default: Any = _REQUIRED
   values: dict | None = None
+  also: tuple = ()
 
   def read(self, hf: dict, family: str):
-    value = hf.get(self.hf, self.default)
+    value = next((hf[k] for k in (self.hf, *self.also) if hf.get(k) is not None), self.default)
     if value is _REQUIRED or value is None and self.default is _REQUIRED:
       raise ConvertError(f"the config.json of this {family} model lacks {self.hf}")
     if self.values is not None:
@@ -164,8 +165,8 @@ QWEN3 = Family(
 QWEN3_MOE = Family(
     "qwen3_moe", "Qwen3MoeForCausalLM", fixed=dict(attention="vanilla", qk_norm=True, mlp="swiglu",
                                                    attn_out_bias=True, mlp_bias=False),
-    keys=(_ATTN_BIAS, Key("num_experts", "moe_experts"), Key("num_experts_per_tok", "moe_top_k"),
-          Key("moe_intermediate_size", "mlp_hidden"),
+    keys=(_ATTN_BIAS, Key("num_experts", "moe_experts", also=("num_local_experts",)),   # transformers 5 saves the latter
+          Key("num_experts_per_tok", "moe_top_k"), Key("moe_intermediate_size", "mlp_hidden"),
           Key("norm_topk_prob", "moe_router", False, {False: "softmax_topk", True: "softmax_topk_norm"})),
     supports=(_SILU, _NO_SLIDING,
               ("decoder_sparse_step", 1, "every layer must be an MoE layer here; dense layers between are not mapped"),
@@ -322,9 +323,9 @@ def family_of(m: ModelConfig) -> str:
   misses = {name: _mismatches(spec, m) for name, spec in SPECS.items()}
   family = next((name for name, miss in misses.items() if not miss), None)
   if family is None:
-    nearest = min(misses, key=lambda name: len(misses[name]))
-    problems.append(f"no family ({', '.join(SPECS)}) has this architecture; the nearest, {nearest}, needs "
-                    + ", ".join(misses[nearest]))
+    fewest = min(len(miss) for miss in misses.values())
+    nearest = [f"{name} needs {', '.join(miss)}" for name, miss in misses.items() if len(miss) == fewest]
+    problems.append(f"no family ({', '.join(SPECS)}) has this architecture; the nearest: {'; '.join(nearest)}")
   if problems:
     raise ConvertError("this model cannot be exported to Hugging Face: " + "; ".join(problems))
   return family
