@@ -222,7 +222,9 @@ def legacy_data_settings(cfg: Config) -> None:
 
 def adopt_init_model(cfg: Config) -> Config | None:
   """train.init_from: reads that run's config and makes its model section this run's (model.dtype, remat and
-  attn_impl stay this config's), after checking the shape keys (INIT_CHECKED_KEYS) this config repeats.
+  attn_impl stay this config's), after checking the shape keys (INIT_CHECKED_KEYS) this config repeats. A config
+  that names no tokenizer (data.tokenizer bytes) takes the init run's, so an imported model is fine-tuned on its own
+  tokens.
 
   Returns the init run's config, or None without train.init_from. Changes `cfg` in place.
   """
@@ -243,6 +245,8 @@ def adopt_init_model(cfg: Config) -> Config | None:
     raise ConfigError(f"train.init_from {src!r} holds a different model: {', '.join(diff)}; set these keys to the "
                       "imported model's (e.g. as overrides)")
   cfg.model = dataclasses.replace(init_cfg.model, **{k: getattr(cfg.model, k) for k in RESUMABLE_MODEL_KEYS})
+  if cfg.data.tokenizer in ("", "bytes") and init_cfg.data.tokenizer not in ("", "bytes"):
+    cfg.data.tokenizer = init_cfg.data.tokenizer   # the model's own tokenizer (an import's RUN/tokenizer/), not bytes
   config_lib.validate(cfg)
   return init_cfg
 
