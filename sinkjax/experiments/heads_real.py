@@ -24,7 +24,7 @@ resumable (an interrupted study picks up at the first unfinished step; a finishe
 4. **Report** (`results.md`, `results.json`, figures): each arm against `base`, paired by seed, with
    `sinkjax.experiments.stats.paired_effect` (paired t with t_{n-1}, exact permutation and sign tests, the smallest
    detectable effect beside every "not detected"); a claim the tests do not support is not made. Every run's raw
-   files (its record, metrics.jsonl, config.yaml) are copied to `--results` with the commit that made them; a study
+   files (its record, metrics.jsonl, config.yaml) are copied to `--results`/raw/ with the commit that made them; a study
    refuses to aggregate runs of different commits.
 """
 from __future__ import annotations
@@ -260,7 +260,7 @@ def keep_raw(out: pathlib.Path, results: pathlib.Path) -> None:
       shutil.copy2(out / name, results / name)
   for run_dir in sorted((out / "runs").glob("*")):
     if (run_dir / "record.json").is_file():
-      dst = results / "runs" / run_dir.name
+      dst = results / "raw" / run_dir.name      # "raw", not "runs", which .gitignore ignores
       dst.mkdir(parents=True, exist_ok=True)
       for name in ("record.json", "metrics.jsonl", "config.yaml"):
         if (run_dir / name).is_file():
