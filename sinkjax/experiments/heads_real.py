@@ -152,6 +152,17 @@ def _batches(cfg, tok, source: str, seq_len: int, batch_size: int, max_docs: int
   return batches, counts["documents"]
 
 
+_COMMIT: dict = {}
+
+
+def _commit() -> dict:
+  """The commit of the code this process runs: HEAD when the study started (the shared checkout's HEAD may move while
+  a long study runs; the code loaded at the start is what made every record)."""
+  if not _COMMIT:
+    _COMMIT.update(git_commit())
+  return dict(_COMMIT)
+
+
 def _log(msg: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -186,7 +197,7 @@ def analyse(run: str, corpus: dict, out: pathlib.Path) -> dict:
          "cv_per_layer": lm["cv_per_layer"], "diagnostic_rows": int(sum(len(b["inputs"]) for b in batches[:4])),
          "first_token_attention_per_head": diag["first_token_attention_per_head"],
          "first_token_value_norm": diag["first_token_value_norm"], "other_value_norm": diag["other_value_norm"],
-         "random_init": rand, "seconds": time.perf_counter() - t0, **git_commit()}
+         "random_init": rand, "seconds": time.perf_counter() - t0, **_commit()}
   _write(out / "analysis.json", rec)
   _write(out / "shared_heads.json", {"importance": lm["importance"], "source": "analysis.json"})
   return rec
@@ -219,7 +230,7 @@ def _heldout_eval(run_dir, corpus: dict) -> dict:
 def before(run: str, corpus: dict, out: pathlib.Path) -> dict:
   rec = _read(out / "before.json")
   if rec is None:
-    rec = {**_heldout_eval(run, corpus), **git_commit()}
+    rec = {**_heldout_eval(run, corpus), **_commit()}
     _write(out / "before.json", rec)
   return rec
 
@@ -247,7 +258,7 @@ def finetune(run: str, arm: str, kind: str, seed: int, corpus: dict, out: pathli
   ev = _heldout_eval(run_dir, corpus)
   rec = {"name": run_dir.name, "arm": arm, "kind": kind, "seed": seed, "aux_weight": lam, "num_shared_heads": m,
          "steps": summary["steps"], "final_loss": summary["final_loss"], "train_seconds": seconds, **ev,
-         **git_commit()}
+         **_commit()}
   _write(run_dir / "record.json", rec)
   return rec
 
@@ -434,6 +445,8 @@ def main(argv=None) -> int:
   def study():
     if not pathlib.Path(args.run, "config.yaml").is_file():
       raise StudyError(f"--run {args.run} is not a run directory; import the model first (docs/CONVERT.md)")
+    import sinkjax.eval, sinkjax.lora, sinkjax.run, sinkjax.train  # pylint: disable=import-outside-toplevel,unused-import,redefined-outer-name
+    _commit()                     # the code is loaded: the commit that made every record of this process
     out = pathlib.Path(args.out)
     results = pathlib.Path(args.results) if args.results else out / "results"
     corpus = english_corpus(out / "corpus")
