@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints <-> sinkjax: Llama 3, Qwen3 and GPT-OSS, in both directions.
+"""Hugging Face checkpoints <-> sinkjax: Llama 3, Qwen2.5, Qwen3, Qwen3-MoE and GPT-OSS, in both directions.
 
     from sinkjax.convert.hf import load_hf
     model = load_hf("path/to/hf_dir")          # a sinkjax Transformer; model(tokens) -> logits
@@ -6,11 +6,16 @@
     python -m sinkjax.convert.hf --hf-dir MODEL.gguf --out RUN_DIR # a GGUF file (dequantized; sinkjax.convert.gguf)
     python -m sinkjax.convert.hf --export RUN_DIR --out DIR        # export (LoRA adapters merged) for transformers
 
-The Hugging Face architectures are configurations of the one sinkjax `Transformer` (model.* keys), not copies of it:
-  Llama 3   vanilla attention, GQA, RoPE (+ llama3 scaling), learnable RMSNorm scales, SwiGLU, no QK-norm
-  Qwen3     the same with per-head q/k RMSNorm (learnable scale) and an explicit head_dim
-  GPT-OSS   sink attention (learned per-head sinks), alternating sliding-window / full layers, q/k/v/o biases,
-            YaRN RoPE, and a top-k routed MoE MLP with GPT-OSS's clamped SwiGLU (experts with biases)
+The Hugging Face architectures are configurations of the one sinkjax `Transformer` (model.* keys), not copies of it,
+each one declarative `Family` spec in `SPECS` (config keys both ways, per-layer tensor names and transforms, the
+ModelConfig fields it fixes, which also decide what exports to it):
+  llama      vanilla attention, GQA, RoPE (+ llama3 scaling), learnable RMSNorm scales, SwiGLU, no QK-norm
+  qwen2      Qwen2.5: the same with q/k/v biases and no o_proj bias (model.attn_out_bias false)
+  qwen3      per-head q/k RMSNorm (learnable scale) and an explicit head_dim
+  qwen3_moe  Qwen3's attention; every layer a routed SwiGLU MoE (softmax over all experts, top-k, renormalised
+             with norm_topk_prob: model.moe_router softmax_topk[_norm]), no shared expert
+  gpt_oss    sink attention (learned per-head sinks), alternating sliding-window / full layers, q/k/v/o biases,
+             YaRN RoPE, and a top-k routed MoE MLP with GPT-OSS's clamped SwiGLU (experts with biases)
 and all of them: no embedding norm, no logit soft-cap. Weights are read from safetensors only (one file, several,
 or an index json; MXFP4-quantized GPT-OSS experts are dequantized); pickled `.bin` checkpoints are refused, since
 loading them executes code. Linear weights are transposed ([out, in] in torch, [in, out] in Flax).
@@ -150,6 +155,7 @@ _SILU = ("hidden_act", "silu", "the MLP is SwiGLU here")
 _NO_SLIDING = ("use_sliding_window", False, "Qwen's sliding-window layers (max_window_layers) are not mapped; the "
                "released models set it false")
 _ATTN_BIAS = Key("attention_bias", "attn_bias", False)
+_ALL_MOE = "every layer must be an MoE layer here; dense layers between are not mapped"
 
 LLAMA = Family(
     "llama", "LlamaForCausalLM", fixed=dict(attention="vanilla", qk_norm=False, mlp="swiglu", attn_out_bias=True),
@@ -168,9 +174,7 @@ QWEN3_MOE = Family(
     keys=(_ATTN_BIAS, Key("num_experts", "moe_experts", also=("num_local_experts",)),   # transformers 5 saves the latter
           Key("num_experts_per_tok", "moe_top_k"), Key("moe_intermediate_size", "mlp_hidden"),
           Key("norm_topk_prob", "moe_router", False, {False: "softmax_topk", True: "softmax_topk_norm"})),
-    supports=(_SILU, _NO_SLIDING,
-              ("decoder_sparse_step", 1, "every layer must be an MoE layer here; dense layers between are not mapped"),
-              ("mlp_only_layers", [], "every layer must be an MoE layer here; dense layers between are not mapped")),
+    supports=(_SILU, _NO_SLIDING, ("decoder_sparse_step", 1, _ALL_MOE), ("mlp_only_layers", [], _ALL_MOE)),
     extra={"sliding_window": None, "output_router_logits": False},
     mlp=(Tensor("mlp.gate.weight", ("mlp", "router", "kernel"), "transpose"),
          Tensor("mlp.experts.{e}.gate_proj.weight", ("mlp", "gate_kernel"), "experts"),
@@ -620,8 +624,8 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, dtype: s
 def main(argv=None) -> int:
   parser = cli.Parser(
       prog="python -m sinkjax.convert.hf",
-      description="Import a Hugging Face checkpoint (Llama 3, Qwen3, GPT-OSS; safetensors) into a sinkjax run "
-                  "directory, or export a run back to a Hugging Face directory.")
+      description="Import a Hugging Face checkpoint (Llama 3, Qwen2.5, Qwen3, Qwen3-MoE, GPT-OSS; safetensors) into a "
+                  "sinkjax run directory, or export a run back to a Hugging Face directory.")
   src = parser.add_mutually_exclusive_group(required=True)
   src.add_argument("--hf-dir", "--gguf", dest="hf_dir",
                    help="what to import: a Hugging Face model directory (config.json + *.safetensors), a .gguf file "
