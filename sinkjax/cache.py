@@ -22,7 +22,20 @@ structure), so shapes are fixed, the decode step compiles once and a streaming h
 The attention layer attends each group with its own positions (`LayerCache.groups`) and puts the heads back in
 order. A layer whose heads are all in one group computes exactly what the plain cache of that kind computes.
 
-Cached attention lives here, beside the views it reads: `decode(layer, x, view)` runs one new token of an
+Chunks (scoring in blocks). A cache put in append mode (`cache.appending()`) takes T >= 1 new tokens per step and
+gives each of them exactly what T decode steps would have given it: query a (absolute index) sees the keys the cache
+would hold after writing a (the S sinks, the last C - S tokens up to a, nothing evicted before it), at the positions
+token-by-token decoding rotates them to. The keys are [sinks, once per query | the cache before the chunk | the
+chunk], the per-query eviction a mask over them (`chunk_visibility`). RoPE is relative, so the window and the chunk
+are rotated once for the whole chunk, in the frame of its first query (position shift o = max(0, a_0 - C + 1)), and
+query a at a - o: distances a - b, as decoding has them. The sinks sit outside the shift (query a sees sink b at
+distance min(a, C - 1) - b, learnable sink tokens likewise), so they get one copy per query rotated by that query's
+own shift, visible to that query only (S T extra keys; learnable sink tokens through `Attention.attend`'s
+sink_offset). Each query is then one T = 1 softmax over the shared keys (`jax.vmap`; the keys are not copied per
+query). Positions past o differ from decoding's by the chunk offset, so f32 rounding of the RoPE angles differs
+(equal in exact arithmetic). The chunk is written after it is attended (T <= C - S keeps its slots distinct).
+
+Cached attention lives here, beside the views it reads: `decode(layer, x, view)` runs the new tokens of an
 `Attention` layer against its view (the layer's projections, RoPE and variant switch, the cache's positions).
 """
 from __future__ import annotations
@@ -68,6 +81,7 @@ class LayerCache:
   key_positions: jax.Array
   query_position: jax.Array
   valid: jax.Array
+  appends = False
 
   @property
   def capacity(self) -> int:
@@ -90,6 +104,42 @@ class LayerCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class ChunkLayerCache:
+  """What one attention layer sees in a step that appends T >= 1 tokens (append mode, see the module docstring).
+
+  k, v [B, C, Hkv, D] (un-rotated keys) as they were before the chunk; length: tokens written before it;
+  sink_size: S (static).
+  """
+  k: jax.Array
+  v: jax.Array
+  length: jax.Array
+  sink_size: int = dataclasses.field(metadata=dict(static=True))
+  appends = True
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[1]
+
+  def held_tokens(self):
+    """(absolute index [C] of the token in each slot, filled [C] bool) before the chunk."""
+    j = jnp.arange(self.capacity, dtype=jnp.int32)
+    S, C, L = self.sink_size, self.capacity, self.length
+    newest = slot_of(L - 1, S, C)
+    wrapped = L - 1 - (newest - j) % (C - S)
+    return jnp.where((L <= C) | (j < S), j, wrapped).astype(jnp.int32), j < L
+
+  def write(self, k, v) -> "ChunkLayerCache":
+    """Stores the chunk's k/v [B,T,Hkv,D] in the slots of its tokens (distinct: T <= C - S, checked by KVCache)."""
+    slots = slot_of(self.length + jnp.arange(k.shape[1], dtype=jnp.int32), self.sink_size, self.capacity)
+    put = lambda buf, x: buf.at[:, slots].set(x.astype(buf.dtype), unique_indices=True)
+    return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
+
+  def groups(self) -> tuple:
+    return ((None, self),)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SplitLayerCache:
   """One layer of a `HybridKVCache`: the view of its full heads and the view of its streaming heads.
 
@@ -100,6 +150,10 @@ class SplitLayerCache:
   ring: LayerCache
   full_heads: tuple = dataclasses.field(metadata=dict(static=True))
   ring_heads: tuple = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def appends(self) -> bool:
+    return self.full.appends
 
   def _store(self, method: str, k, v) -> "SplitLayerCache":
     def put(view, heads):
@@ -139,21 +193,29 @@ def query_heads(kv_heads, group: int) -> tuple:
 
 
 def decode(layer, x, cache):
-  """One new token x [B,1,d_model] through `layer` (a `sinkjax.layers.Attention`) against its cache view: store the
-  token's un-rotated k/v and attend each head group of the cache (one for a `LayerCache`; full and streaming heads of
-  a `SplitLayerCache`) with that group's positions; heads back in order. Returns (y [B,1,d_model], updated view)."""
-  B = x.shape[0]
+  """New tokens x [B,T,d_model] through `layer` (a `sinkjax.layers.Attention`) against its cache view: store the
+  tokens' un-rotated k/v and attend each head group of the cache (one for a uniform view; full and streaming heads of
+  a `SplitLayerCache`) with that group's positions; heads back in order. T = 1 (decoding) against a `LayerCache`,
+  T >= 1 (a chunk) against an append-mode view (`ChunkLayerCache`), which attends first and writes after. Returns
+  (y [B,T,d_model], updated view)."""
+  B, T = x.shape[:2]
   q, k, v = layer.project_unrotated(x)
-  cache = cache.write(k, v)
-  groups = cache.groups()
-  outs = [_attend_group(layer, x, q, view, kv_heads) for kv_heads, view in groups]
+  if cache.appends:
+    groups = cache.groups()
+    outs = [_attend_chunk(layer, x, q, take_heads(k, kv_heads, 2), take_heads(v, kv_heads, 2), view, kv_heads)
+            for kv_heads, view in groups]
+    cache = cache.write(k, v)
+  else:
+    cache = cache.write(k, v)
+    groups = cache.groups()
+    outs = [_attend_group(layer, x, q, view, kv_heads) for kv_heads, view in groups]
   if len(groups) == 1 and groups[0][0] is None:
     out = outs[0]
   else:                                   # query heads of the groups, concatenated -> layer order
     group = layer.num_heads // layer.num_kv_heads
     order = [i for kv_heads, _ in groups for i in query_heads(kv_heads or range(layer.num_kv_heads), group)]
     out = jnp.take(jnp.concatenate(outs, axis=2), jnp.asarray(np.argsort(order)), axis=2)
-  return layer.o_proj(out.reshape(B, 1, layer.num_heads * layer.head_dim)), cache
+  return layer.o_proj(out.reshape(B, T, layer.num_heads * layer.head_dim)), cache
 
 
 def _attend_group(layer, x, q, cache, kv_heads):
@@ -175,10 +237,64 @@ def _attend_group(layer, x, q, cache, kv_heads):
   return out
 
 
+def chunk_visibility(view: ChunkLayerCache, num_new: int, window: int = 0):
+  """Which keys each query of a chunk sees, and where: (visible [T, S T + C + T] bool, key positions [S T + C + T],
+  query positions [T], sink shift [T]) over the keys [sink copies (query-major) | cache slots | chunk], in the
+  chunk's frame (see the module docstring); `window` is the model's sliding window (0 = none), applied by position
+  as decoding does."""
+  S, C, T = view.sink_size, view.capacity, num_new
+  R = C - S
+  a = view.length + jnp.arange(T, dtype=jnp.int32)                 # absolute index of each query
+  shift = jnp.maximum(a - C + 1, 0)                                 # decoding's position shift at query a
+  o = shift[0]
+  held, filled = view.held_tokens()
+  b = jnp.concatenate([jnp.tile(jnp.arange(S, dtype=jnp.int32), T), held, a])          # token index of each key
+  owner = jnp.concatenate([jnp.repeat(jnp.arange(T, dtype=jnp.int32), S), jnp.full((C + T,), -1, jnp.int32)])
+  is_copy = owner >= 0
+  kept = jnp.concatenate([b[:S * T] < view.length, filled & (held >= S), jnp.ones((T,), bool)])
+  aq = a[:, None]
+  visible = kept[None] & (b[None] <= aq) & jnp.where(is_copy[None], owner[None] == jnp.arange(T)[:, None],
+                                                     (b[None] < S) | (b[None] > aq - R))
+  key_pos = jnp.where(is_copy, b + jnp.take(shift, jnp.maximum(owner, 0)) - o, b - o)
+  if window:                              # decoding's rule: key position > query position - window
+    distance = jnp.where(is_copy[None] | (b[None] < S), (aq - shift[:, None]) - b[None], aq - b[None])
+    visible &= distance < window
+  return visible, key_pos, a - o, shift - o
+
+
+def _attend_chunk(layer, x, q, k, v, cache: ChunkLayerCache, kv_heads):
+  """Attention of a chunk's queries [B,T,Hq,D] (un-rotated; those of `kv_heads`' query heads are taken here) over
+  one group's keys before the chunk and the chunk's own k, v [B,T,Hkv',D]: each query a T = 1 softmax (as in
+  `_attend_group`) over the keys it would see when decoded, see `chunk_visibility`."""
+  B, T = x.shape[:2]
+  n, S = layer.num_sink_tokens, cache.sink_size
+  q = take_heads(q, None if kv_heads is None else query_heads(kv_heads, layer.num_heads // layer.num_kv_heads), 2)
+  visible, key_pos, q_pos, sink_shift = chunk_visibility(cache, T, layer.cfg.sliding_window)
+  sinks = lambda a: jnp.tile(a[:, :S], (1, T, 1, 1))
+  k_all = jnp.concatenate([sinks(cache.k), cache.k, k.astype(cache.k.dtype)], axis=1)
+  v_all = jnp.concatenate([sinks(cache.v), cache.v, v.astype(cache.v.dtype)], axis=1)
+  k_all = layer.rotate(k_all, jnp.broadcast_to(key_pos + n, k_all.shape[:2]), "k")
+  q = layer.rotate(q, jnp.broadcast_to(q_pos + n, (B, T)), "q")
+  ones = jnp.ones((B, 1), jnp.int32)
+
+  def one_query(x_t, q_t, visible_t, shift_t):
+    seg = (ones, jnp.broadcast_to(visible_t, (B, visible_t.shape[0])).astype(jnp.int32))
+    out, _ = layer.attend(x_t[:, None], q_t[:, None], k_all, v_all, seg, impl="reference", slide=False,
+                          kv_heads=kv_heads, sink_offset=shift_t)
+    return out[:, 0]
+  return jax.vmap(one_query, in_axes=(1, 1, 0, 0), out_axes=1)(x, q, visible, sink_shift)
+
+
 def check_prefill(num_new: int, limit: int) -> None:
   if num_new > limit:
     raise ValueError(f"cannot prefill {num_new} tokens into a cache of size {limit}; prefill at most the cache size "
                      "and decode the rest")
+
+
+def check_chunk(num_new: int, ring: int) -> None:
+  if num_new > ring:
+    raise ValueError(f"a chunk of {num_new} tokens exceeds the {ring} window slots of the cache; score in chunks of "
+                     f"at most {ring}")
 
 
 @jax.tree_util.register_dataclass
@@ -189,6 +305,7 @@ class KVCache:
   v: tuple
   length: jax.Array
   sink_size: int = dataclasses.field(metadata=dict(static=True))
+  append: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @classmethod
   def create(cls, num_layers: int, batch: int, capacity: int, num_kv_heads, head_dim: int, *,
@@ -226,10 +343,27 @@ class KVCache:
     """The most tokens one prefill may write (the rest of a longer prompt goes through the decode step)."""
     return self.capacity
 
-  def layers(self, num_new: int) -> list[LayerCache]:
-    """Per-layer views for a step that adds `num_new` tokens (1 = decode; > 1 = prefill of an empty cache)."""
+  @property
+  def max_chunk(self) -> int:
+    """The most tokens one append-mode step may take: the window's C - S slots (a chunk's slots are distinct)."""
+    return self.capacity - self.sink_size
+
+  def appending(self) -> "KVCache":
+    """This cache in append mode: a step of T >= 1 tokens attends what it holds, each token as if decoded one by one
+    (chunked scoring; see the module docstring)."""
+    return dataclasses.replace(self, append=True)
+
+  def layers(self, num_new: int) -> list:
+    """Per-layer views for a step that adds `num_new` tokens (1 = decode; > 1 = prefill of an empty cache; in append
+    mode, `ChunkLayerCache`s for a chunk of at most C - S tokens)."""
+    if self.append:
+      check_chunk(num_new, self.max_chunk)
+      return self._chunk_views()
     check_prefill(num_new, self.max_prefill)
     return self._views(num_new)
+
+  def _chunk_views(self) -> list[ChunkLayerCache]:
+    return [ChunkLayerCache(k, v, self.length, self.sink_size) for k, v in zip(self.k, self.v)]
 
   def _views(self, num_new: int) -> list[LayerCache]:
     after = self.length + num_new
@@ -292,15 +426,31 @@ class HybridKVCache:
   @property
   def max_prefill(self) -> int:
     """The smaller capacity among the caches that hold any head (a cache without heads limits nothing)."""
-    held = [c.capacity for c, n in ((self.full, sum(map(sum, self.full_heads))),
-                                    (self.ring, sum(len(r) - sum(r) for r in self.full_heads))) if n]
-    return min(held)
+    return min(c.capacity for c in self._held())
+
+  def appending(self) -> "HybridKVCache":
+    """Both caches in append mode (see `KVCache.appending`)."""
+    return dataclasses.replace(self, full=self.full.appending(), ring=self.ring.appending())
+
+  def _held(self) -> list:
+    """The caches that hold any head."""
+    return [c for c, n in ((self.full, sum(map(sum, self.full_heads))),
+                           (self.ring, sum(len(r) - sum(r) for r in self.full_heads))) if n]
+
+  @property
+  def max_chunk(self) -> int:
+    return min(c.max_chunk for c in self._held())
 
   def layers(self, num_new: int) -> list[SplitLayerCache]:
     """Per-layer views (see `KVCache.layers`); a cache that holds no head limits nothing (its writes are skipped)."""
-    check_prefill(num_new, self.max_prefill)
+    if self.full.append:
+      check_chunk(num_new, self.max_chunk)
+      views = zip(self.full._chunk_views(), self.ring._chunk_views())
+    else:
+      check_prefill(num_new, self.max_prefill)
+      views = zip(self.full._views(num_new), self.ring._views(num_new))
     out = []
-    for row, full, ring in zip(self.full_heads, self.full._views(num_new), self.ring._views(num_new)):
+    for row, (full, ring) in zip(self.full_heads, views):
       out.append(SplitLayerCache(full, ring, tuple(h for h, f in enumerate(row) if f),
                                  tuple(h for h, f in enumerate(row) if not f)))
     return out

@@ -3,6 +3,7 @@
     python -m sinkjax.generate --checkpoint RUN_DIR --prompt TEXT --max-new-tokens N [--chat [--system TEXT]] \\
         [--temperature T] [--top-k K] [--top-p P] [--seed S] [--cache full|streaming --sink-size S --window W]
     python -m sinkjax.generate --ppl FILE --checkpoint RUN_DIR [--sink-size S --window W] [--max-tokens N]
+        [--ppl-chunk T]
         [--full-heads F[,F...] [--full-heads-random SEED[,...]] | --full-heads-from MAP.json]
 
 Works for every attention variant (vanilla, sink, gated) and for models with learnable sink tokens.
@@ -35,9 +36,12 @@ else by n.
 A prompt longer than a streaming cache is prefilled up to W tokens and the rest is fed through the decode step
 (the same compiled function), which is exactly what token-by-token streaming would compute.
 
-`--ppl FILE` scores the file (BOS, where the tokenizer adds one, + its tokens, first `--max-tokens`) token by token under three caches: full,
-window-only (S = 0, the same W) and sinks + window, plus a hybrid row per --full-heads F (and per random seed, or
-the --full-heads-from map), and prints a StreamingLLM-style table with each cache's key/value memory in bytes.
+`--ppl FILE` scores the file (BOS, where the tokenizer adds one, + its tokens, first `--max-tokens`) under three
+caches: full, window-only (S = 0, the same W) and sinks + window, plus a hybrid row per --full-heads F (and per
+random seed, or the --full-heads-from map), and prints a StreamingLLM-style table with each cache's key/value memory
+in bytes. It scores in blocks (`--ppl-chunk` T positions per step against the cache, `sinkjax.cache`'s append mode): each
+position sees exactly the keys, at the positions, that one decode step per token gives it (`--ppl-chunk 1`), for
+every cache, so the numbers are those of token-by-token streaming (up to f32 rounding) at a fraction of the steps.
 """
 from __future__ import annotations
 
@@ -234,6 +238,20 @@ def _prefill_scores(graphdef, state, cache, tokens):
 
 
 @functools.partial(jax.jit, static_argnums=0)
+def _chunk_scores(graphdef, state, cache, inputs, targets):
+  """(cache, scores) of targets [n, B, T] fed inputs [n, B, T] a chunk of T at a time through an append-mode cache
+  (one `lax.scan` over the n chunks)."""
+  model = nnx.merge(graphdef, state)
+
+  def step(cache, xs):
+    tok, target = xs
+    logits, cache = model(tok, cache=cache)
+    return cache, _scores(logits, target)
+
+  return jax.lax.scan(step, cache, (inputs, targets))
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def _decode_scores(graphdef, state, cache, inputs, targets):
   """Scores of targets [N, B] fed inputs [N, B] one step at a time through the cache (one `lax.scan`)."""
   model = nnx.merge(graphdef, state)
@@ -247,7 +265,7 @@ def _decode_scores(graphdef, state, cache, inputs, targets):
 
 
 def streaming_scores(model: nnx.Module, ids, *, capacity: int, sink_size: int = 0, full_heads=None,
-                     window: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                     window: int = 0, chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
   """(nll [B, N-1] float64 natural log, hit [B, N-1] bool) of ids[:, 1:] given everything before, token by token
   through the cache of `make_cache(capacity, sink_size, full_heads, window)`; hit = the target is the argmax (so
   greedy decoding from the true prefix would produce it). ids: [B, N] or [N] (then B = 1).
@@ -255,11 +273,18 @@ def streaming_scores(model: nnx.Module, ids, *, capacity: int, sink_size: int = 
   The first min(N, cache.max_prefill) tokens are prefilled at once (nothing is evicted before the cache is full, so
   this equals feeding them one by one); the rest go through the decode step inside one `lax.scan`. The jitted
   steps are shared by calls of the same shapes and cache layout.
+
+  chunk = T: score in blocks instead, T positions per step against an append-mode cache (`sinkjax.cache`, module
+  docstring): every position sees exactly the keys, at the positions, that it sees token by token, for every cache
+  (full, window, sinks + window, hybrid); T is capped at the smallest window's C - S. One compile for the full
+  chunks, one for the remainder.
   """
   ids = np.atleast_2d(np.asarray(ids, np.int32))
   N = ids.shape[1]
   graphdef, state = nnx.split(model)
   cache = make_cache(model.cfg, ids.shape[0], capacity, sink_size=sink_size, full_heads=full_heads, window=window)
+  if chunk is not None:
+    return _blockwise_scores(graphdef, state, cache, ids, chunk)
   head = min(N, cache.max_prefill)
   (lp, hit), last, cache = _prefill_scores(graphdef, state, cache, jnp.asarray(ids[:, :head]))
   parts = [(lp, hit)]
@@ -272,11 +297,32 @@ def streaming_scores(model: nnx.Module, ids, *, capacity: int, sink_size: int = 
           np.concatenate([np.asarray(p[1]) for p in parts], axis=1))
 
 
+def _blockwise_scores(graphdef, state, cache, ids, chunk: int):
+  """`streaming_scores` in chunks of `chunk` positions (see there)."""
+  if chunk < 1:
+    raise ValueError(f"chunk must be >= 1 positions, got {chunk}")
+  chunk = min(chunk, cache.max_chunk)
+  cache = cache.appending()
+  inputs, targets = ids[:, :-1], ids[:, 1:]
+  n = inputs.shape[1] // chunk
+  parts = []
+  if n:
+    split = lambda a: jnp.asarray(a[:, :n * chunk].reshape(a.shape[0], n, chunk).transpose(1, 0, 2))
+    cache, (lp, hit) = _chunk_scores(graphdef, state, cache, split(inputs), split(targets))
+    parts.append(tuple(np.asarray(x).transpose(1, 0, 2).reshape(ids.shape[0], n * chunk) for x in (lp, hit)))
+  if n * chunk < inputs.shape[1]:
+    rest = lambda a: jnp.asarray(a[None, :, n * chunk:])
+    _, (lp, hit) = _chunk_scores(graphdef, state, cache, rest(inputs), rest(targets))
+    parts.append((np.asarray(lp[0]), np.asarray(hit[0])))
+  return (-np.concatenate([np.asarray(p[0], np.float64) for p in parts], axis=1),
+          np.concatenate([p[1] for p in parts], axis=1))
+
+
 def streaming_nll(model: nnx.Module, ids, *, capacity: int, sink_size: int = 0, full_heads=None,
-                  window: int = 0) -> np.ndarray:
+                  window: int = 0, chunk: int | None = None) -> np.ndarray:
   """Negative log-likelihood [N-1] (float64, natural log) of one sequence's ids[1:], see `streaming_scores`."""
   return streaming_scores(model, ids, capacity=capacity, sink_size=sink_size, full_heads=full_heads,
-                          window=window)[0][0]
+                          window=window, chunk=chunk)[0][0]
 
 
 def kv_bytes(cfg, capacity: int, *, sink_size: int = 0, full_heads=None, window: int = 0, batch: int = 1) -> int:
@@ -286,9 +332,10 @@ def kv_bytes(cfg, capacity: int, *, sink_size: int = 0, full_heads=None, window:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes) if x.ndim == 4))
 
 
-def perplexity_table(model, ids, *, sink_size: int, window: int, policies=()) -> list[dict]:
+def perplexity_table(model, ids, *, sink_size: int, window: int, policies=(), chunk: int | None = 64) -> list[dict]:
   """Full cache, window-only (S = 0), sinks + window, and a hybrid per (label, [L][Hkv] map) of `policies`, over
-  the same tokens; one record per mode with its key/value memory in bytes."""
+  the same tokens, scored in blocks of `chunk` positions (None: one decode step per token; the same numbers, see
+  `streaming_scores`); one record per mode with its key/value memory in bytes and seconds."""
   n_learned = getattr(model.cfg, "sink_tokens", 0)
   N, every = len(ids), model.cfg.num_layers * model.cfg.num_kv_heads
   modes = [("full cache", dict(capacity=N), every, f"{N}"),
@@ -301,9 +348,10 @@ def perplexity_table(model, ids, *, sink_size: int, window: int, policies=()) ->
                   int(np.sum(full)), f"{N} / {min(N, window)}"))
   rows = []
   for i, (name, kw, n_full, peak) in enumerate(modes):
-    print(f"[{i + 1}/{len(modes)}] {name}: {N} tokens, one decode step each...", file=sys.stderr, flush=True)
+    how = "one decode step each" if chunk is None else f"in blocks of up to {chunk}"
+    print(f"[{i + 1}/{len(modes)}] {name}: {N} tokens, {how}...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    nll = streaming_nll(model, ids, **kw)
+    nll = streaming_nll(model, ids, chunk=chunk, **kw)
     beyond = nll[window - 1:]              # targets at positions >= window: predicted after eviction began
     rows.append(dict(mode=name, tokens=N, full_heads=n_full, heads=every, ppl=math.exp(nll.mean()),
                      ppl_first_window=math.exp(nll[:window - 1].mean()),
@@ -351,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="keep going after the model emits a stop token (its EOS; BOS for sinkjax's own runs)")
   p.add_argument("--ppl", metavar="FILE", help="score FILE under full / window-only / sink+window caches instead")
   p.add_argument("--max-tokens", type=int, default=4096, help="--ppl: score at most this many tokens (default 4096)")
+  p.add_argument("--ppl-chunk", type=int, default=64,
+                 help="--ppl: positions scored per step against the cache (default 64, capped at W - S; the same "
+                      "numbers as 1 = one decode step per token, which is slower)")
   cache_policy.add_arguments(p)
   return p
 
@@ -364,6 +415,8 @@ def _validate(args) -> None:
       raise UsageError(f"--ppl file {args.ppl} does not exist")
     if args.max_tokens < 2:
       raise UsageError(f"--max-tokens must be >= 2, got {args.max_tokens}")
+    if args.ppl_chunk < 1:
+      raise UsageError(f"--ppl-chunk must be >= 1, got {args.ppl_chunk}")
     if args.cache is not None:
       raise UsageError("--ppl always compares full, window-only and sink+window caches (and --full-heads "
                        "hybrids); drop --cache")
@@ -426,7 +479,8 @@ def run_ppl(args, model, cfg, tok) -> None:
           file=sys.stderr)
   for label, full in policies:
     print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
-  rows = perplexity_table(model, ids, sink_size=sink_size, window=window, policies=policies)
+  rows = perplexity_table(model, ids, sink_size=sink_size, window=window, policies=policies,
+                          chunk=None if args.ppl_chunk == 1 else args.ppl_chunk)
   print(f"streaming perplexity of {args.ppl} ({len(ids)} tokens) under {args.checkpoint} "
         f"(attention={cfg.model.attention}, sink_tokens={cfg.model.sink_tokens}, trained at "
         f"seq_len {cfg.data.seq_len})")

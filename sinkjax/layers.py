@@ -278,13 +278,14 @@ class Attention(nnx.Module):
       y = (self.q_norm if which == "q" else self.k_norm)(y)
     return y
 
-  def sink_kv(self, B: int, kv_heads=None):
-    """Keys/values of the learnable sink tokens, ([B,n,Hkv,D] rotated to positions 0..n-1, [B,n,Hkv,D]), or None;
-    only the KV heads `kv_heads` (a tuple of indices) when given."""
+  def sink_kv(self, B: int, kv_heads=None, offset=0):
+    """Keys/values of the learnable sink tokens, ([B,n,Hkv,D] rotated to positions offset..offset+n-1 (0..n-1 but
+    in a chunk scored against a streaming cache, `sinkjax.cache`), [B,n,Hkv,D]), or None; only the KV heads
+    `kv_heads` (a tuple of indices) when given."""
     if self.sink_states is None:
       return None
     _, k, v = self.project_unrotated(self.sink_states[...][None])
-    k = self.rotate(k, jnp.arange(self.num_sink_tokens, dtype=jnp.int32)[None], "k")
+    k = self.rotate(k, offset + jnp.arange(self.num_sink_tokens, dtype=jnp.int32)[None], "k")
     k, v = (take_heads(a, kv_heads, 2) for a in (k, v))
     return tuple(jnp.broadcast_to(a, (B,) + a.shape[1:]) for a in (k, v))
 
@@ -292,18 +293,19 @@ class Attention(nnx.Module):
     """Gate logits of inputs x [B,T,d_model] (gated attention; `Gate.logits`)."""
     return self.gate.logits(self.gate_proj, self.gate_logit, x, kv_heads)
 
-  def attend(self, x, q, k, v, segment_ids, *, impl=None, slide=True, kv_heads=None):
+  def attend(self, x, q, k, v, segment_ids, *, impl=None, slide=True, kv_heads=None, sink_offset=0):
     """The variant switch: (out [B,T,Hq,D], gate [B,T,Hq] or [B,T,Hq,D]). Sink tokens join every variant here.
     slide=False leaves out the sliding window (the KV-cache decode step applies it by cache position instead).
     kv_heads: q, k, v hold only these KV heads (a tuple of indices) and their query heads, and so do the per-head
-    parameters used here (a head group of a `sinkjax.cache.HybridKVCache`); None = every head."""
+    parameters used here (a head group of a `sinkjax.cache.HybridKVCache`); None = every head. sink_offset: see
+    `sink_kv`."""
     if self.attention == "relu":
       return variants.relu_attention(q, k, v, segment_ids=segment_ids)
     kw = dict(segment_ids=segment_ids, impl=impl or self.cfg.impl)
     if self.cfg.sliding_window and slide:
       kw["window"] = self.cfg.sliding_window
     if self.sink_states is not None:
-      kw["prefix"] = self.sink_kv(x.shape[0], kv_heads)
+      kw["prefix"] = self.sink_kv(x.shape[0], kv_heads, sink_offset)
     if self.attention == "sink":
       heads = None if kv_heads is None else query_heads(kv_heads, self.num_heads // self.num_kv_heads)
       return variants.sink_attention(q, k, v, take_heads(self.sink[...], heads, 0), **kw)
@@ -325,7 +327,7 @@ class Attention(nnx.Module):
                zero_first_value=None):
     """y [B,T,d_model]; with `cache` (a `sinkjax.cache.LayerCache`) returns (y, updated cache) instead: T == 1
     decodes one token against the cache (`sinkjax.cache.decode`), T > 1 prefills an empty cache (plain causal
-    self-attention over x).
+    self-attention over x), or, with an append-mode view, attends a chunk against the cache (`sinkjax.cache.decode`).
 
     For `sinkjax.analysis` (the one forward pass: analysis never re-implements it):
       record: also sow `trace`, a dict of what this layer attended with: q, k, v (rotated, as attended; K/V repeated
@@ -335,7 +337,7 @@ class Attention(nnx.Module):
         without segment ids) in those query heads before attention ([Sink-MoE] App. A, value zeroing).
     """
     B, T, _ = x.shape
-    if cache is not None and T == 1:
+    if cache is not None and (T == 1 or cache.appends):
       return cache_lib.decode(self, x, cache)
     if positions is None:
       positions = default_positions(segment_ids, B, T)

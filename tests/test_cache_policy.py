@@ -130,6 +130,44 @@ def test_mixed_policy_equals_per_head_masked_attention(attention, sink_tokens, f
   assert cache.full.k[0].shape == (1, N, 1, D) and cache.ring.k[0].shape == (1, W, 1, D)
 
 
+@pytest.mark.parametrize("attention,sink_tokens,full_kv,chunk", [
+    ("sink", 2, (False, True), 3), ("gated", 2, (True, False), 3), ("vanilla", 0, (False, True), 3),
+    ("sink", 2, (False, True), 4), pytest.param("gated", 2, (True, False), 4, marks=slow)])
+def test_chunks_equal_per_head_masked_attention(attention, sink_tokens, full_kv, chunk):
+  """Scoring in blocks: an append-mode hybrid cache fed chunks of 3 or 4 tokens (15 = 5 chunks of 3, or 3 of 4 + 3),
+  from empty past the point where the ring wraps; each token's output equals the float64 per-head reference of
+  decoding it (its own sinks, window and StreamingLLM positions) within float32 rounding."""
+  d, H, Hkv, D, S, W, N = 16, 4, 2, 8, 2, 7, 15
+  layer = Attention(d, H, Hkv, D, attention=attention, sink_tokens=sink_tokens, sink_init=0.3, impl="xla",
+                    zero_init_output=False, rngs=nnx.Rngs(1))
+  x = jax.random.normal(jax.random.key(2), (1, N, d))
+  cache = HybridKVCache.create([full_kv], 1, N, W, D, sink_size=S).appending()
+  step = nnx.jit(lambda layer, xt, view: layer(xt, cache=view))
+  for start in range(0, N, chunk):
+    T = min(chunk, N - start)
+    views = cache.layers(T)
+    y, views[0] = step(layer, x[:, start:start + T], views[0])
+    cache = cache.advance(views, T)
+    for j in range(T):
+      np.testing.assert_allclose(np.asarray(y[0, j]), reference_decode(layer, x, start + j, full_kv, S, W),
+                                 rtol=1e-4, atol=1e-5, err_msg=f"token {start + j}")
+  assert int(cache.length) == N
+
+
+@pytest.mark.parametrize("attention,sink_tokens,chunk", [pytest.param("sink", 2, 5, marks=slow), ("vanilla", 0, 4)])
+def test_blockwise_hybrid_scores_equal_token_by_token(attention, sink_tokens, chunk):
+  """A mixed [L][Hkv] map, 29 tokens through W = 8 (S = 2) streaming heads: chunks of 4 (28 targets, divides) or 5
+  (does not) score every target as the decode steps do."""
+  model, cfg = random_model(attention=attention, sink_tokens=sink_tokens)
+  ids = np.random.RandomState(5).randint(0, 50, size=29)
+  mixed = [[True, False], [False, True]]
+  kw = dict(capacity=29, sink_size=2, window=8, full_heads=mixed)
+  ref, ref_hit = gen_lib.streaming_scores(model, ids, **kw)
+  nll, hit = gen_lib.streaming_scores(model, ids, chunk=chunk, **kw)
+  np.testing.assert_allclose(nll, ref, rtol=0, atol=1e-5)
+  np.testing.assert_array_equal(hit, ref_hit)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Memory and compilation
 

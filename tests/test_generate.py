@@ -92,10 +92,44 @@ def test_streaming_decode_equals_forward_over_kept_tokens(attention, sink_tokens
   S, W, N = 3, 10, 31
   ids = np.random.RandomState(1).randint(0, VOCAB, size=N)
   nll = gen_lib.streaming_nll(model, ids, capacity=W, sink_size=S)
+  blocks = gen_lib.streaming_nll(model, ids, capacity=W, sink_size=S, chunk=6)     # scored in blocks, the same
   for t in (W, W + 1, W + 7, N - 2):      # predicting ids[t + 1] after tokens 0..t
     kept = np.concatenate([ids[:S], ids[t + 1 - (W - S):t + 1]])
     logp = jax.nn.log_softmax(forward(model, jnp.asarray(kept[None]))[0, -1])
     np.testing.assert_allclose(nll[t], -float(logp[ids[t + 1]]), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(blocks[t], -float(logp[ids[t + 1]]), rtol=0, atol=1e-5)
+
+
+BLOCKWISE = {   # id: (attention, sink tokens, cache, chunk, layers, other model settings)
+    "full": ("vanilla", 0, dict(capacity=41), 8, 1, {}),                       # 40 targets: 8 divides
+    "window-only": ("vanilla", 0, dict(capacity=10), 7, 1, {}),                # 7 does not
+    "sinks+window": ("vanilla", 0, dict(capacity=10, sink_size=3), 64, 1, {}),  # capped at C - S = 7
+    "sinks+window-divides": ("gated", 0, dict(capacity=10, sink_size=2), 8, 1, {}),
+    "sink-tokens": ("sink", 2, dict(capacity=10, sink_size=3), 5, 2, {}),
+    "sliding-layer": ("sink", 0, dict(capacity=10, sink_size=3), 6, 2,
+                      dict(sliding_window=5, layer_types=["sliding", "full"])),
+}
+
+
+@pytest.mark.parametrize("case", BLOCKWISE)
+def test_blockwise_scores_equal_token_by_token(case):
+  """Scoring in blocks (`chunk`) gives every target of 41 tokens the log-prob (and argmax hit) of the decode steps:
+  a full cache, a window of 10 (the ring wraps three times) with and without sinks, learnable sink tokens, a gate, a
+  sliding-window layer; chunks that divide the 40 targets and chunks that leave a remainder."""
+  attention, sink_tokens, cache, chunk, layers, extra = BLOCKWISE[case]
+  model, _ = random_model(num_layers=layers, attention=attention, sink_tokens=sink_tokens, **extra)
+  ids = np.random.RandomState(0).randint(0, VOCAB, size=41)
+  ref, ref_hit = gen_lib.streaming_scores(model, ids, **cache)
+  nll, hit = gen_lib.streaming_scores(model, ids, chunk=chunk, **cache)
+  np.testing.assert_allclose(nll, ref, rtol=0, atol=1e-5)
+  np.testing.assert_array_equal(hit, ref_hit)
+
+
+def test_a_chunk_longer_than_the_window_is_refused():
+  cache = KVCache.create(1, 1, 8, 2, 4, sink_size=2).appending()
+  assert cache.layers(6)[0].capacity == 8
+  with pytest.raises(ValueError, match="exceeds the 6 window slots"):
+    cache.layers(7)
 
 
 def test_streaming_memory_is_flat_and_runs_past_max_seq_len():
