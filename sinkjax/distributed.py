@@ -178,3 +178,15 @@ def barrier(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices(name)
+
+
+def to_host(tree):
+  """numpy copies of the arrays of `tree`, the same in every process: an array this process holds only part of
+  (split over the devices of several processes) is gathered from the others first, so every process must call this
+  at the same point."""
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+      return np.asarray(x)
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree.map(one, tree)

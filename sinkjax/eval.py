@@ -4,6 +4,13 @@
                            [--packing stream|document] [--batches N] [--batch-size B] [--tau 0.75] [--step S]
                            [section.key=value ...]
 
+A `mesh.*` override (`mesh.fsdp=8`, `mesh.tensor=4`; the run's own mesh keys fill the rest) restores every parameter
+straight into its training placement on that mesh (`sinkjax.run.load_run(mesh="run")`: FSDP over d_model, tensor over
+heads / MLP / vocab), so a model larger than one device is evaluated where it trained; without one the model is
+whole on every device. Batch rows are split over mesh.data x mesh.fsdp. Under a launcher (`launch/local.sh --module
+sinkjax.eval -- ARGS`, the TPU VM and SLURM scripts) the processes join with `jax.distributed` as sinkjax.train's do,
+each reads its part of every batch, and process 0 alone writes the report.
+
 Restores the parameters of RUN_DIR's latest (or --step) checkpoint, runs held-out batches (the validation split
 of the run's data, or of --data; `--split all` every document of it, in order, `--max-docs N` the first N) through
 the model and writes into --out (default RUN_DIR/eval/):
@@ -19,7 +26,9 @@ first_token_attention [L] (+ _per_head [L][H]), sink_logit_attention [L] (sink l
 sink_ratio_alpha [L][H] (eq. 9); first_token_value_norm / other_value_norm / value_norm_ratio [L],
 value_norm_by_position [L][P]; gate_mean, gate_sparsity [L] (fraction of gate values < gate_sparsity_threshold),
 gate_histogram; max_activation [L] (+ _first_token / _other), m_act; value_zeroing {tau, bpb_none, bpb_all,
-bpb_selected, heads_selected, ...}; definitions (what each quantity means).
+bpb_selected, heads_selected, ...}; definitions (what each quantity means); where the weights lived: mesh
+({axis: size}), processes, param_bytes, param_bytes_per_device (the most one device held, from the arrays'
+shardings), peak_device_memory (bytes, `device.memory_stats()`; null on backends without it, e.g. CPU).
 
 Downstream tasks (multiple choice, generation, perplexity) are lm-evaluation-harness tasks: `python -m
 sinkjax.lm_eval` (a multiple-choice JSONL file, which `--mc` used to read here, is its `--mc FILE.jsonl`).
@@ -52,13 +61,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import analysis, paths, plots
+from sinkjax import analysis, distributed, paths, plots
+from sinkjax import sharding as sharding_lib
 from sinkjax.balance import head_imbalance
 from sinkjax.cache import KVCache
 from sinkjax.cli import UserError
-from sinkjax.data import FEATURES, make_eval_batches
+from sinkjax.data import FEATURES, make_eval_batches, to_global_batch
 from sinkjax.model import forward_with_importance
-from sinkjax.run import load_run, read_metrics
+from sinkjax.run import asks_for_mesh, load_run, read_metrics
 
 MODEL_FEATURES = FEATURES                # the batch features of sinkjax.data (what the model and BPB read)
 
@@ -125,7 +135,7 @@ def language_model_metrics(model, batches) -> dict:
   nll = tokens = nbytes = bpb_nll = 0.0
   imp_sum, imp_count = None, 0.0
   for b in batches:
-    sums, imp, count = jax.device_get(_lm_batch_jit(model, _device_batch(b)))
+    sums, imp, count = distributed.to_host(_lm_batch_jit(model, _device_batch(b)))
     nll, tokens, nbytes = nll + float(sums["nll"]), tokens + float(sums["tokens"]), nbytes + float(sums["bytes"])
     bpb_nll += float(sums["bpb_nll"])
     weighted = np.asarray(imp, np.float64) * float(count)
@@ -144,7 +154,7 @@ def sink_diagnostics(model, batches) -> dict:
   """Per-layer diagnostics of `sinkjax.analysis` accumulated over the batches."""
   totals = None
   for b in batches:
-    totals = analysis.combine(totals, jax.device_get(analysis.batch_statistics_jit(model, _device_batch(b))))
+    totals = analysis.combine(totals, distributed.to_host(analysis.batch_statistics_jit(model, _device_batch(b))))
   return analysis.summarize(totals)
 
 
@@ -153,7 +163,7 @@ def zeroed_bpb(model, batches, zero_lh) -> float:
   zero = jnp.asarray(zero_lh, bool)
   nll = nbytes = 0.0
   for b in batches:
-    s = jax.device_get(analysis.zeroed_lm_sums_jit(model, _device_batch(b), zero))
+    s = distributed.to_host(analysis.zeroed_lm_sums_jit(model, _device_batch(b), zero))
     nll, nbytes = nll + float(s["bpb_nll"]), nbytes + float(s["bytes"])
   return nll / math.log(2) / nbytes
 
@@ -368,6 +378,20 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def place_batches(batches: list[dict], mesh) -> list[dict]:
+  """This process' rows of each eval batch as global arrays split over the mesh's batch axes (mesh.data x
+  mesh.fsdp), as training places its batches; in one process, rows that do not divide over those axes stay host
+  arrays (each device computes the whole batch)."""
+  rows = len(batches[0]["inputs"]) * jax.process_count()
+  shards = sharding_lib.batch_shards(mesh)
+  if rows % shards:
+    if jax.process_count() > 1:
+      raise EvalError(f"--batch-size {rows} must be divisible by the {shards} batch shards (mesh.data x mesh.fsdp) "
+                      "of a multi-process job")
+    return batches
+  return [to_global_batch(b, sharding_lib.batch_sharding(mesh)) for b in batches]
+
+
 def run(args) -> dict:
   if args.mc is not None:
     raise EvalError(f"multiple choice is an lm-evaluation-harness task now: python -m sinkjax.lm_eval --checkpoint "
@@ -388,21 +412,31 @@ def run(args) -> dict:
     overrides.append(f"data.source={args.data}")
   if args.packing is not None:
     overrides.append(f"data.packing={args.packing}")
-  model, cfg, tokenizer, step = load_run(run_dir, args.step, overrides)
+  # mesh.* overrides: the model placed on the run's mesh as training places it; else whole on every device
+  model, cfg, tokenizer, step = load_run(run_dir, args.step, overrides,
+                                         mesh="run" if asks_for_mesh(args.overrides) else None)
+  mesh = sharding_lib.mesh_of(nnx.state(model, nnx.Param))
   batch_size = args.batch_size or max(cfg.train.batch_size // cfg.train.grad_accum, 1)
+  procs = jax.process_count()
+  if batch_size % procs:
+    raise EvalError(f"--batch-size {batch_size} must be divisible by the {procs} processes")
   whole = args.split == "all" or args.max_docs is not None
   num_batches = args.batches or (None if whole else max(cfg.train.eval_batches, 1))
   counts = {}
-  batches = make_eval_batches(cfg.data, tokenizer, batch_size=batch_size, num_batches=num_batches,
+  batches = make_eval_batches(cfg.data, tokenizer, batch_size=batch_size // procs, num_batches=num_batches,
                               split=args.split, max_docs=args.max_docs, counts=counts)
 
   report = {"run_dir": str(run_dir), "step": step, "attention": cfg.model.attention,
             "data_source": cfg.data.source, "packing": cfg.data.packing, "split": args.split,
             "eval_documents": counts["documents"], "eval_batches": len(batches),
-            "batch_size": batch_size, "seq_len": cfg.data.seq_len}
-  report.update(evaluate(model, batches, tau=args.tau))
+            "batch_size": batch_size, "seq_len": cfg.data.seq_len, "processes": procs}
+  with jax.set_mesh(mesh):              # as in training: attention runs per shard, kernels follow the mesh
+    report.update(evaluate(model, place_batches(batches, mesh), tau=args.tau))
+  report.update(sharding_lib.placement(nnx.state(model, nnx.Param)))
   report["definitions"] = DEFINITIONS
   report["eval_seconds"] = time.perf_counter() - t0
+  if jax.process_index() != 0:           # one report per job
+    return report
 
   out.mkdir(parents=True, exist_ok=True)
   figures = write_figures(report, out, run_dir / "metrics.jsonl")
@@ -416,14 +450,18 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
 
   def evaluate_and_print():
+    distributed.maybe_initialize()    # before anything touches JAX devices (a job of several processes)
     report = run(args)
+    if jax.process_index() != 0:
+      return
     out = args.out or f"{str(args.checkpoint).rstrip('/')}/eval"
     vz = report["value_zeroing"]
     docs = "" if report["eval_documents"] is None else f"{report['eval_documents']:,} documents, "
     print(f"sinkjax.eval: {docs}{report['eval_tokens']:,} tokens scored; val_bpb {report['val_bpb']:.4f}  "
           f"head_imbalance {report['head_imbalance']:.4f}  "
           f"first-token attention {np.mean(report['first_token_attention']):.3f}  value zeroing all/selected "
-          f"{vz['bpb_all']:.4f}/{vz['bpb_selected']:.4f}; wrote {out}/report.json")
+          f"{vz['bpb_all']:.4f}/{vz['bpb_selected']:.4f}; mesh {report['mesh']}, "
+          f"{report['param_bytes_per_device']:,} parameter bytes per device; wrote {out}/report.json")
   return cli.run_main("sinkjax.eval", evaluate_and_print)
 
 

@@ -66,12 +66,23 @@ def read_run_config(run_dir: str | pathlib.Path) -> Config:
   return config_lib.load_config(path)
 
 
-def load_run(run_dir: str | pathlib.Path, step: int | None = None, overrides=()) -> LoadedRun:
-  """A training run's model with the parameters of its latest (or given) checkpoint, replicated over this process'
-  devices whatever mesh trained them; only the parameters are restored. A LoRA run comes back with its adapters
-  (`sinkjax.lora.merge` folds them in). `overrides` (`section.key=value`, as on the command lines) change the run's
-  config first (e.g. model.dtype=float32, data.source=FILE); a shape key that no longer matches the checkpoint is
-  refused by the restore."""
+def asks_for_mesh(overrides) -> bool:
+  """Whether command-line overrides name a `mesh.*` key: the CLIs then place the model on the run's mesh."""
+  return any(str(o).strip().startswith("mesh.") for o in overrides or ())
+
+
+def load_run(run_dir: str | pathlib.Path, step: int | None = None, overrides=(), *, mesh=None) -> LoadedRun:
+  """A training run's model with the parameters of its latest (or given) checkpoint; only the parameters are
+  restored. A LoRA run comes back with its adapters (`sinkjax.lora.merge` folds them in). `overrides`
+  (`section.key=value`, as on the command lines) change the run's config first (e.g. model.dtype=float32,
+  data.source=FILE, mesh.fsdp=8); a shape key that no longer matches the checkpoint is refused by the restore.
+
+  Placement (`mesh`): None, every parameter whole on every device (a data=-1 mesh over all devices), whatever mesh
+  trained the run; "run", a mesh built from the run's `mesh.*` keys (after the overrides) with each parameter placed
+  as training places it (`sharding.state_shardings`: FSDP over d_model, tensor over heads / MLP / vocab); or a
+  `jax.sharding.Mesh` of the ("data", "fsdp", "tensor") axes. Orbax reads each device's shards of each parameter
+  straight from the checkpoint into that device: no process or device holds a whole unsharded copy of a sharded
+  parameter. `sharding.mesh_of(model)` gives the mesh back."""
   paths.check_bucket(run_dir, "run directory")
   run_dir = paths.as_path(run_dir, "run directory")
   if not run_dir.is_dir():
@@ -90,7 +101,12 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None, overrides=())
   tokenizer = build_tokenizer(cfg.data)
   if cfg.model.vocab_size == 0:
     cfg.model.vocab_size = tokenizer.vocab_size
-  mesh = sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
+  if mesh is None:
+    mesh = sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
+  elif isinstance(mesh, str):
+    if mesh != "run":
+      raise ValueError(f"mesh must be None, 'run' or a jax.sharding.Mesh, got {mesh!r}")
+    mesh = sharding_lib.make_mesh(cfg.mesh)
   abstract_model = nnx.eval_shape(lambda: lora.apply(Transformer(cfg.model, rngs=nnx.Rngs(0)), cfg.lora,
                                                      nnx.Rngs(1)))
   graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)

@@ -148,3 +148,56 @@ def state_shardings(mesh: Mesh, tree):
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where a placed model lives: its mesh, its bytes per device, the devices' peak memory
+# ---------------------------------------------------------------------------------------------------------------
+
+def mesh_of(tree) -> Mesh | None:
+  """The mesh of the first array of `tree` placed with a NamedSharding (None when no array is)."""
+  for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      return sharding.mesh
+  return None
+
+
+def bytes_per_device(tree) -> dict[int, int]:
+  """{device id: bytes} of the arrays of `tree` held by each of this process' devices, summed over the shards each
+  array's sharding puts there (`addressable_shards`); a replicated array counts whole on every device."""
+  out: dict[int, int] = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in getattr(leaf, "addressable_shards", ()):
+      out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+  return out
+
+
+def peak_device_memory(devices=None) -> int | None:
+  """The largest `peak_bytes_in_use` of this process' devices (`device.memory_stats()`), or None where the backend
+  keeps no statistics (CPU)."""
+  peaks = []
+  for device in jax.local_devices() if devices is None else devices:
+    stats = device.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+      peaks.append(int(stats["peak_bytes_in_use"]))
+  return max(peaks) if peaks else None
+
+
+def placement(tree) -> dict:
+  """Where the arrays of `tree` (a model's parameters) live, for reports: mesh ({axis: size}, null when not on a
+  mesh), param_bytes (all of them, once), param_bytes_per_device (the most any of this process' devices holds, from
+  the shardings) and peak_device_memory (bytes, `peak_device_memory`; null on backends without statistics)."""
+  mesh = mesh_of(tree)
+  per_device = bytes_per_device(tree)
+  return {"mesh": None if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
+          "param_bytes": int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))),
+          "param_bytes_per_device": max(per_device.values()) if per_device else 0,
+          "peak_device_memory": peak_device_memory()}
+
+
+def put_global(x, sharding):
+  """A host array that every process holds whole (the same value) as a global jax.Array placed by `sharding`: each
+  process fills only its own devices' shards (`jax.device_put` of one process' value cannot span processes)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

@@ -1,0 +1,114 @@
+"""Evaluating where a model trained: a run loaded with `mesh.*` overrides holds each parameter in its training
+placement (FSDP over d_model), and eval, generate and lm_eval on that mesh give the one-device answers.
+
+The test session has 8 CPU devices (conftest.py). The model is a tiny random one (every parameter perturbed, so no
+zero-initialized projection makes the outputs trivial), saved as a params-only run the way the converters write
+one. The references are the same model restored onto a mesh of one device and run there, and, for the per-device
+bytes, the parameter shapes divided by hand.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from sinkjax import config as config_lib
+from sinkjax import eval as ev
+from sinkjax import generate as gen
+from sinkjax import sharding as sharding_lib
+from sinkjax.config import MeshConfig
+from sinkjax.data import build_tokenizer, make_eval_batches
+from sinkjax.model import Transformer
+from sinkjax.run import load_run, save_params_run
+from tests.helpers import TINY
+
+FSDP8 = ["mesh.data=1", "mesh.fsdp=8"]
+MODEL = ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=16",
+         "model.max_seq_len=64", "data.seq_len=32", "model.dtype=float32", "model.attn_impl=reference",
+         "train.batch_size=8", "train.eval_batches=2"]
+WORDS = "the sink holds what the gate lets through while other heads attend to the words before".split()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  """A params-only run of a tiny random sink-attention model over a small JSONL corpus."""
+  root = tmp_path_factory.mktemp("sharded_run")
+  rng = np.random.default_rng(0)
+  with open(root / "docs.jsonl", "w") as f:
+    for _ in range(60):
+      f.write(json.dumps({"text": " ".join(rng.choice(WORDS, size=int(rng.integers(8, 30))))}) + "\n")
+  cfg = config_lib.load_config(TINY, MODEL + [f"data.source={root / 'docs.jsonl'}", "data.val_fraction=0.5"])
+  cfg.model.vocab_size = build_tokenizer(cfg.data).vocab_size
+  model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
+  params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), params)
+  save_params_run(root / "run", cfg, nnx.merge(graphdef, params))
+  return root / "run"
+
+
+def one_device() -> Mesh:
+  return sharding_lib.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def reference(run_dir):
+  """The run restored onto one device."""
+  return load_run(run_dir, mesh=one_device())
+
+
+@pytest.fixture(scope="module")
+def sharded(run_dir):
+  """The run restored with mesh.fsdp=8, as the command lines do with those overrides."""
+  return load_run(run_dir, overrides=FSDP8, mesh="run")
+
+
+def test_fsdp8_holds_an_eighth_of_the_matrices_per_device(run_dir, sharded):
+  params = nnx.state(sharded.model, nnx.Param)
+  leaves = jax.tree.leaves(params)
+  assert dict(sharding_lib.mesh_of(params).shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+  # by hand: every matrix of this model has a d_model = 32 dimension, split 8 ways; vectors and scalars stay whole
+  matrices = sum(x.nbytes for x in leaves if x.ndim >= 2)
+  small = sum(x.nbytes for x in leaves if x.ndim < 2)
+  assert matrices > 20 * small
+  held = {}
+  for x in leaves:
+    for shard in x.addressable_shards:
+      held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+  assert sorted(held) == sorted(d.id for d in jax.devices())
+  for device, nbytes in held.items():
+    assert nbytes <= matrices / 8 + small, (device, nbytes)
+  assert sharding_lib.bytes_per_device(params) == held
+  # the default placement (no mesh asked for): whole on every device
+  whole = nnx.state(load_run(run_dir).model, nnx.Param)
+  assert set(sharding_lib.bytes_per_device(whole).values()) == {matrices + small}
+
+
+def test_eval_on_the_fsdp8_mesh_equals_one_device(run_dir, reference, tmp_path):
+  """python -m sinkjax.eval --checkpoint RUN mesh.fsdp=8: val_bpb, importance and value zeroing as on one device;
+  the report says where the weights lived."""
+  out = tmp_path / "eval"
+  assert ev.main(["--checkpoint", str(run_dir), "--out", str(out), *FSDP8]) == 0
+  report = json.loads((out / "report.json").read_text())
+  model, cfg, tok, _ = reference
+  batches = make_eval_batches(cfg.data, tok, batch_size=8, num_batches=2)
+  ref = ev.language_model_metrics(model, batches)
+  assert report["eval_tokens"] == ref["eval_tokens"] > 0
+  assert report["val_bpb"] == pytest.approx(ref["val_bpb"], abs=1e-5)
+  np.testing.assert_allclose(report["importance"], ref["importance"], atol=1e-5)
+  alpha = ev.sink_diagnostics(model, batches)["sink_ratio_alpha"]
+  np.testing.assert_allclose(report["sink_ratio_alpha"], alpha, atol=1e-5)
+  assert report["value_zeroing"]["bpb_all"] == pytest.approx(
+      ev.zeroed_bpb(model, batches, np.ones_like(np.asarray(alpha), bool)), abs=1e-5)
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  total = sum(x.nbytes for x in params)
+  assert report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and report["processes"] == 1
+  assert report["param_bytes"] == total
+  assert report["param_bytes_per_device"] <= sum(x.nbytes for x in params if x.ndim >= 2) / 8 + \
+      sum(x.nbytes for x in params if x.ndim < 2)
+  assert report["peak_device_memory"] is None            # the CPU backend keeps no memory statistics
