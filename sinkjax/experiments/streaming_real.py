@@ -1,0 +1,374 @@
+"""[StreamingLLM] on real weights: streaming perplexity of a pretrained model under full, window-only, sinks + window
+and per-head (importance vs random) caches.
+
+    python -m sinkjax.experiments.streaming_real --checkpoint runs/smollm2 [--out docs/results/streaming_real]
+        [--tokens 8192] [--random-maps 6] [--full-heads 0.25] [--chunk 64]
+    python -m sinkjax.experiments.streaming_real --report [--out docs/results/streaming_real]
+
+`--checkpoint` is an imported real model (docs/CONVERT.md: SmolLM2-135M-Instruct), scored in float32. Run by run,
+resumable: every run writes its own raw file `--out`/<name>.json (its per-position NLLs, cache, timing and the commit
+that made it) and a finished run is never redone; `--report` (also run at the end) reads only those files and writes
+results.md, results.json and streaming_real.png there.
+
+Texts (offline, English prose from this machine's Python, no code):
+- scored: Python's help topics (pydoc_data.topics, in key order), the paragraphs that are prose (`prose_paragraphs`:
+  no indented line, no ">>>", >= 75 % letters and spaces; heading underlines dropped), joined with blank lines, the
+  first `--tokens` tokens (the tokenizer adds no BOS);
+- importance: the docstrings of the standard library's modules, classes and functions (not the help topics;
+  `heads_real`'s prose rule), one document per segment, rows of 256 tokens ([Sink-MoE] eq. 5 per head, `run.head_importance_of`).
+
+Runs: `importance`; then, each over the same tokens, scored in blocks (`sinkjax.generate.streaming_scores(chunk=)`,
+exact for every cache): window-only and 4 sinks + window at W 256 and 1024; the full cache; the hybrid cache at W 256
+(4 sinks) whose full KV heads are the `--full-heads` F most important, ranked over the whole model
+(`cache_policy`, scope global, a KV head as its most important query head), and `--random-maps` maps of the same
+size drawn at random (seeds 0, 1, ...); and `check`: the first 320 tokens token by token against the blocks (4 sinks
++ W 256, and the full cache), the largest difference in NLL.
+
+Statistics (`--report`): the importance map's perplexity ranks r among the 1 + k maps, so were it one more random map
+p = r / (1 + k) exactly (the permutation statement); the k differences random - importance with
+`stats.paired_effect` (paired t, exact permutation and sign tests); per map, the 512-token blocks the importance map
+wins.
+"""
+from __future__ import annotations
+
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.experiments.streaming_real")
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import pathlib
+import sys
+import sysconfig
+import time
+
+import numpy as np
+
+from sinkjax import cache_policy
+from sinkjax.cli import UserError
+from sinkjax.experiments import stats
+
+SINKS = 4
+WINDOWS = (256, 1024)
+HYBRID_WINDOW = 256
+IMPORTANCE_SEQ, IMPORTANCE_DOCS = 256, 256
+CHECK_TOKENS = 320
+BLOCK = 512               # per-block comparison of two maps
+CURVE = 256               # running mean of the figure
+
+
+class StudyError(UserError):
+  """A bad command line or mixed raw files (the message says what to change)."""
+
+
+# ------------------------------------------------------------------------------------------------------------ texts
+
+def prose_paragraphs(text: str) -> list[str]:
+  """The paragraphs of a help topic that are prose: no indented line (code and grammar), no ">>>", >= 75 % letters
+  and spaces; heading underlines (*** / ===) dropped."""
+  out = []
+  for para in text.split("\n\n"):
+    lines = [ln for ln in para.strip("\n").split("\n") if ln.strip() and set(ln.strip()) - set("*=-^~")]
+    if not lines or any(ln[:1].isspace() for ln in lines):
+      continue
+    p = "\n".join(lines)
+    if ">>>" in p or sum(c.isalpha() or c == " " for c in p) < 0.75 * len(p):
+      continue
+    out.append(p)
+  return out
+
+
+def scored_text() -> str:
+  from pydoc_data.topics import topics   # pylint: disable=import-outside-toplevel
+  return "\n\n".join(p for k in sorted(topics) for p in prose_paragraphs(topics[k]))
+
+
+def importance_documents() -> list[str]:
+  """Prose docstrings of the standard library (heads_real's rule), deduplicated, in file order; no help topics."""
+  from sinkjax.experiments.heads_real import _docstrings, _prose  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
+  seen, out = set(), []
+  for dirpath, dirnames, files in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in skip)
+    for name in sorted(files):
+      if name.endswith(".py"):
+        for doc in _docstrings(pathlib.Path(dirpath) / name):
+          p = _prose(doc)
+          if p is not None and p not in seen:
+            seen.add(p)
+            out.append(p)
+  return out
+
+
+# ------------------------------------------------------------------------------------------------------------ runs
+
+def plan(random_maps: int) -> list[str]:
+  """Run names in the order they run (cheap first)."""
+  names = ["importance"]
+  for w in WINDOWS:
+    names += [f"sinks{SINKS}_w{w}", f"window_w{w}"]
+  names += [f"hybrid_importance_w{HYBRID_WINDOW}"] + [f"hybrid_random{s}_w{HYBRID_WINDOW}" for s in range(random_maps)]
+  return names + ["full", "check"]
+
+
+def _write(path: pathlib.Path, obj) -> None:
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(obj, indent=1))
+  os.replace(tmp, path)
+
+
+def _nll_list(nll) -> list[float]:
+  return [float(f"{x:.7g}") for x in np.asarray(nll, np.float64)]
+
+
+def measure_importance(model, cfg, tok, work: pathlib.Path) -> dict:
+  from sinkjax.experiments.heads_real import _batches  # pylint: disable=import-outside-toplevel
+  from sinkjax.run import head_importance_of  # pylint: disable=import-outside-toplevel
+  docs = importance_documents()[:IMPORTANCE_DOCS]
+  src = work / "importance_docs.jsonl"
+  src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+  batches, n_docs = _batches(cfg, tok, str(src), IMPORTANCE_SEQ, 8)
+  imp = head_importance_of(model, batches)
+  tokens = int(sum(int((b["segment_ids"] != 0).sum()) for b in batches))
+  return {"importance": np.asarray(imp).round(6).tolist(), "documents": n_docs, "rows": 8 * len(batches),
+          "tokens": tokens, "text": "stdlib docstrings (heads_real prose rule), first 256 in file order"}
+
+
+def score_run(name: str, model, ids, importance, args) -> dict:
+  from sinkjax.generate import kv_bytes, streaming_nll  # pylint: disable=import-outside-toplevel
+  cfg = model.cfg
+  N, shape = len(ids), (cfg.num_layers, cfg.num_kv_heads)
+  rec = {"name": name}
+  if name == "full":
+    kw = dict(capacity=N)
+    rec.update(kind="full", window=None, sink_size=0)
+  elif name.startswith(("sinks", "window")):
+    w = int(name.rsplit("_w", 1)[1])
+    kw = dict(capacity=w, sink_size=SINKS if name.startswith("sinks") else 0)
+    rec.update(kind="sinks" if kw["sink_size"] else "window", window=w, sink_size=kw["sink_size"])
+  else:
+    w = int(name.rsplit("_w", 1)[1])
+    if "importance" in name:
+      kv = cache_policy.kv_scores(np.asarray(importance), cfg.num_kv_heads, "any")
+      full = cache_policy.top_heads(kv, args.full_heads, "global")
+      rec.update(map_source="importance")
+    else:
+      seed = int(name.split("random", 1)[1].split("_", 1)[0])
+      full = cache_policy.random_heads(shape, args.full_heads, "global", seed)
+      rec.update(map_source=f"random seed {seed}", seed=seed)
+    kw = dict(capacity=N, sink_size=SINKS, window=w, full_heads=cache_policy.as_tuple(full))
+    rec.update(kind="hybrid", window=w, sink_size=SINKS, full_heads=args.full_heads,
+               map=np.asarray(full).astype(int).tolist())
+  t0 = time.perf_counter()
+  nll = streaming_nll(model, ids, chunk=args.chunk, **kw)
+  rec.update(seconds=round(time.perf_counter() - t0, 1), chunk=args.chunk, tokens=N, nll=_nll_list(nll),
+             kv_bytes=kv_bytes(cfg, **kw))
+  return rec
+
+
+def check_run(model, ids, args) -> dict:
+  from sinkjax.generate import streaming_nll  # pylint: disable=import-outside-toplevel
+  ids = ids[:CHECK_TOKENS]
+  out = {"name": "check", "tokens": len(ids), "chunk": args.chunk, "modes": {}}
+  for mode, kw in (("sinks", dict(capacity=HYBRID_WINDOW, sink_size=SINKS)), ("full", dict(capacity=len(ids)))):
+    t0 = time.perf_counter()
+    steps = streaming_nll(model, ids, **kw)
+    t1 = time.perf_counter()
+    blocks = streaming_nll(model, ids, chunk=args.chunk, **kw)
+    t2 = time.perf_counter()
+    out["modes"][mode] = {"max_abs_diff": float(np.abs(blocks - steps).max()), "seconds_steps": round(t1 - t0, 1),
+                          "seconds_blocks": round(t2 - t1, 1), "ppl_steps": math.exp(steps.mean()),
+                          "ppl_blocks": math.exp(blocks.mean())}
+  return out
+
+
+def study(args) -> None:
+  from sinkjax.experiments.paper import git_commit  # pylint: disable=import-outside-toplevel
+  from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
+  logging.getLogger("absl").setLevel(logging.ERROR)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  commit = git_commit()
+  model, cfg, tok, _ = load_run(args.checkpoint, overrides=["model.dtype=float32"])
+  text = scored_text()
+  ids = tok.encode_document(text)[:args.tokens]
+  if len(ids) < args.tokens:
+    raise StudyError(f"the help topics give {len(ids)} tokens, fewer than --tokens {args.tokens}")
+  meta = {"checkpoint": str(args.checkpoint), "tokens": len(ids), "text_chars": len(tok.decode(ids)),
+          "text": "pydoc_data.topics prose paragraphs (sinkjax.experiments.streaming_real.prose_paragraphs), key order",
+          "ids_sha256": hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest(), "dtype": "float32",
+          "python": sys.version.split()[0]}
+  importance = None
+  for name in plan(args.random_maps):
+    path = out / f"{name}.json"
+    if path.is_file():
+      if name == "importance":
+        importance = json.loads(path.read_text())["importance"]
+      continue
+    print(f"[streaming_real] {name} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    if name == "importance":
+      rec = {"name": name, **measure_importance(model, cfg, tok, out)}
+      importance = rec["importance"]
+      (out / "importance_docs.jsonl").unlink(missing_ok=True)
+    elif name == "check":
+      rec = check_run(model, ids, args)
+    else:
+      rec = score_run(name, model, ids, importance, args)
+    rec.update(meta=meta, wall_seconds=round(time.perf_counter() - t0, 1), **commit)
+    _write(path, rec)
+    print(f"[streaming_real] {name}: {rec['wall_seconds']} s" +
+          (f", ppl {math.exp(np.mean(rec['nll'])):.3f}" if "nll" in rec else ""), file=sys.stderr, flush=True)
+  report(out)
+
+
+# ---------------------------------------------------------------------------------------------------------- report
+
+def load(out: pathlib.Path) -> dict:
+  runs = {}
+  for p in sorted(out.glob("*.json")):
+    if p.name != "results.json":
+      runs[p.stem] = json.loads(p.read_text())
+  scored = [r for r in runs.values() if "nll" in r]
+  if len({r["meta"]["ids_sha256"] for r in scored}) > 1:
+    raise StudyError(f"{out}: runs over different token sequences; give each study its own --out")
+  return runs
+
+
+def summary(runs: dict) -> dict:
+  """Every number the report quotes, from the raw runs."""
+  rows = []
+  for r in runs.values():
+    if "nll" not in r:
+      continue
+    nll = np.asarray(r["nll"], np.float64)
+    w = r["window"] or HYBRID_WINDOW
+    rows.append({"name": r["name"], "kind": r["kind"], "window": r["window"], "sink_size": r["sink_size"],
+                 "full_heads": int(np.sum(r["map"])) if "map" in r else None, "map_source": r.get("map_source"),
+                 "ppl": math.exp(nll.mean()), "ppl_first": math.exp(nll[:w - 1].mean()),
+                 "ppl_after": math.exp(nll[w - 1:].mean()), "kv_bytes": r["kv_bytes"], "seconds": r["seconds"],
+                 "commit": r["commit"]})
+  out = {"rows": rows}
+  hyb = {r["name"]: np.asarray(r["nll"], np.float64) for r in runs.values() if r.get("kind") == "hybrid"}
+  imp_name = f"hybrid_importance_w{HYBRID_WINDOW}"
+  randoms = sorted((n for n in hyb if "random" in n), key=lambda n: runs[n]["seed"])
+  if imp_name in hyb and len(randoms) >= 2:
+    imp = hyb[imp_name]
+    ppl = {n: math.exp(hyb[n].mean()) for n in [imp_name] + randoms}
+    rank = 1 + sum(ppl[n] < ppl[imp_name] for n in randoms)
+    diffs = [ppl[n] - ppl[imp_name] for n in randoms]
+    nb = len(imp) // BLOCK
+    blocks = {n: int(np.sum(imp[:nb * BLOCK].reshape(nb, BLOCK).mean(1) < hyb[n][:nb * BLOCK].reshape(nb, BLOCK).mean(1)))
+              for n in randoms}
+    out["hybrid"] = {"importance_ppl": ppl[imp_name], "random_ppl": [ppl[n] for n in randoms],
+                     "full_heads": int(np.sum(runs[imp_name]["map"])), "heads": int(np.size(runs[imp_name]["map"])),
+                     "rank": rank, "maps": 1 + len(randoms), "p_rank": rank / (1 + len(randoms)),
+                     "blocks": nb, "blocks_won": [blocks[n] for n in randoms],
+                     "effect": stats.paired_effect(diffs, what="perplexity, random map - importance map", nd=3)}
+  if "check" in runs:
+    out["check"] = runs["check"]["modes"]
+  if "importance" in runs:
+    imp = np.asarray(runs["importance"]["importance"])
+    out["importance"] = {k: runs["importance"][k] for k in ("documents", "rows", "tokens")}
+    out["importance"]["low"] = int(np.sum(imp < 0.1))
+  return out
+
+
+def _label(row) -> str:
+  if row["kind"] == "full":
+    return "full cache"
+  if row["kind"] == "window":
+    return f"window only (W {row['window']})"
+  if row["kind"] == "sinks":
+    return f"{row['sink_size']} sinks + window (W {row['window']})"
+  return f"hybrid, {row['map_source']} (W {row['window']}, {row['sink_size']} sinks)"
+
+
+def figure(runs: dict, path: pathlib.Path) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  curve = lambda nll: np.exp(np.convolve(np.asarray(nll, np.float64), np.ones(CURVE) / CURVE, mode="valid"))
+  fig, ax = plt.subplots(figsize=(9, 5))
+  x0 = CURVE + 1                    # the first running mean ends at target position CURVE (1-based: token CURVE + 1)
+  order = ["full", *[f"{k}_w{w}" for w in WINDOWS for k in ("window", f"sinks{SINKS}")],
+           f"hybrid_importance_w{HYBRID_WINDOW}"]
+  for name in order:
+    if name in runs:
+      c = curve(runs[name]["nll"])
+      ax.plot(np.arange(x0, x0 + len(c)), c, lw=1.2, label=_label(summary({name: runs[name]})["rows"][0]))
+  randoms = [curve(r["nll"]) for r in runs.values() if r.get("map_source", "").startswith("random")]
+  if randoms:
+    rs = np.stack(randoms)
+    xs = np.arange(x0, x0 + rs.shape[1])
+    ax.fill_between(xs, rs.min(0), rs.max(0), color="gray", alpha=0.35,
+                    label=f"hybrid, {len(randoms)} random maps (min-max)")
+  ax.set_yscale("log")
+  ax.set_xlabel("token position")
+  ax.set_ylabel(f"perplexity (running mean of NLL over {CURVE} tokens)")
+  ax.set_title("SmolLM2-135M-Instruct, streaming perplexity on Python's help topics (float32)")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def report(out: pathlib.Path) -> dict:
+  runs = load(out)
+  s = summary(runs)
+  lines = ["| cache | full KV heads | PPL | PPL (first W) | PPL (after W) | KV cache bytes | seconds |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+  for r in sorted(s["rows"], key=lambda r: (r["kind"] != "full", r["kind"] == "hybrid", r["window"] or 0,
+                                            r["kind"], r["name"])):
+    heads = "90/90" if r["kind"] == "full" else ("0/90" if r["full_heads"] is None else f"{r['full_heads']}/90")
+    lines.append(f"| {_label(r)} | {heads} | {r['ppl']:.3f} | {r['ppl_first']:.3f} | {r['ppl_after']:.3f} | "
+                 f"{r['kv_bytes']:,} | {r['seconds']:.0f} |")
+  if "hybrid" in s:
+    h = s["hybrid"]
+    lines += ["", f"Importance map: rank {h['rank']} of {h['maps']} maps (p = {h['rank']}/{h['maps']} = "
+              f"{h['p_rank']:.3f} were it one more random map). {h['effect']['sentence']}",
+              f"512-token blocks won by the importance map, per random map: {h['blocks_won']} of {h['blocks']}."]
+  (out / "results.md").write_text("\n".join(lines) + "\n")
+  _write(out / "results.json", s)
+  figure(runs, out / "streaming_real.png")
+  print("\n".join(lines))
+  return s
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+
+def build_parser() -> argparse.ArgumentParser:
+  p = cli.Parser(prog="python -m sinkjax.experiments.streaming_real", description=__doc__.split("\n\n")[0])
+  p.add_argument("--checkpoint", help="the imported real model's run directory")
+  p.add_argument("--out", default="docs/results/streaming_real", help="raw per-run files and the report")
+  p.add_argument("--tokens", type=int, default=8192, help="tokens scored (default 8192)")
+  p.add_argument("--random-maps", type=int, default=6, help="random maps of the hybrid's size (default 6)")
+  p.add_argument("--full-heads", type=float, default=0.25, help="fraction of KV heads kept full (default 0.25)")
+  p.add_argument("--chunk", type=int, default=64, help="positions scored per step (default 64)")
+  p.add_argument("--report", action="store_true", help="only write the report from the raw files")
+  return p
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+
+  def run():
+    if args.report:
+      report(pathlib.Path(args.out))
+      return
+    if args.checkpoint is None:
+      raise StudyError("give --checkpoint RUN_DIR (an imported model) or --report")
+    if args.random_maps < 2 or args.tokens < 2 * max(WINDOWS) or args.chunk < 1:
+      raise StudyError("--random-maps >= 2, --tokens >= 2048 and --chunk >= 1, please")
+    study(args)
+  return cli.run_main("sinkjax.experiments.streaming_real", run)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
