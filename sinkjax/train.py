@@ -41,7 +41,7 @@ from sinkjax import sharding as sharding_lib
 from sinkjax.cache import make_cache
 from sinkjax.cli import Interrupted, UserError
 from sinkjax.config import Config, ConfigError
-from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator, to_global_batch
+from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator, sft, to_global_batch
 from sinkjax.metrics import MetricsLogger, Profiler
 from sinkjax.step import EVAL_FEATURES, TRAIN_FEATURES, make_eval_step, make_train_step
 from sinkjax.model import Transformer, count_params
@@ -196,12 +196,19 @@ class Trainer(Program):
     self.tok = build_tokenizer(cfg.data)
     check_vocab(cfg.model, self.tok.vocab_size)
     given_steps = cfg.train.steps
+    if cfg.train.epochs and cfg.data.format != "sft":
+      raise ConfigError("train.epochs applies to data.format=sft; a text run is sized by train.steps (it says when "
+                        "its data starts a second epoch)")
+    if cfg.train.epochs and not cfg.train.steps:      # the schedule ends where the passes over the examples do
+      cfg.train.steps = sft.epoch_steps(cfg.data, self.tok, batch_size=cfg.train.batch_size, epochs=cfg.train.epochs)
     super().__init__(cfg, sharding_lib.make_mesh(cfg.mesh), run_lib.fixed_shared_heads(cfg))
     self.stop_at = min(cfg.train.stop_at_step or cfg.train.steps, cfg.train.steps)
     run_lib.legacy_data_settings(cfg)          # data: validated before anything is written to run.dir
     procs = jax.process_count()
+    self.data_counts = {}     # SFT: examples, truncated, dropped, rows of the training split
+    sft_kw = {"epochs": cfg.train.epochs, "counts": self.data_counts} if cfg.data.format == "sft" else {}
     self.train_iter = make_train_iterator(cfg.data, self.tok, batch_size=cfg.train.batch_size // procs,
-                                          seed=cfg.train.seed)
+                                          seed=cfg.train.seed, **sft_kw)
     self.eval_batches = make_eval_batches(cfg.data, self.tok, batch_size=self.micro // procs,
                                           num_batches=cfg.train.eval_batches) if cfg.train.eval_batches > 0 else []
     self.run_dir, has_ckpt = run_lib.prepare_run_dir(cfg)
@@ -246,6 +253,8 @@ class Trainer(Program):
           f"{tokens:,} tokens ({cfg.train.steps * tokens / self.num_params:.1f} tokens/param), mesh "
           f"{dict(self.mesh.shape)}, run dir {self.run_dir}" + (f", resuming from step {self.start}" if self.start
                                                                  else ""), flush=True)
+    if self.data_counts:
+      print(sft.truncation_note(self.data_counts, cfg.data.seq_len), flush=True)
 
   def evaluate(self) -> float:
     """Validation BPB of the current parameters over the eval batches (nanochat's rule, `analysis.nll_sums`)."""
@@ -299,12 +308,17 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   profiler = Profiler(cfg, trainer.run_dir, start, stop_at)
   stop_vote = distributed.StopVote(trainer.mesh)
   pending = None       # (step, metrics, val_bpb) of the previous step, logged once the next one is queued
+  data_end = None      # train.epochs: the last step before the data ran out
   try:
     with distributed.SignalFlag() as sig, jax.set_mesh(trainer.mesh):   # the mesh is active: attention runs per shard
       for step in range(start + 1, stop_at + 1):
         profiler.before(step)
         vote = stop_vote.cast(sig.signum)      # every process stops at the same step, whichever got the signal
-        m = trainer.step()
+        try:
+          m = trainer.step()
+        except StopIteration:                  # train.epochs passes are done (every process: equal batch counts)
+          data_end = step - 1
+          break
         if pending is not None:
           step_done(cfg, log, *pending)
         profiler.after(step, m, log)
@@ -323,6 +337,8 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
           pending = None
         if signum is not None:
           raise Interrupted(signum, step)
+      if data_end is not None:
+        pending = _end_of_data(trainer, log, pending, data_end)
       if pending is not None:
         step_done(cfg, log, *pending)
   finally:
@@ -330,8 +346,29 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
     trainer.close()
     profiler.close()
   log.finish(start)
-  log.summary.update(end_step=stop_at, num_params=trainer.num_params, trainable_params=trainer.num_trainable)
+  log.summary.update(end_step=stop_at if data_end is None else data_end, num_params=trainer.num_params,
+                     trainable_params=trainer.num_trainable)
+  if trainer.data_counts:
+    log.summary["sft_examples"] = {k: trainer.data_counts[k] for k in ("documents", "truncated", "dropped", "rows")}
   return log.summary
+
+
+def _end_of_data(trainer: Trainer, log: MetricsLogger, pending, data_end: int):
+  """The data's train.epochs passes ended after step `data_end`: that step is evaluated, checkpointed and logged
+  (unless it already was), and the run ends there. Returns what is left pending (None)."""
+  cfg = trainer.cfg
+  if jax.process_index() == 0:
+    print(f"sinkjax.train: train.epochs={cfg.train.epochs} pass(es) over the training examples end at step "
+          f"{data_end} of {cfg.train.steps}; checkpoint at step {data_end}, run ends", flush=True)
+  log.stop_at = data_end
+  if pending is None:            # the last step was checkpointed and logged already (or none ran in this invocation)
+    return None
+  step, m, val_bpb = pending
+  if val_bpb is None and trainer.eval_batches:
+    val_bpb = trainer.evaluate()
+  trainer.save(step)
+  step_done(cfg, log, step, m, val_bpb)
+  return None
 
 
 # --------------------------------------------------------------------------------------------------------------

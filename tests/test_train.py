@@ -393,3 +393,72 @@ def test_cli_smoke_and_user_errors(tmp_path, compile_cache):
                                             f"run.dir={run_dir}", env=compile_cache)))
   assert "different model (num_layers)" in line
   assert _digest(run_dir) == before
+
+
+# ------------------------------------------------------------------------------------------------------------
+# SFT: train.epochs and truncated examples
+# ------------------------------------------------------------------------------------------------------------
+
+def _sft_corpus(tmp_path):
+  """24 examples in sinkjax's plain layout (byte tokenizer): BOS + "User: " + p + "\\n\\n" + "Assistant: " + r +
+  "\\n\\n" = 22 + len(p) + len(r) tokens; rows of data.seq_len + 1 = 64. Every 4th (3, 7, ...) is validation
+  (data.val_fraction 0.25), 18 train. Of those, 0 and 5 have 82 tokens (truncated, response left), 9 a 60-character
+  prompt (69 tokens before its response: dropped), the others 52 (one per row: two never fit). So 17 rows, 2
+  truncated, 1 dropped."""
+  import json
+  lines = []
+  for i in range(24):
+    p, r = f"q{i:02d}" + "?" * 7, f"a{i:02d}" + "!" * 17
+    if i in (0, 5):
+      r += "!" * 30
+    if i == 9:
+      p += "?" * 50
+    lines.append(json.dumps({"prompt": p, "response": r}))
+  path = tmp_path / "sft.jsonl"
+  path.write_text("\n".join(lines) + "\n")
+  return ["data.format=sft", f"data.source={path}", "data.seq_len=63", "model.max_seq_len=64", "data.packing=document",
+          "data.val_fraction=0.25", "train.batch_size=8", "model.num_layers=1", "model.d_model=32", "model.num_heads=2",
+          "model.num_kv_heads=2", "model.head_dim=16", "train.log_every=1", "train.eval_batches=1",
+          "train.eval_every=0", "checkpoint.every=100"]
+
+
+def test_sft_epochs_bound_the_iterator_and_the_steps(tmp_path):
+  """train.epochs=1: 17 rows // 8 per batch = 2 whole batches, then StopIteration (the rows of a partial batch left
+  out; two processes get a batch each per step, and equally many); epoch_steps gives the same count (train.steps 0
+  becomes it); the counts say 2 truncated and 1 dropped of 18."""
+  from sinkjax.data import sft
+  cfg = load_config(TINY, _sft_corpus(tmp_path))
+  tok = build_tokenizer(cfg.data)
+  counts = {}
+  it = sft.make_sft_iterator(cfg.data, tok, batch_size=8, epochs=1, process_index=0, process_count=1, counts=counts)
+  batches = list(it)
+  assert len(batches) == 2 == sft.epoch_steps(cfg.data, tok, batch_size=8, epochs=1)
+  assert counts == {"documents": 18, "truncated": 2, "dropped": 1, "rows": 17}
+  rows = [tuple(r) for b in batches for r in b["inputs"]]
+  assert len(set(rows)) == 16                               # no row twice within the pass
+  two = [list(sft.make_sft_iterator(cfg.data, tok, batch_size=4, epochs=3, process_index=i, process_count=2))
+         for i in range(2)]
+  assert len(two[0]) == len(two[1]) == 3 * 17 // 8 == sft.epoch_steps(cfg.data, tok, batch_size=8, epochs=3)
+  assert sft.truncation_note(counts, 63) == (
+      "sinkjax.data.sft: 2 of 18 training examples longer than data.seq_len + 1 = 64 tokens, truncated; 1 dropped "
+      "(no response token within the row); raise data.seq_len to keep them whole")
+
+
+@pytest.mark.slow      # ~50 s on the shared 2-core machine: a compile of train + eval steps on 8 devices
+def test_sft_epochs_end_the_run_with_a_checkpoint(tmp_path, capsys, compile_cache):
+  """train.epochs=2 with train.steps=7: the data runs out after 2 x 17 // 8 = 4 steps; the run ends there with a
+  checkpoint (evaluated, logged) and says so; the truncation line is printed once and the summary counts. A text run
+  refuses train.epochs."""
+  run = tmp_path / "two"
+  s = train(load_config(TINY, _sft_corpus(tmp_path) + ["train.epochs=2", "train.steps=7", f"run.dir={run}"]),
+            progress=False)
+  out = capsys.readouterr().out
+  assert s["end_step"] == 4 and s["val_bpb"] is not None
+  assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
+  assert "train.epochs=2 pass(es) over the training examples end at step 4 of 7; checkpoint at step 4" in out
+  assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [4]
+  assert s["sft_examples"] == {"documents": 18, "truncated": 2, "dropped": 1, "rows": 17}
+  assert len([l for l in out.splitlines() if l.startswith("sinkjax.data.sft: 2 of 18 training examples")]) == 1
+  from sinkjax.config import ConfigError
+  with pytest.raises(ConfigError, match="train.epochs applies to data.format=sft"):
+    train(load_config(TINY, SMALL + ["train.epochs=1", f"run.dir={tmp_path / 'text'}"]), progress=False)

@@ -11,7 +11,10 @@ turn (and the template's end-of-turn after it) carries loss; everything else is 
 
 Batches have the features of `sinkjax.data.pipeline` (inputs, targets, segment_ids, positions, loss_mask,
 target_bytes), examples packed greedily into rows of seq_len + 1 tokens with one segment each (an example longer than
-a row is truncated), so the trainer, the model and the BPB accounting need nothing new:
+a row is truncated to its first seq_len + 1 tokens, and dropped when no response token is left; `counts` says how
+many, and the trainer prints it: `truncation_note`), so the trainer, the model and the BPB accounting need nothing new.
+The training iterator repeats the examples forever, or stops after `epochs` passes (train.epochs; `epoch_steps` is the
+number of steps those passes make):
 
     it = make_sft_iterator(cfg.data, tokenizer, batch_size=8, seed=0)      # Grain iterator (checkpointable)
     batches = make_sft_eval_batches(cfg.data, tokenizer, batch_size=8, num_batches=4)
@@ -81,9 +84,12 @@ def tokenize_example(msgs, tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarra
   return ids.astype(np.int32), resp.astype(bool), nbytes.astype(np.int32)
 
 
-def pack_rows(examples, seq_len: int) -> list[dict]:
-  """Greedy packing of (ids, is_response, nbytes) examples into rows of seq_len + 1 tokens (one segment each)."""
+def pack_rows(examples, seq_len: int, counts: dict | None = None) -> list[dict]:
+  """Greedy packing of (ids, is_response, nbytes) examples into rows of seq_len + 1 tokens (one segment each).
+  `counts` receives "truncated" (examples longer than seq_len + 1 tokens, cut to that and kept) and "dropped"
+  (examples with no response token within the row)."""
   rows, cur = [], []
+  truncated = dropped = 0
 
   def flush():
     if not cur:
@@ -101,15 +107,20 @@ def pack_rows(examples, seq_len: int) -> list[dict]:
 
   used = 0
   for ids, r, b in examples:
+    cut = len(ids) > seq_len + 1
     ids, r, b = ids[:seq_len + 1], r[:seq_len + 1], b[:seq_len + 1]
     if len(ids) < 2 or not r[1:].any():
+      dropped += 1
       continue                                    # nothing to learn from (no response token left after truncation)
+    truncated += cut
     if used + len(ids) > seq_len + 1:
       flush()
       used = 0
     cur.append((ids, r, b))
     used += len(ids)
   flush()
+  if counts is not None:
+    counts.update(truncated=truncated, dropped=dropped)
   return rows
 
 
@@ -130,7 +141,7 @@ def sft_rows(data_cfg, tokenizer, split: str = "train", max_docs: int | None = N
   convs = _split(read_examples(data_cfg.source), data_cfg, split)[:max_docs]
   if counts is not None:
     counts["documents"] = len(convs)
-  rows = pack_rows((tokenize_example(c, tokenizer) for c in convs), data_cfg.seq_len)
+  rows = pack_rows((tokenize_example(c, tokenizer) for c in convs), data_cfg.seq_len, counts)
   if not rows:
     raise DataError(f"data.source {data_cfg.source!r}: no {split} example keeps a response token within "
                     f"data.seq_len={data_cfg.seq_len}")
@@ -141,20 +152,49 @@ def _stack(rows):
   return {f: np.stack([r[f] for r in rows]) for f in FEATURES}
 
 
-def make_sft_iterator(data_cfg, tokenizer, *, batch_size: int, seed: int = 0,
-                      process_index: int | None = None, process_count: int | None = None):
-  """Grain iterator of shuffled (new order each epoch) training batches of packed SFT rows, forever.
+def make_sft_iterator(data_cfg, tokenizer, *, batch_size: int, seed: int = 0, epochs: int = 0,
+                      process_index: int | None = None, process_count: int | None = None,
+                      counts: dict | None = None):
+  """Grain iterator of shuffled (new order each epoch) training batches of packed SFT rows: forever (epochs 0), or
+  `epochs` passes over the rows, as whole global batches (the rows of a last, partial one are left out), then
+  StopIteration.
 
   `batch_size` is the per-process batch. Every process shuffles all rows alike and takes its own slice of each global
   batch of batch_size x process_count rows (`process_index`/`process_count` default to JAX's), so the processes read
-  disjoint rows and together the rows one process would read with the global batch.
+  disjoint rows and together the rows one process would read with the global batch. `counts` receives the training
+  split's "documents", "truncated" and "dropped" (`pack_rows`) and "rows".
   """
   pi, pc = _process(process_index, process_count)
-  rows = sft_rows(data_cfg, tokenizer, "train")
-  ds = grain.MapDataset.source(rows).shuffle(seed=seed).repeat().batch(batch_size, batch_fn=_stack)
+  counts = {} if counts is None else counts
+  rows = sft_rows(data_cfg, tokenizer, "train", counts=counts)
+  counts["rows"] = len(rows)
+  ds = grain.MapDataset.source(rows).shuffle(seed=seed)
+  if epochs:
+    ds = ds.repeat(epochs).batch(batch_size, batch_fn=_stack, drop_remainder=True)
+    ds = ds[:len(ds) // pc * pc]            # every process gets the same number of batches
+  else:
+    ds = ds.repeat().batch(batch_size, batch_fn=_stack)
   if pc > 1:
     ds = ds[pi::pc]             # local batch j of global batch k is batch k * pc + j of the shuffled rows
   return iter(ds.to_iter_dataset())
+
+
+def epoch_steps(data_cfg, tokenizer, *, batch_size: int, epochs: int) -> int:
+  """The optimizer steps (global batches of `batch_size` rows) that `epochs` passes over the training rows make: what
+  `make_sft_iterator(..., epochs=epochs)` yields. Tokenizes the training examples (once more) to count the rows."""
+  n = len(sft_rows(data_cfg, tokenizer, "train"))
+  if epochs * n < batch_size:
+    raise DataError(f"train.epochs={epochs} pass(es) over data.source {data_cfg.source!r} make {epochs * n} packed "
+                    f"rows, fewer than one batch of train.batch_size={batch_size}; add examples or raise train.epochs")
+  return epochs * n // batch_size
+
+
+def truncation_note(counts: dict, seq_len: int) -> str:
+  """One line: how many training examples were truncated to data.seq_len + 1 tokens, and dropped."""
+  n, t, d = counts.get("documents", 0), counts.get("truncated", 0), counts.get("dropped", 0)
+  return (f"sinkjax.data.sft: {t:,} of {n:,} training examples longer than data.seq_len + 1 = {seq_len + 1:,} tokens, "
+          f"truncated; {d:,} dropped (no response token within the row)" + ("; raise data.seq_len to keep them whole"
+                                                                            if t or d else ""))
 
 
 def make_sft_eval_batches(data_cfg, tokenizer, *, batch_size: int, num_batches: int | None,
