@@ -2,11 +2,15 @@
 
     python -m sinkjax.generate --checkpoint RUN_DIR --prompt TEXT --max-new-tokens N [--chat [--system TEXT]] \\
         [--temperature T] [--top-k K] [--top-p P] [--seed S] [--cache full|streaming --sink-size S --window W]
+        [section.key=value ...]
     python -m sinkjax.generate --ppl FILE --checkpoint RUN_DIR [--sink-size S --window W] [--max-tokens N]
         [--ppl-chunk T]
         [--full-heads F[,F...] [--full-heads-random SEED[,...]] | --full-heads-from MAP.json]
 
-Works for every attention variant (vanilla, sink, gated) and for models with learnable sink tokens.
+Works for every attention variant (vanilla, sink, gated) and for models with learnable sink tokens. Overrides
+change the run's config (`model.dtype=float32`); a `mesh.*` override (`mesh.fsdp=8`) restores the parameters into
+their training placement on that mesh (`sinkjax.run.load_run(mesh="run")`) instead of whole on every device, and the
+summary line gives the mesh, the parameter bytes per device and the devices' peak memory.
 
 Tokens as the model's tokenizer wants them (`sinkjax.data.tokenizers`): the prompt gets BOS only where the tokenizer
 adds one; `--chat` renders it (after `--system`, if given) through the tokenizer's chat template with the assistant's
@@ -63,9 +67,10 @@ import numpy as np
 from flax import nnx
 
 from sinkjax import cache_policy, paths
+from sinkjax import sharding as sharding_lib
 from sinkjax.cache import make_cache
 from sinkjax.cli import UserError
-from sinkjax.run import load_run
+from sinkjax.run import asks_for_mesh, load_run
 
 
 class UsageError(UserError):
@@ -403,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="--ppl: positions scored per step against the cache (default 64, capped at W - S; the same "
                       "numbers as 1 = one decode step per token, which is slower)")
   cache_policy.add_arguments(p)
+  p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                 help="config overrides of the run (e.g. model.dtype=float32; mesh.fsdp=8 places the weights as "
+                      "training does)")
   return p
 
 
@@ -460,11 +468,13 @@ def _validate_cache(args) -> None:
 
 def run(args) -> None:
   logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
-  model, cfg, tok, _ = load_run(args.checkpoint)
-  if args.ppl is not None:
-    run_ppl(args, model, cfg, tok)
-  else:
-    run_generate(args, model, cfg, tok)
+  model, cfg, tok, _ = load_run(args.checkpoint, None, args.overrides,
+                                mesh="run" if asks_for_mesh(args.overrides) else None)
+  with jax.set_mesh(sharding_lib.mesh_of(nnx.state(model, nnx.Param))):   # as in training: kernels follow the mesh
+    if args.ppl is not None:
+      run_ppl(args, model, cfg, tok)
+    else:
+      run_generate(args, model, cfg, tok)
 
 
 def run_ppl(args, model, cfg, tok) -> None:
@@ -527,9 +537,12 @@ def run_generate(args, model, cfg, tok) -> None:
     note += f", {sink_size} sinks"
   if len(out) < args.max_new_tokens:
     note = f"stopped at a stop token ({', '.join(map(str, tok.stop_ids))}); " + note
+  where = sharding_lib.placement(nnx.state(model, nnx.Param))
+  peak = where["peak_device_memory"]
   print(f"[{len(out)} tokens in {dt:.2f}s incl. compilation; {note}; "
         f"KV cache {kv_bytes(cfg.model, capacity, sink_size=sink_size, full_heads=full_heads, window=window):,} "
-        "bytes]", file=sys.stderr)
+        f"bytes; mesh {where['mesh']}, {where['param_bytes_per_device']:,} parameter bytes per device, peak device "
+        f"memory {'n/a' if peak is None else f'{peak:,} bytes'}]", file=sys.stderr)
 
 
 def main(argv=None) -> int:

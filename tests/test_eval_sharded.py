@@ -112,3 +112,24 @@ def test_eval_on_the_fsdp8_mesh_equals_one_device(run_dir, reference, tmp_path):
   assert report["param_bytes_per_device"] <= sum(x.nbytes for x in params if x.ndim >= 2) / 8 + \
       sum(x.nbytes for x in params if x.ndim < 2)
   assert report["peak_device_memory"] is None            # the CPU backend keeps no memory statistics
+
+
+def test_greedy_generation_on_the_fsdp8_mesh_equals_one_device(run_dir, reference, sharded, capfd):
+  """The same greedy tokens from the Generator on both placements; the command line with mesh.fsdp=8 generates on
+  that mesh and its summary line names the mesh and the parameter bytes per device."""
+  model, cfg, tok, _ = reference
+  prompt = tok.encode_document("the sink holds what")
+  want = gen.Generator(model, capacity=len(prompt) + 12).generate(prompt, 12, temperature=0.0)
+  with jax.set_mesh(sharding_lib.mesh_of(nnx.state(sharded.model, nnx.Param))):
+    got = gen.Generator(sharded.model, capacity=len(prompt) + 12).generate(prompt, 12, temperature=0.0)
+  assert got == want and len(want) > 0
+  capfd.readouterr()
+  assert gen.main(["--checkpoint", str(run_dir), "--prompt", "the sink holds what", "--max-new-tokens", "12",
+                   "--temperature", "0", "--no-stop", *FSDP8]) == 0
+  err = capfd.readouterr().err
+  assert err.startswith("[12 tokens in "), err
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  per_device = max(sharding_lib.bytes_per_device(nnx.state(sharded.model, nnx.Param)).values())
+  assert per_device < sum(x.nbytes for x in params) / 4
+  assert f"mesh {{'data': 1, 'fsdp': 8, 'tensor': 1}}, {per_device:,} parameter bytes per device, peak device " \
+         "memory n/a]" in err, err
