@@ -1,7 +1,19 @@
-"""Statistics and readings of the committed paper studies, computed from their raw files (no training, no model).
+"""Statistics and readings of the committed paper studies, computed from their raw files (no training, no model);
+and [Sink-MoE] Table 1 with Figs. 5 and 8 from finished run directories.
 
     python -m sinkjax.experiments.paper_report [--grid docs/results/paper_cpu/results.json]
         [--dose docs/results/paper_cpu_dose/dose.json] [--write]
+    python -m sinkjax.experiments.paper_report --runs 'gs://BUCKET/runs/d20_*' [--runs 'runs/d26_*' ...] [--out DIR]
+
+--runs (local or gs:// / s3:// globs of run directories, each with config.yaml): one Table 1 row per size, attention
+and loss (`runs_table`): the validation BPB of RUN/eval/report.json (`sinkjax.eval`), else the last val_bpb of
+RUN/metrics.jsonl; the ten downstream columns from lm-eval's results_*.json under RUN/lm_eval (`sinkjax.lm_eval
+--output-path RUN/lm_eval`; a later file's task replaces an earlier one's), as percentages with the metric of
+`TABLE1_COLUMNS`; Average, the plain mean of the ten (the paper's), only when all ten are there; on each base + aux
+row the change of the Average against the base row as an arrow. Several runs of one cell (seeds) are averaged and
+counted. Prints the markdown table; with --out also writes table1.md / table1.json, fig5_imbalance.png (head
+imbalance, eq. 6, over training: raw and EMA, base vs base + aux, a panel per size and attention) and fig8_loss_bpb.png
+(training loss and validation BPB the same way).
 
 Prints every effect's tests (`sinkjax.experiments.stats`); with --write also writes `stats.md` / `stats.json` next
 to the grid's results.json and, given --dose, `dose.md`, `dose_stats.json`, `dose_imbalance.png` and
@@ -686,14 +698,209 @@ def _jsonable(x):
   return x
 
 
+# ------------------------------------------------------------------------------------------- run directories
+
+# Table 1's downstream columns: (column, lm-eval task, metric keys of results_*.json in order of preference). The paper
+# states neither metric nor shots (docs/EVAL.md); ours: acc for the multiple-choice tasks, GSM8K's strict-match exact
+# match, HumanEval's greedy pass@1.
+TABLE1_COLUMNS = (
+    ("MMLU", "mmlu", ("acc,none",)),
+    ("GSM8K", "gsm8k", ("exact_match,strict-match", "exact_match,flexible-extract")),
+    ("HumanEval", "humaneval", ("pass@1,create_test", "pass@1,none")),
+    ("ARC-E", "arc_easy", ("acc,none",)),
+    ("ARC-C", "arc_challenge", ("acc,none",)),
+    ("HellaSwag", "hellaswag", ("acc,none",)),
+    ("PIQA", "piqa", ("acc,none",)),
+    ("OpenBookQA", "openbookqa", ("acc,none",)),
+    ("BoolQ", "boolq", ("acc,none",)),
+    ("Winogrande", "winogrande", ("acc,none",)),
+)
+
+
+def _read_text(path: str) -> str:
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  return paths.as_path(path).read_text()
+
+
+def find_runs(patterns: list[str]) -> list[str]:
+  """The run directories (holding config.yaml) that the local or remote globs match, sorted."""
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  from sinkjax.cli import UserError  # pylint: disable=import-outside-toplevel
+  runs = []
+  for pat in patterns:
+    found = [f.rsplit("/", 1)[0] for f in paths.expand_glob(pat.rstrip("/") + "/config.yaml")]
+    if not found:
+      raise UserError(f"--runs {pat!r} matches no run directory (none holds config.yaml)")
+    runs += [r for r in found if r not in runs]
+  return sorted(runs)
+
+
+def read_run(run: str) -> dict:
+  """What Table 1 and Figs. 5 / 8 need of one run directory."""
+  import yaml  # pylint: disable=import-outside-toplevel
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  from sinkjax.run import read_metrics  # pylint: disable=import-outside-toplevel
+  cfg = yaml.safe_load(_read_text(f"{run}/config.yaml")) or {}
+  model, loss = cfg.get("model") or {}, cfg.get("loss") or {}
+  metrics = read_metrics(f"{run}/metrics.jsonl") if paths.as_path(f"{run}/metrics.jsonl").is_file() else []
+  report = f"{run}/eval/report.json"
+  bpb, bpb_from = None, None
+  if paths.as_path(report).is_file():
+    bpb, bpb_from = json.loads(_read_text(report))["val_bpb"], "eval/report.json"
+  elif any("val_bpb" in r for r in metrics):
+    bpb, bpb_from = [r["val_bpb"] for r in metrics if "val_bpb" in r][-1], "metrics.jsonl"
+  tasks = {}
+  for f in sorted(paths.expand_glob(f"{run}/lm_eval/**/results_*.json"), key=lambda f: f.rsplit("/", 1)[-1]):
+    tasks.update(json.loads(_read_text(f)).get("results") or {})      # file names carry the date: later wins
+  scores = {}
+  for col, task, keys in TABLE1_COLUMNS:
+    got = [tasks[task][k] for k in keys if k in tasks.get(task, {})]
+    if got:
+      scores[col] = 100.0 * float(got[0])
+  aux = float(loss.get("aux_weight") or 0.0)
+  layers = int(model.get("num_layers") or model.get("depth") or 0)
+  return {"run": run, "attention": model.get("attention", "vanilla"), "loss": "aux" if aux > 0 else "base",
+          "aux_weight": aux, "size": f"d{layers}" + (f" ({model['d_model']} wide)" if model.get("d_model") else ""),
+          "layers": layers, "val_bpb": bpb, "val_bpb_from": bpb_from, "scores": scores,
+          "curves": {k: [(r["step"], r[k]) for r in metrics if k in r] for k in ("loss", "head_imbalance", "val_bpb")}}
+
+
+def _mean(xs):
+  xs = [x for x in xs if x is not None]
+  return float(np.mean(xs)) if xs else None
+
+
+def runs_table(runs: list[dict]) -> list[dict]:
+  """Table 1's rows: one per (size, attention, loss), sizes by depth, attention in VARIANTS order, base before aux;
+  BPB and columns averaged over the cell's runs; Average over the ten columns; `delta` (aux rows) = Average - base."""
+  order = {v: i for i, v in enumerate(VARIANTS)}
+  cells = {}
+  for r in runs:
+    cells.setdefault((r["layers"], r["size"], r["attention"], r["loss"]), []).append(r)
+  rows = []
+  for (layers, size, att, loss), rs in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(
+      kv[0][2], 99), kv[0][2], kv[0][3] != "base")):
+    cols = {c: _mean([r["scores"].get(c) for r in rs]) for c, _, _ in TABLE1_COLUMNS}
+    full = all(v is not None for v in cols.values())
+    rows.append({"size": size, "attention": att, "loss": loss, "runs": [r["run"] for r in rs],
+                 "val_bpb": _mean([r["val_bpb"] for r in rs]), "columns": cols,
+                 "average": float(np.mean(list(cols.values()))) if full else None, "delta": None})
+  for row in rows:
+    if row["loss"] == "aux":
+      base = [b for b in rows if (b["size"], b["attention"], b["loss"]) == (row["size"], row["attention"], "base")]
+      if base and base[0]["average"] is not None and row["average"] is not None:
+        row["delta"] = row["average"] - base[0]["average"]
+  return rows
+
+
+def runs_markdown(rows: list[dict]) -> str:
+  """Table 1 as the paper lays it out (a size heading row, then attention / loss / BPB / ten columns / Average)."""
+  cols = [c for c, _, _ in TABLE1_COLUMNS]
+  lines = ["| Attention | Training loss | Validation BPB (↓) | " + " | ".join(cols) + " | Average |",
+           "|---|---|---:|" + "---:|" * (len(cols) + 1)]
+  size = None
+  for row in rows:
+    if row["size"] != size:
+      size = row["size"]
+      lines.append(f"| *{size}* |" + " |" * (len(cols) + 3))
+    fmt = lambda x, nd=2: "—" if x is None else f"{x:.{nd}f}"
+    avg = fmt(row["average"])
+    if row["delta"] is not None:
+      avg += f" {'↑' if row['delta'] >= 0 else '↓'} {abs(row['delta']):.2f}"
+    n = f" ({len(row['runs'])} runs)" if len(row["runs"]) > 1 else ""
+    att = row["attention"].capitalize() if row["loss"] == "base" or not any(
+        r["loss"] == "base" and r["attention"] == row["attention"] and r["size"] == size for r in rows) else ""
+    lines.append(f"| {att} | {'base' if row['loss'] == 'base' else 'base+aux'}{n} | {fmt(row['val_bpb'], 4)} | "
+                 + " | ".join(fmt(row["columns"][c]) for c in cols) + f" | {avg} |")
+  return "\n".join(lines) + "\n"
+
+
+def _ema(ys, alpha: float = 0.1):
+  out, m = [], None
+  for y in ys:
+    m = y if m is None else (1 - alpha) * m + alpha * y
+    out.append(m)
+  return out
+
+
+def plot_runs(runs: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
+  """fig5_imbalance.png (Fig. 5) and fig8_loss_bpb.png (Fig. 8): base vs base + aux over training, a panel per size
+  (rows) and attention (columns); raw values faint, EMA (0.1) solid; several runs of a cell each drawn."""
+  import matplotlib  # lazy: slow to import, and only the figures need it
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  sizes = sorted({(r["layers"], r["size"]) for r in runs})
+  atts = sorted({r["attention"] for r in runs}, key=lambda v: (VARIANTS.index(v) if v in VARIANTS else 99, v))
+  colors = {"base": "tab:blue", "aux": "tab:red"}
+  written = []
+  for name, keys in (("fig5_imbalance.png", ("head_imbalance",)), ("fig8_loss_bpb.png", ("loss", "val_bpb"))):
+    nrows = len(sizes) * len(keys)
+    fig, axes = plt.subplots(nrows, len(atts), figsize=(4.5 * len(atts), 3.2 * nrows), squeeze=False)
+    for i, (_, size) in enumerate(sizes):
+      for k, key in enumerate(keys):
+        for j, att in enumerate(atts):
+          ax = axes[i * len(keys) + k][j]
+          for r in runs:
+            if r["size"] != size or r["attention"] != att or not r["curves"][key]:
+              continue
+            x, y = zip(*r["curves"][key])
+            label = "base" if r["loss"] == "base" else "base + aux"
+            if key != "val_bpb":
+              ax.plot(x, y, color=colors[r["loss"]], alpha=0.25, lw=0.8)
+              y = _ema(y)
+            ax.plot(x, y, color=colors[r["loss"]], lw=1.6, label=label)
+          ax.set_title(f"{size}, {att}", fontsize=9)
+          ax.set_xlabel("step", fontsize=8)
+          ax.set_ylabel({"head_imbalance": "head imbalance (eq. 6)", "loss": "training loss",
+                         "val_bpb": "validation BPB"}[key], fontsize=8)
+          handles, labels = ax.get_legend_handles_labels()
+          if handles:
+            uniq = dict(zip(labels, handles))
+            ax.legend(uniq.values(), uniq.keys(), fontsize=7)
+    fig.tight_layout()
+    path = out_dir / name
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+  return written
+
+
+def runs_report(patterns: list[str], out: str | None) -> str:
+  """Reads the runs, prints Table 1 (and where each BPB came from); with `out` writes table1.md / table1.json and the
+  figures there. Returns the markdown."""
+  runs = [read_run(r) for r in find_runs(patterns)]
+  rows = runs_table(runs)
+  md = runs_markdown(rows)
+  print(md, end="")
+  for r in runs:
+    missing = [c for c, _, _ in TABLE1_COLUMNS if c not in r["scores"]]
+    print(f"  {r['run']}: {r['attention']} {r['loss']}, BPB from {r['val_bpb_from'] or 'nowhere'}"
+          + (f"; no lm-eval result for {', '.join(missing)}" if missing else ""))
+  if out:
+    from sinkjax import paths  # pylint: disable=import-outside-toplevel
+    with paths.staged_dir(out) as d:
+      (d / "table1.md").write_text(md)
+      (d / "table1.json").write_text(json.dumps(_jsonable({"rows": rows, "columns": [
+          {"column": c, "task": t, "metrics": list(k)} for c, t, k in TABLE1_COLUMNS]}), indent=1))
+      plot_runs(runs, d)
+    print(f"wrote {out}/table1.md, table1.json, fig5_imbalance.png, fig8_loss_bpb.png")
+  return md
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m sinkjax.experiments.paper_report", description=__doc__.split("\n")[0])
+  p.add_argument("--runs", action="append", default=None, metavar="GLOB",
+                 help="run directories (local or gs:// globs; repeatable): Table 1 and Figs. 5 / 8 from them")
+  p.add_argument("--out", default=None, help="with --runs: where table1.md / .json and the figures go")
   p.add_argument("--grid", default=str(GRID), help="the main grid's results.json")
   p.add_argument("--dose", default=str(DOSE), help="the dose study's dose.json ('none': skip)")
   p.add_argument("--repro", default=str(REPRO), help="retrained main-grid runs (raw/NAME/paper_eval.json)")
   p.add_argument("--write", action="store_true", help="write stats.md / stats.json (and the dose report) next to "
                                                       "the inputs")
   args = p.parse_args(argv)
+  if args.runs:
+    from sinkjax import cli  # pylint: disable=import-outside-toplevel
+    return cli.run_main("sinkjax.experiments.paper_report", lambda: runs_report(args.runs, args.out) and 0)
   grid_path = pathlib.Path(args.grid)
   grid = json.loads(grid_path.read_text())
   dose_path = None if args.dose == "none" else pathlib.Path(args.dose)
