@@ -8,6 +8,12 @@ chip's HBM. TOPO is a JAX topology name (`v5e:4x8`, `v4:2x2x4`, `v5p:2x4x4`, `v6
 type (`v5litepod-32`, `v4-32`, `v5p-64`, `v6e-8`); `2x` in front (`2xv5litepod-32`) asks for that many slices
 (multi-slice, over DCN). Reads no data: the vocabulary is the tokenizer file's when it exists, else model.vocab_size.
 Exit 0 when the step fits, 1 (one line: what is needed, what helps) when it does not or on a user error.
+
+It also reports speed, per chip, from the compiled program (`hlo_costs`, `roofline`): FLOPs per step with every
+loop trip counted (scanned layers, loss chunks, micro-batches) and the Pallas kernels' cost estimates, the part that
+remat recomputes, HBM bytes, collective bytes by kind, and a roofline step-time estimate with the MFU bound it
+implies (chip figures: `CHIPS`). `--search` compiles one candidate per remat policy (and grad_accum) and picks the
+fastest estimated step that fits.
 """
 from __future__ import annotations
 
