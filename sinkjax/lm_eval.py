@@ -2,7 +2,7 @@
 
     python -m sinkjax.lm_eval --checkpoint RUN --tasks T1,T2 [--include-path DIR] [--num-fewshot K] [--limit N]
         [--batch-size B] [--output-path DIR] [--log-samples] [--apply-chat-template] [--model-args k=v,...]
-        [--mc FILE.jsonl] [--confirm-run-unsafe-code] [--seed S] [--bootstrap-iters N]
+        [--mc FILE.jsonl] [--confirm-run-unsafe-code] [--seed S] [--bootstrap-iters N] [section.key=value ...]
 
 `--tasks paper` is the downstream half of the paper's Table 1 (`PAPER_TASKS`); `--mc FILE.jsonl` evaluates a sinkjax
 multiple-choice file as a local lm-eval task (`MC_TASK_TEMPLATE`). The command is a thin wrapper over
@@ -34,7 +34,13 @@ directory, `step` a checkpoint step, `batch_size`, `max_length` (default `model.
 model directory, else true: sinkjax and nanochat train every document behind BOS), `prefix_token_id` (default
 BOS), `dtype` (compute dtype; default the run's `model.dtype`), `seed` (sampling).
 
-One process (all its local devices: rows are split over them); requests are not spread over several processes.
+Placement: by default every device holds the whole model and the rows of a batch are split over the devices. Config
+overrides after the options (or the `overrides` model argument, a list) change the run's config; a `mesh.*` override
+(`mesh.fsdp=8`) restores each parameter into its training placement on that mesh (`sinkjax.run.load_run(mesh="run")`),
+rows split over mesh.data x mesh.fsdp, so a model larger than one device is evaluated where it trained. Under a
+launcher (`launch/local.sh --module sinkjax.lm_eval -- ARGS`, the TPU VM and SLURM scripts) the processes join with
+`jax.distributed` as sinkjax.train's do; every process answers every request (one global computation per batch, each
+process feeding its own devices' rows) and process 0 alone writes the results and prints the table.
 """
 from __future__ import annotations
 
@@ -59,13 +65,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import choices, lora, paths
+from sinkjax import choices, distributed, lora, paths
 from sinkjax import sharding as sharding_lib
 from sinkjax.cli import Parser, UserError, run_main
 from sinkjax.config import MeshConfig
 from sinkjax.generate import Generator, sample_logits
 from sinkjax.model import Transformer
-from sinkjax.run import load_run
+from sinkjax.run import asks_for_mesh, load_run
 
 try:                      # lm-eval is an extra (pip install 'sinkjax[eval]'); sinkjax itself never imports this module
   from lm_eval.api.model import TemplateLM as _Base
@@ -115,7 +121,7 @@ class SinkjaxLM(_Base):
 
   def __init__(self, checkpoint: str | None = None, pretrained: str | None = None, step=None, batch_size=8,
                max_batch_size=None, max_length=None, max_gen_toks=256, add_bos_token=None, prefix_token_id=None,
-               dtype: str | None = None, seed=0, device=None, **kwargs):
+               dtype: str | None = None, seed=0, device=None, overrides=(), **kwargs):
     if not HAVE_LM_EVAL:
       raise LMEvalError(INSTALL_HINT)
     super().__init__()
@@ -124,21 +130,28 @@ class SinkjaxLM(_Base):
       kwargs.pop(key, None)
     if kwargs:
       raise LMEvalError(f"unknown model argument(s) for sinkjax: {', '.join(sorted(kwargs))} (known: checkpoint, "
-                        "step, batch_size, max_length, max_gen_toks, add_bos_token, prefix_token_id, dtype, seed)")
+                        "step, batch_size, max_length, max_gen_toks, add_bos_token, prefix_token_id, dtype, seed, "
+                        "overrides)")
     run_dir = checkpoint or pretrained
     if not run_dir:
       raise LMEvalError("the sinkjax model needs checkpoint=RUN_DIR (a run directory)")
     logging.getLogger("absl").setLevel(logging.ERROR)    # Orbax's read-only notices
     self.run_dir = str(run_dir)
-    model, cfg, tok, self.step = load_run(run_dir, None if step in (None, "") else int(step))
+    overrides = overrides.split() if isinstance(overrides, str) else list(overrides or ())
+    placed = asks_for_mesh(overrides)      # mesh.* given: the training placement on that mesh
+    model, cfg, tok, self.step = load_run(run_dir, None if step in (None, "") else int(step), overrides,
+                                          mesh="run" if placed else None)
+    mesh = sharding_lib.mesh_of(nnx.state(model, nnx.Param)) if placed else None
     self._setup(model, cfg, tok, batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks,
-                add_bos_token=add_bos_token, prefix_token_id=prefix_token_id, dtype=dtype, seed=seed)
+                add_bos_token=add_bos_token, prefix_token_id=prefix_token_id, dtype=dtype, seed=seed, mesh=mesh)
 
   @classmethod
   def from_model(cls, model, cfg, tokenizer, **kwargs) -> "SinkjaxLM":
     """An lm-eval model of an in-memory sinkjax model (`cfg` its Config, `tokenizer` a sinkjax tokenizer), e.g. to
     evaluate inside a Python session: `lm_eval.simple_evaluate(model=SinkjaxLM.from_model(...), tasks=[...])`.
-    Keyword arguments as for the constructor (batch_size, max_length, add_bos_token, ...)."""
+    Keyword arguments as for the constructor (batch_size, max_length, add_bos_token, ...), and `mesh`: the mesh the
+    model's parameters are already placed on (`sinkjax.run.load_run(mesh=...)`); without it they are put whole on
+    every device."""
     if not HAVE_LM_EVAL:
       raise LMEvalError(INSTALL_HINT)
     lm = cls.__new__(cls)
@@ -148,7 +161,7 @@ class SinkjaxLM(_Base):
     return lm
 
   def _setup(self, model, cfg, tok, *, batch_size=8, max_length=None, max_gen_toks=256, add_bos_token=None,
-             prefix_token_id=None, dtype=None, seed=0):
+             prefix_token_id=None, dtype=None, seed=0, mesh=None):
     model = lora.merge(model)
     if dtype and dtype != cfg.model.dtype:
       model = self._with_dtype(model, cfg, dtype)
@@ -169,11 +182,12 @@ class SinkjaxLM(_Base):
     self._stop_ids = set(tok.stop_ids)
     if self._eot == tok.bos_id:
       self._stop_ids.add(tok.bos_id)       # sinkjax documents are separated by BOS: BOS ends a generation
-    self.mesh = sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
+    self._placed = mesh is not None          # the parameters sit where load_run put them (mesh.* overrides)
+    self.mesh = mesh if self._placed else sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
     self._rows = sharding_lib.batch_sharding(self.mesh)
     self._shards = sharding_lib.batch_shards(self.mesh)
     self.graphdef, self.state = nnx.split(model)
-    if self._shards > 1:                     # rows are split over the devices: every device holds the weights
+    if self._shards > 1 and not self._placed:   # rows are split over the devices: every device holds the weights
       self.state = jax.device_put(self.state, sharding_lib.replicated(self.mesh))
     self._generator = None
     self._Generator = Generator
@@ -292,13 +306,14 @@ class SinkjaxLM(_Base):
     for r, seq in enumerate(seqs):
       n = len(seq) - 1
       tokens[r, :n], targets[r, :n], seg[r, :n] = seq[:-1], seq[1:], 1
-    put = (lambda x: jax.device_put(x, self._rows)) if self._shards > 1 else jnp.asarray
+    rows = self._rows if self._shards > 1 else sharding_lib.replicated(self.mesh)
+    put = lambda x: sharding_lib.put_global(x, rows)     # every process holds the same rows; it fills its devices
     with self._mesh_context():
       lp, greedy = _score_rows(self.graphdef, self.state, put(tokens), put(targets), put(seg))
-    return np.asarray(lp), np.asarray(greedy)
+    return distributed.to_host((lp, greedy))
 
   def _mesh_context(self):
-    return jax.set_mesh(self.mesh) if self._shards > 1 else contextlib.nullcontext()
+    return jax.set_mesh(self.mesh) if self._shards > 1 or self._placed else contextlib.nullcontext()
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
     """Log-likelihood of each whole text over lm-eval's disjoint rolling windows (the hf backend's rule)."""
@@ -357,7 +372,9 @@ class SinkjaxLM(_Base):
                 top_p: float) -> list[int]:
     """Up to `max_new` tokens after `ids` through the KV cache; stops at a stop token or an `until` string."""
     if self._generator is None:       # one row: on one device (replicated over several, each would compute it all)
-      one = nnx.merge(self.graphdef, jax.device_put(self.state, jax.devices()[0])) if self._shards > 1 else self.model
+      # (placed by mesh.* or spread over processes: where the parameters are)
+      one = nnx.merge(self.graphdef, self.state) if self._placed or jax.process_count() > 1 else \
+          nnx.merge(self.graphdef, jax.device_put(self.state, jax.devices()[0])) if self._shards > 1 else self.model
       self._generator = self._Generator(one, capacity=self.max_length)
       self._sample = jax.jit(sample_logits)
     gen = self._generator
@@ -369,9 +386,17 @@ class SinkjaxLM(_Base):
     self._draws += 1
     # a right-padded prompt: the logits at P-1 see only the prompt (causal), and the cache is cut back to P tokens
     # (its later slots are invalid and overwritten by the decoded tokens)
-    _, logits, cache = gen.prefill_fn(gen.state, gen.new_cache(), jnp.asarray(prompt), key, *knobs)
-    cache = dataclasses.replace(cache, length=jax.device_put(np.asarray(P, cache.length.dtype),
-                                                            cache.length.sharding))  # as decode's
+    with jax.set_mesh(self.mesh) if self._placed else contextlib.nullcontext():
+      return self._decode(gen, prompt, P, max_new, until, key, knobs)
+
+  def _decode(self, gen, prompt, P: int, max_new: int, until: list[str], key, knobs) -> list[int]:
+    cache, prompt = gen.new_cache(), jnp.asarray(prompt)
+    if jax.process_count() > 1:        # one global computation: every process holds the same prompt and cache
+      whole = sharding_lib.replicated(self.mesh)
+      cache, prompt = jax.tree.map(lambda x: sharding_lib.put_global(x, whole), (cache, prompt))
+    _, logits, cache = gen.prefill_fn(gen.state, cache, prompt, key, *knobs)
+    cache = dataclasses.replace(cache, length=sharding_lib.put_global(np.asarray(P, cache.length.dtype),
+                                                                      cache.length.sharding))  # as decode's
     nxt = self._sample(logits[:, P - 1], jax.random.fold_in(key, 1), *knobs)
     out: list[int] = []
     for i in range(max_new):
@@ -403,7 +428,7 @@ class SinkjaxLM(_Base):
     m = self.cfg.model
     return {"sinkjax_run": self.run_dir, "sinkjax_step": self.step, "attention": m.attention,
             "num_layers": m.num_layers, "d_model": m.d_model, "dtype": m.dtype, "max_length": self.max_length,
-            "add_bos_token": self.add_bos_token}
+            "add_bos_token": self.add_bos_token, **sharding_lib.placement(self.state)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -511,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
                  help="bootstrap resamples for the stderr of metrics without a closed form (lm-eval's default "
                       "100000; 0 = none)")
+  p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                 help="config overrides of the run (e.g. model.dtype=float32; mesh.fsdp=8 places the weights as "
+                      "training does)")
   return p
 
 
@@ -604,14 +632,16 @@ def run(args) -> dict:
       limit = int(limit)
     # lm-eval builds the model from its registry, as `lm_eval --model sinkjax --model_args pretrained=RUN,...` does
     results = simple_evaluate(
-        model="sinkjax", model_args={"pretrained": str(args.checkpoint), **extra}, batch_size=args.batch_size,
+        model="sinkjax", model_args={"pretrained": str(args.checkpoint), **extra,
+                                     **({"overrides": list(args.overrides)} if args.overrides else {})},
+        batch_size=args.batch_size,
         tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, log_samples=args.log_samples,
         evaluation_tracker=tracker, apply_chat_template=args.apply_chat_template, task_manager=manager,
         confirm_run_unsafe_code=args.confirm_run_unsafe_code, random_seed=args.seed, numpy_random_seed=args.seed,
         torch_random_seed=args.seed, fewshot_random_seed=args.seed, bootstrap_iters=args.bootstrap_iters)
   if results is None:
     raise LMEvalError("lm-eval returned no results")
-  if tracker is not None:
+  if tracker is not None and jax.process_index() == 0:     # one copy of the outputs per job
     samples = results.pop("samples", None) if args.log_samples else None
     tracker.save_results_aggregated(results=results, samples=samples)
     if samples is not None:
@@ -625,6 +655,7 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
 
   def action() -> int:
+    distributed.maybe_initialize()    # before anything touches JAX devices (a job of several processes)
     import multiprocessing  # pylint: disable=import-outside-toplevel
     # lm-eval's bootstrap stderr runs a multiprocessing pool; forking this process (JAX's threads) can deadlock
     method = multiprocessing.get_start_method(allow_none=True)
@@ -633,6 +664,8 @@ def main(argv=None) -> int:
       results = run(args)
     finally:
       multiprocessing.set_start_method(method, force=True)
+    if jax.process_index() != 0:
+      return 0
     from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
     print(f"sinkjax ({args.checkpoint}, step {results['config'].get('sinkjax_step', '?')}), limit: {args.limit}, "
           f"num_fewshot: {args.num_fewshot}, batch_size: {args.batch_size}")

@@ -133,3 +133,24 @@ def test_greedy_generation_on_the_fsdp8_mesh_equals_one_device(run_dir, referenc
   assert per_device < sum(x.nbytes for x in params) / 4
   assert f"mesh {{'data': 1, 'fsdp': 8, 'tensor': 1}}, {per_device:,} parameter bytes per device, peak device " \
          "memory n/a]" in err, err
+
+
+def test_lm_eval_loglikelihoods_on_the_fsdp8_mesh_equal_one_device(run_dir, reference):
+  """SinkjaxLM with overrides mesh.fsdp=8 (as `python -m sinkjax.lm_eval ... mesh.fsdp=8` builds it): the
+  log-likelihoods and greedy flags of a batch of requests, and a greedy generation, as the model on one device."""
+  from sinkjax import lm_eval as sj
+  model, cfg, tok, _ = reference
+  lm = sj.SinkjaxLM(checkpoint=str(run_dir), overrides=FSDP8, batch_size=8)
+  assert lm._placed and dict(lm.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+  assert lm.get_model_info()["param_bytes_per_device"] < lm.get_model_info()["param_bytes"] / 4
+  ref = sj.SinkjaxLM.from_model(model, cfg, tok, batch_size=8, mesh=one_device())
+  texts = [("the sink holds", " what the gate"), ("while other heads attend to", " the words"),
+           ("the", " sink"), ("lets through while", " other heads attend"), ("words before the", " gate")]
+  reqs = [(None, tok.encode_document(c), tok.encode(x)) for c, x in texts]
+  got, want = lm._loglikelihood_tokens(reqs, disable_tqdm=True), ref._loglikelihood_tokens(reqs, disable_tqdm=True)
+  for (lp_g, greedy_g), (lp_w, greedy_w) in zip(got, want):
+    assert lp_g == pytest.approx(lp_w, abs=1e-5) and greedy_g == greedy_w
+  assert all(math.isfinite(lp) and lp < 0 for lp, _ in want)
+  ids = tok.encode_document("the sink holds what")
+  kw = dict(temperature=0.0, top_k=0, top_p=1.0)
+  assert lm._generate(ids, 6, [], **kw) == ref._generate(ids, 6, [], **kw)
