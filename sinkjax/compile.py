@@ -605,9 +605,10 @@ SEARCH_POLICIES = ("nothing", "dots", "save_qkv_proj", "save_out_proj", "save_at
 
 
 def search(cfg_path: str, overrides: list, topo: Topology, policies=SEARCH_POLICIES, accums=(None,),
-           load=None) -> dict:
+           load=None, on_result=None) -> dict:
   """Compiles the config once per (remat policy, train.grad_accum) candidate with model.remat=true and returns
-  {"candidates": [reports], "picked": the fitting report of least estimated step time, or None}."""
+  {"candidates": [reports], "picked": the fitting report of least estimated step time, or None}; on_result(report)
+  is called as each candidate is done."""
   from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
   load = load or (lambda ov: config_lib.load_config(cfg_path, ov))
   devices = gpu_devices(topo) if topo.platform == "gpu" else tpu_devices(topo)
@@ -619,25 +620,35 @@ def search(cfg_path: str, overrides: list, topo: Topology, policies=SEARCH_POLIC
       r = compile_config(load(ov), topo, eval_step=False, devices=devices)
       r["overrides"] = ov
       candidates.append(r)
+      if on_result:
+        on_result(r)
   fits = [r for r in candidates if r["fits"]]
   return {"candidates": candidates, "picked": min(fits, key=lambda r: r["estimated_step_seconds"]) if fits else None}
 
 
+SEARCH_HEADER = ("| remat_policy | grad_accum | rows / chip | GiB / chip | fits | FLOPs / chip | recomputed | HBM GB "
+                 "| ICI GB | est. step s | bound | MFU <= |\n|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|")
+
+
 def print_search(result: dict) -> None:
-  print("| remat_policy | grad_accum | rows / chip | GiB / chip | fits | FLOPs / chip | recomputed | HBM GB | ICI GB "
-        "| est. step s | bound | MFU <= |")
-  print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|")
+  """The search's Markdown table, the pick marked."""
+  print(SEARCH_HEADER)
   for r in result["candidates"]:
-    picked = " **picked**" if r is result["picked"] else ""
-    if "flops_per_step" not in r:
-      print(f"| {r['remat_policy']}{picked} | {r['grad_accum']} | {r['rows_per_chip']} | "
-            f"{_gib(r['per_chip_bytes']['total'])} | no | | | | | | | |")
-      continue
+    print_search_row(r, r is result["picked"])
+
+
+def print_search_row(r: dict, picked: bool = False) -> None:
+  picked = " **picked**" if picked else ""
+  if "flops_per_step" not in r:
     print(f"| {r['remat_policy']}{picked} | {r['grad_accum']} | {r['rows_per_chip']} | "
-          f"{_gib(r['per_chip_bytes']['total'])} | {'yes' if r['fits'] else 'no'} | {r['flops_per_step']:.3e} | "
-          f"{r['recompute_flops_per_step']:.3e} | {r['hbm_bytes_per_step'] / 1e9:.1f} | "
-          f"{r['ici_bytes_per_step'] / 1e9:.2f} | {r['estimated_step_seconds']:.3g} | {r['estimated_bound']} | "
-          f"{100 * r['estimated_mfu']:.0f}% |")
+          f"{_gib(r['per_chip_bytes']['total'])} | no | | | | | | | |", flush=True)
+    return
+  print(f"| {r['remat_policy']}{picked} | {r['grad_accum']} | {r['rows_per_chip']} | "
+        f"{_gib(r['per_chip_bytes']['total'])} | {'yes' if r['fits'] else 'no'} | {r['flops_per_step']:.3e} | "
+        f"{r['recompute_flops_per_step']:.3e} | {r['hbm_bytes_per_step'] / 1e9:.1f} | "
+        f"{r['ici_bytes_per_step'] / 1e9:.2f} | {r['estimated_step_seconds']:.3g} | {r['estimated_bound']} | "
+        f"{100 * r['estimated_mfu']:.0f}% |", flush=True)
+
 
 def _gib(b) -> str:
   return f"{b / GIB:.2f}"
@@ -813,9 +824,10 @@ def _run_search(args, topo: Topology, cfg) -> int:
     c.model.vocab_size = cfg.model.vocab_size
     return c
 
-  result = search(args.config, args.overrides, topo, policies, accums, load=load)
   print(f"sinkjax.compile --search: {args.config} {' '.join(args.overrides)} on {topo.name} (estimates, not "
-        "measurements)")
+        "measurements; rows as they compile, then the table with the pick)\n" + SEARCH_HEADER, flush=True)
+  result = search(args.config, args.overrides, topo, policies, accums, load=load, on_result=print_search_row)
+  print()
   print_search(result)
   if args.json:
     with open(args.json, "w") as f:
