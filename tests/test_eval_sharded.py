@@ -154,3 +154,64 @@ def test_lm_eval_loglikelihoods_on_the_fsdp8_mesh_equal_one_device(run_dir, refe
   ids = tok.encode_document("the sink holds what")
   kw = dict(temperature=0.0, top_k=0, top_p=1.0)
   assert lm._generate(ids, 6, [], **kw) == ref._generate(ids, 6, [], **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two processes x 4 devices (launch/local.sh, jax.distributed over 127.0.0.1 with gloo), as the training test
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow    # a 2-process job: ~1-2 min on a busy 2-core CPU
+def test_two_process_eval_gives_the_one_device_answer_and_one_report(run_dir, reference, tmp_path):
+  from tests.test_multihost import Launch, _lines
+  out = tmp_path / "eval"
+  job = Launch(tmp_path, ["--checkpoint", str(run_dir), "--out", str(out), *FSDP8], module="sinkjax.eval")
+  try:
+    rc, stdout, stderr = job.wait(timeout=400)
+  finally:
+    if job.proc.poll() is None:
+      job.stop()
+  assert rc == 0, stderr
+  p0 = [l for l in _lines(stdout, "[p0]") if l.startswith("sinkjax.eval:")]
+  assert len(p0) == 1 and not [l for l in _lines(stdout, "[p1]") if l.startswith("sinkjax.eval:")], stdout
+  report = json.loads((out / "report.json").read_text())
+  assert report["processes"] == 2 and report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+  model, cfg, tok, _ = reference
+  ref = ev.language_model_metrics(model, make_eval_batches(cfg.data, tok, batch_size=8, num_batches=2))
+  assert report["eval_tokens"] == ref["eval_tokens"]
+  assert report["val_bpb"] == pytest.approx(ref["val_bpb"], abs=1e-5)
+  np.testing.assert_allclose(report["importance"], ref["importance"], atol=1e-5)
+
+
+@pytest.mark.slow    # a 2-process lm-eval job: ~1-2 min on a busy 2-core CPU
+def test_two_process_lm_eval_gives_the_one_device_loglikelihoods_and_one_output(run_dir, reference, tmp_path):
+  """python -m sinkjax.lm_eval --mc FILE mesh.fsdp=8 under the launcher: every choice's log-likelihood as the model
+  on one device scores it; one results file, one table (process 0)."""
+  from sinkjax import lm_eval as sj
+  from tests.test_lm_eval import results_of, samples_of
+  from tests.test_multihost import Launch, _lines
+  items = [{"context": "the sink holds", "choices": [" what", " the gate", " words"], "label": 0},
+           {"context": "while other heads", "choices": [" attend", " sink"], "label": 0},
+           {"context": "the words before", "choices": [" the", " while other"], "label": 1}]
+  mc = tmp_path / "toy.jsonl"
+  mc.write_text("".join(json.dumps(i) + "\n" for i in items))
+  out = tmp_path / "lm_eval"
+  job = Launch(tmp_path, ["--checkpoint", str(run_dir), "--mc", str(mc), "--batch-size", "8", "--output-path",
+                          str(out), "--log-samples", "--bootstrap-iters", "0", *FSDP8], module="sinkjax.lm_eval")
+  try:
+    rc, stdout, stderr = job.wait(timeout=500)
+  finally:
+    if job.proc.poll() is None:
+      job.stop()
+  assert rc == 0, stderr
+  assert any("mc_toy" in l for l in _lines(stdout, "[p0]")) and not any("mc_toy" in l for l in _lines(stdout, "[p1]"))
+  assert results_of(out)["results"]["mc_toy"]                # exactly one results file
+  samples = samples_of(out)["mc_toy"]
+  model, cfg, tok, _ = reference
+  ref = sj.SinkjaxLM.from_model(model, cfg, tok, batch_size=8, mesh=one_device())
+  for doc_id, item in enumerate(items):
+    want = ref._loglikelihood_tokens([(None, *ref._encode_pair(item["context"], c)) for c in item["choices"]],
+                                     disable_tqdm=True)
+    got = [r[0] for r in samples[doc_id]["resps"]]
+    assert len(got) == len(want)
+    for (lp_g, greedy_g), (lp_w, greedy_w) in zip(got, want):
+      assert float(lp_g) == pytest.approx(lp_w, abs=1e-5) and (greedy_g in (True, "True")) == greedy_w
