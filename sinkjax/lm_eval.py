@@ -4,8 +4,13 @@
         [--batch-size B] [--output-path DIR] [--log-samples] [--apply-chat-template] [--model-args k=v,...]
         [--mc FILE.jsonl] [--confirm-run-unsafe-code] [--seed S] [--bootstrap-iters N] [section.key=value ...]
 
-`--tasks paper` is the downstream half of the paper's Table 1 (`PAPER_TASKS`); `--mc FILE.jsonl` evaluates a sinkjax
-multiple-choice file as a local lm-eval task (`MC_TASK_TEMPLATE`). The command is a thin wrapper over
+`--tasks paper` is the downstream half of the paper's Table 1 (`PAPER_TASKS`), `--tasks paper-ft` Table 2's
+fine-tuning benchmarks (`PAPER_FT_TASKS`; ProcessBench is a task of ours, `sinkjax.lm_eval_tasks`); `--mc FILE.jsonl`
+evaluates a sinkjax multiple-choice file as a local lm-eval task (`MC_TASK_TEMPLATE`). Before the model loads or
+lm-eval's task index is read, the command checks what it can in seconds and stops with one line: HumanEval's
+requirements (the `evaluate` package, HF_ALLOW_CODE_EVAL=1, --confirm-run-unsafe-code), and, when the Hugging Face hub
+is unreachable (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, or no connection), the tasks' datasets missing from the local
+cache; a hub error during the run is one line too. The command is a thin wrapper over
 lm-eval's own `simple_evaluate`: lm-eval builds the prompts, few-shot contexts, filters and metrics; this module
 only answers its three kinds of request with a sinkjax model, then writes lm-eval's standard outputs under
 `--output-path` (`results_<date>.json`, and with `--log-samples` `samples_<task>_<date>.jsonl`) and prints its table.
@@ -48,6 +53,10 @@ from sinkjax import cli
 
 if __name__ == "__main__":
   cli.require_extra("sinkjax.lm_eval")   # before the imports below: a run is read with the train extra's Orbax
+  import sys as _sys
+  from sinkjax import lm_eval_tasks as _tasks
+  if _tasks.precheck(_sys.argv[1:], "sinkjax.lm_eval"):   # missing datasets offline, HumanEval's needs: one line, fast
+    _sys.exit(1)
 
 import argparse
 import contextlib
@@ -65,7 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import choices, distributed, lora, paths
+from sinkjax import choices, distributed, lm_eval_tasks, lora, paths
 from sinkjax import sharding as sharding_lib
 from sinkjax.cli import Parser, UserError, run_main
 from sinkjax.config import MeshConfig
@@ -82,9 +91,9 @@ except ImportError:       # the CLI says how to install it; the class below refu
 
 INSTALL_HINT = "lm-evaluation-harness is not installed; pip install 'sinkjax[eval]'"
 
-# The downstream columns of the paper's Table 1 ([Sink-MoE] §5.1), as lm-eval task names.
-PAPER_TASKS = ("mmlu", "gsm8k", "humaneval", "arc_easy", "arc_challenge", "hellaswag", "piqa", "openbookqa", "boolq",
-               "winogrande")
+# Table 1's downstream tasks, Table 2's fine-tuning benchmarks (sinkjax.lm_eval_tasks: where they are listed)
+PAPER_TASKS, PAPER_FT_TASKS, TASK_GROUPS = (lm_eval_tasks.PAPER_TASKS, lm_eval_tasks.PAPER_FT_TASKS,
+                                            lm_eval_tasks.TASK_GROUPS)
 
 
 class LMEvalError(UserError):
@@ -512,8 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "under --output-path and prints its table.")
   p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory (trained or imported)")
   p.add_argument("--tasks", default="",
-                 help="comma-separated lm-eval task or group names (or task YAML files), or 'paper' for Table 1's "
-                      "downstream tasks (" + ", ".join(PAPER_TASKS) + ")")
+                 help="comma-separated lm-eval task or group names (or task YAML files), 'paper' for Table 1's "
+                      "downstream tasks (" + ", ".join(PAPER_TASKS) + ") or 'paper-ft' for Table 2's ("
+                      + ", ".join(PAPER_FT_TASKS) + ")")
   p.add_argument("--mc", default=None, metavar="FILE.jsonl",
                  help='a multiple-choice file, one {"context": str, "choices": [str, ...], "label": int} per line, '
                       "evaluated as a local lm-eval task mc_<file stem> (acc, acc_norm)")
@@ -531,7 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="SinkjaxLM arguments: step, max_length, max_gen_toks, add_bos_token, prefix_token_id, dtype, "
                       "seed")
   p.add_argument("--confirm-run-unsafe-code", action="store_true",
-                 help="allow tasks that execute model-written code (humaneval; also set HF_ALLOW_CODE_EVAL=1)")
+                 help="allow tasks that execute model-written code (humaneval: also set HF_ALLOW_CODE_EVAL=1 and "
+                      "install evaluate, whose code_eval metric runs it)")
   p.add_argument("--seed", type=int, default=0, help="seed of lm-eval's few-shot sampling and of Python/NumPy")
   p.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
                  help="bootstrap resamples for the stderr of metrics without a closed form (lm-eval's default "
@@ -547,12 +558,17 @@ def expand_tasks(text: str, *, allow_empty: bool = False) -> list[str]:
   for t in (x.strip() for x in text.split(",")):
     if not t:
       continue
-    for name in (PAPER_TASKS if t == "paper" else (t,)):
+    for name in TASK_GROUPS.get(t, (t,)):
       if name not in names:
         names.append(name)
   if not names and not allow_empty:
-    raise LMEvalError("--tasks names no task (give --tasks T1,T2, --tasks paper or --mc FILE.jsonl)")
+    raise LMEvalError("--tasks names no task (give --tasks T1,T2, --tasks paper, --tasks paper-ft or --mc FILE.jsonl)")
   return names
+
+
+def _hub_error(e: BaseException) -> bool:
+  return isinstance(e, (ConnectionError, TimeoutError)) or type(e).__module__.split(".")[0] in (
+      "huggingface_hub", "requests", "urllib3", "httpx", "datasets", "fsspec")
 
 
 def resolve_tasks(names: list[str], include_paths: list[str]):
@@ -620,25 +636,36 @@ def run(args) -> dict:
   paths.check_bucket(args.checkpoint, "--checkpoint")
   if not paths.as_path(args.checkpoint, "--checkpoint").is_dir():
     raise LMEvalError(f"run directory {args.checkpoint} does not exist")
+  lm_eval_tasks.check_unsafe_code(names, args.confirm_run_unsafe_code)
   with tempfile.TemporaryDirectory(prefix="sinkjax_lm_eval_") as task_dir:
     includes = [args.include_path] if args.include_path else []
     if args.mc is not None:
       names.append(write_mc_task(args.mc, task_dir))
+    if set(names) & set(lm_eval_tasks.NAMES):
+      lm_eval_tasks.write_tasks(task_dir)
+    if args.mc is not None or set(names) & set(lm_eval_tasks.NAMES):
       includes.append(task_dir)
+    lm_eval_tasks.check_hub(names, includes)             # seconds: no task index, no model
     manager, tasks = resolve_tasks(names, includes)      # before the model loads: a typo fails at once
     tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
     limit = args.limit
     if limit is not None and limit >= 1 and float(limit).is_integer():
       limit = int(limit)
     # lm-eval builds the model from its registry, as `lm_eval --model sinkjax --model_args pretrained=RUN,...` does
-    results = simple_evaluate(
-        model="sinkjax", model_args={"pretrained": str(args.checkpoint), **extra,
-                                     **({"overrides": list(args.overrides)} if args.overrides else {})},
-        batch_size=args.batch_size,
-        tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, log_samples=args.log_samples,
-        evaluation_tracker=tracker, apply_chat_template=args.apply_chat_template, task_manager=manager,
-        confirm_run_unsafe_code=args.confirm_run_unsafe_code, random_seed=args.seed, numpy_random_seed=args.seed,
-        torch_random_seed=args.seed, fewshot_random_seed=args.seed, bootstrap_iters=args.bootstrap_iters)
+    try:
+      results = simple_evaluate(
+          model="sinkjax", model_args={"pretrained": str(args.checkpoint), **extra,
+                                       **({"overrides": list(args.overrides)} if args.overrides else {})},
+          batch_size=args.batch_size,
+          tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, log_samples=args.log_samples,
+          evaluation_tracker=tracker, apply_chat_template=args.apply_chat_template, task_manager=manager,
+          confirm_run_unsafe_code=args.confirm_run_unsafe_code, random_seed=args.seed, numpy_random_seed=args.seed,
+          torch_random_seed=args.seed, fewshot_random_seed=args.seed, bootstrap_iters=args.bootstrap_iters)
+    except Exception as e:  # pylint: disable=broad-except
+      if not _hub_error(e):
+        raise
+      raise LMEvalError(f"lm-eval could not fetch a task's data from the Hugging Face hub ({paths.describe(e)}); "
+                        "check the network (HF_ENDPOINT, a proxy) or run where the datasets are cached") from None
   if results is None:
     raise LMEvalError("lm-eval returned no results")
   if tracker is not None and jax.process_index() == 0:     # one copy of the outputs per job

@@ -517,3 +517,101 @@ def test_an_mc_file_is_a_local_task_scored_like_the_hf_backend(toy, tmp_path):
     for r, x in zip(s["resps"], g["resps"]):
       assert abs(float(r[0][0]) - float(x[0][0])) < 1e-3
   assert results_of(out)["results"]["mc_quiz"]["acc,none"] == ref["results"]["mc_quiz"]["acc,none"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Table 2's tasks (paper-ft, ProcessBench), offline failures, HumanEval's requirements
+# ------------------------------------------------------------------------------------------------------------
+from sinkjax import lm_eval_tasks  # noqa: E402
+
+LM_EVAL_TASKS = pathlib.Path(lm_eval.__file__).parent / "tasks"
+
+
+def test_paper_ft_names_are_lm_eval_tasks(tmp_path):
+  """Every name of --tasks paper-ft is defined (task: / group:) in the installed lm-eval's task YAMLs or is ours, and
+  the Table 2 benchmarks map as documented; ours index in lm-eval's TaskManager."""
+  from lm_eval.tasks import TaskManager
+  names = sj.expand_tasks("paper-ft")
+  assert names == ["arc_challenge", "leaderboard_musr", "gsm8k", "minerva_math500", "minerva_math", "processbench",
+                   "longbench_hotpotqa", "longbench_qasper", "longbench_triviaqa", "longbench_narrativeqa",
+                   "longbench_2wikimqa", "longbench_multifieldqa_en"]
+  for n in names:
+    if n != "processbench":
+      assert lm_eval_tasks._task_files(n, [LM_EVAL_TASKS]), n          # pylint: disable=protected-access
+  assert lm_eval_tasks.task_datasets("minerva_math500", [LM_EVAL_TASKS]) == {"HuggingFaceH4/MATH-500"}
+  assert lm_eval_tasks.task_datasets("longbench_qasper", [LM_EVAL_TASKS]) == {"Xnhyacinth/LongBench"}
+  assert "EleutherAI/hendrycks_math" in lm_eval_tasks.task_datasets("minerva_math", [LM_EVAL_TASKS])
+  lm_eval_tasks.write_tasks(tmp_path)
+  manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+  assert all(manager.match_tasks([n]) for n in lm_eval_tasks.NAMES)
+  from lm_eval.tasks._yaml_loader import load_yaml    # lm-eval's own loader: !function resolved
+  cfg = load_yaml(tmp_path / "processbench" / "processbench_math.yaml")
+  assert cfg["test_split"] == "math" and cfg["dataset_path"] == "Qwen/ProcessBench"
+  assert cfg["process_results"] is lm_eval_tasks.process_results
+  assert cfg["metric_list"][0]["aggregation"] is lm_eval_tasks.f1
+  assert load_yaml(tmp_path / "processbench" / "_processbench.yaml")["task"] == list(lm_eval_tasks.NAMES[1:])
+
+
+def test_processbench_prompt_and_f1_by_hand():
+  doc = {"problem": "1+1?", "steps": ["1+1=3.", "So 3."], "label": 0}
+  assert lm_eval_tasks.doc_to_text(doc) == (
+      "The following is a math problem and a solution (split into paragraphs, enclosed with tags and indexed from 0):"
+      "\n\n[Math Problem]\n\n1+1?\n\n[Solution]\n\n<paragraph_0>\n1+1=3.\n</paragraph_0>\n\n<paragraph_1>\nSo 3.\n"
+      "</paragraph_1>\n\nYour task is to review and critique the solution paragraph by paragraph. Once you identify an "
+      "error in a paragraph, return the index of the paragraph where the earliest error occurs. Otherwise, return the "
+      "index of -1 (which typically denotes \"not found\").\n\nPlease put your final answer (i.e., the index) in "
+      "\\boxed{}.")
+  assert lm_eval_tasks.process_results(doc, ["maybe \\boxed{1}... no: \\boxed{ 0 }"]) == {"f1": (0, 0)}
+  assert lm_eval_tasks.process_results(doc, ["no box"]) == {"f1": (0, None)}
+  # errors: 2 of 3 found; correct solutions: 1 of 2 called correct -> F1 = 2 (2/3)(1/2) / (2/3 + 1/2) = 4/7
+  items = [(2, 2), (0, 1), (1, 1), (-1, -1), (-1, 3)]
+  assert lm_eval_tasks.f1(items) == pytest.approx(100 * 4 / 7)
+  assert lm_eval_tasks.f1([(2, 2)]) == 0.0
+
+
+def _offline_env(tmp_path, **extra):
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+  return {**env, "JAX_PLATFORMS": "cpu", "HF_HOME": str(tmp_path / "hf"), **extra}
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "no network"])
+def test_offline_fails_in_one_line_within_seconds(tmp_path, how):
+  """--tasks arc_easy with the hub unreachable (HF_HUB_OFFLINE=1, or an endpoint nothing listens on) and an empty
+  cache: one line naming the task and its dataset, in well under 10 s (no hub retries, no task index, no model)."""
+  import time
+  (tmp_path / "run").mkdir()
+  extra = {"HF_HUB_OFFLINE": "1"} if how == "HF_HUB_OFFLINE" else {"HF_ENDPOINT": "http://127.0.0.1:9"}
+  t0 = time.perf_counter()
+  res = subprocess.run([sys.executable, "-m", "sinkjax.lm_eval", "--checkpoint", str(tmp_path / "run"), "--tasks",
+                        "arc_easy"], capture_output=True, text=True, env=_offline_env(tmp_path, **extra), cwd=REPO)
+  elapsed = time.perf_counter() - t0
+  lines = res.stderr.strip().splitlines()
+  assert res.returncode == 1 and len(lines) == 1, res.stderr[-2000:]
+  assert lines[0].startswith("sinkjax.lm_eval: error: the Hugging Face hub is unreachable") and \
+      "arc_easy (allenai/ai2_arc)" in lines[0], lines[0]
+  assert elapsed < 10, elapsed
+
+
+def test_cached_datasets_pass_the_offline_check(tmp_path, monkeypatch):
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setenv("HF_HOME", str(tmp_path))
+  monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+  monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+  with pytest.raises(sj.UserError, match=r"arc_easy \(allenai/ai2_arc\)"):
+    lm_eval_tasks.check_hub(["arc_easy"], [])
+  (tmp_path / "datasets" / "allenai___ai2_arc").mkdir(parents=True)        # the datasets library's cache layout
+  lm_eval_tasks.check_hub(["arc_easy"], [])
+  (tmp_path / "hub" / "datasets--openai--gsm8k").mkdir(parents=True)       # the hub's
+  lm_eval_tasks.check_hub(["arc_easy", "gsm8k"], [])
+
+
+def test_humaneval_requirements_are_one_line(tmp_path, capsys, monkeypatch):
+  (tmp_path / "run").mkdir()
+  monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
+  err = _one_line_error(capsys, ["--checkpoint", str(tmp_path / "run"), "--tasks", "humaneval"])
+  assert "humaneval executes model-written code and needs HF_ALLOW_CODE_EVAL=1 in the environment; " \
+         "--confirm-run-unsafe-code" in err, err
+  monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
+  monkeypatch.setattr(lm_eval_tasks.importlib.util, "find_spec", lambda name: None)
+  err = _one_line_error(capsys, ["--checkpoint", str(tmp_path / "run"), "--tasks", "paper"])
+  assert "needs the evaluate package (pip install evaluate" in err and "--confirm-run-unsafe-code" in err, err
