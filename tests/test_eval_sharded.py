@@ -4,7 +4,8 @@ placement (FSDP over d_model), and eval, generate and lm_eval on that mesh give 
 The test session has 8 CPU devices (conftest.py). The model is a tiny random one (every parameter perturbed, so no
 zero-initialized projection makes the outputs trivial), saved as a params-only run the way the converters write
 one. The references are the same model restored onto a mesh of one device and run there, and, for the per-device
-bytes, the parameter shapes divided by hand.
+bytes, the parameter shapes divided by hand. The command-line generation, lm_eval's generation and the 2-process
+jobs are marked slow (each compiles the model again or starts a job: 15 s to 2 min on a busy 2-core CPU).
 """
 from __future__ import annotations
 
@@ -114,21 +115,26 @@ def test_eval_on_the_fsdp8_mesh_equals_one_device(run_dir, reference, tmp_path):
   assert report["peak_device_memory"] is None            # the CPU backend keeps no memory statistics
 
 
-def test_greedy_generation_on_the_fsdp8_mesh_equals_one_device(run_dir, reference, sharded, capfd):
-  """The same greedy tokens from the Generator on both placements; the command line with mesh.fsdp=8 generates on
-  that mesh and its summary line names the mesh and the parameter bytes per device."""
-  model, cfg, tok, _ = reference
+def test_greedy_generation_on_the_fsdp8_mesh_equals_one_device(reference, sharded):
+  """The Generator (what `python -m sinkjax.generate` runs) gives the same greedy tokens on both placements."""
+  model, _, tok, _ = reference
   prompt = tok.encode_document("the sink holds what")
   want = gen.Generator(model, capacity=len(prompt) + 12).generate(prompt, 12, temperature=0.0)
   with jax.set_mesh(sharding_lib.mesh_of(nnx.state(sharded.model, nnx.Param))):
     got = gen.Generator(sharded.model, capacity=len(prompt) + 12).generate(prompt, 12, temperature=0.0)
-  assert got == want and len(want) > 0
+  assert got == want and len(want) == 12
+
+
+@pytest.mark.slow    # a third load and compile of the model: ~40 s on a busy 2-core CPU
+def test_generate_command_on_the_fsdp8_mesh_reports_where_the_weights_live(run_dir, reference, sharded, capfd):
+  """python -m sinkjax.generate ... mesh.fsdp=8 generates on that mesh; its summary line names the mesh, the
+  parameter bytes per device (as the arrays' shards hold them) and no peak memory (the CPU keeps no statistics)."""
   capfd.readouterr()
   assert gen.main(["--checkpoint", str(run_dir), "--prompt", "the sink holds what", "--max-new-tokens", "12",
                    "--temperature", "0", "--no-stop", *FSDP8]) == 0
   err = capfd.readouterr().err
   assert err.startswith("[12 tokens in "), err
-  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  params = jax.tree.leaves(nnx.state(reference.model, nnx.Param))
   per_device = max(sharding_lib.bytes_per_device(nnx.state(sharded.model, nnx.Param)).values())
   assert per_device < sum(x.nbytes for x in params) / 4
   assert f"mesh {{'data': 1, 'fsdp': 8, 'tensor': 1}}, {per_device:,} parameter bytes per device, peak device " \
@@ -137,7 +143,7 @@ def test_greedy_generation_on_the_fsdp8_mesh_equals_one_device(run_dir, referenc
 
 def test_lm_eval_loglikelihoods_on_the_fsdp8_mesh_equal_one_device(run_dir, reference):
   """SinkjaxLM with overrides mesh.fsdp=8 (as `python -m sinkjax.lm_eval ... mesh.fsdp=8` builds it): the
-  log-likelihoods and greedy flags of a batch of requests, and a greedy generation, as the model on one device."""
+  log-likelihoods and greedy flags of a batch of requests as the model on one device gives them."""
   from sinkjax import lm_eval as sj
   model, cfg, tok, _ = reference
   lm = sj.SinkjaxLM(checkpoint=str(run_dir), overrides=FSDP8, batch_size=8)
@@ -151,9 +157,19 @@ def test_lm_eval_loglikelihoods_on_the_fsdp8_mesh_equal_one_device(run_dir, refe
   for (lp_g, greedy_g), (lp_w, greedy_w) in zip(got, want):
     assert lp_g == pytest.approx(lp_w, abs=1e-5) and greedy_g == greedy_w
   assert all(math.isfinite(lp) and lp < 0 for lp, _ in want)
+
+
+@pytest.mark.slow    # prefill and decode compiled on both placements: ~40 s on a busy 2-core CPU
+def test_lm_eval_generation_on_the_fsdp8_mesh_equals_one_device(run_dir, reference):
+  """lm_eval's generate_until path (`_generate`) on the placed weights: the greedy tokens of one device."""
+  from sinkjax import lm_eval as sj
+  model, cfg, tok, _ = reference
+  lm = sj.SinkjaxLM(checkpoint=str(run_dir), overrides=FSDP8)
+  ref = sj.SinkjaxLM.from_model(model, cfg, tok, mesh=one_device())
   ids = tok.encode_document("the sink holds what")
   kw = dict(temperature=0.0, top_k=0, top_p=1.0)
-  assert lm._generate(ids, 6, [], **kw) == ref._generate(ids, 6, [], **kw)
+  want = ref._generate(ids, 6, [], **kw)
+  assert lm._generate(ids, 6, [], **kw) == want and len(want) > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
