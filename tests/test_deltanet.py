@@ -47,7 +47,8 @@ def test_chunked_equals_recurrent_in_value_and_gradient(segment_ids):
     out, state = rule(**x, initial_state=s0, segment_ids=segment_ids, use_qk_l2norm=True, **kw)
     return jnp.sum(out * w_out) + jnp.sum(state * w_state), (out, state)
 
-  grad = lambda rule, **kw: jax.grad(lambda x, s0: loss(rule, x, s0, **kw), argnums=(0, 1), has_aux=True)(x, s0)
+  grad = lambda rule, **kw: jax.jit(jax.grad(lambda x, s0: loss(rule, x, s0, **kw), argnums=(0, 1), has_aux=True))(
+      x, s0)
   (gx_c, gs_c), (out_c, st_c) = grad(dn.gated_delta_rule_chunked, chunk_size=CHUNK)
   (gx_r, gs_r), (out_r, st_r) = grad(dn.gated_delta_rule_recurrent)
   np.testing.assert_allclose(out_c, out_r, atol=1e-5, rtol=1e-5)
@@ -58,13 +59,29 @@ def test_chunked_equals_recurrent_in_value_and_gradient(segment_ids):
   assert all(np.isfinite(a).all() for a in jax.tree.leaves((gx_c, gs_c)))
 
 
+@pytest.mark.parametrize("C", [64, 37, 1])
+def test_unit_lower_inverse_is_the_inverse(C):
+  """The chunk's system as the rule builds it (beta_i k_i.k_j below the diagonal, unit keys, decays in (0, 1]) and
+  a random one with entries in (-1, 1), against numpy's float64 inverse, to float32 accuracy of the result's scale."""
+  r = np.random.default_rng(C)
+  k = r.normal(size=(3, C, 16))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  system = r.uniform(0, 1, size=(3, C, 1)) * (k @ k.transpose(0, 2, 1)) * r.uniform(0, 1, size=(3, C, C))
+  for a in (np.tril(system, -1), np.tril(r.uniform(-1, 1, size=(3, C, C)), -1)):
+    ref = np.linalg.inv(np.eye(C) + a)
+    got = np.asarray(dn.unit_lower_inverse(jnp.asarray(a, jnp.float32)))
+    assert np.abs(got - ref).max() <= 1e-6 * max(1.0, np.abs(ref).max())
+
+
 def test_chunked_is_stable_under_strong_decay():
   """Gates of -60 per token: exp(cumulative log-gate) underflows within a chunk; no NaN, and still the recurrence."""
   x, s0 = _inputs(2)
   x["g"] = x["g"] * 40
-  out_c, st_c = dn.gated_delta_rule_chunked(**x, initial_state=s0, chunk_size=16, use_qk_l2norm=True)
-  out_r, st_r = dn.gated_delta_rule_recurrent(**x, initial_state=s0, use_qk_l2norm=True)
-  g = jax.grad(lambda g: dn.gated_delta_rule_chunked(**{**x, "g": g}, chunk_size=16, use_qk_l2norm=True)[0].sum())
+  out_c, st_c = jax.jit(lambda x: dn.gated_delta_rule_chunked(**x, initial_state=s0, chunk_size=16,
+                                                                use_qk_l2norm=True))(x)
+  out_r, st_r = jax.jit(lambda x: dn.gated_delta_rule_recurrent(**x, initial_state=s0, use_qk_l2norm=True))(x)
+  g = jax.jit(jax.grad(lambda g: dn.gated_delta_rule_chunked(**{**x, "g": g}, chunk_size=16,
+                                                             use_qk_l2norm=True)[0].sum()))
   assert np.isfinite(out_c).all() and np.isfinite(g(x["g"])).all()
   np.testing.assert_allclose(out_c, out_r, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(st_c, st_r, atol=1e-5, rtol=1e-5)
