@@ -462,3 +462,20 @@ def test_sft_epochs_end_the_run_with_a_checkpoint(tmp_path, capsys, compile_cach
   from sinkjax.config import ConfigError
   with pytest.raises(ConfigError, match="train.epochs applies to data.format=sft"):
     train(load_config(TINY, SMALL + ["train.epochs=1", f"run.dir={tmp_path / 'text'}"]), progress=False)
+
+
+@pytest.mark.slow      # a CLI-free training run: ~40 s on the shared 2-core machine
+def test_a_run_with_val_source_says_when_its_data_repeats(tmp_path, capfd, compile_cache):
+  """A training run on a small data.source with data.val_source: validation BPB is measured on the val file, and the
+  stderr carries exactly one second-epoch line (the 6 documents, 138 tokens with their BOS, fill 4 rows of 33; 8 steps
+  x 16 rows read them about 30 times)."""
+  import json
+  train_f, val_f = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+  train_f.write_text("".join(json.dumps({"text": f"document {i} " * 2}) + "\n" for i in range(6)))
+  val_f.write_text(json.dumps({"text": "held out text " * 8}) + "\n")
+  s = train(load_config(TINY, SMALL + ["train.steps=8", f"data.source={train_f}", f"data.val_source={val_f}",
+                                       "data.packing=stream", f"run.dir={tmp_path / 'run'}"]), progress=False)
+  err = capfd.readouterr().err
+  lines = [l for l in err.splitlines() if "second epoch" in l]
+  assert len(lines) == 1 and "every one of the 6 blocks of 1 file(s)" in lines[0], err
+  assert s["val_bpb"] is not None
