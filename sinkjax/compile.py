@@ -467,8 +467,12 @@ class _HloCosts:
             uses.setdefault(params[o], []).append(part)
       reads = {k: sum(v) for k, v in uses.items() if None not in v}
       root = list(body.values())[-1] if body else None
-      if root is not None and root.opcode == "dynamic-update-slice":
-        written = _nbytes(body[root.operands[1]].type, None) if root.operands[1] in body and written else written
+      outs = [body.get(o) for o in root.operands] if root is not None and root.opcode == "tuple" else [root]
+      arrays = _arrays(ins.type)
+      if len(outs) == len(arrays):    # an output updated in place (a scan stacking its residuals) writes the update
+        written = sum(0 if sp != space else _nbytes(body[o.operands[1]].type, None)
+                      if o is not None and o.opcode == "dynamic-update-slice" and o.operands[1] in body
+                      else math.prod(dims) * _DTYPE_BYTES.get(dt, 4) for o, (dt, dims, sp) in zip(outs, arrays))
     operands = [(o, _nbytes(self.type_of(comp, o), space)) for o in ins.operands]
     return written + sum(reads.get(k, n) if n else 0 for k, (o, n) in enumerate(operands))
 
