@@ -1,0 +1,157 @@
+"""docs/STREAMING.md's "On real weights (SmolLM2-135M)" against its raw files (docs/results/streaming_real/*.json).
+
+Every quoted number is recomputed here from the per-position NLLs with plain Python and scipy, not with the
+study's own report code: perplexities (math.fsum), the importance map's rank among the maps, the paired t (scipy),
+the exact permutation test (every sign flip enumerated here), the sign test (scipy's binomial test), the blocks won,
+the block-vs-step check and the importance measurement's size.
+"""
+import itertools
+import json
+import math
+import pathlib
+import re
+
+from scipy import stats as sps
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RAW = ROOT / "docs" / "results" / "streaming_real"
+DOC = ROOT / "docs" / "STREAMING.md"
+TITLE = "## On real weights (SmolLM2-135M)"
+
+
+def section() -> str:
+  text = DOC.read_text()
+  assert TITLE in text, f"{DOC} has no section {TITLE!r}"
+  body = text.split(TITLE, 1)[1]
+  return body.split("\n## ", 1)[0]
+
+
+def raw(name: str) -> dict:
+  path = RAW / f"{name}.json"
+  assert path.is_file(), f"{path} is missing (python -m sinkjax.experiments.streaming_real makes it)"
+  return json.loads(path.read_text())
+
+
+def run_of(label: str) -> str:
+  """The raw file a table row names, read from the label alone."""
+  if label == "full cache":
+    return "full"
+  m = re.fullmatch(r"window only \(W (\d+)\)", label)
+  if m:
+    return f"window_w{m[1]}"
+  m = re.fullmatch(r"(\d+) sinks \+ window \(W (\d+)\)", label)
+  if m:
+    return f"sinks{m[1]}_w{m[2]}"
+  m = re.fullmatch(r"hybrid, importance \(W (\d+), \d+ sinks\)", label)
+  if m:
+    return f"hybrid_importance_w{m[1]}"
+  m = re.fullmatch(r"hybrid, random seed (\d+) \(W (\d+), \d+ sinks\)", label)
+  assert m, f"unknown row label {label!r}"
+  return f"hybrid_random{m[1]}_w{m[2]}"
+
+
+def table() -> dict:
+  rows = {}
+  for line in section().splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) == 7 and cells[0] not in ("cache", "---") and not cells[0].startswith("-"):
+      rows[cells[0]] = cells
+  assert rows, "no table rows in the section"
+  return rows
+
+
+def ppl(nll) -> float:
+  return math.exp(math.fsum(nll) / len(nll))
+
+
+def test_every_table_row_is_its_raw_file():
+  rows = table()
+  names = {run_of(label) for label in rows}
+  expect = {"full", "window_w256", "sinks4_w256", "window_w1024", "sinks4_w1024", "hybrid_importance_w256"}
+  assert expect <= names and sum(n.startswith("hybrid_random") for n in names) >= 5
+  for label, cells in rows.items():
+    r = raw(run_of(label))
+    nll = r["nll"]
+    assert len(nll) == r["tokens"] - 1 >= 8191, label
+    w = r["window"] or 256
+    for got, want in zip(cells[2:5], (ppl(nll), ppl(nll[:w - 1]), ppl(nll[w - 1:]))):
+      assert abs(float(got) - want) <= 5.01e-4, (label, got, want)
+    heads = cells[1].split("/")
+    assert int(heads[0]) == (90 if r["kind"] == "full" else sum(map(sum, r.get("map", [[0]])))), label
+    assert int(cells[5].replace(",", "")) == r["kv_bytes"], label
+    assert abs(float(cells[6]) - r["seconds"]) <= 0.51, label
+
+
+def test_one_token_sequence_and_one_commit():
+  runs = [json.loads(p.read_text()) for p in sorted(RAW.glob("*.json")) if p.name != "results.json"]
+  scored = [r for r in runs if "nll" in r]
+  assert len({r["meta"]["ids_sha256"] for r in scored}) == 1
+  assert len({r["commit"] for r in runs}) == 1
+
+
+def _hybrids():
+  imp = raw("hybrid_importance_w256")
+  randoms = sorted((json.loads(p.read_text()) for p in RAW.glob("hybrid_random*_w256.json")), key=lambda r: r["seed"])
+  return imp, randoms
+
+
+def test_rank_and_paired_tests_are_the_raw_files():
+  text = " ".join(section().split())
+  imp, randoms = _hybrids()
+  k = len(randoms)
+  assert all(sum(map(sum, r["map"])) == sum(map(sum, imp["map"])) for r in randoms)   # the same size
+  p_imp = ppl(imp["nll"])
+  d = [ppl(r["nll"]) - p_imp for r in randoms]
+  rank = 1 + sum(x < 0 for x in d)
+  m = re.search(r"rank (\d+) of (\d+) maps \(p = (\d+)/(\d+) = ([0-9.]+)", text)
+  assert m and (int(m[1]), int(m[2])) == (rank, k + 1) and abs(float(m[5]) - rank / (k + 1)) < 5e-4
+  mean = sum(d) / k
+  t = sps.ttest_1samp(d, 0.0)
+  m = re.search(r"t_(\d+) = ([+-]?[0-9.]+), p = ([0-9.e-]+)\)", text)
+  assert m and int(m[1]) == k - 1 and abs(float(m[2]) - t.statistic) < 0.006
+  assert math.isclose(float(m[3]), t.pvalue, rel_tol=0.06)
+  m = re.search(r"random map - importance map: ([+-][0-9.]+) on average", text)
+  assert m and abs(float(m[1]) - mean) < 5.01e-4
+  flips = [sum(s * x for s, x in zip(signs, d)) for signs in itertools.product((1, -1), repeat=k)]
+  p_perm = sum(abs(f) >= abs(sum(d)) - 1e-12 for f in flips) / len(flips)
+  m = re.search(r"exact permutation p = ([0-9.e-]+), sign test p = ([0-9.e-]+)", text)
+  assert m and math.isclose(float(m[1]), p_perm, rel_tol=0.06)
+  positive = sum(x > 0 for x in d)
+  p_sign = sps.binomtest(positive, sum(x != 0 for x in d), 0.5).pvalue
+  assert math.isclose(float(m[2]), p_sign, rel_tol=0.06)
+
+
+def test_blocks_won_are_the_raw_files():
+  imp, randoms = _hybrids()
+  n = len(imp["nll"]) // 512
+  block = lambda nll, b: math.fsum(nll[b * 512:(b + 1) * 512]) / 512
+  won = [sum(block(imp["nll"], b) < block(r["nll"], b) for b in range(n)) for r in randoms]
+  m = re.search(r"blocks won by the importance map, per random map: \[([0-9, ]+)\] of (\d+)", " ".join(section().split()))
+  assert m and [int(x) for x in m[1].split(",")] == won and int(m[2]) == n
+
+
+def test_check_and_importance_numbers():
+  text = " ".join(section().split())
+  check = raw("check")["modes"]
+  for mode, words in (("sinks", "4 sinks + W 256"), ("full", "full cache")):
+    m = re.search(re.escape(words) + r": largest \|Δ NLL\| ([0-9.e-]+)", text)
+    assert m and math.isclose(float(m[1]), check[mode]["max_abs_diff"], rel_tol=0.06), mode
+  imp = raw("importance")
+  m = re.search(r"importance .*?over (\d+) documents \(([0-9,]+) tokens\)", text)
+  assert m and int(m[1]) == imp["documents"] and int(m[2].replace(",", "")) == imp["tokens"]
+
+
+def test_map_importance_and_timing_sentences():
+  text = " ".join(section().split())
+  imp_map = raw("hybrid_importance_w256")["map"]
+  m = re.search(r"keeps \[([0-9, ]+)\] full heads per layer", text)
+  assert m and [int(x) for x in m[1].split(",")] == [sum(r) for r in imp_map]
+  low = sum(x < 0.1 for row in raw("importance")["importance"] for x in row)
+  m = re.search(r"(\d+) of 270 query heads have importance < 0\.1", text)
+  assert m and int(m[1]) == low
+  secs = {n: raw(n)["seconds"] for n in ("sinks4_w256", "window_w256", "sinks4_w1024", "window_w1024", "full")}
+  streaming = [secs[n] for n in secs if n != "full"]
+  hybrid = [json.loads(p.read_text())["seconds"] for p in RAW.glob("hybrid_*_w256.json")]
+  m = re.search(r"(\d+)–(\d+) s per streaming cache, (\d+) s for the full cache, (\d+)–(\d+) s per hybrid", text)
+  assert m and [int(x) for x in m.groups()] == [round(min(streaming)), round(max(streaming)), round(secs["full"]),
+                                                  round(min(hybrid)), round(max(hybrid))]
