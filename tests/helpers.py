@@ -103,3 +103,15 @@ def run_ok(module: str, *args, **kw) -> subprocess.CompletedProcess:
   r = run_command(module, *args, **kw)
   assert r.returncode == 0, f"{module} {' '.join(map(str, args))} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
   return r
+
+
+def randomize_hf_weights(model) -> None:
+  """A transformers model's weights drawn at test scale (norm scales near 1, matrices 0.2, vectors 0.5 standard
+  deviations), so that every parameter matters in a logit comparison."""
+  import torch  # the oracle extra; only the tests against transformers call this
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1 + 0.2 * torch.randn_like(p))
+      else:
+        p.copy_((0.2 if p.ndim > 1 else 0.5) * torch.randn_like(p))

@@ -12,6 +12,8 @@ import json
 import jax
 import numpy as np
 import pytest
+
+from tests.helpers import randomize_hf_weights
 from flax import nnx
 
 torch = pytest.importorskip("torch", reason="oracle tests need torch: pip install -e \".[oracle]\" (CPU build, see README)")
@@ -43,12 +45,7 @@ def hf_model(request, tmp_path_factory):
   """(family, directory, transformers model) of a tiny randomized checkpoint saved as safetensors."""
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(_hf_config(request.param)).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_(1 + 0.2 * torch.randn_like(p))
-      else:
-        p.copy_((0.2 if p.ndim > 1 else 0.5) * torch.randn_like(p))
+  randomize_hf_weights(model)
   path = tmp_path_factory.mktemp(request.param)
   model.save_pretrained(path, safe_serialization=True)
   return model.config.model_type, path, model

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+from tests.helpers import randomize_hf_weights
 from flax import nnx
 
 torch = pytest.importorskip("torch", reason="oracle tests need torch: pip install -e \".[oracle]\" (CPU build, see README)")
@@ -67,12 +69,7 @@ def hf_model(request, tmp_path_factory):
   family = request.param
   torch.manual_seed(0)
   model = getattr(transformers, _CLASSES[family])(_hf_config(family)).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_(1 + 0.2 * torch.randn_like(p))
-      else:
-        p.copy_((0.2 if p.ndim > 1 else 0.5) * torch.randn_like(p))
+  randomize_hf_weights(model)
   path = tmp_path_factory.mktemp(family)
   model.save_pretrained(path, safe_serialization=True)
   _write_tokenizer(path)
