@@ -1,4 +1,5 @@
-"""Figures of a run (training curves, head imbalance, layer x head importance), shared by train and eval."""
+"""Every figure sinkjax draws: a run's (training curves, head imbalance, layer x head importance), shared by train
+and eval; a checkpoint's sink diagnostics (eval); and the studies' (sinkjax.experiments compute them, these draw)."""
 from __future__ import annotations
 
 import pathlib
@@ -7,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
 import numpy as np  # noqa: E402
 
 from sinkjax import paths as paths_lib  # noqa: E402
@@ -95,13 +97,13 @@ def plot_importance_heatmap(imp_lh, path, title: str = "head importance") -> pat
 # Evaluation figures (sinkjax.eval): attention sink diagnostics of one checkpoint
 # ---------------------------------------------------------------------------------------------------------------
 
-def _save(fig, path):
+def _save(fig, path, dpi: int = 110):
   """Writes `fig` as PNG to a local path or an object-store URL (`sinkjax.paths`) and returns the path."""
   path = paths_lib.as_path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.tight_layout()
   with path.open("wb") as f:
-    fig.savefig(f, dpi=110, format="png")
+    fig.savefig(f, dpi=dpi, format="png")
   plt.close(fig)
   return path
 
@@ -159,4 +161,437 @@ def plot_gate_histogram(edges, density_lb, path, title="gate distribution") -> p
   ax.set_title(title)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7, ncol=2 if L > 8 else 1)
+  return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Study figures: the paper study (sinkjax.experiments.paper) and its report (paper_report)
+# ---------------------------------------------------------------------------------------------------------------
+
+LOSS_STYLE = {"base": dict(color="tab:blue", label="base"), "aux": dict(color="tab:orange", label="base + aux")}
+
+
+def plot_table1(t1: dict, path) -> pathlib.Path:
+  """Left: val BPB of every seed, base and aux of the same seed joined (paired). Right: aux - base per seed with the
+  mean and +- one std over seeds."""
+  variants = list(t1)
+  fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for i, v in enumerate(variants):
+    row = t1[v]
+    for j, loss in enumerate(LOSS_STYLE):
+      if loss in row:
+        vals = row[loss]["val_bpb"]["values"]
+        ax.scatter([3 * i + j] * len(vals), vals, s=18, alpha=0.6, **LOSS_STYLE[loss])
+        ax.plot([3 * i + j - 0.25, 3 * i + j + 0.25], [np.mean(vals)] * 2, color="black", lw=2)
+    if "aux_minus_base" in row:
+      d = row["aux_minus_base"]["val_bpb"]
+      for s in row["aux_minus_base"]["seeds"]:
+        ax.plot([3 * i, 3 * i + 1], [row["base"]["val_bpb"]["values"][row["base"]["seeds"].index(s)],
+                                     row["aux"]["val_bpb"]["values"][row["aux"]["seeds"].index(s)]],
+                color="gray", lw=0.7, alpha=0.6)
+      ax_d.scatter([i] * d["n"], d["values"], color="tab:purple", s=18, alpha=0.7)
+      ax_d.errorbar([i + 0.15], [d["mean"]], yerr=[d["std"] or 0.0], fmt="s", color="black", capsize=4)
+  handles, labels = ax.get_legend_handles_labels()
+  keep = dict(zip(labels, handles))
+  ax.legend(keep.values(), keep.keys(), fontsize=8)
+  ax.set_xticks([3 * i + 0.5 for i in range(len(variants))], variants)
+  ax.set_ylabel("val BPB (bits per byte)")
+  ax.set_title("validation BPB per seed (black: mean; gray: same seed)")
+  ax.grid(alpha=0.3)
+  ax_d.axhline(0.0, color="gray", lw=1)
+  ax_d.set_xticks(range(len(variants)), variants)
+  ax_d.set_xlim(-0.5, len(variants) - 0.5)
+  ax_d.set_ylabel("BPB(base + aux) - BPB(base)")
+  ax_d.set_title("paired difference per seed (square: mean +- std)")
+  ax_d.grid(alpha=0.3)
+  return _save(fig, path)
+
+
+def aligned_curves(curves):
+  """Curves [[step, value], ...] cut to the steps they all have -> (steps [S], values [n, S])."""
+  common = sorted(set.intersection(*(set(int(s) for s, _ in c) for c in curves)))
+  vals = np.array([[dict((int(s), y) for s, y in c)[s] for s in common] for c in curves])
+  return np.asarray(common), vals
+
+
+def plot_imbalance_curves(curves: dict, path) -> pathlib.Path:
+  """Fig. 5 analogue: head imbalance (eq. 6) over training per variant, base vs aux; line = mean over seeds,
+  band = min..max over seeds, thin lines = single seeds. curves[(variant, loss)] = list of per-seed curves."""
+  variants = list(dict.fromkeys(v for v, _ in curves))
+  fig, axes = plt.subplots(1, len(variants), figsize=(max(4.6 * len(variants), 8.0), 3.8), squeeze=False)
+  for ax, v in zip(axes[0], variants):
+    for loss in LOSS_STYLE:
+      cs = [c for c in curves.get((v, loss), []) if c]
+      if not cs:
+        continue
+      steps, vals = aligned_curves(cs)
+      st = LOSS_STYLE[loss]
+      for y in vals:
+        ax.plot(steps, y, color=st["color"], lw=0.6, alpha=0.35)
+      seeds = f"mean of {len(vals)} seeds" if len(vals) > 1 else "1 seed"
+      ax.plot(steps, vals.mean(0), color=st["color"], lw=2, label=f"{st['label']} ({seeds})")
+      ax.fill_between(steps, vals.min(0), vals.max(0), color=st["color"], alpha=0.2)
+    ax.set_title(f"{v} attention")
+    ax.set_xlabel("step")
+    ax.set_ylabel("head imbalance: mean_l CV(Imp[l,:])")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle("head imbalance during training ([Sink-MoE] Fig. 5 analogue; band: min-max over seeds)", fontsize=10)
+  return _save(fig, path)
+
+
+def _per_layer(records, key, reduce_heads=False):
+  a = np.array([r[key] for r in records], np.float64)
+  return a.mean(-1) if reduce_heads else a                  # [n, L]
+
+
+def plot_first_token(records: list[dict], path) -> pathlib.Path:
+  """Per variant and layer: first-token attention (F-Attn, [GatedAttn] Table 4; solid), the sink ratio alpha averaged
+  over heads ([Sink-MoE] eq. 9; dashed) and, for sink attention, the weight on the sink logit (dotted); mean +- std
+  over seeds."""
+  variants = list(dict.fromkeys(r["variant"] for r in records))
+  fig, axes = plt.subplots(1, len(variants), figsize=(max(4.6 * len(variants), 8.0), 3.8), squeeze=False)
+  for ax, v in zip(axes[0], variants):
+    for k, loss in enumerate(LOSS_STYLE):
+      rs = [r for r in records if r["variant"] == v and r["loss"] == loss]
+      if not rs:
+        continue
+      series = [("first_token_attention", "-", "F-Attn", False), ("sink_ratio_alpha", "--", "alpha", True)]
+      if rs[0]["sink_logit_attention"] is not None:
+        series.append(("sink_logit_attention", ":", "sink logit", False))
+      for key, ls, what, red in series:
+        a = _per_layer(rs, key, red)
+        x = np.arange(a.shape[1]) + (k - 0.5) * 0.08
+        ax.errorbar(x, a.mean(0), yerr=a.std(0, ddof=1) if len(a) > 1 else None, ls=ls, marker="o", ms=3,
+                    capsize=2, color=LOSS_STYLE[loss]["color"], label=f"{what}, {LOSS_STYLE[loss]['label']}")
+    ax.set_title(f"{v} attention")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention weight")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xticks(range(len(records[0]["first_token_attention"])))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.suptitle("attention on the row's first token per layer (mean +- std over seeds)", fontsize=10)
+  return _save(fig, path)
+
+
+def plot_value_zeroing(rows: list[dict], path, tau: float) -> pathlib.Path:
+  """BPB increase over no zeroing when the first token's value is zeroed in all heads / in heads with alpha > tau,
+  teacher-forced (left) and after prefill (right, the paper's definition); mean +- std over seeds, means printed."""
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+  names = [f"{r['variant']}\n{r['loss']}\n{r['teacher_forced.num_heads_selected']['mean']:.1f} heads > tau"
+           for r in rows]
+  x = np.arange(len(rows))
+  for ax, defn in zip(axes, ("teacher_forced", "after_prefill")):
+    for j, (what, color) in enumerate((("all", "tab:red"), ("selected", "tab:green"))):
+      d = [np.subtract(r[f"{defn}.bpb_{what}"]["values"], r[f"{defn}.bpb_none"]["values"]) for r in rows]
+      means = [e.mean() for e in d]
+      ax.bar(x + (j - 0.5) * 0.38, means, 0.38, color=color, capsize=3,
+             yerr=[e.std(ddof=1) if len(e) > 1 else 0.0 for e in d],
+             label="all heads" if what == "all" else f"heads with alpha > {tau}")
+      for xi, m in zip(x + (j - 0.5) * 0.38, means):
+        ax.text(xi, m, f"{m:+.2g}", ha="center", va="bottom" if m >= 0 else "top", fontsize=7)
+    ax.axhline(0, color="gray", lw=1)
+    ax.set_xticks(x, names, fontsize=7)
+    ax.set_ylabel("BPB(zeroed) - BPB(none)")
+    ax.set_title("teacher-forced (value zeroed in the forward pass)" if defn == "teacher_forced" else
+                 "after prefill (zeroed in the KV cache; the paper's App. A)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle("value zeroing of the first token: BPB change (mean +- std over seeds)", fontsize=10)
+  return _save(fig, path)
+
+
+def plot_importance_grid(records: list[dict], path) -> pathlib.Path:
+  """Layer x head importance (eq. 5) of the final checkpoints, mean over seeds: one row per loss, one column per
+  variant; every cell printed; each panel on its own colour scale (printed in its title)."""
+  variants = list(dict.fromkeys(r["variant"] for r in records))
+  fig, axes = plt.subplots(len(LOSS_STYLE), len(variants),
+                           figsize=(max(3.8 * len(variants), 8.0), 3.4 * len(LOSS_STYLE)), squeeze=False)
+  for i, loss in enumerate(LOSS_STYLE):
+    for ax, v in zip(axes[i], variants):
+      rs = [r for r in records if r["variant"] == v and r["loss"] == loss]
+      ax.axis("off") if not rs else None
+      if rs:
+        imp = np.mean([r["importance"] for r in rs], axis=0)
+        _importance_panel(ax, imp, f"{v}, {LOSS_STYLE[loss]['label']} ({len(rs)} seeds)")
+  fig.suptitle("head importance Imp[l,h] = mean gate (eq. 5), final checkpoints", fontsize=10)
+  return _save(fig, path)
+
+
+def _importance_panel(ax, imp, title: str) -> None:
+  lo, hi = float(imp.min()), float(imp.max())
+  hi = max(hi, lo + 1e-3)
+  ax.imshow(imp, cmap="viridis", vmin=lo, vmax=hi, aspect="auto")
+  L, H = imp.shape
+  for l in range(L):
+    for h in range(H):
+      ax.text(h, l, f"{imp[l, h]:.3f}", ha="center", va="center", fontsize=7,
+              color="black" if (imp[l, h] - lo) / (hi - lo) > 0.6 else "white")
+  ax.set_xticks(range(H))
+  ax.set_yticks(range(L))
+  ax.set_xlabel("head")
+  ax.set_ylabel("layer")
+  ax.set_title(f"{title}\ncolour scale {lo:.3f}-{hi:.3f}", fontsize=9)
+
+
+def plot_finetune(ft: dict, path, *, titles: dict, lam: float, m: int) -> pathlib.Path:
+  """[Sink-MoE] Fig. 11 analogue: importance before fine-tuning and after each mode (columns), one row per variant; the
+  shared heads (top-m per layer before) are boxed in red, one colour scale per row. `titles`: {mode: title} of the
+  fine-tuning modes in column order; lam and m: the aux weight and shared heads they used (for the title)."""
+  cols = ["before"] + list(titles)
+  fig, axes = plt.subplots(len(ft), len(cols), figsize=(3.3 * len(cols), 3.2 * len(ft)), squeeze=False)
+  for row, (v, res) in zip(axes, ft.items()):
+    imps = [np.asarray(res["before"]["importance"])] + [np.asarray(res["modes"][mode]["importance"]) for mode in titles]
+    lo, hi = min(x.min() for x in imps), max(x.max() for x in imps)
+    for ax, name, imp in zip(row, cols, imps):
+      ax.imshow(imp, cmap="viridis", vmin=lo, vmax=max(hi, lo + 1e-3), aspect="auto")
+      for l, top in enumerate(res["modes"]["eq7"]["roles"]["shared_heads"]):
+        for h in top:
+          ax.add_patch(Rectangle((h - 0.42, l - 0.42), 0.84, 0.84, fill=False, edgecolor="red", lw=2))
+      for l in range(imp.shape[0]):
+        for h in range(imp.shape[1]):
+          ax.text(h, l, f"{imp[l, h]:.3f}", ha="center", va="center", fontsize=6,
+                  color="black" if (imp[l, h] - lo) / max(hi - lo, 1e-3) > 0.6 else "white")
+      cv = res["before"]["head_imbalance"] if name == "before" else res["modes"][name]["head_imbalance"]
+      ax.set_title(f"{v}: {'before fine-tuning' if name == 'before' else titles[name]}\n"
+                   f"imbalance {cv:.3f}", fontsize=8)
+      ax.set_xticks(range(imp.shape[1]))
+      ax.set_yticks(range(imp.shape[0]))
+      ax.set_xlabel("head", fontsize=8)
+      ax.set_ylabel("layer", fontsize=8)
+  fig.suptitle(f"head importance before / after fine-tuning (lambda {lam:g}, m = {m}; red box: "
+               f"shared heads = top-{m} per layer before; one colour scale per row)", fontsize=9)
+  return _save(fig, path)
+
+
+def plot_dose(dose: dict, ds: dict, out_dir) -> list[pathlib.Path]:
+  """dose_imbalance.png (imbalance during training per lambda, final val BPB per seed, BPB(lambda) - BPB(0) per seed
+  with its 95 % t-interval) and dose_importance.png (held-out importance by head rank), from dose.json's runs and
+  `paper_report.dose_stats`."""
+  from sinkjax.experiments import stats  # pylint: disable=import-outside-toplevel
+  runs = dose["runs"]
+  lambdas = ds["lambdas"]
+  colors = plt.cm.viridis(np.linspace(0, 0.9, len(lambdas)))
+  fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.6))
+  for lam, col in zip(lambdas, colors):
+    cs = [r["imbalance_curve"] for r in runs if float(r["lambda"]) == lam and r.get("imbalance_curve")]
+    if not cs:
+      continue
+    common = sorted(set.intersection(*(set(int(s) for s, _ in c) for c in cs)))
+    vals = np.array([[dict((int(s), y) for s, y in c)[s] for s in common] for c in cs])
+    ax.plot(common, vals.mean(0), color=col, lw=2, label=f"λ = {lam:g} ({len(cs)} seeds)")
+    ax.fill_between(common, vals.min(0), vals.max(0), color=col, alpha=0.2)
+    bpb = ds["per_lambda"][f"{lam:g}"]["val_bpb"]
+    x = lambdas.index(lam)
+    ax2.scatter([x] * len(bpb), bpb, color=col, s=25)
+    ax2.errorbar([x + 0.12], [np.mean(bpb)], yerr=[np.std(bpb, ddof=1) if len(bpb) > 1 else 0], fmt="s",
+                 color="black", capsize=4)
+  ax.set_xlabel("step")
+  ax.set_ylabel("head imbalance (eq. 6), training batches")
+  ax.set_title(f"{ds['variant']} attention: imbalance during training\nline: mean over seeds, band: min–max")
+  ax.set_ylim(bottom=0)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  base = dict(zip(ds["per_lambda"]["0"]["seeds"], ds["per_lambda"]["0"]["val_bpb"]))
+  for x, (lam, col) in enumerate(zip(lambdas, colors)):
+    r = ds["per_lambda"][f"{lam:g}"]
+    d = [b - base[s] for s, b in zip(r["seeds"], r["val_bpb"]) if s in base]
+    if lam == 0 or not d:
+      continue
+    ax3.scatter([x] * len(d), d, color=col, s=25)
+    t = stats.t_interval(d) if len(d) > 1 else None
+    ax3.plot([x - 0.2, x + 0.2], [np.mean(d)] * 2, color="black", lw=2)
+    if t is not None:
+      ax3.plot([x + 0.25] * 2, [t["low"], t["high"]], color="black", lw=1)
+  ax3.axhline(0, color="gray", lw=1)
+  ax3.set_xticks(range(len(lambdas)), [f"{lam:g}" for lam in lambdas])
+  ax3.set_xlabel("λ (aux weight)")
+  ax3.set_ylabel("BPB(λ) − BPB(λ = 0), same seed")
+  ax3.set_title("paired difference per seed (bar: mean)\nline: its 95 % t-interval (t with n − 1 df)")
+  ax3.grid(alpha=0.3)
+  ax2.set_xticks(range(len(lambdas)), [f"{lam:g}" for lam in lambdas])
+  ax2.set_xlabel("λ (aux weight)")
+  ax2.set_ylabel("val BPB (8 held-out batches)")
+  ax2.set_title("final val BPB per seed (square: mean ± std)")
+  ax2.grid(alpha=0.3)
+  p1 = _save(fig, paths_lib.as_path(out_dir) / "dose_imbalance.png")
+  fig, ax = plt.subplots(figsize=(6.5, 4.4))
+  for lam, col in zip(lambdas, colors):
+    ranks = np.array(ds["per_lambda"][f"{lam:g}"]["importance_by_rank"])          # [seeds, H]
+    h = np.arange(1, ranks.shape[1] + 1)
+    ax.plot(h, ranks.mean(0), color=col, marker="o", lw=2, label=f"λ = {lam:g}")
+    ax.fill_between(h, ranks.min(0), ranks.max(0), color=col, alpha=0.15)
+  ax.set_xticks(range(1, ranks.shape[1] + 1))
+  ax.set_xlabel("head rank within its layer (1 = strongest)")
+  ax.set_ylabel("importance (mean gate, eq. 5), mean over layers")
+  ax.set_title(f"{ds['variant']}: held-out head importance by rank\nline: mean over seeds, band: min–max")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  p2 = _save(fig, paths_lib.as_path(out_dir) / "dose_importance.png")
+  return [p1, p2]
+
+
+def _ema(ys, alpha: float = 0.1):
+  out, m = [], None
+  for y in ys:
+    m = y if m is None else (1 - alpha) * m + alpha * y
+    out.append(m)
+  return out
+
+
+def plot_runs(runs: list[dict], out_dir, variants=("vanilla", "sink", "gated")) -> list[pathlib.Path]:
+  """fig5_imbalance.png (Fig. 5) and fig8_loss_bpb.png (Fig. 8): base vs base + aux over training, a panel per size
+  (rows) and attention (columns, in `variants` order, others after); raw values faint, EMA (0.1) solid; several
+  runs of a cell each drawn."""
+  sizes = sorted({(r["layers"], r["size"]) for r in runs})
+  atts = sorted({r["attention"] for r in runs}, key=lambda v: (list(variants).index(v) if v in variants else 99, v))
+  colors = {"base": "tab:blue", "aux": "tab:red"}
+  written = []
+  for name, keys in (("fig5_imbalance.png", ("head_imbalance",)), ("fig8_loss_bpb.png", ("loss", "val_bpb"))):
+    nrows = len(sizes) * len(keys)
+    fig, axes = plt.subplots(nrows, len(atts), figsize=(4.5 * len(atts), 3.2 * nrows), squeeze=False)
+    for i, (_, size) in enumerate(sizes):
+      for k, key in enumerate(keys):
+        for j, att in enumerate(atts):
+          ax = axes[i * len(keys) + k][j]
+          for r in runs:
+            if r["size"] != size or r["attention"] != att or not r["curves"][key]:
+              continue
+            x, y = zip(*r["curves"][key])
+            label = "base" if r["loss"] == "base" else "base + aux"
+            if key != "val_bpb":
+              ax.plot(x, y, color=colors[r["loss"]], alpha=0.25, lw=0.8)
+              y = _ema(y)
+            ax.plot(x, y, color=colors[r["loss"]], lw=1.6, label=label)
+          ax.set_title(f"{size}, {att}", fontsize=9)
+          ax.set_xlabel("step", fontsize=8)
+          ax.set_ylabel({"head_imbalance": "head imbalance (eq. 6)", "loss": "training loss",
+                         "val_bpb": "validation BPB"}[key], fontsize=8)
+          handles, labels = ax.get_legend_handles_labels()
+          if handles:
+            uniq = dict(zip(labels, handles))
+            ax.legend(uniq.values(), uniq.keys(), fontsize=7)
+    written.append(_save(fig, paths_lib.as_path(out_dir) / name))
+  return written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Study figures: [SinkNecessary]'s trigger task (sinkjax.experiments.trigger)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _attention_panel(fig, ax, a, title, T, vmax=1.0):
+  im = ax.imshow(a, aspect="equal", interpolation="nearest", vmin=0.0, vmax=vmax, cmap="Blues")
+  ax.set_title(title, fontsize=9)
+  ticks = list(range(0, T, 2))
+  ax.set_xticks(ticks)
+  ax.set_yticks(ticks)
+  ax.set_xticklabels([str(t + 1) for t in ticks], fontsize=7)
+  ax.set_yticklabels([str(t + 1) for t in ticks], fontsize=7)
+  ax.set_xlabel("key position", fontsize=8)
+  ax.set_ylabel("query position", fontsize=8)
+  fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+
+
+def plot_attention_mean_std(maps: dict, T: int, trigger: int, path) -> pathlib.Path:
+  """[SinkNecessary] Fig. 3: mean and std over test sequences of the 1x1 attention maps, one row per variant."""
+  names = list(maps)
+  fig, axes = plt.subplots(len(names), 2, figsize=(8, 3.6 * len(names)), squeeze=False)
+  for r, name in enumerate(names):
+    a = maps[name]                                                          # [N,T,T]
+    _attention_panel(fig, axes[r, 0], a.mean(0), f"{name}: mean attention", T)
+    std = a.std(0)                      # often ~1e-3: on the mean's 0-1 scale it would look blank
+    _attention_panel(fig, axes[r, 1], std, f"{name}: std (max {std.max():.2g})", T, vmax=max(float(std.max()), 1e-9))
+  fig.suptitle(f"1 layer x 1 head, {maps[names[0]].shape[0]} test sequences, trigger at position {trigger + 1}",
+               fontsize=10)
+  return _save(fig, path, dpi=120)
+
+
+def plot_attention_heads(attn, title: str, T: int, path) -> pathlib.Path:
+  """[SinkNecessary] Fig. 4-5: one example's attention map for every (layer, head); attn [L,H,T,T]."""
+  L, H = attn.shape[:2]
+  fig, axes = plt.subplots(L, H, figsize=(3.6 * H, 3.3 * L), squeeze=False)
+  for l in range(L):
+    for h in range(H):
+      _attention_panel(fig, axes[l, h], attn[l, h], f"layer {l + 1}, head {h + 1}", T)
+  fig.suptitle(title, fontsize=10)
+  return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Study figures: real-model heads and streaming (sinkjax.experiments.heads_real, streaming_real)
+# ---------------------------------------------------------------------------------------------------------------
+
+def plot_head_analysis(analysis: dict, path) -> pathlib.Path:
+  """[Sink-MoE] Fig. 4 on a real model (heads_real's analysis.json): importance of the pretrained model and of a
+  random init, first-token attention, and the per-layer CV of both."""
+  imp = np.asarray(analysis["importance"])
+  rnd = np.asarray(analysis["random_init"][0]["importance"])
+  fta = np.asarray(analysis["first_token_attention_per_head"])
+  fig, axes = plt.subplots(1, 4, figsize=(17, 8), gridspec_kw={"width_ratios": [3, 3, 3, 2]})
+  for ax, m, title in ((axes[0], imp, f"SmolLM2-135M, importance (eq. 5)\nimbalance {analysis['head_imbalance']:.3f}"),
+                       (axes[1], rnd, f"same architecture, random init\nimbalance "
+                                      f"{analysis['random_init'][0]['head_imbalance']:.3f}"),
+                       (axes[2], fta, "SmolLM2-135M, attention on the\ndocument's first token")):
+    im = ax.imshow(m, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(m.shape[1]))
+    fig.colorbar(im, ax=ax, fraction=0.05)
+  L = imp.shape[0]
+  axes[3].barh(range(L), analysis["cv_per_layer"], color="tab:blue", label="pretrained")
+  axes[3].plot(analysis["random_init"][0]["cv_per_layer"], range(L), "k.", label="random init")
+  axes[3].invert_yaxis()
+  axes[3].set_xlabel("CV of importance across heads")
+  axes[3].set_ylabel("layer")
+  axes[3].set_title("per-layer CV", fontsize=10)
+  axes[3].legend(fontsize=8)
+  fig.suptitle(f"[Sink-MoE] Fig. 4 on SmolLM2-135M-Instruct: {analysis['documents']} English documents "
+               f"({analysis['eval_tokens']:,} tokens), rows of {analysis['seq_len']}", fontsize=11)
+  return _save(fig, path)
+
+
+def plot_pinning(summary: dict, path, *, arms, metrics) -> pathlib.Path:
+  """[Sink-MoE] App. D on a real model: each metric (`metrics`: (key, title) pairs) after fine-tuning per arm
+  (`arms`, in order), LoRA seeds as circles and full fine-tuning as squares, the value before as a dashed line."""
+  keys = [k for k, _ in metrics]
+  fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.8))
+  for ax, key in zip(axes, keys):
+    ax.axhline(summary["before"][key], color="gray", ls="--", lw=1, label="before fine-tuning")
+    for i, arm in enumerate(arms):
+      for kind, marker in (("lora", "o"), ("full", "s")):
+        ys = [v[key] for n, v in summary["rows"].items() if n.startswith(f"{arm}_{kind}_")]
+        ax.plot([i + (0.15 if kind == "full" else 0)] * len(ys), ys, marker, color=f"C{i}", ms=6, alpha=0.8,
+                label=f"{kind}" if i == 0 else None)
+    ax.set_xticks(range(len(arms)))
+    ax.set_xticklabels(list(arms))
+    ax.set_title(dict(metrics)[key], fontsize=9)
+  axes[0].legend(fontsize=7)
+  fig.suptitle("[Sink-MoE] App. D (head pinning) on SmolLM2-135M: held-out importance after fine-tuning "
+               "(circles LoRA, one per seed; squares full fine-tuning)", fontsize=10)
+  return _save(fig, path)
+
+
+def plot_streaming(lines, randoms, path, *, window: int, title: str) -> pathlib.Path:
+  """Perplexity as the running mean of the NLL over `window` tokens against the position, log scale: one line per
+  (label, per-position NLLs) of `lines`, and the min-max band of the `randoms` (per-position NLLs of the random-map
+  runs)."""
+  curve = lambda nll: np.exp(np.convolve(np.asarray(nll, np.float64), np.ones(window) / window, mode="valid"))
+  fig, ax = plt.subplots(figsize=(9, 5))
+  x0 = window + 1                   # the first running mean ends at target position window (1-based: token window + 1)
+  for label, nll in lines:
+    c = curve(nll)
+    ax.plot(np.arange(x0, x0 + len(c)), c, lw=1.2, label=label)
+  if randoms:
+    rs = np.stack([curve(nll) for nll in randoms])
+    xs = np.arange(x0, x0 + rs.shape[1])
+    ax.fill_between(xs, rs.min(0), rs.max(0), color="gray", alpha=0.35,
+                    label=f"hybrid, {len(randoms)} random maps (min-max)")
+  ax.set_yscale("log")
+  ax.set_xlabel("token position")
+  ax.set_ylabel(f"perplexity (running mean of NLL over {window} tokens)")
+  ax.set_title(title)
+  ax.legend(fontsize=8)
   return _save(fig, path)

@@ -23,9 +23,10 @@ resumable (an interrupted study picks up at the first unfinished step; a finishe
    `heldout`, with the shared heads' and routed heads' importance and the routed heads' CV.
 4. **Report** (`results.md`, `results.json`, figures): each arm against `base`, paired by seed, with
    `sinkjax.experiments.stats.paired_effect` (paired t with t_{n-1}, exact permutation and sign tests, the smallest
-   detectable effect beside every "not detected"); a claim the tests do not support is not made. Every run's raw
-   files (its record, metrics.jsonl, config.yaml) are copied to `--results`/raw/ with the commit that made them; a study
-   refuses to aggregate runs of different commits.
+   detectable effect beside every "not detected"); a claim the tests do not support is not made. The fine-tuning
+   runs are walked by `sinkjax.experiments.runner`: every run's raw files (its record, metrics.jsonl, config.yaml)
+   are copied to `--results`/raw/ with the commit that made them; a study refuses to aggregate runs of different
+   commits.
 """
 from __future__ import annotations
 
@@ -40,15 +41,14 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
 import sys
 import sysconfig
 import time
 
 import numpy as np
 
-from sinkjax.experiments import stats
-from sinkjax.experiments.paper import StudyError, git_commit, head_roles, one_commit
+from sinkjax.experiments import runner, stats
+from sinkjax.experiments.runner import StudyError, one_commit
 
 CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "finetune_smollm2.yaml"
 ARMS = {"base": (0.0, 0), "eq7": (1e-2, 0), "eq8": (1e-2, 2)}     # name -> (lambda, m)
@@ -131,15 +131,9 @@ def english_corpus(out: pathlib.Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ helpers
 
-def _read(path: pathlib.Path):
-  return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _write(path: pathlib.Path, obj) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(obj, indent=1))
-  os.replace(tmp, path)
+_read, _write = runner.read_json, runner.write_json
+RAW_FILES = ("record.json", "metrics.jsonl", "config.yaml")     # what each fine-tuning run keeps in RESULTS/raw/NAME
+STUDY_FILES = ("analysis.json", "before.json", "corpus.json")    # the study's own records, kept in RESULTS
 
 
 def _batches(cfg, tok, source: str, seq_len: int, batch_size: int, max_docs: int | None = None):
@@ -159,7 +153,7 @@ def _commit() -> dict:
   """The commit of the code this process runs: HEAD when the study started (the shared checkout's HEAD may move while
   a long study runs; the code loaded at the start is what made every record)."""
   if not _COMMIT:
-    _COMMIT.update(git_commit())
+    _COMMIT.update(runner.git_commit())
   return dict(_COMMIT)
 
 
@@ -235,15 +229,17 @@ def before(run: str, corpus: dict, out: pathlib.Path) -> dict:
   return rec
 
 
-def finetune(run: str, arm: str, kind: str, seed: int, corpus: dict, out: pathlib.Path, steps: int | None) -> dict:
-  """One fine-tuning run and its held-out evaluation (record.json; reused when present)."""
-  from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from sinkjax.train import train  # pylint: disable=import-outside-toplevel
-  run_dir = out / "runs" / run_name(arm, kind, seed)
-  rec = _read(run_dir / "record.json")
-  if rec is not None:
-    return rec
+def pinning_study(out: pathlib.Path, results: pathlib.Path) -> runner.Study:
+  """The runner of the fine-tuning runs: OUT/runs/NAME, finished once record.json (stamped with the study's commit)
+  is written, raw files kept in RESULTS/raw/NAME ("raw", not "runs", which .gitignore ignores)."""
+  return runner.Study(out, record="record.json", raw=results / "raw", raw_files=RAW_FILES, commit=_commit())
+
+
+def finetune_overrides(run: str, arm: str, kind: str, seed: int, corpus: dict, out: pathlib.Path,
+                       steps: int | None) -> tuple[str, ...]:
+  """What one fine-tuning run (in OUT/runs/NAME) sets on top of configs/finetune_smollm2.yaml."""
   lam, m = ARMS[arm]
+  run_dir = out / "runs" / run_name(arm, kind, seed)
   overrides = [f"train.init_from={run}", f"data.source={corpus['train']['path']}", f"run.dir={run_dir}",
                f"train.seed={seed}", f"loss.aux_weight={lam}", f"loss.num_shared_heads={m}",
                f"loss.shared_heads_from={out / 'shared_heads.json' if m else ''}"]
@@ -251,31 +247,35 @@ def finetune(run: str, arm: str, kind: str, seed: int, corpus: dict, out: pathli
     overrides += ["lora.rank=0", f"train.adamw_lr={FULL_LR}"]
   if steps is not None:
     overrides.append(f"train.steps={steps}")
-  cfg = config_lib.load_config(str(CONFIG), overrides)
-  t0 = time.perf_counter()
-  summary = train(cfg, progress=False)
-  seconds = time.perf_counter() - t0
-  ev = _heldout_eval(run_dir, corpus)
-  rec = {"name": run_dir.name, "arm": arm, "kind": kind, "seed": seed, "aux_weight": lam, "num_shared_heads": m,
-         "steps": summary["steps"], "final_loss": summary["final_loss"], "train_seconds": seconds, **ev,
-         **_commit()}
-  _write(run_dir / "record.json", rec)
-  return rec
+  return tuple(overrides)
+
+
+def finetune(run: str, arm: str, kind: str, seed: int, corpus: dict, out: pathlib.Path,
+             steps: int | None) -> runner.Run:
+  """One fine-tuning run and its held-out evaluation, for the runner (which writes record.json)."""
+  overrides = finetune_overrides(run, arm, kind, seed, corpus, out, steps)
+  lam, m = ARMS[arm]
+
+  def do(run_dir):
+    from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
+    from sinkjax.train import train  # pylint: disable=import-outside-toplevel
+    cfg = config_lib.load_config(str(CONFIG), list(overrides))
+    t0 = time.perf_counter()
+    summary = train(cfg, progress=False)
+    seconds = time.perf_counter() - t0
+    ev = _heldout_eval(run_dir, corpus)
+    return {"name": run_dir.name, "arm": arm, "kind": kind, "seed": seed, "aux_weight": lam, "num_shared_heads": m,
+            "steps": summary["steps"], "final_loss": summary["final_loss"], "train_seconds": seconds, **ev}, \
+        "fine-tuned + evaluated"
+  return runner.Run(run_name(arm, kind, seed), do, overrides)
 
 
 def keep_raw(out: pathlib.Path, results: pathlib.Path) -> None:
-  """Every run's own files (record.json, metrics.jsonl, config.yaml) and the study's records, to `results`."""
-  for name in ("analysis.json", "before.json", "corpus.json"):
-    if (out / name).is_file():
-      results.mkdir(parents=True, exist_ok=True)
-      shutil.copy2(out / name, results / name)
+  """The study's records (`STUDY_FILES`) and every finished run's own files (`RAW_FILES`), to `results`."""
+  runner.copy_files(out, results, STUDY_FILES)
   for run_dir in sorted((out / "runs").glob("*")):
     if (run_dir / "record.json").is_file():
-      dst = results / "raw" / run_dir.name      # "raw", not "runs", which .gitignore ignores
-      dst.mkdir(parents=True, exist_ok=True)
-      for name in ("record.json", "metrics.jsonl", "config.yaml"):
-        if (run_dir / name).is_file():
-          shutil.copy2(run_dir / name, dst / name)
+      runner.copy_files(run_dir, results / "raw" / run_dir.name, RAW_FILES)
 
 
 # ------------------------------------------------------------------------------------------------------ report
@@ -335,65 +335,6 @@ def _records(out: pathlib.Path):
       yield arm, kind, seed, r
 
 
-def plot_analysis(analysis: dict, path: pathlib.Path) -> pathlib.Path:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  imp = np.asarray(analysis["importance"])
-  rnd = np.asarray(analysis["random_init"][0]["importance"])
-  fta = np.asarray(analysis["first_token_attention_per_head"])
-  fig, axes = plt.subplots(1, 4, figsize=(17, 8), gridspec_kw={"width_ratios": [3, 3, 3, 2]})
-  for ax, m, title in ((axes[0], imp, f"SmolLM2-135M, importance (eq. 5)\nimbalance {analysis['head_imbalance']:.3f}"),
-                       (axes[1], rnd, f"same architecture, random init\nimbalance "
-                                      f"{analysis['random_init'][0]['head_imbalance']:.3f}"),
-                       (axes[2], fta, "SmolLM2-135M, attention on the\ndocument's first token")):
-    im = ax.imshow(m, cmap="viridis", vmin=0, vmax=1, aspect="auto")
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    ax.set_xticks(range(m.shape[1]))
-    fig.colorbar(im, ax=ax, fraction=0.05)
-  L = imp.shape[0]
-  axes[3].barh(range(L), analysis["cv_per_layer"], color="tab:blue", label="pretrained")
-  axes[3].plot(analysis["random_init"][0]["cv_per_layer"], range(L), "k.", label="random init")
-  axes[3].invert_yaxis()
-  axes[3].set_xlabel("CV of importance across heads")
-  axes[3].set_ylabel("layer")
-  axes[3].set_title("per-layer CV", fontsize=10)
-  axes[3].legend(fontsize=8)
-  fig.suptitle(f"[Sink-MoE] Fig. 4 on SmolLM2-135M-Instruct: {analysis['documents']} English documents "
-               f"({analysis['eval_tokens']:,} tokens), rows of {analysis['seq_len']}", fontsize=11)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
-
-
-def plot_pinning(out: pathlib.Path, summary: dict, path: pathlib.Path) -> pathlib.Path:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  keys = [k for k, _ in METRICS[:5]]
-  fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.8))
-  for ax, key in zip(axes, keys):
-    ax.axhline(summary["before"][key], color="gray", ls="--", lw=1, label="before fine-tuning")
-    for i, arm in enumerate(ARMS):
-      for kind, marker in (("lora", "o"), ("full", "s")):
-        ys = [v[key] for n, v in summary["rows"].items() if n.startswith(f"{arm}_{kind}_")]
-        ax.plot([i + (0.15 if kind == "full" else 0)] * len(ys), ys, marker, color=f"C{i}", ms=6, alpha=0.8,
-                label=f"{kind}" if i == 0 else None)
-    ax.set_xticks(range(len(ARMS)))
-    ax.set_xticklabels(list(ARMS))
-    ax.set_title(dict(METRICS)[key], fontsize=9)
-  axes[0].legend(fontsize=7)
-  fig.suptitle("[Sink-MoE] App. D (head pinning) on SmolLM2-135M: held-out importance after fine-tuning "
-               "(circles LoRA, one per seed; squares full fine-tuning)", fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
-
-
 def markdown(summary: dict, corpus: dict) -> str:
   a = summary["analysis"]
   lines = ["# [Sink-MoE] on a real pretrained model: SmolLM2-135M-Instruct", "",
@@ -420,9 +361,10 @@ def report(out: pathlib.Path, results: pathlib.Path, corpus: dict) -> dict:
   summary = summarize(out)
   results.mkdir(parents=True, exist_ok=True)
   _write(results / "results.json", summary)
-  plot_analysis(_read(out / "analysis.json"), results / "analysis.png")
+  from sinkjax import plots  # pylint: disable=import-outside-toplevel
+  plots.plot_head_analysis(_read(out / "analysis.json"), results / "analysis.png")
   if summary["rows"]:
-    plot_pinning(out, summary, results / "pinning.png")
+    plots.plot_pinning(summary, results / "pinning.png", arms=list(ARMS), metrics=METRICS[:5])
   (results / "results.md").write_text(markdown(summary, corpus))
   return summary
 
@@ -456,13 +398,16 @@ def main(argv=None) -> int:
       analyse(args.run, corpus, out)
     if args.only in (None, "pinning"):
       before(args.run, corpus, out)
-      todo = plan()
-      for i, (arm, kind, seed) in enumerate(todo, 1):
-        t0 = time.perf_counter()
-        rec = finetune(args.run, arm, kind, seed, corpus, out, args.steps)
-        _log(f"[{i}/{len(todo)}] {rec['name']}: held-out loss {rec['val_loss']:.4f}, imbalance "
-             f"{rec['head_imbalance']:.4f} ({time.perf_counter() - t0:.0f} s)")
-        keep_raw(out, results)
+      runner.copy_files(out, results, STUDY_FILES)
+
+      def done(i, n, res):
+        if res.record is None:
+          _log(f"[{i}/{n}] {res.run.name}: {res.what}")
+        else:
+          _log(f"[{i}/{n}] {res.run.name}: held-out loss {res.record['val_loss']:.4f}, imbalance "
+               f"{res.record['head_imbalance']:.4f} ({res.seconds:.0f} s)")
+      pinning_study(out, results).walk([finetune(args.run, arm, kind, seed, corpus, out, args.steps)
+                                        for arm, kind, seed in plan()], done)
     keep_raw(out, results)
     summary = report(out, results, corpus)
     _log(f"wrote {results}/results.md ({len(summary['rows'])} fine-tuned runs)")

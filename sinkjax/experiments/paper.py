@@ -12,8 +12,8 @@ imbalance, first-token attention, sink ratio alpha, teacher-forced value zeroing
 defines it ([Sink-MoE] App. A): the first token's value zeroed in the KV cache *after* prefilling a prompt, the
 continuation scored token by token against that cache (`sinkjax.eval.prefill_value_zeroing`).
 
-Outputs in --out: runs/NAME/ (one training run each, with done.json once trained and paper_eval.json once
-evaluated: a rerun skips both), raw/NAME/ (each finished run's own files without its checkpoints: done.json with the
+Outputs in --out (the grid walked by `sinkjax.experiments.runner`): runs/NAME/ (one training run each, with done.json
+once trained and paper_eval.json once evaluated: a rerun skips both), raw/NAME/ (each finished run's own files without its checkpoints: done.json with the
 git commit it was trained with, paper_eval.json with its final importance, metrics.jsonl, config.yaml; small
 enough to commit), results.json (refused when the runs were made with different commits: the arms of one study run
 on one commit), results.md and figures: table1_bpb.png (the Table 1 analogue),
@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import json
 import os
 import pathlib
 import platform
-import shutil
-import subprocess
 import sys
 import time
 
@@ -40,7 +37,8 @@ import numpy as np
 from sinkjax import cli, paths
 from sinkjax import config as config_lib
 from sinkjax.cli import UserError
-from sinkjax.experiments import int_at_least
+from sinkjax.experiments import int_at_least, runner
+from sinkjax.experiments.paper_report import seed_stats, table1
 
 VARIANTS = ("vanilla", "sink", "gated")
 LOSSES = {"base": 0.0, "aux": 1e-4}            # loss.aux_weight: the paper's lambda for training from scratch (eq. 7)
@@ -99,6 +97,11 @@ class RunSpec:
   def lam(self) -> float:
     return LOSSES[self.loss] if self.aux_weight is None else float(self.aux_weight)
 
+  @property
+  def overrides(self) -> tuple[str, ...]:
+    """What this run sets on top of the recipe and the scale."""
+    return (f"model.attention={self.variant}", f"loss.aux_weight={self.lam}", f"train.seed={self.seed}")
+
 
 def loss_label(lam: float) -> str:
   """The run-name label of lambda: "base" (0) and "aux" (1e-4) as in the main grid, so the dose study reuses those
@@ -131,9 +134,7 @@ def make_dose_grid(variants, lambdas, seeds) -> list[RunSpec]:
 
 def run_config(scale: Scale, spec: RunSpec, run_dir, *, steps: int | None = None, extra=()):
   """The resolved `Config` of one run: the recipe, the scale's shape and the run's variant, lambda and seed."""
-  overrides = list(COMMON) + list(scale.overrides) + [
-      f"model.attention={spec.variant}", f"loss.aux_weight={spec.lam}", f"train.seed={spec.seed}",
-      f"run.dir={run_dir}"]
+  overrides = list(COMMON) + list(scale.overrides) + list(spec.overrides) + [f"run.dir={run_dir}"]
   if steps is not None:
     overrides.append(f"train.steps={steps}")
   return config_lib.load_config(str(RECIPE_CONFIG), overrides + list(extra))
@@ -141,57 +142,26 @@ def run_config(scale: Scale, spec: RunSpec, run_dir, *, steps: int | None = None
 
 # ------------------------------------------------------------------------------------------------ training
 
-def _read_json(path):
-  path = pathlib.Path(path)
-  return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _write_json(path, obj) -> None:
-  path = pathlib.Path(path)
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(obj, indent=1))
-  os.replace(tmp, path)
-
-
-def git_commit() -> dict:
-  """{"commit": HEAD of the checkout this code runs from (or "unknown"), "dirty": whether tracked files differ from
-  it}: what a run was made with."""
-  repo = pathlib.Path(__file__).resolve().parents[2]
-  try:
-    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                          check=True, timeout=30).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, check=True, timeout=30).stdout.strip() != ""
-  except (OSError, subprocess.SubprocessError):
-    return {"commit": "unknown", "dirty": None}
-  return {"commit": head, "dirty": dirty}
-
-
-RAW_FILES = ("done.json", "paper_eval.json", "metrics.jsonl", "config.yaml")
+_read_json, _write_json = runner.read_json, runner.write_json
+git_commit, one_commit, StudyError = runner.git_commit, runner.one_commit, runner.StudyError
+RAW_FILES = ("done.json", "paper_eval.json", "metrics.jsonl", "config.yaml")   # what a run keeps in OUT/raw/NAME
 
 
 def keep_raw(run_dir: pathlib.Path, raw_dir: pathlib.Path) -> None:
   """Copies a finished run's own files (`RAW_FILES`, not its checkpoints) to raw_dir."""
-  raw_dir.mkdir(parents=True, exist_ok=True)
-  for name in RAW_FILES:
-    if (run_dir / name).is_file():
-      shutil.copy2(run_dir / name, raw_dir / name)
+  runner.copy_files(run_dir, raw_dir, RAW_FILES)
 
 
-def one_commit(records: list[dict]) -> str | None:
-  """The commit every record was made with; a StudyError naming them when they differ (None: no records)."""
-  by = {}
-  for r in records:
-    by.setdefault(r.get("commit") or "unrecorded", []).append(r.get("name") or r.get("run_dir") or "?")
-  if len(by) > 1:
-    raise StudyError("runs of different commits cannot be aggregated: " + "; ".join(
-        f"{c}: {', '.join(map(str, names))}" for c, names in sorted(by.items())) + " (rerun them on one commit, or "
-        "give each commit its own --out)")
-  return next(iter(by), None)
+def grid_study(out: pathlib.Path, commit: dict | None = None) -> runner.Study:
+  """The runner of OUT's grid: run NAME in OUT/runs/NAME, finished once paper_eval.json is written (done.json, the
+  training record, carries the commit), its raw files kept in OUT/raw/NAME."""
+  return runner.Study(out, record="paper_eval.json", raw=out / "raw", raw_files=RAW_FILES, stamp=False,
+                      commit=commit)
 
 
-def train_run(cfg, run_dir: pathlib.Path) -> tuple[dict, bool]:
-  """(done.json's record, whether it trained now): trains (or resumes) the run unless done.json says it finished."""
+def train_run(cfg, run_dir: pathlib.Path, commit: dict | None = None) -> tuple[dict, bool]:
+  """(done.json's record, whether it trained now): trains (or resumes) the run unless done.json says it finished;
+  `commit` (default: this checkout's) is what done.json records the run was made with."""
   from sinkjax.train import train  # lazy: the train extra (main() checks it), not loaded for --help
   done = _read_json(run_dir / "done.json")
   if done is not None and done.get("steps") == cfg.train.steps:
@@ -200,7 +170,7 @@ def train_run(cfg, run_dir: pathlib.Path) -> tuple[dict, bool]:
   summary = train(cfg, progress=False)
   done = {"steps": summary["steps"], "end_step": summary["end_step"], "val_bpb": summary["val_bpb"],
           "final_loss": summary["final_loss"], "num_params": summary["num_params"],
-          "train_seconds": time.perf_counter() - t0, **git_commit()}
+          "train_seconds": time.perf_counter() - t0, **(commit or git_commit())}
   _write_json(run_dir / "done.json", done)
   return done, True
 
@@ -221,14 +191,11 @@ EVAL_KEYS = ("val_bpb", "val_loss", "importance", "head_imbalance", "cv_per_laye
              "gate_mean", "m_act")
 
 
-def evaluate_run(run_dir: pathlib.Path, scale: Scale, *, tau: float = TAU) -> tuple[dict, bool]:
-  """(paper_eval.json's record, whether it evaluated now): `sinkjax.eval.evaluate` on the run's held-out batches
-  (teacher-forced value zeroing included) plus its after-prefill value zeroing (`prefill_value_zeroing`) and the
-  teacher-forced one on the same targets (`teacher_forced_value_zeroing`), unless paper_eval.json exists."""
+def evaluate_run(run_dir: pathlib.Path, scale: Scale, *, tau: float = TAU) -> dict:
+  """paper_eval.json's record: `sinkjax.eval.evaluate` on the run's held-out batches (teacher-forced value zeroing
+  included) plus its after-prefill value zeroing (`prefill_value_zeroing`) and the teacher-forced one on the same
+  targets (`teacher_forced_value_zeroing`)."""
   from sinkjax import eval as eval_lib  # lazy: the train extra (main() checks it), not loaded for --help
-  rec = _read_json(run_dir / "paper_eval.json")
-  if rec is not None:
-    return rec, False
   t0 = time.perf_counter()
   model, batches = _held_out(run_dir, scale)
   report = eval_lib.evaluate(model, batches, tau=tau)
@@ -241,8 +208,7 @@ def evaluate_run(run_dir: pathlib.Path, scale: Scale, *, tau: float = TAU) -> tu
   rec["value_zeroing_teacher_forced_window"] = eval_lib.teacher_forced_value_zeroing(
       model, batches, report["sink_ratio_alpha"], tau=tau, prompt_len=scale.prompt_len)
   rec.update(eval_tokens=report["eval_tokens"], eval_seconds=time.perf_counter() - t0)
-  _write_json(run_dir / "paper_eval.json", rec)
-  return rec, True
+  return rec
 
 
 def imbalance_curve(run_dir: pathlib.Path) -> list[list[float]]:
@@ -254,35 +220,6 @@ def imbalance_curve(run_dir: pathlib.Path) -> list[list[float]]:
 
 # ------------------------------------------------------------------------------------------------- aggregation
 
-def _stats(xs) -> dict:
-  """mean, sample std (ddof 1; None for one value), min, max and the values."""
-  a = np.asarray(xs, np.float64)
-  return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else None, "min": float(a.min()),
-          "max": float(a.max()), "n": int(a.size), "values": a.tolist()}
-
-
-def table1(records: list[dict]) -> dict:
-  """Per variant: val BPB and final head imbalance of base and aux over seeds, and the paired per-seed difference
-  aux - base (seeds where both finished)."""
-  out = {}
-  for v in dict.fromkeys(r["variant"] for r in records):
-    by = {(r["loss"], r["seed"]): r for r in records if r["variant"] == v}
-    row = {}
-    for loss in LOSSES:
-      rs = sorted((r for (l, _), r in by.items() if l == loss), key=lambda r: r["seed"])
-      if rs:
-        row[loss] = {"seeds": [r["seed"] for r in rs], "val_bpb": _stats([r["val_bpb"] for r in rs]),
-                     "head_imbalance": _stats([r["head_imbalance"] for r in rs])}
-    paired = sorted(s for (l, s) in by if l == "aux" and ("base", s) in by)
-    if paired:
-      row["aux_minus_base"] = {
-          "seeds": paired,
-          "val_bpb": _stats([by["aux", s]["val_bpb"] - by["base", s]["val_bpb"] for s in paired]),
-          "head_imbalance": _stats([by["aux", s]["head_imbalance"] - by["base", s]["head_imbalance"] for s in paired])}
-    out[v] = row
-  return out
-
-
 def value_zeroing_table(records: list[dict]) -> list[dict]:
   """Per variant and loss: mean over seeds of BPB with no / all / alpha > tau zeroing, in both definitions."""
   rows = []
@@ -291,198 +228,9 @@ def value_zeroing_table(records: list[dict]) -> list[dict]:
     row = {"variant": v, "loss": loss, "n": len(rs)}
     for defn in ("teacher_forced", "after_prefill"):
       for k in ("bpb_none", "bpb_all", "bpb_selected", "num_heads_selected"):
-        row[f"{defn}.{k}"] = _stats([r[f"value_zeroing_{defn}"][k] for r in rs])
+        row[f"{defn}.{k}"] = seed_stats([r[f"value_zeroing_{defn}"][k] for r in rs])
     rows.append(row)
   return rows
-
-
-# ------------------------------------------------------------------------------------------------------ figures
-
-LOSS_STYLE = {"base": dict(color="tab:blue", label="base"), "aux": dict(color="tab:orange", label="base + aux")}
-
-
-def _plt():
-  import matplotlib  # lazy: the train extra, and slow to import; only the figures need it
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # lazy: as above, and after choosing the Agg backend
-  return plt
-
-
-def _save(fig, path) -> pathlib.Path:
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  _plt().close(fig)
-  return pathlib.Path(path)
-
-
-def plot_table1(t1: dict, path) -> pathlib.Path:
-  """Left: val BPB of every seed, base and aux of the same seed joined (paired). Right: aux - base per seed with the
-  mean and +- one std over seeds."""
-  plt = _plt()
-  variants = list(t1)
-  fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(11, 4.2))
-  for i, v in enumerate(variants):
-    row = t1[v]
-    for j, loss in enumerate(LOSSES):
-      if loss in row:
-        vals = row[loss]["val_bpb"]["values"]
-        ax.scatter([3 * i + j] * len(vals), vals, s=18, alpha=0.6, **LOSS_STYLE[loss])
-        ax.plot([3 * i + j - 0.25, 3 * i + j + 0.25], [np.mean(vals)] * 2, color="black", lw=2)
-    if "aux_minus_base" in row:
-      d = row["aux_minus_base"]["val_bpb"]
-      for s in row["aux_minus_base"]["seeds"]:
-        ax.plot([3 * i, 3 * i + 1], [row["base"]["val_bpb"]["values"][row["base"]["seeds"].index(s)],
-                                     row["aux"]["val_bpb"]["values"][row["aux"]["seeds"].index(s)]],
-                color="gray", lw=0.7, alpha=0.6)
-      ax_d.scatter([i] * d["n"], d["values"], color="tab:purple", s=18, alpha=0.7)
-      ax_d.errorbar([i + 0.15], [d["mean"]], yerr=[d["std"] or 0.0], fmt="s", color="black", capsize=4)
-  handles, labels = ax.get_legend_handles_labels()
-  keep = dict(zip(labels, handles))
-  ax.legend(keep.values(), keep.keys(), fontsize=8)
-  ax.set_xticks([3 * i + 0.5 for i in range(len(variants))], variants)
-  ax.set_ylabel("val BPB (bits per byte)")
-  ax.set_title("validation BPB per seed (black: mean; gray: same seed)")
-  ax.grid(alpha=0.3)
-  ax_d.axhline(0.0, color="gray", lw=1)
-  ax_d.set_xticks(range(len(variants)), variants)
-  ax_d.set_xlim(-0.5, len(variants) - 0.5)
-  ax_d.set_ylabel("BPB(base + aux) - BPB(base)")
-  ax_d.set_title("paired difference per seed (square: mean +- std)")
-  ax_d.grid(alpha=0.3)
-  return _save(fig, path)
-
-
-def _aligned(curves):
-  """Curves [[step, value], ...] cut to the steps they all have -> (steps [S], values [n, S])."""
-  common = sorted(set.intersection(*(set(int(s) for s, _ in c) for c in curves)))
-  vals = np.array([[dict((int(s), y) for s, y in c)[s] for s in common] for c in curves])
-  return np.asarray(common), vals
-
-
-def plot_imbalance_curves(curves: dict, path) -> pathlib.Path:
-  """Fig. 5 analogue: head imbalance (eq. 6) over training per variant, base vs aux; line = mean over seeds,
-  band = min..max over seeds, thin lines = single seeds. curves[(variant, loss)] = list of per-seed curves."""
-  plt = _plt()
-  variants = list(dict.fromkeys(v for v, _ in curves))
-  fig, axes = plt.subplots(1, len(variants), figsize=(max(4.6 * len(variants), 8.0), 3.8), squeeze=False)
-  for ax, v in zip(axes[0], variants):
-    for loss in LOSSES:
-      cs = [c for c in curves.get((v, loss), []) if c]
-      if not cs:
-        continue
-      steps, vals = _aligned(cs)
-      st = LOSS_STYLE[loss]
-      for y in vals:
-        ax.plot(steps, y, color=st["color"], lw=0.6, alpha=0.35)
-      seeds = f"mean of {len(vals)} seeds" if len(vals) > 1 else "1 seed"
-      ax.plot(steps, vals.mean(0), color=st["color"], lw=2, label=f"{st['label']} ({seeds})")
-      ax.fill_between(steps, vals.min(0), vals.max(0), color=st["color"], alpha=0.2)
-    ax.set_title(f"{v} attention")
-    ax.set_xlabel("step")
-    ax.set_ylabel("head imbalance: mean_l CV(Imp[l,:])")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-  fig.suptitle("head imbalance during training ([Sink-MoE] Fig. 5 analogue; band: min-max over seeds)", fontsize=10)
-  return _save(fig, path)
-
-
-def _per_layer(records, key, reduce_heads=False):
-  a = np.array([r[key] for r in records], np.float64)
-  return a.mean(-1) if reduce_heads else a                  # [n, L]
-
-
-def plot_first_token(records: list[dict], path) -> pathlib.Path:
-  """Per variant and layer: first-token attention (F-Attn, [GatedAttn] Table 4; solid), the sink ratio alpha averaged
-  over heads ([Sink-MoE] eq. 9; dashed) and, for sink attention, the weight on the sink logit (dotted); mean +- std
-  over seeds."""
-  plt = _plt()
-  variants = list(dict.fromkeys(r["variant"] for r in records))
-  fig, axes = plt.subplots(1, len(variants), figsize=(max(4.6 * len(variants), 8.0), 3.8), squeeze=False)
-  for ax, v in zip(axes[0], variants):
-    for k, loss in enumerate(LOSSES):
-      rs = [r for r in records if r["variant"] == v and r["loss"] == loss]
-      if not rs:
-        continue
-      series = [("first_token_attention", "-", "F-Attn", False), ("sink_ratio_alpha", "--", "alpha", True)]
-      if rs[0]["sink_logit_attention"] is not None:
-        series.append(("sink_logit_attention", ":", "sink logit", False))
-      for key, ls, what, red in series:
-        a = _per_layer(rs, key, red)
-        x = np.arange(a.shape[1]) + (k - 0.5) * 0.08
-        ax.errorbar(x, a.mean(0), yerr=a.std(0, ddof=1) if len(a) > 1 else None, ls=ls, marker="o", ms=3,
-                    capsize=2, color=LOSS_STYLE[loss]["color"], label=f"{what}, {LOSS_STYLE[loss]['label']}")
-    ax.set_title(f"{v} attention")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("attention weight")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xticks(range(len(records[0]["first_token_attention"])))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  fig.suptitle("attention on the row's first token per layer (mean +- std over seeds)", fontsize=10)
-  return _save(fig, path)
-
-
-def plot_value_zeroing(rows: list[dict], path) -> pathlib.Path:
-  """BPB increase over no zeroing when the first token's value is zeroed in all heads / in heads with alpha > tau,
-  teacher-forced (left) and after prefill (right, the paper's definition); mean +- std over seeds, means printed."""
-  plt = _plt()
-  fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
-  names = [f"{r['variant']}\n{r['loss']}\n{r['teacher_forced.num_heads_selected']['mean']:.1f} heads > tau"
-           for r in rows]
-  x = np.arange(len(rows))
-  for ax, defn in zip(axes, ("teacher_forced", "after_prefill")):
-    for j, (what, color) in enumerate((("all", "tab:red"), ("selected", "tab:green"))):
-      d = [np.subtract(r[f"{defn}.bpb_{what}"]["values"], r[f"{defn}.bpb_none"]["values"]) for r in rows]
-      means = [e.mean() for e in d]
-      ax.bar(x + (j - 0.5) * 0.38, means, 0.38, color=color, capsize=3,
-             yerr=[e.std(ddof=1) if len(e) > 1 else 0.0 for e in d],
-             label="all heads" if what == "all" else f"heads with alpha > {TAU}")
-      for xi, m in zip(x + (j - 0.5) * 0.38, means):
-        ax.text(xi, m, f"{m:+.2g}", ha="center", va="bottom" if m >= 0 else "top", fontsize=7)
-    ax.axhline(0, color="gray", lw=1)
-    ax.set_xticks(x, names, fontsize=7)
-    ax.set_ylabel("BPB(zeroed) - BPB(none)")
-    ax.set_title("teacher-forced (value zeroed in the forward pass)" if defn == "teacher_forced" else
-                 "after prefill (zeroed in the KV cache; the paper's App. A)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-  fig.suptitle("value zeroing of the first token: BPB change (mean +- std over seeds)", fontsize=10)
-  return _save(fig, path)
-
-
-def plot_importance(records: list[dict], path) -> pathlib.Path:
-  """Layer x head importance (eq. 5) of the final checkpoints, mean over seeds: one row per loss, one column per
-  variant; every cell printed; each panel on its own colour scale (printed in its title)."""
-  plt = _plt()
-  variants = list(dict.fromkeys(r["variant"] for r in records))
-  fig, axes = plt.subplots(len(LOSSES), len(variants), figsize=(max(3.8 * len(variants), 8.0), 3.4 * len(LOSSES)),
-                           squeeze=False)
-  for i, loss in enumerate(LOSSES):
-    for ax, v in zip(axes[i], variants):
-      rs = [r for r in records if r["variant"] == v and r["loss"] == loss]
-      ax.axis("off") if not rs else None
-      if rs:
-        imp = np.mean([r["importance"] for r in rs], axis=0)
-        _heatmap(ax, imp, f"{v}, {LOSS_STYLE[loss]['label']} ({len(rs)} seeds)")
-  fig.suptitle("head importance Imp[l,h] = mean gate (eq. 5), final checkpoints", fontsize=10)
-  return _save(fig, path)
-
-
-def _heatmap(ax, imp, title: str) -> None:
-  lo, hi = float(imp.min()), float(imp.max())
-  hi = max(hi, lo + 1e-3)
-  ax.imshow(imp, cmap="viridis", vmin=lo, vmax=hi, aspect="auto")
-  L, H = imp.shape
-  for l in range(L):
-    for h in range(H):
-      ax.text(h, l, f"{imp[l, h]:.3f}", ha="center", va="center", fontsize=7,
-              color="black" if (imp[l, h] - lo) / (hi - lo) > 0.6 else "white")
-  ax.set_xticks(range(H))
-  ax.set_yticks(range(L))
-  ax.set_xlabel("head")
-  ax.set_ylabel("layer")
-  ax.set_title(f"{title}\ncolour scale {lo:.3f}-{hi:.3f}", fontsize=9)
 
 
 # ------------------------------------------------------------------------------------------------------ outputs
@@ -498,6 +246,7 @@ def _values(s: dict, nd: int = 4) -> str:
 
 
 def table1_markdown(t1: dict) -> list[str]:
+  from sinkjax.plots import LOSS_STYLE  # lazy: matplotlib, slow to import and the train extra's
   lines = ["| attention | loss | val BPB (mean ± std) | per seed | head imbalance (final) |", "|---|---|---|---|---|"]
   for v, row in t1.items():
     for loss in LOSSES:
@@ -531,7 +280,7 @@ def attention_markdown(records: list[dict]) -> list[str]:
     fmt = lambda a: " ".join(f"{x:.3f}" for x in np.mean(a, 0))
     sink = fmt([r["sink_logit_attention"] for r in rs]) if rs[0]["sink_logit_attention"] is not None else "-"
     lines.append(f"| {v} | {loss} | {fmt([r['first_token_attention'] for r in rs])} | "
-                 f"{fmt(_per_layer(rs, 'sink_ratio_alpha', True))} | {sink} |")
+                 f"{fmt(np.mean([r['sink_ratio_alpha'] for r in rs], -1))} | {sink} |")
   return lines
 
 
@@ -588,24 +337,20 @@ FINETUNE_TITLES = {"none": "no aux loss", "eq7": "eq. 7 (all heads)", "eq8_fixed
 
 
 def finetune_run(scale: Scale, base_dir: pathlib.Path, spec: RunSpec, mode: str, run_dir: pathlib.Path,
-                 steps: int | None) -> dict:
+                 steps: int | None, commit: dict | None = None) -> dict:
   """Fine-tunes the trained base run `base_dir` (train.init_from) with `mode`'s loss and returns the held-out
-  val BPB, importance and head imbalance (finetune_eval.json; a rerun reuses it)."""
+  val BPB, importance and head imbalance (finetune_eval.json's record)."""
   from sinkjax import eval as eval_lib  # lazy: the train extra (main() checks it), not loaded for --help
-  rec = _read_json(run_dir / "finetune_eval.json")
-  if rec is not None:
-    return rec
   weight, m, fixed = FINETUNE_MODES[mode]
   extra = [f"train.init_from={base_dir}", f"loss.aux_weight={weight}", f"loss.num_shared_heads={m}"]
   if fixed:
     extra.append(f"loss.shared_heads_from={base_dir / 'paper_eval.json'}")
   cfg = run_config(scale, spec, run_dir, steps=steps or scale.finetune_steps, extra=extra)
-  done, _ = train_run(cfg, run_dir)
+  done, _ = train_run(cfg, run_dir, commit)
   model, batches = _held_out(run_dir, scale)
   lm = eval_lib.language_model_metrics(model, batches)
   rec = {"mode": mode, "aux_weight": weight, "num_shared_heads": m, "shared_fixed": fixed, "steps": done["steps"],
          **{k: lm[k] for k in ("val_bpb", "importance", "head_imbalance")}}
-  _write_json(run_dir / "finetune_eval.json", rec)
   return rec
 
 
@@ -628,7 +373,9 @@ def head_roles(before, after, m: int = FINETUNE_SHARED) -> dict:
 
 
 def run_finetune(args, scale: Scale, specs: list[RunSpec], root: pathlib.Path) -> dict:
-  """Every trained base run of the first requested seed, fine-tuned in each FINETUNE_MODES mode."""
+  """Every trained base run of the first requested seed, fine-tuned in each FINETUNE_MODES mode (runs
+  OUT/finetune/NAME_MODE, finished once finetune_eval.json is written)."""
+  study = runner.Study(root, layout="finetune/{name}", record="finetune_eval.json", stamp=False)
   out = {}
   bases = [s for s in specs if s.loss == "base" and s.seed == specs[0].seed]
   for i, spec in enumerate(bases):
@@ -638,8 +385,11 @@ def run_finetune(args, scale: Scale, specs: list[RunSpec], root: pathlib.Path) -
            "modes": {}}
     for j, mode in enumerate(FINETUNE_MODES):
       t0 = time.perf_counter()
-      rec = finetune_run(scale, base_dir, spec, mode, root / "finetune" / f"{spec.name}_{mode}",
-                         args.steps)
+      do = lambda d, spec=spec, mode=mode, base_dir=base_dir: (
+          finetune_run(scale, base_dir, spec, mode, d, args.steps, study.commit), "fine-tuned")
+      rec = study.walk_one(runner.Run(f"{spec.name}_{mode}", do)).record
+      if rec is None:
+        raise StudyError(f"fine-tuning run {spec.name}_{mode} is being made by another process; rerun when it ends")
       rec["roles"] = head_roles(before["importance"], rec["importance"])
       res["modes"][mode] = rec
       print(f"[finetune {i * len(FINETUNE_MODES) + j + 1}/{len(bases) * len(FINETUNE_MODES)}] {spec.name} {mode}: "
@@ -647,37 +397,6 @@ def run_finetune(args, scale: Scale, specs: list[RunSpec], root: pathlib.Path) -
             f"({time.perf_counter() - t0:.0f} s)", flush=True)
     out[spec.variant] = res
   return out
-
-
-def plot_finetune(ft: dict, path) -> pathlib.Path:
-  """[Sink-MoE] Fig. 11 analogue: importance before fine-tuning and after each mode (columns), one row per variant; the
-  shared heads (top-m per layer before) are boxed in red, one colour scale per row."""
-  plt = _plt()
-  from matplotlib.patches import Rectangle  # lazy: matplotlib, as in _plt
-  cols = ["before"] + list(FINETUNE_MODES)
-  fig, axes = plt.subplots(len(ft), len(cols), figsize=(3.3 * len(cols), 3.2 * len(ft)), squeeze=False)
-  for row, (v, res) in zip(axes, ft.items()):
-    imps = [np.asarray(res["before"]["importance"])] + [np.asarray(res["modes"][m]["importance"]) for m in FINETUNE_MODES]
-    lo, hi = min(x.min() for x in imps), max(x.max() for x in imps)
-    for ax, name, imp in zip(row, cols, imps):
-      ax.imshow(imp, cmap="viridis", vmin=lo, vmax=max(hi, lo + 1e-3), aspect="auto")
-      for l, top in enumerate(res["modes"]["eq7"]["roles"]["shared_heads"]):
-        for h in top:
-          ax.add_patch(Rectangle((h - 0.42, l - 0.42), 0.84, 0.84, fill=False, edgecolor="red", lw=2))
-      for l in range(imp.shape[0]):
-        for h in range(imp.shape[1]):
-          ax.text(h, l, f"{imp[l, h]:.3f}", ha="center", va="center", fontsize=6,
-                  color="black" if (imp[l, h] - lo) / max(hi - lo, 1e-3) > 0.6 else "white")
-      cv = res["before"]["head_imbalance"] if name == "before" else res["modes"][name]["head_imbalance"]
-      ax.set_title(f"{v}: {'before fine-tuning' if name == 'before' else FINETUNE_TITLES[name]}\n"
-                   f"imbalance {cv:.3f}", fontsize=8)
-      ax.set_xticks(range(imp.shape[1]))
-      ax.set_yticks(range(imp.shape[0]))
-      ax.set_xlabel("head", fontsize=8)
-      ax.set_ylabel("layer", fontsize=8)
-  fig.suptitle(f"head importance before / after fine-tuning (lambda {FINETUNE_LAMBDA:g}, m = {FINETUNE_SHARED}; red box: "
-               f"shared heads = top-{FINETUNE_SHARED} per layer before; one colour scale per row)", fontsize=9)
-  return _save(fig, path)
 
 
 def finetune_markdown(ft: dict) -> list[str]:
@@ -700,23 +419,6 @@ def finetune_markdown(ft: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------ driver
-
-class StudyError(UserError):
-  """A user-facing problem of the study (the message says what to change)."""
-
-
-def _exclusive(out: pathlib.Path):
-  """An exclusive lock on OUT (released when the process ends, however it ends): two invocations training the same
-  run directories would overwrite each other's checkpoints and metrics."""
-  f = open(out / ".study.lock", "a+")  # pylint: disable=consider-using-with
-  try:
-    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except BlockingIOError:
-    f.close()
-    raise StudyError(f"another invocation of the study is running on --out {out}; wait for it to finish (then rerun "
-                     "this one: finished runs are skipped) or use another --out") from None
-  return f
-
 
 def _lock(out: pathlib.Path, scale: Scale, steps: int | None) -> None:
   """OUT/study.json pins the scale and steps: runs of another size in the same directory would not compare."""
@@ -767,30 +469,41 @@ def write_results(out: pathlib.Path, args, scale: Scale, specs, machine: dict, f
   curves = {}
   for r in records:
     curves.setdefault((r["variant"], r["loss"]), []).append(r["imbalance_curve"])
-  figures = [plot_table1(res["table1"], out / "table1_bpb.png"), plot_imbalance_curves(curves, out / "imbalance_curves.png"),
-             plot_first_token(records, out / "first_token_attention.png"),
-             plot_value_zeroing(res["value_zeroing"], out / "value_zeroing.png"),
-             plot_importance(records, out / "importance.png")]
+  from sinkjax import plots  # lazy: matplotlib, slow to import and the train extra's
+  figures = [plots.plot_table1(res["table1"], out / "table1_bpb.png"),
+             plots.plot_imbalance_curves(curves, out / "imbalance_curves.png"),
+             plots.plot_first_token(records, out / "first_token_attention.png"),
+             plots.plot_value_zeroing(res["value_zeroing"], out / "value_zeroing.png", TAU),
+             plots.plot_importance_grid(records, out / "importance.png")]
   if ft:
-    figures.append(plot_finetune(ft, out / "finetune.png"))
+    figures.append(plots.plot_finetune(ft, out / "finetune.png", titles=FINETUNE_TITLES, lam=FINETUNE_LAMBDA,
+                                       m=FINETUNE_SHARED))
   res["figures"] = [p.name for p in figures]
   _write_json(out / "results.json", res)
   (out / "results.md").write_text(results_markdown(res))
   return res
 
 
-def run_one(scale, spec, run_dir, steps):
-  """Trains (unless done) and evaluates (unless done) one run of a study and keeps its raw files in
-  OUT/raw/NAME (`keep_raw`); (its eval record, what was done)."""
-  try:
-    _, trained = train_run(run_config(scale, spec, run_dir, steps=steps), run_dir)
-    rec, evaluated = evaluate_run(run_dir, scale)
-  except UserError as e:              # a bad config, data or checkpoint, a failed run: which run it was
-    raise StudyError(f"run {spec.name}: {e}") from e
-  keep_raw(run_dir, run_dir.parent.parent / "raw" / spec.name)
-  what = ("trained + evaluated" if trained else "evaluated (trained before)") if evaluated or trained else \
-      "done before, skipped"
-  return rec, what
+def paper_run(scale: Scale, spec: RunSpec, steps: int | None, commit: dict | None = None) -> runner.Run:
+  """One run of a study for the runner: trains it (unless done.json says it finished; done.json records `commit`)
+  and evaluates it (`evaluate_run`, the record the runner writes to paper_eval.json)."""
+  def do(run_dir):
+    try:
+      _, trained = train_run(run_config(scale, spec, run_dir, steps=steps), run_dir, commit)
+      rec = evaluate_run(run_dir, scale)
+    except UserError as e:              # a bad config, data or checkpoint, a failed run: which run it was
+      raise StudyError(f"run {spec.name}: {e}") from e
+    return rec, "trained + evaluated" if trained else "evaluated (trained before)"
+  return runner.Run(spec.name, do, spec.overrides)
+
+
+def _progress(res: runner.Result, i: int, n: int, t_start: float, label: str = "") -> None:
+  head = f"[{i}/{n}] {res.run.name}{label}: {res.what}"
+  if res.record is None:
+    print(head, flush=True)
+    return
+  print(f"{head}; val_bpb {res.record['val_bpb']:.4f}, head imbalance {res.record['head_imbalance']:.3f} "
+        f"({res.seconds:.0f} s; study {time.perf_counter() - t_start:.0f} s)", flush=True)
 
 
 def run_study(args, scale: Scale, specs: list[RunSpec], mirror=None) -> dict:
@@ -800,14 +513,12 @@ def run_study(args, scale: Scale, specs: list[RunSpec], mirror=None) -> dict:
   sync = mirror.sync if mirror is not None else (lambda: 0)
   machine = machine_info()
   t_start = time.perf_counter()
-  for i, spec in enumerate([] if args.report_only else specs, 1):
-    run_dir = out / "runs" / spec.name
-    t0 = time.perf_counter()
-    rec, what = run_one(scale, spec, run_dir, args.steps)
-    print(f"[{i}/{len(specs)}] {spec.name}: {what}; val_bpb {rec['val_bpb']:.4f}, head imbalance "
-          f"{rec['head_imbalance']:.3f} ({time.perf_counter() - t0:.0f} s; study {time.perf_counter() - t_start:.0f} s)",
-          flush=True)
+  study = grid_study(out)
+
+  def done(i, n, res):
+    _progress(res, i, n, t_start)
     sync()
+  study.walk([] if args.report_only else [paper_run(scale, s, args.steps, study.commit) for s in specs], done)
   ft = run_finetune(args, scale, specs, out) if args.finetune and not args.report_only else \
       _read_json(out / "finetune.json")
   if args.finetune and not args.report_only:
@@ -900,16 +611,13 @@ def run_dose(args, scale: Scale, specs: list[RunSpec], out: pathlib.Path) -> dic
   reuse, why = reusable_records(args.reuse, scale, args.steps)
   print(f"reuse of {args.reuse}: {why.get('reused')} {why.get('reason', '')}", flush=True)
   t_start = time.perf_counter()
+  study = grid_study(out)
   for i, spec in enumerate([] if args.report_only else specs, 1):
-    run_dir = out / "runs" / spec.name
-    t0 = time.perf_counter()
-    if not (run_dir / "paper_eval.json").is_file() and (spec.variant, spec.loss, spec.seed) in reuse:
+    if study.state(spec.name) != "done" and (spec.variant, spec.loss, spec.seed) in reuse:
       print(f"[{i}/{len(specs)}] {spec.name}: reused from {args.reuse}", flush=True)
       continue
-    rec, what = run_one(scale, spec, run_dir, args.steps)
-    print(f"[{i}/{len(specs)}] {spec.name} (lambda {spec.lam:g}): {what}; val_bpb {rec['val_bpb']:.4f}, head "
-          f"imbalance {rec['head_imbalance']:.3f} ({time.perf_counter() - t0:.0f} s; study "
-          f"{time.perf_counter() - t_start:.0f} s)", flush=True)
+    res = study.walk_one(paper_run(scale, spec, args.steps, study.commit))
+    _progress(res, i, len(specs), t_start, f" (lambda {spec.lam:g})")
   records = dose_records(out, specs, reuse)
   if not records:
     raise StudyError(f"no finished dose runs in {out}/runs and nothing reusable")
@@ -1012,7 +720,7 @@ def main(argv=None) -> int:
       local = mirror.local
       local.mkdir(parents=True, exist_ok=True)
       # held while the study runs; --report-only trains nothing and may run beside a study that is training
-      lock = None if args.report_only else _exclusive(local)  # noqa: F841  # pylint: disable=unused-variable
+      lock = None if args.report_only else runner.exclusive(local)  # noqa: F841  # pylint: disable=unused-variable
       _lock(local, scale, args.steps)
       if args.lambdas:
         res = run_dose(args, scale, specs, local)

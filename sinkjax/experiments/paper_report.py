@@ -77,6 +77,38 @@ def _curve_at(curve, step):
   return d.get(step)
 
 
+def seed_stats(xs) -> dict:
+  """mean, sample std (ddof 1; None for one value), min, max, n and the values."""
+  a = np.asarray(xs, np.float64)
+  return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else None, "min": float(a.min()),
+          "max": float(a.max()), "n": int(a.size), "values": a.tolist()}
+
+
+def table1(records: list[dict]) -> dict:
+  """[Sink-MoE] Table 1 from run records ({variant, loss: "base" | "aux", seed, val_bpb, head_imbalance}): per
+  variant, val BPB and final head imbalance of base and aux over seeds (`seed_stats`), and the paired per-seed
+  difference aux - base (seeds where both finished). The one computation behind paper.py's results.json and this
+  report's stats.json."""
+  out = {}
+  for v in dict.fromkeys(r["variant"] for r in records):
+    by = {(r["loss"], r["seed"]): r for r in records if r["variant"] == v}
+    row = {}
+    for loss in ("base", "aux"):
+      rs = sorted((r for (l, _), r in by.items() if l == loss), key=lambda r: r["seed"])
+      if rs:
+        row[loss] = {"seeds": [r["seed"] for r in rs], "val_bpb": seed_stats([r["val_bpb"] for r in rs]),
+                     "head_imbalance": seed_stats([r["head_imbalance"] for r in rs])}
+    paired = sorted(s for (l, s) in by if l == "aux" and ("base", s) in by)
+    if paired:
+      row["aux_minus_base"] = {
+          "seeds": paired,
+          "val_bpb": seed_stats([by["aux", s]["val_bpb"] - by["base", s]["val_bpb"] for s in paired]),
+          "head_imbalance": seed_stats([by["aux", s]["head_imbalance"] - by["base", s]["head_imbalance"]
+                                        for s in paired])}
+    out[v] = row
+  return out
+
+
 def _rng(xs, nd=3, fmt="f"):
   xs = [x for x in xs if x is not None]
   return f"{min(xs):.{nd}{fmt}}–{max(xs):.{nd}{fmt}}"
@@ -277,15 +309,12 @@ def table1_lines(gs: dict) -> list[str]:
 
 
 def _table1(runs) -> dict:
-  out = {}
-  for v in VARIANTS:
-    out[v] = {}
-    for loss in ("base", "aux"):
-      rs = sorted((r for r in runs if r["variant"] == v and r["loss"] == loss), key=lambda r: r["seed"])
-      b = np.array([r["val_bpb"] for r in rs])
-      out[v][loss] = {"mean": float(b.mean()), "std": float(b.std(ddof=1)), "val_bpb": b.tolist(),
-                      "head_imbalance": [r["head_imbalance"] for r in rs], "seeds": [r["seed"] for r in rs]}
-  return out
+  """`table1` as the grid report lays it out: per variant (VARIANTS order) and loss, the val BPB's mean ± std over
+  seeds and values, and the final head imbalance per seed."""
+  t1 = table1(runs)
+  return {v: {loss: {"mean": r["val_bpb"]["mean"], "std": r["val_bpb"]["std"], "val_bpb": r["val_bpb"]["values"],
+                     "head_imbalance": r["head_imbalance"]["values"], "seeds": r["seeds"]}
+              for loss, r in t1[v].items() if loss in ("base", "aux")} for v in VARIANTS}
 
 
 def value_sections(gs: dict) -> list[str]:
@@ -554,78 +583,6 @@ def _rank_diffs(runs, variant, lam, control=0.0) -> tuple[list[float], list[floa
           [float((treat[s][:, 1:] - base[s][:, 1:]).mean()) for s in seeds])
 
 
-def plot_dose(dose: dict, ds: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
-  import matplotlib  # lazy: slow to import, and only the figures need it
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  runs = dose["runs"]
-  lambdas = ds["lambdas"]
-  colors = plt.cm.viridis(np.linspace(0, 0.9, len(lambdas)))
-  fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.6))
-  for lam, col in zip(lambdas, colors):
-    cs = [r["imbalance_curve"] for r in runs if float(r["lambda"]) == lam and r.get("imbalance_curve")]
-    if not cs:
-      continue
-    common = sorted(set.intersection(*(set(int(s) for s, _ in c) for c in cs)))
-    vals = np.array([[dict((int(s), y) for s, y in c)[s] for s in common] for c in cs])
-    ax.plot(common, vals.mean(0), color=col, lw=2, label=f"λ = {lam:g} ({len(cs)} seeds)")
-    ax.fill_between(common, vals.min(0), vals.max(0), color=col, alpha=0.2)
-    bpb = ds["per_lambda"][f"{lam:g}"]["val_bpb"]
-    x = lambdas.index(lam)
-    ax2.scatter([x] * len(bpb), bpb, color=col, s=25)
-    ax2.errorbar([x + 0.12], [np.mean(bpb)], yerr=[np.std(bpb, ddof=1) if len(bpb) > 1 else 0], fmt="s",
-                 color="black", capsize=4)
-  ax.set_xlabel("step")
-  ax.set_ylabel("head imbalance (eq. 6), training batches")
-  ax.set_title(f"{ds['variant']} attention: imbalance during training\nline: mean over seeds, band: min–max")
-  ax.set_ylim(bottom=0)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  base = dict(zip(ds["per_lambda"]["0"]["seeds"], ds["per_lambda"]["0"]["val_bpb"]))
-  for x, (lam, col) in enumerate(zip(lambdas, colors)):
-    r = ds["per_lambda"][f"{lam:g}"]
-    d = [b - base[s] for s, b in zip(r["seeds"], r["val_bpb"]) if s in base]
-    if lam == 0 or not d:
-      continue
-    ax3.scatter([x] * len(d), d, color=col, s=25)
-    t = stats.t_interval(d) if len(d) > 1 else None
-    ax3.plot([x - 0.2, x + 0.2], [np.mean(d)] * 2, color="black", lw=2)
-    if t is not None:
-      ax3.plot([x + 0.25] * 2, [t["low"], t["high"]], color="black", lw=1)
-  ax3.axhline(0, color="gray", lw=1)
-  ax3.set_xticks(range(len(lambdas)), [f"{lam:g}" for lam in lambdas])
-  ax3.set_xlabel("λ (aux weight)")
-  ax3.set_ylabel("BPB(λ) − BPB(λ = 0), same seed")
-  ax3.set_title("paired difference per seed (bar: mean)\nline: its 95 % t-interval (t with n − 1 df)")
-  ax3.grid(alpha=0.3)
-  ax2.set_xticks(range(len(lambdas)), [f"{lam:g}" for lam in lambdas])
-  ax2.set_xlabel("λ (aux weight)")
-  ax2.set_ylabel("val BPB (8 held-out batches)")
-  ax2.set_title("final val BPB per seed (square: mean ± std)")
-  ax2.grid(alpha=0.3)
-  fig.tight_layout()
-  p1 = out_dir / "dose_imbalance.png"
-  fig.savefig(p1, dpi=110)
-  plt.close(fig)
-  fig, ax = plt.subplots(figsize=(6.5, 4.4))
-  for lam, col in zip(lambdas, colors):
-    ranks = np.array(ds["per_lambda"][f"{lam:g}"]["importance_by_rank"])          # [seeds, H]
-    h = np.arange(1, ranks.shape[1] + 1)
-    ax.plot(h, ranks.mean(0), color=col, marker="o", lw=2, label=f"λ = {lam:g}")
-    ax.fill_between(h, ranks.min(0), ranks.max(0), color=col, alpha=0.15)
-  ax.set_xticks(range(1, ranks.shape[1] + 1))
-  ax.set_xlabel("head rank within its layer (1 = strongest)")
-  ax.set_ylabel("importance (mean gate, eq. 5), mean over layers")
-  ax.set_title(f"{ds['variant']}: held-out head importance by rank\nline: mean over seeds, band: min–max")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  p2 = out_dir / "dose_importance.png"
-  fig.savefig(p2, dpi=110)
-  plt.close(fig)
-  return [p1, p2]
-
-
 def dose_effects_lines(effects: list[dict], control_label: str = "paired with") -> list[str]:
   """One row per lambda and quantity (RESULTS.md copies these tables)."""
   lines = [f"| effect ({control_label}) | {EFFECT_HEADER[0]}", f"|---|{EFFECT_HEADER[1]}"]
@@ -815,56 +772,6 @@ def runs_markdown(rows: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _ema(ys, alpha: float = 0.1):
-  out, m = [], None
-  for y in ys:
-    m = y if m is None else (1 - alpha) * m + alpha * y
-    out.append(m)
-  return out
-
-
-def plot_runs(runs: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
-  """fig5_imbalance.png (Fig. 5) and fig8_loss_bpb.png (Fig. 8): base vs base + aux over training, a panel per size
-  (rows) and attention (columns); raw values faint, EMA (0.1) solid; several runs of a cell each drawn."""
-  import matplotlib  # lazy: slow to import, and only the figures need it
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  sizes = sorted({(r["layers"], r["size"]) for r in runs})
-  atts = sorted({r["attention"] for r in runs}, key=lambda v: (VARIANTS.index(v) if v in VARIANTS else 99, v))
-  colors = {"base": "tab:blue", "aux": "tab:red"}
-  written = []
-  for name, keys in (("fig5_imbalance.png", ("head_imbalance",)), ("fig8_loss_bpb.png", ("loss", "val_bpb"))):
-    nrows = len(sizes) * len(keys)
-    fig, axes = plt.subplots(nrows, len(atts), figsize=(4.5 * len(atts), 3.2 * nrows), squeeze=False)
-    for i, (_, size) in enumerate(sizes):
-      for k, key in enumerate(keys):
-        for j, att in enumerate(atts):
-          ax = axes[i * len(keys) + k][j]
-          for r in runs:
-            if r["size"] != size or r["attention"] != att or not r["curves"][key]:
-              continue
-            x, y = zip(*r["curves"][key])
-            label = "base" if r["loss"] == "base" else "base + aux"
-            if key != "val_bpb":
-              ax.plot(x, y, color=colors[r["loss"]], alpha=0.25, lw=0.8)
-              y = _ema(y)
-            ax.plot(x, y, color=colors[r["loss"]], lw=1.6, label=label)
-          ax.set_title(f"{size}, {att}", fontsize=9)
-          ax.set_xlabel("step", fontsize=8)
-          ax.set_ylabel({"head_imbalance": "head imbalance (eq. 6)", "loss": "training loss",
-                         "val_bpb": "validation BPB"}[key], fontsize=8)
-          handles, labels = ax.get_legend_handles_labels()
-          if handles:
-            uniq = dict(zip(labels, handles))
-            ax.legend(uniq.values(), uniq.keys(), fontsize=7)
-    fig.tight_layout()
-    path = out_dir / name
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
-  return written
-
-
 def runs_report(patterns: list[str], out: str | None) -> str:
   """Reads the runs, prints Table 1 (and where each BPB came from); with `out` writes table1.md / table1.json and the
   figures there. Returns the markdown."""
@@ -882,7 +789,8 @@ def runs_report(patterns: list[str], out: str | None) -> str:
       (d / "table1.md").write_text(md)
       (d / "table1.json").write_text(json.dumps(_jsonable({"rows": rows, "columns": [
           {"column": c, "task": t, "metrics": list(k)} for c, t, k in TABLE1_COLUMNS]}), indent=1))
-      plot_runs(runs, d)
+      from sinkjax import plots  # pylint: disable=import-outside-toplevel
+      plots.plot_runs(runs, d, VARIANTS)
     print(f"wrote {out}/table1.md, table1.json, fig5_imbalance.png, fig8_loss_bpb.png")
   return md
 
@@ -928,7 +836,8 @@ def main(argv=None) -> int:
     for e in ds["effects"] + ds["drift"] + ds["same_commit"]:
       print(f"  - {e['sentence']}")
     if args.write:
-      plot_dose(dose, ds, dose_path.parent)
+      from sinkjax import plots  # pylint: disable=import-outside-toplevel
+      plots.plot_dose(dose, ds, dose_path.parent)
       (dose_path.parent / "dose.md").write_text(dose_markdown(dose, ds, rel(dose_path)))
       (dose_path.parent / "dose_stats.json").write_text(json.dumps(_jsonable(ds), indent=1))
   return 0

@@ -6,9 +6,10 @@ and per-head (importance vs random) caches.
     python -m sinkjax.experiments.streaming_real --report [--out docs/results/streaming_real]
 
 `--checkpoint` is an imported real model (docs/CONVERT.md: SmolLM2-135M-Instruct), scored in float32. Run by run,
-resumable: every run writes its own raw file `--out`/<name>.json (its per-position NLLs, cache, timing and the commit
-that made it) and a finished run is never redone; `--report` (also run at the end) reads only those files and writes
-results.md, results.json and streaming_real.png there.
+resumable (walked by `sinkjax.experiments.runner`): every run writes its own raw file `--out`/<name>.json (its
+per-position NLLs, cache, timing and the commit that made it) and a finished run is never redone; `--report` (also run
+at the end) reads only those files (refusing runs of different commits or token sequences) and writes results.md,
+results.json and streaming_real.png there.
 
 Texts (offline, English prose from this machine's Python, no code):
 - scored: Python's help topics (pydoc_data.topics, in key order), the paragraphs that are prose (`prose_paragraphs`:
@@ -50,8 +51,8 @@ import time
 import numpy as np
 
 from sinkjax import cache_policy
-from sinkjax.cli import UserError
-from sinkjax.experiments import stats
+from sinkjax.experiments import runner, stats
+from sinkjax.experiments.runner import StudyError
 
 SINKS = 4
 WINDOWS = (256, 1024)
@@ -60,10 +61,6 @@ IMPORTANCE_SEQ, IMPORTANCE_DOCS = 256, 256
 CHECK_TOKENS = 320
 BLOCK = 512               # per-block comparison of two maps
 CURVE = 256               # running mean of the figure
-
-
-class StudyError(UserError):
-  """A bad command line or mixed raw files (the message says what to change)."""
 
 
 # ------------------------------------------------------------------------------------------------------------ texts
@@ -117,10 +114,7 @@ def plan(random_maps: int) -> list[str]:
   return names + ["full", "check"]
 
 
-def _write(path: pathlib.Path, obj) -> None:
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(obj, indent=1))
-  os.replace(tmp, path)
+_write = runner.write_json
 
 
 def _nll_list(nll) -> list[float]:
@@ -189,12 +183,11 @@ def check_run(model, ids, args) -> dict:
 
 
 def study(args) -> None:
-  from sinkjax.experiments.paper import git_commit  # pylint: disable=import-outside-toplevel
   from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
   logging.getLogger("absl").setLevel(logging.ERROR)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  commit = git_commit()
+  runs = runner.Study(out, layout=".", record="{name}.json")      # the commit: HEAD as the study starts
   model, cfg, tok, _ = load_run(args.checkpoint, overrides=["model.dtype=float32"])
   text = scored_text()
   ids = tok.encode_document(text)[:args.tokens]
@@ -204,27 +197,30 @@ def study(args) -> None:
           "text": "pydoc_data.topics prose paragraphs (sinkjax.experiments.streaming_real.prose_paragraphs), key order",
           "ids_sha256": hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest(), "dtype": "float32",
           "python": sys.version.split()[0]}
-  importance = None
-  for name in plan(args.random_maps):
-    path = out / f"{name}.json"
-    if path.is_file():
+
+  def do(name):
+    def run(_):
+      print(f"[streaming_real] {name} ...", file=sys.stderr, flush=True)
+      t0 = time.perf_counter()
       if name == "importance":
-        importance = json.loads(path.read_text())["importance"]
-      continue
-    print(f"[streaming_real] {name} ...", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    if name == "importance":
-      rec = {"name": name, **measure_importance(model, cfg, tok, out)}
-      importance = rec["importance"]
-      (out / "importance_docs.jsonl").unlink(missing_ok=True)
-    elif name == "check":
-      rec = check_run(model, ids, args)
-    else:
-      rec = score_run(name, model, ids, importance, args)
-    rec.update(meta=meta, wall_seconds=round(time.perf_counter() - t0, 1), **commit)
-    _write(path, rec)
-    print(f"[streaming_real] {name}: {rec['wall_seconds']} s" +
-          (f", ppl {math.exp(np.mean(rec['nll'])):.3f}" if "nll" in rec else ""), file=sys.stderr, flush=True)
+        rec = {"name": name, **measure_importance(model, cfg, tok, out)}
+        (out / "importance_docs.jsonl").unlink(missing_ok=True)
+      elif name == "check":
+        rec = check_run(model, ids, args)
+      else:
+        rec = score_run(name, model, ids, runner.read_json(runs.record_path("importance"))["importance"], args)
+      rec.update(meta=meta, wall_seconds=round(time.perf_counter() - t0, 1))
+      return rec, "scored"
+    return run
+
+  def done(_i, _n, res):
+    if res.record is None:
+      print(f"[streaming_real] {res.run.name}: {res.what}", file=sys.stderr, flush=True)
+    elif res.ran:
+      rec = res.record
+      print(f"[streaming_real] {rec['name']}: {rec['wall_seconds']} s" +
+            (f", ppl {math.exp(np.mean(rec['nll'])):.3f}" if "nll" in rec else ""), file=sys.stderr, flush=True)
+  runs.walk([runner.Run(name, do(name)) for name in plan(args.random_maps)], done)
   report(out)
 
 
@@ -238,6 +234,9 @@ def load(out: pathlib.Path) -> dict:
   scored = [r for r in runs.values() if "nll" in r]
   if len({r["meta"]["ids_sha256"] for r in scored}) > 1:
     raise StudyError(f"{out}: runs over different token sequences; give each study its own --out")
+  if not runs:
+    raise StudyError(f"{out} holds no raw run files; run the study (--checkpoint) first, or give its --out")
+  runner.one_commit(list(runs.values()))
   return runs
 
 
@@ -291,32 +290,15 @@ def _label(row) -> str:
 
 
 def figure(runs: dict, path: pathlib.Path) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  curve = lambda nll: np.exp(np.convolve(np.asarray(nll, np.float64), np.ones(CURVE) / CURVE, mode="valid"))
-  fig, ax = plt.subplots(figsize=(9, 5))
-  x0 = CURVE + 1                    # the first running mean ends at target position CURVE (1-based: token CURVE + 1)
+  """streaming_real.png (`plots.plot_streaming`): the full cache, window-only and sinks + window at each W and the
+  importance hybrid as lines, the random hybrids as a band."""
+  from sinkjax import plots  # pylint: disable=import-outside-toplevel
   order = ["full", *[f"{k}_w{w}" for w in WINDOWS for k in ("window", f"sinks{SINKS}")],
            f"hybrid_importance_w{HYBRID_WINDOW}"]
-  for name in order:
-    if name in runs:
-      c = curve(runs[name]["nll"])
-      ax.plot(np.arange(x0, x0 + len(c)), c, lw=1.2, label=_label(summary({name: runs[name]})["rows"][0]))
-  randoms = [curve(r["nll"]) for r in runs.values() if r.get("map_source", "").startswith("random")]
-  if randoms:
-    rs = np.stack(randoms)
-    xs = np.arange(x0, x0 + rs.shape[1])
-    ax.fill_between(xs, rs.min(0), rs.max(0), color="gray", alpha=0.35,
-                    label=f"hybrid, {len(randoms)} random maps (min-max)")
-  ax.set_yscale("log")
-  ax.set_xlabel("token position")
-  ax.set_ylabel(f"perplexity (running mean of NLL over {CURVE} tokens)")
-  ax.set_title("SmolLM2-135M-Instruct, streaming perplexity on Python's help topics (float32)")
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  lines = [(_label(summary({n: runs[n]})["rows"][0]), runs[n]["nll"]) for n in order if n in runs]
+  randoms = [r["nll"] for r in runs.values() if r.get("map_source", "").startswith("random")]
+  plots.plot_streaming(lines, randoms, path, window=CURVE,
+                       title="SmolLM2-135M-Instruct, streaming perplexity on Python's help topics (float32)")
 
 
 def report(out: pathlib.Path) -> dict:

@@ -332,56 +332,6 @@ def evaluate(params, variant: str, x, y, tpos, impl: str = "reference") -> dict[
   return rec
 
 
-# ------------------------------------------------------------------------------------------------- figures
-
-def _heatmap(fig, ax, a, title, T, vmax=1.0):
-  im = ax.imshow(a, aspect="equal", interpolation="nearest", vmin=0.0, vmax=vmax, cmap="Blues")
-  ax.set_title(title, fontsize=9)
-  ticks = list(range(0, T, 2))
-  ax.set_xticks(ticks)
-  ax.set_yticks(ticks)
-  ax.set_xticklabels([str(t + 1) for t in ticks], fontsize=7)
-  ax.set_yticklabels([str(t + 1) for t in ticks], fontsize=7)
-  ax.set_xlabel("key position", fontsize=8)
-  ax.set_ylabel("query position", fontsize=8)
-  fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-
-
-def plot_mean_std(maps: dict[str, np.ndarray], T: int, trigger: int, path: str):
-  """[SinkNecessary] Fig. 3: mean and std over test sequences of the 1x1 attention maps, one row per variant."""
-  import matplotlib  # lazy: slow to import, and only the figures need it
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  names = list(maps)
-  fig, axes = plt.subplots(len(names), 2, figsize=(8, 3.6 * len(names)), squeeze=False)
-  for r, name in enumerate(names):
-    a = maps[name]                                                          # [N,T,T]
-    _heatmap(fig, axes[r, 0], a.mean(0), f"{name}: mean attention", T)
-    std = a.std(0)                      # often ~1e-3: on the mean's 0-1 scale it would look blank
-    _heatmap(fig, axes[r, 1], std, f"{name}: std (max {std.max():.2g})", T, vmax=max(float(std.max()), 1e-9))
-  fig.suptitle(f"1 layer x 1 head, {maps[names[0]].shape[0]} test sequences, trigger at position {trigger + 1}",
-               fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
-def plot_heads(attn: np.ndarray, title: str, T: int, path: str):
-  """[SinkNecessary] Fig. 4-5: one example's attention map for every (layer, head); attn [L,H,T,T]."""
-  import matplotlib  # lazy: slow to import, and only the figures need it
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  L, H = attn.shape[:2]
-  fig, axes = plt.subplots(L, H, figsize=(3.6 * H, 3.3 * L), squeeze=False)
-  for l in range(L):
-    for h in range(H):
-      _heatmap(fig, axes[l, h], attn[l, h], f"layer {l + 1}, head {h + 1}", T)
-  fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
 # --------------------------------------------------------------------------------------------------- driver
 
 def solved_on_heldout(params, variant: str, x, y, stop_linf: float, impl: str = "reference") -> dict[str, Any]:
@@ -502,6 +452,7 @@ def run_study(args, variants, configs, max_steps) -> None:
   # the held-out batch the "solved" rule is applied to: training batch size, keys no training run draws
   x_ho, y_ho, _ = make_batch(jax.random.key(20_000 + args.seed), args.batch_size, T, d, bos=bos)
 
+  from sinkjax import plots  # lazy: matplotlib, slow to import; only the figures need it
   records, figures = [], []
   t_start = time.perf_counter()
   for layers, heads in configs:
@@ -524,15 +475,15 @@ def run_study(args, variants, configs, max_steps) -> None:
         single_maps[variant] = attn[0, :, 0]
       else:
         path = os.path.join(out, f"attention_{variant}_{layers}L{heads}H.png")
-        plot_heads(attn[:, 0], f"{variant} attention, {layers} layers x {heads} heads, one test sequence, "
-                   f"trigger at position {fig_trigger + 1}", T, path)
+        plots.plot_attention_heads(attn[:, 0], f"{variant} attention, {layers} layers x {heads} heads, one test "
+                                   f"sequence, trigger at position {fig_trigger + 1}", T, path)
         figures.append(path)
       with open(os.path.join(out, "results.json"), "w") as f:        # rewritten after every model
         json.dump(records, f, indent=1)
       mirror.sync()
     if single_maps:
       path = os.path.join(out, "attention_1L1H.png")
-      plot_mean_std(single_maps, T, fig_trigger, path)
+      plots.plot_attention_mean_std(single_maps, T, fig_trigger, path)
       figures.append(path)
 
   table = format_table(records)

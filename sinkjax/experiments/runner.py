@@ -1,0 +1,230 @@
+"""The one runner of the study drivers: a grid of runs walked in order, each in its own directory.
+
+A `Run` is a name and what to do (`do(run_dir) -> (record, what)`: train, evaluate, score; `what` says in a few words
+what it did). A `Study` walks a list of them in order and, for each:
+
+- **skips** a run whose record file exists (it finished before, in this process or another);
+- **resumes** one whose directory exists without a record (an interrupted run: `do` is called again and picks up
+  from what it left, e.g. `sinkjax.train`'s checkpoints);
+- **locks** the run while `do` works (an exclusive `flock` on RUN_DIR/.NAME.lock, removed when the run ends): a
+  second process walking the same grid skips the run another is working on instead of training it twice;
+- writes the record (atomically) with the **commit** of the code the study runs (`git_commit`, read once when the
+  study starts: the checkout's HEAD may move during a long study, the code loaded at the start is what made every
+  record), unless `do` wrote the record itself;
+- copies the run's own **raw files** (records, metrics.jsonl, config.yaml: no checkpoints) to RAW/NAME, small enough
+  to commit.
+
+Aggregation reads the records back (`Study.records`) and refuses runs of different commits (`one_commit`: a
+one-line `StudyError` naming each commit's runs). `exclusive(dir)` locks a whole study directory for drivers that
+allow one invocation at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import time
+from typing import Any, Callable
+
+from sinkjax.cli import UserError
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+class StudyError(UserError):
+  """A user-facing problem of a study (the message says what to change)."""
+
+
+# ------------------------------------------------------------------------------------------------------ files
+
+def read_json(path) -> Any:
+  """The JSON at `path`, or None when there is no such file."""
+  path = pathlib.Path(path)
+  return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_json(path, obj) -> None:
+  """Writes `obj` as indented JSON through a temporary file, so a reader never sees half a record."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(obj, indent=1))
+  os.replace(tmp, path)
+
+
+def git_commit() -> dict:
+  """{"commit": HEAD of the checkout this code runs from (or "unknown"), "dirty": whether tracked files differ from
+  it}: what a run was made with."""
+  try:
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=True, timeout=30).stdout.strip() != ""
+  except (OSError, subprocess.SubprocessError):
+    return {"commit": "unknown", "dirty": None}
+  return {"commit": head, "dirty": dirty}
+
+
+def one_commit(records: list[dict]) -> str | None:
+  """The commit every record was made with; a StudyError naming them when they differ (None: no records)."""
+  by = {}
+  for r in records:
+    by.setdefault(r.get("commit") or "unrecorded", []).append(r.get("name") or r.get("run_dir") or "?")
+  if len(by) > 1:
+    raise StudyError("runs of different commits cannot be aggregated: " + "; ".join(
+        f"{c}: {', '.join(map(str, names))}" for c, names in sorted(by.items())) + " (rerun them on one commit, or "
+        "give each commit its own --out)")
+  return next(iter(by), None)
+
+
+def copy_files(src: pathlib.Path, dst: pathlib.Path, names) -> None:
+  """Copies those of `names` that exist in src to dst (created when there is something to copy)."""
+  for name in names:
+    if (src / name).is_file():
+      dst.mkdir(parents=True, exist_ok=True)
+      shutil.copy2(src / name, dst / name)
+
+
+# ------------------------------------------------------------------------------------------------------ locks
+
+def _try_lock(path: pathlib.Path):
+  """An open file holding an exclusive flock on `path`, or None when another process holds it. A lock file is
+  removed by its holder when done, so after locking, the path must still be the file that was locked (else a
+  holder removed it in between and the lock is on a dead file: try again)."""
+  while True:
+    f = open(path, "a+")  # pylint: disable=consider-using-with
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      f.close()
+      return None
+    try:
+      if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+        return f
+    except FileNotFoundError:
+      pass
+    f.close()
+
+
+def _unlock(f, path: pathlib.Path) -> None:
+  path.unlink(missing_ok=True)
+  f.close()
+
+
+def exclusive(directory, what: str = "--out"):
+  """An exclusive lock on a whole study directory (DIR/.study.lock, released when the process ends, however it
+  ends): for drivers whose invocations must not run side by side; a StudyError when another holds it."""
+  directory = pathlib.Path(directory)
+  f = open(directory / ".study.lock", "a+")  # pylint: disable=consider-using-with
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    f.close()
+    raise StudyError(f"another invocation of the study is running on {what} {directory}; wait for it to finish "
+                     f"(then rerun this one: finished runs are skipped) or use another {what}") from None
+  return f
+
+
+# ------------------------------------------------------------------------------------------------------ the grid
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One run of a study: its name (its directory under the study's root), the config overrides that make it (for
+  the record and for `do`), and what to do in its directory: `do(run_dir) -> (record, what)`."""
+  name: str
+  do: Callable[[pathlib.Path], tuple[dict, str]]
+  overrides: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Result:
+  """What walking one run gave: its record (None when another process holds it), whether `do` ran, whether it
+  resumed an interrupted run, and a few words on what happened."""
+  run: Run
+  record: dict | None
+  ran: bool
+  what: str
+  seconds: float
+  resumed: bool = False
+
+
+SKIPPED = "done before, skipped"
+LOCKED = "running in another process, skipped"
+
+
+class Study:
+  """A grid of runs under `root`: run NAME lives in root/layout (layout's "{name}" filled in), finished when its
+  record file (`record`, "{name}" filled in) exists there; `raw` (a directory, or None) receives each run's
+  `raw_files` in raw/NAME. `stamp` adds the study's commit to the records the runner writes."""
+
+  def __init__(self, root, *, layout: str = "runs/{name}", record: str = "record.json", raw=None,
+               raw_files: tuple[str, ...] = (), stamp: bool = True, commit: dict | None = None):
+    self.root = pathlib.Path(root)
+    self.layout, self.record, self.stamp = layout, record, stamp
+    self.raw = None if raw is None else pathlib.Path(raw)
+    self.raw_files = tuple(raw_files)
+    self.commit = dict(commit) if commit is not None else git_commit()
+
+  def run_dir(self, name: str) -> pathlib.Path:
+    return self.root / self.layout.format(name=name)
+
+  def record_path(self, name: str) -> pathlib.Path:
+    return self.run_dir(name) / self.record.format(name=name)
+
+  def state(self, name: str) -> str:
+    """"done" (its record exists), "started" (its own directory exists without a record: interrupted) or "to do"."""
+    if self.record_path(name).is_file():
+      return "done"
+    d = self.run_dir(name)
+    return "started" if d != self.root and d.is_dir() else "to do"
+
+  def keep_raw(self, name: str) -> None:
+    """Copies the run's raw files to raw/NAME (nothing when the study keeps none)."""
+    if self.raw is not None and self.raw_files:
+      copy_files(self.run_dir(name), self.raw / name, self.raw_files)
+
+  def walk_one(self, run: Run) -> Result:
+    """Skips, resumes or makes one run (see the module docstring)."""
+    t0 = time.perf_counter()
+    path = self.record_path(run.name)
+    if path.is_file():
+      self.keep_raw(run.name)
+      return Result(run, read_json(path), False, SKIPPED, time.perf_counter() - t0)
+    d = self.run_dir(run.name)
+    resumed = self.state(run.name) == "started"
+    d.mkdir(parents=True, exist_ok=True)
+    lock_path = d / f".{run.name}.lock"
+    lock = _try_lock(lock_path)
+    if lock is None:
+      return Result(run, None, False, LOCKED, time.perf_counter() - t0)
+    try:
+      if path.is_file():                  # finished by another process between the check above and the lock
+        rec, ran, what = read_json(path), False, SKIPPED
+      else:
+        rec, what = run.do(d)
+        ran = True
+        if not path.is_file():
+          rec = {**rec, **self.commit} if self.stamp else rec
+          write_json(path, rec)
+    finally:
+      _unlock(lock, lock_path)
+    self.keep_raw(run.name)
+    return Result(run, rec, ran, what, time.perf_counter() - t0, resumed and ran)
+
+  def walk(self, runs: list[Run], on_result: Callable[[int, int, Result], None] | None = None) -> list[Result]:
+    """Walks the runs in order (`walk_one`), calling on_result(i, n, result) after each (1-based i)."""
+    out = []
+    for i, run in enumerate(runs, 1):
+      res = self.walk_one(run)
+      out.append(res)
+      if on_result is not None:
+        on_result(i, len(runs), res)
+    return out
+
+  def records(self, names) -> dict[str, dict]:
+    """{name: record} of the named runs that are finished, in the given order."""
+    return {n: r for n in names if (r := read_json(self.record_path(n))) is not None}
