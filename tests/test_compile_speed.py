@@ -86,6 +86,30 @@ def test_pallas_gpu_kernels_state_their_cost():
                    "sinkjax_flash_bwd_dkv": B * H * bwd_tiles * 4 * 2 * 64 * 64 * D}, costs
 
 
+@pytest.mark.parametrize("rows,width,in_vmem", [(16384, 8192, False), (8192, 4096, True)])
+def test_hbm_bytes_equal_a_hand_count(rows, width, in_vmem):
+  """A scan of 4 layers h = tanh(h @ W[l]) on one v5e chip (bf16). HBM bytes by hand, from what XLA:TPU makes of it:
+  with h of 256 MiB (more than the chip's 128 MiB of VMEM) a copy of x into the loop's buffer (2h), then per trip a
+  copy of the carried h (2h) and the matmul fusion (reads h and the slice W[l], writes h); with h of 64 MiB, h lives
+  in VMEM between trips: x copied in (h), per trip copied out to HBM (h) for the fusion to read (h + W[l]) and write
+  back to VMEM, the result copied out (h). The stacked W is read a slice per trip, not whole (the fusion slices it in
+  a nested fusion), and an async copy's operand, which its output tuple repeats, counts once."""
+  devices = compile_lib.tpu_devices(compile_lib.parse_topology("v5e:2x2"))
+  mesh = Mesh(np.array(devices[:1]), ("x",))
+  layers = 4
+  x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  w = jax.ShapeDtypeStruct((layers, width, width), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  f = lambda x, w: jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0]
+  compiled = jax.jit(f).lower(x, w).compile()
+  h, wl = rows * width * 2, width * width * 2
+  per_trip = 2 * h + wl if in_vmem else 4 * h + wl
+  costs = compile_lib.hlo_costs(compiled.as_text())
+  assert costs["hbm_bytes"] == pytest.approx(2 * h + layers * per_trip, rel=0.01)
+  assert costs["flops"] == 2 * rows * width * width * layers
+  if not in_vmem:                      # XLA's own count (all memory spaces) holds the loop body once
+    assert compiled.cost_analysis()["bytes accessed"] == pytest.approx(2 * h + per_trip, rel=0.01)
+
+
 # Two layers, bfloat16, the Mosaic kernel, FSDP over 4 chips, AdamW (no matmuls in the optimizer).
 L, DM, H, HD, T, V, ROWS = 2, 256, 2, 128, 512, 512, 8
 SMALL = [f"model.num_layers={L}", "train.optimizer=adamw", f"model.d_model={DM}", f"model.num_heads={H}",
