@@ -1,0 +1,876 @@
+"""Does a config fit a TPU slice? `python -m sinkjax.compile --config CONFIG --topology TOPO [key=value ...]
+[--json FILE]`.
+
+Compiles the training step `sinkjax.train` would run (the same `train.Program`: state shapes, shardings,
+micro-batching, optimizer, donation) and its eval step with the real XLA:TPU and Mosaic compilers, for compile-only
+devices of TOPO (libtpu, the `tpu` extra, runs on any host: no TPU needed), and prints per-chip memory against the
+chip's HBM. TOPO is a JAX topology name (`v5e:4x8`, `v4:2x2x4`, `v5p:2x4x4`, `v6e:2x4`) or a Cloud TPU accelerator
+type (`v5litepod-32`, `v4-32`, `v5p-64`, `v6e-8`); `2x` in front (`2xv5litepod-32`) asks for that many slices
+(multi-slice, over DCN). Reads no data: the vocabulary is the tokenizer file's when it exists, else model.vocab_size.
+Exit 0 when the step fits, 1 (one line: what is needed, what helps) when it does not or on a user error.
+
+It also reports speed, per chip, from the compiled program (`hlo_costs`, `roofline`): FLOPs per step with every
+loop trip counted (scanned layers, loss chunks, micro-batches) and the Pallas kernels' cost estimates, the part that
+remat recomputes, HBM bytes, collective bytes by kind, and a roofline step-time estimate with the MFU bound it
+implies (chip figures: `CHIPS`). `--search` compiles one candidate per remat policy (and grad_accum) and picks the
+fastest estimated step that fits.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from sinkjax.cli import UserError
+
+# Compile-only TPU devices need libtpu's plugin, which takes a lock file per host; other JAX processes on this host
+# (a training run that touched the plugin while choosing its backend) would hold it. Compiling needs no exclusive chip.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+GIB = 1024 ** 3
+
+# Per chip: (JAX topology prefix, device kind, HBM GiB, Cloud TPU types count TensorCores (2 per chip) or chips).
+GENERATIONS = {
+    "v4": dict(hbm_gib=32, per_chip_in_type=2, config={"chip_config_name": "megacore"}),
+    "v5e": dict(hbm_gib=16, per_chip_in_type=1, config={}),
+    "v5p": dict(hbm_gib=95, per_chip_in_type=2, config={}),
+    "v6e": dict(hbm_gib=32, per_chip_in_type=1, config={}),
+}
+_TYPE_PREFIX = {"v4": "v4", "v5litepod": "v5e", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e"}
+_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+              512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+
+# NVIDIA GPUs: compile-only CUDA devices from XLA's GPU target config (shipped in sinkjax/target_configs/; the `gpu`
+# extra's CUDA plugin compiles, no GPU needed). `h100:8` is one node of 8 GPUs, `h100:2x8` two such nodes.
+GPUS = {"h100": dict(target_config="h100_sxm.txtpb", max_per_node=8)}
+
+
+class CompileError(UserError):
+  """A user-facing problem with the command's arguments or environment (one line)."""
+
+
+@dataclasses.dataclass
+class Topology:
+  name: str            # the JAX topology name, e.g. v5e:4x8
+  generation: str      # v4 | v5e | v5p | v6e | h100
+  slices: int
+  hbm_bytes: int
+  platform: str = "tpu"  # tpu | gpu
+
+
+def parse_topology(text: str) -> Topology:
+  """A JAX topology name or a Cloud TPU accelerator type, optionally with `Nx` slices in front; or NVIDIA GPUs as
+  `h100:GPUS` (one node) / `h100:NODESxGPUS`."""
+  if text.strip().lower().startswith(tuple(GPUS)):
+    return _parse_gpu_topology(text.strip().lower())
+  slices = 1
+  m = re.fullmatch(r"(\d+)x(v.+)", text.strip())
+  if m:
+    slices, text = int(m.group(1)), m.group(2)
+  text = text.strip().lower()
+  m = re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)", text)
+  if m:
+    gen = m.group(1)
+  else:
+    m = re.fullmatch(r"(v4|v5litepod|v5e|v5p|v6e)-(\d+)", text)
+    if not m:
+      raise CompileError(f"--topology {text!r}: give a JAX topology (v5e:4x8, v4:2x2x4, v5p:2x4x4, v6e:2x4) or a "
+                         "Cloud TPU type (v5litepod-32, v4-32, v5p-64, v6e-8)")
+    gen = _TYPE_PREFIX[m.group(1)]
+    chips, rem = divmod(int(m.group(2)), GENERATIONS[gen]["per_chip_in_type"])
+    shapes = _SHAPES_3D if gen in ("v4", "v5p") else _SHAPES_2D
+    if rem or chips not in shapes:
+      raise CompileError(f"--topology {text!r}: no {gen} slice of that size (chips: {', '.join(map(str, shapes))})")
+    text = f"{gen}:{shapes[chips]}"
+  if slices < 1:
+    raise CompileError(f"--topology: the slice count must be >= 1, got {slices}")
+  return Topology(text, gen, slices, GENERATIONS[gen]["hbm_gib"] * GIB)
+
+
+def _parse_gpu_topology(text: str) -> Topology:
+  m = re.fullmatch(r"([a-z0-9]+):(?:(\d+)x)?(\d+)", text)
+  if not m or m.group(1) not in GPUS:
+    raise CompileError(f"--topology {text!r}: give GPUs as {'|'.join(GPUS)}:GPUS (one node, e.g. h100:8) or "
+                       "NODESxGPUS (h100:2x8)")
+  gpu, nodes, per_node = m.group(1), int(m.group(2) or 1), int(m.group(3))
+  if nodes < 1 or not 1 <= per_node <= GPUS[gpu]["max_per_node"]:
+    raise CompileError(f"--topology {text!r}: 1 to {GPUS[gpu]['max_per_node']} GPUs per node and at least one node "
+                       f"(more GPUs: NODESxGPUS, e.g. {gpu}:2x8)")
+  name = f"{gpu}:{per_node}" if nodes == 1 else f"{gpu}:{nodes}x{per_node}"
+  return Topology(name, gpu, 1, _gpu_memory_bytes(_target_config(gpu)), platform="gpu")
+
+
+def _target_config(gpu: str) -> str:
+  """XLA's GpuTargetConfigProto (text format) for the GPU, as shipped with sinkjax."""
+  from importlib import resources  # pylint: disable=import-outside-toplevel
+  return resources.files("sinkjax").joinpath("target_configs", GPUS[gpu]["target_config"]).read_text()
+
+
+def _gpu_memory_bytes(target_config: str) -> int:
+  """The device memory the target config states (what the CUDA driver reports for the GPU)."""
+  return int(re.search(r"device_memory_size:\s*(\d+)", target_config).group(1))
+
+
+def cuda_plugin_installed() -> bool:
+  """Whether JAX's CUDA PJRT plugin (jax[cuda12] / jax[cuda13]) is installed; it is not imported here."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  try:
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+  except ModuleNotFoundError:        # no jax_plugins namespace at all
+    return False
+
+
+def prepare_gpu() -> None:
+  """Checks for the CUDA plugin and, before JAX starts its backends, tells it not to start the GPU one (there is no
+  GPU): the plugin is then registered for topologies only."""
+  if not cuda_plugin_installed():
+    raise CompileError("compiling for NVIDIA GPUs needs JAX's CUDA plugin: pip install 'sinkjax[gpu]'")
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+  if not xla_bridge.backends_are_initialized() and not jax.config.jax_platforms:
+    jax.config.update("jax_platforms", "cpu")
+
+
+def gpu_devices(topo: Topology):
+  """Compile-only CUDA devices of the topology (XLA:GPU and Triton compile; no GPU present). JAX must register its
+  CUDA plugin without starting it: `jax_platforms` is set to "cpu" here unless JAX's backends already started or
+  JAX_PLATFORMS says otherwise."""
+  prepare_gpu()
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  spec = topo.name.split(":", 1)[1]
+  nodes, per_node = spec.split("x") if "x" in spec else ("1", spec)
+  # "<partitions>x<hosts per partition>x<devices per host>": an H100 node is its own NVLink domain (a partition).
+  shape = f"{nodes}x1x{per_node}"
+  try:
+    return topologies.get_topology_desc(platform="cuda", target_config=_target_config(topo.generation),
+                                        topology=shape).devices
+  except NotImplementedError:
+    raise CompileError("JAX's CUDA plugin is installed but did not register (JAX started its backends before "
+                       "sinkjax.compile could say not to start the GPU one): run with JAX_PLATFORMS=cpu") from None
+  except Exception as e:  # pylint: disable=broad-except  # JaxRuntimeError from the plugin
+    raise CompileError(f"--topology {topo.name}: the CUDA plugin refused it ({' '.join(str(e).split())[:200]})") \
+        from None
+
+
+def _accelerator_type(topo: Topology) -> str:
+  """The Cloud TPU accelerator type of one slice of the topology (what a TPU VM's metadata would say)."""
+  chips = math.prod(int(n) for n in topo.name.split(":")[1].split("x"))
+  prefix = "v5litepod" if topo.generation == "v5e" else topo.generation
+  return f"{prefix}-{chips * GENERATIONS[topo.generation]['per_chip_in_type']}"
+
+
+def tpu_devices(topo: Topology):
+  """Compile-only devices of the topology (libtpu's compiler; no TPU present)."""
+  # Off a TPU VM libtpu asks the (absent) metadata server what it runs on and prints warnings when it gets no
+  # answer; these settings are what that answer would be.
+  for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", _accelerator_type(topo)),
+                     ("TPU_WORKER_HOSTNAMES", "localhost")):
+    os.environ.setdefault(key, value)
+  try:
+    import libtpu  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    raise CompileError("compiling for TPU needs libtpu: pip install 'sinkjax[tpu]'") from None
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  kw = dict(GENERATIONS[topo.generation]["config"])
+  if topo.slices > 1:
+    kw["num_slices"] = topo.slices
+  try:
+    return topologies.get_topology_desc(topology_name=topo.name, platform="tpu", **kw).devices
+  except Exception as e:  # pylint: disable=broad-except  # JaxRuntimeError from libtpu
+    raise CompileError(f"--topology {topo.name}: libtpu refused it ({' '.join(str(e).split())[:200]})") from None
+
+
+def model_flops_per_step(cfg, num_params: int) -> int:
+  """nanochat's estimate (`estimate_flops`): 6 x non-embedding parameters + 12 x layers x heads x head_dim x T, per
+  token, times the step's tokens (forward + backward)."""
+  from sinkjax.model import padded_vocab  # pylint: disable=import-outside-toplevel
+  m, T = cfg.model, cfg.data.seq_len
+  embedding = padded_vocab(m) * m.d_model
+  per_token = 6 * (num_params - embedding) + 12 * m.num_layers * m.num_heads * m.head_dim * T
+  return per_token * cfg.train.batch_size * T
+
+
+def attention_kernel(hlo: str, impl: str) -> str:
+  """Which attention kernel the compiled program holds, read from its HLO (not from the settings)."""
+  if "tpu_custom_call" in hlo:
+    return "mosaic"
+  if "__gpu$xla.gpu.triton" in hlo:     # Pallas's Triton custom call; bare "triton" is also XLA:GPU's own GEMM fusions
+    return "triton"
+  if impl in ("pallas_tpu", "pallas_gpu") and "callback" in hlo:
+    return "pallas-interpreter"
+  return impl
+
+
+def _memory(compiled) -> dict:
+  ma = compiled.memory_analysis()
+  out = {"arguments": ma.argument_size_in_bytes, "temporaries": ma.temp_size_in_bytes,
+         "outputs": ma.output_size_in_bytes, "aliased": ma.alias_size_in_bytes,
+         "generated_code": getattr(ma, "generated_code_size_in_bytes", 0)}
+  out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"] + out["generated_code"]
+  return out
+
+
+_OOM = re.compile(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
+
+
+def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple | None = None, devices=None) -> dict:
+  """Compiles cfg's train (and eval) step for the topology, and with decode = (rows, capacity) the KV-cache decode
+  step of `sinkjax.generate`; returns the report (see `main` for its keys)."""
+  from sinkjax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
+  from sinkjax.kernels import default_impl  # pylint: disable=import-outside-toplevel
+  from sinkjax.train import Program  # pylint: disable=import-outside-toplevel
+  if devices is None:
+    devices = gpu_devices(topo) if topo.platform == "gpu" else tpu_devices(topo)
+  mesh = sharding_lib.make_mesh(cfg.mesh, devices)
+  program = Program(cfg, mesh)
+  impl = cfg.model.attn_impl if cfg.model.attn_impl != "auto" else default_impl(sharding_lib.mesh_platform(mesh))
+  rows_per_chip = program.micro // sharding_lib.batch_shards(mesh)
+  report = {
+      "topology": topo.name, "slices": topo.slices, "chips": len(devices), "device_kind": devices[0].device_kind,
+      "mesh": dict(mesh.shape), "hbm_per_chip_bytes": topo.hbm_bytes, "num_params": program.num_params,
+      "tokens_per_chip_per_micro_step": rows_per_chip * cfg.data.seq_len, "rows_per_chip": rows_per_chip,
+      "grad_accum": cfg.train.grad_accum, "remat": cfg.model.remat, "remat_policy": cfg.model.remat_policy,
+      "model_flops_per_step": model_flops_per_step(cfg, program.num_params),
+  }
+  t0 = time.perf_counter()
+  train_lowered, eval_lowered = program.lower()
+  try:
+    compiled = train_lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError RESOURCE_EXHAUSTED
+    m = _OOM.search(str(e))
+    if "RESOURCE_EXHAUSTED" not in str(e) or not m:
+      raise
+    report.update(fits=False, compile_seconds=round(time.perf_counter() - t0, 1), attention_kernel=impl,
+                  per_chip_bytes={"total": int(float(m.group(1)) * GIB)}, available_bytes=int(float(m.group(2)) * GIB))
+    return report
+  report["compile_seconds"] = round(time.perf_counter() - t0, 1)
+  report["per_chip_bytes"] = _memory(compiled)
+  report["attention_kernel"] = attention_kernel(compiled.as_text(), impl)
+  report["fits"] = report["per_chip_bytes"]["total"] <= topo.hbm_bytes
+  report.update(speed_report(compiled, CHIPS[topo.generation], report["model_flops_per_step"], len(devices)))
+  if eval_step:
+    try:
+      report["eval_per_chip_bytes"] = _memory(eval_lowered.compile())
+    except Exception as e:  # pylint: disable=broad-except
+      report["eval_per_chip_bytes"] = {"error": " ".join(str(e).split())[:200]}
+  if decode:
+    report["decode_rows"], report["decode_capacity"] = decode
+    try:
+      report["decode_per_chip_bytes"] = _memory(program.lower_decode(*decode).compile())
+    except Exception as e:  # pylint: disable=broad-except
+      report["decode_per_chip_bytes"] = {"error": " ".join(str(e).split())[:200]}
+  return report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Speed: what the compiled program computes and moves per step, read from its HLO, and a roofline estimate of its
+# time. Separate from the memory report above; `compile_config` adds these keys.
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """Per-chip peak figures that the roofline estimate divides by."""
+  peak_flops: float        # dense bf16 matmul FLOP/s
+  hbm_bandwidth: float     # bytes/s
+  ici_bandwidth: float     # bytes/s over all of the chip's inter-chip links (NVLink for GPUs)
+  source: str
+
+
+# The vendors' figures (docs/TPU.md shows this table).
+CHIPS = {
+    "v4": Chip(275e12, 1200e9, 1.1e15 / 4096, "cloud.google.com/tpu/docs/v4: 275 TFLOPs, 1200 GBps; ICI: the pod's "
+                                               "1.1 PB/s all-reduce bandwidth / 4096 chips"),
+    "v5e": Chip(197e12, 819e9, 400e9, "cloud.google.com/tpu/docs/v5e: 197 TFLOPs, 819 GBps, bidirectional ICI "
+                                      "400 GBps per chip"),
+    "v5p": Chip(459e12, 2765e9, 600e9, "cloud.google.com/tpu/docs/v5p: 459 TFLOPs, 2765 GBps, ICI 4800 Gbps"),
+    "v6e": Chip(918e12, 1638e9, 800e9, "cloud.google.com/tpu/docs/v6e: 918 TFLOPs, 1638 GBps, bidirectional ICI "
+                                       "800 GBps per chip"),
+    "h100": Chip(989e12, 3.35e12, 900e9, "NVIDIA H100 SXM datasheet: 989 TFLOPS dense BF16, 3.35 TB/s HBM3, NVLink "
+                                         "900 GB/s"),
+}
+
+_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16}
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\](?:\{([^}]*)\})?")
+_INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?%([\w.\-]+) = ")
+_COMPUTATION = re.compile(r"(?:ENTRY\s+)?%([\w.\-]+) \(")
+_CALLEE = r"=%([\w.\-]+)"
+# Instructions that move no HBM bytes of their own (views, control flow, the done half of async pairs).
+_NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "call", "conditional",
+               "after-all", "partition-id", "replica-id", "opt-barrier", "iota", "copy-done", "async-done"}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# Ring-algorithm traffic per chip in units of the collective's full array, n chips in the group.
+_RING = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: (n - 1) / n,
+         "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+         "collective-permute": lambda n: 1.0}
+_HOST_SPACE = 5                   # XLA:TPU's memory space of pinned host memory (S(5) in a layout)
+
+
+def _close(text: str, start: int) -> int:
+  """The index just past the bracket group that opens at text[start]."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += 1 if text[i] in "({[" else -1 if text[i] in ")}]" else 0
+    if depth == 0:
+      return i + 1
+  return len(text)
+
+
+def _arrays(type_text: str) -> list:
+  """[(dtype, dims, memory space)] of an HLO type (an array or a tuple of them); memory space 0 is HBM (XLA:TPU:
+  S(1) on-chip VMEM, S(5) host)."""
+  out = []
+  for dtype, dims, layout in _ARRAY.findall(type_text):
+    space = re.search(r"S\((\d+)\)", layout or "")
+    out.append((dtype, tuple(int(d) for d in dims.split(",") if d), int(space.group(1)) if space else 0))
+  return out
+
+
+def _nbytes(type_text: str, space: int | None = 0) -> int:
+  """Bytes of the arrays of a type that live in memory space `space` (None: in any)."""
+  return sum(math.prod(dims) * _DTYPE_BYTES.get(dt, 4) for dt, dims, sp in _arrays(type_text)
+             if space is None or sp == space)
+
+
+@dataclasses.dataclass
+class _Instruction:
+  name: str
+  type: str
+  opcode: str
+  args: str             # the text inside the opcode's parentheses
+  attrs: str            # the rest of the line
+
+  @property
+  def operands(self) -> list:
+    return re.findall(r"%([\w.\-]+)", self.args)
+
+  def callees(self, key: str = r"calls|to_apply|body|true_computation|false_computation") -> list:
+    return re.findall(rf"(?:{key}){_CALLEE}", self.attrs)
+
+
+def _parse_hlo(text: str) -> tuple[dict, str]:
+  """({computation: {instruction name: _Instruction}} in program order, the entry computation) of HLO text."""
+  comps, entry, current = {}, None, None
+  for line in text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m and line.rstrip().endswith("{"):
+      current = comps.setdefault(m.group(1), {})
+      entry = m.group(1) if line.startswith("ENTRY") else entry
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m or current is None:
+      continue
+    i = m.end()
+    j = _close(line, i) if line[i] == "(" else _ARRAY.match(line, i).end()
+    op = re.match(r"\s*([\w\-]+)\(", line[j:])
+    if op:
+      k = j + op.end() - 1
+      end = _close(line, k)
+      current[m.group(1)] = _Instruction(m.group(1), line[i:j], op.group(1), line[k + 1:end - 1], line[end:])
+  return comps, entry
+
+
+class _HloCosts:
+  """The walk behind `hlo_costs`."""
+
+  def __init__(self, text: str):
+    self.comps, self.entry = _parse_hlo(text)
+    self.fused = {c for comp in self.comps.values() for i in comp.values() if i.opcode == "fusion"
+                  for c in i.callees("calls")}
+    self.out = dict(flops=0.0, recompute_flops=0.0, transcendentals=0.0, hbm_bytes=0.0, host_bytes=0.0,
+                    ici_bytes=0.0, collective_bytes={k: 0.0 for k in COLLECTIVES}, loops_of_unknown_trips=0)
+    self.channels = set()
+    self._param_reads = {}
+
+  def type_of(self, comp: str, name: str) -> str:
+    ins = self.comps.get(comp, {}).get(name)
+    return ins.type if ins else ""
+
+  def dims(self, comp: str, name: str):
+    arrays = _arrays(self.type_of(comp, name))
+    return arrays[0][1] if len(arrays) == 1 else None
+
+  def trips(self, comp: str, loop: _Instruction) -> int | None:
+    """Trips of a while loop: its condition compares the counter with one integer constant N (`i < N`, how lax.scan
+    and fori_loop lower), the counter starting at the loop's initial tuple element (a constant, else 0)."""
+    cond = re.search(r"condition" + _CALLEE, loop.attrs).group(1)
+    inside = [cond] + [c for i in self.comps.get(cond, {}).values() if i.opcode == "fusion" for c in i.callees("calls")]
+    values = [int(i.args) for c in inside for i in self.comps.get(c, {}).values() if i.opcode == "constant"
+              and re.fullmatch(r"-?\d+", i.args.strip()) and [a[:2] for a in _arrays(i.type)] in ([("s32", ())],
+                                                                                              [("s64", ())])]
+    if len(values) != 1:
+      return None
+    start, counter = 0, None
+    for i in self.comps[cond].values():
+      if i.opcode == "get-tuple-element" and i.operands:
+        counter = int(re.search(r"index=(\d+)", i.attrs).group(1))
+    init = self.comps[comp].get(loop.operands[0]) if loop.operands else None
+    if init is not None and init.opcode == "tuple" and counter is not None and counter < len(init.operands):
+      first = self.comps[comp].get(init.operands[counter])
+      if first is not None and first.opcode == "constant" and re.fullmatch(r"-?\d+", first.args.strip()):
+        start = int(first.args)
+    return values[0] - start
+
+  def flops(self, comp: str, ins: _Instruction) -> int:
+    if ins.opcode == "dot":
+      lhs = self.dims(comp, ins.operands[0])
+      dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+      if lhs is None or dims is None:
+        return 0
+      return 2 * math.prod(_arrays(ins.type)[0][1]) * math.prod(lhs[int(d)] for d in dims.group(1).split(",") if d)
+    if ins.opcode == "convolution":
+      return self.conv_flops(comp, ins)
+    return 0
+
+  def conv_flops(self, comp: str, ins: _Instruction) -> int:
+    """2 x output elements x kernel input features x the kernel taps that land inside the unpadded input (XLA:TPU
+    writes matmuls, batched ones too, as convolutions)."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    lhs, rhs = (self.dims(comp, o) for o in ins.operands[:2])
+    if labels is None or lhs is None or rhs is None:
+      return 0
+    lhs_l, rhs_l, out_l = labels.groups()
+    out = _arrays(ins.type)[0][1]
+    window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+    fields = dict(f.split("=", 1) for f in window.group(1).split()) if window else {}
+    taps = 1.0
+    for n, c in enumerate(sorted(c for c in lhs_l if c.isdigit())):
+      field = lambda key, default: fields[key].split("x")[n] if key in fields else default
+      size, stride = int(field("size", 1)), int(field("stride", 1))
+      lhs_dil, rhs_dil = int(field("lhs_dilate", 1)), int(field("rhs_dilate", 1))
+      pad_lo = int(field("pad", "0_0").split("_")[0])
+      n_in, n_out = lhs[lhs_l.index(c)], out[out_l.index(c)]
+      valid = sum(1 for o in range(n_out) for k in range(size)
+                  if 0 <= (p := o * stride + k * rhs_dil - pad_lo) <= (n_in - 1) * lhs_dil and p % lhs_dil == 0)
+      taps *= valid / max(n_out, 1)
+    return int(2 * math.prod(out) * rhs[rhs_l.index("i")] * taps)
+
+  def param_reads(self, body_name: str) -> dict:
+    """{parameter number: bytes read} of a fused computation's parameters that it reads only in part: through a
+    slice, dynamic-slice or gather (the slice), as the buffer a dynamic-update-slice updates in place (nothing), or
+    through a nested fusion that does one of these. A parameter absent from the result is read whole."""
+    if body_name in self._param_reads:
+      return self._param_reads[body_name]
+    body = self.comps.get(body_name, {})
+    params = {i.name: int(i.args) for i in body.values() if i.opcode == "parameter"}
+    uses = {}
+    for i in body.values():
+      nested = self.param_reads(i.callees("calls")[0]) if i.opcode == "fusion" and i.callees("calls") else {}
+      for pos, o in enumerate(i.operands):
+        if o in params:
+          part = _nbytes(i.type, None) if i.opcode in ("dynamic-slice", "slice", "gather") and pos == 0 else \
+              0 if i.opcode == "dynamic-update-slice" and pos == 0 else nested.get(pos)
+          uses.setdefault(params[o], []).append(part)
+    self._param_reads[body_name] = out = {k: sum(v) for k, v in uses.items() if None not in v}
+    return out
+
+  def traffic(self, comp: str, ins: _Instruction, space: int) -> int:
+    """Bytes an unfused instruction reads and writes in memory space `space` (0: HBM, 5: host): its operands and
+    outputs there; of a fusion's operand that the fusion only slices, the slices; a fusion that updates a slice in
+    place writes the update. An async start (copy-start, slice-start, all-gather-start, ...) holds its operands in
+    its output tuple as well: they count once, as reads (a slice-start reads its slice)."""
+    written, reads = _nbytes(ins.type, space), {}
+    operand_types = [self.type_of(comp, o) for o in ins.operands]
+    if ins.opcode.endswith("-start") and ins.type.startswith("("):
+      outs = _arrays(ins.type)
+      for dt, dims, sp in (a for t in operand_types for a in _arrays(t)):   # the operands' aliases in the tuple
+        if (dt, dims, sp) in outs:
+          outs.remove((dt, dims, sp))
+      written = sum(math.prod(d) * _DTYPE_BYTES.get(t, 4) for t, d, sp in outs if sp == space and d)
+      if ins.opcode == "slice-start":
+        reads = {0: min(_nbytes(operand_types[0], space),
+                        sum(math.prod(d) * _DTYPE_BYTES.get(t, 4) for t, d, _ in outs if d))}
+    elif ins.opcode in ("slice", "dynamic-slice", "gather"):
+      reads = {0: min(_nbytes(operand_types[0], space), _nbytes(ins.type, None))}
+    elif ins.opcode == "dynamic-update-slice":
+      reads, written = {0: 0}, min(written, _nbytes(operand_types[1], None))
+    elif ins.opcode == "fusion" and ins.callees("calls"):
+      body = self.comps.get(ins.callees("calls")[0], {})
+      reads = self.param_reads(ins.callees("calls")[0])
+      root = list(body.values())[-1] if body else None
+      outs = [body.get(o) for o in root.operands] if root is not None and root.opcode == "tuple" else [root]
+      arrays = _arrays(ins.type)
+      if len(outs) == len(arrays):    # an output updated in place (a scan stacking its residuals) writes the update
+        written = sum(0 if sp != space else _nbytes(body[o.operands[1]].type, None)
+                      if o is not None and o.opcode == "dynamic-update-slice" and o.operands[1] in body
+                      else math.prod(dims) * _DTYPE_BYTES.get(dt, 4) for o, (dt, dims, sp) in zip(outs, arrays))
+    operands = [_nbytes(t, space) for t in operand_types]
+    return written + sum(min(reads.get(k, n), n) for k, n in enumerate(operands))
+
+  def collective(self, comp: str, ins: _Instruction, mult: float):
+    kind = next((k for k in COLLECTIVES if ins.opcode.startswith(k)), None)
+    if kind is None or ins.opcode.endswith("-done"):
+      return
+    channel = re.search(r"channel_id=(\d+)", ins.attrs)
+    key = channel.group(1) if channel else (comp, ins.name)
+    if key in self.channels:          # an async collective's start and done halves both hold it
+      return
+    self.channels.add(key)
+    if kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
+      kind = "reduce-scatter"         # XLA:TPU's reduce-scatter: an all-reduce fused with the slice it keeps
+    arrays = _arrays(ins.type)
+    size = sum(math.prod(d) * _DTYPE_BYTES.get(t, 4) for t, d, _ in arrays[-1:] if kind != "reduce-scatter") or \
+        sum(_nbytes(self.type_of(comp, o), None) for o in ins.operands)
+    self.out["collective_bytes"][kind] += mult * size
+    self.out["ici_bytes"] += mult * size * _RING[kind](_group_size(ins.attrs))
+
+  def walk(self, comp: str, mult: float):
+    fused = comp in self.fused
+    for ins in self.comps.get(comp, {}).values():
+      op, attrs = ins.opcode, ins.attrs
+      flops = self.flops(comp, ins)
+      est = re.search(r'"cost_estimate":\{"flops":"?(\d+)"?,"transcendentals":"?(\d+)"?,"bytes_accessed":"?(\d+)',
+                      attrs) if op == "custom-call" else None
+      if est:                         # a Pallas kernel's pl.CostEstimate
+        flops = int(est.group(1))
+        self.out["transcendentals"] += mult * int(est.group(2))
+        self.out["hbm_bytes"] += mult * int(est.group(3))
+      self.out["flops"] += mult * flops
+      if "rematted_computation" in attrs:
+        self.out["recompute_flops"] += mult * flops
+      self.collective(comp, ins, mult)
+      if not fused and not est and op not in _NO_TRAFFIC and not op.endswith("-done") and \
+          "AllocateBuffer" not in attrs:
+        self.out["hbm_bytes"] += mult * self.traffic(comp, ins, 0)
+        self.out["host_bytes"] += mult * self.traffic(comp, ins, _HOST_SPACE)
+      if op == "while":
+        trips = self.trips(comp, ins)
+        self.out["loops_of_unknown_trips"] += trips is None
+        self.walk(re.search(r"body" + _CALLEE, attrs).group(1), mult * (trips if trips is not None else 1))
+      elif op == "conditional":       # the first branch stands for all of them
+        branches = re.search(r"branch_computations=\{%?([\w.\-]+)", attrs)
+        for c in ([branches.group(1)] if branches else ins.callees("true_computation")):
+          self.walk(c, mult)
+      elif op in ("fusion", "call") or op.endswith("-start"):
+        for c in ins.callees("calls|to_apply" if op == "call" else "calls"):
+          self.walk(c, mult)
+
+
+def _group_size(attrs: str) -> int:
+  """Devices per replica group of a collective (its `replica_groups`, in any of XLA's three spellings)."""
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if m:
+    sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+    return max(1, math.prod(sizes.get(a.strip(" '"), 1) for a in m.group(2).split(",") if a.strip()))
+  m = re.search(r"replica_groups=\[\d+,(\d+)\]", attrs)
+  if m:
+    return int(m.group(1))
+  m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+  return max(1, len(m.group(1).split(","))) if m else 1
+
+
+def hlo_costs(text: str) -> dict:
+  """Per chip and step, from the text of a compiled (SPMD-partitioned) program: `flops` (matmuls and convolutions,
+  2 per multiply-add, plus the Pallas kernels' `pl.CostEstimate` flops, which Mosaic calls carry in their backend
+  config), `recompute_flops` (the part `jax.checkpoint` recomputes: instructions JAX names under
+  "rematted_computation"), the kernels' `transcendentals`, `hbm_bytes` (what each unfused instruction reads and
+  writes in HBM, operands and outputs, only the slices of an operand a fusion slices, kernels by their estimate),
+  `host_bytes` (arrays copied to or from host memory: offloaded residuals), `collective_bytes` by kind (the arrays
+  gathered, reduce-scattered, all-reduced, ...) and `ici_bytes` (what ring algorithms move per chip for them).
+
+  Every while loop counts trip-count times, where XLA's own `cost_analysis()` counts a loop body once: the count
+  is read from the loop's condition (`counter < N`, the form lax.scan and fori_loop lower to, the counter's start
+  from the loop's initial value), nested loops multiply, and `loops_of_unknown_trips` counts loops read as one
+  trip. So scanned layers, the chunked loss and micro-batches all count. Elementwise (VPU) work is not in `flops`
+  (its cost shows in the bytes); Triton kernels carry no cost in XLA:GPU's HLO and are not counted."""
+  costs = _HloCosts(text)
+  costs.walk(costs.entry, 1.0)
+  return costs.out
+
+
+def roofline(costs: dict, chip: Chip, model_flops_per_chip: float) -> dict:
+  """An estimate, not a measurement: the step cannot run faster than its FLOPs at the chip's peak, its HBM bytes at
+  the HBM bandwidth, or its collectives' ring traffic at the ICI bandwidth; with perfect overlap it takes the
+  largest of the three. The MFU bound is the model FLOPs (6N + attention) over that time at peak."""
+  terms = {"compute": costs["flops"] / chip.peak_flops, "hbm": costs["hbm_bytes"] / chip.hbm_bandwidth,
+           "ici": costs["ici_bytes"] / chip.ici_bandwidth}
+  seconds = max(terms.values())
+  return {"estimated_seconds_by_term": terms, "estimated_step_seconds": seconds,
+          "estimated_bound": max(terms, key=terms.get),
+          "estimated_mfu": model_flops_per_chip / (seconds * chip.peak_flops) if seconds > 0 else 0.0}
+
+
+def speed_report(compiled, chip: Chip, model_flops_per_step: float, chips: int) -> dict:
+  """The report's speed keys from a compiled train step (see `main` for their meaning)."""
+  costs = hlo_costs(compiled.as_text())
+  out = {"flops_per_step": costs["flops"], "recompute_flops_per_step": costs["recompute_flops"],
+         "hbm_bytes_per_step": costs["hbm_bytes"], "host_bytes_per_step": costs["host_bytes"],
+         "collective_bytes_per_step": costs["collective_bytes"], "ici_bytes_per_step": costs["ici_bytes"],
+         "loops_of_unknown_trips": costs["loops_of_unknown_trips"], "chip_figures": dataclasses.asdict(chip)}
+  out.update(roofline(costs, chip, model_flops_per_step / chips))
+  return out
+
+
+
+def speed_rows(r: dict) -> list:
+  """The printed report's speed lines (none when the step did not compile)."""
+  if "flops_per_step" not in r:
+    return []
+  model = r["model_flops_per_step"] / r["chips"]
+  c, t = r["collective_bytes_per_step"], r["estimated_seconds_by_term"]
+  gb = lambda b: f"{b / 1e9:.2f}"
+  rows = [("FLOPs / chip / step", f"{r['flops_per_step']:.3e} compiled ({r['recompute_flops_per_step']:.3e} "
+                                  f"recomputed); model {model:.3e} (6N + attention)"),
+          ("HBM GB / chip / step", gb(r["hbm_bytes_per_step"]) + (f" (host offload {gb(r['host_bytes_per_step'])})"
+                                                                  if r["host_bytes_per_step"] else "")),
+          ("collective GB / chip / step", ", ".join(f"{k} {gb(v)}" for k, v in c.items() if v)
+           + f" (ICI traffic {gb(r['ici_bytes_per_step'])})"),
+          ("step time (estimate)", f"compute {t['compute']:.3g} s, HBM {t['hbm']:.3g} s, ICI {t['ici']:.3g} s -> "
+                                   f">= {r['estimated_step_seconds']:.3g} s ({r['estimated_bound']}-bound roofline, "
+                                   f"not a measurement); MFU <= {100 * r['estimated_mfu']:.0f}%")]
+  if r.get("loops_of_unknown_trips"):
+    rows.append(("note", f"{r['loops_of_unknown_trips']} loop(s) of unknown trip count counted once"))
+  return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --search: compile candidate remat policies (and accumulations) and pick the fastest estimated step that fits.
+
+SEARCH_POLICIES = ("nothing", "dots", "save_qkv_proj", "save_out_proj", "save_attention")
+
+
+def search(cfg_path: str, overrides: list, topo: Topology, policies=SEARCH_POLICIES, accums=(None,),
+           load=None, on_result=None) -> dict:
+  """Compiles the config once per (remat policy, train.grad_accum) candidate with model.remat=true and returns
+  {"candidates": [reports], "picked": the fitting report of least estimated step time, or None}; on_result(report)
+  is called as each candidate is done."""
+  from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
+  load = load or (lambda ov: config_lib.load_config(cfg_path, ov))
+  devices = gpu_devices(topo) if topo.platform == "gpu" else tpu_devices(topo)
+  candidates = []
+  for accum in accums:
+    for policy in policies:
+      ov = list(overrides) + ["model.remat=true", f"model.remat_policy={policy}"] + \
+          ([f"train.grad_accum={accum}"] if accum else [])
+      r = compile_config(load(ov), topo, eval_step=False, devices=devices)
+      r["overrides"] = ov
+      candidates.append(r)
+      if on_result:
+        on_result(r)
+  fits = [r for r in candidates if r["fits"]]
+  return {"candidates": candidates, "picked": min(fits, key=lambda r: r["estimated_step_seconds"]) if fits else None}
+
+
+SEARCH_HEADER = ("| remat_policy | grad_accum | rows / chip | GiB / chip | fits | FLOPs / chip | recomputed | HBM GB "
+                 "| ICI GB | est. step s | bound | MFU <= |\n|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|")
+
+
+def print_search(result: dict) -> None:
+  """The search's Markdown table, the pick marked."""
+  print(SEARCH_HEADER)
+  for r in result["candidates"]:
+    print_search_row(r, r is result["picked"])
+
+
+def print_search_row(r: dict, picked: bool = False) -> None:
+  picked = " **picked**" if picked else ""
+  if "flops_per_step" not in r:
+    print(f"| {r['remat_policy']}{picked} | {r['grad_accum']} | {r['rows_per_chip']} | "
+          f"{_gib(r['per_chip_bytes']['total'])} | no | | | | | | | |", flush=True)
+    return
+  print(f"| {r['remat_policy']}{picked} | {r['grad_accum']} | {r['rows_per_chip']} | "
+        f"{_gib(r['per_chip_bytes']['total'])} | {'yes' if r['fits'] else 'no'} | {r['flops_per_step']:.3e} | "
+        f"{r['recompute_flops_per_step']:.3e} | {r['hbm_bytes_per_step'] / 1e9:.1f} | "
+        f"{r['ici_bytes_per_step'] / 1e9:.2f} | {r['estimated_step_seconds']:.3g} | {r['estimated_bound']} | "
+        f"{100 * r['estimated_mfu']:.0f}% |", flush=True)
+
+
+def _gib(b) -> str:
+  return f"{b / GIB:.2f}"
+
+
+def print_report(config: str, r: dict) -> None:
+  mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
+  rows = [
+      ("slice", f"{r['topology']}" + (f" x {r['slices']} slices" if r["slices"] > 1 else "")
+       + f": {r['chips']} x {r['device_kind']}, {_gib(r['hbm_per_chip_bytes'])} GiB HBM each"),
+      ("mesh", mesh),
+      ("tokens / chip / micro-step", f"{r['tokens_per_chip_per_micro_step']:,} ({r['rows_per_chip']} rows; "
+                                     f"train.grad_accum={r['grad_accum']}, model.remat={r['remat']}, "
+                                     f"model.remat_policy={r.get('remat_policy')})"),
+      ("parameters", f"{r['num_params']:,}"),
+      ("model FLOPs / step", f"{r['model_flops_per_step']:.3e}"),
+      ("attention kernel", r["attention_kernel"]),
+      ("compile", f"{r['compile_seconds']:.1f} s"),
+  ]
+  b = r["per_chip_bytes"]
+  if "arguments" in b:
+    rows.append(("per chip (GiB)", f"arguments {_gib(b['arguments'])}, temporaries {_gib(b['temporaries'])}, "
+                                   f"outputs {_gib(b['outputs'])}, aliased {_gib(b['aliased'])}, "
+                                   f"total {_gib(b['total'])} of {_gib(r['hbm_per_chip_bytes'])}"))
+  else:
+    rows.append(("per chip (GiB)", f"total {_gib(b['total'])} (the compiler's count) of "
+                                   f"{_gib(r.get('available_bytes', r['hbm_per_chip_bytes']))} available"))
+  if "eval_per_chip_bytes" in r:
+    e = r["eval_per_chip_bytes"]
+    rows.append(("eval step (GiB)", f"total {_gib(e['total'])}" if "total" in e else e["error"]))
+  if "decode_per_chip_bytes" in r:
+    d = r["decode_per_chip_bytes"]
+    rows.append(("decode step (GiB)", f"{r['decode_rows']} rows x {r['decode_capacity']} KV slots: arguments "
+                 f"{_gib(d['arguments'])} (weights + cache), total {_gib(d['total'])}" if "total" in d else d["error"]))
+  rows += speed_rows(r)
+  rows.append(("fits", "yes" if r["fits"] else "NO"))
+  print(f"sinkjax.compile: {config}")
+  for k, v in rows:
+    print(f"  {k:<28} {v}")
+
+
+TABLE_HEADER = ("| config (overrides) | slice | mesh | tokens / chip / micro-step | GiB per chip (args + temps) "
+                "| HBM GiB | fits | attention | compile s |\n|---|---|---|---:|---:|---:|---|---|---:|")
+
+
+def markdown_row(r: dict) -> str:
+  """One row of docs/TPU.md's table from a --json report."""
+  b = r["per_chip_bytes"]
+  parts = f" ({_gib(b['arguments'])} + {_gib(b['temporaries'])})" if "arguments" in b else " (compiler's count)"
+  mesh = "x".join(str(v) for v in r["mesh"].values())
+  name = r.get("config", "?") + (" " + " ".join(r["overrides"]) if r.get("overrides") else "")
+  return (f"| `{name}` | {r['topology']}{' x' + str(r['slices']) if r['slices'] > 1 else ''} | {mesh} | "
+          f"{r['tokens_per_chip_per_micro_step']:,} | {_gib(b['total'])}{parts} | {_gib(r['hbm_per_chip_bytes'])} | "
+          f"{'yes' if r['fits'] else 'no'} | {r['attention_kernel']} | {r['compile_seconds']:.0f} |")
+
+
+def _vocab(cfg) -> None:
+  """model.vocab_size from the tokenizer file when it exists (the trainer's rule), else as configured."""
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  from sinkjax.train import check_vocab  # pylint: disable=import-outside-toplevel
+  tok = cfg.data.tokenizer
+  if tok == "bytes" or paths.as_path(tok, "data.tokenizer").is_file():
+    from sinkjax.data import build_tokenizer  # pylint: disable=import-outside-toplevel
+    check_vocab(cfg.model, build_tokenizer(cfg.data).vocab_size)
+  elif cfg.model.vocab_size == 0:
+    raise CompileError(f"data.tokenizer {tok} does not exist here and model.vocab_size is 0: give the vocabulary "
+                       "size, e.g. model.vocab_size=65536 (nanochat's tokenizer)")
+
+
+def _hints(r: dict) -> str:
+  need, have = r["per_chip_bytes"]["total"], r.get("available_bytes", r["hbm_per_chip_bytes"])
+  tips = []
+  if not r["remat"]:
+    tips.append("model.remat=true")
+  if r["rows_per_chip"] > 1:
+    tips.append(f"train.grad_accum={r['grad_accum'] * 2}")
+  tips.append("a larger slice (more chips for mesh.fsdp)")
+  return (f"does not fit: {_gib(need)} GiB per chip needed, {_gib(have)} GiB available on "
+          f"{r['device_kind']}; try {', or '.join(tips)}")
+
+
+def main(argv=None) -> int:
+  from sinkjax import cli  # pylint: disable=import-outside-toplevel
+  cli.require_extra("sinkjax.compile")   # it builds the trainer's step (sinkjax.train): the train extra
+  parser = cli.Parser(prog="python -m sinkjax.compile",
+                      description="Compile the training step of a config for a TPU slice or NVIDIA GPUs with "
+                                  "compile-only devices (libtpu or JAX's CUDA plugin; no TPU or GPU needed) and report "
+                                  "whether it fits the chips' memory.")
+  parser.add_argument("--config", help="YAML config file (configs/...)")
+  parser.add_argument("--topology",
+                      help="v5e:4x8 | v5litepod-32 | v4-32 | v5p-64 | v6e-8 | 2xv5litepod-32 (two slices) ... | "
+                           "h100:8 (one node of 8 NVIDIA H100) | h100:2x8 (nodes x GPUs)")
+  parser.add_argument("--table", nargs="+", metavar="JSON",
+                      help="instead of compiling: print the Markdown table of these --json reports (docs/TPU.md)")
+  parser.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
+  parser.add_argument("--no-eval", action="store_true", help="skip the eval step")
+  parser.add_argument("--decode", metavar="ROWSxSLOTS", default=None,
+                      help="also compile sinkjax.generate's decode step: ROWS sequences against a full KV cache of "
+                           "SLOTS positions, e.g. 64x4096")
+  parser.add_argument("--search", nargs="?", const=",".join(SEARCH_POLICIES), default=None, metavar="POLICY,...",
+                      help="compile each model.remat_policy (default: " + ", ".join(SEARCH_POLICIES) + ") with "
+                           "model.remat=true and pick the fastest estimated step that fits; prints the table")
+  parser.add_argument("--accum", default=None, metavar="N,...",
+                      help="with --search: also try these train.grad_accum values (fewer rows per chip each)")
+  parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+  args = parser.parse_args(argv)
+  if args.table:
+    print(TABLE_HEADER)
+    for path in args.table:
+      with open(path) as f:
+        print(markdown_row(json.load(f)))
+    return 0
+  if not args.config or not args.topology:
+    parser.error("--config and --topology are required (or --table JSON ...)")
+  return cli.run_main("sinkjax.compile", lambda: _run(args), extra_errors=(CompileError,))
+
+
+def _decode_shape(text: str | None) -> tuple | None:
+  """--decode ROWSxSLOTS -> (rows, slots)."""
+  if text is None:
+    return None
+  try:
+    rows, slots = (int(x) for x in text.lower().split("x"))
+  except ValueError:
+    raise CompileError(f"--decode takes ROWSxSLOTS (e.g. 64x4096), got {text!r}") from None
+  if rows < 1 or slots < 2:
+    raise CompileError(f"--decode {text}: need at least 1 row and 2 slots")
+  return rows, slots
+
+
+def _run(args) -> int:
+  from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
+  topo = parse_topology(args.topology)
+  if topo.platform == "gpu":
+    prepare_gpu()
+  cfg = config_lib.load_config(args.config, args.overrides)
+  if cfg.train.init_from:             # fine-tuning: the model is the imported run's (its config.yaml alone is read)
+    from sinkjax import run as run_lib  # pylint: disable=import-outside-toplevel
+    run_lib.adopt_init_model(cfg)
+  _vocab(cfg)
+  if args.search:
+    return _run_search(args, topo, cfg)
+  report = compile_config(cfg, topo, eval_step=not args.no_eval, decode=_decode_shape(args.decode))
+  report["config"] = args.config
+  report["overrides"] = list(args.overrides)
+  print_report(args.config + (" " + " ".join(args.overrides) if args.overrides else ""), report)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=1)
+  if not report["fits"]:
+    print(f"sinkjax.compile: {_hints(report)}", file=sys.stderr)
+    return 1
+  return 0
+
+
+def _run_search(args, topo: Topology, cfg) -> int:
+  from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
+  policies = tuple(p.strip() for p in args.search.split(",") if p.strip())
+  bad = [p for p in policies if p not in config_lib.CHOICES["model.remat_policy"]]
+  if bad:
+    raise CompileError(f"--search {','.join(bad)}: not a model.remat_policy (choices: "
+                       f"{', '.join(config_lib.CHOICES['model.remat_policy'])})")
+  try:
+    accums = tuple(int(a) for a in args.accum.split(",")) if args.accum else (None,)
+  except ValueError:
+    raise CompileError(f"--accum takes integers separated by commas, e.g. 1,2; got {args.accum!r}") from None
+
+  def load(ov):
+    c = config_lib.load_config(args.config, ov)
+    if c.train.init_from:
+      from sinkjax import run as run_lib  # pylint: disable=import-outside-toplevel
+      run_lib.adopt_init_model(c)
+    c.model.vocab_size = cfg.model.vocab_size
+    return c
+
+  print(f"sinkjax.compile --search: {args.config} {' '.join(args.overrides)} on {topo.name} (estimates, not "
+        "measurements; rows as they compile, then the table with the pick)\n" + SEARCH_HEADER, flush=True)
+  result = search(args.config, args.overrides, topo, policies, accums, load=load, on_result=print_search_row)
+  print()
+  print_search(result)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({**result, "picked": result["picked"] and result["candidates"].index(result["picked"])}, f, indent=1)
+  if result["picked"] is None:
+    print("sinkjax.compile: no candidate fits; try --accum 2,4 or a larger slice", file=sys.stderr)
+    return 1
+  p = result["picked"]
+  print(f"picked: model.remat_policy={p['remat_policy']}" + (f" train.grad_accum={p['grad_accum']}"
+                                                            if args.accum else ""))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
