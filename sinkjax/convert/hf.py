@@ -40,18 +40,21 @@ import pathlib
 import re
 import sys
 import tempfile
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import checkpoint, lora, paths
+from sinkjax import checkpoint, distributed, lora, paths
 from sinkjax import config as config_lib
 from sinkjax import run as run_lib
+from sinkjax import sharding as sharding_lib
 from sinkjax.config import Config, ModelConfig
 from sinkjax.convert import ConvertError
 from sinkjax.convert import gguf as gguf_lib
+from sinkjax.convert.place import HostMeter, LoadInfo, Placer, fresh_bytes, resolve_mesh
 from sinkjax.data.tokenizers import SIDE_FILES
 from sinkjax.layers import hf_attention_tensors
 from sinkjax.model import Transformer
@@ -114,11 +117,12 @@ def _fused(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 _T = lambda a: np.ascontiguousarray(np.swapaxes(a, -1, -2))
+# Import directions give views where they can (a transpose, the even / odd columns): the placing path copies only the
+# slices each device gets, so the host holds the checkpoint tensor once, not twice.
 TRANSFORMS = {   # how: (checkpoint arrays -> parameter arrays, parameter arrays -> checkpoint arrays)
     "copy": (lambda ts: ts, lambda ps: ps),
-    "transpose": (lambda ts: [_T(ts[0])], lambda ps: [_T(ps[0])]),
-    "interleave": (lambda ts: [np.ascontiguousarray(ts[0][..., 0::2]), np.ascontiguousarray(ts[0][..., 1::2])],
-                   lambda ps: [_fused(*ps)]),
+    "transpose": (lambda ts: [np.swapaxes(ts[0], -1, -2)], lambda ps: [_T(ps[0])]),
+    "interleave": (lambda ts: [ts[0][..., 0::2], ts[0][..., 1::2]], lambda ps: [_fused(*ps)]),
     "experts": (lambda ts: [np.stack([t.T for t in ts])], lambda ps: [_T(p) for p in ps[0]]),
 }
 
@@ -396,8 +400,17 @@ def _tensors(m: ModelConfig, family: str) -> list[tuple[tuple[str, ...], tuple[t
 # Reading safetensors
 # ----------------------------------------------------------------------------------------------------------------
 
+def _host_device():
+  """A CPU device of this process: where safetensors' flax reader puts a tensor on its way to numpy (None, the
+  default device, where JAX runs without its CPU backend)."""
+  try:
+    return jax.local_devices(backend="cpu")[0]
+  except RuntimeError:
+    return None
+
+
 class _Tensors:
-  """Lazy access to the tensors of every *.safetensors file of a directory (sharded or not)."""
+  """Lazy access to the tensors of every *.safetensors file of a directory (sharded or not), read one at a time."""
 
   def __init__(self, hf_dir: pathlib.Path):
     from safetensors import safe_open  # pylint: disable=import-outside-toplevel
@@ -414,18 +427,28 @@ class _Tensors:
       missing = [f.name for f in files if not f.is_file()]
       if missing:
         raise ConvertError(f"{index} names {missing[0]}, which is missing from {hf_dir}")
+    # framework="flax" reads every dtype (numpy has no bfloat16); the tensor lands on a CPU device, never a chip
     self._handles = [safe_open(str(f), framework="flax") for f in files]
     self._where = {name: h for h in self._handles for name in h.keys()}
+    self._host = _host_device()
 
   def names(self) -> set[str]:
     return set(self._where)
 
-  def get(self, name: str) -> np.ndarray:
-    """The tensor as float32 numpy (MXFP4 `name_blocks` / `name_scales` pairs are dequantized)."""
-    if name not in self._where and name + "_blocks" in self._where:
-      return _dequantize_mxfp4(np.asarray(self._where[name + "_blocks"].get_tensor(name + "_blocks")),
-                               np.asarray(self._where[name + "_scales"].get_tensor(name + "_scales")))
-    return np.asarray(self._where[name].get_tensor(name), np.float32)
+  def get(self, name: str, dtype=np.float32, meter: HostMeter | None = None) -> np.ndarray:
+    """The tensor as a host numpy array of `dtype` (MXFP4 `name_blocks` / `name_scales` pairs are dequantized),
+    read alone from its file; `meter` is told what this holds (and held for a moment on the way)."""
+    with jax.default_device(self._host):
+      if name not in self._where and name + "_blocks" in self._where:
+        raw = [np.asarray(self._where[name + s].get_tensor(name + s)) for s in ("_blocks", "_scales")]
+        value = _dequantize_mxfp4(*raw)
+      else:
+        raw = [np.asarray(self._where[name].get_tensor(name))]
+        value = raw[0]
+    out = value.astype(dtype, copy=False)
+    if meter is not None:
+      meter.hold(out.nbytes, name, transient=fresh_bytes([value], [out]) + fresh_bytes(raw, [value, out]))
+    return out
 
 
 def _dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -446,22 +469,44 @@ def _unused(names: set[str], used: set[str], m: ModelConfig) -> set[str]:
   return left
 
 
-def params_from_hf(hf_dir: str | pathlib.Path, m: ModelConfig, family: str) -> dict[tuple, np.ndarray]:
-  """{sinkjax parameter path: float32 array} of a Hugging Face directory's weights."""
-  tensors = _Tensors(pathlib.Path(hf_dir))
+def _check_names(tensors: _Tensors, hf_dir, m: ModelConfig, family: str) -> None:
+  """ConvertError, before anything is read, when the directory lacks a tensor the model needs or holds one it does
+  not map."""
   names = tensors.names()
   available = names | {n[:-len("_blocks")] for n in names if n.endswith("_blocks")}
-  out, used = {}, set()
-  for hf_names, paths, how in _tensors(m, family):
+  used = set()
+  for hf_names, _, _ in _tensors(m, family):
     missing = [n for n in hf_names if n not in available]
     if missing:
       raise ConvertError(f"{hf_dir} lacks the tensor {missing[0]} that a {family} model of this config needs")
-    out.update(zip(paths, TRANSFORMS[how][0]([tensors.get(n) for n in hf_names])))
     used.update(hf_names)
   extra = _unused(names, used, m)
   if extra:
     raise ConvertError(f"{hf_dir} has tensors this converter does not map (e.g. {sorted(extra)[0]}); "
                        "is config.json the one these weights belong to?")
+
+
+def _read_params(tensors: _Tensors, m: ModelConfig, family: str, dtype, put, meter: HostMeter) -> None:
+  """`put(path, array)` for every parameter, read group by group (the checkpoint tensor(s) of one parameter, or of
+  the two a fused tensor splits into), each converted to `dtype` and transformed (TRANSFORMS) on the host; the arrays
+  of a group are dropped before the next is read, so the host holds one group at a time (`meter` counts it)."""
+  for hf_names, paths, how in _tensors(m, family):
+    ins = [tensors.get(n, dtype, meter) for n in hf_names]
+    outs = TRANSFORMS[how][0](ins)
+    meter.hold(fresh_bytes(outs, ins), hf_names[0] if len(hf_names) == 1 else f"{hf_names[0]} .. {hf_names[-1]}")
+    for path, value in zip(paths, outs):
+      put(path, value)
+    del ins, outs, value
+    meter.release()
+
+
+def params_from_hf(hf_dir: str | pathlib.Path, m: ModelConfig, family: str) -> dict[tuple, np.ndarray]:
+  """{sinkjax parameter path: float32 array} of a Hugging Face directory's weights, all of them in host memory at
+  once (`place_hf` places them one at a time instead)."""
+  tensors = _Tensors(pathlib.Path(hf_dir))
+  _check_names(tensors, hf_dir, m, family)
+  out = {}
+  _read_params(tensors, m, family, np.float32, out.__setitem__, HostMeter())
   return out
 
 
@@ -483,51 +528,82 @@ def params_to_hf(model, family: str) -> dict[str, np.ndarray]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Models
+# Models: every parameter placed as it is read (sinkjax.convert.place)
 # ----------------------------------------------------------------------------------------------------------------
 
-def model_with_params(m: ModelConfig, params: dict[tuple, np.ndarray]):
-  """A Transformer of config `m` holding `params` (every parameter must be given, with its shape)."""
-  abstract = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
-  graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
-  pdt = jnp.dtype(m.param_dtype)
-  leaves, missing = [], []
-  for path, var in nnx.to_flat_state(state):
-    if path not in params:
-      missing.append(".".join(map(str, path)))
-      continue
-    value = params[path]
-    assert value.shape == var.shape, f"{path}: checkpoint shape {value.shape} != model shape {var.shape}"
-    leaves.append((path, var.replace(jnp.asarray(value, pdt))))
-  if missing:
-    raise ConvertError(f"no weights for the model parameters {', '.join(missing[:3])}")
-  return nnx.merge(graphdef, nnx.from_flat_state(leaves), rest)
+class Placed(NamedTuple):
+  """What `place_hf` gives back: the model and what placing it took (`place.LoadInfo`: mesh, parameter bytes per
+  device, the host's high-water mark)."""
+  model: Any
+  info: LoadInfo
 
 
-def load_hf(path: str | pathlib.Path, *, dtype: str = "float32", param_dtype: str = "float32"):
+def model_with_params(m: ModelConfig, params: dict[tuple, np.ndarray], *, mesh=None):
+  """A Transformer of config `m` holding `params` (every parameter must be given, with its shape), placed on `mesh`
+  as `place_hf` places them (default: whole on the default device)."""
+  placer = Placer(m, resolve_mesh(mesh))
+  for path in placer.abstract:
+    if path in params:
+      placer.put(path, params[path])
+  return placer.model()[0]
+
+
+def _place_dir(hf_dir, m: ModelConfig, family: str, mesh) -> Placed:
+  tensors = _Tensors(pathlib.Path(hf_dir))
+  _check_names(tensors, hf_dir, m, family)
+  placer = Placer(m, resolve_mesh(mesh))
+  _read_params(tensors, m, family, placer.dtype, placer.put, placer.host)
+  return Placed(*placer.model())
+
+
+def place_hf(path: str | pathlib.Path, *, mesh=None, dtype: str = "float32", param_dtype: str = "float32") -> Placed:
+  """`load_hf`'s model with what placing it took (`Placed(model, info)`)."""
+  hf = read_hf_config(path)
+  m = model_config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
+  return _place_dir(path, m, hf["model_type"], mesh)
+
+
+def load_hf(path: str | pathlib.Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh=None):
   """A sinkjax `Transformer` with the weights of a Hugging Face model directory (config.json + *.safetensors).
 
   `model(tokens)` gives the same logits as transformers' `AutoModelForCausalLM` (float32: to ~1e-5). The config is
-  `model.cfg` (a ModelConfig; `model_config_from_hf` builds it).
+  `model.cfg` (a ModelConfig; `model_config_from_hf` builds it). Placement (`mesh`): None, whole on the default
+  device; a `jax.sharding.Mesh` of the ("data", "fsdp", "tensor") axes or a MeshConfig (the mesh.* keys), each
+  parameter read alone and put straight into its training sharding there (`sinkjax.convert.place`): the host holds
+  one checkpoint tensor at a time, no device a whole sharded parameter. `place_hf` also says what that took.
   """
-  hf = read_hf_config(path)
-  m = model_config_from_hf(hf, dtype=dtype, param_dtype=param_dtype)
-  return model_with_params(m, params_from_hf(path, m, hf["model_type"]))
+  return place_hf(path, mesh=mesh, dtype=dtype, param_dtype=param_dtype).model
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Run directories (import) and Hugging Face directories (export)
 # ----------------------------------------------------------------------------------------------------------------
 
+class Converted(NamedTuple):
+  """What `convert` gives back: the run's config and what placing the model took (`place.LoadInfo`)."""
+  cfg: Config
+  info: LoadInfo
+
+
 def convert(hf_dir: str | pathlib.Path, run_dir: str | pathlib.Path, *, dtype: str = "bfloat16",
-            param_dtype: str = "float32") -> Config:
+            param_dtype: str = "float32", overrides=(), mesh=None) -> Converted:
   """Imports a Hugging Face directory into a run directory (config.yaml + Orbax checkpoint at step 0) that
   `sinkjax.run.load_run`, evaluation, generation and fine-tuning (train.init_from) read. Either may be a gs:// or
-  s3:// URL (a remote Hugging Face directory is downloaded to a temporary directory first)."""
+  s3:// URL (a remote Hugging Face directory is downloaded to a temporary directory first).
+
+  Placement: `overrides` naming mesh.* keys (`mesh.fsdp=8`, as on the command line; recorded in the run's
+  config.yaml) or a `jax.sharding.Mesh` as `mesh` put each parameter, as it is read, straight into its training
+  sharding on that mesh, and Orbax writes the checkpoint from the sharded arrays (each process its own devices'
+  shards); without either, the model is placed whole on the default device."""
   paths.check_bucket(run_dir, "--out")
   run_dir = paths.as_path(run_dir, "--out")
   if (run_dir / checkpoint.CHECKPOINT_DIR).exists():
     raise ConvertError(f"{run_dir} already holds a checkpoint; give a new --out directory")
+  bad = [o for o in overrides if not str(o).strip().startswith("mesh.")]
+  if bad:
+    raise ConvertError(f"an import takes mesh.* overrides only, got {bad[0]!r} (the model's keys come from its "
+                       "config.json; --dtype and --param-dtype set its dtypes)")
+  distributed.barrier("sinkjax.convert.hf: --out checked")      # before any process writes there
   paths.check_bucket(hf_dir, "--hf-dir")
   gguf_file = None if paths.is_remote(hf_dir) else gguf_lib.find_gguf(hf_dir)
   with contextlib.ExitStack() as stack:
@@ -536,17 +612,24 @@ def convert(hf_dir: str | pathlib.Path, run_dir: str | pathlib.Path, *, dtype: s
       gguf_lib.to_hf_dir(gguf_file, local)
     else:
       local = stack.enter_context(paths.local_dir(hf_dir, "--hf-dir"))
-    model = load_hf(local, dtype="float32", param_dtype=param_dtype)
-    cfg = Config(model=dataclasses.replace(model.cfg, dtype=dtype))
+    hf = read_hf_config(local)
+    m = model_config_from_hf(hf, dtype="float32", param_dtype=param_dtype)
+    cfg = Config(model=dataclasses.replace(m, dtype=dtype))
+    cfg.data.seq_len = m.max_seq_len                # the context the model was trained for
+    cfg.run.dir = str(run_dir)
+    config_lib.apply_overrides(cfg, list(overrides))
+    if mesh is None and run_lib.asks_for_mesh(overrides):
+      mesh = sharding_lib.make_mesh(cfg.mesh)
+    model, info = _place_dir(local, m, hf["model_type"], mesh)
     if (local / "tokenizer.json").is_file():
-      cfg.data.tokenizer = str(_write_tokenizer(local, run_dir / TOKENIZER_DIR))
+      cfg.data.tokenizer = str(run_dir / TOKENIZER_DIR / "tokenizer.json")
+      if jax.process_index() == 0:
+        _write_tokenizer(local, run_dir / TOKENIZER_DIR)
     else:
       print(f"warning: {hf_dir} has no tokenizer.json; data.tokenizer stays 'bytes'", file=sys.stderr)
-  cfg.data.seq_len = cfg.model.max_seq_len        # the context the model was trained for
-  cfg.run.dir = str(run_dir)
   config_lib.validate(cfg)
   run_lib.save_params_run(run_dir, cfg, model)
-  return cfg
+  return Converted(cfg, info)
 
 
 TOKENIZER_DIR = "tokenizer"     # RUN_DIR/tokenizer/: an imported model's tokenizer files
@@ -637,14 +720,22 @@ def main(argv=None) -> int:
   parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
                       help="import: model.param_dtype (stored weights)")
   parser.add_argument("--step", type=int, default=None, help="export: checkpoint step (default: latest)")
+  parser.add_argument("overrides", nargs="*", metavar="mesh.key=value",
+                      help="import: the mesh to place the model on as it is read (e.g. mesh.data=1 mesh.fsdp=8; "
+                           "FSDP / tensor as in training); default: whole on one device")
   args = parser.parse_args(argv)
 
   def action():
     if args.hf_dir:
-      cfg = convert(args.hf_dir, args.out, dtype=args.dtype or "bfloat16", param_dtype=args.param_dtype)
+      distributed.maybe_initialize()    # before anything touches JAX devices (a job of several processes)
+      cfg, info = convert(args.hf_dir, args.out, dtype=args.dtype or "bfloat16", param_dtype=args.param_dtype,
+                          overrides=args.overrides)
       m = cfg.model
-      print(f"imported {args.hf_dir} -> {args.out}: {m.num_layers} layers, d_model {m.d_model}, "
-            f"{m.num_heads}/{m.num_kv_heads} heads, attention {m.attention}, vocab {m.vocab_size}")
+      if jax.process_index() == 0:
+        print(f"imported {args.hf_dir} -> {args.out}: {m.num_layers} layers, d_model {m.d_model}, "
+              f"{m.num_heads}/{m.num_kv_heads} heads, attention {m.attention}, vocab {m.vocab_size}; {info.summary()}")
+    elif args.overrides:
+      raise ConvertError(f"--export takes no overrides, got {args.overrides[0]!r}")
     else:
       print(f"exported {args.export} -> {export(args.export, args.out, dtype=args.dtype or 'float32', step=args.step)}")
   return cli.run_main("sinkjax.convert.hf", action)
