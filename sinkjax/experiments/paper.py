@@ -13,12 +13,13 @@ defines it ([Sink-MoE] App. A): the first token's value zeroed in the KV cache *
 continuation scored token by token against that cache (`sinkjax.eval.prefill_value_zeroing`).
 
 Outputs in --out (the grid walked by `sinkjax.experiments.runner`): runs/NAME/ (one training run each, with done.json
-once trained and paper_eval.json once evaluated: a rerun skips both), raw/NAME/ (each finished run's own files without its checkpoints: done.json with the
-git commit it was trained with, paper_eval.json with its final importance, metrics.jsonl, config.yaml; small
-enough to commit), results.json (refused when the runs were made with different commits: the arms of one study run
-on one commit), results.md and figures: table1_bpb.png (the Table 1 analogue),
-imbalance_curves.png (Fig. 5), first_token_attention.png, value_zeroing.png, importance.png. With --finetune also
-finetune/ (eq. 7 vs eq. 8 fine-tuning of each trained base run, [Sink-MoE] App. D), finetune.json and finetune.png.
+once trained and paper_eval.json once evaluated: a rerun skips both), raw/NAME/ (each finished run's own files without
+its checkpoints: done.json with the git commit the study ran, paper_eval.json with its final importance,
+metrics.jsonl, config.yaml; small enough to commit), results.json (refused when the runs were made with different
+commits: the arms of one study run on one commit), results.md and figures (`sinkjax.plots`): table1_bpb.png (the
+Table 1 analogue), imbalance_curves.png (Fig. 5), first_token_attention.png, value_zeroing.png, importance.png.
+With --finetune also finetune/ (eq. 7 vs eq. 8 fine-tuning of each trained base run, [Sink-MoE] App. D),
+finetune.json and finetune.png.
 """
 from __future__ import annotations
 
