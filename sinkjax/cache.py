@@ -299,13 +299,28 @@ def check_chunk(num_new: int, ring: int) -> None:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class StateLayerCache:
+  """What a layer whose decode state is not keys and values (linear attention, `sinkjax.kinds.linear`) sees in a
+  step: that state (the mixer continues from it and returns `replace(new state)`). Eviction does not apply to it."""
+  state: object
+  appends = False
+
+  def replace(self, state) -> "StateLayerCache":
+    return dataclasses.replace(self, state=state)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class KVCache:
-  """The whole model's cache (an explicit pytree: pass it into a jitted step and get the new one back)."""
+  """The whole model's cache (an explicit pytree: pass it into a jitted step and get the new one back). `states`:
+  per layer, the decode state of a layer that keeps no keys and values (its k / v hold 0 heads), None for attention
+  layers; () when every layer attends."""
   k: tuple
   v: tuple
   length: jax.Array
   sink_size: int = dataclasses.field(metadata=dict(static=True))
   append: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  states: tuple = ()
 
   @classmethod
   def create(cls, num_layers: int, batch: int, capacity: int, num_kv_heads, head_dim: int, *,
@@ -321,9 +336,13 @@ class KVCache:
 
   @classmethod
   def for_model(cls, cfg, batch: int, capacity: int, *, sink_size: int = 0) -> "KVCache":
-    """An empty cache shaped for a `ModelConfig` (in its compute dtype)."""
-    return cls.create(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, sink_size=sink_size,
-                      dtype=jnp.dtype(cfg.dtype))
+    """An empty cache shaped for a `ModelConfig` (in its compute dtype), with the decode state of every layer whose
+    kind keeps one instead of keys and values (`sinkjax.kinds.MixerKind.init_state`)."""
+    states = _layer_states(cfg, batch)
+    heads = [cfg.num_kv_heads if s is None else 0 for s in states]
+    cache = cls.create(cfg.num_layers, batch, capacity, heads, cfg.head_dim, sink_size=sink_size,
+                       dtype=jnp.dtype(cfg.dtype))
+    return dataclasses.replace(cache, states=tuple(states)) if any(s is not None for s in states) else cache
 
   @property
   def capacity(self) -> int:
@@ -355,12 +374,16 @@ class KVCache:
 
   def layers(self, num_new: int) -> list:
     """Per-layer views for a step that adds `num_new` tokens (1 = decode; > 1 = prefill of an empty cache; in append
-    mode, `ChunkLayerCache`s for a chunk of at most C - S tokens)."""
+    mode, `ChunkLayerCache`s for a chunk of at most C - S tokens); a `StateLayerCache` for a layer with a state."""
     if self.append:
       check_chunk(num_new, self.max_chunk)
-      return self._chunk_views()
-    check_prefill(num_new, self.max_prefill)
-    return self._views(num_new)
+      views = self._chunk_views()
+    else:
+      check_prefill(num_new, self.max_prefill)
+      views = self._views(num_new)
+    if not self.states:
+      return views
+    return [v if s is None else StateLayerCache(s) for v, s in zip(views, self.states)]
 
   def _chunk_views(self) -> list[ChunkLayerCache]:
     return [ChunkLayerCache(k, v, self.length, self.sink_size) for k, v in zip(self.k, self.v)]
@@ -373,9 +396,11 @@ class KVCache:
     return [LayerCache(k, v, slot, positions, query, valid) for k, v in zip(self.k, self.v)]
 
   def advance(self, layers: list[LayerCache], num_new: int) -> "KVCache":
-    """The cache after a step: the layers' updated arrays and `num_new` more tokens counted."""
-    return dataclasses.replace(self, k=tuple(c.k for c in layers), v=tuple(c.v for c in layers),
-                               length=self.length + num_new)
+    """The cache after a step: the layers' updated arrays (and states) and `num_new` more tokens counted."""
+    kv = [(k, v) if isinstance(c, StateLayerCache) else (c.k, c.v) for c, k, v in zip(layers, self.k, self.v)]
+    states = tuple(c.state if isinstance(c, StateLayerCache) else None for c in layers) if self.states else ()
+    return dataclasses.replace(self, k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv),
+                               length=self.length + num_new, states=states)
 
   def occupied(self):
     """Number of filled slots (the cache size a streaming table reports)."""
@@ -407,6 +432,9 @@ class HybridKVCache:
   @classmethod
   def for_model(cls, cfg, full_heads, batch: int, capacity: int, window: int, *,
                 sink_size: int) -> "HybridKVCache":
+    if any(s is not None for s in _layer_states(cfg, 1)):
+      raise ValueError("a per-head cache policy needs attention in every layer, and this model has layers of a kind "
+                       "with its own decode state (model.layer_types): use a full or sink + window cache")
     assert len(full_heads) == cfg.num_layers and all(len(r) == cfg.num_kv_heads for r in full_heads), full_heads
     return cls.create(full_heads, batch, capacity, window, cfg.head_dim, sink_size=sink_size,
                       dtype=jnp.dtype(cfg.dtype))
@@ -460,6 +488,14 @@ class HybridKVCache:
                                ring=self.ring.advance([c.ring for c in layers], num_new))
 
 
+def _layer_states(cfg, batch: int) -> list:
+  """Per layer of a `ModelConfig`: the decode state its kind keeps instead of keys and values, or None."""
+  if not any(t not in ("full", "sliding") for t in cfg.layer_types):
+    return [None] * cfg.num_layers
+  from sinkjax import kinds  # pylint: disable=import-outside-toplevel  (the kinds import this module)
+  return [kinds.mixer_of(cfg, i).init_state(cfg, batch) for i in range(cfg.num_layers)]
+
+
 def make_cache(cfg, batch: int, capacity: int, *, sink_size: int = 0, full_heads=None, window: int = 0):
   """The cache of a generation or scoring run: a `KVCache` of `capacity` slots with `sink_size` sinks, or, with
   `full_heads` ([L][Hkv] bools), a `HybridKVCache` whose full heads keep `capacity` slots and whose streaming heads
@@ -467,3 +503,42 @@ def make_cache(cfg, batch: int, capacity: int, *, sink_size: int = 0, full_heads
   if full_heads is None:
     return KVCache.for_model(cfg, batch, capacity, sink_size=sink_size)
   return HybridKVCache.for_model(cfg, full_heads, batch, capacity, window, sink_size=sink_size)
+
+
+def shard_cache(cache, mesh):
+  """`cache` (a `KVCache` / `HybridKVCache`; concrete, traced inside a jitted step, or abstract ShapeDtypeStructs)
+  placed on `mesh`: each key / value array [B, C, Hkv, D] with its rows over the batch axes ("data", "fsdp") and its
+  KV heads over "tensor", each only where the axes divide that dimension (else it stays whole); everything else
+  (the counter, other decode state) replicated. Concrete arrays are moved, traced ones constrained
+  (`with_sharding_constraint`), abstract ones given the sharding. `mesh` None: the cache unchanged."""
+  if mesh is None:
+    return cache
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from sinkjax.sharding import BATCH_AXES, HEAD_AXIS  # pylint: disable=import-outside-toplevel
+  sizes = dict(mesh.shape)
+  rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+  heads = HEAD_AXIS if sizes.get(HEAD_AXIS, 1) > 1 else None
+
+  def kv_spec(shape) -> P:
+    spec = [rows if rows and shape[0] % int(np.prod([sizes[a] for a in rows])) == 0 else None, None,
+            heads if heads and shape[2] % sizes[heads] == 0 else None]
+    while spec and spec[-1] is None:
+      spec.pop()
+    return P(*spec)
+
+  def place(x, spec):
+    sharding = NamedSharding(mesh, spec)
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    if isinstance(x, jax.core.Tracer):
+      return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.device_put(x, sharding)
+
+  def one(c):
+    if isinstance(c, HybridKVCache):
+      return dataclasses.replace(c, full=one(c.full), ring=one(c.ring))
+    rest = {f.name: jax.tree.map(lambda x: place(x, P()), getattr(c, f.name)) for f in dataclasses.fields(c)
+            if f.name not in ("k", "v") and not f.metadata.get("static")}
+    return dataclasses.replace(c, k=tuple(place(x, kv_spec(x.shape)) for x in c.k),
+                               v=tuple(place(x, kv_spec(x.shape)) for x in c.v), **rest)
+  return one(cache)

@@ -3,7 +3,34 @@
 `sinkjax.config.CHOICES` maps config keys to these tuples; the modules that implement a setting check their
 arguments against the same tuple, so a value is added in one place.
 """
-ATTENTION_VARIANTS = ("vanilla", "sink", "gated", "relu")
+import sys
+
+
+class Registered:
+  """The built-in names of a `sinkjax.kinds` registry plus those registered there since (read live, so a kind a
+  user registers is a valid config value at once; sinkjax.kinds, which imports jax, is never imported from here)."""
+
+  def __init__(self, builtin: tuple, table: str):
+    self.builtin, self.table = builtin, table
+
+  def names(self) -> tuple:
+    kinds = sys.modules.get("sinkjax.kinds")
+    return tuple(dict.fromkeys(self.builtin + tuple(getattr(kinds, self.table, ()) if kinds else ())))
+
+  def __iter__(self):
+    return iter(self.names())
+
+  def __contains__(self, name) -> bool:
+    return name in self.names()
+
+  def __len__(self) -> int:
+    return len(self.names())
+
+  def __repr__(self) -> str:
+    return repr(self.names())
+
+
+ATTENTION_VARIANTS = Registered(("vanilla", "sink", "gated", "relu"), "ATTENTION")   # model.attention (kinds.ATTENTION)
 GATE_KINDS = ("headwise", "elementwise")
 GATE_POSITIONS = ("sdpa", "value")                        # [GatedAttn] G1 | G2
 GATE_ACTIVATIONS = ("sigmoid", "ns_sigmoid", "silu", "silu_additive")
@@ -21,7 +48,7 @@ NS_DTYPES = ("bfloat16", "float32")
 DATA_FORMATS = ("text", "sft")
 PACKINGS = ("stream", "document")
 ADD_BOS = ("auto", "true", "false")         # data.add_bos (sinkjax.data.tokenizers)
-LAYER_TYPES = ("full", "sliding")
+LAYER_TYPES = Registered(("full", "sliding", "linear"), "MIXERS")    # model.layer_types entries (kinds.MIXERS)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 REMAT_POLICIES = ("nothing", "dots", "save_qkv_proj", "save_out_proj", "save_attention", "offload_dots",
                   "offload_qkv_proj", "offload_out_proj", "offload_attention")   # sinkjax.model.REMAT_POLICIES

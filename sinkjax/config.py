@@ -49,6 +49,7 @@ class PaperModel:
                                     # | silu_additive: y + SiLU(z)  (z = x W + b)
   gate_input: str = "dependent"     # dependent: z = x W + b | independent: z = a learned logit per head (and dim),
                                     # initialized to gate_bias_init ([GatedAttn] Table 4 row 6: 0)
+  gate_bias: bool = True            # the b of z = x W + b (Qwen3-Next's gate, a half of its q projection, has none)
   norm_eps: float = 1e-6            # RMSNorm epsilon (HF: rms_norm_eps)
   tie_embeddings: bool = False
   dtype: str = "bfloat16"           # compute dtype; params stay in param_dtype
@@ -86,9 +87,19 @@ class ImportedArchitecture:
   rope_beta_slow: float = 1.0       # yarn
   rope_truncate: bool = True        # yarn: round the correction range to whole dimensions
   rope_attention_factor: float = 0.0    # yarn: cos/sin multiplier; 0 = 0.1 ln(factor) + 1
+  rope_partial: float = 1.0         # the fraction of each head's dims RoPE rotates (the first ones; Qwen3-Next 0.25)
   sliding_window: int = 0           # > 0: "sliding" layers see only the last sliding_window keys (incl. self)
-  layer_types: list = dataclasses.field(default_factory=list)   # per layer full|sliding; [] = all full
-                                    # (all sliding when sliding_window > 0)
+  layer_types: list = dataclasses.field(default_factory=list)   # per layer full|sliding|linear (or a kind
+                                    # registered in sinkjax.kinds); [] = all full (all sliding when sliding_window > 0)
+  moe_shared_hidden: int = 0        # > 0: a shared SwiGLU expert of this width beside the routed ones, scaled by
+                                    # sigmoid(x w) (Qwen3-Next's shared_expert / shared_expert_gate)
+  # "linear" layers (Gated DeltaNet, sinkjax.kinds.linear; Qwen3-Next's linear_*): 0 = num_heads heads of head_dim
+  linear_key_heads: int = 0
+  linear_value_heads: int = 0       # a multiple of linear_key_heads
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel: int = 4       # the causal depthwise conv's width
+  linear_chunk_size: int = 64       # the chunked form's chunk (training, prefill)
 
 
 @dataclasses.dataclass
@@ -117,6 +128,14 @@ class ModelConfig(NanochatCompatibility, ImportedArchitecture, PaperModel):
   def __hash__(self):
     return hash(tuple((f.name, tuple(v) if isinstance(v, list) else v)
                       for f in dataclasses.fields(self) for v in [getattr(self, f.name)]))
+
+  @property
+  def head_layers(self) -> tuple:
+    """Indices of the layers with heads (their head importances stack to [len, num_heads]; sinkjax.kinds)."""
+    if not any(t not in ("full", "sliding") for t in self.layer_types):
+      return tuple(range(self.num_layers))
+    from sinkjax import kinds  # pylint: disable=import-outside-toplevel  (imports jax)
+    return kinds.head_layers(self)
 
   @property
   def mlp_width(self) -> int:
@@ -188,6 +207,8 @@ class AttentionConfig:
   sliding_window: int = 0           # > 0: query t sees keys t - window < s <= t (GPT-OSS); this layer's own
   use_bias: bool = False            # q/k/v/o biases (model.attn_bias)
   attn_out_bias: bool = True        # with use_bias: o_proj's bias too (Qwen2: false)
+  gate_bias: bool = True            # gated: the gate projection's bias
+  rope_partial: float = 1.0         # the fraction of head dims RoPE rotates (the first ones)
   init: str = "default"             # default (lecun normal) | nanochat (q/k/v/gate uniform, std 1/sqrt(d_model))
   zero_init_output: bool = True     # o_proj starts at zero
   impl: str = "auto"                # flash_attention backend (model.attn_impl)
@@ -198,6 +219,11 @@ class AttentionConfig:
     object.__setattr__(self, "num_kv_heads", self.num_kv_heads or self.num_heads)
     object.__setattr__(self, "head_dim", self.head_dim or self.d_model // self.num_heads)
     _check_attention(self)
+
+  @property
+  def rotary_dim(self) -> int:
+    """Head dims RoPE rotates: head_dim x rope_partial (even), the first ones."""
+    return int(self.head_dim * self.rope_partial)
 
 
 @dataclasses.dataclass
@@ -358,7 +384,9 @@ RANGES = {
     "model.rope_factor": ">0", "model.rope_low_freq_factor": ">0", "model.rope_high_freq_factor": ">0",
     "model.rope_original_max_seq_len": ">=0", "model.rope_beta_fast": ">0", "model.rope_beta_slow": ">0",
     "model.rope_attention_factor": ">=0", "model.sliding_window": ">=0", "model.depth": ">=0",
-    "model.vocab_pad_to": ">=1",
+    "model.vocab_pad_to": ">=1", "model.rope_partial": ">0", "model.moe_shared_hidden": ">=0",
+    "model.linear_key_heads": ">=0", "model.linear_value_heads": ">=0", "model.linear_key_head_dim": ">=0",
+    "model.linear_value_head_dim": ">=0", "model.linear_conv_kernel": ">=1", "model.linear_chunk_size": ">=1",
     "loss.aux_weight": ">=0", "loss.num_shared_heads": ">=0",
     "lora.rank": ">=0", "lora.alpha": ">0",
     "data.seq_len": ">=1", "data.val_fraction": "(0,1)", "data.num_workers": ">=0", "data.prefetch": ">=1",
@@ -576,9 +604,15 @@ def _validate_architecture(m: ModelConfig) -> None:
     raise ConfigError(f"model.layer_types has {len(m.layer_types)} entries but model.num_layers is {m.num_layers}")
   if "sliding" in m.layer_types and not m.sliding_window:
     raise ConfigError("model.layer_types names sliding layers: set model.sliding_window > 0")
+  if m.moe_shared_hidden and not m.moe_experts:
+    raise ConfigError("model.moe_shared_hidden is the shared expert of an MoE: set model.moe_experts > 0")
+  if any(t not in ("full", "sliding") for t in m.layer_types):
+    from sinkjax import kinds  # pylint: disable=import-outside-toplevel  (imports jax: only for such models)
+    for t in dict.fromkeys(m.layer_types):
+      kinds.MIXERS[t].check(m)
 
 
-GATE_OPTIONS = ("gate_position", "gate_shared", "gate_activation", "gate_input")   # gated attention's alone
+GATE_OPTIONS = ("gate_position", "gate_shared", "gate_activation", "gate_input", "gate_bias")   # gated's alone
 
 
 def _check_attention(a: AttentionConfig) -> None:
@@ -590,16 +624,20 @@ def _check_attention(a: AttentionConfig) -> None:
   if a.num_heads % a.num_kv_heads:
     raise ConfigError(f"model.num_heads ({a.num_heads}) must be a multiple of model.num_kv_heads "
                       f"({a.num_kv_heads})")
-  default = {f.name: f.default for f in dataclasses.fields(a)}
-  changed = [k for k in GATE_OPTIONS if getattr(a, k) != default[k]]
-  if changed and a.attention != "gated":
-    raise ConfigError(f"model.{changed[0]} configures the gate of gated attention: set model.attention=gated "
-                      f"(got {a.attention!r}) or leave it at its default")
+  if a.rotary_dim % 2 or not 0 < a.rope_partial <= 1:
+    raise ConfigError(f"model.rope_partial must be in (0, 1] and rotate an even number of the {a.head_dim} head dims, "
+                      f"got {a.rope_partial}")
   if a.sink_tokens < 0:
     raise ConfigError(f"model.sink_tokens must be >= 0, got {a.sink_tokens}")
-  for name in ("sliding_window", "sink_tokens"):
-    if getattr(a, name) and a.attention == "relu":
-      raise ConfigError(f"model.{name} needs a softmax variant (vanilla, sink or gated), got relu")
+  from sinkjax import kinds  # pylint: disable=import-outside-toplevel  (the registry imports jax; layers are built)
+  kind = kinds.attention_kind(a.attention)
+  default = {f.name: f.default for f in dataclasses.fields(a)}
+  for other in kinds.ATTENTION.values():
+    changed = [k for k in other.options if other is not kind and getattr(a, k) != default[k]]
+    if changed:
+      raise ConfigError(f"model.{changed[0]} configures {other.name} attention: set model.attention={other.name} "
+                        f"(got {a.attention!r}) or leave it at its default")
+  kind.check(a)
 
 
 def _validate_lora(lora: LoRAConfig) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from sinkjax.kernels import dense
-from sinkjax.sharding import logical
+from sinkjax.sharding import logical, optimizer_group
 
 L2NORM_EPS = 1e-6
 
@@ -327,7 +327,7 @@ class GatedDeltaNet(nnx.Module):
     K = cfg.linear_conv_kernel_dim
     bound = K ** -0.5                     # torch's Conv1d default for a depthwise kernel: fan_in = K
     self.conv_weight = nnx.Param(jax.random.uniform(rngs.params(), (K, cfg.conv_dim), pdt, -bound, bound),
-                                 **logical(None, None))
+                                 **logical(None, None), **optimizer_group("scalar"))   # [K, C]: no Muon
     self.dt_bias = nnx.Param(jnp.ones((Hv,), pdt))
     self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (Hv,), jnp.float32, 0.01, 16)).astype(pdt))
     self.norm = GatedRMSNorm(cfg.linear_value_head_dim, eps=cfg.rms_norm_eps, param_dtype=pdt)

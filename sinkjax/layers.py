@@ -39,8 +39,10 @@ from flax import nnx
 
 from sinkjax import attention as variants
 from sinkjax import cache as cache_lib
+from sinkjax import kinds
 from sinkjax.balance import head_importance
-from sinkjax.cache import query_heads, take_heads
+from sinkjax.cache import take_heads
+from sinkjax.kinds.gated import Gate  # noqa: F401  (re-exported: layers.Gate)
 from sinkjax.choices import MLP_KINDS, MOE_ROUTERS
 from sinkjax.config import AttentionConfig, RopeScaling  # noqa: F401  (RopeScaling re-exported for layer users)
 from sinkjax.kernels import dense
@@ -145,66 +147,6 @@ def matrix_init(init: str, fan_in: int) -> dict:
   return {"kernel_init": lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -s, s)}
 
 
-@dataclasses.dataclass(frozen=True)
-class Gate:
-  """The gate of gated attention ([GatedAttn]; "Gating ablations" above): its shape, where it acts, its activation.
-
-  A static part of the layer (equal in every layer, so blocks still stack for the layer scan). Its parameters stay on
-  the `Attention` as `gate_proj` (z = x W + b) or `gate_logit` (input-independent z), the names checkpoints hold.
-  `heads` (Hg): the heads of the gated tensor, query heads at G1 and KV heads at G2, 1 when head-shared.
-  """
-  kind: str             # headwise | elementwise
-  position: str         # sdpa (G1) | value (G2)
-  shared: bool
-  activation: str
-  dependent: bool       # z = x W + b; else learned logits
-  heads: int
-  head_dim: int
-  group: int            # query heads per KV head
-
-  @classmethod
-  def of(cls, cfg: AttentionConfig) -> Gate | None:
-    """The gate a config asks for: None unless attention is "gated"."""
-    if cfg.attention != "gated":
-      return None
-    heads = 1 if cfg.gate_shared else cfg.num_heads if cfg.gate_position == "sdpa" else cfg.num_kv_heads
-    return cls(cfg.gate, cfg.gate_position, cfg.gate_shared, cfg.gate_activation, cfg.gate_input == "dependent",
-               heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
-
-  @property
-  def shape(self) -> tuple:
-    """z per token: (Hg,) headwise, (Hg, D) elementwise."""
-    return (self.heads,) if self.kind == "headwise" else (self.heads, self.head_dim)
-
-  def parameters(self, cfg: AttentionConfig, rngs: nnx.Rngs) -> tuple:
-    """(gate_proj, gate_logit), one of them None: the projection d_model -> Hg (x D) with bias gate_bias_init, or
-    the learned logits initialized to gate_bias_init ([GatedAttn]: 0), flat like that bias (a vector, so the
-    optimizer gives it AdamW at the scalar rate, not Muon)."""
-    width, pdt = math.prod(self.shape), jnp.dtype(cfg.param_dtype)
-    if not self.dependent:
-      return None, nnx.Param(jnp.full((width,), cfg.gate_bias_init, pdt))
-    proj = nnx.Linear(cfg.d_model, width, use_bias=True, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt,
-                      dot_general=dense.dot_general, bias_init=nnx.initializers.constant(cfg.gate_bias_init),
-                      rngs=rngs, kernel_metadata=logical("embed", "heads"), **matrix_init(cfg.init, cfg.d_model))
-    return proj, None
-
-  def logits(self, gate_proj, gate_logit, x, kv_heads=None):
-    """z [B,T,Hg] or [B,T,Hg,D] (float32) for inputs x [B,T,d_model]; an input-independent gate broadcasts its
-    logits. With `kv_heads`, only the gate heads of those KV heads (a head-shared gate belongs to all)."""
-    B, T, _ = x.shape
-    z = gate_proj(x) if gate_proj is not None else jnp.broadcast_to(gate_logit[...], (B, T) + gate_logit.shape)
-    z = z.astype(jnp.float32).reshape((B, T) + self.shape)
-    if kv_heads is None or self.shared:
-      return z
-    return take_heads(z, kv_heads if self.position == "value" else query_heads(kv_heads, self.group), 2)
-
-  def attend(self, q, k, v, z, **kw):
-    """(out, G) of attention with this gate of logits z; at G2 `v` holds values the layer gated already."""
-    if self.position == "value":
-      return variants.value_gated_attention(q, k, v, z, activation=self.activation, values_gated=True, **kw)
-    return variants.gated_attention(q, k, v, z, activation=self.activation, **kw)
-
-
 class Attention(nnx.Module):
   """Causal multi-head attention with a per-head gate: vanilla, sink (GPT-OSS), gated (Qwen, G1) or ReLU; GQA, RoPE,
   optional QK-norm, sliding windows and learnable sink tokens.
@@ -222,7 +164,7 @@ class Attention(nnx.Module):
     if not isinstance(cfg, AttentionConfig):                # the keyword constructor
       cfg = AttentionConfig(cfg, *args, **options)
     d, H, Hkv, D = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.cfg, self.gate, self.attention, self.num_sink_tokens = cfg, Gate.of(cfg), cfg.attention, cfg.sink_tokens
+    self.cfg, self.attention, self.num_sink_tokens = cfg, cfg.attention, cfg.sink_tokens
     self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
     pdt = jnp.dtype(cfg.param_dtype)
     lin = dict(use_bias=cfg.use_bias, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, dot_general=dense.dot_general,
@@ -237,10 +179,17 @@ class Attention(nnx.Module):
     norm = dict(eps=cfg.norm_eps, use_scale=cfg.norm_scale, param_dtype=pdt)
     self.q_norm = RMSNorm(D, **norm) if cfg.qk_norm else None
     self.k_norm = RMSNorm(D, **norm) if cfg.qk_norm else None
-    self.sink = nnx.Param(jnp.full((H,), cfg.sink_init, pdt)) if cfg.attention == "sink" else None
-    self.gate_proj, self.gate_logit = self.gate.parameters(cfg, rngs) if self.gate is not None else (None, None)
+    self.kind.parameters(self, cfg, rngs)          # the variant's own: sink (sink), gate / gate_proj / gate_logit
+    for name in ("sink", "gate", "gate_proj", "gate_logit"):
+      if not hasattr(self, name):                  # (after them: an attribute set to None first would be static)
+        setattr(self, name, None)
     self.sink_states = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.sink_tokens, d), pdt),
                                  **logical(None, "embed")) if cfg.sink_tokens else None
+
+  @property
+  def kind(self) -> kinds.AttentionKind:
+    """The registered variant this layer runs (`sinkjax.kinds`, by model.attention)."""
+    return kinds.ATTENTION[self.attention]
 
   @property
   def has_outside_weight(self) -> bool:
@@ -261,9 +210,7 @@ class Attention(nnx.Module):
     q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
-    if self.gate is not None and self.gate.position == "value":
-      # G2 gates each value where it is made, so KV caches and sink tokens hold gated values; `attend` reports it.
-      v, _ = variants.apply_gate(v, self.gate_logits(x), self.gate.activation)
+    v = self.kind.values(self, x, v)
     if self.q_norm is not None and self.cfg.rope_style != "nanochat":
       q, k = self.q_norm(q), self.k_norm(k)
     return q, k, v
@@ -272,8 +219,11 @@ class Attention(nnx.Module):
     """RoPE at int positions [B,T] of queries (which="q") or keys ("k"), then their QK-norm where it follows RoPE
     (the one place this layer's rotary settings apply)."""
     scaling = self.cfg.rope_scaling
-    y = apply_rope(x, positions, rope_frequencies(self.head_dim, self.cfg.rope_theta, scaling),
+    rotary = self.cfg.rotary_dim
+    y = apply_rope(x[..., :rotary], positions, rope_frequencies(rotary, self.cfg.rope_theta, scaling),
                    1.0 if scaling is None else scaling.cos_sin_scale(), self.cfg.rope_style)
+    if rotary < self.head_dim:                          # partial RoPE (Qwen3-Next): the rest passes unrotated
+      y = jnp.concatenate([y, x[..., rotary:]], axis=-1)
     if self.q_norm is not None and self.cfg.rope_style == "nanochat":
       y = (self.q_norm if which == "q" else self.k_norm)(y)
     return y
@@ -299,26 +249,19 @@ class Attention(nnx.Module):
     kv_heads: q, k, v hold only these KV heads (a tuple of indices) and their query heads, and so do the per-head
     parameters used here (a head group of a `sinkjax.cache.HybridKVCache`); None = every head. sink_offset: see
     `sink_kv`."""
-    if self.attention == "relu":
-      return variants.relu_attention(q, k, v, segment_ids=segment_ids)
     kw = dict(segment_ids=segment_ids, impl=impl or self.cfg.impl)
     if self.cfg.sliding_window and slide:
       kw["window"] = self.cfg.sliding_window
     if self.sink_states is not None:
       kw["prefix"] = self.sink_kv(x.shape[0], kv_heads, sink_offset)
-    if self.attention == "sink":
-      heads = None if kv_heads is None else query_heads(kv_heads, self.num_heads // self.num_kv_heads)
-      return variants.sink_attention(q, k, v, take_heads(self.sink[...], heads, 0), **kw)
-    if self.attention == "gated":
-      return self.gate.attend(q, k, v, self.gate_logits(x, kv_heads), **kw)
-    return variants.vanilla_attention(q, k, v, **kw)
+    return self.kind.attend(self, x, q, k, v, kw, kv_heads)
 
   def importance_mask(self, segment_ids, B: int, T: int):
     """Tokens that count for head importance: non-padding, and for vanilla not a document's first token (the row's
     first token under data.packing=stream, whose rows are one segment), unless there are sink tokens: the gate's
     "first token" is then sink token 0, so no query has G = 0 by construction."""
     valid = jnp.ones((B, T), bool) if segment_ids is None else segment_ids != 0
-    if self.attention == "vanilla" and self.sink_states is None:
+    if self.kind.skips_first_token and self.sink_states is None:
       first = variants.document_first_index(segment_ids, T)
       valid &= first != jnp.arange(T)[None, :]
     return valid
@@ -382,8 +325,9 @@ def attention_weights(layer: Attention, q, k, segment_ids):
   attention its ReLU weights. Padding queries are all zero."""
   B, T, Hq, D = q.shape
   seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.broadcast_to(segment_ids, (B, T))
-  if layer.attention == "relu":
-    return variants.relu_attention_weights(q, k, segment_ids=seg), jnp.zeros((B, T, Hq), jnp.float32)
+  own = layer.kind.weights(layer, q, k, seg)
+  if own is not None:                                     # not a softmax over the keys (ReLU attention)
+    return own
   scale = 1.0 / math.sqrt(D)
   logits, mask, _, _ = reference_weights(q, k, seg, seg, causal=True, scale=scale,
                                          window=layer.cfg.sliding_window or None)
@@ -392,8 +336,7 @@ def attention_weights(layer: Attention, q, k, segment_ids):
     k_p = jnp.repeat(layer.sink_kv(B)[0], Hq // k.shape[2], axis=2)
     columns.append(jnp.einsum("bthd,bnhd->bhtn", q.astype(jnp.float32), k_p.astype(jnp.float32),
                               precision=jax.lax.Precision.HIGHEST) * scale)
-  if layer.attention == "sink":
-    columns.append(jnp.broadcast_to(layer.sink[...].astype(jnp.float32)[None, :, None, None], (B, Hq, T, 1)))
+  columns += layer.kind.outside_columns(layer, q, B, Hq, T)
   z = jnp.concatenate(columns, axis=-1)
   valid = (seg != 0)[:, None, :, None]
   p = jax.nn.softmax(jnp.where(valid, z, 0.0), axis=-1) * valid
@@ -404,7 +347,8 @@ def hf_attention_tensors(cfg: AttentionConfig) -> dict | None:
   """The tensors of an `Attention` with `cfg` under transformers' names (after `self_attn.`): {HF name: (path in the
   layer, transpose?)}, for the variants transformers has: vanilla (Llama, Qwen3) and sink (GPT-OSS's `sinks`);
   None for the others (gated, ReLU, sink tokens). Torch linear weights are [out, in], ours [in, out]."""
-  if cfg.attention not in ("vanilla", "sink") or cfg.sink_tokens:
+  extra = kinds.attention_kind(cfg.attention).hf_tensors(cfg)
+  if extra is None or cfg.sink_tokens:
     return None
   out = {}
   for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -413,9 +357,7 @@ def hf_attention_tensors(cfg: AttentionConfig) -> dict | None:
       out[f"{p}.bias"] = ((p, "bias"), False)
   if cfg.qk_norm:
     out.update({f"{n}.weight": ((n, "scale"), False) for n in ("q_norm", "k_norm")})
-  if cfg.attention == "sink":
-    out["sinks"] = (("sink",), False)
-  return out
+  return {**out, **extra}
 
 
 def pop_head_importance(model: nnx.Module):
@@ -509,7 +451,7 @@ class MoE(nnx.Module):
   def __init__(self, d_model: int, hidden: int, num_experts: int, top_k: int, *, kind: str = "clamped_swiglu",
                use_bias: bool = True, limit: float = 7.0, alpha: float = 1.702, dtype=jnp.float32,
                param_dtype=jnp.float32, zero_init_output: bool = True, router: str = "topk_softmax",
-               rngs: nnx.Rngs):
+               shared_hidden: int = 0, rngs: nnx.Rngs):
     if kind == "relu2":
       raise ValueError("MoE experts need a gated kind (swiglu | clamped_swiglu)")
     if router not in MOE_ROUTERS:
@@ -530,6 +472,11 @@ class MoE(nnx.Module):
     self.down_kernel = nnx.Param(down, **logical("expert", "mlp", "embed"))
     zeros = lambda n: nnx.Param(jnp.zeros((E, n), param_dtype)) if use_bias else None
     self.gate_bias, self.up_bias, self.down_bias = zeros(hidden), zeros(hidden), zeros(d_model)
+    # Qwen3-Next: a shared SwiGLU expert every token takes, scaled by sigmoid(x w) (`shared_expert_gate`).
+    self.shared_expert = MLP(d_model, shared_hidden, kind="swiglu", dtype=dtype, param_dtype=param_dtype,
+                             zero_init_output=zero_init_output, rngs=rngs) if shared_hidden else None
+    self.shared_expert_gate = nnx.Linear(d_model, 1, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                         kernel_metadata=logical("embed", None), rngs=rngs) if shared_hidden else None
 
   def __call__(self, x):
     names = ("gate_kernel", "up_kernel", "down_kernel", "gate_bias", "up_bias", "down_bias")
@@ -541,7 +488,11 @@ class MoE(nnx.Module):
                               dtype=self.dtype, router=self.routing)
     # Per batch shard: the sort by expert is then over the shard's own tokens (one global sort would gather every
     # token of the step onto every device: GPT-OSS-20B on 16 chips needed 222 GiB per chip).
-    return per_batch_shard(route, x.shape[0])(x, weights)
+    y = per_batch_shard(route, x.shape[0])(x, weights)
+    if self.shared_expert is None:
+      return y
+    scale = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
+    return (y.astype(jnp.float32) + scale * self.shared_expert(x).astype(jnp.float32)).astype(y.dtype)
 
 
 def moe_tokens(x, w: dict, *, top_k: int, kind: str, limit: float, alpha: float, dtype,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from sinkjax import choices
+from sinkjax import choices, kinds
 from sinkjax.config import ModelConfig
 from sinkjax.kernels import dense
 from sinkjax.layers import MLP, Attention, MoE, RMSNorm, default_positions, pop_head_importance
@@ -72,12 +72,12 @@ class Block(nnx.Module):
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)     # names the config has checked
     norm = dict(eps=cfg.norm_eps, use_scale=cfg.norm_scale, param_dtype=pdt)
     self.attn_norm = RMSNorm(cfg.d_model, **norm)
-    self.attn = Attention(cfg.attention_config(layer), rngs=rngs)
+    self.attn = kinds.mixer_of(cfg, layer).build(cfg, layer, rngs)     # the layer's kind (model.layer_types)
     self.mlp_norm = RMSNorm(cfg.d_model, **norm)
     mlp = dict(kind=cfg.mlp, use_bias=cfg.mlp_bias, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha, dtype=dt,
                param_dtype=pdt, rngs=rngs)
-    self.mlp = MoE(cfg.d_model, cfg.mlp_width, cfg.moe_experts, cfg.moe_top_k, router=cfg.moe_router, **mlp) \
-        if cfg.moe_experts else MLP(cfg.d_model, cfg.mlp_width, init=cfg.init, **mlp)
+    self.mlp = MoE(cfg.d_model, cfg.mlp_width, cfg.moe_experts, cfg.moe_top_k, router=cfg.moe_router,
+                   shared_hidden=cfg.moe_shared_hidden, **mlp) if cfg.moe_experts else MLP(cfg.d_model, cfg.mlp_width, init=cfg.init, **mlp)
 
   def __call__(self, x, segment_ids, positions, cache=None, record: bool = False, zero_first_value=None):
     """x -> x; with a `LayerCache`, (x, updated cache). record / zero_first_value: see `Attention.__call__`; with
@@ -178,26 +178,35 @@ class Transformer(nnx.Module):
       return x
     imps = []
     for i, block in enumerate(self.layers):
-      x, imp = self._layer_fn(nnx.graphdef(block), x0, segment_ids, positions)(x, (nnx.state(block), i))
+      x, imp = self._layer_fn(nnx.graphdef(block), x0, segment_ids, positions, self._has_heads(i))(
+          x, (nnx.state(block), i))
       imps.append(imp)
     return self._sow_importances(x, imps)
 
-  def _layer_fn(self, graphdef, x0, segment_ids, positions):
-    """(h, (block state, i)) -> (block i's output, its head importance [H]): one layer as a pure function of its
-    parameters, rematerialized with model.remat (jax.checkpoint with model.remat_policy). Pure, so it composes with
-    lax.scan and with LoRA's split parameters (nnx.remat on the module would write back into them)."""
+  def _has_heads(self, i: int) -> bool:
+    """Whether layer i's mixer records head importance (`sinkjax.kinds`: attention yes, linear attention no)."""
+    return kinds.mixer_of(self.cfg, i).heads
+
+  def _layer_fn(self, graphdef, x0, segment_ids, positions, heads: bool = True):
+    """(h, (block state, i)) -> (block i's output, its head importance [H], or [0] for a layer without heads): one
+    layer as a pure function of its parameters, rematerialized with model.remat (jax.checkpoint with
+    model.remat_policy). Pure, so it composes with lax.scan and with LoRA's split parameters (nnx.remat on the module
+    would write back into them)."""
     def layer(h, args):
       state, i = args
       block = nnx.merge(graphdef, state)
       h = block(self.block_input(i, h, x0), segment_ids, positions)
-      return h, pop_head_importance(block)[0]
+      return h, pop_head_importance(block)[0] if heads else jnp.zeros((0,), jnp.float32)
     if self.cfg.remat:
       return jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat_policy](), prevent_cse=False)
     return layer
 
   def _sow_importances(self, x, imps):
-    """Records each layer's importance on its own Attention (what `pop_head_importance` reads); returns x."""
-    for block, imp in zip(self.layers, imps):
+    """Records each layer's importance on its own Attention (what `pop_head_importance` reads); returns x. Layers
+    without heads (their entries are [0]) record nothing."""
+    for i, (block, imp) in enumerate(zip(self.layers, imps)):
+      if not self._has_heads(i):
+        continue
       block.attn.sow(nnx.Intermediate, "head_importance", imp, reduce_fn=lambda _, new: new, init_fn=lambda: None)
     return x
 
@@ -220,7 +229,8 @@ class Transformer(nnx.Module):
     groups = len(self.layers) // period
     stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.layers[j::period]])
                for j in range(period)]
-    layers = [self._layer_fn(nnx.graphdef(self.layers[j]), x0, segment_ids, positions) for j in range(period)]
+    layers = [self._layer_fn(nnx.graphdef(self.layers[j]), x0, segment_ids, positions, self._has_heads(j))
+              for j in range(period)]
 
     def body(h, args):
       states, g = args
@@ -228,10 +238,10 @@ class Transformer(nnx.Module):
       for j, (layer, state) in enumerate(zip(layers, states)):
         h, imp = layer(h, (state, g * period + j))
         imps.append(imp)
-      return h, jnp.stack(imps)
+      return h, tuple(imps)               # per group position j: [H], or [0] where the kind has no heads
 
     x, imps = jax.lax.scan(body, x, (stacked, jnp.arange(groups)))
-    return self._sow_importances(x, list(imps.reshape(len(self.layers), *imps.shape[2:])))
+    return self._sow_importances(x, [imps[i % period][i // period] for i in range(len(self.layers))])
 
   def logits(self, x):
     """Final norm, LM head (vocabulary padding sliced off), float32, soft-cap."""

@@ -6,6 +6,8 @@ Parameters are routed by their nnx path (`param_labels`):
            -> Muon at train.matrix_lr. Gate projections are hidden matrices like q/k/v, so they go where those go.
   embed    the token embedding and the learnable sink tokens (`sink_states`, embedding-like) -> AdamW, train.embed_lr
   unembed  the LM head                                                                  -> AdamW, train.unembed_lr
+  A parameter created with `sinkjax.sharding.optimizer_group(...)` metadata goes to that group whatever its path
+  (Gated DeltaNet's depthwise conv kernel [K, C] is labelled "scalar": no matrix for Muon).
   scalar   everything else: sink logits, gate biases / input-independent gate logits, norm scales, biases, the
            per-layer resid/x0 lambdas -> AdamW at train.scalar_lr without decay. nanochat 9d4c9b7 has no such
            parameters (its norms are parameter-free, no biases); Muon orthogonalizes matrices and has no meaning for
@@ -31,6 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from sinkjax.config import Config
 from sinkjax.sharding import path_names
@@ -65,8 +68,26 @@ def param_label(path, leaf) -> str:
 
 
 def param_labels(params):
-  """The optimizer group of every parameter (a pytree shaped like `params`)."""
-  return jax.tree_util.tree_map_with_path(param_label, params)
+  """The optimizer group of every parameter (a pytree shaped like `params`): the group its nnx.Variable was created
+  with (`optimizer_group` metadata) where it has one, else by path and shape (`param_label`)."""
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  marked = {}
+
+  def note(path, leaf):
+    if is_var(leaf) and leaf.get_metadata().get("optimizer_group"):
+      marked[tuple(path)] = leaf.get_metadata()["optimizer_group"]
+
+  jax.tree_util.tree_map_with_path(note, params, is_leaf=is_var)
+  if not marked:
+    return jax.tree_util.tree_map_with_path(param_label, params)
+
+  def label(path, leaf):
+    for n in range(len(path), 0, -1):           # a Variable's array sits below the Variable's own path
+      if tuple(path[:n]) in marked:
+        return marked[tuple(path[:n])]
+    return param_label(path, leaf)
+
+  return jax.tree_util.tree_map_with_path(label, params)
 
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)

@@ -99,6 +99,14 @@ def logical(*axes) -> dict:
   return {"out_sharding": tuple(axes), "eager_sharding": False}
 
 
+def optimizer_group(group: str) -> dict:
+  """Variable metadata putting a parameter in an optimizer group of `sinkjax.optim` (matrix | scalar | embed |
+  unembed) whatever its path and shape, given where it is created like `logical`:
+  `nnx.Param(value, **logical(None, None), **optimizer_group("scalar"))` (a depthwise conv kernel is no matrix for
+  Muon). Read by `sinkjax.optim.param_labels`."""
+  return {"optimizer_group": group}
+
+
 def path_names(path) -> tuple:
   """A pytree / nnx path as plain names and indices, without nnx's trailing "value"."""
   out = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)

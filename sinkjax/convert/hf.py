@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import checkpoint, distributed, lora, paths
+from sinkjax import checkpoint, deltanet, distributed, lora, paths
 from sinkjax import config as config_lib
 from sinkjax import run as run_lib
 from sinkjax import sharding as sharding_lib
@@ -124,7 +124,33 @@ TRANSFORMS = {   # how: (checkpoint arrays -> parameter arrays, parameter arrays
     "transpose": (lambda ts: [np.swapaxes(ts[0], -1, -2)], lambda ps: [_T(ps[0])]),
     "interleave": (lambda ts: [ts[0][..., 0::2], ts[0][..., 1::2]], lambda ps: [_fused(*ps)]),
     "experts": (lambda ts: [np.stack([t.T for t in ts])], lambda ps: [_T(p) for p in ps[0]]),
+    "centred": (lambda ts: [ts[0] + 1], lambda ps: [ps[0] - 1]),     # zero-centred RMSNorm: scale = 1 + weight
+    "conv": (lambda ts: [np.ascontiguousarray(ts[0][:, 0, :].T)], lambda ps: [np.ascontiguousarray(ps[0].T[:, None])]),
 }
+
+
+def _q_gate(m: ModelConfig) -> tuple:
+  """Qwen3-Next's q_proj [H * 2D, d], per head D query rows then D gate rows <-> q_proj and gate_proj kernels
+  [d, H * D] (gated attention's elementwise G1 gate)."""
+  H, D = m.num_heads, m.head_dim
+
+  def split(ts):
+    w = ts[0].reshape(H, 2, D, -1)
+    return [np.swapaxes(w[:, 0].reshape(H * D, -1), 0, 1), np.swapaxes(w[:, 1].reshape(H * D, -1), 0, 1)]
+
+  def join(ps):
+    q, g = (p.T.reshape(H, D, -1) for p in ps)
+    return [np.ascontiguousarray(np.stack([q, g], axis=1).reshape(H * 2 * D, -1))]
+
+  return split, join
+
+
+CONFIG_TRANSFORMS = {"q_gate": _q_gate}       # transforms that depend on the model's shapes: how -> f(m) -> pair
+
+
+def _transform(how: str, m: ModelConfig) -> tuple:
+  """(import, export) functions of transform `how` for a model of config `m`."""
+  return CONFIG_TRANSFORMS[how](m) if how in CONFIG_TRANSFORMS else TRANSFORMS[how]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +165,13 @@ class Family:
   extra: config.json keys written on export only.
   mlp: the MLP / MoE tensors of a layer (attention's names come from `layers.hf_attention_tensors`, the norms'
     are shared).
+  attention: the attention tensors of a layer, where they are not `layers.hf_attention_tensors`' (Qwen3-Next's
+    q_proj holds the gate too).
+  norms: the transform of every RMSNorm scale ("centred": Qwen3-Next's zero-centred norms, scale = 1 + weight).
   moe: routed experts (model.moe_experts > 0). sliding: sliding / full layers from layer_types + sliding_window.
+  linear: linear-attention (Gated DeltaNet) / full layers from layer_types (`linear_attention`), their tensors
+    under `linear_attn.` (`sinkjax.deltanet.HF_TENSOR_NAMES`).
+  partial_rope: the config's partial_rotary_factor is read (model.rope_partial); other families refuse it.
   """
   model_type: str
   architecture: str
@@ -150,6 +182,10 @@ class Family:
   mlp: tuple = ()
   moe: bool = False
   sliding: bool = False
+  attention: tuple | None = None
+  norms: str = "copy"
+  linear: bool = False
+  partial_rope: bool = False
 
 
 _PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -199,7 +235,30 @@ GPT_OSS = Family(
          Tensor("mlp.experts.down_proj_bias", ("mlp", "down_bias"))),
     moe=True, sliding=True)
 
-SPECS = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GPT_OSS)}     # the registry, by model_type
+_SHARED_EXPERT = tuple(Tensor(f"mlp.shared_expert.{p}.weight", ("mlp", "shared_expert", p, "kernel"), "transpose",
+                              when="moe_shared_hidden") for p in _PROJ) + \
+    (Tensor("mlp.shared_expert_gate.weight", ("mlp", "shared_expert_gate", "kernel"), "transpose",
+            when="moe_shared_hidden"),)
+QWEN3_NEXT = Family(
+    "qwen3_next", "Qwen3NextForCausalLM",
+    fixed=dict(attention="gated", gate="elementwise", gate_bias=False, qk_norm=True, mlp="swiglu", mlp_bias=False,
+               attn_bias=False, attn_out_bias=True),
+    keys=QWEN3_MOE.keys[1:] + (
+        Key("shared_expert_intermediate_size", "moe_shared_hidden", 0),
+        Key("linear_num_key_heads", "linear_key_heads"), Key("linear_num_value_heads", "linear_value_heads"),
+        Key("linear_key_head_dim", "linear_key_head_dim"), Key("linear_value_head_dim", "linear_value_head_dim"),
+        Key("linear_conv_kernel_dim", "linear_conv_kernel", 4)),
+    supports=(_SILU, ("attention_bias", False, "its gate is half of q_proj, which then has no bias"),
+              ("decoder_sparse_step", 1, _ALL_MOE), ("mlp_only_layers", [], _ALL_MOE)),
+    extra={"output_router_logits": False, "router_aux_loss_coef": 0.0},
+    attention=(Tensor("self_attn.q_proj.weight", (("attn", "q_proj", "kernel"), ("attn", "gate_proj", "kernel")),
+                      "q_gate"),
+               *(Tensor(f"self_attn.{p}.weight", ("attn", p, "kernel"), "transpose")
+                 for p in ("k_proj", "v_proj", "o_proj")),
+               *(Tensor(f"self_attn.{n}.weight", ("attn", n, "scale"), "centred") for n in ("q_norm", "k_norm"))),
+    mlp=QWEN3_MOE.mlp + _SHARED_EXPERT, moe=True, norms="centred", linear=True, partial_rope=True)
+
+SPECS = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GPT_OSS, QWEN3_NEXT)}     # the registry, by model_type
 FAMILIES = tuple(SPECS)
 ARCHITECTURES = {name: f.architecture for name, f in SPECS.items()}
 
@@ -232,8 +291,7 @@ def _rope(hf: dict) -> dict:
   rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
   rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
   rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-  if rope.get("partial_rotary_factor", 1.0) != 1.0 or hf.get("partial_rotary_factor", 1.0) != 1.0:
-    raise ConvertError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+  rope["partial_rotary_factor"] = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
   return rope
 
 
@@ -285,6 +343,20 @@ def model_config_from_hf(hf: dict, *, dtype: str = "float32", param_dtype: str =
     setattr(m, name, value)
   for key in spec.keys:
     setattr(m, key.field, key.read(hf, family))
+  partial = _rope(hf)["partial_rotary_factor"]
+  if partial != 1.0 and not spec.partial_rope:
+    raise ConvertError(f"{family} with partial_rotary_factor={partial} is not supported (only qwen3_next rotates part "
+                       "of each head)")
+  m.rope_partial = partial
+  if spec.linear:
+    every = int(hf.get("full_attention_interval") or 4)
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                      for i in range(m.num_layers)]
+    kinds = {"linear_attention": "linear", "full_attention": "full"}
+    if any(t not in kinds for t in types):
+      raise ConvertError(f"{family} layer_types must be linear_attention | full_attention, got "
+                         f"{next(t for t in types if t not in kinds)!r}")
+    m.layer_types = [kinds[t] for t in types]
   if spec.sliding:
     types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                       for i in range(m.num_layers)]
@@ -312,6 +384,12 @@ def _mismatches(spec: Family, m: ModelConfig) -> list[str]:
     out.append("model.moe_experts > 0" if spec.moe else "model.moe_experts=0")
   if m.sliding_window and not spec.sliding:
     out.append("model.sliding_window=0")
+  if "linear" in m.layer_types and not spec.linear:
+    out.append("no linear layers in model.layer_types")
+  if m.rope_partial != 1.0 and not spec.partial_rope:
+    out.append("model.rope_partial=1")
+  if m.moe_shared_hidden and spec.moe and not any(t.when == "moe_shared_hidden" for t in spec.mlp):
+    out.append("model.moe_shared_hidden=0")
   for key in spec.keys:
     if key.values is not None and getattr(m, key.field) not in key.values.values():
       out.append(f"model.{key.field} in {'|'.join(key.values.values())}")
@@ -344,6 +422,8 @@ def hf_config(m: ModelConfig, family: str, dtype: str = "float32") -> dict:
   spec = _spec(family)
   m = dataclasses.replace(m, mlp_hidden=m.mlp_width)
   rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+  if m.rope_partial != 1.0:
+    rope["partial_rotary_factor"] = m.rope_partial
   orig = m.rope_original_max_seq_len or m.max_seq_len
   if m.rope_scaling == "llama3":
     rope.update(rope_type="llama3", factor=m.rope_factor, low_freq_factor=m.rope_low_freq_factor,
@@ -367,6 +447,8 @@ def hf_config(m: ModelConfig, family: str, dtype: str = "float32") -> dict:
   out.update({key.hf: key.write(m) for key in spec.keys})
   out.update({key: value for key, value, _ in spec.supports})
   out.update(spec.extra)
+  if spec.linear:
+    out["layer_types"] = [f"{t}_attention" for t in (m.layer_types or ["full"] * m.num_layers)]
   if spec.sliding:
     types = m.layer_types or (["sliding"] * m.num_layers if m.sliding_window else ["full"] * m.num_layers)
     out.update(sliding_window=m.sliding_window or None, layer_types=[f"{t}_attention" for t in types])
@@ -378,20 +460,25 @@ def hf_config(m: ModelConfig, family: str, dtype: str = "float32") -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 
 def _tensors(m: ModelConfig, family: str) -> list[tuple[tuple[str, ...], tuple[tuple, ...], str]]:
+  spec = _spec(family)
   out = [(("model.embed_tokens.weight",), (("embed", "embedding"),), "copy"),
-         (("model.norm.weight",), (("final_norm", "scale"),), "copy")]
+         (("model.norm.weight",), (("final_norm", "scale"),), spec.norms)]
   if not m.tie_embeddings:
     out.append((("lm_head.weight",), (("lm_head", "kernel"),), "transpose"))
-  attn = hf_attention_tensors(m.attention_config()).items()       # the same names in every layer
-  layer = [Tensor("input_layernorm.weight", ("attn_norm", "scale")),
-           Tensor("post_attention_layernorm.weight", ("mlp_norm", "scale"))]
-  layer += [Tensor("self_attn." + name, ("attn", *path), "transpose" if t else "copy") for name, (path, t) in attn]
-  layer += [t for t in _spec(family).mlp if not t.when or getattr(m, t.when)]
+  attn = list(spec.attention) if spec.attention is not None else \
+      [Tensor("self_attn." + name, ("attn", *path), "transpose" if t else "copy")       # the same in every layer
+       for name, (path, t) in hf_attention_tensors(m.attention_config()).items()]
+  linear = [Tensor("linear_attn." + name, ("attn", *path.split(".")), {"T": "transpose", None: "copy"}.get(how, how))
+            for path, (name, how) in deltanet.HF_TENSOR_NAMES.items()]
+  shared = [Tensor("input_layernorm.weight", ("attn_norm", "scale"), spec.norms),
+            Tensor("post_attention_layernorm.weight", ("mlp_norm", "scale"), spec.norms)]
+  shared += [t for t in spec.mlp if not t.when or getattr(m, t.when)]
   for i in range(m.num_layers):
+    layer = (linear if m.layer_types and m.layer_types[i] == "linear" else attn) + shared
     for t in layer:
       names = tuple(f"model.layers.{i}." + t.hf.format(e=e) for e in range(m.moe_experts)) if t.how == "experts" \
           else (f"model.layers.{i}.{t.hf}",)
-      paths = t.ours if t.how == "interleave" else (t.ours,)
+      paths = t.ours if isinstance(t.ours[0], tuple) else (t.ours,)        # a tensor split in two (interleave, q_gate)
       out.append((names, tuple(("layers", i, *p) for p in paths), t.how))
   return out
 
@@ -492,7 +579,7 @@ def _read_params(tensors: _Tensors, m: ModelConfig, family: str, dtype, put, met
   of a group are dropped before the next is read, so the host holds one group at a time (`meter` counts it)."""
   for hf_names, paths, how in _tensors(m, family):
     ins = [tensors.get(n, dtype, meter) for n in hf_names]
-    outs = TRANSFORMS[how][0](ins)
+    outs = _transform(how, m)[0](ins)
     meter.hold(fresh_bytes(outs, ins), hf_names[0] if len(hf_names) == 1 else f"{hf_names[0]} .. {hf_names[-1]}")
     for path, value in zip(paths, outs):
       put(path, value)
@@ -523,7 +610,7 @@ def params_to_hf(model, family: str) -> dict[str, np.ndarray]:
 
   out = {}
   for hf_names, paths, how in _tensors(m, family):
-    out.update(zip(hf_names, TRANSFORMS[how][1]([param(p) for p in paths])))
+    out.update(zip(hf_names, _transform(how, m)[1]([param(p) for p in paths])))
   return out
 
 
