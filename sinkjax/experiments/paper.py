@@ -373,10 +373,10 @@ def head_roles(before, after, m: int = FINETUNE_SHARED) -> dict:
           "layers_top_changed": changed, "top_heads_after": top_a.tolist()}
 
 
-def run_finetune(args, scale: Scale, specs: list[RunSpec], root: pathlib.Path) -> dict:
+def run_finetune(args, scale: Scale, specs: list[RunSpec], root: pathlib.Path, commit: dict | None = None) -> dict:
   """Every trained base run of the first requested seed, fine-tuned in each FINETUNE_MODES mode (runs
-  OUT/finetune/NAME_MODE, finished once finetune_eval.json is written)."""
-  study = runner.Study(root, layout="finetune/{name}", record="finetune_eval.json", stamp=False)
+  OUT/finetune/NAME_MODE, finished once finetune_eval.json is written; done.json records `commit`)."""
+  study = runner.Study(root, layout="finetune/{name}", record="finetune_eval.json", stamp=False, commit=commit)
   out = {}
   bases = [s for s in specs if s.loss == "base" and s.seed == specs[0].seed]
   for i, spec in enumerate(bases):
@@ -520,7 +520,7 @@ def run_study(args, scale: Scale, specs: list[RunSpec], mirror=None) -> dict:
     _progress(res, i, n, t_start)
     sync()
   study.walk([] if args.report_only else [paper_run(scale, s, args.steps, study.commit) for s in specs], done)
-  ft = run_finetune(args, scale, specs, out) if args.finetune and not args.report_only else \
+  ft = run_finetune(args, scale, specs, out, study.commit) if args.finetune and not args.report_only else \
       _read_json(out / "finetune.json")
   if args.finetune and not args.report_only:
     _write_json(out / "finetune.json", ft)
