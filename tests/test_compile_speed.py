@@ -140,24 +140,58 @@ def _by_hand(policy, loss_chunk=0, rows=ROWS):
   return flops + recompute, recompute
 
 
-@pytest.mark.parametrize("policy", [None, pytest.param("nothing", marks=pytest.mark.slow),
-                                    pytest.param("dots", marks=pytest.mark.slow), "save_attention"])
+# The --search candidates: scanned layers, a chunked loss, data parallel (2 rows per chip; no weight gathers, so the
+# policies' step bounds differ by their compute and HBM terms), compiled once per policy by compile.search itself.
+SEARCH = SMALL + ["model.scan_layers=true", "mesh.data=4", "mesh.fsdp=1", "train.loss_chunk=128"]
+SEARCH_POLICIES = ("nothing", "save_attention")
+
+
+@functools.lru_cache(maxsize=None)
+def _search():
+  return compile_lib.search(TINY, SEARCH, compile_lib.parse_topology("v5e:2x2"), SEARCH_POLICIES)
+
+
+@pytest.mark.parametrize("policy", [None, "nothing", pytest.param("dots", marks=pytest.mark.slow), "save_attention"])
 def test_report_flops_equal_a_hand_count(policy):
-  """Scanned layers (a while loop of 2 trips) and, with save_attention, a chunked loss (4 trips): the report counts
-  every trip, and its recomputed FLOPs are what the policy recomputes, both within 5 % of the hand count."""
-  ov = ["model.scan_layers=true"] + (["model.remat=true", f"model.remat_policy={policy}"] if policy else [])
-  chunk = 128 if policy == "save_attention" else 0
-  r = _report(*ov, f"train.loss_chunk={chunk}")
-  flops, recompute = _by_hand(policy, chunk)
+  """Scanned layers (a while loop of 2 trips) and, with remat, a chunked loss (4 trips): the report counts every
+  trip, and its recomputed FLOPs are what the policy recomputes, both within 5 % of the hand count. Without remat:
+  FSDP over 4 chips (the weights gathered); nothing and save_attention: the --search candidates (data parallel)."""
+  if policy in SEARCH_POLICIES:
+    r = next(c for c in _search()["candidates"] if c["remat_policy"] == policy)
+    flops, recompute = _by_hand(policy, 128)
+    gathered, reduced = "all-reduce", "all-reduce"                  # the gradients, summed over the data axis
+  else:
+    ov = ["model.scan_layers=true"] + (["model.remat=true", f"model.remat_policy={policy}"] if policy else [])
+    chunk = 128 if policy else 0
+    r = _report(*ov, f"train.loss_chunk={chunk}")
+    flops, recompute = _by_hand(policy, chunk)
+    gathered, reduced = "all-gather", "reduce-scatter"              # FSDP gathers the weights
   assert r["flops_per_step"] == pytest.approx(flops, rel=0.05)
   assert r["recompute_flops_per_step"] == pytest.approx(recompute, rel=0.05, abs=0.01 * flops)
   assert r["loops_of_unknown_trips"] == 0
   assert set(r["collective_bytes_per_step"]) >= {"all-gather", "reduce-scatter", "all-reduce"}
-  assert r["collective_bytes_per_step"]["all-gather"] > 0          # FSDP gathers the weights
+  assert r["collective_bytes_per_step"][gathered] > 0 and r["collective_bytes_per_step"][reduced] > 0
   t = r["estimated_seconds_by_term"]
   assert r["estimated_step_seconds"] == max(t.values())
   assert t["compute"] == pytest.approx(r["flops_per_step"] / 197e12)
   assert r["estimated_mfu"] == pytest.approx(r["model_flops_per_step"] / 4 / 197e12 / r["estimated_step_seconds"])
+
+
+def _hand_pick(candidates, loss_chunk=128):
+  """The candidate whose step bound is least when its compute term is its hand-counted FLOPs at v5e's peak and its
+  byte terms are the report's."""
+  bound = {c["remat_policy"]: max(_by_hand(c["remat_policy"], loss_chunk)[0] / 197e12,
+                                  c["estimated_seconds_by_term"]["hbm"], c["estimated_seconds_by_term"]["ici"])
+           for c in candidates if c["fits"]}
+  return min(bound, key=bound.get)
+
+
+def test_search_picks_the_policy_a_hand_count_picks():
+  """compile.search over nothing and save_attention: both fit, and it picks what the hand count picks."""
+  res = _search()
+  assert [c["remat_policy"] for c in res["candidates"]] == list(SEARCH_POLICIES)
+  assert all(c["fits"] and c["remat"] for c in res["candidates"])
+  assert res["picked"]["remat_policy"] == _hand_pick(res["candidates"])
 
 
 def test_scanned_and_unscanned_programs_report_the_same_flops():
@@ -175,22 +209,16 @@ def test_offload_is_refused_where_there_is_no_device_memory():
 
 
 @pytest.mark.slow
-def test_search_picks_the_policy_a_hand_count_picks(tmp_path):
-  """--search nothing,save_attention (scanned layers, 8 rows per chip, data parallel): the test's pick is the
-  candidate whose step bound is least when its compute term is its hand-counted FLOPs at v5e's peak (save_attention
-  recomputes nothing, nothing recomputes the forward) and its byte terms are the report's."""
+def test_search_command_prints_the_table_and_the_pick(tmp_path):
+  """python -m sinkjax.compile --search on the same candidates: the JSON, the table's marked row and the last line
+  name the hand count's pick."""
   out = tmp_path / "s.json"
-  ov = SMALL[:] + ["model.scan_layers=true", "train.batch_size=32", "mesh.fsdp=1", "mesh.data=4"]
   r = subprocess.run([sys.executable, "-m", "sinkjax.compile", "--config", TINY, "--topology", "v5e:2x2", "--search",
-                      "nothing,save_attention", "--json", str(out), *ov], cwd=ROOT, capture_output=True, text=True,
-                     timeout=1200, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                      ",".join(SEARCH_POLICIES), "--json", str(out), *SEARCH], cwd=ROOT, capture_output=True,
+                     text=True, timeout=1200, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 0, r.stderr[-2000:]
   res = json.loads(out.read_text())
-  cands = {c["remat_policy"]: c for c in res["candidates"]}
-  assert all(c["fits"] for c in cands.values())
-  bound = {p: max(_by_hand(p, rows=32)[0] / 197e12, c["estimated_seconds_by_term"]["hbm"],
-                  c["estimated_seconds_by_term"]["ici"]) for p, c in cands.items()}
-  expected = min(bound, key=bound.get)
+  expected = _hand_pick(res["candidates"])
   assert res["candidates"][res["picked"]]["remat_policy"] == expected
   assert f"picked: model.remat_policy={expected}" in r.stdout and f"| {expected} **picked** |" in r.stdout
 
