@@ -2,7 +2,9 @@
 
     from sinkjax.convert.hf import load_hf
     model = load_hf("path/to/hf_dir")          # a sinkjax Transformer; model(tokens) -> logits
+    model = load_hf("path/to/hf_dir", mesh=MeshConfig(data=1, fsdp=8))     # each parameter sharded as it is read
     python -m sinkjax.convert.hf --hf-dir DIR --out RUN_DIR        # import into a run directory
+    python -m sinkjax.convert.hf --hf-dir DIR --out RUN_DIR mesh.data=1 mesh.fsdp=8   # ... through a sharded model
     python -m sinkjax.convert.hf --hf-dir MODEL.gguf --out RUN_DIR # a GGUF file (dequantized; sinkjax.convert.gguf)
     python -m sinkjax.convert.hf --export RUN_DIR --out DIR        # export (LoRA adapters merged) for transformers
 
@@ -19,6 +21,11 @@ ModelConfig fields it fixes, which also decide what exports to it):
 and all of them: no embedding norm, no logit soft-cap. Weights are read from safetensors only (one file, several,
 or an index json; MXFP4-quantized GPT-OSS experts are dequantized); pickled `.bin` checkpoints are refused, since
 loading them executes code. Linear weights are transposed ([out, in] in torch, [in, out] in Flax).
+
+Weights are read one tensor at a time, converted to model.param_dtype and transformed on the host, and placed at once
+(`sinkjax.convert.place`): whole on the default device, or, with a mesh (mesh.* keys), straight into each parameter's
+training sharding, so the host holds one tensor (plus its transform) and no device a whole sharded parameter; the
+import then writes the Orbax checkpoint from the sharded arrays. `place_hf` / `convert` report what that took.
 
 An import writes the model's tokenizer into the run (RUN_DIR/tokenizer/: tokenizer.json and the files beside it that
 say its BOS / EOS / chat template, sinkjax.data.tokenizers.SIDE_FILES; generation_config.json made from config.json's
@@ -705,8 +712,8 @@ def convert(hf_dir: str | pathlib.Path, run_dir: str | pathlib.Path, *, dtype: s
     cfg.data.seq_len = m.max_seq_len                # the context the model was trained for
     cfg.run.dir = str(run_dir)
     config_lib.apply_overrides(cfg, list(overrides))
-    if mesh is None and run_lib.asks_for_mesh(overrides):
-      mesh = sharding_lib.make_mesh(cfg.mesh)
+    if mesh is None and (run_lib.asks_for_mesh(overrides) or jax.process_count() > 1):
+      mesh = sharding_lib.make_mesh(cfg.mesh)     # several processes write one checkpoint: a global mesh
     model, info = _place_dir(local, m, hf["model_type"], mesh)
     if (local / "tokenizer.json").is_file():
       cfg.data.tokenizer = str(run_dir / TOKENIZER_DIR / "tokenizer.json")
