@@ -334,10 +334,10 @@ def fixed_shared_heads(cfg: Config):
     imp = np.asarray(_recorded_importance(path), np.float32)
   except (KeyError, IndexError, ValueError):
     raise ConfigError(f"loss.shared_heads_from {src!r}: {path.name} holds no 'importance'") from None
-  want = (cfg.model.num_layers, cfg.model.num_heads)
+  want = (len(cfg.model.head_layers), cfg.model.num_heads)
   if imp.shape != want:
     raise ConfigError(f"loss.shared_heads_from {src!r}: importance is {list(imp.shape)}, the model needs "
-                      f"{list(want)} (layers x heads)")
+                      f"{list(want)} (layers with heads x heads)")
   if cfg.loss.num_shared_heads == 0:
     raise ConfigError("loss.shared_heads_from needs loss.num_shared_heads > 0 (how many heads per layer to share)")
   return np.asarray(balance.shared_head_mask(imp, cfg.loss.num_shared_heads))

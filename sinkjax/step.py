@@ -97,7 +97,7 @@ def make_train_step(cfg: Config, graphdef, rest, tx: optax.GradientTransformatio
         (_, out), g = run(mb)
         return jax.tree.map(jnp.add, acc, (g, *out)), None
 
-      L, H = cfg.model.num_layers, cfg.model.num_heads
+      L, H = len(cfg.model.head_layers), cfg.model.num_heads       # layers with heads (sinkjax.kinds)
       zero = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()), jnp.zeros((L, H)))
       (grads, ce_sum, aux, imp), _ = jax.lax.scan(body, zero, micro)
       aux, imp = aux / A, imp / A

@@ -42,18 +42,28 @@ def param_count_formula(cfg: ModelConfig) -> int:
   if cfg.attention == "gated":            # gate heads: Hq at G1, Hkv at G2, 1 head-shared
     gh = 1 if cfg.gate_shared else (hq if cfg.gate_position == "sdpa" else hkv)
     w = gh if cfg.gate == "headwise" else gh * hd
-    attn += (d * w + w) if cfg.gate_input == "dependent" else w
-  if cfg.attn_bias:
-    attn += hq * hd + 2 * hkv * hd + d
-  if cfg.norm_scale:                       # attention/MLP norms per block (+ QK-norms); final norm below
-    attn += 2 * d + (2 * hd if cfg.qk_norm else 0)
+    attn += (d * w + (w if cfg.gate_bias else 0)) if cfg.gate_input == "dependent" else w
+  if cfg.attn_bias:                        # q/k/v biases, o_proj's with attn_out_bias
+    attn += hq * hd + 2 * hkv * hd + (d if cfg.attn_out_bias else 0)
+  if cfg.norm_scale and cfg.qk_norm:
+    attn += 2 * hd
+  # Gated DeltaNet ("linear" layers): in_proj_qkvz, in_proj_ba, the depthwise conv over q/k/v, dt_bias, A_log, the
+  # gated norm's scale, out_proj.
+  kh, vh = cfg.linear_key_heads or hq, cfg.linear_value_heads or hq
+  kd, vd = kh * (cfg.linear_key_head_dim or hd), vh * (cfg.linear_value_head_dim or hd)
+  linear = d * (2 * kd + 2 * vd) + d * 2 * vh + cfg.linear_conv_kernel * (2 * kd + vd) + 2 * vh + \
+      (cfg.linear_value_head_dim or hd) + vd * d
+  norms = 2 * d if cfg.norm_scale else 0   # attention/MLP norms per block; final norm below
   h = cfg.mlp_width
   gated = cfg.mlp != "relu2"
   mlp = (3 if gated else 2) * d * h + (((2 if gated else 1) * h + d) if cfg.mlp_bias else 0)
-  if cfg.moe_experts:
-    mlp = cfg.moe_experts * mlp + d * cfg.moe_experts + cfg.moe_experts     # experts + router
+  if cfg.moe_experts:                      # experts + router (its bias with topk_softmax) + a shared expert
+    mlp = cfg.moe_experts * mlp + d * cfg.moe_experts + (cfg.moe_experts if cfg.moe_router == "topk_softmax" else 0)
+    mlp += (3 * d * cfg.moe_shared_hidden + d) if cfg.moe_shared_hidden else 0
+  kinds = cfg.layer_types or ["full"] * cfg.num_layers
   final = (d if cfg.norm_scale else 0) + (2 * cfg.num_layers if cfg.residual_scalars else 0)
-  return v * d * (1 if cfg.tie_embeddings else 2) + cfg.num_layers * (attn + mlp) + final
+  return v * d * (1 if cfg.tie_embeddings else 2) + sum((linear if k == "linear" else attn) + norms + mlp
+                                                        for k in kinds) + final
 
 
 # ---------------------------------------------------------------------------------------------------------------
