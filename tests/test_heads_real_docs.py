@@ -43,3 +43,26 @@ def test_finetuning_rows():
     assert row, r["name"]
     assert float(row.group(1)) == pytest.approx(_cv(r["importance"]).mean(), abs=6e-5)
     assert float(row.group(2)) == pytest.approx(r["val_loss"], abs=6e-5)
+
+
+def test_full_finetuning_check():
+  """The one-seed full fine-tuning differences quoted (routed CV, imbalance, held-out loss, shared heads), from the
+  raw records with the shared heads chosen here: the top 2 per layer of the pretrained importance."""
+  imp0 = np.asarray(json.loads((RAW / "analysis.json").read_text())["importance"])
+  shared = np.zeros(imp0.shape, bool)
+  np.put_along_axis(shared, np.argsort(-imp0, axis=-1)[:, :2], True, axis=-1)
+
+  def stats(name):
+    r = json.loads((RAW / "raw" / name / "record.json").read_text())
+    imp = np.asarray(r["importance"], np.float64)
+    routed = imp[~shared].reshape(imp.shape[0], -1)
+    return {"cv": (routed.std(-1) / routed.mean(-1)).mean(), "imb": _cv(imp).mean(), "loss": r["val_loss"],
+            "shared": imp[shared].mean()}
+
+  base = stats("base_full_s0")
+  d = {arm: {k: v - base[k] for k, v in stats(f"{arm}_full_s0").items()} for arm in ("eq7", "eq8")}
+  fmt = lambda x: f"{x:+.3f}".replace("-", "−")
+  assert f"(eq. 7 {fmt(d['eq7']['cv'])}, eq. 8 {fmt(d['eq8']['cv'])})" in DOC
+  assert f"imbalance ({fmt(d['eq7']['imb'])}, {fmt(d['eq8']['imb'])})" in DOC
+  assert f"held-out loss ({fmt(d['eq7']['loss'])}, {fmt(d['eq8']['loss'])} nats/token)" in DOC
+  assert f"(eq. 7 {fmt(d['eq7']['shared'])}, eq. 8 {fmt(d['eq8']['shared'])})" in DOC
