@@ -218,9 +218,11 @@ def _memory(compiled) -> dict:
 _OOM = re.compile(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
 
 
-def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple | None = None, devices=None) -> dict:
-  """Compiles cfg's train (and eval) step for the topology, and with decode = (rows, capacity) the KV-cache decode
-  step of `sinkjax.generate`; returns the report (see `main` for its keys)."""
+def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple | None = None, devices=None,
+                   eval_rows: int | None = None) -> dict:
+  """Compiles cfg's train (and eval) step for the topology; with decode = (rows, capacity) the decode step
+  `sinkjax.generate` runs (`decode_program`), with eval_rows the batch function `sinkjax.eval` runs
+  (`eval_program`); returns the report (see `main` for its keys)."""
   from sinkjax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
   from sinkjax.kernels import default_impl  # pylint: disable=import-outside-toplevel
   from sinkjax.train import Program  # pylint: disable=import-outside-toplevel
@@ -261,10 +263,55 @@ def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple
   if decode:
     report["decode_rows"], report["decode_capacity"] = decode
     try:
-      report["decode_per_chip_bytes"] = _memory(program.lower_decode(*decode).compile())
+      report["decode_per_chip_bytes"] = _memory(decode_program(cfg, mesh, *decode)[1].compile())
     except Exception as e:  # pylint: disable=broad-except
       report["decode_per_chip_bytes"] = {"error": " ".join(str(e).split())[:200]}
+  if eval_rows:
+    report["sinkjax_eval_rows"] = eval_rows
+    try:
+      report["sinkjax_eval_per_chip_bytes"] = _memory(eval_program(cfg, mesh, eval_rows).compile())
+    except Exception as e:  # pylint: disable=broad-except
+      report["sinkjax_eval_per_chip_bytes"] = {"error": " ".join(str(e).split())[:200]}
   return report
+
+
+def _placed_model(cfg, mesh):
+  """The run's model as `sinkjax.run.load_run(mesh=mesh)` restores it, abstract: every parameter a ShapeDtypeStruct
+  with its training placement on `mesh` (LoRA adapters included, as load_run gives them)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from sinkjax import lora  # pylint: disable=import-outside-toplevel
+  from sinkjax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
+  from sinkjax.checkpoint import abstract_with_shardings  # pylint: disable=import-outside-toplevel
+  from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
+  model = nnx.eval_shape(lambda: lora.apply(Transformer(cfg.model, rngs=nnx.Rngs(0)), cfg.lora, nnx.Rngs(1)))
+  graphdef, state = nnx.split(model)
+  return nnx.merge(graphdef, abstract_with_shardings(state, sharding_lib.state_shardings(mesh, state)))
+
+
+def decode_program(cfg, mesh, rows: int, capacity: int):
+  """(generator, lowered): `sinkjax.generate.Generator` over the run's model placed on `mesh` as `sinkjax.generate
+  ... mesh.*=...` places it, for `rows` rows and a full KV cache of `capacity` slots, and its own `decode_fn` (the
+  step generate and lm_eval run) lowered with abstract arguments (`Generator.lower_decode`: the cache and the tokens
+  as the Generator places them)."""
+  from sinkjax.generate import Generator  # pylint: disable=import-outside-toplevel
+  gen = Generator(_placed_model(cfg, mesh), capacity=capacity, batch=rows, mesh=mesh)
+  return gen, gen.lower_decode()
+
+
+def eval_program(cfg, mesh, rows: int):
+  """`sinkjax.eval`'s batch function (`eval._lm_batch_jit`: the model's forward, BPB sums and importance) lowered
+  for the run's model placed on `mesh` and a batch of `rows` rows of data.seq_len tokens split over the batch axes
+  (whole on every device when they do not divide), as `sinkjax.eval ... mesh.*=...` runs it."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from sinkjax import eval as eval_lib  # pylint: disable=import-outside-toplevel
+  from sinkjax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
+  sharding = sharding_lib.batch_sharding(mesh) if rows % sharding_lib.batch_shards(mesh) == 0 else \
+      sharding_lib.replicated(mesh)
+  batch = {k: jax.ShapeDtypeStruct((rows, cfg.data.seq_len), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                   sharding=sharding) for k in eval_lib.MODEL_FEATURES}
+  with jax.set_mesh(mesh):
+    return eval_lib._lm_batch_jit.lower(_placed_model(cfg, mesh), batch)  # pylint: disable=protected-access
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -714,6 +761,10 @@ def print_report(config: str, r: dict) -> None:
     d = r["decode_per_chip_bytes"]
     rows.append(("decode step (GiB)", f"{r['decode_rows']} rows x {r['decode_capacity']} KV slots: arguments "
                  f"{_gib(d['arguments'])} (weights + cache), total {_gib(d['total'])}" if "total" in d else d["error"]))
+  if "sinkjax_eval_per_chip_bytes" in r:
+    e = r["sinkjax_eval_per_chip_bytes"]
+    rows.append(("sinkjax.eval batch (GiB)", f"{r['sinkjax_eval_rows']} rows: arguments {_gib(e['arguments'])}, "
+                 f"total {_gib(e['total'])}" if "total" in e else e["error"]))
   rows += speed_rows(r)
   rows.append(("fits", "yes" if r["fits"] else "NO"))
   print(f"sinkjax.compile: {config}")
@@ -777,8 +828,11 @@ def main(argv=None) -> int:
   parser.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
   parser.add_argument("--no-eval", action="store_true", help="skip the eval step")
   parser.add_argument("--decode", metavar="ROWSxSLOTS", default=None,
-                      help="also compile sinkjax.generate's decode step: ROWS sequences against a full KV cache of "
-                           "SLOTS positions, e.g. 64x4096")
+                      help="also compile the decode step sinkjax.generate and sinkjax.lm_eval run (Generator's): ROWS "
+                           "sequences against a full KV cache of SLOTS positions, e.g. 64x4096")
+  parser.add_argument("--eval", type=int, metavar="ROWS", default=None,
+                      help="also compile the batch function sinkjax.eval runs (forward, BPB and importance) on ROWS "
+                           "rows of data.seq_len tokens")
   parser.add_argument("--search", nargs="?", const=",".join(SEARCH_POLICIES), default=None, metavar="POLICY,...",
                       help="compile each model.remat_policy (default: " + ", ".join(SEARCH_POLICIES) + ") with "
                            "model.remat=true and pick the fastest estimated step that fits; prints the table")
@@ -822,7 +876,10 @@ def _run(args) -> int:
   _vocab(cfg)
   if args.search:
     return _run_search(args, topo, cfg)
-  report = compile_config(cfg, topo, eval_step=not args.no_eval, decode=_decode_shape(args.decode))
+  if args.eval is not None and args.eval < 1:
+    raise CompileError(f"--eval takes the number of rows (>= 1), got {args.eval}")
+  report = compile_config(cfg, topo, eval_step=not args.no_eval, decode=_decode_shape(args.decode),
+                          eval_rows=args.eval)
   report["config"] = args.config
   report["overrides"] = list(args.overrides)
   print_report(args.config + (" " + " ".join(args.overrides) if args.overrides else ""), report)

@@ -1,6 +1,7 @@
 """Text generation and streaming perplexity with a fixed-shape KV cache (`python -m sinkjax.generate`).
 
-    python -m sinkjax.generate --checkpoint RUN_DIR --prompt TEXT --max-new-tokens N [--chat [--system TEXT]] \\
+    python -m sinkjax.generate --checkpoint RUN_DIR --prompt TEXT [--prompt TEXT ...] --max-new-tokens N \\
+        [--chat [--system TEXT]] \\
         [--temperature T] [--top-k K] [--top-p P] [--seed S] [--cache full|streaming --sink-size S --window W]
         [section.key=value ...]
     python -m sinkjax.generate --ppl FILE --checkpoint RUN_DIR [--sink-size S --window W] [--max-tokens N]
@@ -10,7 +11,11 @@
 Works for every attention variant (vanilla, sink, gated) and for models with learnable sink tokens. Overrides
 change the run's config (`model.dtype=float32`); a `mesh.*` override (`mesh.fsdp=8`) restores the parameters into
 their training placement on that mesh (`sinkjax.run.load_run(mesh="run")`) instead of whole on every device, and the
-summary line gives the mesh, the parameter bytes per device and the devices' peak memory.
+summary line gives the KV cache's bytes per device, the mesh, the parameter bytes per device and the devices' peak
+memory. Several `--prompt`s are generated together, one row each (any lengths, `Generator.generate_batch`), rows and
+the KV cache split over mesh.data x mesh.fsdp where they divide, the cache's KV heads over mesh.tensor. Under a
+launcher (`launch/local.sh --module sinkjax.generate -- ARGS`, the TPU VM and SLURM scripts) the processes join with
+`jax.distributed` as sinkjax.train's do, all run the same generation, and process 0 alone prints.
 
 Tokens as the model's tokenizer wants them (`sinkjax.data.tokenizers`): the prompt gets BOS only where the tokenizer
 adds one; `--chat` renders it (after `--system`, if given) through the tokenizer's chat template with the assistant's
@@ -55,6 +60,8 @@ if __name__ == "__main__":
   cli.require_extra("sinkjax.generate")   # before the imports below: without the train extra, one line naming it
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -66,9 +73,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import cache_policy, paths
+from sinkjax import cache_policy, distributed, paths
 from sinkjax import sharding as sharding_lib
-from sinkjax.cache import make_cache
+from sinkjax.cache import KVCache, make_cache, shard_cache
 from sinkjax.cli import UserError
 from sinkjax.run import asks_for_mesh, load_run
 
@@ -109,73 +116,173 @@ def sample_logits(logits, key, temperature, top_k, top_p):
 # Generation
 
 
+def prefill_step(graphdef, mesh, state, cache, tokens, key, temperature, top_k, top_p):
+  """A prompt's tokens [B, T] into an empty cache: (next tokens [B] sampled from the last position, logits [B, T, V],
+  the cache placed by `shard_cache` on `mesh`)."""
+  logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
+  return sample_logits(logits[:, -1], key, temperature, top_k, top_p), logits, shard_cache(cache, mesh)
+
+
+def decode_step(graphdef, mesh, state, cache, token, key, temperature, top_k, top_p):
+  """One token per row [B] against the cache: (next tokens [B], logits [B, V], the cache placed by `shard_cache` on
+  `mesh`, so its rows and KV heads stay where `Generator.new_cache` put them)."""
+  logits, cache = nnx.merge(graphdef, state)(token[:, None], cache=cache)
+  return sample_logits(logits[:, -1], key, temperature, top_k, top_p), logits[:, -1], shard_cache(cache, mesh)
+
+
 class Generator:
   """A model with a jitted prefill and a jitted decode step over a fixed-shape `KVCache` (`capacity` slots,
   `sink_size` sinks) or, with `full_heads` ([L][Hkv] bools), a `HybridKVCache` whose full heads keep `capacity`
-  slots and whose streaming heads keep `window` (with `sink_size` sinks).
+  slots and whose streaming heads keep `window` (with `sink_size` sinks), for `batch` rows.
 
   The model is split once into (graphdef, state); both functions take the state as an argument, so one compile of
-  each serves a whole generation (`prefill_fn` / `decode_fn` are the `jax.jit` objects, for inspection).
+  each serves a whole generation (`prefill_fn` / `decode_fn` are the `jax.jit` objects of `prefill_step` /
+  `decode_step`; `lower_decode` lowers the latter without running it, which is what `sinkjax.compile --decode`
+  compiles). Placement follows the parameters' mesh (`mesh`, default the mesh they are placed on; none for arrays
+  on one device): the steps run under `jax.set_mesh(mesh)`, the cache's rows are split over the batch axes and its
+  KV heads over "tensor" where they divide (`sinkjax.cache.shard_cache`, kept by both steps), the prompt's rows
+  like the cache's. In a job of several processes every process runs the same loop on the same prompts; each
+  fills its own devices' part of every input and reads the whole output.
   """
 
   def __init__(self, model: nnx.Module, *, capacity: int, sink_size: int = 0, batch: int = 1, full_heads=None,
-               window: int = 0):
+               window: int = 0, mesh=None):
     self.cfg = model.cfg
     self.capacity, self.sink_size, self.batch = capacity, sink_size, batch
     self.full_heads, self.window = full_heads, window
     self.graphdef, self.state = nnx.split(model)
-    graphdef = self.graphdef
+    self.mesh = sharding_lib.mesh_of(self.state) if mesh is None else mesh
+    if self.mesh is None:
+      self.rows = self.whole = None
+    else:
+      self.whole = sharding_lib.replicated(self.mesh)
+      self.rows = (sharding_lib.batch_sharding(self.mesh) if batch % sharding_lib.batch_shards(self.mesh) == 0
+                   else self.whole)
+    step = lambda f: jax.jit(functools.partial(f, self.graphdef, self.mesh), donate_argnums=(1,))
+    self.prefill_fn, self.decode_fn = step(prefill_step), step(decode_step)
+    self.sample_fn = jax.jit(sample_logits)
+    self._empty = lambda: shard_cache(make_cache(self.cfg, batch, capacity, sink_size=sink_size,
+                                                 full_heads=full_heads, window=window), self.mesh)
+    self._new_cache = jax.jit(self._empty)
 
-    def prefill(state, cache, tokens, key, temperature, top_k, top_p):
-      logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
-      return sample_logits(logits[:, -1], key, temperature, top_k, top_p), logits, cache
+  def _context(self):
+    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
-    def decode(state, cache, token, key, temperature, top_k, top_p):
-      logits, cache = nnx.merge(graphdef, state)(token[:, None], cache=cache)
-      return sample_logits(logits[:, -1], key, temperature, top_k, top_p), logits[:, -1], cache
-
-    self.prefill_fn = jax.jit(prefill, donate_argnums=(1,))
-    self.decode_fn = jax.jit(decode, donate_argnums=(1,))
+  def _put(self, x, rows: bool = False):
+    """A host value every process holds as a global array: split like the rows (`rows`) or whole."""
+    if self.mesh is None:
+      return jnp.asarray(x)
+    return sharding_lib.put_global(x, self.rows if rows else self.whole)
 
   def new_cache(self):
-    return make_cache(self.cfg, self.batch, self.capacity, sink_size=self.sink_size, full_heads=self.full_heads,
-                      window=self.window)
+    """An empty cache, created in place on the mesh (no device ever holds the whole of a split cache)."""
+    with self._context():
+      return self._new_cache()
+
+  def abstract_cache(self):
+    """The cache's shapes with the shardings `new_cache` gives them (nothing is allocated)."""
+    return shard_cache(jax.eval_shape(self._empty), self.mesh)
+
+  def cache_bytes_per_device(self) -> int:
+    """Bytes of the cache one device holds (its shards of every array, from the shardings `new_cache` gives)."""
+    return int(sum(math.prod(x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape)
+                   * x.dtype.itemsize for x in jax.tree.leaves(self.abstract_cache())))
+
+  def _knobs(self, temperature, top_k, top_p) -> tuple:
+    return (self._put(np.float32(temperature)), self._put(np.int32(top_k)), self._put(np.float32(top_p)))
+
+  def lower_decode(self):
+    """`decode_fn` lowered for this placement with abstract arguments (the parameters as they are placed, the cache
+    as `new_cache` places it, one token per row split like the rows): what runs, compiled without running it."""
+    spec = lambda x, s=None: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s or getattr(x, "sharding", None))
+    token = jax.ShapeDtypeStruct((self.batch,), jnp.int32, sharding=self.rows)
+    scalars = [jax.ShapeDtypeStruct((), d, sharding=self.whole) for d in (jnp.float32, jnp.int32, jnp.float32)]
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self.whole)
+    with self._context():
+      return self.decode_fn.lower(jax.tree.map(spec, self.state), self.abstract_cache(), token, key, *scalars)
 
   def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop_token=None, on_token=None,
                on_step=None) -> list[int]:
-    """Samples up to `max_new_tokens` tokens after `prompt_ids`; returns them.
+    """Samples up to `max_new_tokens` tokens after `prompt_ids` ([batch, P] or, for one row, [P]); returns those of
+    the first row.
 
-    on_token(token_id) is called as each token is produced (for streaming output); on_step(cache) after every
-    decode step. Stops early after producing `stop_token` (an id or a collection of ids; not included in the result).
+    on_token(token_id) is called as each token of the first row is produced (for streaming output); on_step(cache)
+    after every decode step. Stops early after producing `stop_token` (an id or a collection of ids; not included in
+    the result).
     """
+    rows = np.asarray(prompt_ids, np.int32).reshape(self.batch, -1)
+    token = None if on_token is None else (lambda row, tok: on_token(tok) if row == 0 else None)
+    return self.generate_batch(list(rows), max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               seed=seed, stop_token=stop_token, on_token=token, on_step=on_step)[0]
+
+  def generate_batch(self, prompts, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
+                     top_p: float = 1.0, seed: int = 0, key=None, stop_token=None, stop=None, on_token=None,
+                     on_step=None, prefill_to=None) -> list[list[int]]:
+    """Up to `max_new_tokens` tokens after each of `prompts` (at most `batch` non-empty token lists of any lengths),
+    one row each, generated together; returns one list per prompt.
+
+    Rows of different lengths need no padding: the shortest prompt (up to the cache's prefill limit) is prefilled for
+    every row, then each step feeds every row its next prompt token while it has one, else the token it sampled, so
+    each row's cache holds exactly its own sequence, as if it were generated alone. A row stops after producing a
+    stop id (`stop_token`: an id or ids, not included), `max_new_tokens` tokens, or when `stop(row, tokens)` says so;
+    the loop ends when every row has. on_token(row, token) as each token is produced; on_step(cache) after every
+    decode step in which every row generates. Sampling: one key per step (`key`, raw uint32, else from `seed`)
+    shared by the rows; a row's step i draws with fold_in(key, i) once every row is past its prompt, so one row
+    alone draws as `generate` does. prefill_to(n): a length >= n to prefill instead (right-padded; then cut back to
+    n, a full cache only), so that few prefill shapes compile for many prompt lengths.
+    """
+    n, B = len(prompts), self.batch
+    if not 0 < n <= B or not all(len(p) for p in prompts):
+      raise ValueError(f"need 1..{B} non-empty prompts, got {[len(p) for p in prompts]}")
     stops = set() if stop_token is None else ({int(stop_token)} if isinstance(stop_token, (int, np.integer))
                                               else {int(t) for t in stop_token})
-    prompt = np.asarray(prompt_ids, np.int32).reshape(self.batch, -1)
-    P = prompt.shape[1]
-    cache = self.new_cache()
-    head = min(P, cache.max_prefill)
-    knobs = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
-    base = jax.random.key(seed)
-    nxt, _, cache = self.prefill_fn(self.state, cache, jnp.asarray(prompt[:, :head]), jax.random.fold_in(base, 0),
-                                    *knobs)
-    for t in range(head, P):               # a prompt longer than the cache: feed the rest token by token
-      nxt, _, cache = self.decode_fn(self.state, cache, jnp.asarray(prompt[:, t]), jax.random.fold_in(base, 0),
-                                     *knobs)
-    out = []
-    for i in range(max_new_tokens):
-      tok = int(nxt[0])
-      if tok in stops:
-        break
-      out.append(tok)
-      if on_token is not None:
-        on_token(tok)
-      if i == max_new_tokens - 1:
-        break
-      nxt, _, cache = self.decode_fn(self.state, cache, nxt, jax.random.fold_in(base, i + 1), *knobs)
-      if on_step is not None:
-        on_step(cache)
-    return out
+    rows = [list(p) for p in prompts] + [list(prompts[0])] * (B - n)     # filler rows: done from the start
+    lengths = np.asarray([len(r) for r in rows])
+    with self._context():
+      cache = self.new_cache()
+      head = min(int(lengths.min()), cache.max_prefill)
+      width = head if prefill_to is None else min(max(prefill_to(head), head), cache.max_prefill)
+      if width > head and not (isinstance(cache, KVCache) and cache.sink_size == 0):
+        raise ValueError("prefill_to pads the prefill of a full KVCache only")
+      grid = np.zeros((B, max(int(lengths.max()), width)), np.int32)
+      for r, row in enumerate(rows):
+        grid[r, :len(row)] = row
+      last = int(lengths.max())
+      knobs = self._knobs(temperature, top_k, top_p)
+      base = np.asarray(jax.random.PRNGKey(seed) if key is None else key)
+      draw = lambda i: self._put(np.asarray(jax.random.fold_in(base, i)))
+      nxt, logits, cache = self.prefill_fn(self.state, cache, self._put(grid[:, :width], rows=True),
+                                           draw(max(0, head - last)), *knobs)
+      if width > head:   # the logits at head - 1 saw only real tokens (causal); the later slots are overwritten
+        cache = dataclasses.replace(cache, length=self._put(np.asarray(head, np.int32)))
+        nxt = self.sample_fn(logits[:, head - 1], draw(max(0, head - last)), *knobs)
+      del logits
+      out = [[] for _ in range(B)]
+      done = [r >= n for r in range(B)]
+      pos = head                        # tokens in the cache; nxt was sampled at position pos - 1
+      while True:
+        toks = distributed.to_host(nxt)
+        for r in range(B):
+          if done[r] or pos < lengths[r]:
+            continue
+          tok = int(toks[r])
+          if tok in stops:
+            done[r] = True
+            continue
+          out[r].append(tok)
+          if on_token is not None:
+            on_token(r, tok)
+          if len(out[r]) >= max_new_tokens or (stop is not None and stop(r, out[r])):
+            done[r] = True
+        if all(done):
+          return out[:n]
+        feed = np.where(pos < lengths, grid[:, min(pos, grid.shape[1] - 1)], toks).astype(np.int32)
+        nxt, _, cache = self.decode_fn(self.state, cache, self._put(feed, rows=True), draw(max(0, pos + 1 - last)),
+                                       *knobs)
+        if on_step is not None and pos >= last:
+          on_step(cache)
+        pos += 1
 
 
 def cache_plan(cache: str, prompt_len: int, max_new_tokens: int, sink_size: int | None, window: int | None,
@@ -385,7 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
   p = cli.Parser(prog="python -m sinkjax.generate", description=__doc__.split("\n\n")[0],
                  formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--checkpoint", required=True, help="run directory of a training run")
-  p.add_argument("--prompt", help="text to continue (BOS is prepended where the tokenizer adds one)")
+  p.add_argument("--prompt", action="append",
+                 help="text to continue (BOS is prepended where the tokenizer adds one); repeat it for a batch of "
+                      "prompts, generated together (one row each, split over the mesh's batch axes when they divide)")
   p.add_argument("--chat", action="store_true",
                  help="the prompt is a user message: render it with the tokenizer's chat template (and the "
                       "assistant's generation prompt) before generating")
@@ -436,7 +545,7 @@ def _validate(args) -> None:
   _validate_cache(args)
   if args.prompt is None or args.max_new_tokens is None:
     raise UsageError("give --prompt TEXT and --max-new-tokens N (or --ppl FILE)")
-  if not args.prompt:
+  if not all(args.prompt):
     raise UsageError("--prompt is empty; give some text to continue")
   if args.max_new_tokens < 1:
     raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -472,6 +581,8 @@ def run(args) -> None:
                                 mesh="run" if asks_for_mesh(args.overrides) else None)
   with jax.set_mesh(sharding_lib.mesh_of(nnx.state(model, nnx.Param))):   # as in training: kernels follow the mesh
     if args.ppl is not None:
+      if jax.process_count() > 1:
+        raise UsageError("--ppl runs in one process (all its devices); start it without a launcher")
       run_ppl(args, model, cfg, tok)
     else:
       run_generate(args, model, cfg, tok)
@@ -508,40 +619,55 @@ def prompt_ids(tok, prompt: str, *, chat: bool = False, system: str | None = Non
 
 
 def run_generate(args, model, cfg, tok) -> None:
-  if args.chat and tok.chat.plain:
+  """Generates after each --prompt; process 0 alone prints (one prompt: streamed as it comes; several: one after
+  the other once the batch is done) and writes the summary line."""
+  first = jax.process_index() == 0
+  if args.chat and tok.chat.plain and first:
     print("note: the tokenizer has no chat template; the prompt is laid out as \"User: ... Assistant: \"",
           file=sys.stderr)
-  shown, ids = prompt_ids(tok, args.prompt, chat=args.chat, system=args.system)
+  shown, ids = zip(*(prompt_ids(tok, p, chat=args.chat, system=args.system) for p in args.prompt))
+  longest = max(map(len, ids))
   mode = "streaming" if args.cache == "hybrid" else args.cache     # the hybrid's streaming heads use S, W
-  window, sink_size = cache_plan(mode, len(ids), args.max_new_tokens, args.sink_size, args.window,
-                                 cfg.data.seq_len)
+  window, sink_size = cache_plan(mode, longest, args.max_new_tokens, args.sink_size, args.window, cfg.data.seq_len)
   capacity, full_heads, note = window, None, f"{args.cache} cache of {window} slots"
   if args.cache == "hybrid":
     ((label, full),) = cache_policy.policies_from_args(args, cfg.model, args.checkpoint,
                                                        by_importance=args.full_heads_random is None)
-    capacity, full_heads = len(ids) + args.max_new_tokens, cache_policy.as_tuple(full)
+    capacity, full_heads = longest + args.max_new_tokens, cache_policy.as_tuple(full)
     note = (f"hybrid cache {label}, {cache_policy.describe(full)} of {capacity} slots, the others {window} slots "
             f"with {sink_size} sinks")
-  if capacity > cfg.model.max_seq_len and args.cache != "streaming":
+  if capacity > cfg.model.max_seq_len and args.cache != "streaming" and first:
     print(f"warning: a full cache of {capacity} tokens exceeds model.max_seq_len={cfg.model.max_seq_len}; "
           "positions past it were never trained (try --cache streaming)", file=sys.stderr)
-  gen = Generator(model, capacity=capacity, sink_size=sink_size, full_heads=full_heads, window=window)
-  sys.stdout.write(shown)
-  stream = TextStream(tok, skip_special_tokens=False)
+  rows = len(ids)
+  gen = Generator(model, capacity=capacity, sink_size=sink_size, full_heads=full_heads, window=window, batch=rows)
+  stream = TextStream(tok, skip_special_tokens=False) if rows == 1 and first else None
+  if stream is not None:
+    sys.stdout.write(shown[0])
   t0 = time.perf_counter()
-  out = gen.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                     seed=args.seed, stop_token=None if args.no_stop else tok.stop_ids, on_token=stream)
-  stream.finish()
+  outs = gen.generate_batch([list(i) for i in ids], args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            stop_token=None if args.no_stop else tok.stop_ids,
+                            on_token=None if stream is None else lambda row, t: stream(t))
   dt = time.perf_counter() - t0
+  if not first:
+    return
+  if stream is not None:
+    stream.finish()
+  else:
+    for text, out in zip(shown, outs):
+      print(text + tok.decode(out, skip_special_tokens=False))
   if args.cache == "streaming":
     note += f", {sink_size} sinks"
-  if len(out) < args.max_new_tokens:
+  if any(len(out) < args.max_new_tokens for out in outs):
     note = f"stopped at a stop token ({', '.join(map(str, tok.stop_ids))}); " + note
   where = sharding_lib.placement(nnx.state(model, nnx.Param))
   peak = where["peak_device_memory"]
-  print(f"[{len(out)} tokens in {dt:.2f}s incl. compilation; {note}; "
-        f"KV cache {kv_bytes(cfg.model, capacity, sink_size=sink_size, full_heads=full_heads, window=window):,} "
-        f"bytes; mesh {where['mesh']}, {where['param_bytes_per_device']:,} parameter bytes per device, peak device "
+  count = f"{len(outs[0])} tokens" if rows == 1 else f"{rows} rows, {sum(map(len, outs))} tokens"
+  kv = kv_bytes(cfg.model, capacity, sink_size=sink_size, full_heads=full_heads, window=window, batch=rows)
+  print(f"[{count} in {dt:.2f}s incl. compilation; {note}; KV cache {kv:,} bytes, "
+        f"{gen.cache_bytes_per_device():,} per device; mesh "
+        f"{where['mesh']}, {where['param_bytes_per_device']:,} parameter bytes per device, peak device "
         f"memory {'n/a' if peak is None else f'{peak:,} bytes'}]", file=sys.stderr)
 
 
@@ -550,6 +676,7 @@ def main(argv=None) -> int:
 
   def checked_run():
     _validate(args)
+    distributed.maybe_initialize()    # before anything touches JAX devices (a job of several processes)
     paths.check_bucket(args.checkpoint, "--checkpoint")
     if not paths.as_path(args.checkpoint, "--checkpoint").is_dir():
       raise UsageError(f"run directory {args.checkpoint} does not exist")

@@ -27,11 +27,14 @@ weights:
 - `loglikelihood_rolling`: the text is encoded with `tok_encode` (BOS when the tokenizer adds one) and cut into
   lm-eval's rolling windows (`get_rolling_token_windows` with the prefix token, `max_length`, context 1, then
   `make_disjoint_window`), the hf backend's rule; every token is predicted once.
-- `generate_until`: the context (left-truncated to `max_length - max_gen_toks` tokens) is prefilled into the
-  project's fixed-shape KV cache (`sinkjax.generate.Generator`; the prompt right-padded to a power of two so a few
-  prefill shapes serve every prompt) and decoded token by token: greedy, or sampling (`temperature`, `top_k`, `top_p`)
-  when lm-eval's normalized `do_sample` is true; it stops at an end-of-text token, at `max_gen_toks` tokens, or once
-  the decoded text holds an `until` string, and the text is cut at the first stop string as lm-eval does.
+- `generate_until`: the context (left-truncated to `max_length - max_gen_toks` tokens) goes through the project's
+  fixed-shape KV cache by the loop `sinkjax.generate` runs (`sinkjax.generate.Generator.generate_batch`): requests
+  with the same generation settings, longest first, `batch_size` at a time as the rows of one batch (each row's
+  cache holds exactly its own tokens: no padding is attended; the prefill is right-padded to a power of two and cut
+  back, so a few prefill shapes serve every prompt), decoded token by token: greedy, or sampling (`temperature`,
+  `top_k`, `top_p`, one draw per step for the batch) when lm-eval's normalized `do_sample` is true; a row stops at an
+  end-of-text token, at `max_gen_toks` tokens, or once its decoded text holds an `until` string, and the text is cut
+  at the first stop string as lm-eval does.
 
 Model arguments (`--model-args k=v,...`, or lm-eval's `--model_args`): `checkpoint` (or `pretrained`) the run
 directory, `step` a checkpoint step, `batch_size`, `max_length` (default `model.max_seq_len`), `max_gen_toks`
@@ -39,10 +42,12 @@ directory, `step` a checkpoint step, `batch_size`, `max_length` (default `model.
 model directory, else true: sinkjax and nanochat train every document behind BOS), `prefix_token_id` (default
 BOS), `dtype` (compute dtype; default the run's `model.dtype`), `seed` (sampling).
 
-Placement: by default every device holds the whole model and the rows of a batch are split over the devices. Config
+Placement: by default every device holds the whole model and the rows of a batch (scored or generated) are split
+over the devices. Config
 overrides after the options (or the `overrides` model argument, a list) change the run's config; a `mesh.*` override
 (`mesh.fsdp=8`) restores each parameter into its training placement on that mesh (`sinkjax.run.load_run(mesh="run")`),
-rows split over mesh.data x mesh.fsdp, so a model larger than one device is evaluated where it trained. Under a
+rows split over mesh.data x mesh.fsdp (the KV cache's rows too, its KV heads over mesh.tensor where they divide),
+so a model larger than one device is evaluated where it trained. Under a
 launcher (`launch/local.sh --module sinkjax.lm_eval -- ARGS`, the TPU VM and SLURM scripts) the processes join with
 `jax.distributed` as sinkjax.train's do; every process answers every request (one global computation per batch, each
 process feeding its own devices' rows) and process 0 alone writes the results and prints the table.
@@ -78,7 +83,7 @@ from sinkjax import choices, distributed, lm_eval_tasks, lora, paths
 from sinkjax import sharding as sharding_lib
 from sinkjax.cli import Parser, UserError, run_main
 from sinkjax.config import MeshConfig
-from sinkjax.generate import Generator, sample_logits
+from sinkjax.generate import Generator
 from sinkjax.model import Transformer
 from sinkjax.run import asks_for_mesh, load_run
 
@@ -200,7 +205,7 @@ class SinkjaxLM(_Base):
       self.state = jax.device_put(self.state, sharding_lib.replicated(self.mesh))
     self._generator = None
     self._Generator = Generator
-    self._key = jax.random.key(self.seed)
+    self._key = jax.random.PRNGKey(self.seed)     # raw uint32: every process builds the same one
     self._draws = 0
 
   # ------------------------------------------------------------------------------------------------ set-up helpers
@@ -344,12 +349,13 @@ class SinkjaxLM(_Base):
     return out
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    """Continuations of each (context, generation kwargs) request (see the module docstring)."""
+    """Continuations of each (context, generation kwargs) request (see the module docstring): requests with the same
+    generation settings, longest prompt first (the hf backend's order), `batch_size` at a time as the rows of one
+    `Generator.generate_batch` (rows split over the mesh's batch axes)."""
     from lm_eval.models.utils import (  # pylint: disable=import-outside-toplevel
         handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text)
     from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-    out = []
-    bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running generate_until requests")
+    jobs = []
     for req in requests:
       context, gen_kwargs = req.args
       if not isinstance(gen_kwargs, dict):
@@ -365,60 +371,47 @@ class SinkjaxLM(_Base):
       temperature = float(kw.get("temperature") or 0.0) if sample else 0.0
       if sample and temperature <= 0:
         temperature = 1.0
-      ids = self.tok_encode(context, left_truncate_len=max_ctx)
-      if not ids:
-        ids = [self.prefix_token_id]
-      new = self._generate(ids, max_gen, until, temperature=temperature, top_k=int(kw.get("top_k") or 0),
-                           top_p=float(kw.get("top_p") or 1.0))
-      text = postprocess_generated_text(self.tok_decode(new), until, None)
-      out.append(text)
-      self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-      bar.update(1)
+      ids = self.tok_encode(context, left_truncate_len=max_ctx) or [self.prefix_token_id]
+      settings = (tuple(until), max_gen, temperature, int(kw.get("top_k") or 0), float(kw.get("top_p") or 1.0))
+      jobs.append((ids, settings))
+    out = [None] * len(jobs)
+    bar = tqdm(total=len(jobs), disable=disable_tqdm or self.rank != 0, desc="Running generate_until requests")
+    groups: dict = {}
+    for j in sorted(range(len(jobs)), key=lambda j: -len(jobs[j][0])):
+      groups.setdefault(jobs[j][1], []).append(j)
+    for (until, max_gen, temperature, top_k, top_p), members in groups.items():
+      for start in range(0, len(members), self.batch_size):
+        chunk = members[start:start + self.batch_size]
+        news = self._generate_rows([jobs[j][0] for j in chunk], max_gen, list(until), temperature=temperature,
+                                   top_k=top_k, top_p=top_p)
+        for j, new in zip(chunk, news):
+          out[j] = postprocess_generated_text(self.tok_decode(new), list(until), None)
+          self.cache_hook.add_partial("generate_until", requests[j].args, out[j])
+        bar.update(len(chunk))
     bar.close()
     return out
 
   def _generate(self, ids: list[int], max_new: int, until: list[str], *, temperature: float, top_k: int,
                 top_p: float) -> list[int]:
-    """Up to `max_new` tokens after `ids` through the KV cache; stops at a stop token or an `until` string."""
-    if self._generator is None:       # one row: on one device (replicated over several, each would compute it all)
-      # (placed by mesh.* or spread over processes: where the parameters are)
-      one = nnx.merge(self.graphdef, self.state) if self._placed or jax.process_count() > 1 else \
-          nnx.merge(self.graphdef, jax.device_put(self.state, jax.devices()[0])) if self._shards > 1 else self.model
-      self._generator = self._Generator(one, capacity=self.max_length)
-      self._sample = jax.jit(sample_logits)
-    gen = self._generator
-    P = len(ids)
-    prompt = np.zeros((1, _bucket(P, self.max_length)), np.int32)
-    prompt[0, :P] = ids
-    knobs = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
-    key = jax.random.fold_in(self._key, self._draws)
-    self._draws += 1
-    # a right-padded prompt: the logits at P-1 see only the prompt (causal), and the cache is cut back to P tokens
-    # (its later slots are invalid and overwritten by the decoded tokens)
-    with jax.set_mesh(self.mesh) if self._placed else contextlib.nullcontext():
-      return self._decode(gen, prompt, P, max_new, until, key, knobs)
+    """Up to `max_new` tokens after `ids` (one request alone, see `_generate_rows`)."""
+    return self._generate_rows([ids], max_new, until, temperature=temperature, top_k=top_k, top_p=top_p)[0]
 
-  def _decode(self, gen, prompt, P: int, max_new: int, until: list[str], key, knobs) -> list[int]:
-    cache, prompt = gen.new_cache(), jnp.asarray(prompt)
-    if jax.process_count() > 1:        # one global computation: every process holds the same prompt and cache
-      whole = sharding_lib.replicated(self.mesh)
-      cache, prompt = jax.tree.map(lambda x: sharding_lib.put_global(x, whole), (cache, prompt))
-    _, logits, cache = gen.prefill_fn(gen.state, cache, prompt, key, *knobs)
-    cache = dataclasses.replace(cache, length=sharding_lib.put_global(np.asarray(P, cache.length.dtype),
-                                                                      cache.length.sharding))  # as decode's
-    nxt = self._sample(logits[:, P - 1], jax.random.fold_in(key, 1), *knobs)
-    out: list[int] = []
-    for i in range(max_new):
-      tok = int(nxt[0])
-      if tok in self._stop_ids:
-        break
-      out.append(tok)
-      if until and any(u and u in self.tok.decode(out) for u in until):
-        break
-      if i == max_new - 1:
-        break
-      nxt, _, cache = gen.decode_fn(gen.state, cache, nxt, jax.random.fold_in(key, i + 2), *knobs)
-    return out
+  def _generate_rows(self, prompts: list[list[int]], max_new: int, until: list[str], *, temperature: float,
+                     top_k: int, top_p: float) -> list[list[int]]:
+    """Up to `max_new` tokens after each of at most `batch_size` prompts, generated together by the Generator
+    (`sinkjax.generate.Generator.generate_batch`, the loop `sinkjax.generate` runs; rows split over the mesh's batch
+    axes, the parameters where they are); a row stops at a stop token or once its text holds an `until` string.
+    The prefill is right-padded to a power of two (`_bucket`), so a few prefill shapes serve every prompt."""
+    if self._generator is None:
+      width = -(-self.batch_size // self._shards) * self._shards
+      self._generator = self._Generator(nnx.merge(self.graphdef, self.state), capacity=self.max_length,
+                                        batch=width, mesh=self.mesh)
+    key = np.asarray(jax.random.fold_in(self._key, self._draws))
+    self._draws += 1
+    stop = (lambda _, toks: any(u and u in self.tok.decode(toks) for u in until)) if until else None
+    return self._generator.generate_batch(prompts, max_new, temperature=temperature, top_k=top_k, top_p=top_p,
+                                          key=key, stop_token=self._stop_ids, stop=stop,
+                                          prefill_to=lambda n: _bucket(n, self.max_length))
 
   # ------------------------------------------------------------------------------------------------ chat templates
 
