@@ -70,7 +70,7 @@ def recorded_forward(model: Transformer, tokens, *, segment_ids=None, positions=
                      keep_weights: bool = True):
   """(logits [B,T,V], [LayerTrace per layer] or None): the model's own forward pass with its layers recording
   (`record=True`) what the diagnostics need, and optionally the first token's value zeroed where
-  `zero_first_value` [L, Hq] ([Sink-MoE] App. A). keep_weights=False records nothing (BPB-only passes). The model's
+  `zero_first_value` [L, Hq] ([Sink-MoE] App. A; L the layers with heads). keep_weights=False records nothing (BPB-only passes). The model's
   sown values are removed again, so it stays as it was."""
   logits = model(tokens, segment_ids=segment_ids, positions=positions, record=keep_weights,
                  zero_first_value=zero_first_value)
@@ -78,12 +78,19 @@ def recorded_forward(model: Transformer, tokens, *, segment_ids=None, positions=
   if not keep_weights:
     return logits, None
   traces = []
-  for block in model.layers:
-    t = block.attn.trace.get_value()
-    traces.append(LayerTrace(t["q"], t["k"], t["v"], t["gate"], t["weights"], t["outside"],
-                             block.hidden.get_value()))
-    del block.attn.trace, block.hidden
+  for block in model.layers:                   # layers with heads record a trace (not linear attention's)
+    if hasattr(block.attn, "trace"):
+      t = block.attn.trace.get_value()
+      traces.append(LayerTrace(t["q"], t["k"], t["v"], t["gate"], t["weights"], t["outside"],
+                               block.hidden.get_value()))
+      del block.attn.trace
+    del block.hidden
   return logits, traces
+
+
+def head_blocks(model: Transformer) -> list:
+  """The blocks whose mixer has heads, in layer order (rows of every [L, H] the analyses report)."""
+  return [model.layers[i] for i in model.cfg.head_layers]
 
 
 def token_nll(logits, targets):
@@ -171,7 +178,7 @@ def batch_statistics(model: Transformer, batch):
   seg = _segments(batch.get("segment_ids"), B, T)
   _, traces = recorded_forward(model, tokens, segment_ids=seg, positions=batch.get("positions"))
   per_layer = []
-  for block, trace in zip(model.layers, traces):
+  for block, trace in zip(head_blocks(model), traces):
     per_layer.append(layer_statistics(block.attn, trace, seg, block.attn.importance_mask(seg, B, T)))
   return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 

@@ -117,7 +117,7 @@ def _lm_batch(model, batch):
   logits, imp = forward_with_importance(model, batch["inputs"], segment_ids=batch["segment_ids"],
                                         positions=batch["positions"])
   B, T = batch["inputs"].shape
-  count = model.layers[0].attn.importance_mask(batch["segment_ids"], B, T).sum().astype(jnp.float32)
+  count = _first_attention(model).importance_mask(batch["segment_ids"], B, T).sum().astype(jnp.float32)
   return analysis.lm_sums(logits, batch), imp, count
 
 
@@ -270,11 +270,16 @@ def teacher_forced_value_zeroing(model, batches, alpha_lh, *, tau: float, prompt
   return out
 
 
+def _first_attention(model):
+  """The first layer's attention among the layers with heads (the variant's settings are the same in each)."""
+  return model.layers[model.cfg.head_layers[0]].attn
+
+
 def evaluate(model, batches, *, tau: float = 0.75) -> dict:
   """Every number of the report except run metadata and multiple choice."""
   report = language_model_metrics(model, batches)
   report.update(sink_diagnostics(model, batches))
-  if not model.layers[0].attn.has_outside_weight:       # no sink logit, no sink tokens: nothing outside the keys
+  if not _first_attention(model).has_outside_weight:       # no sink logit, no sink tokens: nothing outside the keys
     report["sink_logit_attention"] = None
   report["gate_sparsity_threshold"] = analysis.SPARSE_GATE
   report["value_zeroing"] = value_zeroing(model, batches, report["sink_ratio_alpha"], tau)
@@ -290,7 +295,7 @@ def write_figures(report: dict, out_dir: pathlib.Path, metrics_path: pathlib.Pat
   first = "row" if report.get("packing") == "stream" else "document"
   figures = [
       plots.plot_importance_heatmap(report["importance"], out_dir / "importance.png",
-                                    f"head importance ({variant})"),
+                                    f"head importance ({variant})", layers=report.get("layers_with_heads")),
       plots.plot_first_token_attention(report["first_token_attention_per_head"], out_dir / "first_token_attention.png",
                                        sink_weight=report["sink_logit_attention"],
                                        title=f"attention on the {first}'s first token ({variant})"),
@@ -427,6 +432,7 @@ def run(args) -> dict:
                               split=args.split, max_docs=args.max_docs, counts=counts)
 
   report = {"run_dir": str(run_dir), "step": step, "attention": cfg.model.attention,
+            "layers_with_heads": list(cfg.model.head_layers),
             "data_source": cfg.data.source, "packing": cfg.data.packing, "split": args.split,
             "eval_documents": counts["documents"], "eval_batches": len(batches),
             "batch_size": batch_size, "seq_len": cfg.data.seq_len, "processes": procs}

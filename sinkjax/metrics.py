@@ -180,7 +180,8 @@ class MetricsLogger:
     if s["last_importance"] is not None:
       plots.plot_training_curves(read_metrics(self.path), self.run_dir)
       plots.plot_importance_heatmap(s["last_importance"], self.run_dir / "importance.png",
-                                    f"head importance at step {self.stop_at} ({cfg.model.attention})")
+                                    f"head importance at step {self.stop_at} ({cfg.model.attention})",
+                                    layers=cfg.model.head_layers)
       print(f"done: step {self.stop_at}/{cfg.train.steps}, loss {s['final_loss']:.4f}"
             + (f", val_bpb {s['val_bpb']:.4f}" if s["val_bpb"] is not None else "")
             + f", {time.perf_counter() - self.t_start:.0f}s; run dir {self.run_dir}", flush=True)

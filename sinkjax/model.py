@@ -141,7 +141,8 @@ class Transformer(nnx.Module):
                zero_first_value=None):
     """logits; with a `sinkjax.cache.KVCache`, (logits, updated cache): T == 1 decodes one token against the cache,
     T > 1 prefills an EMPTY cache with a prompt (positions 0..T-1). Generation lives in `sinkjax.generate`.
-    record / zero_first_value ([L, Hq] bool): for `sinkjax.analysis`, see `Attention.__call__`."""
+    record / zero_first_value ([L, Hq] bool, L the layers with heads): for `sinkjax.analysis`, see
+    `Attention.__call__`."""
     if cache is not None:
       B, T = tokens.shape
       positions = default_positions(segment_ids, B, T) if positions is None else positions
@@ -165,9 +166,10 @@ class Transformer(nnx.Module):
       positions = default_positions(segment_ids, B, T)
     x = x0 = self.embed_tokens(tokens)
     if record or zero_first_value is not None:
+      row = {layer: j for j, layer in enumerate(self.cfg.head_layers)}     # zero_first_value: [layers with heads]
       for i, block in enumerate(self.layers):
         x = block(self.block_input(i, x, x0), segment_ids, positions, record=record,
-                  zero_first_value=None if zero_first_value is None else zero_first_value[i])
+                  zero_first_value=None if zero_first_value is None or i not in row else zero_first_value[row[i]])
       return x
     period = self._block_period() if self.cfg.scan_layers else 0
     if period:

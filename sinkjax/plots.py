@@ -69,9 +69,11 @@ def layer_colors(L: int) -> list:
 ANNOTATE_CELLS = 256      # heatmaps with at most this many cells print each value in its cell
 
 
-def plot_importance_heatmap(imp_lh, path, title: str = "head importance") -> pathlib.Path:
+def plot_importance_heatmap(imp_lh, path, title: str = "head importance", layers=None) -> pathlib.Path:
   """A layer x head heatmap of Imp[l, h] (eq. 5) written to `path`. The colour scale spans the data's own range
-  (importances often sit within 0.87-0.99, which a 0-1 scale would hide) and small grids print every value."""
+  (importances often sit within 0.87-0.99, which a 0-1 scale would hide) and small grids print every value.
+  `layers`: the model's layer index of each row (`ModelConfig.head_layers`, where some layers have no heads, e.g.
+  linear attention); default 0..L-1."""
   imp = np.asarray(imp_lh, np.float32)
   L, H = imp.shape
   lo, hi = float(imp.min()), float(imp.max())
@@ -87,7 +89,10 @@ def plot_importance_heatmap(imp_lh, path, title: str = "head importance") -> pat
                 color="black" if light else "white")
   ax.set_xticks(range(H))
   ax.set_yticks(range(L))
-  _labels(ax, title, "layer", xlabel="head")
+  if layers is not None and list(layers) != list(range(L)):
+    ax.set_yticklabels([str(i) for i in layers])
+  _labels(ax, title, "layer" if layers is None or list(layers) == list(range(L)) else "layer (with heads)",
+          xlabel="head")
   ax.grid(False)
   fig.colorbar(im, ax=ax, label=f"Imp = mean gate (range {lo:.3f}-{hi:.3f})")
   return _save(fig, path)
