@@ -310,8 +310,9 @@ def eval_program(cfg, mesh, rows: int):
       sharding_lib.replicated(mesh)
   batch = {k: jax.ShapeDtypeStruct((rows, cfg.data.seq_len), jnp.float32 if k == "loss_mask" else jnp.int32,
                                    sharding=sharding) for k in eval_lib.MODEL_FEATURES}
+  model = _placed_model(cfg, mesh)          # outside the mesh context: there nnx would read logical axes as mesh axes
   with jax.set_mesh(mesh):
-    return eval_lib._lm_batch_jit.lower(_placed_model(cfg, mesh), batch)  # pylint: disable=protected-access
+    return eval_lib._lm_batch_jit.lower(model, batch)  # pylint: disable=protected-access
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -188,3 +188,17 @@ def test_compile_decode_lowers_the_generators_own_step(run_dir, sharded):  # noq
                                        run_gen._put(np.asarray(jax.random.PRNGKey(0))), *run_gen._knobs(0.0, 0, 1.0))  # pylint: disable=protected-access
   assert lowered.as_text() == concrete.as_text()
   assert lowered.as_text() == run_gen.lower_decode().as_text()
+
+
+def test_compile_eval_lowers_the_function_eval_runs(run_dir, sharded):  # noqa: F811
+  """`sinkjax.compile --eval ROWS` lowers `sinkjax.eval`'s own batch function for the placed model and a batch split
+  over the batch axes: the HLO text of eval's call on the loaded run (fsdp=8) and its placed batches."""
+  from sinkjax import compile as compile_lib
+  from sinkjax import eval as ev
+  from sinkjax.data import make_eval_batches
+  mesh = sharding_lib.mesh_of(nnx.state(sharded.model, nnx.Param))
+  batch = ev.place_batches(make_eval_batches(sharded.cfg.data, sharded.tokenizer, batch_size=8, num_batches=1),
+                           mesh)[0]
+  with jax.set_mesh(mesh):
+    concrete = ev._lm_batch_jit.lower(sharded.model, batch)  # pylint: disable=protected-access
+  assert compile_lib.eval_program(sharded.cfg, mesh, 8).as_text() == concrete.as_text()
