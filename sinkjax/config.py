@@ -17,6 +17,29 @@ from sinkjax import choices, paths
 from sinkjax.cli import ConfigError  # noqa: F401  (re-exported: sinkjax.config.ConfigError)
 
 
+def key(default, range: str | None = None, *, choices=None):  # pylint: disable=redefined-builtin
+  """A config key's one declaration: its default (the annotation gives its type), the range a number must lie in
+  (a name of `_RANGE_TESTS`: ">=1", "(0,1)", ...) and the values a string may take (`sinkjax.choices`)."""
+  meta = {}
+  if range is not None:
+    meta["range"] = range
+  if choices is not None:
+    meta["choices"] = choices
+  return dataclasses.field(default=default, metadata=meta)
+
+
+def _declared(config_cls) -> tuple[dict, dict]:
+  """(CHOICES, RANGES): {"section.key": allowed} of every field of every section declared with `key`."""
+  choices_, ranges = {}, {}
+  for section in dataclasses.fields(config_cls):
+    for f in dataclasses.fields(section.default_factory):
+      if "choices" in f.metadata:
+        choices_[f"{section.name}.{f.name}"] = f.metadata["choices"]
+      if "range" in f.metadata:
+        ranges[f"{section.name}.{f.name}"] = f.metadata["range"]
+  return choices_, ranges
+
+
 
 
 @dataclasses.dataclass
@@ -24,95 +47,95 @@ class PaperModel:
   """The model section's core: the paper's model ([Sink-MoE] Table 1, nanochat's GPT), its attention variants and
   gate ablations, and how it is computed (dtypes, remat, scan, kernel). One of the three parts of `ModelConfig`;
   the model.* keys stay flat (a YAML never names the part)."""
-  attention: str = "vanilla"        # vanilla | sink | gated | relu
-  gate: str = "headwise"            # headwise | elementwise (gated attention)
-  num_layers: int = 4
-  d_model: int = 256
-  num_heads: int = 4
-  num_kv_heads: int = 4
-  head_dim: int = 64
-  vocab_size: int = 0               # 0 = take it from the tokenizer
-  mlp_ratio: int = 4
-  mlp: str = "relu2"                # relu2 | swiglu
+  attention: str = key("vanilla", choices=choices.ATTENTION_VARIANTS) # vanilla | sink | gated | relu
+  gate: str = key("headwise", choices=choices.GATE_KINDS) # headwise | elementwise (gated attention)
+  num_layers: int = key(4, ">=1")
+  d_model: int = key(256, ">=1")
+  num_heads: int = key(4, ">=1")
+  num_kv_heads: int = key(4, ">=1")
+  head_dim: int = key(64, ">=1")
+  vocab_size: int = key(0, ">=0")   # 0 = take it from the tokenizer
+  mlp_ratio: int = key(4, ">=1")
+  mlp: str = key("relu2", choices=choices.MLP_KINDS) # relu2 | swiglu
   qk_norm: bool = True
-  logit_softcap: float = 15.0       # 0 disables
-  rope_theta: float = 10000.0
-  max_seq_len: int = 2048
-  sink_tokens: int = 0              # learnable sink tokens prepended to K/V ([StreamingLLM])
-  sink_init: float = 0.0            # initial sink logit (sink attention)
-  gate_bias_init: float = 0.0       # initial gate bias (gated attention): sigmoid(0) = 0.5
+  logit_softcap: float = key(15.0, ">=0") # 0 disables
+  rope_theta: float = key(10000.0, ">0")
+  max_seq_len: int = key(2048, ">=1")
+  sink_tokens: int = key(0, ">=0")  # learnable sink tokens prepended to K/V ([StreamingLLM])
+  sink_init: float = key(0.0, "any") # initial sink logit (sink attention)
+  gate_bias_init: float = key(0.0, "any") # initial gate bias (gated attention): sigmoid(0) = 0.5
   # Gating ablations of [GatedAttn] (Tables 1 and 4), gated attention only; the defaults are its best gate (G1).
-  gate_position: str = "sdpa"       # sdpa: out = SDPA * g(x_t) (G1) | value: v_j * g(x_j) before attention (G2)
+  gate_position: str = key("sdpa", choices=choices.GATE_POSITIONS) # sdpa: out = SDPA * g(x_t) (G1) | value: v_j * g(x_j) before attention (G2)
   gate_shared: bool = False         # head-shared: one score per token (headwise) / per dim (elementwise) for all
                                     # heads, from a projection with 1/H of the outputs
-  gate_activation: str = "sigmoid"  # y * sigmoid(z) | y * ns_sigmoid(z) = 0.5 + 0.5 sigmoid | y * silu(z)
+  gate_activation: str = key("sigmoid", choices=choices.GATE_ACTIVATIONS) # y * sigmoid(z) | y * ns_sigmoid(z) = 0.5 + 0.5 sigmoid | y * silu(z)
                                     # | silu_additive: y + SiLU(z)  (z = x W + b)
-  gate_input: str = "dependent"     # dependent: z = x W + b | independent: z = a learned logit per head (and dim),
+  gate_input: str = key("dependent", choices=choices.GATE_INPUTS) # dependent: z = x W + b | independent: z = a learned logit per head (and dim),
                                     # initialized to gate_bias_init ([GatedAttn] Table 4 row 6: 0)
   gate_bias: bool = True            # the b of z = x W + b (Qwen3-Next's gate, a half of its q projection, has none)
-  norm_eps: float = 1e-6            # RMSNorm epsilon (HF: rms_norm_eps)
+  norm_eps: float = key(1e-6, ">0") # RMSNorm epsilon (HF: rms_norm_eps)
   tie_embeddings: bool = False
-  dtype: str = "bfloat16"           # compute dtype; params stay in param_dtype
-  param_dtype: str = "float32"
+  dtype: str = key("bfloat16", choices=choices.DTYPES) # compute dtype; params stay in param_dtype
+  param_dtype: str = key("float32", choices=choices.PARAM_DTYPES)
   remat: bool = False               # recompute each layer's activations in the backward (per layer, model.remat_policy)
-  remat_policy: str = "nothing"     # nothing: keep only each layer's input | dots: also its weight matmuls' results
+  remat_policy: str = key("nothing", choices=choices.REMAT_POLICIES) # nothing: keep only each layer's input | dots: also its weight matmuls' results
                                     # | save_attention, save_qkv_proj, ... (sinkjax.model.REMAT_POLICIES)
   scan_layers: bool = False         # the layers as one lax.scan over stacked weights (one layer or repeating group)
-  attn_impl: str = "auto"           # flash_attention backend
+  attn_impl: str = key("auto", choices=choices.ATTN_IMPLS) # flash_attention backend
 
 
 @dataclasses.dataclass
 class ImportedArchitecture:
   """Architecture options of imported Hugging Face models (sinkjax.convert.hf: Llama 3, Qwen2.5, Qwen3, Qwen3-MoE,
   GPT-OSS); the defaults are the paper's model, so a config that never imports leaves them alone."""
-  mlp_hidden: int = 0               # MLP hidden width; 0 = mlp_ratio * d_model
+  mlp_hidden: int = key(0, ">=0")   # MLP hidden width; 0 = mlp_ratio * d_model
   mlp_bias: bool = False            # biases in the MLP / expert projections (GPT-OSS)
-  swiglu_limit: float = 7.0         # clamped_swiglu: gate <= limit, |up| <= limit (GPT-OSS)
-  swiglu_alpha: float = 1.702       # clamped_swiglu: gate * sigmoid(alpha * gate) * (up + 1)
-  moe_experts: int = 0              # > 0: the MLP is a top-k routed mixture of this many experts (GPT-OSS)
-  moe_top_k: int = 1                # experts per token; their softmaxed router logits weight the outputs
-  moe_router: str = "topk_softmax"  # topk_softmax: softmax over the k best router logits, router with a bias (GPT-OSS)
+  swiglu_limit: float = key(7.0, ">0") # clamped_swiglu: gate <= limit, |up| <= limit (GPT-OSS)
+  swiglu_alpha: float = key(1.702, ">0") # clamped_swiglu: gate * sigmoid(alpha * gate) * (up + 1)
+  moe_experts: int = key(0, ">=0")  # > 0: the MLP is a top-k routed mixture of this many experts (GPT-OSS)
+  moe_top_k: int = key(1, ">=1")    # experts per token; their softmaxed router logits weight the outputs
+  moe_router: str = key("topk_softmax", choices=choices.MOE_ROUTERS) # topk_softmax: softmax over the k best router logits, router with a bias (GPT-OSS)
                                     # | softmax_topk: softmax over all experts, the k best probabilities as they are
                                     # | softmax_topk_norm: those renormalised to sum 1 (both: no bias; Qwen3-MoE)
   norm_scale: bool = False          # learnable RMSNorm scales (block, final and QK norms), as HF Llama/Qwen
   embed_norm: bool = True           # RMSNorm on the embedding output (nanochat does; HF models do not)
   attn_bias: bool = False           # biases in the q/k/v/o projections (GPT-OSS)
   attn_out_bias: bool = True        # with attn_bias: o_proj's bias too (Qwen2 has q/k/v biases only)
-  rope_scaling: str = "none"        # none | llama3 | yarn (HF rope_type), applied to rope_theta's frequencies
-  rope_factor: float = 1.0          # llama3 / yarn: context extension factor
-  rope_low_freq_factor: float = 1.0     # llama3
-  rope_high_freq_factor: float = 4.0    # llama3
-  rope_original_max_seq_len: int = 0    # llama3 / yarn: pretraining context; 0 = max_seq_len
-  rope_beta_fast: float = 32.0      # yarn
-  rope_beta_slow: float = 1.0       # yarn
+  rope_scaling: str = key("none", choices=choices.ROPE_SCALINGS) # none | llama3 | yarn (HF rope_type), applied to rope_theta's frequencies
+  rope_factor: float = key(1.0, ">0") # llama3 / yarn: context extension factor
+  rope_low_freq_factor: float = key(1.0, ">0") # llama3
+  rope_high_freq_factor: float = key(4.0, ">0") # llama3
+  rope_original_max_seq_len: int = key(0, ">=0") # llama3 / yarn: pretraining context; 0 = max_seq_len
+  rope_beta_fast: float = key(32.0, ">0") # yarn
+  rope_beta_slow: float = key(1.0, ">0") # yarn
   rope_truncate: bool = True        # yarn: round the correction range to whole dimensions
-  rope_attention_factor: float = 0.0    # yarn: cos/sin multiplier; 0 = 0.1 ln(factor) + 1
-  rope_partial: float = 1.0         # the fraction of each head's dims RoPE rotates (the first ones; Qwen3-Next 0.25)
-  sliding_window: int = 0           # > 0: "sliding" layers see only the last sliding_window keys (incl. self)
+  rope_attention_factor: float = key(0.0, ">=0") # yarn: cos/sin multiplier; 0 = 0.1 ln(factor) + 1
+  rope_partial: float = key(1.0, ">0") # the fraction of each head's dims RoPE rotates (the first ones; Qwen3-Next 0.25)
+  sliding_window: int = key(0, ">=0") # > 0: "sliding" layers see only the last sliding_window keys (incl. self)
   layer_types: list = dataclasses.field(default_factory=list)   # per layer full|sliding|linear (or a kind
                                     # registered in sinkjax.kinds); [] = all full (all sliding when sliding_window > 0)
-  moe_shared_hidden: int = 0        # > 0: a shared SwiGLU expert of this width beside the routed ones, scaled by
+  moe_shared_hidden: int = key(0, ">=0") # > 0: a shared SwiGLU expert of this width beside the routed ones, scaled by
                                     # sigmoid(x w) (Qwen3-Next's shared_expert / shared_expert_gate)
   # "linear" layers (Gated DeltaNet, sinkjax.kinds.linear; Qwen3-Next's linear_*): 0 = num_heads heads of head_dim
-  linear_key_heads: int = 0
-  linear_value_heads: int = 0       # a multiple of linear_key_heads
-  linear_key_head_dim: int = 0
-  linear_value_head_dim: int = 0
-  linear_conv_kernel: int = 4       # the causal depthwise conv's width
-  linear_chunk_size: int = 64       # the chunked form's chunk (training, prefill)
+  linear_key_heads: int = key(0, ">=0")
+  linear_value_heads: int = key(0, ">=0") # a multiple of linear_key_heads
+  linear_key_head_dim: int = key(0, ">=0")
+  linear_value_head_dim: int = key(0, ">=0")
+  linear_conv_kernel: int = key(4, ">=1") # the causal depthwise conv's width
+  linear_chunk_size: int = key(64, ">=1") # the chunked form's chunk (training, prefill)
 
 
 @dataclasses.dataclass
 class NanochatCompatibility:
   """nanochat's conventions (configs/nanochat.yaml, sinkjax.convert.nanochat); the defaults are this project's."""
-  depth: int = 0                    # > 0: nanochat base_train's shapes from the depth: num_layers = depth,
+  depth: int = key(0, ">=0")        # > 0: nanochat base_train's shapes from the depth: num_layers = depth,
                                     # d_model = 64 depth, heads = the divisor of d_model nearest d_model / 128,
                                     # num_kv_heads = num_heads, head_dim = d_model / heads (`resolve_depth`)
-  vocab_pad_to: int = 1             # embedding / LM-head rows rounded up to a multiple (nanochat: 64); logits are
+  vocab_pad_to: int = key(1, ">=1") # embedding / LM-head rows rounded up to a multiple (nanochat: 64); logits are
                                     # sliced back to vocab_size before the soft-cap
-  init: str = "default"             # default | nanochat: LM head N(0, 0.001) instead of zeros, block input
+  init: str = key("default", choices=choices.INITS) # default | nanochat: LM head N(0, 0.001) instead of zeros, block input
                                     # matrices uniform with std 1/sqrt(d_model) instead of truncated normal
-  rope_style: str = "llama"         # llama | nanochat: nanochat's rotation sign, bfloat16 cos/sin tables and
+  rope_style: str = key("llama", choices=choices.ROPE_STYLES) # llama | nanochat: nanochat's rotation sign, bfloat16 cos/sin tables and
                                     # QK-norm after RoPE (layers.apply_rope)
   residual_scalars: bool = False    # per-layer resid_lambdas / x0_lambdas of nanochat's later GPT (6bb9240)
 
@@ -228,16 +251,16 @@ class AttentionConfig:
 
 @dataclasses.dataclass
 class LossConfig:
-  aux_weight: float = 0.0           # lambda of eq. 7/8 (paper: 1e-4 from scratch, 1e-2 fine-tuning)
-  num_shared_heads: int = 0         # m of eq. 8; 0 = eq. 7
+  aux_weight: float = key(0.0, ">=0") # lambda of eq. 7/8 (paper: 1e-4 from scratch, 1e-2 fine-tuning)
+  num_shared_heads: int = key(0, ">=0") # m of eq. 8; 0 = eq. 7
   shared_heads_from: str = ""       # a run dir / report.json whose importances fix the shared set up front
 
 
 @dataclasses.dataclass
 class LoRAConfig:
   """Low-rank adapters (Hu et al. 2021) on the named projections; the base weights are frozen (sinkjax.lora)."""
-  rank: int = 0                     # 0 = off (full training); the paper fine-tunes with rank 16
-  alpha: float = 32.0               # the update is (alpha / rank) * x A B
+  rank: int = key(0, ">=0")         # 0 = off (full training); the paper fine-tunes with rank 16
+  alpha: float = key(32.0, ">0")    # the update is (alpha / rank) * x A B
   targets: list = dataclasses.field(
       default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
@@ -247,23 +270,23 @@ class DataConfig:
   source: str = "default"           # default | path/glob of .txt/.jsonl/.parquet | tfds:NAME
   val_source: str = ""              # a path/glob of files that IS the validation split (nanochat: the last shard);
                                     # then the whole data.source trains. "" = split data.source (val_split/fraction)
-  seq_len: int = 256
+  seq_len: int = key(256, ">=1")
   text_field: str = "text"
   tokenizer: str = "bytes"          # bytes | path to a Hugging Face tokenizer.json (or the directory holding it)
-  add_bos: str = "auto"             # auto | true | false: BOS before each document / prompt. auto: as the tokenizer's
+  add_bos: str = key("auto", choices=choices.ADD_BOS) # auto | true | false: BOS before each document / prompt. auto: as the tokenizer's
                                     # own encoding does for a model's tokenizer (sinkjax.data.tokenizers), always for
                                     # bytes and a bare tokenizer.json (sinkjax's BOS-separated documents)
   tfds_dir: str = ""
   train_split: str = "train"
   val_split: str = "validation"
-  val_fraction: float = 0.02        # for sources without a validation split
-  num_workers: int = 0              # grain worker processes (0 = in-process)
-  prefetch: int = 2
-  shuffle_batches: int = 8          # packed rows are shuffled within windows of this many batches (0 = off): the
+  val_fraction: float = key(0.02, "(0,1)") # for sources without a validation split
+  num_workers: int = key(0, ">=0")  # grain worker processes (0 = in-process)
+  prefetch: int = key(2, ">=1")
+  shuffle_batches: int = key(8, ">=0") # packed rows are shuffled within windows of this many batches (0 = off): the
                                     # rows of one long document land in different batches
-  format: str = "text"              # text (packed documents) | sft (JSONL prompt/response or chat messages; loss
+  format: str = key("text", choices=choices.DATA_FORMATS) # text (packed documents) | sft (JSONL prompt/response or chat messages; loss
                                     # on the response tokens, sinkjax.data.sft)
-  packing: str = "document"         # how text becomes rows (sinkjax.data.pipeline):
+  packing: str = key("document", choices=choices.PACKINGS) # how text becomes rows (sinkjax.data.pipeline):
                                     # document: documents packed with segment ids; attention masked between them,
                                     #   RoPE positions restart at each BOS, the vanilla gate's first key is the
                                     #   document's BOS, no loss on BOS targets
@@ -274,44 +297,44 @@ class DataConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-  batch_size: int = 16              # sequences per optimizer step (global)
-  grad_accum: int = 1               # micro-batches per step
-  steps: int = 0                    # 0 = token budget of tokens_per_param x parameters
-  tokens_per_param: float = 20.0
-  seed: int = 0
-  log_every: int = 10
-  eval_every: int = 100             # validation BPB every this many steps and at the end (0 = only at the end)
-  eval_batches: int = 8             # validation batches of train.batch_size / train.grad_accum rows (0 = none)
-  optimizer: str = "muon"           # muon | adamw
-  matrix_lr: float = 0.02           # Muon, for hidden weight matrices
-  embed_lr: float = 0.2             # AdamW, embeddings (nanochat-style)
-  unembed_lr: float = 0.004         # AdamW, unembedding
-  scalar_lr: float = 0.04           # AdamW, scalars/vectors (sinks, gate biases, norms)
-  adamw_lr: float = 3e-4            # plain AdamW (optimizer: adamw)
-  weight_decay: float = 0.0
-  grad_clip: float = 1.0
-  warmup_steps: int = 0
-  decay_frac: float = 0.2           # linear decay to 0 over the final fraction of steps
-  muon_momentum: float = 0.95       # Muon's momentum after warmup
-  muon_momentum_start: float = 0.85 # ... linearly from this value over muon_momentum_warmup steps (nanochat)
-  muon_momentum_warmup: int = 300   # 0 = muon_momentum from the first step
-  muon_ns_dtype: str = "bfloat16"   # dtype of Muon's Newton-Schulz iteration (nanochat: bfloat16)
-  max_nonfinite: int = 5            # consecutive non-finite steps (loss, gradient or update) before the run stops
-  epochs: int = 0                   # data.format=sft: stop after this many passes over the training examples, with a
+  batch_size: int = key(16, ">=1")  # sequences per optimizer step (global)
+  grad_accum: int = key(1, ">=1")   # micro-batches per step
+  steps: int = key(0, ">=0")        # 0 = token budget of tokens_per_param x parameters
+  tokens_per_param: float = key(20.0, ">0")
+  seed: int = key(0, ">=0")
+  log_every: int = key(10, ">=1")
+  eval_every: int = key(100, ">=0") # validation BPB every this many steps and at the end (0 = only at the end)
+  eval_batches: int = key(8, ">=0") # validation batches of train.batch_size / train.grad_accum rows (0 = none)
+  optimizer: str = key("muon", choices=choices.OPTIMIZERS) # muon | adamw
+  matrix_lr: float = key(0.02, ">=0") # Muon, for hidden weight matrices
+  embed_lr: float = key(0.2, ">=0") # AdamW, embeddings (nanochat-style)
+  unembed_lr: float = key(0.004, ">=0") # AdamW, unembedding
+  scalar_lr: float = key(0.04, ">=0") # AdamW, scalars/vectors (sinks, gate biases, norms)
+  adamw_lr: float = key(3e-4, ">=0") # plain AdamW (optimizer: adamw)
+  weight_decay: float = key(0.0, ">=0")
+  grad_clip: float = key(1.0, ">=0")
+  warmup_steps: int = key(0, ">=0")
+  decay_frac: float = key(0.2, "[0,1]") # linear decay to 0 over the final fraction of steps
+  muon_momentum: float = key(0.95, "[0,1)") # Muon's momentum after warmup
+  muon_momentum_start: float = key(0.85, "[0,1]") # ... linearly from this value over muon_momentum_warmup steps (nanochat)
+  muon_momentum_warmup: int = key(300, ">=0") # 0 = muon_momentum from the first step
+  muon_ns_dtype: str = key("bfloat16", choices=choices.NS_DTYPES) # dtype of Muon's Newton-Schulz iteration (nanochat: bfloat16)
+  max_nonfinite: int = key(5, ">=1") # consecutive non-finite steps (loss, gradient or update) before the run stops
+  epochs: int = key(0, ">=0")       # data.format=sft: stop after this many passes over the training examples, with a
                                     # checkpoint (train.steps 0: the steps those passes make); 0 = no limit
-  stop_at_step: int = 0             # end this invocation after this step with a checkpoint, schedule unchanged
+  stop_at_step: int = key(0, ">=0") # end this invocation after this step with a checkpoint, schedule unchanged
                                     # (chunked jobs on preemptible machines); 0 = run to train.steps
-  loss_chunk: int = 0               # > 0: logits and cross-entropy this many positions of every row at a time, never
+  loss_chunk: int = key(0, ">=0")   # > 0: logits and cross-entropy this many positions of every row at a time, never
                                     # [tokens, vocab] at once (recomputed in the backward); 0 = all positions at once
   init_from: str = ""               # fine-tuning: a run dir (e.g. from sinkjax.convert.hf) whose weights start the run
-  profile_start: int = 0            # jax.profiler trace of steps [profile_start, profile_start + profile_steps)
-  profile_steps: int = 0            # into RUN_DIR/profile (TensorBoard's profile plugin, or Perfetto); 0 = off
+  profile_start: int = key(0, ">=0") # jax.profiler trace of steps [profile_start, profile_start + profile_steps)
+  profile_steps: int = key(0, ">=0") # into RUN_DIR/profile (TensorBoard's profile plugin, or Perfetto); 0 = off
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
-  every: int = 200                  # save every this many steps, and always at the end / on SIGTERM or SIGINT
-  keep: int = 3                     # most recent checkpoints kept in RUN_DIR/checkpoints
+  every: int = key(200, ">=1")      # save every this many steps, and always at the end / on SIGTERM or SIGINT
+  keep: int = key(3, ">=1")         # most recent checkpoints kept in RUN_DIR/checkpoints
   async_save: bool = True           # write in a background thread while training continues
 
 
@@ -332,11 +355,9 @@ class LoggingConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-  data: int = -1                    # -1 fills the remaining devices
-  fsdp: int = 1
-  tensor: int = 1
-
-
+  data: int = key(-1, "-1|>=1")     # -1 fills the remaining devices
+  fsdp: int = key(1, "-1|>=1")
+  tensor: int = key(1, "-1|>=1")
 @dataclasses.dataclass
 class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -350,58 +371,12 @@ class Config:
   logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
 
-CHOICES = {
-    "model.attention": choices.ATTENTION_VARIANTS,
-    "model.gate": choices.GATE_KINDS,
-    "model.gate_position": choices.GATE_POSITIONS,
-    "model.gate_activation": choices.GATE_ACTIVATIONS,
-    "model.gate_input": choices.GATE_INPUTS,
-    "model.mlp": choices.MLP_KINDS,
-    "model.moe_router": choices.MOE_ROUTERS,
-    "model.rope_scaling": choices.ROPE_SCALINGS,
-    "model.dtype": choices.DTYPES,
-    "model.param_dtype": choices.PARAM_DTYPES,
-    "model.attn_impl": choices.ATTN_IMPLS,
-    "model.remat_policy": choices.REMAT_POLICIES,
-    "model.init": choices.INITS,
-    "model.rope_style": choices.ROPE_STYLES,
-    "train.muon_ns_dtype": choices.NS_DTYPES,
-    "train.optimizer": choices.OPTIMIZERS,
-    "data.format": choices.DATA_FORMATS,
-    "data.packing": choices.PACKINGS,
-    "data.add_bos": choices.ADD_BOS,
-}
 
 
 # The range of every numeric key (checked when a config is loaded, before anything is written anywhere). Where 0 or
 # -1 has a meaning, the comment at the key's declaration above says which ("0 = the token budget", ...).
-RANGES = {
-    "model.num_layers": ">=1", "model.d_model": ">=1", "model.num_heads": ">=1", "model.num_kv_heads": ">=1",
-    "model.head_dim": ">=1", "model.vocab_size": ">=0", "model.mlp_ratio": ">=1", "model.logit_softcap": ">=0",
-    "model.rope_theta": ">0", "model.max_seq_len": ">=1", "model.sink_tokens": ">=0", "model.sink_init": "any",
-    "model.gate_bias_init": "any", "model.mlp_hidden": ">=0", "model.swiglu_limit": ">0",
-    "model.swiglu_alpha": ">0", "model.moe_experts": ">=0", "model.moe_top_k": ">=1", "model.norm_eps": ">0",
-    "model.rope_factor": ">0", "model.rope_low_freq_factor": ">0", "model.rope_high_freq_factor": ">0",
-    "model.rope_original_max_seq_len": ">=0", "model.rope_beta_fast": ">0", "model.rope_beta_slow": ">0",
-    "model.rope_attention_factor": ">=0", "model.sliding_window": ">=0", "model.depth": ">=0",
-    "model.vocab_pad_to": ">=1", "model.rope_partial": ">0", "model.moe_shared_hidden": ">=0",
-    "model.linear_key_heads": ">=0", "model.linear_value_heads": ">=0", "model.linear_key_head_dim": ">=0",
-    "model.linear_value_head_dim": ">=0", "model.linear_conv_kernel": ">=1", "model.linear_chunk_size": ">=1",
-    "loss.aux_weight": ">=0", "loss.num_shared_heads": ">=0",
-    "lora.rank": ">=0", "lora.alpha": ">0",
-    "data.seq_len": ">=1", "data.val_fraction": "(0,1)", "data.num_workers": ">=0", "data.prefetch": ">=1",
-    "data.shuffle_batches": ">=0",
-    "train.batch_size": ">=1", "train.grad_accum": ">=1", "train.steps": ">=0", "train.tokens_per_param": ">0",
-    "train.seed": ">=0", "train.log_every": ">=1", "train.eval_every": ">=0", "train.eval_batches": ">=0",
-    "train.matrix_lr": ">=0", "train.embed_lr": ">=0", "train.unembed_lr": ">=0", "train.scalar_lr": ">=0",
-    "train.adamw_lr": ">=0", "train.weight_decay": ">=0", "train.grad_clip": ">=0", "train.warmup_steps": ">=0",
-    "train.decay_frac": "[0,1]", "train.muon_momentum": "[0,1)", "train.muon_momentum_start": "[0,1]",
-    "train.muon_momentum_warmup": ">=0", "train.max_nonfinite": ">=1", "train.stop_at_step": ">=0",
-    "train.epochs": ">=0",
-    "train.profile_start": ">=0", "train.profile_steps": ">=0", "train.loss_chunk": ">=0",
-    "checkpoint.every": ">=1", "checkpoint.keep": ">=1",
-    "mesh.data": "-1|>=1", "mesh.fsdp": "-1|>=1", "mesh.tensor": "-1|>=1",
-}
+# CHOICES / RANGES: every enumerated / numeric key's allowed values, read from its declaration above (`key`).
+CHOICES, RANGES = _declared(Config)
 _RANGE_TESTS = {
     "any": (lambda v: True, "finite"),
     ">=0": (lambda v: v >= 0, ">= 0"),
@@ -446,11 +421,35 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
   return value
 
 
+def model_section(name: str) -> dict[str, str]:
+  """{sub-key: model.* key} of a nested model section: `attention` (the keys of an `AttentionConfig` that are the
+  model's, `kind` for model.attention itself), `linear` (model.linear_*) and `moe` (model.moe_*), or {} for another
+  name. A YAML may write `model: {attention: {kind: gated, gate: elementwise}, linear: {key_heads: 16}}` or the flat
+  keys (`model.attention: gated`, `model.gate: elementwise`); the two are the same keys."""
+  model = [f.name for f in dataclasses.fields(ModelConfig)]
+  if name == "attention":
+    shapes = {"attention", "d_model", "num_heads", "num_kv_heads", "head_dim", "dtype", "param_dtype", "init",
+              "norm_scale", "norm_eps"}                     # model-wide: every norm of the model
+    own = [f.name for f in dataclasses.fields(AttentionConfig) if f.name in model and f.name not in shapes]
+    return {"kind": "attention", **{n: n for n in own}, "use_bias": "attn_bias", "impl": "attn_impl"}
+  if name in ("linear", "moe"):
+    return {n.removeprefix(name + "_"): n for n in model if n.startswith(name + "_")}
+  return {}
+
+
 def _apply(obj: Any, tree: dict, source: str, prefix: str = "") -> None:
   """Sets the keys of `tree` on the config `obj`; an error names the key and `source` (a file, the command line)."""
   hints = typing.get_type_hints(type(obj))
   for name, value in tree.items():
     key = f"{prefix}{name}"
+    section = model_section(name) if isinstance(obj, ModelConfig) and isinstance(value, dict) else {}
+    if section:                                   # model.attention.gate -> model.gate (one key, two spellings)
+      for sub, sub_value in value.items():
+        if sub not in section:
+          raise ConfigError(f"unknown config key {key}.{sub} in {source} (the keys of {key} are "
+                            f"{', '.join(section)})")
+        _apply(obj, {section[sub]: sub_value}, source, prefix)
+      continue
     if name not in hints:
       raise ConfigError(f"unknown config key {key} in {source}{_suggest(obj, name, prefix)}")
     typ = hints[name]

@@ -145,3 +145,42 @@ def test_model_section_parts_hold_what_their_users_set():
   assert got & set(names[1]) and not got & set(names[2])
   got = changed(C.load_config(str(ROOT / "configs" / "nanochat.yaml"), []).model)
   assert got & set(names[2]) and not got & set(names[1])
+
+
+def test_every_key_is_declared_once_with_its_range_and_choices():
+  """CHOICES / RANGES are read from the fields' own declarations (`config.key`): every numeric field of every section
+  has a range, every field with a choices tuple is checked against it at parse time."""
+  import dataclasses as dc
+  from sinkjax import config as c
+  for section in dc.fields(c.Config):
+    for f in dc.fields(section.default_factory):
+      name = f"{section.name}.{f.name}"
+      assert (name in c.RANGES) == ("range" in f.metadata) and (name in c.CHOICES) == ("choices" in f.metadata)
+      if f.type in ("int", "float", int, float):                    # every number has a declared range
+        assert name in c.RANGES, name
+  with pytest.raises(c.ConfigError, match="train.decay_frac must be in \\[0, 1\\]"):
+    c.load_config(None, ["train.decay_frac=2"])
+  with pytest.raises(c.ConfigError, match="model.mlp must be one of relu2|swiglu"):
+    c.load_config(None, ["model.mlp=gelu"])
+
+
+def test_nested_model_sections_are_the_flat_keys(tmp_path):
+  """model.attention / model.linear / model.moe as mappings (YAML or dotted overrides) set the same fields as the flat
+  keys; a flat string model.attention still names the kind; an unknown sub-key is one line naming the section's keys."""
+  from sinkjax import config as c
+  y = tmp_path / "nested.yaml"
+  y.write_text("model:\n  num_layers: 4\n  attention:\n    kind: gated\n    gate: elementwise\n    gate_bias: false\n"
+               "    rope_partial: 0.5\n  layer_types: [linear, full, linear, full]\n  linear: {key_heads: 2, chunk_size: 16}\n"
+               "  moe: {experts: 0}\n")
+  nested = c.load_config(str(y)).model
+  flat = c.load_config(None, ["model.num_layers=4", "model.attention=gated", "model.gate=elementwise",
+                              "model.gate_bias=false", "model.rope_partial=0.5",
+                              "model.layer_types=[linear,full,linear,full]", "model.linear_key_heads=2",
+                              "model.linear_chunk_size=16"]).model
+  assert nested == flat and nested.attention == "gated" and nested.linear_chunk_size == 16
+  dotted = c.load_config(None, ["model.attention.kind=sink", "model.attention.sink_init=1.5"]).model
+  assert (dotted.attention, dotted.sink_init) == ("sink", 1.5)
+  with pytest.raises(c.ConfigError, match="unknown config key model.attention.heads .*the keys of model.attention are "
+                                          "kind, gate") as e:
+    c.load_config(None, ["model.attention.heads=3"])
+  assert "\n" not in str(e.value)
