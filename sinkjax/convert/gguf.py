@@ -2,11 +2,14 @@
 
     python -m sinkjax.convert.hf --hf-dir MODEL.gguf --out RUN_DIR      # or a directory holding one .gguf file
 
-The weights are dequantized to float32 by transformers' GGUF reader (`pip install 'sinkjax[gguf]'`: gguf, torch,
-transformers); the config comes from the file's metadata as transformers maps it, and the tokenizer (tokenizer.json,
+The weights are read tensor by tensor (`pip install 'sinkjax[gguf]'`: gguf, torch, transformers): each one is
+dequantized to float32 by the gguf package, renamed and un-permuted by transformers' own GGUF processors (those of
+`load_gguf_checkpoint`), and added to a safetensors file that is written out every `SHARD_BYTES`, so the host never
+holds more than that file and the tensor being converted (`summary` reports the mark), not the whole model. The
+config comes from the file's metadata as transformers maps it, and the tokenizer (tokenizer.json,
 tokenizer_config.json, chat_template.jinja) and generation_config.json from the file's tokenizer fields, including
-whether the tokenizer adds BOS (`tokenizer.ggml.add_bos_token`). The result is an ordinary safetensors directory:
-transformers refuses `save_pretrained` of a GGUF-loaded model, so the tensors are written here.
+whether the tokenizer adds BOS (`tokenizer.ggml.add_bos_token`). The result is an ordinary sharded safetensors
+directory, equal tensor for tensor to what transformers' `from_pretrained(gguf_file=)` loads in float32.
 
 A tensor type the `gguf` package cannot dequantize is refused in one line naming the type, before anything is
 loaded. Importing dequantizes: the run holds float weights (an import of a Q4 file is the Q4 model, not the model it
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 
@@ -60,14 +64,19 @@ def _field(reader, name: str):
   return value.tolist()[0] if isinstance(value, np.ndarray) and value.size == 1 else value
 
 
-def inspect(path) -> dict:
+def _open(path):
+  gguf = _gguf()
+  try:
+    return gguf.GGUFReader(str(path))
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConvertError(f"{path} is not a readable GGUF file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def inspect(path, reader=None) -> dict:
   """What the file holds before anything is dequantized: architecture, tensor types (counts) and the tokenizer's
   add_bos flag. ConvertError naming a tensor type the installed gguf package cannot dequantize."""
   gguf = _gguf()
-  try:
-    reader = gguf.GGUFReader(str(path))
-  except Exception as e:  # pylint: disable=broad-except
-    raise ConvertError(f"{path} is not a readable GGUF file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+  reader = _open(path) if reader is None else reader
   types: dict[str, int] = {}
   for t in reader.tensors:
     types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
@@ -84,39 +93,49 @@ def inspect(path) -> dict:
           "context_length": _field(reader, f"{_field(reader, 'general.architecture')}.context_length")}
 
 
-def to_hf_dir(path, out_dir) -> dict:
-  """Writes the GGUF file's model as a Hugging Face directory into `out_dir` (config.json, model.safetensors,
-  generation_config.json, the tokenizer files); returns `inspect`'s summary."""
+SHARD_BYTES = 128 * 2**20       # the safetensors file being written is held in host memory until it is written
+
+
+def to_hf_dir(path, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
+  """Writes the GGUF file's model as a Hugging Face directory into `out_dir` (config.json, safetensors files of at
+  most `shard_bytes` each (or one tensor) with model.safetensors.index.json, generation_config.json, the tokenizer
+  files), tensor by tensor; returns `inspect`'s summary with what the tensors took (`summary` says it in a line):
+  tensors, tensor_bytes (float32, written), shards, host_peak_bytes and host_peak_tensor (`_write_tensors`)."""
   path, out_dir = pathlib.Path(path), pathlib.Path(out_dir)
-  info = inspect(path)
+  reader = _open(path)
+  info = inspect(path, reader)
   try:
     import torch  # pylint: disable=import-outside-toplevel
     import transformers  # pylint: disable=import-outside-toplevel
-    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf  # pylint: disable=import-outside-toplevel
+    from transformers.integrations import gguf as hf_gguf_new  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise ConvertError(f"importing a GGUF file needs torch, transformers and safetensors; {INSTALL}") from None
   transformers.logging.set_verbosity_error()
-  kw = {"gguf_file": path.name}
+  arch = info["architecture"]
+  if arch in getattr(hf_gguf_new, "GGUF_CONFIG_ARCHS", ()):
+    raise ConvertError(f"{path.name} is a {arch!r} model, which transformers reads with its own block loader, not "
+                       "tensor by tensor; import the model's Hugging Face safetensors instead")
   try:
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), **kw)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    parsed = hf_gguf.load_gguf_checkpoint(str(path), return_tensors=False)["config"]   # metadata only
+    config = transformers.AutoConfig.for_model(**parsed)                # as AutoConfig.from_pretrained(gguf_file=)
+    with torch.device("meta"):                                          # names only: nothing allocated
+      skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    processor = hf_gguf.TENSOR_PROCESSORS.get(arch, hf_gguf.TensorProcessor)(config=parsed)
+    names = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)        # GGUF tensor name -> Hugging Face name
   except (ValueError, KeyError, NotImplementedError) as e:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise ConvertError(f"transformers cannot read {path.name} (architecture {info['architecture']!r}): {first}") \
-        from None
+    raise ConvertError(f"transformers cannot read {path.name} (architecture {arch!r}): {first}") from None
   out_dir.mkdir(parents=True, exist_ok=True)
-  cfg = model.config.to_dict()
+  cfg = config.to_dict()
   for key in ("quantization_config", "_name_or_path", "transformers_version"):
     cfg.pop(key, None)
-  cfg["architectures"] = [type(model).__name__]
+  cfg["architectures"] = [type(skeleton).__name__]
+  cfg["dtype"] = "float32"                                              # what the tensors are written in
   (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-  tensors = {}
-  for name, t in model.state_dict().items():
-    if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
-      continue                                   # the embedding, shared
-    tensors[name] = t.detach().to(torch.float32).numpy().copy()
-  save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-  gen = {k: v for k, v in model.generation_config.to_dict().items()
+  info.update(_write_tensors(reader, processor, names, out_dir, shard_bytes))
+  gen = {k: v for k, v in transformers.GenerationConfig.from_model_config(config).to_dict().items()
          if k in ("bos_token_id", "eos_token_id", "pad_token_id")}
   (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
   tok.save_pretrained(str(out_dir))
@@ -126,3 +145,80 @@ def to_hf_dir(path, out_dir) -> dict:
     tc.setdefault("add_bos_token", info["add_bos_token"])      # the GGUF's own flag, which transformers drops
     tc_path.write_text(json.dumps(tc, indent=2))
   return info
+
+
+def _block(name: str):
+  m = re.match(r"blk\.(\d+)\.", name)
+  return int(m.group(1)) if m else name
+
+
+def _write_tensors(reader, processor, names: dict, out_dir: pathlib.Path, shard_bytes: int) -> dict:
+  """Dequantizes the file's tensors one at a time, undoes llama.cpp's changes with transformers' own processor (as
+  `load_gguf_checkpoint` does: the q/k row permutation of Llama-family attention, MoE expert stacks), and adds each
+  float32 result to the safetensors file being filled, which is written out once the next tensor would take it past
+  `shard_bytes`. Tensors transformers assembles from several GGUF ones (a Qwen-MoE gate_up_proj) are kept until
+  the GGUF block (layer) they come from has been read.
+
+  The host mark (`place.HostMeter`) counts the arrays this holds at once: the file being filled, tensors being
+  assembled, and the tensor being converted with its dequantized form when the processor copied it (numpy's own
+  temporaries inside `gguf.quants.dequantize` are not counted). The GGUF file itself is memory-mapped."""
+  import gguf  # pylint: disable=import-outside-toplevel
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  from sinkjax.convert.place import HostMeter  # pylint: disable=import-outside-toplevel
+  meter = HostMeter()
+  last = {_block(t.name): i for i, t in enumerate(reader.tensors)}
+  shard: dict[str, np.ndarray] = {}
+  files: list[dict[str, np.ndarray]] = []
+  assembling = {"tensors": {}}         # load_gguf_checkpoint's parsed_parameters, where MoE processors assemble
+  total = [0, 0]                       # tensors, bytes written
+
+  def flush():
+    if shard:
+      fname = f"model-{len(files) + 1:05d}.safetensors"
+      save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+      files.append({n: fname for n in shard})
+      shard.clear()
+      meter.release()
+      meter.hold(sum(t.nbytes for t in assembling["tensors"].values()), "")
+
+  def add(name: str, value: np.ndarray):
+    shard[name] = value
+    total[0] += 1
+    total[1] += value.nbytes
+
+  for i, t in enumerate(reader.tensors):
+    if shard and meter.held + 4 * int(t.n_elements) > shard_bytes:
+      flush()                                                           # before the next tensor is dequantized
+    raw = gguf.quants.dequantize(t.data, t.tensor_type)
+    before = sum(v.nbytes for v in assembling["tensors"].values())
+    out = processor.process(weights=raw, name=t.name, tensor_key_mapping=names, parsed_parameters=assembling)
+    if out.name in names:
+      value = np.ascontiguousarray(out.weights, dtype=np.float32)
+      meter.hold(value.nbytes, t.name, transient=0 if np.may_share_memory(value, raw) else raw.nbytes)
+      add(names[out.name], value)
+    else:                                                               # assembled, or not a model tensor
+      meter.hold(sum(v.nbytes for v in assembling["tensors"].values()) - before, t.name, transient=raw.nbytes)
+    del raw, out
+    if last[_block(t.name)] == i:                                       # the block is read: its assemblies are whole
+      for name, tensor in assembling["tensors"].items():
+        add(name, tensor.detach().float().numpy())
+      assembling["tensors"].clear()
+  flush()
+  n = len(files)
+  weight_map = {}
+  for k, names_in in enumerate(files):             # final names as transformers writes them: model-K-of-N
+    fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+    (out_dir / f"model-{k + 1:05d}.safetensors").rename(out_dir / fname)
+    weight_map.update({name: fname for name in names_in})
+  if n > 1:
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total[1]}, "weight_map": weight_map}, indent=2))
+  return {"tensors": total[0], "tensor_bytes": total[1], "shards": n, "host_peak_bytes": meter.peak,
+          "host_peak_tensor": meter.at}
+
+
+def summary(info: dict) -> str:
+  """One line: what `to_hf_dir` wrote and the most host memory its arrays held at once."""
+  return (f"dequantized {info['tensors']} GGUF tensors ({info['tensor_bytes']:,} float32 bytes) into "
+          f"{info['shards']} safetensors file(s), tensor by tensor; the host held at most {info['host_peak_bytes']:,} "
+          f"bytes at once ({info['host_peak_tensor']})")

@@ -703,7 +703,9 @@ def convert(hf_dir: str | pathlib.Path, run_dir: str | pathlib.Path, *, dtype: s
   with contextlib.ExitStack() as stack:
     if gguf_file is not None:
       local = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sinkjax-gguf-")))
-      gguf_lib.to_hf_dir(gguf_file, local)
+      streamed = gguf_lib.to_hf_dir(gguf_file, local)
+      if jax.process_index() == 0:        # the GGUF step's own host mark, before the placer's (the summary line)
+        print(f"{gguf_file.name}: {gguf_lib.summary(streamed)}")
     else:
       local = stack.enter_context(paths.local_dir(hf_dir, "--hf-dir"))
     hf = read_hf_config(local)

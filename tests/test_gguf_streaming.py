@@ -1,0 +1,84 @@
+"""A GGUF file is converted tensor by tensor (sinkjax.convert.gguf): the directory it writes holds exactly the tensors
+transformers' whole-model `from_pretrained(gguf_file=)` loads in float32, while the host holds one tensor and the
+safetensors file being filled, not the model. On the real SmolLM2-135M GGUF (tests/real_model.py says where it is)."""
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from sinkjax.convert import gguf as gguf_lib
+from tests import real_model
+
+pytestmark = pytest.mark.xdist_group("smollm2")
+
+torch = pytest.importorskip("torch", reason="the reference is transformers on torch (the test extra)")
+transformers = pytest.importorskip("transformers", reason="the reference is transformers (the test extra)")
+pytest.importorskip("gguf", reason="the GGUF reader is the gguf package (the test extra)")
+
+SHARD = 32 * 2**20          # small enough that SmolLM2's 538 MB of float32 make many files
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+  """(the .gguf file, the directory to_hf_dir wrote with SHARD-byte files, its summary)."""
+  tmp = tmp_path_factory.mktemp("gguf")
+  path = real_model.smollm2_gguf(tmp)
+  out = tmp / "hf"
+  return path, out, gguf_lib.to_hf_dir(path, out, shard_bytes=SHARD)
+
+
+def _files(out: pathlib.Path) -> dict:
+  """{safetensors file: {tensor name: array}} as the index lists them."""
+  weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+  files = {f: load_file(str(out / f)) for f in sorted(set(weight_map.values()))}
+  assert {n: f for f, ts in files.items() for n in ts} == weight_map
+  return files
+
+
+def test_the_tensors_are_the_whole_model_conversion(streamed):
+  """Same names, same float32 values as transformers' own whole-model load of the file (its q/k un-permuted, the
+  tied lm_head left to the embedding); config.json and generation_config.json as that model's."""
+  path, out, _ = streamed
+  transformers.logging.set_verbosity_error()
+  whole = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                            dtype=torch.float32)
+  assert whole.config.tie_word_embeddings
+  expected = {n: t.detach().numpy() for n, t in whole.state_dict().items() if n != "lm_head.weight"}
+  got = {n: a for ts in _files(out).values() for n, a in ts.items()}
+  assert sorted(got) == sorted(expected)
+  for name, want in expected.items():
+    assert got[name].dtype == np.float32 and got[name].shape == want.shape, name
+    np.testing.assert_array_equal(got[name], want, err_msg=name)
+  cfg = json.loads((out / "config.json").read_text())
+  ref = whole.config.to_dict()
+  for key in ("quantization_config", "_name_or_path", "transformers_version"):
+    ref.pop(key, None)
+  assert cfg == json.loads(json.dumps({**ref, "architectures": ["LlamaForCausalLM"]}))
+  gen = json.loads((out / "generation_config.json").read_text())
+  assert gen == {k: getattr(whole.generation_config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def test_the_host_holds_one_tensor_and_one_file_not_the_model(streamed):
+  """Each file written holds at most SHARD bytes (or one tensor alone); the host mark is the largest tensor (the
+  Q8_0 embedding, dequantized) or a file's worth, far below the model's 538 MB; the summary line says so."""
+  _, out, info = streamed
+  files = _files(out)
+  sizes = {n: a.nbytes for ts in files.values() for n, a in ts.items()}
+  for f, ts in files.items():
+    assert len(ts) == 1 or sum(a.nbytes for a in ts.values()) <= SHARD, f
+  largest, total = max(sizes.values()), sum(sizes.values())
+  assert largest == 49152 * 576 * 4 and total == info["tensor_bytes"] and len(files) == info["shards"] > 10
+  assert largest <= info["host_peak_bytes"] <= max(SHARD, largest) + largest < total / 2
+  assert info["host_peak_tensor"] == "token_embd.weight"            # the embedding, whole, in its own file
+  line = gguf_lib.summary(info)
+  assert f"at most {info['host_peak_bytes']:,} bytes" in line and "\n" not in line
+
+
+def test_the_tokenizer_files_keep_the_files_add_bos(streamed):
+  """The tokenizer comes out as before the change: transformers' own, with the GGUF's add_bos_token (false)."""
+  _, out, info = streamed
+  assert info["add_bos_token"] is False
+  assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is False
+  assert (out / "tokenizer.json").is_file()
