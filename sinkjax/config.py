@@ -42,29 +42,14 @@ def _declared(config_cls) -> tuple[dict, dict]:
 
 
 
-@dataclasses.dataclass
-class PaperModel:
-  """The model section's core: the paper's model ([Sink-MoE] Table 1, nanochat's GPT), its attention variants and
-  gate ablations, and how it is computed (dtypes, remat, scan, kernel). One of the three parts of `ModelConfig`;
-  the model.* keys stay flat (a YAML never names the part)."""
+@dataclasses.dataclass(kw_only=True)
+class AttentionSection:
+  """The attention keys, declared once: the model.* keys an attention layer reads, shared by `ModelConfig` (flat
+  model.* keys; `model.attention` nested in YAML) and `AttentionConfig` (what one `sinkjax.layers.Attention` is built
+  from). norm_scale, norm_eps and init apply to the rest of the model too. The gate options are gated attention's ([GatedAttn]; layers'
+  "Gating ablations")."""
   attention: str = key("vanilla", choices=choices.ATTENTION_VARIANTS) # vanilla | sink | gated | relu
   gate: str = key("headwise", choices=choices.GATE_KINDS) # headwise | elementwise (gated attention)
-  num_layers: int = key(4, ">=1")
-  d_model: int = key(256, ">=1")
-  num_heads: int = key(4, ">=1")
-  num_kv_heads: int = key(4, ">=1")
-  head_dim: int = key(64, ">=1")
-  vocab_size: int = key(0, ">=0")   # 0 = take it from the tokenizer
-  mlp_ratio: int = key(4, ">=1")
-  mlp: str = key("relu2", choices=choices.MLP_KINDS) # relu2 | swiglu
-  qk_norm: bool = True
-  logit_softcap: float = key(15.0, ">=0") # 0 disables
-  rope_theta: float = key(10000.0, ">0")
-  max_seq_len: int = key(2048, ">=1")
-  sink_tokens: int = key(0, ">=0")  # learnable sink tokens prepended to K/V ([StreamingLLM])
-  sink_init: float = key(0.0, "any") # initial sink logit (sink attention)
-  gate_bias_init: float = key(0.0, "any") # initial gate bias (gated attention): sigmoid(0) = 0.5
-  # Gating ablations of [GatedAttn] (Tables 1 and 4), gated attention only; the defaults are its best gate (G1).
   gate_position: str = key("sdpa", choices=choices.GATE_POSITIONS) # sdpa: out = SDPA * g(x_t) (G1) | value: v_j * g(x_j) before attention (G2)
   gate_shared: bool = False         # head-shared: one score per token (headwise) / per dim (elementwise) for all
                                     # heads, from a projection with 1/H of the outputs
@@ -73,7 +58,38 @@ class PaperModel:
   gate_input: str = key("dependent", choices=choices.GATE_INPUTS) # dependent: z = x W + b | independent: z = a learned logit per head (and dim),
                                     # initialized to gate_bias_init ([GatedAttn] Table 4 row 6: 0)
   gate_bias: bool = True            # the b of z = x W + b (Qwen3-Next's gate, a half of its q projection, has none)
+  gate_bias_init: float = key(0.0, "any") # initial gate bias (gated attention): sigmoid(0) = 0.5
+  sink_init: float = key(0.0, "any") # initial sink logit (sink attention)
+  sink_tokens: int = key(0, ">=0")  # learnable sink tokens prepended to K/V ([StreamingLLM])
+  qk_norm: bool = True
+  norm_scale: bool = False          # learnable RMSNorm scales (block, final and QK norms), as HF Llama/Qwen
   norm_eps: float = key(1e-6, ">0") # RMSNorm epsilon (HF: rms_norm_eps)
+  rope_theta: float = key(10000.0, ">0")
+  rope_style: str = key("llama", choices=choices.ROPE_STYLES) # llama | nanochat: nanochat's rotation sign, bfloat16 cos/sin tables and
+                                    # QK-norm after RoPE (layers.apply_rope)
+  rope_partial: float = key(1.0, ">0") # the fraction of each head's dims RoPE rotates (the first ones; Qwen3-Next 0.25)
+  sliding_window: int = key(0, ">=0") # > 0: "sliding" layers see only the last sliding_window keys (incl. self)
+  attn_out_bias: bool = True        # with attn_bias: o_proj's bias too (Qwen2 has q/k/v biases only)
+  init: str = key("default", choices=choices.INITS) # default | nanochat: LM head N(0, 0.001) instead of zeros, block input
+                                    # matrices uniform with std 1/sqrt(d_model) instead of truncated normal
+
+
+@dataclasses.dataclass
+class PaperModel:
+  """The model section's core: the paper's model ([Sink-MoE] Table 1, nanochat's GPT), its attention variants and
+  gate ablations, and how it is computed (dtypes, remat, scan, kernel). One of the three parts of `ModelConfig`;
+  the model.* keys stay flat (a YAML never names the part)."""
+  num_layers: int = key(4, ">=1")
+  d_model: int = key(256, ">=1")
+  num_heads: int = key(4, ">=1")
+  num_kv_heads: int = key(4, ">=1")
+  head_dim: int = key(64, ">=1")
+  vocab_size: int = key(0, ">=0")   # 0 = take it from the tokenizer
+  mlp_ratio: int = key(4, ">=1")
+  mlp: str = key("relu2", choices=choices.MLP_KINDS) # relu2 | swiglu
+  logit_softcap: float = key(15.0, ">=0") # 0 disables
+  max_seq_len: int = key(2048, ">=1")
+  # Gating ablations of [GatedAttn] (Tables 1 and 4), gated attention only; the defaults are its best gate (G1).
   tie_embeddings: bool = False
   dtype: str = key("bfloat16", choices=choices.DTYPES) # compute dtype; params stay in param_dtype
   param_dtype: str = key("float32", choices=choices.PARAM_DTYPES)
@@ -97,10 +113,8 @@ class ImportedArchitecture:
   moe_router: str = key("topk_softmax", choices=choices.MOE_ROUTERS) # topk_softmax: softmax over the k best router logits, router with a bias (GPT-OSS)
                                     # | softmax_topk: softmax over all experts, the k best probabilities as they are
                                     # | softmax_topk_norm: those renormalised to sum 1 (both: no bias; Qwen3-MoE)
-  norm_scale: bool = False          # learnable RMSNorm scales (block, final and QK norms), as HF Llama/Qwen
   embed_norm: bool = True           # RMSNorm on the embedding output (nanochat does; HF models do not)
   attn_bias: bool = False           # biases in the q/k/v/o projections (GPT-OSS)
-  attn_out_bias: bool = True        # with attn_bias: o_proj's bias too (Qwen2 has q/k/v biases only)
   rope_scaling: str = key("none", choices=choices.ROPE_SCALINGS) # none | llama3 | yarn (HF rope_type), applied to rope_theta's frequencies
   rope_factor: float = key(1.0, ">0") # llama3 / yarn: context extension factor
   rope_low_freq_factor: float = key(1.0, ">0") # llama3
@@ -110,8 +124,6 @@ class ImportedArchitecture:
   rope_beta_slow: float = key(1.0, ">0") # yarn
   rope_truncate: bool = True        # yarn: round the correction range to whole dimensions
   rope_attention_factor: float = key(0.0, ">=0") # yarn: cos/sin multiplier; 0 = 0.1 ln(factor) + 1
-  rope_partial: float = key(1.0, ">0") # the fraction of each head's dims RoPE rotates (the first ones; Qwen3-Next 0.25)
-  sliding_window: int = key(0, ">=0") # > 0: "sliding" layers see only the last sliding_window keys (incl. self)
   layer_types: list = dataclasses.field(default_factory=list)   # per layer full|sliding|linear (or a kind
                                     # registered in sinkjax.kinds); [] = all full (all sliding when sliding_window > 0)
   moe_shared_hidden: int = key(0, ">=0") # > 0: a shared SwiGLU expert of this width beside the routed ones, scaled by
@@ -133,16 +145,12 @@ class NanochatCompatibility:
                                     # num_kv_heads = num_heads, head_dim = d_model / heads (`resolve_depth`)
   vocab_pad_to: int = key(1, ">=1") # embedding / LM-head rows rounded up to a multiple (nanochat: 64); logits are
                                     # sliced back to vocab_size before the soft-cap
-  init: str = key("default", choices=choices.INITS) # default | nanochat: LM head N(0, 0.001) instead of zeros, block input
-                                    # matrices uniform with std 1/sqrt(d_model) instead of truncated normal
-  rope_style: str = key("llama", choices=choices.ROPE_STYLES) # llama | nanochat: nanochat's rotation sign, bfloat16 cos/sin tables and
-                                    # QK-norm after RoPE (layers.apply_rope)
   residual_scalars: bool = False    # per-layer resid_lambdas / x0_lambdas of nanochat's later GPT (6bb9240)
 
 
 
 @dataclasses.dataclass
-class ModelConfig(NanochatCompatibility, ImportedArchitecture, PaperModel):
+class ModelConfig(NanochatCompatibility, ImportedArchitecture, PaperModel, AttentionSection):
   """The model.* keys: `PaperModel` (the paper's model), `ImportedArchitecture` (Hugging Face imports) and
   `NanochatCompatibility`, one flat section in YAML and on the command line (fields in that order)."""
 
@@ -202,41 +210,27 @@ class RopeScaling:
     return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
+@dataclasses.dataclass
+class AttentionConfig(AttentionSection):
   """The attention section of the model config: everything one `sinkjax.layers.Attention` is built from, checked
   once, when it is made (a ConfigError, a ValueError, names the key). Fields are the model.* keys of the same names
   (`ModelConfig.attention_config`); standalone users pass them as keywords to `Attention(d_model, num_heads, ...)`.
-  The gate options are gated attention's ([GatedAttn]; layers' "Gating ablations")."""
+  The keys it shares with the model are declared once, in `AttentionSection`; here are the shapes, the dtypes and
+  the forms the layer needs (`rope_scaling` as a `RopeScaling`, model.attn_bias / attn_impl as use_bias / impl).
+  Treated as immutable (hashed by value: layers keep it as static graph metadata)."""
   d_model: int
   num_heads: int
   num_kv_heads: int | None = None   # None = num_heads
   head_dim: int | None = None       # None = d_model // num_heads
-  attention: str = "vanilla"        # vanilla | sink | gated | relu
-  gate: str = "headwise"            # headwise (one gate per head, [Sink-MoE] eq. 2) | elementwise (per head dim)
-  gate_position: str = "sdpa"       # sdpa (G1) | value (G2)
-  gate_shared: bool = False         # one gate for every head
-  gate_activation: str = "sigmoid"  # sigmoid | ns_sigmoid | silu | silu_additive
-  gate_input: str = "dependent"     # dependent (z = x W + b) | independent (learned logits)
-  gate_bias_init: float = 0.0       # initial gate bias / logit; sigmoid(0) = 0.5
-  sink_init: float = 0.0            # initial sink logit per head (sink attention)
-  sink_tokens: int = 0              # learnable sink tokens ([StreamingLLM]) before the keys, RoPE positions 0..n-1
-  qk_norm: bool = True
-  norm_scale: bool = False          # learnable QK-norm scales (Qwen3; nanochat: parameter-free)
-  norm_eps: float = 1e-6
-  rope_theta: float = 10000.0
   rope_scaling: RopeScaling | None = None   # llama3 / yarn long-context frequencies; None = plain RoPE
-  rope_style: str = "llama"         # llama (HF sign, QK-norm before RoPE) | nanochat (layers.apply_rope)
-  sliding_window: int = 0           # > 0: query t sees keys t - window < s <= t (GPT-OSS); this layer's own
   use_bias: bool = False            # q/k/v/o biases (model.attn_bias)
-  attn_out_bias: bool = True        # with use_bias: o_proj's bias too (Qwen2: false)
-  gate_bias: bool = True            # gated: the gate projection's bias
-  rope_partial: float = 1.0         # the fraction of head dims RoPE rotates (the first ones)
-  init: str = "default"             # default (lecun normal) | nanochat (q/k/v/gate uniform, std 1/sqrt(d_model))
   zero_init_output: bool = True     # o_proj starts at zero
   impl: str = "auto"                # flash_attention backend (model.attn_impl)
   dtype: Any = "float32"            # compute dtype (a name or a jnp dtype)
   param_dtype: Any = "float32"
+
+  def __hash__(self):
+    return hash(tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)))
 
   def __post_init__(self):
     object.__setattr__(self, "num_kv_heads", self.num_kv_heads or self.num_heads)

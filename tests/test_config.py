@@ -128,14 +128,15 @@ def test_resume_with_another_step_count(run_dir, capsys):
 
 
 def test_model_section_parts_hold_what_their_users_set():
-  """ModelConfig is PaperModel + ImportedArchitecture + NanochatCompatibility (one flat model.* section): a Hugging
-  Face import sets only the first two, configs/nanochat.yaml only the first and the last."""
+  """ModelConfig is PaperModel + ImportedArchitecture + NanochatCompatibility + AttentionSection (one flat model.*
+  section; each key declared in one part): a Hugging Face import sets no nanochat key, configs/nanochat.yaml no
+  import key."""
   transformers = pytest.importorskip("transformers", reason="the import check needs transformers (test extra)")
   from sinkjax import config as C
   from sinkjax.convert.hf import model_config_from_hf
-  parts = (C.PaperModel, C.ImportedArchitecture, C.NanochatCompatibility)
+  parts = (C.PaperModel, C.ImportedArchitecture, C.NanochatCompatibility, C.AttentionSection)
   names = [[f.name for f in dataclasses.fields(p)] for p in parts]
-  assert [f.name for f in dataclasses.fields(C.ModelConfig)] == sum(names, [])
+  assert sorted(f.name for f in dataclasses.fields(C.ModelConfig)) == sorted(sum(names, []))   # disjoint, complete
   default = C.ModelConfig()
   changed = lambda m: {f.name for f in dataclasses.fields(m) if getattr(m, f.name) != getattr(default, f.name)}
   oss = transformers.GptOssConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=64, head_dim=16,
