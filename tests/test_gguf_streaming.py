@@ -3,6 +3,7 @@ transformers' whole-model `from_pretrained(gguf_file=)` loads in float32, while 
 safetensors file being filled, not the model. On the real SmolLM2-135M GGUF (tests/real_model.py says where it is)."""
 import json
 import pathlib
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -22,11 +23,24 @@ SHARD = 32 * 2**20          # small enough that SmolLM2's 538 MB of float32 make
 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory):
-  """(the .gguf file, the directory to_hf_dir wrote with SHARD-byte files, its summary)."""
+  """(the .gguf file, the directory to_hf_dir wrote with SHARD-byte files, its summary with `traced_peak`: the most
+  bytes Python's allocator (numpy's arrays included) held at once while the tensors were converted, by tracemalloc)."""
   tmp = tmp_path_factory.mktemp("gguf")
   path = real_model.smollm2_gguf(tmp)
-  out = tmp / "hf"
-  return path, out, gguf_lib.to_hf_dir(path, out, shard_bytes=SHARD)
+  write, traced = gguf_lib._write_tensors, {}
+
+  def traced_write(*args, **kwargs):
+    tracemalloc.start()
+    try:
+      return write(*args, **kwargs)
+    finally:
+      traced["peak"] = tracemalloc.get_traced_memory()[1]
+      tracemalloc.stop()
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(gguf_lib, "_write_tensors", traced_write)
+    info = gguf_lib.to_hf_dir(path, tmp / "hf", shard_bytes=SHARD)
+  return path, tmp / "hf", {**info, "traced_peak": traced["peak"]}
 
 
 def _files(out: pathlib.Path) -> dict:
@@ -37,6 +51,33 @@ def _files(out: pathlib.Path) -> dict:
   return files
 
 
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+  """llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute` (q / k rows reordered for its rotary layout)."""
+  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_each_tensor_is_the_file_tensor_dequantized(streamed):
+  """Against the file itself: every Hugging Face tensor written is its GGUF tensor dequantized by the gguf package,
+  llama.cpp's own q / k permutation applied to ours giving back the file's rows (9 query / 3 KV heads)."""
+  import gguf
+  path, out, _ = streamed
+  got = {n: a for ts in _files(out).values() for n, a in ts.items()}
+  reader = gguf.GGUFReader(str(path))
+  names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "attn_norm": "input_layernorm",
+           "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+           "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+  assert len(got) == len(reader.tensors) == 272
+  for t in reader.tensors:
+    parts = t.name.split(".")
+    hf = f"model.layers.{parts[1]}.{names[parts[2]]}.weight" if parts[0] == "blk" else f"{names[parts[0]]}.weight"
+    ours = got[hf]
+    if parts[-2] in ("attn_q", "attn_k"):
+      ours = _llama_cpp_permute(ours, 9 if parts[-2] == "attn_q" else 3)
+    np.testing.assert_array_equal(ours, gguf.quants.dequantize(t.data, t.tensor_type), err_msg=t.name)
+
+
+@pytest.mark.slow
 def test_the_tensors_are_the_whole_model_conversion(streamed):
   """Same names, same float32 values as transformers' own whole-model load of the file (its q/k un-permuted, the
   tied lm_head left to the embedding); config.json and generation_config.json as that model's."""
@@ -62,7 +103,8 @@ def test_the_tensors_are_the_whole_model_conversion(streamed):
 
 def test_the_host_holds_one_tensor_and_one_file_not_the_model(streamed):
   """Each file written holds at most SHARD bytes (or one tensor alone); the host mark is the largest tensor (the
-  Q8_0 embedding, dequantized) or a file's worth, far below the model's 538 MB; the summary line says so."""
+  Q8_0 embedding, dequantized) or a file's worth, far below the model's 538 MB; tracemalloc sees no more allocated
+  at once than that and one dequantization chunk's temporaries; the summary line says so."""
   _, out, info = streamed
   files = _files(out)
   sizes = {n: a.nbytes for ts in files.values() for n, a in ts.items()}
@@ -71,6 +113,8 @@ def test_the_host_holds_one_tensor_and_one_file_not_the_model(streamed):
   largest, total = max(sizes.values()), sum(sizes.values())
   assert largest == 49152 * 576 * 4 and total == info["tensor_bytes"] and len(files) == info["shards"] > 10
   assert largest <= info["host_peak_bytes"] <= max(SHARD, largest) + largest < total / 2
+  # measured: what was allocated at once is that mark and the temporaries of dequantizing one chunk
+  assert info["host_peak_bytes"] <= info["traced_peak"] <= info["host_peak_bytes"] + 4 * gguf_lib.CHUNK_BYTES
   assert info["host_peak_tensor"] == "token_embd.weight"            # the embedding, whole, in its own file
   line = gguf_lib.summary(info)
   assert f"at most {info['host_peak_bytes']:,} bytes" in line and "\n" not in line

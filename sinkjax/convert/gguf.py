@@ -17,13 +17,16 @@ was quantized from).
 """
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import re
+import unittest.mock
 
 import numpy as np
 
 from sinkjax.convert import ConvertError
+from sinkjax.convert.place import HostMeter
 
 INSTALL = "pip install gguf torch transformers (or the gguf extra: pip install 'sinkjax[gguf]')"
 
@@ -109,6 +112,7 @@ def to_hf_dir(path, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
     import transformers  # pylint: disable=import-outside-toplevel
     from transformers import modeling_gguf_pytorch_utils as hf_gguf  # pylint: disable=import-outside-toplevel
     from transformers.integrations import gguf as hf_gguf_new  # pylint: disable=import-outside-toplevel
+    import safetensors.numpy  # pylint: disable=import-outside-toplevel,unused-import
   except ImportError:
     raise ConvertError(f"importing a GGUF file needs torch, transformers and safetensors; {INSTALL}") from None
   transformers.logging.set_verbosity_error()
@@ -123,7 +127,11 @@ def to_hf_dir(path, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
     with torch.device("meta"):                                          # names only: nothing allocated
       skeleton = transformers.AutoModelForCausalLM.from_config(config)
     processor = hf_gguf.TENSOR_PROCESSORS.get(arch, hf_gguf.TensorProcessor)(config=parsed)
-    names = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)        # GGUF tensor name -> Hugging Face name
+    # GGUF tensor name -> Hugging Face name. transformers rebuilds gguf's name table (arch, layers) for every
+    # submodule it recurses into (seconds for 30 layers, quadratic in depth): the same table, built once.
+    gguf = _gguf()
+    with unittest.mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+      names = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
   except (ValueError, KeyError, NotImplementedError) as e:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise ConvertError(f"transformers cannot read {path.name} (architecture {arch!r}): {first}") from None
@@ -147,6 +155,22 @@ def to_hf_dir(path, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
   return info
 
 
+CHUNK_BYTES = 16 * 2**20        # a tensor is dequantized this many float32 bytes of rows at a time
+
+
+def _dequantize(gguf, t) -> np.ndarray:
+  """The GGUF tensor `t` in float32, as `gguf.quants.dequantize` gives it, filled CHUNK_BYTES of rows at a time: that
+  function keeps every row group's output until it concatenates them (twice the tensor), this the tensor and one
+  chunk."""
+  rows = t.data.reshape(-1, t.data.shape[-1]) if t.data.ndim > 1 else t.data[None]
+  width = gguf.quants.dequantize(rows[:1], t.tensor_type).shape[-1]
+  out = np.empty((rows.shape[0], width), np.float32)
+  step = max(1, CHUNK_BYTES // (4 * width))
+  for i in range(0, rows.shape[0], step):
+    out[i:i + step] = gguf.quants.dequantize(rows[i:i + step], t.tensor_type)
+  return out.reshape(*t.data.shape[:-1], width)
+
+
 def _block(name: str):
   m = re.match(r"blk\.(\d+)\.", name)
   return int(m.group(1)) if m else name
@@ -160,15 +184,14 @@ def _write_tensors(reader, processor, names: dict, out_dir: pathlib.Path, shard_
   the GGUF block (layer) they come from has been read.
 
   The host mark (`place.HostMeter`) counts the arrays this holds at once: the file being filled, tensors being
-  assembled, and the tensor being converted with its dequantized form when the processor copied it (numpy's own
-  temporaries inside `gguf.quants.dequantize` are not counted). The GGUF file itself is memory-mapped."""
-  import gguf  # pylint: disable=import-outside-toplevel
+  assembled, and the tensor being converted with its dequantized form when the processor copied it (a q / k
+  un-permutation does); not the temporaries of dequantizing one CHUNK_BYTES chunk. The GGUF file is memory-mapped."""
+  gguf = _gguf()
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-  from sinkjax.convert.place import HostMeter  # pylint: disable=import-outside-toplevel
   meter = HostMeter()
   last = {_block(t.name): i for i, t in enumerate(reader.tensors)}
   shard: dict[str, np.ndarray] = {}
-  files: list[dict[str, np.ndarray]] = []
+  files: list[dict[str, str]] = []                    # per file written: {tensor name: file name}
   assembling = {"tensors": {}}         # load_gguf_checkpoint's parsed_parameters, where MoE processors assemble
   total = [0, 0]                       # tensors, bytes written
 
@@ -189,16 +212,17 @@ def _write_tensors(reader, processor, names: dict, out_dir: pathlib.Path, shard_
   for i, t in enumerate(reader.tensors):
     if shard and meter.held + 4 * int(t.n_elements) > shard_bytes:
       flush()                                                           # before the next tensor is dequantized
-    raw = gguf.quants.dequantize(t.data, t.tensor_type)
+    raw = _dequantize(gguf, t)
     before = sum(v.nbytes for v in assembling["tensors"].values())
     out = processor.process(weights=raw, name=t.name, tensor_key_mapping=names, parsed_parameters=assembling)
     if out.name in names:
       value = np.ascontiguousarray(out.weights, dtype=np.float32)
       meter.hold(value.nbytes, t.name, transient=0 if np.may_share_memory(value, raw) else raw.nbytes)
       add(names[out.name], value)
+      del value
     else:                                                               # assembled, or not a model tensor
       meter.hold(sum(v.nbytes for v in assembling["tensors"].values()) - before, t.name, transient=raw.nbytes)
-    del raw, out
+    del raw, out                                                        # only the shard refers to the tensor now
     if last[_block(t.name)] == i:                                       # the block is read: its assemblies are whole
       for name, tensor in assembling["tensors"].items():
         add(name, tensor.detach().float().numpy())
