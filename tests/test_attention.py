@@ -70,8 +70,8 @@ def test_sink_attention_equals_sink_column_softmax(impl):
     gate = jnp.where(valid, 1 - jnp.swapaxes(p_sink, 1, 2), 0.0)
     return jnp.sum(out * w) + jnp.sum(gate * u), (out, gate)
 
-  (l1, (o1, g1)), d1 = jax.value_and_grad(ours, (0, 1, 2, 3), has_aux=True)(q, k, v, sink)
-  (l2, (o2, g2)), d2 = jax.value_and_grad(formula, (0, 1, 2, 3), has_aux=True)(q, k, v, sink)
+  (l1, (o1, g1)), d1 = jax.jit(jax.value_and_grad(ours, (0, 1, 2, 3), has_aux=True))(q, k, v, sink)
+  (l2, (o2, g2)), d2 = jax.jit(jax.value_and_grad(formula, (0, 1, 2, 3), has_aux=True))(q, k, v, sink)
   np.testing.assert_allclose(o1, o2, atol=1e-5)
   np.testing.assert_allclose(g1, g2, atol=1e-5)
   for name, a, b in zip(["q", "k", "v", "sink"], d1, d2):
@@ -90,15 +90,15 @@ def test_vanilla_gate_is_one_minus_first_token_weight_packed(impl):
     a_first = jnp.take_along_axis(p, jnp.asarray(first)[:, None, :, None], axis=-1)[..., 0]
     return jnp.where(valid[:, :, None], 1 - jnp.swapaxes(a_first, 1, 2), 0.0)
 
-  def ours(q, k):
-    return vanilla_attention(q, k, v, segment_ids=SEG, impl=impl)[1]
+  attend = jax.jit(lambda q, k: vanilla_attention(q, k, v, segment_ids=SEG, impl=impl))
+  ours = lambda q, k: attend(q, k)[1]
 
   np.testing.assert_allclose(ours(q, k), formula(q, k), atol=1e-6)
-  d1 = jax.grad(lambda q, k: jnp.sum(ours(q, k) * u), (0, 1))(q, k)
-  d2 = jax.grad(lambda q, k: jnp.sum(formula(q, k) * u), (0, 1))(q, k)
+  d1 = jax.jit(jax.grad(lambda q, k: jnp.sum(ours(q, k) * u), (0, 1)))(q, k)
+  d2 = jax.jit(jax.grad(lambda q, k: jnp.sum(formula(q, k) * u), (0, 1)))(q, k)
   for a, b in zip(d1, d2):
     np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
-  out = vanilla_attention(q, k, v, segment_ids=SEG, impl=impl)[0]
+  out = attend(q, k)[0]
   p, _ = materialized_probs(q, k, SEG)
   np.testing.assert_allclose(out, materialized_out(p, v) * (SEG != 0)[:, :, None, None], atol=1e-5)
 
@@ -115,8 +115,8 @@ def test_vanilla_gate_stable_near_total_sink():
   k = rng.normal(size=(len(strengths), T, 1, D)) * 0.3
   k[:, 0, 0, :] = strengths[:, None] * e1 * np.sqrt(D) / 4.0   # z_t0 = strength for every t
   v = rng.normal(size=k.shape)
-  _, gate = vanilla_attention(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
-                              jnp.asarray(v, jnp.float32), impl="xla")
+  _, gate = jax.jit(lambda q, k, v: vanilla_attention(q, k, v, impl="xla"))(
+      jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
   z = np.einsum("btd,bsd->bts", q[:, :, 0], k[:, :, 0]) / np.sqrt(D)
   z = np.where(np.tril(np.ones((T, T), bool)), z, -np.inf)
   p = np.exp(z - z.max(-1, keepdims=True))
@@ -202,9 +202,8 @@ def test_aux_loss_gradient_through_kernel_matches_materialized():
       imps.append(head_importance(jnp.swapaxes(1 - a_first, 1, 2), valid))
     return aux_loss(jnp.stack(imps), 1.0)
 
-  np.testing.assert_allclose(via_kernel(q, k), via_formula(q, k), rtol=1e-5)
-  d1 = jax.grad(via_kernel, (0, 1))(q, k)
-  d2 = jax.grad(via_formula, (0, 1))(q, k)
+  (l1, d1), (l2, d2) = (jax.jit(jax.value_and_grad(f, (0, 1)))(q, k) for f in (via_kernel, via_formula))
+  np.testing.assert_allclose(l1, l2, rtol=1e-5)
   for a, b in zip(d1, d2):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4)
 
