@@ -119,6 +119,7 @@ LINEAR = ["model.layer_types=[linear,full,linear,full]", "model.num_layers=4", "
 
 
 def _same_step(a, b):
+  """Both configs take the same step from the same start; returns the start state."""
   _, step_a, state_a, batch = _step(a)
   _, step_b, state_b, _ = _step(b)
   sa, ma = step_a(state_a, batch)
@@ -131,19 +132,22 @@ def _same_step(a, b):
     # The chunked delta rule is not bitwise the same inside a scan: a few embedding rows' tiny AdamW updates move
     # by ~1e-4 relative (measured 1.04e-4); a wrong layer order or state would move whole tensors.
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5, rtol=1e-3)
+  return state_a
 
 
 def test_linear_layers_scanned_and_rematerialized_give_the_per_layer_step():
   """Gated DeltaNet between gated attention layers (Qwen3-Next's mix): a scan over (linear, full) groups with remat
   takes the per-layer loop's step; importances [2 attention layers, H]; the conv kernel trains with AdamW."""
-  _same_step(LINEAR, LINEAR + ["model.scan_layers=true", "model.remat=true"])
-  cfg, _, state, _ = _step(LINEAR)
+  state = _same_step(LINEAR, LINEAR + ["model.scan_layers=true", "model.remat=true"])
   labels = optim.param_labels(state["params"])["layers"][0]["attn"]
   assert labels["conv_weight"].value == "scalar" and labels["in_proj_qkvz"]["kernel"].value == "matrix"
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_with_linear_layers():
-  """Two micro-batches take one batch's step (without the aux term, which is not linear in the batch)."""
+  """Two micro-batches take one batch's step (without the aux term, which is not linear in the batch). Slow (~45 s):
+  test_train.py::test_gradient_accumulation_matches_one_batch covers the accumulation by default, and the test above
+  the linear layers' step."""
   plain = LINEAR + ["loss.aux_weight=0.0"]
   _same_step(plain, plain + ["train.grad_accum=2"])
 
