@@ -187,11 +187,14 @@ def tpu_devices(topo: Topology):
 
 def model_flops_per_step(cfg, num_params: int) -> int:
   """nanochat's estimate (`estimate_flops`): 6 x non-embedding parameters + 12 x layers x heads x head_dim x T, per
-  token, times the step's tokens (forward + backward)."""
+  token, times the step's tokens (forward + backward). With LoRA the base weights are frozen: their backward computes
+  input gradients only, 4 x instead of 6 x (the adapters are a rounding error at the ranks used). The attention term
+  counts the layers with heads (linear-attention layers have no T^2 term)."""
   from sinkjax.model import padded_vocab  # pylint: disable=import-outside-toplevel
   m, T = cfg.model, cfg.data.seq_len
   embedding = padded_vocab(m) * m.d_model
-  per_token = 6 * (num_params - embedding) + 12 * m.num_layers * m.num_heads * m.head_dim * T
+  weights = 4 if cfg.lora.rank else 6
+  per_token = weights * (num_params - embedding) + 12 * len(m.head_layers) * m.num_heads * m.head_dim * T
   return per_token * cfg.train.batch_size * T
 
 
