@@ -42,23 +42,22 @@ def unbalance_nnx(model, attention):
 
 @pytest.mark.parametrize("attention", ["sink", "gated"])
 def test_nnx_host_trains_and_aux_loss_balances(attention):
+  @nnx.jit
+  def step(model, opt, tokens, aux_weight):              # one compile for both runs: the weight is an argument
+    def loss_fn(model):
+      logits = model(tokens[:, :-1])
+      lm = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+      imp = pop_head_importance(model)
+      return lm + aux_loss(imp, aux_weight), (lm, head_imbalance(imp))
+    (_, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    opt.update(model, grads)
+    return aux
+
   def run(aux_weight):
     model = NNXHost(attention, nnx.Rngs(0))
     unbalance_nnx(model, attention)
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, opt, tokens):
-      def loss_fn(model):
-        logits = model(tokens[:, :-1])
-        lm = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-        imp = pop_head_importance(model)
-        return lm + aux_loss(imp, aux_weight), (lm, head_imbalance(imp))
-      (_, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-      opt.update(model, grads)
-      return aux
-
-    hist = [step(model, opt, batch(jax.random.PRNGKey(i))) for i in range(40)]
+    hist = [step(model, opt, batch(jax.random.PRNGKey(i)), jnp.float32(aux_weight)) for i in range(40)]
     return np.array([[float(a), float(b)] for a, b in hist])
 
   with_aux, without = run(1.0), run(0.0)
