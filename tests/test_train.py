@@ -113,13 +113,16 @@ def _assert_same_step(step_a, state_a, step_b, state_b, batch):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-@pytest.mark.parametrize("memory", [["model.scan_layers=true"], ["model.remat=true"], ["train.loss_chunk=7"],
+@pytest.mark.parametrize("memory", [pytest.param(["model.scan_layers=true"], marks=pytest.mark.slow),
+                                    pytest.param(["model.remat=true"], marks=pytest.mark.slow), ["train.loss_chunk=7"],
                                     ["model.scan_layers=true", "model.remat=true", "model.remat_policy=dots",
                                      "train.loss_chunk=16"]])
 def test_memory_settings_change_nothing_but_memory(memory, compile_cache):
   """Scanned layers, rematerialization and the chunked loss (7 does not divide 32 positions: padded blocks) give the
   step of the plain per-layer loop with whole [B,T,V] logits: loss, aux loss, importances and updated weights (gated
-  attention with per-layer residual scalars: every parameter kind and the aux gradient through the gates)."""
+  attention with per-layer residual scalars: every parameter kind and the aux gradient through the gates). Scan alone
+  and remat alone are slow: by default the last case scans with remat, and test_scan_over_alternating_layers_... and
+  test_remat_with_lora_and_mixed_layers_trains take the scanned and the per-layer remat paths."""
   ov = ["model.attention=gated", "model.residual_scalars=true", "loss.aux_weight=0.01", "model.num_layers=3"]
   _, step_a, state_a, batch = _setup(ov)
   _, step_b, state_b, _ = _setup(ov + memory)
