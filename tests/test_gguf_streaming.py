@@ -126,3 +126,39 @@ def test_the_tokenizer_files_keep_the_files_add_bos(streamed):
   assert info["add_bos_token"] is False
   assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is False
   assert (out / "tokenizer.json").is_file()
+
+
+def test_moe_experts_are_assembled_from_their_gguf_tensors(tmp_path):
+  """A Qwen3-MoE layer's gate and up expert stacks (two GGUF tensors) come out as one gate_up_proj = [gate | up]
+  along the intermediate axis, written after their block is read even when a file is written in between; every
+  other tensor as stored. Tiny float32 tensors through transformers' own qwen3moe processor and weights map."""
+  import gguf
+  from transformers import modeling_gguf_pytorch_utils as hf_gguf
+  from types import SimpleNamespace
+  config = transformers.Qwen3MoeConfig(num_hidden_layers=2, hidden_size=8, moe_intermediate_size=4, num_experts=4,
+                                       num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1,
+                                       head_dim=4, vocab_size=16, tie_word_embeddings=False)
+  with torch.device("meta"):
+    skeleton = transformers.AutoModelForCausalLM.from_config(config)
+  processor = hf_gguf.TENSOR_PROCESSORS["qwen3moe"](config=config.to_dict())
+  names = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
+  rng = np.random.default_rng(0)
+  shapes = {n: tuple(t.shape) for n, t in skeleton.state_dict().items()}
+  stored = {}
+  for g, hf in names.items():
+    shape = shapes[hf]
+    if g.endswith(("_gate_exps", "_up_exps")):
+      shape = (shape[0], shape[1] // 2, shape[2])
+    stored[g + ("" if g.endswith(".weight") else ".weight")] = rng.standard_normal(shape).astype(np.float32)
+  order = sorted(stored, key=lambda n: (n.startswith("output"), n))     # token_embd, blk.0.*, blk.1.*, output*
+  reader = SimpleNamespace(tensors=[SimpleNamespace(name=n, data=stored[n], n_elements=stored[n].size,
+                                                    tensor_type=gguf.GGMLQuantizationType.F32) for n in order])
+  info = gguf_lib._write_tensors(reader, processor, names, tmp_path, 1024)   # a file every ~1 KB: mid-layer too
+  got = {n: a for ts in _files(tmp_path).values() for n, a in ts.items()}
+  assert sorted(got) == sorted(shapes) and info["shards"] > 4
+  for layer in (0, 1):
+    np.testing.assert_array_equal(got[f"model.layers.{layer}.mlp.experts.gate_up_proj"], np.concatenate(
+        [stored[f"blk.{layer}.ffn_gate_exps.weight"], stored[f"blk.{layer}.ffn_up_exps.weight"]], axis=1))
+  for g, hf in names.items():
+    if "_gate_exps" not in g and "_up_exps" not in g:
+      np.testing.assert_array_equal(got[hf], stored[g + ("" if g.endswith(".weight") else ".weight")], err_msg=g)

@@ -111,13 +111,12 @@ def to_hf_dir(path, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
     import torch  # pylint: disable=import-outside-toplevel
     import transformers  # pylint: disable=import-outside-toplevel
     from transformers import modeling_gguf_pytorch_utils as hf_gguf  # pylint: disable=import-outside-toplevel
-    from transformers.integrations import gguf as hf_gguf_new  # pylint: disable=import-outside-toplevel
     import safetensors.numpy  # pylint: disable=import-outside-toplevel,unused-import
   except ImportError:
     raise ConvertError(f"importing a GGUF file needs torch, transformers and safetensors; {INSTALL}") from None
   transformers.logging.set_verbosity_error()
   arch = info["architecture"]
-  if arch in getattr(hf_gguf_new, "GGUF_CONFIG_ARCHS", ()):
+  if _block_loaded(arch):
     raise ConvertError(f"{path.name} is a {arch!r} model, which transformers reads with its own block loader, not "
                        "tensor by tensor; import the model's Hugging Face safetensors instead")
   try:
@@ -153,6 +152,16 @@ def to_hf_dir(path, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
     tc.setdefault("add_bos_token", info["add_bos_token"])      # the GGUF's own flag, which transformers drops
     tc_path.write_text(json.dumps(tc, indent=2))
   return info
+
+
+def _block_loaded(arch: str) -> bool:
+  """Whether transformers loads `arch` files with its newer GGUF loader (transformers.integrations.gguf: qwen35,
+  lfm2, ...) rather than `load_gguf_checkpoint`'s tensor processors, which this follows."""
+  try:
+    from transformers.integrations.gguf.utils import is_gguf_arch_supported  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return False
+  return is_gguf_arch_supported(arch)
 
 
 CHUNK_BYTES = 16 * 2**20        # a tensor is dequantized this many float32 bytes of rows at a time
@@ -202,7 +211,7 @@ def _write_tensors(reader, processor, names: dict, out_dir: pathlib.Path, shard_
       files.append({n: fname for n in shard})
       shard.clear()
       meter.release()
-      meter.hold(sum(t.nbytes for t in assembling["tensors"].values()), "")
+      meter.hold(sum(v.nbytes for v in assembling["tensors"].values()), "")
 
   def add(name: str, value: np.ndarray):
     shard[name] = value
