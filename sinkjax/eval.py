@@ -121,7 +121,7 @@ def _lm_batch(model, batch):
   return analysis.lm_sums(logits, batch), imp, count
 
 
-_lm_batch_jit = nnx.jit(_lm_batch)
+_lm_batch_jit = analysis.model_jit(_lm_batch)      # outputs only the sums (not a copy of the weights)
 
 
 def _device_batch(batch) -> dict:
