@@ -490,7 +490,7 @@ class HybridKVCache:
 
 def _layer_states(cfg, batch: int) -> list:
   """Per layer of a `ModelConfig`: the decode state its kind keeps instead of keys and values, or None."""
-  if not any(t not in ("full", "sliding") for t in cfg.layer_types):
+  if cfg.attention_only:
     return [None] * cfg.num_layers
   from sinkjax import kinds  # pylint: disable=import-outside-toplevel  (the kinds import this module)
   return [kinds.mixer_of(cfg, i).init_state(cfg, batch) for i in range(cfg.num_layers)]

@@ -161,9 +161,14 @@ class ModelConfig(NanochatCompatibility, ImportedArchitecture, PaperModel, Atten
                       for f in dataclasses.fields(self) for v in [getattr(self, f.name)]))
 
   @property
+  def attention_only(self) -> bool:
+    """Whether every layer is attention (full or sliding): the kinds registry need not be asked about any."""
+    return all(t in ("full", "sliding") for t in self.layer_types)
+
+  @property
   def head_layers(self) -> tuple:
     """Indices of the layers with heads (their head importances stack to [len, num_heads]; sinkjax.kinds)."""
-    if not any(t not in ("full", "sliding") for t in self.layer_types):
+    if self.attention_only:
       return tuple(range(self.num_layers))
     from sinkjax import kinds  # pylint: disable=import-outside-toplevel  (imports jax)
     return kinds.head_layers(self)
@@ -599,7 +604,7 @@ def _validate_architecture(m: ModelConfig) -> None:
     raise ConfigError("model.layer_types names sliding layers: set model.sliding_window > 0")
   if m.moe_shared_hidden and not m.moe_experts:
     raise ConfigError("model.moe_shared_hidden is the shared expert of an MoE: set model.moe_experts > 0")
-  if any(t not in ("full", "sliding") for t in m.layer_types):
+  if not m.attention_only:
     from sinkjax import kinds  # pylint: disable=import-outside-toplevel  (imports jax: only for such models)
     for t in dict.fromkeys(m.layer_types):
       kinds.MIXERS[t].check(m)

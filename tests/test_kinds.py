@@ -16,10 +16,9 @@ from flax import nnx
 from sinkjax import attention as variants
 from sinkjax import kinds, optim
 from sinkjax.config import ConfigError, ModelConfig, load_config
-from sinkjax.data import build_tokenizer, make_train_iterator
 from sinkjax.model import Transformer, count_params, forward_with_importance
-from sinkjax.step import TRAIN_FEATURES, make_train_step
 from tests.helpers import TINY, param_count_formula
+from tests.test_train import _setup
 
 SMALL = ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=16",
          "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=4", "model.dtype=float32"]
@@ -61,17 +60,8 @@ kinds.register(CumMean())
 
 
 def _step(overrides, steps=4):
-  cfg = load_config(TINY, SMALL + overrides)
-  tok = build_tokenizer(cfg.data)
-  cfg.model.vocab_size = tok.vocab_size
-  graphdef, params, rest = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
-  tx, _ = optim.build_optimizer(cfg, steps)
-  state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-           "rng": jax.random.PRNGKey(0), "nonfinite": jnp.zeros((), jnp.int32)}
-  it = make_train_iterator(cfg.data, tok, batch_size=cfg.train.batch_size, seed=0)
-  batch = {k: v for k, v in next(it).items() if k in TRAIN_FEATURES}
-  it.close()
-  return cfg, jax.jit(make_train_step(cfg, graphdef, rest, tx)), state, batch
+  """(cfg, jitted train step, start state, one batch): test_train's set-up at 4 float32 rows."""
+  return _setup(["train.batch_size=4", "model.dtype=float32"] + overrides, steps)
 
 
 def test_a_variant_registered_here_trains_with_its_importance_and_aux_loss():

@@ -101,9 +101,6 @@ class MixerKind:
     cache (`sinkjax.cache`)."""
     return None
 
-  def state_bytes(self, cfg, batch: int) -> int:
-    """Bytes of `init_state` (0 for a KV-cache layer)."""
-    return 0
 
 
 def mixer_of(cfg, layer: int) -> MixerKind:

@@ -52,8 +52,6 @@ class Linear(MixerKind):
   def init_state(self, cfg, batch):
     return _zero_state(cfg, batch)
 
-  def state_bytes(self, cfg, batch):
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(lambda: _zero_state(cfg, batch))))
 
 
 def _zero_state(cfg, batch):
