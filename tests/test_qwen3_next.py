@@ -29,6 +29,7 @@ from sinkjax.convert import hf as convert_hf  # noqa: E402
 from sinkjax.convert.hf import ConvertError, load_hf  # noqa: E402
 from sinkjax.generate import Generator  # noqa: E402
 from sinkjax.model import forward_with_importance  # noqa: E402
+from tests.test_convert_families import _hf_logits, _names  # noqa: E402  (the families' oracle helpers)
 
 VOCAB = 97
 ATOL = 1e-4
@@ -64,14 +65,6 @@ def _tokens(n=2, t=21, seed=0):
   return np.random.default_rng(seed).integers(0, VOCAB, (n, t))
 
 
-def _hf_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.tensor(tokens)).logits.float().numpy()
-
-
-def _names(path):
-  with safetensors.safe_open(str(path / "model.safetensors"), "np") as f:
-    return set(f.keys())
 
 
 def test_import_maps_the_architecture_and_matches_transformers_logits(hf_model, ours):
