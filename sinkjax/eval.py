@@ -293,16 +293,17 @@ def evaluate(model, batches, *, tau: float = 0.75) -> dict:
 def write_figures(report: dict, out_dir: pathlib.Path, metrics_path: pathlib.Path | None) -> list[pathlib.Path]:
   variant = report.get("attention", "")
   first = "row" if report.get("packing") == "stream" else "document"
+  layers = report.get("layers_with_heads")    # every per-layer row below is a layer with heads
   figures = [
       plots.plot_importance_heatmap(report["importance"], out_dir / "importance.png",
-                                    f"head importance ({variant})", layers=report.get("layers_with_heads")),
+                                    f"head importance ({variant})", layers=layers),
       plots.plot_first_token_attention(report["first_token_attention_per_head"], out_dir / "first_token_attention.png",
                                        sink_weight=report["sink_logit_attention"],
-                                       title=f"attention on the {first}'s first token ({variant})"),
+                                       title=f"attention on the {first}'s first token ({variant})", layers=layers),
       plots.plot_value_norms(report["value_norm_by_position"], out_dir / "value_norm.png",
-                             f"value norm by position ({variant})"),
+                             f"value norm by position ({variant})", layers=layers),
       plots.plot_gate_histogram(report["gate_histogram"]["edges"], report["gate_histogram"]["density"],
-                                out_dir / "gate_histogram.png", f"gate distribution ({variant})"),
+                                out_dir / "gate_histogram.png", f"gate distribution ({variant})", layers=layers),
   ]
   if metrics_path is not None and metrics_path.is_file():
     figures += plots.plot_training_curves(read_metrics(metrics_path), out_dir)
@@ -339,8 +340,9 @@ def markdown(report: dict, figures: list[pathlib.Path]) -> str:
             f"gate < {r['gate_sparsity_threshold']} | max abs h |",
             "|---|---|---|---|---|---|---|---|"]
   sink = r["sink_logit_attention"]
+  layers = r.get("layers_with_heads") or list(range(len(r["importance"])))
   for l in range(len(r["importance"])):
-    lines.append(f"| {l} | {r['first_token_attention'][l]:.3f} | {_fmt(sink[l] if sink else None)} | "
+    lines.append(f"| {layers[l]} | {r['first_token_attention'][l]:.3f} | {_fmt(sink[l] if sink else None)} | "
                  f"{r['cv_per_layer'][l]:.3f} | {r['first_token_value_norm'][l]:.2f} / {r['other_value_norm'][l]:.2f}"
                  f" | {r['gate_mean'][l]:.3f} | {r['gate_sparsity'][l]:.3f} | {r['max_activation'][l]:.1f} |")
   lines += ["", "Definitions are in `report.json` under `definitions`.", ""]

@@ -113,12 +113,23 @@ def _save(fig, path, dpi: int = 110):
   return path
 
 
-def plot_first_token_attention(per_head_lh, path, *, sink_weight=None, title="first-token attention") -> pathlib.Path:
+def _layer_index(layers, L: int) -> np.ndarray:
+  """The model's layer index of each of L rows: `layers` (`ModelConfig.head_layers`, where some layers have no heads,
+  e.g. linear attention) or 0..L-1."""
+  idx = np.arange(L) if layers is None else np.asarray(list(layers))
+  if idx.shape != (L,):
+    raise ValueError(f"layers: {len(idx)} layer indices for {L} rows")
+  return idx
+
+
+def plot_first_token_attention(per_head_lh, path, *, sink_weight=None, title="first-token attention",
+                               layers=None) -> pathlib.Path:
   """Mean attention on each document's first token per layer (line) with every head (dots), as [GatedAttn] Fig. 2;
-  `sink_weight` [L] (sink attention) adds the weight on the sink logit."""
+  `sink_weight` [L] (sink attention) adds the weight on the sink logit; `layers`: the model's layer index of each row
+  (default 0..L-1)."""
   a = np.asarray(per_head_lh, np.float32)
   L, H = a.shape
-  layers = np.arange(L)
+  layers = _layer_index(layers, L)
   fig, ax = plt.subplots(figsize=(max(5.0, 0.35 * L + 3.0), 3.8))
   for h in range(H):
     ax.scatter(layers, a[:, h], s=12, color="tab:blue", alpha=0.35, label="per head" if h == 0 else None)
@@ -135,14 +146,15 @@ def plot_first_token_attention(per_head_lh, path, *, sink_weight=None, title="fi
   return _save(fig, path)
 
 
-def plot_value_norms(norm_by_position, path, title="value norm by position") -> pathlib.Path:
+def plot_value_norms(norm_by_position, path, title="value norm by position", layers=None) -> pathlib.Path:
   """||v_t||_2 (mean over heads and documents) against the in-document position t, one line per layer, as paper
-  [Sink-MoE] Fig. 2 (position 0 is the document's first token)."""
+  [Sink-MoE] Fig. 2 (position 0 is the document's first token); `layers` as in `plot_first_token_attention`."""
   n = np.asarray(norm_by_position, np.float32)
   L, P = n.shape
+  idx = _layer_index(layers, L)
   fig, ax = plt.subplots(figsize=(7, 4))
   for l, color in enumerate(layer_colors(L)):
-    ax.plot(np.arange(P), n[l], marker=".", ms=3, color=color, label=f"layer {l}")
+    ax.plot(np.arange(P), n[l], marker=".", ms=3, color=color, label=f"layer {idx[l]}")
   ax.set_xlabel("position in document (0 = first token)")
   ax.set_ylabel("||v||_2")
   ax.set_ylim(bottom=0)
@@ -152,14 +164,16 @@ def plot_value_norms(norm_by_position, path, title="value norm by position") -> 
   return _save(fig, path)
 
 
-def plot_gate_histogram(edges, density_lb, path, title="gate distribution") -> pathlib.Path:
-  """Distribution of the gate values G on [0, 1] per layer (and over all layers), as [GatedAttn] Fig. 3."""
+def plot_gate_histogram(edges, density_lb, path, title="gate distribution", layers=None) -> pathlib.Path:
+  """Distribution of the gate values G on [0, 1] per layer (and over all layers), as [GatedAttn] Fig. 3; `layers` as
+  in `plot_first_token_attention`."""
   edges = np.asarray(edges, np.float32)
   d = np.asarray(density_lb, np.float32)
   L = d.shape[0]
+  idx = _layer_index(layers, L)
   fig, ax = plt.subplots(figsize=(7, 4))
   for l, color in enumerate(layer_colors(L)):
-    ax.stairs(d[l], edges, color=color, alpha=0.6, label=f"layer {l}")
+    ax.stairs(d[l], edges, color=color, alpha=0.6, label=f"layer {idx[l]}")
   ax.stairs(d.mean(0), edges, color="black", linewidth=2, label="all layers")
   ax.set_xlabel("gate value G")
   ax.set_ylabel("fraction of gate values")

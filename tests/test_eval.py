@@ -585,3 +585,42 @@ def test_cli_end_to_end_on_a_run_of_the_training_cli(tmp_path):
   assert "![importance](importance.png)" in (out / "report.md").read_text()
   last = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if "val_bpb" in l][-1]
   np.testing.assert_allclose(report["val_bpb"], last["val_bpb"], rtol=1e-5)
+
+
+def test_figures_and_table_name_the_model_layers_with_heads(tmp_path, monkeypatch):
+  """On a model whose heads sit in some layers only (Qwen3-Next: layers 3 and 7 of 8, the rest linear attention),
+  every per-layer figure and the markdown table name rows by the model's layer index, not 0..L-1."""
+  from sinkjax import plots
+  L, H, P, bins = 2, 3, 4, 5
+  rng = np.random.RandomState(0)
+  report = {"attention": "gated", "packing": "document", "layers_with_heads": [3, 7],
+            "importance": rng.rand(L, H).tolist(), "first_token_attention_per_head": rng.rand(L, H).tolist(),
+            "sink_logit_attention": None, "value_norm_by_position": rng.rand(L, P).tolist(),
+            "gate_histogram": {"edges": [i / bins for i in range(bins + 1)], "density": rng.rand(L, bins).tolist()}}
+  seen, save = {}, plots._save
+  def record(fig, path, **kw):
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    seen[pathlib.Path(path).name] = {"x": [t.get_text() for t in ax.get_xticklabels()],
+                                     "y": [t.get_text() for t in ax.get_yticklabels()],
+                                     "legend": [t.get_text() for t in legend.get_texts()] if legend else []}
+    return save(fig, path, **kw)
+  monkeypatch.setattr(plots, "_save", record)
+  ev.write_figures(report, tmp_path, None)
+  assert seen["importance.png"]["y"] == ["3", "7"]
+  assert seen["first_token_attention.png"]["x"] == ["3", "7"]
+  assert [t for t in seen["value_norm.png"]["legend"] if t.startswith("layer")] == ["layer 3", "layer 7"]
+  assert [t for t in seen["gate_histogram.png"]["legend"] if t.startswith("layer")] == ["layer 3", "layer 7"]
+  with pytest.raises(ValueError, match="3 layer indices for 2 rows"):
+    plots.plot_value_norms(report["value_norm_by_position"], tmp_path / "v.png", layers=[1, 2, 3])
+  # The table: a full report's per-layer rows, one per layer with heads, under the model's index.
+  z = [0.0] * L
+  report.update(run_dir="r", step=1, eval_batches=1, eval_tokens=8, eval_bytes=8, data_source="x", val_bpb=1.0,
+                val_loss=1.0, head_imbalance=0.1, first_token_attention=z, m_act=1.0, cv_per_layer=z,
+                first_token_value_norm=z, other_value_norm=z, gate_mean=z, gate_sparsity=z, max_activation=z,
+                gate_sparsity_threshold=0.1,
+                value_zeroing={"tau": 0.5, "num_heads_selected": 0, "num_heads": 6, "bpb_none": 1.0, "bpb_all": 1.0,
+                               "bpb_selected": 1.0})
+  rows = [line.split("|")[1].strip() for line in ev.markdown(report, []).splitlines()
+          if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+  assert rows == ["3", "7"]
