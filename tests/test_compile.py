@@ -179,21 +179,3 @@ def test_user_errors_are_one_line(tmp_path):
                        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     err = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 1 and len(err) == 1 and needle in err[0], r.stderr[-2000:]
-
-
-def test_remat_lowers_temporaries():
-  """Measured, not assumed: the same scanned model on v5e with model.remat=true needs fewer temporary bytes per chip
-  than without (it keeps each layer's input instead of all its activations)."""
-  # Four scanned layers (one body to compile) whose activations dominate the step (61 -> 16 MB of temporaries per
-  # chip); the xla kernel compiles faster than Mosaic and is not what is measured here.
-  ov = ["model.num_layers=4", "train.optimizer=adamw", "model.d_model=256", "model.num_heads=4", "model.num_kv_heads=4",
-        "model.head_dim=64", "data.seq_len=256", "model.max_seq_len=256", "model.vocab_size=257", "train.batch_size=32",
-        "mesh.data=1", "mesh.fsdp=4", "model.scan_layers=true", "model.attn_impl=xla"]
-  topo = compile_lib.parse_topology("v5e:2x2")
-  devices = compile_lib.tpu_devices(topo)
-  temps = {}
-  for remat in (False, True):
-    rep = compile_lib.compile_config(load_config(TINY, ov + [f"model.remat={str(remat).lower()}"]), topo,
-                                     eval_step=False, devices=devices)
-    temps[remat] = rep["per_chip_bytes"]["temporaries"]
-  assert temps[True] < 0.7 * temps[False], temps

@@ -103,8 +103,9 @@ def test_float32_logits_match_transformers_on_english_text(smol):
 
 def test_chat_greedy_generation_matches_transformers(smol):
   tok, hf_tok, model = smol["tok"], smol["hf_tok"], smol["model"]
-  for prompt in PROMPTS:
-    text, ids = prompt_ids(tok, prompt, chat=True)
+  chats = [prompt_ids(tok, prompt, chat=True) for prompt in PROMPTS]
+  gen = Generator(model, capacity=max(len(ids) for _, ids in chats) + 48)     # one decode step compiled for both
+  for prompt, (text, ids) in zip(PROMPTS, chats):
     ref_text = hf_tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                           tokenize=False)
     assert text == ref_text
@@ -115,8 +116,7 @@ def test_chat_greedy_generation_matches_transformers(smol):
     ref_new = out[0, len(ref_ids):].tolist()
     assert ref_new[-1] == 2 and len(ref_new) < 48                   # transformers stopped at <|im_end|>
     shown = []
-    ours = Generator(model, capacity=len(ids) + 48).generate(ids, 48, temperature=0.0, stop_token=tok.stop_ids,
-                                                             on_token=shown.append)
+    ours = gen.generate(ids, 48, temperature=0.0, stop_token=tok.stop_ids, on_token=shown.append)
     assert ours == ref_new[:-1]                                       # the same tokens, stopped at the same EOS
     stream = TextStream(tok, out=open(os.devnull, "w"), skip_special_tokens=False)
     for t in shown:
