@@ -3,7 +3,8 @@
 Pallas backends are checked in their own files (interpret mode + cross-lowering); here: the reference itself against
 an independent library (jax.nn.dot_product_attention), the blockwise XLA backend against the reference, the
 dispatcher's BlockSizes (validation, and which tile each backend's passes run with), and the per-shard wrapper.
-Tests taking the `x64` fixture run twice, the second time with jax_enable_x64 on (as scientific users run).
+Tests taking the `x64` fixture run twice, the second time with jax_enable_x64 on, as scientific users run (that second run marked slow;
+`x64_always`: both by default).
 """
 import inspect
 
@@ -18,16 +19,28 @@ from sinkjax import sharding
 from sinkjax.kernels import BlockSizes, flash_attention
 
 
-@pytest.fixture(params=[False, True], ids=["x32", "x64"])
-def x64(request):
-  """Runs a test with jax_enable_x64 off, then on. `jax.enable_x64` is a context setting restored on exit, so it
-  cannot leak into the other tests of the same xdist worker; the asserts check both ends. (Imported by the Pallas
-  test files too.)"""
+def _x64(request):
   before = jax.config.jax_enable_x64
   with jax.enable_x64(request.param):
     assert jnp.arange(1).dtype == (jnp.int64 if request.param else jnp.int32)
     yield request.param
   assert jax.config.jax_enable_x64 == before
+
+
+@pytest.fixture(params=[False, True], ids=["x32", "x64"])
+def x64_always(request):
+  """Runs a test with jax_enable_x64 off, then on, both in the default suite (the kernels' lowerings and
+  cotangents). `jax.enable_x64` is a context setting restored on exit, so it cannot leak into the other tests of the
+  same xdist worker; the asserts check both ends. (Imported by the Pallas test files too.)"""
+  yield from _x64(request)
+
+
+@pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.slow)], ids=["x32", "x64"])
+def x64(request):
+  """As `x64_always`, with the x64 run marked slow: the numerical comparisons, whose x64 runs repeat the x32 ones'
+  compiles (~250 s of the default suite's time); the default suite checks x64 through `x64_always` and
+  test_float64_inputs_under_x64."""
+  yield from _x64(request)
 
 
 def make_inputs(B=2, T=37, S=None, Hq=4, Hkv=2, D=16, dtype=jnp.float32, seed=0, logit_scale=1.0):

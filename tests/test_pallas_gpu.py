@@ -8,7 +8,8 @@ On a machine with a GPU the same tests run the compiled kernels for real:
 (the conftest's default JAX_PLATFORMS=cpu is only a default). The reference then runs with float32 matmuls at
 HIGHEST precision, since XLA's default on GPUs is TF32, while the kernel keeps float32 dots exact for f32 inputs.
 
-Tests taking the `x64` fixture run twice, the second time with jax_enable_x64 on."""
+Tests taking the `x64` fixture run twice, the second time with jax_enable_x64 on (that second run marked slow;
+`x64_always`: both by default)."""
 import contextlib
 import functools
 
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from sinkjax.kernels import BlockSizes, flash_attention
-from tests.test_kernels import x64  # noqa: F401  (pytest fixture: jax_enable_x64 off, then on)
+from tests.test_kernels import x64, x64_always  # noqa: F401  (pytest fixtures: jax_enable_x64 off, then on)
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU            # interpret mode on CPU; the compiled Triton kernels on a GPU
@@ -137,7 +138,7 @@ def test_matches_reference(case, dtype, x64):
     np.testing.assert_array_equal(np.asarray(g[2], np.float32)[pad], 0.0)
 
 
-def test_lse_cotangent_alone_reaches_q_and_k(x64):
+def test_lse_cotangent_alone_reaches_q_and_k(x64_always):
   """A loss of the LSE only (dout = 0) must still produce the reference dq and dk (dv = 0)."""
   q, k, v, _, u = _inputs(2, 48, 48, 2, 1, 32, jnp.float32)
   seg = _segments(2, 48, "packed")
@@ -160,7 +161,7 @@ def test_lse_cotangent_alone_reaches_q_and_k(x64):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_lowers_for_cuda(dtype, x64):
+def test_lowers_for_cuda(dtype, x64_always):
   B, T, H, D = 1, 2048, 4, 128
   seg = jnp.concatenate([jnp.ones((B, 1000), jnp.int32), jnp.full((B, 1000), 2, jnp.int32),
                          jnp.zeros((B, 48), jnp.int32)], axis=1)
@@ -180,7 +181,7 @@ def test_lowers_for_cuda(dtype, x64):
 
 
 @pytest.mark.parametrize("blocks", [(32, 128), BlockSizes(32, 128, 64, 32, 16, 64)], ids=["shorthand", "distinct"])
-def test_lowers_for_cuda_odd_shapes(blocks, x64):
+def test_lowers_for_cuda_odd_shapes(blocks, x64_always):
   """GQA with a non-power-of-two group, head dim 80 (padded to 128), T != S, lengths not multiples of blocks;
   one tile pair for every pass, or distinct forward / dK,dV / dQ tiles."""
   B, T, S, Hq, Hkv, D = 2, 1100, 1300, 6, 2, 80

@@ -2,7 +2,8 @@
 
 Interpret mode (`pltpu.InterpretParams`) is ~100x slower than XLA, so shapes are small; blocks of 128 with
 T up to 160 still give multi-block grids (partially masked and skipped causal blocks, padded tails).
-Tests taking the `x64` fixture run twice, the second time with jax_enable_x64 on.
+Tests taking the `x64` fixture run twice, the second time with jax_enable_x64 on (that second run marked slow;
+`x64_always`: both by default).
 """
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from sinkjax.kernels import BlockSizes, flash_attention
-from tests.test_kernels import x64  # noqa: F401  (pytest fixture: jax_enable_x64 off, then on)
+from tests.test_kernels import x64, x64_always  # noqa: F401  (pytest fixtures: jax_enable_x64 off, then on)
 
 F32_TOL = 2e-5
 BF16_TOL = 2e-2
@@ -96,7 +97,7 @@ def test_matches_reference(B, T, S, Hq, Hkv, D, causal, dtype, segments, q_mult,
     _close(name, g, g_r, tol)
 
 
-def test_lse_cotangent_alone(x64):
+def test_lse_cotangent_alone(x64_always):
   """Gradient through the LSE only (out unused) must match: checks the dlse term of dS on its own."""
   B, T, H, D = 1, 64, 2, 64
   ks = jax.random.split(jax.random.PRNGKey(3), 4)
@@ -119,7 +120,7 @@ def test_lse_cotangent_alone(x64):
                                           ((1, 512, 1024, 2, 2, 64), (128, 256)),
                                           ((2, 1000, 1000, 4, 2, 128), BlockSizes(256, 512, 512, 128, 128, 384))],
                          ids=["T1024-default", "T1000-gqa-ragged", "cross-D64", "T1000-gqa-distinct-tiles"])
-def test_lowers_for_tpu(dtype, shape, blocks, x64):
+def test_lowers_for_tpu(dtype, shape, blocks, x64_always):
   """Forward and jax.grad lower to Mosaic TPU custom calls (no execution; the CPU has no TPU)."""
   B, T, S, Hq, Hkv, D = shape
   q = jax.ShapeDtypeStruct((B, T, Hq, D), dtype)
