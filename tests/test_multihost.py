@@ -73,8 +73,9 @@ class Launch:
     try:
       rc = self.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+      state = _proc_state(self.proc.pid)            # what the launcher was doing (twice in CI: after its last line)
       self.stop()
-      pytest.fail(f"the launcher was still running after {timeout}s: {self.text()}")
+      pytest.fail(f"the launcher was still running after {timeout}s ({state}): {self.text()}")
     time.sleep(0.2)       # the line printers write the last lines as the processes' pipes close
     return (rc, *self.text())
 
@@ -98,6 +99,20 @@ def launch(tmp_path):
   for run in runs:
     if run.proc.poll() is None:
       run.stop()
+
+
+def _proc_state(pid: int) -> str:
+  """The kernel's view of a process and its children: state, wait channel, command line (for a failure message)."""
+  out, children = [], pathlib.Path(f"/proc/{pid}/task/{pid}/children")
+  for p in [pid] + ([int(c) for c in children.read_text().split()] if children.exists() else []):
+    try:
+      stat = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+      wchan = pathlib.Path(f"/proc/{p}/wchan").read_text()
+      cmd = pathlib.Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
+      out.append(f"pid {p} state {stat} wchan {wchan or '-'} cmd {cmd}")
+    except OSError as e:
+      out.append(f"pid {p}: {e}")
+  return "; ".join(out)
 
 
 def gone(pid: int) -> bool:
