@@ -127,6 +127,44 @@ def test_table1_with_its_tests(runs, doc):
     assert rows[v] == want, v
 
 
+def test_rerun_table_from_each_runs_own_files(doc, flat):
+  """The main grid's rerun: its table and readings recomputed from the 18 runs' own paper_eval.json files (not the
+  runner's aggregate results.json, which must agree with them), every run made with one clean commit."""
+  r2 = ROOT / "docs" / "results" / "paper_cpu_r2"
+  recs, commits = [], set()
+  for d in sorted((r2 / "raw").iterdir()):
+    variant, loss, seed = d.name.split("_")
+    done = json.loads((d / "done.json").read_text())
+    commits.add((done["commit"], done["dirty"]))
+    assert (d / "metrics.jsonl").stat().st_size > 0 and (d / "config.yaml").is_file()
+    recs.append({"variant": variant, "loss": loss, "seed": int(seed[1:]), "name": d.name,
+                 **json.loads((d / "paper_eval.json").read_text())})
+  assert len(recs) == 18 and commits == {("8d9b2aa5a703", False)}
+  agg = json.loads((r2 / "results.json").read_text())["runs"]
+  assert {r["name"]: (r["val_bpb"], r["head_imbalance"]) for r in agg} == \
+      {r["name"]: (r["val_bpb"], r["head_imbalance"]) for r in recs}
+  rows = {r[0]: r for r in table(doc, "attention (rerun) | base")}
+  for v in VARIANTS:
+    b = np.array([r["val_bpb"] for r in sel(recs, v, "base")])
+    a = np.array([r["val_bpb"] for r in sel(recs, v, "aux")])
+    imb = ", ".join(f"{x['head_imbalance']:.3f} → {y['head_imbalance']:.3f}"
+                    for x, y in zip(sel(recs, v, "base"), sel(recs, v, "aux")))
+    assert rows[v] == [v, f"{b.mean():.4f} ± {b.std(ddof=1):.4f}", f"{a.mean():.4f} ± {a.std(ddof=1):.4f}",
+                       *paired_cells(a, b, 4)[:5], imb], v
+  g, g1 = diffs(recs, "gated"), diffs(json.loads(GRID.read_text())["runs"], "gated")
+  assert f"four times as widely (SD {np.std(g, ddof=1):.4f}) as the first grid's ({np.std(g1, ddof=1):.4f})" in flat
+  assert round(np.std(g, ddof=1) / np.std(g1, ddof=1)) == 4 and min(g + g1) > 0          # six of six seeds worse
+  for v, nd in (("vanilla", 4), ("sink", 4)):
+    d = diffs(recs, v)
+    assert f"±{detectable(np.std(d, ddof=1), 3):.{nd}f}" in flat, v
+  imb = diffs(recs, "gated", "head_imbalance")
+  assert ", ".join(f"{x:+.3f}" for x in imb).replace("-", "−") in flat
+  assert f"p = {p2(sps.ttest_rel(*[[r['head_imbalance'] for r in sel(recs, 'gated', l)] for l in ('aux', 'base')]).pvalue)}, detectable ±{detectable(np.std(imb, ddof=1), 3):.3f}" in flat
+  van = diffs(recs, "vanilla", "head_imbalance")
+  assert ", ".join(f"{x:+.1e}" for x in van) in flat and f"by {np.mean(van):+.1e} in every seed" in flat
+  assert min(van) > 0
+
+
 def test_readings_quote_their_tests(runs, flat):
   base = lambda v, k="val_bpb": [r[k] for r in sel(runs, v, "base")]
   aux = lambda v, k="val_bpb": [r[k] for r in sel(runs, v, "aux")]
