@@ -37,6 +37,10 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+_DEFAULT_SIGINT_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                        "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
 class Launch:
   """`launch/local.sh --processes N ...` in the background, its stdout / stderr in files (read while it runs)."""
   _count = itertools.count()
@@ -50,8 +54,10 @@ class Launch:
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore",
            "TMPDIR": str(tmp), **(env or {})}     # the launcher's pipes: a killed launcher leaves them in tmp
     with open(self.out, "w") as out, open(self.err, "w") as err:
-      self.proc = subprocess.Popen(cmd + ["--", *args], cwd=ROOT, env=env, stdout=out, stderr=err,
-                                   start_new_session=True)
+      # SIGINT at its default in the launcher, as a terminal gives it: a test run started in the background (`cmd &`
+      # in a script, nohup) passes SIGINT down ignored, and bash cannot trap a signal ignored on entry.
+      self.proc = subprocess.Popen([sys.executable, "-c", _DEFAULT_SIGINT_EXEC] + cmd + ["--", *args], cwd=ROOT,
+                                   env=env, stdout=out, stderr=err, start_new_session=True)
     self.grace = grace
 
   def text(self) -> tuple[str, str]:
