@@ -102,7 +102,6 @@ class MixerKind:
     return None
 
 
-
 def mixer_of(cfg, layer: int) -> MixerKind:
   """The mixer of layer `layer` of a `ModelConfig`: its model.layer_types entry ("full" when the list is empty)."""
   kind = cfg.layer_types[layer] if cfg.layer_types else "full"

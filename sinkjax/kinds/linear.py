@@ -53,7 +53,6 @@ class Linear(MixerKind):
     return _zero_state(cfg, batch)
 
 
-
 def _zero_state(cfg, batch):
   d = deltanet_config(cfg)
   return DeltaNetState(
