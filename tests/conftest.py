@@ -1,4 +1,5 @@
-"""Test session set-up: 8 simulated CPU devices (for the sharding tests) before JAX initializes."""
+"""Test session set-up: 8 simulated CPU devices (for the sharding tests) before JAX initializes, and one persistent
+compilation cache for the whole run."""
 import os
 
 import pytest
@@ -7,18 +8,33 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+_CACHE_ENV = {}
 
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-  """A persistent compilation cache for this module (and its subprocesses), removed afterwards."""
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+  """One persistent JAX compilation cache per test worker, shared by every test it runs and every command those tests
+  start (they inherit the environment): the tests compile the same tiny programs many times over, in process and in
+  subprocesses, and a hit skips XLA (a 1-layer train step is ~2 s of CPU compile). It lives in the worker's base
+  temporary directory, which pytest prunes (the last three runs are kept).
+  - One per worker, not one for the run: JAX writes an entry with a plain write, so a reader in another process can
+    meet a half-written file; a worker's commands run while it waits for them, so within a worker that is rare.
+  - No size limit: with one, JAX takes a file lock and sums the sizes of every entry on each write (quadratic in the
+    entries: a run with one shared, limited cache took longer than one without a cache).
+  - Programs that compile in under 0.2 s are not written: thousands of them, each as cheap to compile as to read."""
+  if os.environ.get("SINKJAX_TEST_COMPILE_CACHE", "1") == "0":
+    return
+  path = config._tmp_path_factory.getbasetemp() / "jax_cache"
+  path.mkdir(exist_ok=True)
+  _CACHE_ENV.update({"JAX_COMPILATION_CACHE_DIR": str(path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
+                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+  os.environ.update(_CACHE_ENV)
   import jax
-  path = str(tmp_path_factory.mktemp("jax_cache"))
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  old = {n: getattr(jax.config, n) for n in names}
-  for n, v in zip(names, (path, 0, 0)):
-    jax.config.update(n, v)
-  yield {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-  for n, v in old.items():
-    jax.config.update(n, v)
+  for name, value in _CACHE_ENV.items():
+    jax.config.update(name.lower(), value if name.endswith("_DIR") else float(value) if "." in value else int(value))
+
+
+@pytest.fixture(scope="session")
+def compile_cache():
+  """The run's compilation cache settings, as environment variables for a command (already in os.environ)."""
+  return dict(_CACHE_ENV)

@@ -17,6 +17,7 @@ SMALL = ["model.vocab_size=257", "model.num_layers=1", "model.d_model=16", "mode
          "model.attention=vanilla"]
 
 
+@pytest.mark.slow   # the whole benchmark, six train-step compiles (~38 s)
 def test_missing_nanochat_tree_skips_the_row_with_a_note(tmp_path, capsys):
   """No tree at --nanochat: the benchmark still runs its sinkjax rows and says in one line why nanochat is absent."""
   missing = tmp_path / "no-such-tree"

@@ -52,6 +52,7 @@ def _losses(text: str) -> dict[int, float]:
   return {r["step"]: r["loss"] for r in (json.loads(line) for line in text.splitlines() if line.strip())}
 
 
+@pytest.mark.slow   # the whole CLI cycle against the emulator, 5 commands (~90 s); by default the bucket's errors are checked
 def test_train_stop_resume_and_eval_in_a_bucket(gcs, tmp_path):
   """A run stopped at step 2 and resumed from gs:// logs the losses of an uninterrupted local run; config.yaml,
   metrics.jsonl, TensorBoard events, plots and checkpoints are objects in the bucket, nothing lands in a local

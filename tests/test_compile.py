@@ -113,7 +113,8 @@ SMALL = ["model.num_layers=1", "train.optimizer=adamw", "model.d_model=128", "mo
          "data.seq_len=256", "model.max_seq_len=256", "model.vocab_size=257", "train.batch_size=8", "mesh.data=1"]
 
 
-@pytest.mark.parametrize("topology, chips", [("v5e:2x2", 4), ("v5e:2x4", 8)])
+@pytest.mark.parametrize("topology, chips", [("v5e:2x2", 4),
+                                             pytest.param("v5e:2x4", 8, marks=pytest.mark.slow)])  # the same, 8 chips
 def test_compile_reports_what_the_compiler_says(tmp_path, topology, chips):
   """The CLI's table and JSON carry memory_analysis()'s numbers for the train step it built (checked against a
   separate compile of the same Program), per chip of a 4- and an 8-chip slice."""
@@ -137,6 +138,7 @@ def test_compile_reports_what_the_compiler_says(tmp_path, topology, chips):
   assert f"total {b['total'] / 2 ** 30:.2f} of 16.00" in r.stdout and "fits                         yes" in r.stdout
 
 
+@pytest.mark.slow   # an XLA:TPU compile of the decode step (~18 s); the train step's is checked by default
 def test_decode_step_compiles_and_holds_its_cache():
   """--decode ROWSxSLOTS compiles sinkjax.generate's decode step for the slice: its per-chip arguments hold this
   chip's share of the KV cache (2 x layers x rows / shards x slots x kv heads x head dim, in model.dtype) and this

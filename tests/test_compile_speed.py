@@ -151,7 +151,10 @@ def _search():
   return compile_lib.search(TINY, SEARCH, compile_lib.parse_topology("v5e:2x2"), SEARCH_POLICIES)
 
 
-@pytest.mark.parametrize("policy", [None, "nothing", pytest.param("dots", marks=pytest.mark.slow), "save_attention"])
+# one policy by default; the others repeat its ~25 s XLA:TPU compile
+@pytest.mark.parametrize("policy", [pytest.param(None, marks=pytest.mark.slow), "nothing",
+                                    pytest.param("dots", marks=pytest.mark.slow),
+                                    pytest.param("save_attention", marks=pytest.mark.slow)])
 def test_report_flops_equal_a_hand_count(policy):
   """Scanned layers (a while loop of 2 trips) and, with remat, a chunked loss (4 trips): the report counts every
   trip, and its recomputed FLOPs are what the policy recomputes, both within 5 % of the hand count. Without remat:
@@ -194,6 +197,7 @@ def test_search_picks_the_policy_a_hand_count_picks():
   assert res["picked"]["remat_policy"] == _hand_pick(res["candidates"])
 
 
+@pytest.mark.slow   # two XLA:TPU compiles (~28 s); the hand count of the flops is checked by default
 def test_scanned_and_unscanned_programs_report_the_same_flops():
   """XLA's cost_analysis() counts the scanned program's loop body once; the report counts it per trip."""
   scanned, unrolled = _report("model.scan_layers=true", "train.loss_chunk=0"), _report("model.scan_layers=false")

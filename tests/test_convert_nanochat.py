@@ -62,6 +62,7 @@ def test_import_newest_step_then_logits_match(tree, tmp_path):
   np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow   # the CLI chain (~45 s) over what the in-process import tests above check
 def test_cli_import_eval_generate_finetune_export(tmp_path):
   """The whole path from the command line: import, eval, generate, fine-tune from it (train.init_from), export the
   fine-tuned run, and nanochat loads the export strictly with the fine-tuned run's logits."""

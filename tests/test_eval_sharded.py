@@ -115,6 +115,7 @@ def test_eval_on_the_fsdp8_mesh_equals_one_device(run_dir, reference, tmp_path):
   assert report["peak_device_memory"] is None            # the CPU backend keeps no memory statistics
 
 
+@pytest.mark.slow   # a twin (~10 s) of test_generate_sharded's greedy rows on the fsdp8 mesh
 def test_greedy_generation_on_the_fsdp8_mesh_equals_one_device(reference, sharded):
   """The Generator (what `python -m sinkjax.generate` runs) gives the same greedy tokens on both placements."""
   model, _, tok, _ = reference

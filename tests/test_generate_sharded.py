@@ -103,7 +103,7 @@ def test_a_cache_the_mesh_does_not_divide_stays_whole(reference):  # noqa: F811
   assert isinstance(abstract, KVCache) and {x.sharding.spec for x in abstract.k} == {P(("data",))}
 
 
-@pytest.mark.parametrize("placed", ["fsdp8", "data4_tensor2"])
+@pytest.mark.parametrize("placed", ["fsdp8", pytest.param("data4_tensor2", marks=pytest.mark.slow)])
 def test_greedy_rows_on_the_mesh_equal_one_device_and_the_full_forward(reference, sharded, data_tensor,  # noqa: F811
                                                                         placed):
   """8 prompts of different lengths as one batch (rows split over the mesh): every row's greedy tokens equal those
@@ -121,6 +121,7 @@ def test_greedy_rows_on_the_mesh_equal_one_device_and_the_full_forward(reference
   assert [one.generate(p, n, temperature=0.0) for p in prompts[:2]] == want[:2]
 
 
+@pytest.mark.slow   # lm-eval's twin (~15 s) of the greedy rows on the mesh above
 def test_lm_eval_generation_and_loglikelihoods_batched_on_the_mesh_equal_one_device(run_dir, reference):  # noqa: F811
   """lm_eval's generate_until with mesh.data=4 mesh.tensor=2, 8 requests as one batch (`until` strings, different
   lengths): the texts the one-device model gives one request at a time, which are the full-forward reference's;

@@ -125,6 +125,7 @@ def _same_step(a, b):
   return state_a
 
 
+@pytest.mark.slow   # four train-step compiles (~35 s); test_train checks by default that scanned and per-layer attention steps agree
 def test_linear_layers_scanned_and_rematerialized_give_the_per_layer_step():
   """Gated DeltaNet between gated attention layers (Qwen3-Next's mix): a scan over (linear, full) groups with remat
   takes the per-layer loop's step; importances [2 attention layers, H]; the conv kernel trains with AdamW."""

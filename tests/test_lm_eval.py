@@ -355,6 +355,7 @@ def nanochat_run(tmp_path_factory):
   return run_dir
 
 
+@pytest.mark.slow   # a CLI training run then lm-eval over it (~30 s); lm-eval's agreement with the hf backend is checked by default
 def test_a_nanochat_architecture_run_evaluates_end_to_end(nanochat_run, toy, tmp_path, capsys):
   from sinkjax.run import read_run_config
   m = read_run_config(nanochat_run).model
@@ -418,6 +419,7 @@ def test_batch_sizes_one_and_eight_give_the_same_loglikelihoods(nanochat_lm):
     assert abs(got - want) < 1e-3, (pairs[r], got, want)
 
 
+@pytest.mark.slow   # ~25 s; greedy generation against the hf backend is checked by default
 def test_sampling_follows_the_generation_kwargs(nanochat_lm):
   """top_k=1 sampling is greedy decoding; temperature sampling draws other continuations; max_gen_toks caps."""
   from lm_eval.api.instance import Instance

@@ -104,8 +104,19 @@ CASES = [
 
 _BF16_CASES = ("causal_packed_gqa", "noncausal_packed_gqa", "causal_d48", "large_logits",
                "distinct_tiles_causal_packed")  # keeps the suite quick
-_PARAMS = [pytest.param(c, jnp.float32, id=f"{c[0]}-f32") for c in CASES] + [
-    pytest.param(c, jnp.bfloat16, id=f"{c[0]}-bf16") for c in CASES if c[0] in _BF16_CASES]
+# Interpret mode costs ~6 s a case. By default: causal and non-causal, packed and plain, GQA, d 48, large logits,
+# cross attention, distinct tiles, and bf16 once; the rest (other combinations of the same paths) are marked slow.
+_DEFAULT = {("causal_packed_gqa", "f32"), ("noncausal_large_logits_d48", "f32"), ("cross_causal_t_gt_s", "f32"),
+            ("distinct_tiles_causal_packed", "f32"), ("distinct_tiles_cross_s_gt_t", "f32"), ("large_logits", "bf16")}
+
+
+def _param(case, dtype, name):
+  marks = () if (case[0], name) in _DEFAULT else pytest.mark.slow
+  return pytest.param(case, dtype, id=f"{case[0]}-{name}", marks=marks)
+
+
+_PARAMS = [_param(c, jnp.float32, "f32") for c in CASES] + [
+    _param(c, jnp.bfloat16, "bf16") for c in CASES if c[0] in _BF16_CASES]
 
 
 @pytest.mark.parametrize("case,dtype", _PARAMS)

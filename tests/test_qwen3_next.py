@@ -125,6 +125,7 @@ def test_importance_and_aux_loss_cover_the_full_attention_layers_only(ours):
   np.testing.assert_allclose(float(balance.aux_loss(imp, 0.1)), 0.1 * 4 * cv2, rtol=1e-4)
 
 
+@pytest.mark.slow   # ~21 s; test_deltanet checks that prefill then decode continues the DeltaNet state
 def test_scored_in_chunks_against_the_cache_equals_the_forward_pass(ours):
   """Append-mode chunks continue the DeltaNet state (and attend the KV cache): the same log-probabilities as one
   forward pass over the whole sequence."""

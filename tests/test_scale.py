@@ -226,7 +226,7 @@ def test_kill_9_resumes_from_the_last_complete_checkpoint(tmp_path, compile_cach
   assert _steps(run_dir)[-1] == target
 
 
-@pytest.mark.parametrize("item", ["params", "train"])
+@pytest.mark.parametrize("item", ["params", pytest.param("train", marks=pytest.mark.slow)])  # the same path
 def test_corrupted_latest_checkpoint_falls_back_with_a_warning(tmp_path, compile_cache, capfd, item):
   """Damaged array files in the newest checkpoint: the run resumes from the previous one and ends with the losses
   of an undisturbed run; the terminal gets one warning line naming both steps, and what TensorStore and asyncio

@@ -332,6 +332,7 @@ def _finish(proc):
   return r.stdout
 
 
+@pytest.mark.slow   # the CLI twin (~50 s) of the in-process stream resume and BPB tests above
 def test_cli_trains_resumes_and_evaluates_with_stream_packing(tmp_path, compile_cache):
   """tiny.yaml with data.packing=stream: 4 steps in one go equal 2 + 2 resumed steps (losses, val_bpb), and
   sinkjax.eval on the run reads stream batches and reproduces the trainer's last val_bpb."""

@@ -98,6 +98,7 @@ def test_remat_lowers_temporaries():
   assert temps[True] < 0.7 * temps[False], temps
 
 
+@pytest.mark.slow   # ~23 s; remat, LoRA and mixed layers are each checked by default
 def test_remat_with_lora_and_mixed_layers_trains():
   """Per-layer remat (the path of non-uniform layers, e.g. GPT-OSS's alternating sliding windows) with LoRA's split
   parameters: the same step as without remat (nnx.remat on the module used to fail here: it wrote back into them)."""
@@ -283,6 +284,7 @@ def test_data_state_checked_before_restore(tmp_path):
   ck.close()
 
 
+@pytest.mark.slow   # the same refusal as the data-settings test below, for the optimizer (~18 s)
 def test_resume_with_another_optimizer_is_refused_not_set_aside(tmp_path, compile_cache):
   from sinkjax.checkpoint import TrainStateMismatch
   train(load_config(TINY, SMALL + ["train.steps=2", f"run.dir={tmp_path}"]), progress=False)

@@ -206,6 +206,7 @@ def test_cli_bad_arguments(capsys):
     assert err.count("\n") == 1 and "error" in err
 
 
+@pytest.mark.slow   # the CLI twin (~25 s) of the in-process trigger tests
 def test_cli_smoke(tmp_path):
   out = tmp_path / "trig"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
