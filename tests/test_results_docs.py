@@ -165,6 +165,36 @@ def test_rerun_table_from_each_runs_own_files(doc, flat):
   assert min(van) > 0
 
 
+def test_dose_rerun_tables_from_each_runs_own_files(doc):
+  """The dose study again on one commit: both tables recomputed with scipy from the 15 runs' own files (λ = 0 and
+  1e-4 are the main-grid rerun's gated runs, the others docs/results/paper_cpu_r2_dose/raw/), each run's config
+  holding its λ and its done.json the one clean commit."""
+  import yaml
+  lams = (0.0, 1e-8, 1e-4, 1e-3, 1e-2)
+  recs = {}
+  for lam in lams:
+    for s in range(3):
+      name = {0.0: f"gated_base_s{s}", 1e-4: f"gated_aux_s{s}"}.get(lam, f"gated_lam{lam:g}_s{s}")
+      d = ROOT / "docs" / "results" / ("paper_cpu_r2" if lam in (0.0, 1e-4) else "paper_cpu_r2_dose") / "raw" / name
+      done = json.loads((d / "done.json").read_text())
+      assert (done["commit"], done["dirty"]) == ("8d9b2aa5a703", False), name
+      cfg = yaml.safe_load((d / "config.yaml").read_text())
+      assert cfg["loss"]["aux_weight"] == lam and cfg["train"]["seed"] == s and cfg["model"]["attention"] == "gated"
+      assert (d / "metrics.jsonl").stat().st_size > 0
+      recs[lam, s] = json.loads((d / "paper_eval.json").read_text())
+  levels = {r[0]: r for r in table(doc, "λ (one commit)")}
+  for lam in lams:
+    b = np.array([recs[lam, s]["val_bpb"] for s in range(3)])
+    im = np.array([recs[lam, s]["head_imbalance"] for s in range(3)])
+    assert levels[f"{lam:g}"] == [f"{lam:g}", ", ".join(f"{x:.4f}" for x in b), f"{b.mean():.4f} ± {b.std(ddof=1):.4f}",
+                                  ", ".join(f"{x:.3f}" for x in im), f"{im.mean():.3f}"], lam
+  effects = {r[0]: r[1:] for r in table(doc, "effect, one commit (paired with λ = 0)")}
+  for lam in lams[1:]:
+    for key, label, nd in (("val_bpb", "val BPB", 4), ("head_imbalance", "final head imbalance", 3)):
+      t, c = ([recs[l, s][key] for s in range(3)] for l in (lam, 0.0))
+      assert effects[f"λ = {lam:g} − 0, {label}"] == paired_cells(t, c, nd), (lam, key)
+
+
 def test_readings_quote_their_tests(runs, flat):
   base = lambda v, k="val_bpb": [r[k] for r in sel(runs, v, "base")]
   aux = lambda v, k="val_bpb": [r[k] for r in sel(runs, v, "aux")]
