@@ -193,6 +193,17 @@ def test_dose_rerun_tables_from_each_runs_own_files(doc):
     for key, label, nd in (("val_bpb", "val BPB", 4), ("head_imbalance", "final head imbalance", 3)):
       t, c = ([recs[l, s][key] for s in range(3)] for l in (lam, 0.0))
       assert effects[f"λ = {lam:g} − 0, {label}"] == paired_cells(t, c, nd), (lam, key)
+  # the readings: the weaker heads at λ = 1e-2, the null arm's noise and its false positive, the size ratio
+  other = [float(np.mean(_quantity(recs[1e-2, s], "other heads") - _quantity(recs[0.0, s], "other heads")))
+           for s in range(3)]
+  text = " ".join(doc.split())
+  assert f"rise again: {np.mean(other):+.3f}, p = {p2(sps.ttest_1samp(other, 0).pvalue)}" in text
+  null_bpb = [recs[1e-8, s]["val_bpb"] - recs[0.0, s]["val_bpb"] for s in range(3)]
+  null_imb = [recs[1e-8, s]["head_imbalance"] - recs[0.0, s]["head_imbalance"] for s in range(3)]
+  assert f"(SD {np.std(null_bpb, ddof=1):.3f})" in text and min(null_imb) > 0
+  assert ", ".join(f"{x:+.4f}" for x in null_bpb).replace("-", "−") in text
+  dose_imb = np.mean([recs[1e-2, s]["head_imbalance"] - recs[0.0, s]["head_imbalance"] for s in range(3)])
+  assert round(-dose_imb / np.mean(null_imb)) == 7 and "seven times the size of the null arm's difference" in text
 
 
 def test_readings_quote_their_tests(runs, flat):
