@@ -24,7 +24,7 @@ from sinkjax.run import read_metrics
 def _tensorboardx():
   """tensorboardX, imported without torch where torch is installed and not yet loaded: its writer module imports
   torch only to recognise torch tensors, which sinkjax never logs, and that import is ~2 s of every run's start
-  (measured: `import sinkjax.train` 5.3 s with it, 3.3 s without). `sys.modules[name] = None` makes `import name`
+  (measured: `import sinkjax.train` 5.3 s with it, 3.0 s without). `sys.modules[name] = None` makes `import name`
   raise ImportError, the case tensorboardX handles; the entry is removed afterwards, so torch imports as usual."""
   if "torch" in sys.modules or "tensorboardX" in sys.modules:
     import tensorboardX

@@ -1,5 +1,5 @@
 """Test session set-up: 8 simulated CPU devices (for the sharding tests) before JAX initializes, and one persistent
-compilation cache for the whole run."""
+compilation cache per test worker."""
 import os
 
 import pytest
@@ -26,12 +26,13 @@ def pytest_configure(config):
     return
   path = config._tmp_path_factory.getbasetemp() / "jax_cache"
   path.mkdir(exist_ok=True)
-  _CACHE_ENV.update({"JAX_COMPILATION_CACHE_DIR": str(path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
-                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+  settings = {"jax_compilation_cache_dir": str(path), "jax_persistent_cache_min_compile_time_secs": 0.2,
+              "jax_persistent_cache_min_entry_size_bytes": 0}
+  _CACHE_ENV.update({name.upper(): str(value) for name, value in settings.items()})
   os.environ.update(_CACHE_ENV)
   import jax
-  for name, value in _CACHE_ENV.items():
-    jax.config.update(name.lower(), value if name.endswith("_DIR") else float(value) if "." in value else int(value))
+  for name, value in settings.items():
+    jax.config.update(name, value)
 
 
 @pytest.fixture(scope="session")
