@@ -343,6 +343,8 @@ CHIPS = {
                                        "800 GBps per chip"),
     "h100": Chip(989e12, 3.35e12, 900e9, "NVIDIA H100 SXM datasheet: 989 TFLOPS dense BF16, 3.35 TB/s HBM3, NVLink "
                                          "900 GB/s"),
+    "h200": Chip(989e12, 4.8e12, 900e9, "NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 4.8 TB/s HBM3e, NVLink "
+                                        "900 GB/s"),
 }
 
 _DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
@@ -360,6 +362,11 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 _RING = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: (n - 1) / n,
          "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
          "collective-permute": lambda n: 1.0}
+# XLA:GPU's cuBLAS matmul custom calls (their output: (result, s8 workspace)).
+_CUBLAS = re.compile(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)"')
+# Pallas's Triton lowering drops `pl.CostEstimate`; sinkjax's GPU kernels put theirs in the kernel's name
+# (`kernels.pallas_gpu`), which the compiled program keeps in the call's metadata.
+GPU_COST_NAME = r"__cost_f(\d+)_t(\d+)_b(\d+)"
 _HOST_SPACE = 5                   # XLA:TPU's memory space of pinned host memory (S(5) in a layout)
 
 
@@ -432,7 +439,7 @@ class _HloCosts:
 
   def __init__(self, text: str):
     self.comps, self.entry = _parse_hlo(text)
-    self.fused = {c for comp in self.comps.values() for i in comp.values() if i.opcode == "fusion"
+    self.fused = {c for comp in self.comps.values() for i in comp.values() if i.opcode in ("fusion", "fusion-start")
                   for c in i.callees("calls")}
     self.out = dict(flops=0.0, recompute_flops=0.0, transcendentals=0.0, hbm_bytes=0.0, host_bytes=0.0,
                     ici_bytes=0.0, collective_bytes={k: 0.0 for k in COLLECTIVES}, loops_of_unknown_trips=0)
@@ -469,6 +476,13 @@ class _HloCosts:
     return values[0] - start
 
   def flops(self, comp: str, ins: _Instruction) -> int:
+    if ins.opcode == "custom-call" and _CUBLAS.search(ins.attrs):   # XLA:GPU's matmuls: dot dims in the config
+      lhs = self.dims(comp, ins.operands[0])
+      dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+      if lhs is None or dims is None:
+        return 0
+      return 2 * math.prod(_arrays(ins.type)[0][1]) * math.prod(lhs[int(d.strip('" '))] for d in
+                                                                dims.group(1).split(",") if d.strip('" '))
     if ins.opcode == "dot":
       lhs = self.dims(comp, ins.operands[0])
       dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
@@ -528,7 +542,14 @@ class _HloCosts:
     its output tuple as well: they count once, as reads (a slice-start reads its slice)."""
     written, reads = _nbytes(ins.type, space), {}
     operand_types = [self.type_of(comp, o) for o in ins.operands]
-    if ins.opcode.endswith("-start") and ins.type.startswith("("):
+    if ins.opcode == "fusion-start" and ins.type.startswith("(("):
+      # XLA:GPU's async fusion ((operand aliases), output, context): the fusion itself, on its output alone
+      inner = ins.type[1:_close(ins.type, 1)]
+      out = ins.type[len(inner) + 2:].rsplit(",", 1)[0].strip(" ,)")
+      return self.traffic(comp, dataclasses.replace(ins, type=out, opcode="fusion"), space)
+    if ins.opcode == "custom-call" and _CUBLAS.search(ins.attrs) and ins.type.startswith("("):
+      written = sum(math.prod(d) * _DTYPE_BYTES.get(t, 4) for t, d, sp in _arrays(ins.type)[:-1] if sp == space)
+    elif ins.opcode.endswith("-start") and ins.type.startswith("("):
       outs = _arrays(ins.type)
       for dt, dims, sp in (a for t in operand_types for a in _arrays(t)):   # the operands' aliases in the tuple
         if (dt, dims, sp) in outs:
@@ -576,8 +597,8 @@ class _HloCosts:
     for ins in self.comps.get(comp, {}).values():
       op, attrs = ins.opcode, ins.attrs
       flops = self.flops(comp, ins)
-      est = re.search(r'"cost_estimate":\{"flops":"?(\d+)"?,"transcendentals":"?(\d+)"?,"bytes_accessed":"?(\d+)',
-                      attrs) if op == "custom-call" else None
+      est = (re.search(r'"cost_estimate":\{"flops":"?(\d+)"?,"transcendentals":"?(\d+)"?,"bytes_accessed":"?(\d+)',
+                       attrs) or re.search(GPU_COST_NAME, attrs)) if op == "custom-call" else None
       if est:                         # a Pallas kernel's pl.CostEstimate
         flops = int(est.group(1))
         self.out["transcendentals"] += mult * int(est.group(2))
@@ -619,7 +640,7 @@ def _group_size(attrs: str) -> int:
 def hlo_costs(text: str) -> dict:
   """Per chip and step, from the text of a compiled (SPMD-partitioned) program: `flops` (matmuls and convolutions,
   2 per multiply-add, plus the Pallas kernels' `pl.CostEstimate` flops, which Mosaic calls carry in their backend
-  config), `recompute_flops` (the part `jax.checkpoint` recomputes: instructions JAX names under
+  config and sinkjax's Triton calls in their names), `recompute_flops` (the part `jax.checkpoint` recomputes: instructions JAX names under
   "rematted_computation"), the kernels' `transcendentals`, `hbm_bytes` (what each unfused instruction reads and
   writes in HBM, operands and outputs, only the slices of an operand a fusion slices, kernels by their estimate),
   `host_bytes` (arrays copied to or from host memory: offloaded residuals), `collective_bytes` by kind (the arrays
@@ -629,7 +650,9 @@ def hlo_costs(text: str) -> dict:
   is read from the loop's condition (`counter < N`, the form lax.scan and fori_loop lower to, the counter's start
   from the loop's initial value), nested loops multiply, and `loops_of_unknown_trips` counts loops read as one
   trip. So scanned layers, the chunked loss and micro-batches all count. Elementwise (VPU) work is not in `flops`
-  (its cost shows in the bytes); Triton kernels carry no cost in XLA:GPU's HLO and are not counted."""
+  (its cost shows in the bytes). XLA:GPU: cuBLAS matmul custom calls count as dots (their workspace output is no
+  traffic), async fusions (`fusion-start`) as the fusions they run, and sinkjax's Triton attention kernels by the
+  estimate in their names (`GPU_COST_NAME`)."""
   costs = _HloCosts(text)
   costs.walk(costs.entry, 1.0)
   return costs.out

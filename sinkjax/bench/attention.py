@@ -10,6 +10,11 @@ The loss differentiates through both outputs (out and LSE), as sink-aware traini
 compiled memory analysis (temporaries + outputs + arguments of the fwd+bwd program); on GPU/TPU the device's
 peak allocator statistic is shown too when available. FLOP/s counts the useful causal FLOPs:
 fwd 2 matmuls + bwd 5 matmuls over the lower triangle = 7 * 2 * B*H*T^2*D / 2.
+
+Rows `jax.nn.dpa` (XLA's own) and `cudnn` (`jax.nn.dot_product_attention(implementation="cudnn")`, GPUs only) are
+stock kernels that return no LSE: they differentiate sum(out^2) alone, the speed a kernel gets by dropping the LSE
+gradient that sink-aware training needs. --kv-heads below --heads gives GQA / MQA shapes (K and V with fewer heads).
+The last column is each row's time over the first backend's in --impls at the same T.
 """
 from __future__ import annotations
 
@@ -34,9 +39,11 @@ def block_sizes(args) -> BlockSizes:
 
 
 def _loss_fn(impl, blocks):
-  if impl == "jax.nn.dpa":
+  if impl in ("jax.nn.dpa", "cudnn"):
+    kind = "cudnn" if impl == "cudnn" else None
+
     def loss(q, k, v):
-      out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kind)
       return jnp.sum(out.astype(jnp.float32) ** 2)
     return loss
 
@@ -46,9 +53,10 @@ def _loss_fn(impl, blocks):
   return loss
 
 
-def bench_one(impl, B, T, H, D, dtype, blocks, repeats, max_bytes):
+def bench_one(impl, B, T, H, D, dtype, blocks, repeats, max_bytes, kv_heads=None):
   ks = jax.random.split(jax.random.PRNGKey(0), 3)
-  q, k, v = (jax.random.normal(x, (B, T, H, D), dtype) for x in ks)
+  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
+  k, v = (jax.random.normal(x, (B, T, kv_heads or H, D), dtype) for x in ks[1:])
   f = jax.jit(jax.value_and_grad(_loss_fn(impl, blocks), (0, 1, 2)))
   try:
     compiled = f.lower(q, k, v).compile()
@@ -56,6 +64,10 @@ def bench_one(impl, B, T, H, D, dtype, blocks, repeats, max_bytes):
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     return dict(impl=impl, T=T, skipped="out of device memory")
+  except (NotImplementedError, ValueError, RuntimeError) as e:    # cuDNN off a GPU, or a shape it does not take
+    if impl != "cudnn":
+      raise
+    return dict(impl=impl, T=T, skipped=" ".join(str(e).split())[:80])
   mem = compiled.memory_analysis()
   peak = None
   if mem is not None:
@@ -109,6 +121,7 @@ def main(argv=None):
   p.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA; default: --heads)")
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--block-q", type=int, default=None, help="query tile of every pass (default: the backend's)")
@@ -119,7 +132,7 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--impls", nargs="+", default=None,
                  help="backends to run (default: reference, xla, the platform's Pallas backend, jax.nn.dpa); "
-                      "also torch.sdpa: PyTorch's fused attention, fwd+bwd without the LSE term (needs torch)")
+                      "also cudnn (GPU) and torch.sdpa: stock fused attention, fwd+bwd without the LSE term")
   p.add_argument("--max-gib", type=float, default=12.0, help="skip configurations whose program needs more")
   args = p.parse_args(argv)
   try:
@@ -129,9 +142,12 @@ def main(argv=None):
   platform = jax.default_backend()
   impls = args.impls or ["reference", "xla"] + ([default_impl()] if default_impl() != "xla" else []) + ["jax.nn.dpa"]
   dtype = jnp.dtype(args.dtype)
-  print(f"# attention fwd+bwd, causal, B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}, "
+  if args.kv_heads and args.heads % args.kv_heads:
+    p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+  print(f"# attention fwd+bwd, causal, B={args.batch} H={args.heads} KV={args.kv_heads or args.heads} "
+        f"D={args.head_dim} {args.dtype}, "
         f"platform={platform} ({jax.devices()[0].device_kind}), tiles {_tiles_text(blocks)}")
-  print(f"{'T':>6} {'backend':>12} {'time ms':>10} {'peak MiB':>10} {'TFLOP/s':>9} {'vs ref':>7}")
+  print(f"{'T':>6} {'backend':>12} {'time ms':>10} {'peak MiB':>10} {'TFLOP/s':>9} {'vs ' + impls[0]:>14}")
   for T in args.seq:
     ref_ms = None
     for impl in impls:
@@ -139,15 +155,15 @@ def main(argv=None):
         r = bench_torch(args.batch, T, args.heads, args.head_dim, dtype, args.repeats)
       else:
         r = bench_one(impl, args.batch, T, args.heads, args.head_dim, dtype, blocks, args.repeats,
-                      args.max_gib * 2**30)
+                      args.max_gib * 2**30, args.kv_heads)
       if "skipped" in r:
-        print(f"{T:>6} {impl:>12} {'-':>10} {'-':>10} {'-':>9} {'-':>7}  ({r['skipped']})")
+        print(f"{T:>6} {impl:>12} {'-':>10} {'-':>10} {'-':>9} {'-':>14}  ({r['skipped']})")
         continue
-      if impl == "reference":
+      if impl == impls[0]:
         ref_ms = r["ms"]
       rel = f"{r['ms'] / ref_ms:.2f}x" if ref_ms else "-"
       peak = f"{r['peak_mib']:.1f}" if r["peak_mib"] is not None else "n/a"
-      print(f"{T:>6} {impl:>12} {r['ms']:>10.1f} {peak:>10} {r['tflops']:>9.4f} {rel:>7}", flush=True)
+      print(f"{T:>6} {impl:>12} {r['ms']:>10.1f} {peak:>10} {r['tflops']:>9.4f} {rel:>14}", flush=True)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,12 @@ def _row_spec(n, tiled):
 
 
 def _call(kernel, *, grid, in_specs, out_specs, out_shape, Dp, interpret, name, cost):
+  """The pass as a pallas_call. Compiled for a GPU, the kernel's name carries its cost estimate
+  (`<name>__cost_f<flops>_t<transcendentals>_b<bytes>`, `sinkjax.compile.GPU_COST_NAME`): Pallas's Triton lowering
+  drops `cost_estimate`, and the name is what the compiled program keeps (its metadata), so `sinkjax.compile` can
+  count the kernel's FLOPs and bytes."""
+  if not interpret:
+    name = f"{name}__cost_f{cost.flops}_t{cost.transcendentals}_b{cost.bytes_accessed}"
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                         compiler_params=plgpu.CompilerParams(num_warps=_num_warps(Dp), num_stages=NUM_STAGES),
                         interpret=bool(interpret), cost_estimate=cost, name=name)
@@ -188,8 +194,8 @@ def _cost(matmuls, *, B, Hq, Tp, Sp, Dp, bq, bk, causal, offset, itemsize, per_t
   """`pl.CostEstimate` of a pass that computes the causally visible (bq, bk) tiles of every (batch row, query head):
   `matmuls` [bq, bk] x Dp matmuls (2 bq bk Dp flops each) and one exp2 per score per tile; bytes: per tile, the
   loop's `per_tile_rows` [bq, Dp] and `per_tile_cols` [bk, Dp] loads (plus their ids and row terms), and `once`
-  [Tp or Sp, Dp] arrays read or written once per program. (The Triton lowering ignores the estimate today; it is the
-  kernel's statement of its cost, the same as the TPU kernels'.)"""
+  [Tp or Sp, Dp] arrays read or written once per program. (The Triton lowering ignores the estimate; `_call` puts
+  it in the kernel's name for `sinkjax.compile`.)"""
   n = B * Hq * visible_tiles(Tp // bq, Sp // bk, bq, bk, offset, causal)
   return pl.CostEstimate(
       flops=int(n * matmuls * 2 * bq * bk * Dp), transcendentals=int(n * bq * bk),

@@ -1,0 +1,233 @@
+"""Benchmark of the trainer's own step: where `python -m sinkjax.train`'s time per step goes, and how it compares
+with the compiler's roofline estimate.
+
+    python -m sinkjax.bench.trainer --config configs/streaming_vanilla.yaml [section.key=value ...]
+                                    [--steps 20] [--rounds 3] [--no-estimate]
+
+It builds the trainer of the config (`sinkjax.train.Trainer`: its mesh, jitted step with shardings and donation,
+its real data iterator over the config's data) in a temporary run directory, and times, round-robin, blocks of
+`--steps` consecutive steps of each row (the block ends when its last step's results are on the device):
+
+  data            the host side of a batch alone: `next(train_iter)` and `to_global_batch` (placed on the devices)
+  step, packed    the trainer's jitted step on one fixed batch from the data (its segments as packed), no host work
+  step, 1 segment the same step on a batch of one document per row (positions 0..T-1): what `bench.train` feeds
+  step, batch re-sent      the fixed packed batch, copied from the host to the devices again before every step
+  step, batches on device  a different packed batch every step, all of them placed on the devices beforehand
+  trainer.step    `Trainer.step()`: a fresh batch from the iterator, then the step, as the loop calls it
+  train loop      the loop of `sinkjax.train.train` without evaluation and checkpoints: each step dispatched, then
+                  the previous step's metrics taken to the host and logged (`step_done`: the non-finite guard, the
+                  loss, the records every train.log_every steps), so the device runs one step ahead of the host
+  bench.train     `sinkjax.bench.train`'s step of the same config (jitted without shardings or donation, a fixed
+                  one-segment batch, each step waited for)
+
+The table gives ms per step (median block over the rounds, divided by --steps), tokens/s, and MFU with nanochat's
+FLOP count (`sinkjax.compile.model_flops_per_step`: 6N + attention) over the chip's peak (`sinkjax.compile.CHIPS`).
+Unless --no-estimate, the trainer's step is also compiled as `sinkjax.compile` does and its roofline estimate
+(`compile.speed_report`: compiled FLOPs, HBM bytes, collective bytes at the chip's peaks) is printed beside the
+measurement: an estimate is a lower bound on the step time, so measured / estimate says how far the step is from it.
+On a GPU the Pallas attention kernel is a Triton custom call that XLA's HLO does not cost: the estimate leaves
+attention's FLOPs out there.
+"""
+from __future__ import annotations
+
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.bench.trainer")   # before the imports below, which need the train extra
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+_ROWS = ("data", "step, packed", "step, 1 segment", "step, batch re-sent", "step, batches on device", "trainer.step",
+         "train loop", "bench.train")
+
+
+def chip_of(device) -> str | None:
+  """The `sinkjax.compile.CHIPS` key of a device, or None when its peak figures are not known."""
+  kind = device.device_kind.lower()
+  for key, names in (("h100", ("h100",)), ("h200", ("h200",)), ("v5e", ("v5 lite", "v5e")), ("v5p", ("v5p",)),
+                     ("v6e", ("v6", "trillium")), ("v4", ("v4",))):
+    if any(n in kind for n in names):
+      return key
+  return None
+
+
+def one_segment(batch: dict) -> dict:
+  """The batch with one document per row: segment ids 1, positions 0..T-1 (inputs and targets unchanged)."""
+  B, T = batch["inputs"].shape
+  out = dict(batch)
+  out["segment_ids"] = np.ones((B, T), np.int32)
+  out["positions"] = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+  out["loss_mask"] = np.ones((B, T), np.float32)
+  return out
+
+
+def time_blocks(runners: dict, steps: int, rounds: int) -> dict:
+  """{row: median over rounds of (wall seconds of a block of `steps` calls) / steps}; each runner(steps) runs its
+  block and waits for its results. One untimed block of every row first (compiles, caches)."""
+  for run in runners.values():
+    run(2)
+  walls = {name: [] for name in runners}
+  for _ in range(rounds):
+    for name, run in runners.items():
+      t0 = time.perf_counter()
+      run(steps)
+      walls[name].append((time.perf_counter() - t0) / steps)
+  return {name: statistics.median(w) for name, w in walls.items()}
+
+
+def build_runners(trainer, cfg, rows=_ROWS) -> tuple:
+  """The `rows` of the table (see the module docstring) as block runners over one trainer, and the metrics logger
+  the train loop row writes to (close it after timing)."""
+  from sinkjax.bench import train as bench_train  # pylint: disable=import-outside-toplevel
+  from sinkjax.data import to_global_batch  # pylint: disable=import-outside-toplevel
+  from sinkjax.metrics import MetricsLogger  # pylint: disable=import-outside-toplevel
+  from sinkjax.step import TRAIN_FEATURES  # pylint: disable=import-outside-toplevel
+  from sinkjax.train import step_done  # pylint: disable=import-outside-toplevel
+
+  def host_batch():
+    return {k: v for k, v in next(trainer.train_iter).items() if k in TRAIN_FEATURES}
+
+  packed = host_batch()
+  fixed = {"step, packed": to_global_batch(packed, trainer.batch_sh),
+           "step, 1 segment": to_global_batch(one_segment(packed), trainer.batch_sh)}
+
+  on_device = [to_global_batch(host_batch(), trainer.batch_sh) for _ in range(8)]
+
+  def resent(n):
+    m = None
+    for _ in range(n):
+      trainer.state, m = trainer.train_step(trainer.state, to_global_batch(packed, trainer.batch_sh), trainer.rest)
+    jax.block_until_ready(m)
+
+  def batches_on_device(n):
+    m = None
+    for i in range(n):
+      trainer.state, m = trainer.train_step(trainer.state, on_device[i % len(on_device)], trainer.rest)
+    jax.block_until_ready(m)
+
+  def data(n):
+    for _ in range(n):
+      jax.block_until_ready(to_global_batch(host_batch(), trainer.batch_sh))
+
+  def fixed_step(name):
+    def run(n):
+      m = None
+      for _ in range(n):
+        trainer.state, m = trainer.train_step(trainer.state, fixed[name], trainer.rest)
+      jax.block_until_ready(m)
+    return run
+
+  def trainer_steps(n):
+    m = None
+    for _ in range(n):
+      m = trainer.step()
+    jax.block_until_ready(m)
+
+  log = MetricsLogger(cfg, trainer.run_dir, lr_schedule=trainer.lr_schedule, start=0, stop_at=10 ** 9,
+                      progress=False)
+  counter = [0]
+
+  def train_loop(n):
+    pending = None
+    for _ in range(n):
+      counter[0] += 1
+      m = trainer.step()
+      if pending is not None:
+        step_done(cfg, log, *pending)
+      pending = (counter[0], m, None)
+    step_done(cfg, log, *pending)
+
+  def bench_step(n):
+    if not bench:      # compiled on first use: a row not asked for costs nothing
+      bench.append(bench_train.jax_runner(cfg, one_segment(packed))[0])
+    for _ in range(n):
+      bench[0]()
+  bench = []
+
+  runners = {"data": data, "step, packed": fixed_step("step, packed"),
+             "step, 1 segment": fixed_step("step, 1 segment"), "step, batch re-sent": resent,
+             "step, batches on device": batches_on_device, "trainer.step": trainer_steps,
+             "train loop": train_loop, "bench.train": bench_step}
+  return {name: runners[name] for name in rows}, log
+
+
+def estimate(trainer, cfg) -> dict | None:
+  """`sinkjax.compile`'s speed report of the trainer's compiled step on these devices (None: chip not known)."""
+  from sinkjax import compile as compile_lib  # pylint: disable=import-outside-toplevel
+  devices = trainer.mesh.devices.flatten()
+  chip = chip_of(devices[0])
+  if chip is None:
+    return None
+  lowered, _ = trainer.lower()
+  report = compile_lib.speed_report(lowered.compile(), compile_lib.CHIPS[chip],
+                                    compile_lib.model_flops_per_step(cfg, trainer.num_params), len(devices))
+  report["chip"] = chip
+  return report
+
+
+def measure(args) -> None:
+  from sinkjax import compile as compile_lib  # pylint: disable=import-outside-toplevel
+  from sinkjax.config import load_config  # pylint: disable=import-outside-toplevel
+  from sinkjax.train import Trainer  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryDirectory(prefix="sinkjax-bench-trainer-") as tmp:
+    cfg = load_config(args.config, list(args.overrides) + [f"run.dir={tmp}/run", "train.eval_batches=0",
+                                                           "checkpoint.async_save=false"])
+    trainer = Trainer(cfg)
+    cfg = trainer.cfg
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    devices = trainer.mesh.devices.flatten()
+    chip = chip_of(devices[0])
+    model_flops = compile_lib.model_flops_per_step(cfg, trainer.num_params)
+    print(f"# {args.config} {' '.join(args.overrides)}: {cfg.model.attention}, {trainer.num_params:,} params, "
+          f"{B} x {T} tokens per step, {cfg.model.dtype}, remat {cfg.model.remat} ({cfg.model.remat_policy}), "
+          f"packing {cfg.data.packing}; {len(devices)} x {devices[0].device_kind}; "
+          f"{args.rounds} rounds of {args.steps} steps per row", flush=True)
+    est = None if args.no_estimate else estimate(trainer, cfg)
+    runners, log = build_runners(trainer, cfg, args.rows)
+    try:
+      res = time_blocks(runners, args.steps, args.rounds)
+    finally:
+      log.close()
+    peak = compile_lib.CHIPS[chip].peak_flops * len(devices) if chip else None
+    print(f"\n| row | ms / step | tokens/s | MFU (6N + attention{', ' + chip + ' peak' if chip else ''}) |")
+    print("|---|---:|---:|---:|")
+    for name in args.rows:
+      t = res[name]
+      mfu = f"{model_flops / t / peak:.1%}" if peak and name != "data" else "-"
+      print(f"| {name} | {t * 1e3:.2f} | {B * T / t:,.0f} | {mfu} |")
+    step = res.get("step, packed") or res.get("trainer.step") or res.get("train loop")
+    if est is not None and step:
+      terms = est["estimated_seconds_by_term"]
+      print(f"\nroofline estimate ({est['chip']}, sinkjax.compile): compute {terms['compute'] * 1e3:.2f} ms, HBM "
+            f"{terms['hbm'] * 1e3:.2f} ms, ICI {terms['ici'] * 1e3:.2f} ms -> >= "
+            f"{est['estimated_step_seconds'] * 1e3:.2f} ms ({est['estimated_bound']}-bound; compiled FLOPs "
+            f"{est['flops_per_step']:.3e}, recomputed {est['recompute_flops_per_step']:.3e}, model "
+            f"{model_flops:.3e}); measured step {step * 1e3:.2f} ms = "
+            f"{step / est['estimated_step_seconds']:.2f}x the estimate")
+    elif not args.no_estimate and est is None:
+      print(f"\nno roofline estimate: no peak figures for {devices[0].device_kind} (sinkjax.compile.CHIPS)")
+
+
+def main(argv=None) -> int:
+  p = cli.Parser(prog="python -m sinkjax.bench.trainer", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", required=True, help="the training config (a YAML file)")
+  p.add_argument("overrides", nargs="*", help="section.key=value, as for python -m sinkjax.train")
+  p.add_argument("--steps", type=int, default=20, help="steps per timed block")
+  p.add_argument("--rounds", type=int, default=3, help="timed blocks per row (median)")
+  p.add_argument("--no-estimate", action="store_true", help="skip the roofline estimate (one more compile)")
+  p.add_argument("--rows", nargs="+", choices=_ROWS, default=list(_ROWS), metavar="ROW",
+                 help=f"rows to time (default all: {', '.join(repr(r) for r in _ROWS)})")
+  args = p.parse_args(argv)
+  return cli.run_main("sinkjax.bench.trainer", lambda: measure(args))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
