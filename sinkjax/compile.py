@@ -367,6 +367,9 @@ _CUBLAS = re.compile(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)"')
 # Pallas's Triton lowering drops `pl.CostEstimate`; sinkjax's GPU kernels put theirs in the kernel's name
 # (`kernels.pallas_gpu`), which the compiled program keeps in the call's metadata.
 GPU_COST_NAME = r"__cost_f(\d+)_t(\d+)_b(\d+)"
+# Loop counters: lax.scan / fori_loop count in s32; XLA:TPU's windowed einsums (an FSDP all-gather decomposed into
+# per-shard matmuls, `windowed_dot_general` loops) in u32.
+_COUNTERS = ([("s32", ())], [("s64", ())], [("u32", ())], [("u64", ())])
 _HOST_SPACE = 5                   # XLA:TPU's memory space of pinned host memory (S(5) in a layout)
 
 
@@ -456,12 +459,12 @@ class _HloCosts:
 
   def trips(self, comp: str, loop: _Instruction) -> int | None:
     """Trips of a while loop: its condition compares the counter with one integer constant N (`i < N`, how lax.scan
-    and fori_loop lower), the counter starting at the loop's initial tuple element (a constant, else 0)."""
+    and fori_loop lower), the counter starting at the loop's initial tuple element (a constant, else 0) and growing
+    by its body's step (`step`)."""
     cond = re.search(r"condition" + _CALLEE, loop.attrs).group(1)
     inside = [cond] + [c for i in self.comps.get(cond, {}).values() if i.opcode == "fusion" for c in i.callees("calls")]
     values = [int(i.args) for c in inside for i in self.comps.get(c, {}).values() if i.opcode == "constant"
-              and re.fullmatch(r"-?\d+", i.args.strip()) and [a[:2] for a in _arrays(i.type)] in ([("s32", ())],
-                                                                                              [("s64", ())])]
+              and re.fullmatch(r"-?\d+", i.args.strip()) and [a[:2] for a in _arrays(i.type)] in _COUNTERS]
     if len(values) != 1:
       return None
     start, counter = 0, None
@@ -473,7 +476,23 @@ class _HloCosts:
       first = self.comps[comp].get(init.operands[counter])
       if first is not None and first.opcode == "constant" and re.fullmatch(r"-?\d+", first.args.strip()):
         start = int(first.args)
-    return values[0] - start
+    return -(-(values[0] - start) // self.step(loop, counter))
+
+  def step(self, loop: _Instruction, counter: int | None) -> int:
+    """What a loop's body adds to its counter (tuple element `counter`) per trip: the constant of `add(counter, k)`
+    at that place of the body's root tuple (XLA:TPU's bidirectional windowed einsums count by 2), else 1."""
+    body = self.comps.get(re.search(r"body" + _CALLEE, loop.attrs).group(1), {})
+    root = list(body.values())[-1] if body else None
+    if root is None or root.opcode != "tuple" or counter is None or counter >= len(root.operands):
+      return 1
+    new = body.get(root.operands[counter])
+    if new is None or new.opcode != "add":
+      return 1
+    for name in new.operands:
+      c = body.get(name)
+      if c is not None and c.opcode == "constant" and re.fullmatch(r"-?\d+", c.args.strip()) and int(c.args) > 0:
+        return int(c.args)
+    return 1
 
   def flops(self, comp: str, ins: _Instruction) -> int:
     if ins.opcode == "custom-call" and _CUBLAS.search(ins.attrs):   # XLA:GPU's matmuls: dot dims in the config
