@@ -151,7 +151,9 @@ def main(argv=None):
   for T in args.seq:
     ref_ms = None
     for impl in impls:
-      if impl == "torch.sdpa":
+      if impl == "torch.sdpa" and args.kv_heads not in (None, args.heads):
+        r = dict(impl=impl, T=T, skipped="GQA shapes are not timed for torch here")
+      elif impl == "torch.sdpa":
         r = bench_torch(args.batch, T, args.heads, args.head_dim, dtype, args.repeats)
       else:
         r = bench_one(impl, args.batch, T, args.heads, args.head_dim, dtype, blocks, args.repeats,
