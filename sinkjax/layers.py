@@ -34,6 +34,7 @@ import functools
 import math
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
@@ -207,9 +208,11 @@ class Attention(nnx.Module):
     """q, k, v before RoPE (what a KV cache stores, see `sinkjax.cache`); QK-norm applied here unless it comes after
     RoPE (rope_style "nanochat"), in which case `rotate` applies it."""
     B, T, _ = x.shape
-    q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
-    k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+    # Named for model.remat_policy=save_qkv_proj: the projections' own outputs, so that a rematerialized layer's
+    # backward recomputes QK-norm and RoPE (elementwise) but not these matmuls (QK-norm's backward needs its input).
+    q = checkpoint_name(self.q_proj(x), "q_proj").reshape(B, T, self.num_heads, self.head_dim)
+    k = checkpoint_name(self.k_proj(x), "k_proj").reshape(B, T, self.num_kv_heads, self.head_dim)
+    v = checkpoint_name(self.v_proj(x), "v_proj").reshape(B, T, self.num_kv_heads, self.head_dim)
     v = self.kind.values(self, x, v)
     if self.q_norm is not None and self.cfg.rope_style != "nanochat":
       q, k = self.q_norm(q), self.k_norm(k)

@@ -20,18 +20,20 @@ from sinkjax.layers import MLP, Attention, MoE, RMSNorm, default_positions, pop_
 from sinkjax.sharding import logical, target_platform
 
 # model.remat_policy: what a rematerialized layer keeps from its forward pass for the backward (everything else is
-# recomputed), by the names it saves (`checkpoint_name`: the attention kernel's "attention_*" in sinkjax.kernels.flash,
-# the attention sublayer's output "out_proj" in Block) and whether it also saves the weight matmuls' results (dots).
+# recomputed), by the names it saves (`checkpoint_name`: the attention kernel's outputs "attention_out" and
+# "attention_lse" in sinkjax.kernels.flash, the projections "q_proj", "k_proj", "v_proj" in sinkjax.layers, the attention
+# sublayer's output "out_proj" in Block) and whether it also saves the weight matmuls' results (dots).
 #   nothing        only the layer's input (least memory; the whole forward, attention kernel included, runs again)
 #   dots           the weight matmuls' results (MaxText's `minimal`); the attention kernel's forward runs again
-#   save_qkv_proj  q, k, v as the kernel reads them (MaxText's save_qkv_proj); the rest of the forward runs again
+#   save_qkv_proj  the q, k, v projections' outputs ("q_proj", "k_proj", "v_proj" in sinkjax.layers, before QK-norm
+#                  and RoPE; MaxText's save_qkv_proj); the rest of the forward runs again, the attention kernel too
 #   save_out_proj  the attention sublayer's output (MaxText's save_out_proj)
 #   save_attention dots and the kernel's outputs (out, LSE; MaxText's minimal_flash): nothing but elementwise
 #                  work is recomputed (most memory)
 # offload_<policy> (dots, qkv_proj, out_proj, attention): the same values moved to host memory and back instead of
 # kept in HBM (`jax.checkpoint_policies` offload policies; TPU and GPU only).
 _POLICY_NAMES = {"nothing": (False, ()), "dots": (True, ()),
-                 "save_qkv_proj": (False, ("attention_q", "attention_k", "attention_v")),
+                 "save_qkv_proj": (False, ("q_proj", "k_proj", "v_proj")),
                  "save_out_proj": (False, ("out_proj",)),
                  "save_attention": (True, ("attention_out", "attention_lse"))}
 

@@ -126,16 +126,21 @@ def _report(*overrides):
 
 def _by_hand(policy, loss_chunk=0, rows=ROWS):
   """(FLOPs, recomputed FLOPs) per chip of one train step: 6 x matmul weights x tokens, plus the attention kernels;
-  recomputed: the layers' matmuls again (2 x weights x tokens) unless saved (dots), except the MLP's down projection,
-  whose output no gradient needs; the kernel's forward unless its outputs are saved (save_attention); and with a
-  chunked loss the LM head's matmul (its scan body is rematerialized)."""
+  recomputed: the layers' matmuls again (2 x weights x tokens) unless saved (dots, or the ones a policy names),
+  except the MLP's down projection, whose output no gradient needs; the kernel's forward unless its outputs are saved
+  (save_attention); and with a chunked loss the LM head's matmul (its scan body is rematerialized)."""
   tokens = rows // 4 * T
   layer_weights = 4 * DM * H * HD + 2 * DM * 4 * DM             # q, k, v, o; MLP up and down
   head = DM * V
   fwd, bwd = _attention_flops(T, HD)
   heads = rows // 4 * H * L
   flops = 6 * (L * layer_weights + head) * tokens + heads * (fwd + bwd)
-  recompute = {None: 0, "nothing": 2 * L * (layer_weights - 4 * DM * DM) * tokens + heads * fwd, "dots": heads * fwd,
+  proj, up = DM * H * HD, DM * 4 * DM                            # one of q, k, v, o; the MLP's up projection
+  recompute = {None: 0, "nothing": 2 * L * (4 * proj + up) * tokens + heads * fwd, "dots": heads * fwd,
+               # the projections saved before QK-norm: o, up and the kernel's forward run again
+               "save_qkv_proj": 2 * L * (proj + up) * tokens + heads * fwd,
+               # the attention output saved: q, k, v (QK-norm's backward needs their matmuls' results), up, the kernel
+               "save_out_proj": 2 * L * (3 * proj + up) * tokens + heads * fwd,
                "save_attention": 0}[policy] + (2 * head * tokens if loss_chunk else 0)
   return flops + recompute, recompute
 
@@ -154,6 +159,8 @@ def _search():
 # one policy by default; the others repeat its ~25 s XLA:TPU compile
 @pytest.mark.parametrize("policy", [pytest.param(None, marks=pytest.mark.slow), "nothing",
                                     pytest.param("dots", marks=pytest.mark.slow),
+                                    pytest.param("save_qkv_proj", marks=pytest.mark.slow),
+                                    pytest.param("save_out_proj", marks=pytest.mark.slow),
                                     pytest.param("save_attention", marks=pytest.mark.slow)])
 def test_report_flops_equal_a_hand_count(policy):
   """Scanned layers (a while loop of 2 trips) and, with remat, a chunked loss (4 trips): the report counts every
