@@ -11,8 +11,8 @@ TINY = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
 def test_time_blocks_is_the_median_block_over_its_steps(monkeypatch):
-  """Each row runs one untimed block of 2 calls, then `rounds` timed blocks of `steps` calls, round-robin; the
-  result is the median block time / steps. With a clock that advances 1 s per call, a row whose calls cost k ticks
+  """Each row runs one untimed block of 2 calls, then `rounds` timed blocks of `steps` calls, round-robin with the
+  order rotating each round; the result is the median block time / steps. With a clock that advances 1 s per call, a row whose calls cost k ticks
   gives k s per step."""
   clock = [0.0]
   monkeypatch.setattr(bench_trainer.time, "perf_counter", lambda: clock[0])
@@ -25,7 +25,7 @@ def test_time_blocks_is_the_median_block_over_its_steps(monkeypatch):
     return run
   res = bench_trainer.time_blocks({"a": runner("a", 3.0), "b": runner("b", 0.5)}, steps=4, rounds=3)
   assert res == {"a": 3.0, "b": 0.5}
-  assert calls == [("a", 2), ("b", 2)] + [("a", 4), ("b", 4)] * 3
+  assert calls == [("a", 2), ("b", 2)] + [("a", 4), ("b", 4), ("b", 4), ("a", 4), ("a", 4), ("b", 4)]
 
 
 def test_one_segment_batch_by_hand():
