@@ -1,5 +1,5 @@
-"""Test session set-up: 8 simulated CPU devices (for the sharding tests) before JAX initializes, and one persistent
-compilation cache per test worker."""
+"""Test session set-up: 8 simulated CPU devices (for the sharding tests) before JAX initializes, XLA's cheaper
+compile mode, and one persistent compilation cache per test worker."""
 import os
 
 import pytest
@@ -7,6 +7,13 @@ import pytest
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# The suite's time is mostly XLA:CPU compiling small programs that then run for milliseconds: JAX's "disable most
+# optimizations" (LLVM at -O0, no expensive passes; the HLO passes still run, so programs and numerics keep their
+# form) cuts a test's compile time by about a quarter. Inherited by the commands the tests start. It moves float32
+# results by rounding (no fused multiply-adds): a test that compares at that level uses the fixture
+# `optimized_compile`; SINKJAX_TEST_OPTIMIZE=1 compiles the whole suite as users do.
+if os.environ.get("SINKJAX_TEST_OPTIMIZE", "0") != "1":
+  os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 _CACHE_ENV = {}
 
@@ -39,3 +46,16 @@ def pytest_configure(config):
 def compile_cache():
   """The run's compilation cache settings, as environment variables for a command (already in os.environ)."""
   return dict(_CACHE_ENV)
+
+
+@pytest.fixture
+def optimized_compile():
+  """The test's programs compiled with every optimization, as users' are (see JAX_DISABLE_MOST_OPTIMIZATIONS above):
+  for comparisons at float32 rounding (against transformers' logits, a scanned against an unrolled step)."""
+  import jax
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
