@@ -4,6 +4,7 @@ mapping, and that every row runs the trainer's own step on a CPU (no timing is a
 import pathlib
 
 import numpy as np
+import pytest
 
 from sinkjax.bench import trainer as bench_trainer
 
@@ -49,6 +50,7 @@ def test_chip_of_device_kinds():
   assert bench_trainer.chip_of(kind("cpu")) is None
 
 
+@pytest.mark.slow  # ~14 s of compiling: the CLI of a benchmark (as bench.train's and bench.attention's are)
 def test_every_row_runs_the_trainers_step_on_a_cpu(capsys):
   """tiny.yaml shrunk to 1 layer, 8 rows x 64 tokens (over the test session's 8 CPU devices): one round of one step per row; the table has every row with a positive
   time, and the CPU has no peak figures, so no MFU and no estimate."""

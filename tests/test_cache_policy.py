@@ -23,6 +23,10 @@ from tests.test_generate import random_model
 KNOBS = (jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0))
 
 
+
+# token-by-token decode loops: more time running than compiling, so compiled as users do (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("optimized_compile")
+
 def teacher_forced_logits(gen, tokens, prefill: int) -> np.ndarray:
   """Logits after tokens[:prefill] (one prefill) and after each later token (one decode step each)."""
   key = jax.random.key(0)

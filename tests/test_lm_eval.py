@@ -379,7 +379,7 @@ def nanochat_lm(nanochat_run):
   return sj.SinkjaxLM(pretrained=str(nanochat_run), batch_size=8, seed=3)
 
 
-def test_batch_sizes_one_and_eight_give_the_same_loglikelihoods(nanochat_lm):
+def test_batch_sizes_one_and_eight_give_the_same_loglikelihoods(nanochat_lm, optimized_compile):
   """And both equal a direct forward of each unpadded row (no HF class for this architecture: the reference is the
   model itself, one sequence at a time, log-softmax in NumPy)."""
   from lm_eval.api.instance import Instance

@@ -233,6 +233,8 @@ def test_exact_resume(tmp_path, compile_cache):
   assert cfg.model.vocab_size == tok.vocab_size == 257
 
 
+@pytest.mark.slow  # two training commands (~18 s); resuming with changed settings is checked by default in
+                   # test_config (another step count) and test_exact_resume
 def test_resume_with_other_data_settings_is_refused_not_set_aside(tmp_path, compile_cache):
   """A checkpoint whose data-iterator state does not fit the pipeline (data.shuffle_batches changed) is a settings
   error: one clear message, and the checkpoint stays where it is (it is not damaged, so it is not moved away)."""
