@@ -495,19 +495,14 @@ class _HloCosts:
     return 1
 
   def flops(self, comp: str, ins: _Instruction) -> int:
-    if ins.opcode == "custom-call" and _CUBLAS.search(ins.attrs):   # XLA:GPU's matmuls: dot dims in the config
-      lhs = self.dims(comp, ins.operands[0])
-      dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+    if ins.opcode == "dot" or (ins.opcode == "custom-call" and _CUBLAS.search(ins.attrs)):   # XLA:GPU's matmuls
+      lhs = self.dims(comp, ins.operands[0])                  # (a cuBLAS call has the dot's dimensions in its config)
+      dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}|"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
       if lhs is None or dims is None:
         return 0
-      return 2 * math.prod(_arrays(ins.type)[0][1]) * math.prod(lhs[int(d.strip('" '))] for d in
-                                                                dims.group(1).split(",") if d.strip('" '))
-    if ins.opcode == "dot":
-      lhs = self.dims(comp, ins.operands[0])
-      dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
-      if lhs is None or dims is None:
-        return 0
-      return 2 * math.prod(_arrays(ins.type)[0][1]) * math.prod(lhs[int(d)] for d in dims.group(1).split(",") if d)
+      listed = dims.group(1) if dims.group(1) is not None else dims.group(2)
+      contracting = [int(d.strip('" ')) for d in listed.split(",") if d.strip('" ')]
+      return 2 * math.prod(_arrays(ins.type)[0][1]) * math.prod(lhs[d] for d in contracting)
     if ins.opcode == "convolution":
       return self.conv_flops(comp, ins)
     return 0
