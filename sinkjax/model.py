@@ -128,8 +128,14 @@ class Transformer(nnx.Module):
     self.x0_lambdas = nnx.Param(jnp.zeros((L,), pdt)) if cfg.residual_scalars else None
 
   def embed_tokens(self, tokens):
-    """The residual stream's start x0 [B,T,d_model] (the normed embedding where model.embed_norm, as nanochat)."""
-    x = self.embed(tokens)
+    """The residual stream's start x0 [B,T,d_model] (the normed embedding where model.embed_norm, as nanochat).
+    The rows are gathered from the table in its own dtype (model.param_dtype) and cast to model.dtype after, not
+    cast then gathered as nnx.Embed does: the same values, but the gradient's scatter-add of the B*T rows into the
+    table then accumulates in float32. In bfloat16 it was both lossy (a common token's thousands of rows summed
+    at 8 bits) and, on a GPU, slow: XLA's bf16 scatter-add on an H100 took 101 of a 127 ms step of
+    configs/streaming_vanilla.yaml, and it drew the trainer's step 50 ms apart from bench.train's (docs/PERF.md)."""
+    table = self.embed.embedding[...]
+    x = jnp.take(table, tokens, axis=0).astype(self.embed.dtype or table.dtype)
     return _norm(x, self.cfg.norm_eps) if self.cfg.embed_norm else x
 
   def block_input(self, i: int, x, x0):

@@ -141,3 +141,28 @@ def test_forward_matches_materialized_reference(variant):
   np.testing.assert_allclose(np.asarray(imp), np.asarray(ref_imp), atol=2e-5, rtol=1e-4)
   assert np.asarray(imp).shape == (cfg.num_layers, cfg.num_heads)
   assert np.ptp(np.asarray(logits)[real]) > 1.0                          # a non-trivial function was compared
+
+
+def test_embedding_gradient_accumulates_in_float32():
+  """In a bfloat16 model the embedding's gradient sums, per table row, the cotangents of every position holding that
+  token; it must be summed in float32 (the table's dtype), not in bfloat16. Against np.add.at in float64 of the same
+  bfloat16 cotangents: 4,096 positions of one token, where a bfloat16 running sum (8 bits) is off by percents."""
+  cfg = load_config(str(CONFIGS / "tiny.yaml"), [
+      "model.num_layers=1", "model.d_model=32", "model.num_heads=4", "model.num_kv_heads=4", "model.head_dim=8",
+      "model.vocab_size=64", "model.dtype=bfloat16", "model.param_dtype=float32", "model.embed_norm=false"]).model
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  tokens = np.where(rng.random((8, 1024)) < 0.5, 7, rng.integers(0, 64, (8, 1024))).astype(np.int32)
+  cot = jnp.asarray(rng.normal(size=(8, 1024, 32)) + 1.0, jnp.bfloat16)     # a mean, so the sums grow
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def f(p):
+    x = nnx.merge(graphdef, p, rest).embed_tokens(jnp.asarray(tokens))
+    assert x.dtype == jnp.bfloat16
+    return jnp.sum(x.astype(jnp.float32) * cot.astype(jnp.float32))
+
+  grad = np.asarray(jax.grad(f)(params)["embed"]["embedding"][...])
+  want = np.zeros((grad.shape[0], 32))
+  np.add.at(want, tokens.ravel(), np.asarray(cot.astype(jnp.float32), np.float64).reshape(-1, 32))
+  assert (tokens == 7).sum() > 4000
+  np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-3)
