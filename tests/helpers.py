@@ -94,6 +94,19 @@ def run_command(module: str, *args, timeout: float = 600, **kw) -> subprocess.Co
   return finish(start_command(module, *args, **kw), timeout)
 
 
+def call_main(main, argv, capsys) -> subprocess.CompletedProcess:
+  """A command's `main(argv)` called in this process, its status and output (captured by pytest's capsys) as
+  `finish` gives them for a subprocess: for the user-error cases of a command, which fail before any compile, at a
+  fraction of a subprocess's start-up (importing JAX and sinkjax: seconds of CPU each)."""
+  capsys.readouterr()
+  try:
+    status = main(list(map(str, argv)))
+  except SystemExit as e:                  # argparse's errors and --help
+    status = e.code
+  out = capsys.readouterr()
+  return subprocess.CompletedProcess(list(argv), status, out.out, out.err)
+
+
 def one_error_line(result: subprocess.CompletedProcess, status: int = 1) -> str:
   """The one line on stderr of a command that failed with `status` (no traceback, nothing else)."""
   lines = [l for l in result.stderr.splitlines() if l.strip()]

@@ -113,8 +113,10 @@ SMALL = ["model.num_layers=1", "train.optimizer=adamw", "model.d_model=128", "mo
          "data.seq_len=256", "model.max_seq_len=256", "model.vocab_size=257", "train.batch_size=8", "mesh.data=1"]
 
 
-@pytest.mark.parametrize("topology, chips", [("v5e:2x2", 4),
-                                             pytest.param("v5e:2x4", 8, marks=pytest.mark.slow)])  # the same, 8 chips
+# Slow (two XLA:TPU compiles, ~21 s with the suite running): by default the command compiles and reports its numbers
+# in test_a_config_that_cannot_fit_is_one_line_and_exit_1, and test_compile_speed checks the report against hand counts.
+@pytest.mark.slow
+@pytest.mark.parametrize("topology, chips", [("v5e:2x2", 4), ("v5e:2x4", 8)])
 def test_compile_reports_what_the_compiler_says(tmp_path, topology, chips):
   """The CLI's table and JSON carry memory_analysis()'s numbers for the train step it built (checked against a
   separate compile of the same Program), per chip of a 4- and an 8-chip slice."""

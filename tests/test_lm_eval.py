@@ -35,6 +35,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from sinkjax import lm_eval as sj  # noqa: E402  (after the environment above)
+from tests.helpers import call_main  # noqa: E402
+
+# One worker runs the module: its imported toy and the hf backend's reference results (module fixtures, ~10 s) are
+# built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("lm_eval")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MAX_LEN = 64                                              # the toy's max_position_embeddings: rolling windows cut
@@ -449,8 +454,7 @@ def _one_line_error(capsys, argv) -> str:
 
 
 def test_errors_are_one_line_and_exit_1(toy, tmp_path, capsys):
-  res = subprocess.run([sys.executable, "-m", "sinkjax.lm_eval", "--checkpoint", str(tmp_path / "nope"), "--tasks",
-                        "arc_easy"], capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  res = call_main(sj.main, ["--checkpoint", tmp_path / "nope", "--tasks", "arc_easy"], capsys)
   assert res.returncode == 1
   assert res.stderr.strip() == f"sinkjax.lm_eval: error: run directory {tmp_path / 'nope'} does not exist"
   (tmp_path / "empty").mkdir()

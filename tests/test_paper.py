@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sinkjax.experiments import paper
-from tests.helpers import run_command
+from tests.helpers import call_main, run_command
 
 
 def test_table1_means_stds_and_paired_differences_by_hand():
@@ -122,7 +122,9 @@ def run_cli(argv):
   return run_command("sinkjax.experiments.paper", *argv, timeout=900)
 
 
-def test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs(tmp_path):
+def test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs(tmp_path, capsys):
+  """The command trains and evaluates the grid; run again it skips what finished, and --report-only trains
+  nothing (those two call its main in this process: the same code without a second interpreter's start-up)."""
   argv = ["--scale", "smoke", "--variants", "sink", "--seeds", "1", "--out", str(tmp_path)]
   p = run_cli(argv)
   assert p.returncode == 0, p.stderr[-2000:]
@@ -132,11 +134,11 @@ def test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs(tmp_p
                for n in ("sink_base_s0", "sink_aux_s0"))
   assert res["table1"]["sink"]["aux_minus_base"]["val_bpb"]["values"] == pytest.approx([aux - base])
   stamp = (tmp_path / "runs" / "sink_base_s0" / "done.json").stat().st_mtime_ns
-  p = run_cli(argv)
+  p = call_main(paper.main, argv, capsys)
   assert p.returncode == 0 and p.stdout.count("done before, skipped") == 2 and "sinkjax.train" not in p.stdout
   assert (tmp_path / "runs" / "sink_base_s0" / "done.json").stat().st_mtime_ns == stamp
   # A bigger grid with --report-only trains nothing and reports what finished.
-  p = run_cli(argv[:-4] + ["--seeds", "2", "--out", str(tmp_path), "--report-only"])
+  p = call_main(paper.main, argv[:-4] + ["--seeds", "2", "--out", str(tmp_path), "--report-only"], capsys)
   assert p.returncode == 0 and "sinkjax.train" not in p.stdout and not (tmp_path / "runs" / "sink_base_s1").exists()
   assert "Finished runs: 2 of 4" in (tmp_path / "results.md").read_text()
 

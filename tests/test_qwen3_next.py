@@ -115,9 +115,9 @@ def test_importance_and_aux_loss_cover_the_full_attention_layers_only(ours):
   """[L_full, H] importances: eq. 5 for layer 3's elementwise gate, recomputed from its normed input by hand (the
   gate is sigmoid of a half of q_proj, averaged over tokens and head dims); the aux loss balances that row."""
   tokens = jnp.asarray(_tokens(2, 17, seed=3))
-  _, imp = forward_with_importance(ours, tokens)
+  _, imp = nnx.jit(forward_with_importance)(ours, tokens)          # one compile, not op by op (~10 s eager)
   assert imp.shape == (1, 4) and ours.cfg.head_layers == (3,)
-  ours(tokens, record=True)
+  nnx.jit(lambda model, x: model(x, record=True))(ours, tokens)
   x = np.asarray(nnx.pop(ours, nnx.Intermediate)["layers"][2]["hidden"].value, np.float64)      # layer 3's input
   scale = np.asarray(ours.layers[3].attn_norm.scale[...], np.float64)
   xn = x / np.sqrt((x * x).mean(-1, keepdims=True) + ours.cfg.norm_eps) * scale

@@ -56,9 +56,10 @@ def smol(tmp_path_factory):
   hf_convert.convert(gguf, run, dtype="float32")
   model, cfg, tok, _ = load_run(run)
   transformers.logging.set_verbosity_error()
-  hf_tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-  hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                               dtype=torch.float32).eval()
+  with real_model.parsed_once(gguf):
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                 dtype=torch.float32).eval()
   return {"gguf": gguf, "run": run, "model": model, "cfg": cfg, "tok": tok, "hf_tok": hf_tok, "hf": hf_model}
 
 

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 from sinkjax import balance, optim
+from sinkjax import train as train_lib
 from sinkjax.config import load_config
 from sinkjax.data import build_tokenizer, make_train_iterator
 from sinkjax.cli import Interrupted
@@ -27,7 +28,7 @@ from sinkjax.model import Transformer
 from sinkjax.run import read_metrics
 from sinkjax.step import TRAIN_FEATURES, make_train_step
 from sinkjax.train import TrainError, train
-from tests.helpers import TINY, finish, losses, one_error_line, start_command
+from tests.helpers import TINY, call_main, finish, losses, one_error_line, start_command
 SMALL = ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=16",
          "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=16", "train.log_every=1", "train.eval_batches=1",
          "train.eval_every=0", "checkpoint.every=100"]
@@ -366,9 +367,10 @@ def _digest(run_dir):
           if p.is_file()}
 
 
-def test_cli_smoke_and_user_errors(tmp_path, compile_cache):
+def test_cli_smoke_and_user_errors(tmp_path, compile_cache, capsys):
   """configs/tiny.yaml through the CLI leaves a complete run directory; user errors are one line on stderr with
-  a non-zero exit and leave an existing run directory untouched. The error cases run concurrently."""
+  a non-zero exit and leave an existing run directory untouched. One error case runs as a command beside the smoke
+  run; the others call the command's main in this process meanwhile (the same code after the interpreter starts)."""
   run_dir = tmp_path / "tiny"
   smoke = start_command("sinkjax.train", "--config", "configs/tiny.yaml", "train.steps=4", "train.batch_size=4",
                         "train.log_every=2", "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2",
@@ -383,17 +385,15 @@ def test_cli_smoke_and_user_errors(tmp_path, compile_cache):
       "unwritable run dir": ([f"run.dir={blocker}/run"], "is not writable"),
       "not an override": (["steps"], "must look like section.key=value"),
   }
-  procs = {name: start_command("sinkjax.train", "--config", "configs/tiny.yaml", *args, env=compile_cache)
-           for name, (args, _) in bad.items()}
-  missing_cfg = start_command("sinkjax.train", "--config", "configs/nope.yaml", env=compile_cache)
-  help_ = start_command("sinkjax.train", "--help", env=compile_cache)
-  no_args = start_command("sinkjax.train", env=compile_cache)
-  for name, (_, expect) in bad.items():
-    line = one_error_line(finish(procs[name]))
+  as_command = start_command("sinkjax.train", "--config", "configs/tiny.yaml", *bad["unknown key"][0],
+                             env=compile_cache)
+  for name, (args, expect) in bad.items():
+    line = one_error_line(call_main(train_lib.main, ["--config", TINY, *args], capsys))
     assert expect in line, (name, line)
-  assert "does not exist" in one_error_line(finish(missing_cfg))
-  assert "--config" in one_error_line(finish(no_args), status=2)
-  help_ = finish(help_)
+  assert bad["unknown key"][1] in one_error_line(finish(as_command))
+  assert "does not exist" in one_error_line(call_main(train_lib.main, ["--config", tmp_path / "nope.yaml"], capsys))
+  assert "--config" in one_error_line(call_main(train_lib.main, [], capsys), status=2)
+  help_ = call_main(train_lib.main, ["--help"], capsys)
   assert help_.returncode == 0 and help_.stdout.startswith("usage:") and "section.key=value" in help_.stdout
 
   smoke = finish(smoke)
@@ -416,8 +416,8 @@ def test_cli_smoke_and_user_errors(tmp_path, compile_cache):
 
   # An existing run directory survives a mismatching command untouched.
   before = _digest(run_dir)
-  line = one_error_line(finish(start_command("sinkjax.train", "--config", "configs/tiny.yaml", "model.num_layers=3",
-                                            f"run.dir={run_dir}", env=compile_cache)))
+  line = one_error_line(call_main(train_lib.main, ["--config", TINY, "model.num_layers=3",
+                                                   f"run.dir={run_dir}"], capsys))
   assert "different model (num_layers)" in line
   assert _digest(run_dir) == before
 

@@ -89,7 +89,9 @@ def metrics(run_dir) -> dict:
   return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_offline_run_holds_the_history_and_a_resume_continues_the_run_id(tmp_path, compile_cache):
+# The resume (a second training command, ~9 s) is slow; by default the first run's W&B history is checked.
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_offline_run_holds_the_history_and_a_resume_continues_the_run_id(tmp_path, compile_cache, resume):
   run_dir, wandb_dir = tmp_path / "run", tmp_path / "wandb_dir"
   wandb_dir.mkdir()
   res = train(run_dir, 6, wandb_dir, env=compile_cache)      # the resume below reuses the compiled steps
@@ -113,6 +115,8 @@ def test_offline_run_holds_the_history_and_a_resume_continues_the_run_id(tmp_pat
   assert cfg["model"]["attention"] == "sink" and cfg["train"]["steps"] == 6
   assert cfg["logging"]["wandb_tags"] == ["tiny", "offline"] and cfg["run"]["dir"] == str(run_dir)
 
+  if not resume:
+    return
   # the same command with more steps resumes from the checkpoint of step 6 and continues the same W&B run
   res = train(run_dir, 10, wandb_dir, env=compile_cache)
   assert res.returncode == 0, res.stderr[-3000:]

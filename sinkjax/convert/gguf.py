@@ -119,16 +119,26 @@ def to_hf_dir(path, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
   if _block_loaded(arch):
     raise ConvertError(f"{path.name} is a {arch!r} model, which transformers reads with its own block loader, not "
                        "tensor by tensor; import the model's Hugging Face safetensors instead")
+  gguf = _gguf()
+  parse = gguf.GGUFReader
+
+  def parsed_once(file, *args, **kwargs):
+    """gguf.GGUFReader for transformers' readers of this file: the reader parsed above (parsing the metadata, a
+    50k-token vocabulary and its merges, takes seconds, and transformers parses the file once for the tokenizer and
+    once for the config)."""
+    same = not args and not kwargs and pathlib.Path(file).resolve() == path.resolve()
+    return reader if same else parse(file, *args, **kwargs)
+
   try:
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    parsed = hf_gguf.load_gguf_checkpoint(str(path), return_tensors=False)["config"]   # metadata only
+    with unittest.mock.patch.object(gguf, "GGUFReader", parsed_once):
+      tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+      parsed = hf_gguf.load_gguf_checkpoint(str(path), return_tensors=False)["config"]   # metadata only
     config = transformers.AutoConfig.for_model(**parsed)                # as AutoConfig.from_pretrained(gguf_file=)
     with torch.device("meta"):                                          # names only: nothing allocated
       skeleton = transformers.AutoModelForCausalLM.from_config(config)
     processor = hf_gguf.TENSOR_PROCESSORS.get(arch, hf_gguf.TensorProcessor)(config=parsed)
     # GGUF tensor name -> Hugging Face name. transformers rebuilds gguf's name table (arch, layers) for every
     # submodule it recurses into (seconds for 30 layers, quadratic in depth): the same table, built once.
-    gguf = _gguf()
     with unittest.mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
       names = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
   except (ValueError, KeyError, NotImplementedError) as e:
