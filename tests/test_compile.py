@@ -23,6 +23,7 @@ from sinkjax import compile as compile_lib  # noqa: E402
 from sinkjax.attention import gated_attention, sink_attention  # noqa: E402
 from sinkjax.config import load_config  # noqa: E402
 from sinkjax.kernels import BlockSizes, flash_attention  # noqa: E402
+from tests.helpers import call_main  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -176,10 +177,10 @@ def test_a_config_that_cannot_fit_is_one_line_and_exit_1(tmp_path):
   assert "model.remat=true" in err[0] and "fits                         NO" in r.stdout
 
 
-def test_user_errors_are_one_line(tmp_path):
+def test_user_errors_are_one_line(tmp_path, capsys):
+  """(The command's main, called in this process: both errors come before any compile.)"""
   for args, needle in ((["--topology", "v9x-8"], "--topology 'v9x-8'"),
                        (["--topology", "v5e:2x2", "data.tokenizer=/nonexistent/tokenizer.json"], "model.vocab_size=")):
-    r = subprocess.run([sys.executable, "-m", "sinkjax.compile", "--config", TINY, *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = call_main(compile_lib.main, ["--config", TINY, *args], capsys)
     err = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 1 and len(err) == 1 and needle in err[0], r.stderr[-2000:]
