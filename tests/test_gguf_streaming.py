@@ -24,10 +24,16 @@ SHARD = 32 * 2**20          # small enough that SmolLM2's 538 MB of float32 make
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory):
   """(the .gguf file, the directory to_hf_dir wrote with SHARD-byte files, its summary with `traced_peak`: the most
-  bytes Python's allocator (numpy's arrays included) held at once while the tensors were converted, by tracemalloc)."""
+  bytes Python's allocator (numpy's arrays included) held at once while the tensors were converted, by tracemalloc;
+  and `parsed`: the files gguf.GGUFReader was called on, by anyone, during the conversion)."""
+  import gguf
   tmp = tmp_path_factory.mktemp("gguf")
   path = real_model.smollm2_gguf(tmp)
-  write, traced = gguf_lib._write_tensors, {}
+  write, traced, parse, parsed = gguf_lib._write_tensors, {}, gguf.GGUFReader, []
+
+  def counted_parse(*args, **kwargs):
+    parsed.append(args[0] if args else kwargs)
+    return parse(*args, **kwargs)
 
   def traced_write(*args, **kwargs):
     tracemalloc.start()
@@ -39,8 +45,16 @@ def streamed(tmp_path_factory):
 
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(gguf_lib, "_write_tensors", traced_write)
+    mp.setattr(gguf, "GGUFReader", counted_parse)
     info = gguf_lib.to_hf_dir(path, tmp / "hf", shard_bytes=SHARD)
-  return path, tmp / "hf", {**info, "traced_peak": traced["peak"]}
+  return path, tmp / "hf", {**info, "traced_peak": traced["peak"], "parsed": parsed}
+
+
+def test_the_file_is_parsed_once(streamed):
+  """gguf.GGUFReader reads the file's metadata (SmolLM2's 49k-token vocabulary and merges: ~5 s on 2 cores) once:
+  transformers' tokenizer and config readers, which open the file themselves, are handed that reader."""
+  path, _, info = streamed
+  assert [str(p) for p in info["parsed"]] == [str(path)]
 
 
 def _files(out: pathlib.Path) -> dict:
