@@ -7,12 +7,14 @@ gradient computed another way, plus a profile of each for the kernels' times.
 Rows (ms per step, median of --rounds blocks of --steps steps, each block waited for):
   batch i        the jitted step on device batch i alone, i = 0..7 (the data's first eight batches)
   cycle          the eight in turn, one per step (what the trainer does)
-Then the same with the token embedding looked up another way (--forms): `take` as flax's nnx.Embed (the table
-cast to the compute dtype, then gathered: the gradient a bf16 scatter-add of [B*T, d] into [V, d]), `one-hot`
-(one_hot(tokens) @ E, the gradient a matmul), `take-f32` (gathered from the float32 table, cast after: the
-scatter-add in float32); with --profile a jax.profiler trace (trace.json.gz) of 5 steps on batch 0 and of 5
-cycling steps of each form, in --out. Per batch it prints the count of the commonest token id
-(the scatter's contention) and the number of documents.
+Then the same with the token embedding looked up another way (--forms): `nnx-embed` as flax's nnx.Embed does it
+(the table cast to the compute dtype, then gathered: the gradient a bf16 scatter-add of [B*T, d] into [V, d]; sinkjax
+did this before 2026-11-26), `one-hot` (one_hot(tokens) @ E, the gradient a matmul), `library` (sinkjax's
+`Transformer.embed_tokens` as it is: gathered from the float32 table, cast after, the scatter-add in float32); with
+--profile a jax.profiler trace (trace.json.gz) of 5 steps on batch 0 and of 5 cycling steps of each form, in --out.
+Per batch it prints the count of the commonest token id (the scatter's contention) and the number of documents.
+(The logs in docs/results/gpu_h100/batch_cost/ name the forms as they were then: `take` for nnx-embed, `take-f32`
+for library.)
 """
 from __future__ import annotations
 
@@ -24,28 +26,24 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
-def one_hot_embed(self, tokens):
-  """Transformer.embed_tokens with the lookup as a one-hot matmul (same values; the gradient a dot)."""
-  from sinkjax import model as model_lib  # pylint: disable=import-outside-toplevel
-  table = self.embed.embedding[...].astype(self.embed.dtype or self.embed.embedding[...].dtype)
-  x = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype) @ table
-  return model_lib._norm(x, self.cfg.norm_eps) if self.cfg.embed_norm else x  # pylint: disable=protected-access
+def _lookup(rows_of):
+  """Transformer.embed_tokens with the rows looked up by rows_of(nnx.Embed module, tokens)."""
+  def embed_tokens(self, tokens):
+    from sinkjax import model as model_lib  # pylint: disable=import-outside-toplevel
+    x = rows_of(self.embed, tokens)
+    return model_lib._norm(x, self.cfg.norm_eps) if self.cfg.embed_norm else x  # pylint: disable=protected-access
+  return embed_tokens
 
 
-def f32_take_embed(self, tokens):
-  """Transformer.embed_tokens with the lookup from the float32 table, cast after (same values; the gradient's
-  scatter-add accumulates in float32)."""
-  from sinkjax import model as model_lib  # pylint: disable=import-outside-toplevel
-  table = self.embed.embedding[...]
-  x = jnp.take(table, tokens, axis=0).astype(self.embed.dtype or table.dtype)
-  return model_lib._norm(x, self.cfg.norm_eps) if self.cfg.embed_norm else x  # pylint: disable=protected-access
+def _one_hot(embed, tokens):
+  table = embed.embedding[...].astype(embed.dtype or embed.embedding[...].dtype)
+  return jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype) @ table
 
 
-FORMS = {"one-hot": one_hot_embed, "take-f32": f32_take_embed}
+FORMS = {"nnx-embed": _lookup(lambda embed, tokens: embed(tokens)), "one-hot": _lookup(_one_hot), "library": None}
 
 
 def run(cfg_path, overrides, out: Path, steps: int, rounds: int, form: str, single: int, profile: bool) -> dict:
@@ -55,7 +53,7 @@ def run(cfg_path, overrides, out: Path, steps: int, rounds: int, form: str, sing
   from sinkjax.train import Trainer  # pylint: disable=import-outside-toplevel
   from sinkjax import model as model_lib  # pylint: disable=import-outside-toplevel
   original = model_lib.Transformer.embed_tokens
-  if form in FORMS:
+  if FORMS[form] is not None:
     model_lib.Transformer.embed_tokens = FORMS[form]
   try:
     with tempfile.TemporaryDirectory(prefix="sinkjax-batch-cost-") as tmp:
@@ -106,7 +104,7 @@ def main(argv=None) -> int:
   p.add_argument("--out", default="/tmp/sinkjax-batch-cost")
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--rounds", type=int, default=3)
-  p.add_argument("--forms", nargs="+", default=["take", "one-hot"], choices=["take", "one-hot", "take-f32"])
+  p.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
   p.add_argument("--single", type=int, default=8, help="rows of one batch alone (0..8)")
   p.add_argument("--profile", action="store_true", help="write the traces")
   a = p.parse_args(argv)
@@ -114,8 +112,8 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   print(f"# {a.config} {' '.join(a.overrides)} on {jax.devices()[0].device_kind}; {a.rounds} rounds of {a.steps} "
         "steps per row", flush=True)
-  results = {form: run(a.config, a.overrides, out, a.steps, a.rounds, form, a.single,
-                                                     a.profile) for form in a.forms}
+  results = {form: run(a.config, a.overrides, out, a.steps, a.rounds, form, a.single, a.profile)
+             for form in a.forms}
   names = list(next(iter(results.values()))["ms"])
   stats = next(iter(results.values()))["stats"]
   print("\n| row | commonest token count | distinct tokens | documents | "

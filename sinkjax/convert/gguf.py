@@ -17,6 +17,7 @@ was quantized from).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import pathlib
@@ -99,6 +100,22 @@ def inspect(path, reader=None) -> dict:
 SHARD_BYTES = 128 * 2**20       # the safetensors file being written is held in host memory until it is written
 
 
+@contextlib.contextmanager
+def sharing_reader(path, reader):
+  """Within the block, gguf.GGUFReader(path), called by anyone (transformers' GGUF tokenizer, config and tensor
+  loaders each open the file themselves), returns `reader`, the file already parsed: parsing the metadata (a
+  50k-token vocabulary and its merges) takes seconds. Other files and other arguments are parsed as usual."""
+  gguf = _gguf()
+  parse, path = gguf.GGUFReader, pathlib.Path(path).resolve()
+
+  def reuse(file, *args, **kwargs):
+    same = not args and not kwargs and pathlib.Path(file).resolve() == path
+    return reader if same else parse(file, *args, **kwargs)
+
+  with unittest.mock.patch.object(gguf, "GGUFReader", reuse):
+    yield
+
+
 def to_hf_dir(path, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
   """Writes the GGUF file's model as a Hugging Face directory into `out_dir` (config.json, safetensors files of at
   most `shard_bytes` each (or one tensor) with model.safetensors.index.json, generation_config.json, the tokenizer
@@ -120,17 +137,8 @@ def to_hf_dir(path, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
     raise ConvertError(f"{path.name} is a {arch!r} model, which transformers reads with its own block loader, not "
                        "tensor by tensor; import the model's Hugging Face safetensors instead")
   gguf = _gguf()
-  parse = gguf.GGUFReader
-
-  def parsed_once(file, *args, **kwargs):
-    """gguf.GGUFReader for transformers' readers of this file: the reader parsed above (parsing the metadata, a
-    50k-token vocabulary and its merges, takes seconds, and transformers parses the file once for the tokenizer and
-    once for the config)."""
-    same = not args and not kwargs and pathlib.Path(file).resolve() == path.resolve()
-    return reader if same else parse(file, *args, **kwargs)
-
   try:
-    with unittest.mock.patch.object(gguf, "GGUFReader", parsed_once):
+    with sharing_reader(path, reader):       # transformers parses the file for the tokenizer and for the config
       tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
       parsed = hf_gguf.load_gguf_checkpoint(str(path), return_tensors=False)["config"]   # metadata only
     config = transformers.AutoConfig.for_model(**parsed)                # as AutoConfig.from_pretrained(gguf_file=)
