@@ -27,7 +27,8 @@ from sinkjax import config as config_lib
 from sinkjax import sharding as sharding_lib
 from sinkjax.checkpoint import CHECKPOINT_DIR, CheckpointError, Checkpointer, abstract_with_shardings, restore_newest
 from sinkjax.config import Config, ConfigError, MeshConfig
-from sinkjax.data import build_tokenizer, make_eval_batches
+from sinkjax.data import DataError, build_tokenizer, make_eval_batches
+from sinkjax.data.tokenizers import same_vocabulary
 from sinkjax.model import Transformer, forward_with_importance
 
 CONFIG_FILE = "config.yaml"
@@ -88,6 +89,7 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None, overrides=(),
   if not run_dir.is_dir():
     raise CheckpointError(f"run directory {run_dir} does not exist")
   cfg = read_run_config(run_dir)
+  own_tokenizer = cfg.data.tokenizer
   if overrides:
     config_lib.apply_overrides(cfg, overrides)
   if not (run_dir / CHECKPOINT_DIR).is_dir():
@@ -98,9 +100,7 @@ def load_run(run_dir: str | pathlib.Path, step: int | None = None, overrides=(),
     raise CheckpointError(f"{run_dir} has no checkpoint in {CHECKPOINT_DIR}/; train it first")
   if step is not None and step not in steps:
     raise CheckpointError(f"{run_dir} has no checkpoint at step {step} (available: {sorted(steps)})")
-  tokenizer = build_tokenizer(cfg.data)
-  if cfg.model.vocab_size == 0:
-    cfg.model.vocab_size = tokenizer.vocab_size
+  tokenizer = model_tokenizer(cfg, own_tokenizer, f"run {run_dir}", "its")
   if mesh is None:
     mesh = sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
   elif isinstance(mesh, str):
@@ -261,10 +261,49 @@ def adopt_init_model(cfg: Config) -> Config | None:
     raise ConfigError(f"train.init_from {src!r} holds a different model: {', '.join(diff)}; set these keys to the "
                       "imported model's (e.g. as overrides)")
   cfg.model = dataclasses.replace(init_cfg.model, **{k: getattr(cfg.model, k) for k in RESUMABLE_MODEL_KEYS})
-  if cfg.data.tokenizer in ("", "bytes") and init_cfg.data.tokenizer not in ("", "bytes"):
+  if _names_no_tokenizer(cfg.data.tokenizer):
     cfg.data.tokenizer = init_cfg.data.tokenizer   # the model's own tokenizer (an import's RUN/tokenizer/), not bytes
+  model_tokenizer(cfg, init_cfg.data.tokenizer, f"train.init_from {src!r}", "the imported model's")
   config_lib.validate(cfg)
   return init_cfg
+
+
+def _names_no_tokenizer(spec) -> bool:
+  return str(spec or "").strip() in ("", "bytes")
+
+
+def model_tokenizer(cfg: Config, own: str, whose: str, owner: str):
+  """The tokenizer of `cfg.data.tokenizer` for a model whose own tokenizer is `own` (the data.tokenizer its run was
+  trained or imported with), checked where a model and a tokenizer meet (train.init_from, load_run's overrides):
+  another tokenizer is accepted only when its vocabulary is the model's own (the same token -> id table, so the
+  same embedding rows), and any tokenizer must fit the embedding. A model's ids read through another vocabulary are
+  never what a user means; a mismatch is a ConfigError (one line) before any step or forward pass. Sets
+  model.vocab_size from the tokenizer where the config leaves it 0."""
+  try:
+    tokenizer = build_tokenizer(cfg.data)
+  except DataError as e:
+    if str(cfg.data.tokenizer).strip() == str(own).strip():
+      raise
+    raise ConfigError(f"{e}; {whose}'s own tokenizer is data.tokenizer={own!r}: set that, or data.tokenizer='' "
+                      "to use it") from None
+  if str(cfg.data.tokenizer).strip() != str(own).strip():
+    try:
+      own_tok = build_tokenizer(dataclasses.replace(cfg.data, tokenizer=own))
+    except DataError as e:
+      raise ConfigError(f"{whose}: its own tokenizer cannot be read to compare with data.tokenizer "
+                        f"{cfg.data.tokenizer!r} ({e})") from None
+    if not same_vocabulary(tokenizer, own_tok):
+      raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r} ({tokenizer.vocab_size:,} tokens) is not the "
+                        f"vocabulary of {whose} ({owner} own tokenizer {own!r}, {own_tok.vocab_size:,} tokens): "
+                        "its ids would index other embedding rows; drop data.tokenizer (data.tokenizer='') to use "
+                        "the model's own")
+  if cfg.model.vocab_size == 0:
+    cfg.model.vocab_size = tokenizer.vocab_size
+  elif tokenizer.vocab_size > cfg.model.vocab_size:
+    raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r} has {tokenizer.vocab_size:,} tokens, more than the "
+                      f"{cfg.model.vocab_size:,} rows of {whose}'s embedding (model.vocab_size); use the model's own "
+                      "tokenizer")
+  return tokenizer
 
 
 def restore_init_params(cfg: Config, init_cfg: Config, mesh):

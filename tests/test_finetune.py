@@ -151,3 +151,69 @@ def test_eval_reads_an_sft_run_with_its_own_examples(finetuned):
   batch = make_eval_batches(cfg.data, build_tokenizer(cfg.data), batch_size=4, num_batches=1)[0]
   assert 0 < batch["loss_mask"].sum() < (batch["segment_ids"] != 0).sum()      # prompts carry no loss
   assert report["eval_tokens"] == int(batch["loss_mask"].sum())
+
+
+def _other_tokenizer(path):
+  """A tokenizer of the same size as the model's whose ids mean other words (w1 <-> w2 swapped)."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  vocab = {"<s>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+  vocab["w1"], vocab["w2"] = 2, 1
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  path.mkdir(parents=True, exist_ok=True)
+  tok.save(str(path / "tokenizer.json"))
+  return path / "tokenizer.json"
+
+
+def _finetune_cfg(base, tmp, *overrides):
+  from sinkjax.config import load_config
+  return load_config("configs/finetune_llama3.yaml", [
+      "model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
+      f"train.init_from={base}", f"data.source={tmp / 'sft.jsonl'}", f"run.dir={tmp / 'never'}", *overrides])
+
+
+def test_an_imported_model_is_finetuned_on_its_own_tokenizer(finetuned):
+  """The fine-tune configs inherit base.yaml (whose data.tokenizer is a 65,536-token BPE): they name the model's own
+  tokenizer (data.tokenizer ''), so init_from's RUN/tokenizer is the one used; a tokenizer with the same vocabulary
+  elsewhere is accepted, one with another vocabulary (or base.yaml's path) is refused in one line before any step."""
+  from sinkjax.config import ConfigError
+  from sinkjax.data import build_tokenizer
+  from sinkjax.run import adopt_init_model
+  base, _, tmp = finetuned
+  cfg = _finetune_cfg(base, tmp)
+  adopt_init_model(cfg)
+  assert cfg.data.tokenizer == str(base / "tokenizer" / "tokenizer.json")
+  cfg = _finetune_cfg(base, tmp, f"data.tokenizer={tmp / 'hf' / 'tokenizer.json'}")   # the same vocabulary, a copy
+  adopt_init_model(cfg)
+  assert build_tokenizer(cfg.data).encode("w1 w2") == [1, 2]
+  other = _other_tokenizer(tmp / "other")
+  with pytest.raises(ConfigError, match="is not the vocabulary of train.init_from.*data.tokenizer=''"):
+    adopt_init_model(_finetune_cfg(base, tmp, f"data.tokenizer={other}"))
+  with pytest.raises(ConfigError, match="does not exist.*own tokenizer"):
+    adopt_init_model(_finetune_cfg(base, tmp, "data.tokenizer=data/tokenizer/tokenizer.json"))
+
+
+def test_train_refuses_another_vocabulary_before_any_step(finetuned, tmp_path, capsys):
+  from sinkjax import train
+  from tests.helpers import call_main, one_error_line
+  base, _, tmp = finetuned
+  other = _other_tokenizer(tmp_path / "other")
+  run_dir = tmp_path / "run"
+  res = call_main(train.main, ["--config", "configs/finetune_llama3.yaml", "model.num_layers=2", "model.d_model=64",
+                               "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16",
+                               f"train.init_from={base}", f"data.source={tmp / 'sft.jsonl'}",
+                               f"data.tokenizer={other}", f"run.dir={run_dir}"], capsys)
+  assert "is not the vocabulary of train.init_from" in one_error_line(res)
+  assert not (run_dir / "checkpoints").exists()
+
+
+def test_load_run_refuses_a_tokenizer_override_of_another_vocabulary(finetuned, tmp_path):
+  """eval / lm_eval / generate load a run through load_run: data.tokenizer may be overridden only by a tokenizer with
+  the run's own vocabulary."""
+  from sinkjax.config import ConfigError
+  base, run, _ = finetuned
+  other = _other_tokenizer(tmp_path / "other")
+  with pytest.raises(ConfigError, match=f"is not the vocabulary of run {run}"):
+    load_run(run, overrides=[f"data.tokenizer={other}"])
+  loaded = load_run(run, overrides=[f"data.tokenizer={base / 'tokenizer'}"])
+  assert loaded.tokenizer.encode("w5") == [5]

@@ -275,6 +275,21 @@ class HFTokenizer:
     return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id})"
 
 
+def vocabulary(tok) -> dict[str, int] | None:
+  """token -> id of a tokenizer (added and special tokens included); None for bytes (ids are the bytes)."""
+  if isinstance(tok, ByteTokenizer):
+    return None
+  return tok._tok.get_vocab(with_added_tokens=True)  # pylint: disable=protected-access
+
+
+def same_vocabulary(a, b) -> bool:
+  """Whether two tokenizers map the same text pieces to the same ids (the same embedding rows): both bytes, or two
+  Hugging Face tokenizers with one token -> id table and the same BOS."""
+  if isinstance(a, ByteTokenizer) or isinstance(b, ByteTokenizer):
+    return isinstance(a, ByteTokenizer) and isinstance(b, ByteTokenizer)
+  return a.vocab_size == b.vocab_size and a.bos_id == b.bos_id and vocabulary(a) == vocabulary(b)
+
+
 def _with_bos(tok, ids: list[int]) -> list[int]:
   return [tok.bos_id] + list(ids) if tok.add_bos else list(ids)
 
