@@ -18,7 +18,14 @@ the model and writes into --out (default RUN_DIR/eval/):
   importance.png, first_token_attention.png, value_norm.png, gate_histogram.png, and, from RUN_DIR/metrics.jsonl
   when present, loss.png and head_imbalance.png.
 
-report.json: packing (data.packing of the batches), split, eval_documents (documents in the batches, whole or in
+Rows and batches are sized to the data and the memory (`sized_batches`): documents are packed at data.seq_len (at most
+the model's context), every row is then cut to the longest row's tokens (rounded up to 64), a batch holds as many rows
+as half an accelerator's free memory (a quarter of the host's, at most 2 GiB, on a CPU) holds, at most the training
+micro-batch (--batch-size sets it), and the diagnostics that record [T, T] attention maps read the first 64 rows.
+Each pass shows its progress on stderr; running out of memory is one line saying what to lower.
+
+report.json: packing (data.packing of the batches), split, eval_rows, seq_len (tokens per row), batch_size (rows per
+batch), diagnostic_rows (rows the attention diagnostics and sink ratios read), eval_documents (documents in the batches, whole or in
 part; null when --batches stopped before the split's end), eval_tokens (scored targets), val_loss (nats/token),
 val_bpb; importance [L][H] (eq. 5),
 head_imbalance (eq. 6), cv_per_layer;
@@ -57,6 +64,7 @@ import sys
 import time
 
 import jax
+from tqdm import tqdm
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -67,7 +75,7 @@ from sinkjax.balance import head_imbalance
 from sinkjax.cache import KVCache
 from sinkjax.cli import UserError
 from sinkjax.data import FEATURES, make_eval_batches, to_global_batch
-from sinkjax.model import forward_with_importance
+from sinkjax.model import forward_with_importance, padded_vocab
 from sinkjax.run import asks_for_mesh, load_run, read_metrics
 
 MODEL_FEATURES = FEATURES                # the batch features of sinkjax.data (what the model and BPB read)
@@ -134,7 +142,7 @@ def language_model_metrics(model, batches) -> dict:
   """val_loss, val_bpb and the token-weighted importance over the batches (model forward)."""
   nll = tokens = nbytes = bpb_nll = 0.0
   imp_sum, imp_count = None, 0.0
-  for b in batches:
+  for b in progress(batches, "val BPB and importance"):
     sums, imp, count = distributed.to_host(_lm_batch_jit(model, _device_batch(b)))
     nll, tokens, nbytes = nll + float(sums["nll"]), tokens + float(sums["tokens"]), nbytes + float(sums["bytes"])
     bpb_nll += float(sums["bpb_nll"])
@@ -153,7 +161,7 @@ def language_model_metrics(model, batches) -> dict:
 def sink_diagnostics(model, batches) -> dict:
   """Per-layer diagnostics of `sinkjax.analysis` accumulated over the batches."""
   totals = None
-  for b in batches:
+  for b in progress(batches, "attention diagnostics"):
     totals = analysis.combine(totals, distributed.to_host(analysis.batch_statistics_jit(model, _device_batch(b))))
   return analysis.summarize(totals)
 
@@ -162,7 +170,7 @@ def zeroed_bpb(model, batches, zero_lh) -> float:
   """BPB with the first token's value zeroed in the heads where zero_lh [L,Hq] is True ([Sink-MoE] App. A)."""
   zero = jnp.asarray(zero_lh, bool)
   nll = nbytes = 0.0
-  for b in batches:
+  for b in progress(batches, "value zeroing"):
     s = distributed.to_host(analysis.zeroed_lm_sums_jit(model, _device_batch(b), zero))
     nll, nbytes = nll + float(s["bpb_nll"]), nbytes + float(s["bytes"])
   return nll / math.log(2) / nbytes
@@ -275,15 +283,101 @@ def _first_attention(model):
   return model.layers[model.cfg.head_layers[0]].attn
 
 
-def evaluate(model, batches, *, tau: float = 0.75) -> dict:
-  """Every number of the report except run metadata and multiple choice."""
+def evaluate(model, batches, *, tau: float = 0.75, diagnostic_batches=None) -> dict:
+  """Every number of the report except run metadata and multiple choice. The diagnostics that record [T, T]
+  attention maps read `diagnostic_batches` (default: all of `batches`; `sized_batches` bounds them)."""
   report = language_model_metrics(model, batches)
-  report.update(sink_diagnostics(model, batches))
+  report.update(sink_diagnostics(model, batches if diagnostic_batches is None else diagnostic_batches))
   if not _first_attention(model).has_outside_weight:       # no sink logit, no sink tokens: nothing outside the keys
     report["sink_logit_attention"] = None
   report["gate_sparsity_threshold"] = analysis.SPARSE_GATE
   report["value_zeroing"] = value_zeroing(model, batches, report["sink_ratio_alpha"], tau)
   return report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sizing: rows as long as the data, batches as large as the memory
+# ---------------------------------------------------------------------------------------------------------------
+
+ROW_MULTIPLE = 64          # rows are cut to the data's longest row rounded up to this many tokens
+DIAGNOSTIC_ROWS = 64       # the diagnostics that record [T, T] attention maps read at most this many rows
+CPU_BUDGET = 2 << 30       # at most this many bytes of activations per forward on a CPU (the host's memory)
+
+
+def progress(items, what: str):
+  """tqdm on stderr for a pass of the evaluation (shown after 2 s, on process 0 only)."""
+  return tqdm(items, desc=f"sinkjax.eval: {what}", unit="batch", delay=2.0, file=sys.stderr, leave=False,
+              disable=jax.process_index() != 0)
+
+
+def memory_budget(device=None) -> int:
+  """Bytes of activations one evaluation forward may take: half of what an accelerator has free, or a quarter of
+  the host's available memory (at most CPU_BUDGET) on a CPU."""
+  device = device or jax.local_devices()[0]
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  if stats and stats.get("bytes_limit"):
+    return max((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2, 1)
+  try:
+    with open("/proc/meminfo", encoding="utf-8") as f:
+      avail = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+  except (OSError, StopIteration, ValueError):
+    avail = 8 << 30
+  return max(min(avail // 4, CPU_BUDGET), 1)
+
+
+def row_bytes(m, T: int, *, diagnostics: bool = False) -> int:
+  """A generous estimate of the activation bytes of one row of T tokens in the evaluation forward: float32 logits
+  and their log-softmax over the padded vocabulary, the residual stream and MLP hidden of a layer; with
+  `diagnostics`, every head layer's recorded [H, T, T] attention weights, q / k / v and hidden state too (the
+  recording keeps them for the whole forward)."""
+  b = T * (12 * padded_vocab(m) + 4 * (8 * m.d_model + 2 * m.mlp_width))
+  if diagnostics:
+    per_layer = m.num_heads * T + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 2 * m.d_model
+    b += len(m.head_layers) * T * 4 * per_layer
+  return b
+
+
+def _group(rows: dict, n: int, size: int, T: int) -> list[dict]:
+  """rows[:n] in batches of `size` rows (the last one filled up with padding rows: loss_mask 0), cut to T tokens."""
+  out = []
+  for start in range(0, n, size):
+    b = {f: v[start:min(start + size, n), :T] for f, v in rows.items()}
+    pad = size - len(b["inputs"])
+    if pad:
+      b = {f: np.concatenate([v, np.zeros((pad, T), v.dtype)]) for f, v in b.items()}
+    out.append(b)
+  return out
+
+
+def sized_batches(batches: list[dict], m, *, batch_rows: int | None, default_rows: int, budget: int):
+  """The evaluation's rows (this process' rows of `batches`, packed at data.seq_len) regrouped to fit the data and the
+  memory: every row cut to the longest row's tokens (rounded up to ROW_MULTIPLE; all processes agree), trailing
+  all-padding rows dropped (one process), `batch_rows` rows per batch when given, else as many as `budget` bytes
+  hold (`row_bytes`), at most `default_rows` and the rows there are; the [T, T] diagnostics on the first
+  min(DIAGNOSTIC_ROWS, rows) rows in batches that hold their maps. Returns (batches, diagnostic batches, plan dict)."""
+  rows = {f: np.concatenate([np.asarray(b[f]) for b in batches]) for f in MODEL_FEATURES}
+  used = (rows["segment_ids"] > 0) | (rows["loss_mask"] > 0)
+  full_T = used.shape[1]
+  length = int(np.max(np.nonzero(used.any(0))[0], initial=-1)) + 1
+  if jax.process_count() > 1:
+    length = int(np.max(distributed.to_host(jnp.asarray([length]))))
+  T = min(full_T, max(-(-length // ROW_MULTIPLE) * ROW_MULTIPLE, ROW_MULTIPLE))
+  n = len(used)
+  if jax.process_count() == 1:
+    n = int(np.max(np.nonzero(used.any(1))[0], initial=0)) + 1
+  fit = max(budget // row_bytes(m, T), 1)
+  size = batch_rows or max(min(default_rows, fit, n), 1)
+  diag_rows = min(n, DIAGNOSTIC_ROWS)
+  diag_size = max(min(size, diag_rows, budget // row_bytes(m, T, diagnostics=True)), 1)
+  if jax.process_count() > 1:        # every process' batches have one layout over the mesh (place_batches)
+    diag_rows, diag_size = n, size
+  plan = {"rows": n * jax.process_count(), "seq_len": T, "batch_size": size * jax.process_count(),
+          "diagnostic_rows": diag_rows * jax.process_count(), "memory_budget": int(budget)}
+  return _group(rows, n, size, T), _group(rows, diag_rows, diag_size, T), plan
+
+
+def out_of_memory(e: Exception) -> bool:
+  return "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--batches", type=int, default=None,
                  help="number of eval batches (default train.eval_batches; with --split all or --max-docs: every "
                       "batch the documents fill)")
-  p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the training micro-batch)")
+  p.add_argument("--batch-size", type=int, default=None,
+                 help="rows per batch (default: as many as the memory holds, at most the training micro-batch)")
   p.add_argument("--tau", type=float, default=0.75,
                  help="sink-ratio threshold of selective value zeroing ([Sink-MoE] App. A)")
   p.add_argument("--mc", default=None, help=argparse.SUPPRESS)     # moved to sinkjax.lm_eval (one line says so)
@@ -414,7 +509,9 @@ def run(args) -> dict:
   if args.out:
     paths.check_bucket(out, "--out")        # before the work: a missing bucket is found now, not at the end
   t0 = time.perf_counter()
-  overrides = list(args.overrides)
+  # The layers as one scan (numerically the same program per layer): compile time does not grow with depth, which
+  # on a CPU is most of an evaluation of a small file. An override on the command line wins.
+  overrides = ["model.scan_layers=true"] + list(args.overrides)
   if args.data is not None:
     overrides.append(f"data.source={args.data}")
   if args.packing is not None:
@@ -429,17 +526,36 @@ def run(args) -> dict:
     raise EvalError(f"--batch-size {batch_size} must be divisible by the {procs} processes")
   whole = args.split == "all" or args.max_docs is not None
   num_batches = args.batches or (None if whole else max(cfg.train.eval_batches, 1))
+  if cfg.model.max_seq_len and cfg.data.seq_len > cfg.model.max_seq_len:
+    cfg.data.seq_len = cfg.model.max_seq_len           # no row longer than the model's context
   counts = {}
-  batches = make_eval_batches(cfg.data, tokenizer, batch_size=batch_size // procs, num_batches=num_batches,
-                              split=args.split, max_docs=args.max_docs, counts=counts)
+  # Which rows are read is set by the nominal batch (--batches N reads N batches' worth); their shape by the data
+  # and the memory (sized_batches).
+  rows = make_eval_batches(cfg.data, tokenizer, batch_size=batch_size // procs, num_batches=num_batches,
+                           split=args.split, max_docs=args.max_docs, counts=counts)
+  batches, diagnostic, plan = sized_batches(rows, cfg.model, batch_rows=args.batch_size and batch_size // procs,
+                                            default_rows=batch_size // procs, budget=memory_budget())
+  if jax.process_index() == 0:
+    print(f"sinkjax.eval: {plan['rows']:,} rows of {plan['seq_len']:,} tokens in {len(batches)} batches of "
+          f"{plan['batch_size']} (diagnostics on {plan['diagnostic_rows']} rows)", file=sys.stderr, flush=True)
 
   report = {"run_dir": str(run_dir), "step": step, "attention": cfg.model.attention,
             "layers_with_heads": list(cfg.model.head_layers),
             "data_source": cfg.data.source, "packing": cfg.data.packing, "split": args.split,
             "eval_documents": counts["documents"], "eval_batches": len(batches),
-            "batch_size": batch_size, "seq_len": cfg.data.seq_len, "processes": procs}
-  with jax.set_mesh(mesh):              # as in training: attention runs per shard, kernels follow the mesh
-    report.update(evaluate(model, place_batches(batches, mesh), tau=args.tau))
+            "batch_size": plan["batch_size"], "seq_len": plan["seq_len"], "eval_rows": plan["rows"],
+            "diagnostic_rows": plan["diagnostic_rows"], "processes": procs}
+  try:
+    with jax.set_mesh(mesh):              # as in training: attention runs per shard, kernels follow the mesh
+      report.update(evaluate(model, place_batches(batches, mesh), tau=args.tau,
+                             diagnostic_batches=place_batches(diagnostic, mesh)))
+  except Exception as e:  # pylint: disable=broad-except  # XLA's allocation failure (JaxRuntimeError)
+    if not out_of_memory(e):
+      raise
+    shorter = (f" or the rows' length (data.seq_len={plan['seq_len'] // 2})" if plan["seq_len"] >= 2 * ROW_MULTIPLE
+               else "")
+    raise EvalError(f"out of memory scoring batches of {plan['batch_size']} rows x {plan['seq_len']} tokens: "
+                    f"lower --batch-size (e.g. --batch-size {max(plan['batch_size'] // 4, 1)}){shorter}") from None
   report.update(sharding_lib.placement(nnx.state(model, nnx.Param)))
   report["definitions"] = DEFINITIONS
   report["eval_seconds"] = time.perf_counter() - t0

@@ -1,9 +1,10 @@
 """Text generation and streaming perplexity with a fixed-shape KV cache (`python -m sinkjax.generate`).
 
     python -m sinkjax.generate --checkpoint RUN_DIR --prompt TEXT [--prompt TEXT ...] --max-new-tokens N \\
-        [--chat [--system TEXT]] \\
+        [--chat [--system TEXT] [--echo]] \\
         [--temperature T] [--top-k K] [--top-p P] [--seed S] [--cache full|streaming --sink-size S --window W]
         [section.key=value ...]
+    python -m sinkjax.generate --checkpoint RUN_DIR --chat [--system TEXT] [--max-new-tokens N]   # a conversation
     python -m sinkjax.generate --ppl FILE --checkpoint RUN_DIR [--sink-size S --window W] [--max-tokens N]
         [--ppl-chunk T]
         [--full-heads F[,F...] [--full-heads-random SEED[,...]] | --full-heads-from MAP.json]
@@ -19,7 +20,10 @@ launcher (`launch/local.sh --module sinkjax.generate -- ARGS`, the TPU VM and SL
 
 Tokens as the model's tokenizer wants them (`sinkjax.data.tokenizers`): the prompt gets BOS only where the tokenizer
 adds one; `--chat` renders it (after `--system`, if given) through the tokenizer's chat template with the assistant's
-generation prompt; generation stops at the model's stop ids (generation_config.json's EOS, the tokenizer's EOS, or
+generation prompt, and only the reply is printed (`--echo` prints the rendering before it); `--chat` without
+`--prompt` holds a conversation: each line on stdin is a user turn, the whole conversation is rendered through the
+template for each reply (`run_chat`: one full cache of up to 4,096 tokens, replies of up to 512 tokens by default), an
+empty line or end of input ends it. Generation stops at the model's stop ids (generation_config.json's EOS, the tokenizer's EOS, or
 BOS for sinkjax's own runs; `--no-stop` goes on) and prints every token it produced, special ones included, but
 the stop token.
 
@@ -309,8 +313,8 @@ def check_window(sink_size: int, window: int) -> None:
 class TextStream:
   """Prints decoded text as tokens arrive, holding back an incomplete UTF-8 character (shown as U+FFFD)."""
 
-  def __init__(self, tokenizer, out=sys.stdout, skip_special_tokens: bool = True):
-    self.tok, self.out, self.ids, self.printed = tokenizer, out, [], ""
+  def __init__(self, tokenizer, out=None, skip_special_tokens: bool = True):
+    self.tok, self.out, self.ids, self.printed = tokenizer, sys.stdout if out is None else out, [], ""
     self.skip = skip_special_tokens
 
   def text(self) -> str:
@@ -499,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the prompt is a user message: render it with the tokenizer's chat template (and the "
                       "assistant's generation prompt) before generating")
   p.add_argument("--system", help="--chat: a system message before the user's")
+  p.add_argument("--echo", action="store_true",
+                 help="--chat: print the prompt as the model reads it (the chat template's rendering) before the "
+                      "reply (plain prompts are always printed before their continuation)")
   p.add_argument("--max-new-tokens", type=int, help="number of tokens to generate (>= 1); required with --prompt")
   p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
   p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
@@ -542,10 +549,16 @@ def _validate(args) -> None:
     return
   if args.system is not None and not args.chat:
     raise UsageError("--system is a chat message; add --chat")
+  if args.echo and not args.chat:
+    raise UsageError("--echo shows the chat template's rendering; add --chat (plain prompts are always printed)")
   _validate_cache(args)
-  if args.prompt is None or args.max_new_tokens is None:
-    raise UsageError("give --prompt TEXT and --max-new-tokens N (or --ppl FILE)")
-  if not all(args.prompt):
+  if args.chat and args.prompt is None:              # a conversation on stdin
+    if args.cache != "full":
+      raise UsageError("a conversation keeps its whole history in a full cache; drop --cache and the head policy")
+    args.max_new_tokens = CHAT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+  if args.prompt is None and not args.chat or args.max_new_tokens is None:
+    raise UsageError("give --prompt TEXT and --max-new-tokens N, --chat alone for a conversation, or --ppl FILE")
+  if args.prompt is not None and not all(args.prompt):
     raise UsageError("--prompt is empty; give some text to continue")
   if args.max_new_tokens < 1:
     raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -584,6 +597,10 @@ def run(args) -> None:
       if jax.process_count() > 1:
         raise UsageError("--ppl runs in one process (all its devices); start it without a launcher")
       run_ppl(args, model, cfg, tok)
+    elif args.prompt is None:
+      if jax.process_count() > 1:
+        raise UsageError("a conversation runs in one process (all its devices); start it without a launcher")
+      run_chat(args, model, cfg, tok)
     else:
       run_generate(args, model, cfg, tok)
 
@@ -642,8 +659,9 @@ def run_generate(args, model, cfg, tok) -> None:
   rows = len(ids)
   gen = Generator(model, capacity=capacity, sink_size=sink_size, full_heads=full_heads, window=window, batch=rows)
   stream = TextStream(tok, skip_special_tokens=False) if rows == 1 and first else None
-  if stream is not None:
-    sys.stdout.write(shown[0])
+  echo = args.echo or not args.chat       # a chat prints the reply; the rendering only with --echo
+  if stream is not None and echo:
+    stream.out.write(shown[0])
   t0 = time.perf_counter()
   outs = gen.generate_batch([list(i) for i in ids], args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -656,7 +674,7 @@ def run_generate(args, model, cfg, tok) -> None:
     stream.finish()
   else:
     for text, out in zip(shown, outs):
-      print(text + tok.decode(out, skip_special_tokens=False))
+      print((text if echo else "") + tok.decode(out, skip_special_tokens=False))
   if args.cache == "streaming":
     note += f", {sink_size} sinks"
   if any(len(out) < args.max_new_tokens for out in outs):
@@ -669,6 +687,47 @@ def run_generate(args, model, cfg, tok) -> None:
         f"{gen.cache_bytes_per_device():,} per device; mesh "
         f"{where['mesh']}, {where['param_bytes_per_device']:,} parameter bytes per device, peak device "
         f"memory {'n/a' if peak is None else f'{peak:,} bytes'}]", file=sys.stderr)
+
+
+CHAT_MAX_NEW_TOKENS = 512      # a conversation's reply length when --max-new-tokens is not given
+CHAT_CAPACITY = 4096           # a conversation's cache (at most model.max_seq_len): the history it can hold
+
+
+def run_chat(args, model, cfg, tok, lines=None, out=None) -> list[dict]:
+  """A conversation: each line of `lines` (default stdin; an empty line or end of input ends it) is a user turn; the
+  whole conversation so far (after --system) is rendered through the tokenizer's chat template and the reply
+  generated and printed (streamed). One full cache of CHAT_CAPACITY slots (at most the model's context) serves every
+  turn, prefills padded to a multiple of 256 tokens, so few shapes compile. Returns the messages."""
+  lines = sys.stdin if lines is None else lines
+  out = sys.stdout if out is None else out
+  interactive = lines is sys.stdin and sys.stdin.isatty()
+  capacity = min(CHAT_CAPACITY, cfg.model.max_seq_len or CHAT_CAPACITY)
+  gen = Generator(model, capacity=capacity)
+  messages = [{"role": "system", "content": args.system}] if args.system else []
+  if tok.chat.plain:
+    print("note: the tokenizer has no chat template; turns are laid out as \"User: ... Assistant: \"", file=sys.stderr)
+  print(f"sinkjax.generate: chatting with {args.checkpoint} (up to {capacity:,} tokens of history; an empty line or "
+        "Ctrl-D ends it)", file=sys.stderr, flush=True)
+  while True:
+    if interactive:
+      print("> ", end="", file=sys.stderr, flush=True)
+    line = lines.readline()
+    if not line.strip():
+      return messages
+    messages.append({"role": "user", "content": line.strip()})
+    text = tok.chat.render(messages)
+    if args.echo:
+      out.write(text)
+    ids = list(tok.encode(text))
+    if len(ids) + args.max_new_tokens > capacity:
+      raise UsageError(f"the conversation ({len(ids):,} tokens) and a reply of --max-new-tokens "
+                       f"{args.max_new_tokens} exceed the cache of {capacity:,} tokens; start a new conversation")
+    stream = TextStream(tok, out=out, skip_special_tokens=False)
+    reply = gen.generate_batch([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                               top_p=args.top_p, seed=args.seed + len(messages), stop_token=tok.stop_ids,
+                               on_token=lambda row, t: stream(t), prefill_to=lambda n: -(-n // 256) * 256)[0]
+    stream.finish()
+    messages.append({"role": "assistant", "content": tok.decode(reply)})
 
 
 def main(argv=None) -> int:

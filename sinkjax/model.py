@@ -173,13 +173,16 @@ class Transformer(nnx.Module):
     if positions is None:
       positions = default_positions(segment_ids, B, T)
     x = x0 = self.embed_tokens(tokens)
+    period = self._block_period() if self.cfg.scan_layers else 0
     if record or zero_first_value is not None:
       row = {layer: j for j, layer in enumerate(self.cfg.head_layers)}     # zero_first_value: [layers with heads]
+      zero = [None if zero_first_value is None or i not in row else zero_first_value[row[i]]
+              for i in range(len(self.layers))]
+      if period:
+        return self._scanned_blocks(x, x0, segment_ids, positions, period, record=record, zero=zero)
       for i, block in enumerate(self.layers):
-        x = block(self.block_input(i, x, x0), segment_ids, positions, record=record,
-                  zero_first_value=None if zero_first_value is None or i not in row else zero_first_value[row[i]])
+        x = block(self.block_input(i, x, x0), segment_ids, positions, record=record, zero_first_value=zero[i])
       return x
-    period = self._block_period() if self.cfg.scan_layers else 0
     if period:
       return self._scanned_blocks(x, x0, segment_ids, positions, period)
     if not self.cfg.remat:
@@ -197,16 +200,24 @@ class Transformer(nnx.Module):
     """Whether layer i's mixer records head importance (`sinkjax.kinds`: attention yes, linear attention no)."""
     return kinds.mixer_of(self.cfg, i).heads
 
-  def _layer_fn(self, graphdef, x0, segment_ids, positions, heads: bool = True):
-    """(h, (block state, i)) -> (block i's output, its head importance [H], or [0] for a layer without heads): one
-    layer as a pure function of its parameters, rematerialized with model.remat (jax.checkpoint with
-    model.remat_policy). Pure, so it composes with lax.scan and with LoRA's split parameters (nnx.remat on the module
-    would write back into them)."""
+  def _layer_fn(self, graphdef, x0, segment_ids, positions, heads: bool = True, record: bool = False):
+    """(h, (block state, i[, zero_first_value row])) -> (block i's output, its head importance [H], or [0] for a
+    layer without heads): one layer as a pure function of its parameters, rematerialized with model.remat
+    (jax.checkpoint with model.remat_policy). Pure, so it composes with lax.scan and with LoRA's split parameters
+    (nnx.remat on the module would write back into them). With `record` (for sinkjax.analysis; never rematerialized)
+    the importance comes with what the block sowed: (importance, its attention's trace or None, its hidden)."""
     def layer(h, args):
-      state, i = args
+      state, i, *zero = args
       block = nnx.merge(graphdef, state)
-      h = block(self.block_input(i, h, x0), segment_ids, positions)
-      return h, pop_head_importance(block)[0] if heads else jnp.zeros((0,), jnp.float32)
+      h = block(self.block_input(i, h, x0), segment_ids, positions, record=record,
+                zero_first_value=zero[0] if zero else None)
+      imp = pop_head_importance(block)[0] if heads else jnp.zeros((0,), jnp.float32)
+      if not record:
+        return h, imp
+      trace = block.attn.trace.get_value() if hasattr(block.attn, "trace") else None
+      return h, (imp, trace, block.hidden.get_value())
+    if record:
+      return layer
     if self.cfg.remat:
       return jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat_policy](), prevent_cse=False)
     return layer
@@ -230,28 +241,39 @@ class Transformer(nnx.Module):
         return p
     return 0
 
-  def _scanned_blocks(self, x, x0, segment_ids, positions, period: int = 1):
+  def _scanned_blocks(self, x, x0, segment_ids, positions, period: int = 1, *, record: bool = False, zero=None):
     """The blocks as one `lax.scan` over their stacked parameters (MaxText's scan_layers), `period` blocks of
     different structure per step (the repeating group): the compiler sees one group, so its FSDP gathers and (with
     model.remat) its saved activations live one group at a time, and compile time does not grow with depth.
     Parameters stay one module per layer (checkpoints are unchanged); the stack is built inside the step. Each
-    layer's head importance is sown back on its own Attention afterwards."""
+    layer's head importance is sown back on its own Attention afterwards. For sinkjax.analysis, `record` and `zero`
+    (per layer: a zero_first_value row [Hq] or None) run the same scan, and each layer's trace and hidden state are
+    sown back on it as the unscanned blocks sow them."""
     groups = len(self.layers) // period
     stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.layers[j::period]])
                for j in range(period)]
-    layers = [self._layer_fn(nnx.graphdef(self.layers[j]), x0, segment_ids, positions, self._has_heads(j))
-              for j in range(period)]
+    layers = [self._layer_fn(nnx.graphdef(self.layers[j]), x0, segment_ids, positions, self._has_heads(j),
+                             record=record) for j in range(period)]
+    zeros = [None if zero is None or zero[j] is None else jnp.stack(zero[j::period]) for j in range(period)]
 
     def body(h, args):
-      states, g = args
-      imps = []
+      states, g, zs = args
+      outs = []
       for j, (layer, state) in enumerate(zip(layers, states)):
-        h, imp = layer(h, (state, g * period + j))
-        imps.append(imp)
-      return h, tuple(imps)               # per group position j: [H], or [0] where the kind has no heads
+        h, out = layer(h, (state, g * period + j) + (() if zs[j] is None else (zs[j],)))
+        outs.append(out)
+      return h, tuple(outs)     # per group position j: importance [H] ([0] without heads), with record its sowings
 
-    x, imps = jax.lax.scan(body, x, (stacked, jnp.arange(groups)))
-    return self._sow_importances(x, [imps[i % period][i // period] for i in range(len(self.layers))])
+    x, outs = jax.lax.scan(body, x, (stacked, jnp.arange(groups), zeros))
+    per_layer = [jax.tree.map(lambda a, i=i: a[i // period], outs[i % period]) for i in range(len(self.layers))]
+    if not record:
+      return self._sow_importances(x, per_layer)
+    keep_last = dict(reduce_fn=lambda _, new: new, init_fn=lambda: None)
+    for block, (_, trace, hidden) in zip(self.layers, per_layer):
+      if trace is not None:
+        block.attn.sow(nnx.Intermediate, "trace", trace, **keep_last)
+      block.sow(nnx.Intermediate, "hidden", hidden, **keep_last)
+    return self._sow_importances(x, [imp for imp, _, _ in per_layer])
 
   def logits(self, x):
     """Final norm, LM head (vocabulary padding sliced off), float32, soft-cap."""

@@ -624,3 +624,105 @@ def test_figures_and_table_name_the_model_layers_with_heads(tmp_path, monkeypatc
   rows = [line.split("|")[1].strip() for line in ev.markdown(report, []).splitlines()
           if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
   assert rows == ["3", "7"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sizing to the data and the memory
+# ---------------------------------------------------------------------------------------------------------------
+
+def _rows_with(lengths: list[int], T: int) -> dict:
+  """One row per entry: a document of that many tokens (0: an all-padding row), in the pipeline's format."""
+  n = len(lengths)
+  b = {f: np.zeros((n, T), np.int32) for f in ev.MODEL_FEATURES}
+  for r, k in enumerate(lengths):
+    b["inputs"][r, :k] = np.arange(1, k + 1)
+    b["targets"][r, :k] = np.arange(2, k + 2)
+    b["segment_ids"][r, :k] = 1
+    b["positions"][r, :k] = np.arange(k)
+    b["loss_mask"][r, :k] = 1
+    b["target_bytes"][r, :k] = 1
+  return b
+
+
+def test_sized_batches_cut_rows_to_the_data_and_batch_to_the_budget():
+  """Rows packed at seq_len 512 whose documents reach token 70 at most: cut to 128 tokens (70 rounded up to 64s),
+  the trailing all-padding rows dropped, as many rows per batch as the budget holds by row_bytes (hand sums), the
+  diagnostics on the first rows in batches whose [T, T] maps fit."""
+  m = tiny_config("vanilla")
+  T = 512
+  lengths = [70, 12, 33, 5, 64, 9, 0, 0]                      # two batches of 4 rows; the last two rows padding
+  rows = _rows_with(lengths, T)
+  batches = [{f: v[:4] for f, v in rows.items()}, {f: v[4:] for f, v in rows.items()}]
+  vocab = -(-257 // m.vocab_pad_to) * m.vocab_pad_to                 # the LM head's rows
+  per_row = 128 * (12 * vocab + 4 * (8 * m.d_model + 2 * m.mlp_width))
+  assert ev.row_bytes(m, 128) == per_row
+  diag_row = per_row + m.num_layers * 128 * 4 * (m.num_heads * 128 + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+                                                 + 2 * m.d_model)
+  assert ev.row_bytes(m, 128, diagnostics=True) == diag_row
+  got, diag, plan = ev.sized_batches(batches, m, batch_rows=None, default_rows=4, budget=2 * diag_row + 5)
+  fit = (2 * diag_row + 5) // per_row
+  size = min(4, fit, 6)
+  assert plan == {"rows": 6, "seq_len": 128, "batch_size": size, "diagnostic_rows": 6,
+                  "memory_budget": 2 * diag_row + 5}
+  assert len(got) == -(-6 // size) and all(b["inputs"].shape == (size, 128) for b in got)
+  flat = {f: np.concatenate([b[f] for b in got])[:6] for f in ev.MODEL_FEATURES}
+  for f in ev.MODEL_FEATURES:
+    np.testing.assert_array_equal(flat[f], rows[f][:6, :128])
+    assert not np.concatenate([b[f] for b in got])[6:].any()           # filling rows are padding (loss_mask 0)
+  assert [b["inputs"].shape for b in diag] == [(2, 128)] * 3          # 2 rows' maps fit the budget
+  # --batch-size wins over the budget; a small budget still runs one row at a time
+  assert ev.sized_batches(batches, m, batch_rows=5, default_rows=4, budget=1)[2]["batch_size"] == 5
+  assert ev.sized_batches(batches, m, batch_rows=None, default_rows=4, budget=1)[2]["batch_size"] == 1
+
+
+def test_out_of_memory_is_one_line_with_the_fix(tmp_path, monkeypatch, capsys):
+  from sinkjax.config import Config
+  from sinkjax.run import save_params_run
+  from tests.helpers import call_main
+  cfg = Config()
+  cfg.model = tiny_config("vanilla")
+  cfg.data.seq_len = 64
+  save_params_run(tmp_path / "run", cfg, Transformer(cfg.model, rngs=nnx.Rngs(0)))
+  (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": PHRASE * 2}) + "\n" for _ in range(6)))
+
+  def oom(*args, **kw):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 27000000000 bytes.")
+  monkeypatch.setattr(ev, "evaluate", oom)
+  res = call_main(ev.main, ["--checkpoint", tmp_path / "run", "--data", tmp_path / "docs.jsonl", "--split", "all"],
+                  capsys)
+  lines = [l for l in res.stderr.splitlines() if l.strip()]
+  assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+  assert lines[-1].startswith("sinkjax.eval: error: out of memory scoring batches of 9 rows x 64 tokens: lower "
+                              "--batch-size (e.g. --batch-size 2)"), lines          # 6 documents of 90 bytes
+
+
+@pytest.mark.parametrize("attention", ["vanilla", "sink", "gated"])
+def test_recorded_and_zeroed_forwards_are_the_same_with_the_layers_scanned(attention):
+  """sinkjax.eval scans the layers (model.scan_layers=true: compile time independent of depth); the recorded traces,
+  the hidden states and the value-zeroed logits equal those of the layers run one by one (to float32 rounding: the
+  scan and the unrolled layers fuse differently; SmolLM2's eval gave bit-identical numbers both ways)."""
+  cfg = tiny_config(attention, num_layers=3)
+  model = Transformer(cfg, rngs=nnx.Rngs(1))
+  params = nnx.state(model, nnx.Param)
+  leaves, tdef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(3), len(leaves))
+  nnx.update(model, jax.tree.unflatten(tdef, [p + 0.2 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)]))
+  scanned = Transformer(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(1))
+  nnx.update(scanned, nnx.state(model, nnx.Param))
+  b = phrase_batch(np.random.default_rng(0))
+  args = dict(segment_ids=jnp.asarray(b["segment_ids"]), positions=jnp.asarray(b["positions"]))
+  zero = jnp.asarray(np.random.default_rng(1).random((3, cfg.num_heads)) < 0.5)
+  out = {}
+  for name, m in (("one by one", model), ("scanned", scanned)):
+    logits, traces = analysis.recorded_forward(m, jnp.asarray(b["inputs"]), **args)
+    zeroed, _ = analysis.recorded_forward(m, jnp.asarray(b["inputs"]), **args, zero_first_value=zero,
+                                          keep_weights=False)
+    out[name] = (logits, traces, zeroed)
+  (logits, traces, zeroed), (s_logits, s_traces, s_zeroed) = out["one by one"], out["scanned"]
+  np.testing.assert_allclose(s_logits, logits, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(s_zeroed, zeroed, rtol=1e-5, atol=1e-5)
+  assert not np.allclose(zeroed, logits, atol=1e-3)        # the zeroing did something
+  for a, c in zip(traces, s_traces):
+    for x, y in zip(a, c):
+      if x is not None:                                     # hidden states reach |h| ~ 15
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-4)

@@ -335,3 +335,57 @@ def test_cli_help(capsys):
   with pytest.raises(SystemExit) as e:
     gen_lib.main(["--help"])
   assert e.value.code == 0 and "--sink-size" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory):
+  """A run directory of a random byte-level model (its tokenizer has no chat template: "User: / Assistant:")."""
+  from sinkjax.config import Config
+  from sinkjax.run import save_params_run
+  cfg = Config()
+  model, cfg.model = random_model(vocab_size=257, max_seq_len=512)
+  run = tmp_path_factory.mktemp("chat") / "run"
+  save_params_run(run, cfg, model)
+  return run, model
+
+
+def _greedy_reference(model, ids, n):
+  """n greedy tokens by full recomputation (argmax of the plain forward over the whole sequence)."""
+  seq = list(ids)
+  for _ in range(n):
+    seq.append(int(np.argmax(np.asarray(forward(model, jnp.asarray([seq])))[0, -1])))
+  return seq[len(ids):]
+
+
+def test_chat_prints_the_reply_and_the_rendering_only_with_echo(byte_run, capsys):
+  from sinkjax.data import ByteTokenizer
+  run, model = byte_run
+  tok = ByteTokenizer()
+  rendered = tok.chat.prompt("hi")
+  reply = tok.decode(_greedy_reference(model, tok.encode(rendered), 6))
+  argv = ["--checkpoint", str(run), "--chat", "--prompt", "hi", "--max-new-tokens", "6", "--temperature", "0",
+          "--no-stop"]
+  assert gen_lib.main(argv) == 0
+  assert capsys.readouterr().out == reply + "\n"
+  assert gen_lib.main(argv + ["--echo"]) == 0
+  assert capsys.readouterr().out == rendered + reply + "\n"
+
+
+def test_chat_without_a_prompt_holds_a_conversation(byte_run, capsys):
+  """Each line is a user turn; the whole conversation (the earlier replies included) is rendered through the chat
+  layout for the next reply, which is the greedy continuation of that rendering."""
+  import argparse
+  import io
+  from sinkjax.data import ByteTokenizer
+  run, model = byte_run
+  tok = ByteTokenizer()
+  args = argparse.Namespace(checkpoint=str(run), system=None, echo=False, max_new_tokens=5, temperature=0.0,
+                            top_k=0, top_p=1.0, seed=0)
+  out = io.StringIO()
+  cfg = type("C", (), {"model": model.cfg})
+  messages = gen_lib.run_chat(args, model, cfg, tok, lines=io.StringIO("hello\nand then?\n\nnot read\n"), out=out)
+  assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+  first = tok.decode(_greedy_reference(model, tok.encode(tok.chat.render(messages[:1])), 5))
+  second = tok.decode(_greedy_reference(model, tok.encode(tok.chat.render(messages[:3])), 5))
+  assert messages[1]["content"] == first and messages[3]["content"] == second
+  assert out.getvalue() == first + "\n" + second + "\n"

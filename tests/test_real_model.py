@@ -181,15 +181,42 @@ def test_commands_on_the_real_model(smol, tmp_path):
                      capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
   assert r.returncode == 0, r.stderr[-2000:]
   assert "Pacific" in r.stdout and "stopped at a stop token" in r.stderr
+  assert "<|im_start|>" not in r.stdout            # the reply, not the chat template's rendering (that is --echo)
+  # docs/CONVERT.md's eval command as printed (no batch or row settings: sized to the data)
   docs = [json.dumps({"text": p}) for p in TEXT.split("\n\n")]
   (tmp_path / "docs.jsonl").write_text("\n".join(docs) + "\n")
   r = subprocess.run([sys.executable, "-m", "sinkjax.eval", "--checkpoint", str(smol["run"]), "--data",
-                      str(tmp_path / "docs.jsonl"), "--split", "all", "--out", str(tmp_path / "eval"),
-                      "--batch-size", "2", "data.seq_len=512"],
+                      str(tmp_path / "docs.jsonl"), "--split", "all", "--out", str(tmp_path / "eval")],
                      capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
   assert r.returncode == 0, r.stderr[-2000:]
   report = json.loads((tmp_path / "eval" / "report.json").read_text())
-  n_tokens = sum(len(smol["hf_tok"](p).input_ids) - 1 for p in TEXT.split("\n\n"))   # one row: no first token
-  assert n_tokens == 319                                                                 # of a document is a target
+  n_tokens = sum(len(smol["hf_tok"](p).input_ids) - 1 for p in TEXT.split("\n\n"))   # no first token of a
+  assert n_tokens == 319                                                                 # document is a target
   assert report["eval_documents"] == 3 and report["eval_tokens"] == n_tokens
   assert "3 documents" in r.stdout
+  # 40 one-line documents (the issue's case: 13 minutes, then 27 GB asked of XLA): every one reported
+  sentences = [s.strip() + "." for s in TEXT.replace("\n\n", " ").split(". ") if s.strip()][:40]
+  assert len(sentences) >= 20
+  lines = [sentences[i % len(sentences)] for i in range(40)]
+  (tmp_path / "lines.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+  r = subprocess.run([sys.executable, "-m", "sinkjax.eval", "--checkpoint", str(smol["run"]), "--data",
+                      str(tmp_path / "lines.jsonl"), "--split", "all", "--out", str(tmp_path / "eval40")],
+                     capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+  assert r.returncode == 0, r.stderr[-2000:]
+  report = json.loads((tmp_path / "eval40" / "report.json").read_text())
+  assert report["eval_documents"] == 40 and "40 documents" in r.stdout
+  assert report["seq_len"] <= 1024 and report["eval_tokens"] == sum(len(smol["hf_tok"](t).input_ids) - 1
+                                                                    for t in lines)
+
+
+@pytest.mark.slow   # the analysis reads 512 documents with the model and a random init (minutes on 2 cores)
+def test_fig4_analysis_command_writes_its_heatmap(smol, tmp_path):
+  """docs/RESULTS.md's Fig. 4 command, the analysis part alone: analysis.json and the heatmap, exit 0."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  r = subprocess.run([sys.executable, "-m", "sinkjax.experiments.heads_real", "--run", str(smol["run"]), "--out",
+                      str(tmp_path / "heads_real"), "--only", "analysis"],
+                     capture_output=True, text=True, env=env, cwd=ROOT, timeout=3000)
+  assert r.returncode == 0, r.stderr[-2000:]
+  analysis = json.loads((tmp_path / "heads_real" / "analysis.json").read_text())
+  assert np.asarray(analysis["importance"]).shape == (30, 9) and analysis["documents"] == 512
+  assert (tmp_path / "heads_real" / "results" / "analysis.png").stat().st_size > 20_000

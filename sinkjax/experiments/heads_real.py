@@ -173,7 +173,8 @@ def analyse(run: str, corpus: dict, out: pathlib.Path) -> dict:
   from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
   from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
-  model, cfg, tok, _ = load_run(run, overrides=["model.dtype=float32"])
+  # the layers as one scan: the same numbers, a compile that does not grow with depth (sinkjax.eval does the same)
+  model, cfg, tok, _ = load_run(run, overrides=["model.dtype=float32", "model.scan_layers=true"])
   batches, ndocs = _batches(cfg, tok, corpus["analysis"]["path"], ANALYSIS_SEQ, 8)
   _log(f"analysis: {ndocs} documents in {len(batches)} batches of 8 x {ANALYSIS_SEQ}")
   lm = eval_lib.language_model_metrics(model, batches)
@@ -396,6 +397,12 @@ def main(argv=None) -> int:
     _log("corpus: " + ", ".join(f"{n} {c['documents']}" for n, c in corpus.items()))
     if args.only in (None, "analysis", "pinning"):
       analyse(args.run, corpus, out)
+    if args.only == "analysis":       # Fig. 4 on its own: the heatmap from analysis.json, no fine-tuning needed
+      runner.copy_files(out, results, ("analysis.json", "corpus.json"))
+      from sinkjax import plots  # pylint: disable=import-outside-toplevel
+      figure = plots.plot_head_analysis(_read(out / "analysis.json"), results / "analysis.png")
+      _log(f"wrote {figure} (Fig. 4: importance of the pretrained model and of a random init)")
+      return
     if args.only in (None, "pinning"):
       before(args.run, corpus, out)
       runner.copy_files(out, results, STUDY_FILES)
