@@ -130,3 +130,14 @@ def test_download_errors_are_one_line(tmp_path, server):
     fineweb.download_shard(0, str(tmp_path / "p"), base_url="http://127.0.0.1:9", log=lambda *_: None,
                            sleep=sleeps.append)
   assert sleeps == [2, 4, 8, 16]
+
+
+def test_a_host_that_does_not_resolve_is_told_at_once(tmp_path):
+  """No DNS for the host (a closed network; `.invalid` never resolves, RFC 2606): one line at the first attempt, no
+  retries (it used to retry for ~30 s before saying anything)."""
+  sleeps = []
+  with pytest.raises(UserError, match=r"cannot resolve no-such-host\.invalid .*no DNS for it") as e:
+    fineweb.download_shard(0, str(tmp_path / "p"), base_url="https://no-such-host.invalid/x", log=lambda *_: None,
+                           sleep=sleeps.append)
+  assert sleeps == [] and "\n" not in str(e.value)
+  assert not list((tmp_path / "p").glob("*.parquet"))

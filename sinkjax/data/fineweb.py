@@ -28,10 +28,12 @@ import argparse
 import math
 import os
 import pathlib
+import socket
 import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from sinkjax import cli, paths
@@ -118,7 +120,13 @@ def download_shard(index: int, out: str, base_url: str = BASE_URL, log=print, sl
                               f"range (0 .. {NUM_SHARDS - 1})") from None
         why = f"HTTP {e.code}"
       except (urllib.error.URLError, OSError) as e:
-        why = paths.describe(getattr(e, "reason", e) if isinstance(e, urllib.error.URLError) else e)
+        reason = getattr(e, "reason", e) if isinstance(e, urllib.error.URLError) else e
+        if isinstance(reason, socket.gaierror):        # no name resolution: retrying will not help, say so now
+          host = urllib.parse.urlsplit(url).hostname
+          raise cli.UserError(f"cannot resolve {host} ({reason.strerror or reason}): this machine has no DNS for "
+                              "it (offline, or a closed network); download on a machine with internet access, or "
+                              "point --base-url at a mirror you can reach (HF_ENDPOINT / a proxy)") from None
+        why = paths.describe(reason)
       if attempt == ATTEMPTS:
         raise cli.UserError(f"{url} failed {ATTEMPTS} times (last: {why}); rerun to resume, or check the network "
                             "(HF_ENDPOINT / a proxy) and --base-url") from None
