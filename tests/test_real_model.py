@@ -220,3 +220,16 @@ def test_fig4_analysis_command_writes_its_heatmap(smol, tmp_path):
   analysis = json.loads((tmp_path / "heads_real" / "analysis.json").read_text())
   assert np.asarray(analysis["importance"]).shape == (30, 9) and analysis["documents"] == 512
   assert (tmp_path / "heads_real" / "results" / "analysis.png").stat().st_size > 20_000
+
+
+@pytest.mark.slow   # nine runs over 2,048 tokens and the importance of 256 documents (~10 minutes on 2 cores)
+def test_streaming_quick_command_as_documented(smol, tmp_path):
+  """docs/STREAMING.md's quick form of the streaming comparison, as printed (run dir and --out in a temp dir)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  out = tmp_path / "streaming_quick"
+  r = subprocess.run([sys.executable, "-m", "sinkjax.experiments.streaming_real", "--checkpoint", str(smol["run"]),
+                      "--tokens", "2048", "--random-maps", "2", "--out", str(out)],
+                     capture_output=True, text=True, env=env, cwd=ROOT, timeout=3000)
+  assert r.returncode == 0, r.stderr[-2000:]
+  results = json.loads((out / "results.json").read_text())
+  assert results and (out / "results.md").is_file() and (out / "streaming_real.png").stat().st_size > 20_000
