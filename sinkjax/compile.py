@@ -202,6 +202,8 @@ def attention_kernel(hlo: str, impl: str) -> str:
   """Which attention kernel the compiled program holds, read from its HLO (not from the settings)."""
   if "tpu_custom_call" in hlo:
     return "mosaic"
+  if "__cudnn$fmha" in hlo:             # cuDNN's fused attention (a Triton fallback may sit beside it: cudnn.route)
+    return "cudnn"
   if "__gpu$xla.gpu.triton" in hlo:     # Pallas's Triton custom call; bare "triton" is also XLA:GPU's own GEMM fusions
     return "triton"
   if impl in ("pallas_tpu", "pallas_gpu") and "callback" in hlo:

@@ -1,0 +1,138 @@
+"""The cudnn backend (`sinkjax.kernels.cudnn`) without a GPU: its segment routes and packed-layout operands checked
+by hand and against JAX's own `_fix_seqlen_offsets`, its refusals, `impl="auto"` on Hopper, and the backend compiled
+for compile-only H100 devices (JAX's CUDA plugin, the `gpu` extra): cuDNN's fused forward and backward custom calls
+in the program, with the LSE gradient. Its numbers are checked on a GPU by `python -m sinkjax.bench.kernel_check`."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.cudnn import fused_attention_stablehlo as fa
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from sinkjax import compile as compile_lib
+from sinkjax.kernels import cudnn, flash
+from sinkjax.kernels import flash_attention
+
+needs_plugin = pytest.mark.skipif(
+    not compile_lib.cuda_plugin_installed(),
+    reason="JAX's CUDA plugin is not installed (the `gpu` extra, ~5.5 GB; CI's `.[test]` leaves it out): "
+           "pip install 'sinkjax[gpu]' for the cuDNN compile tests")
+FWD, BWD = cudnn.CUSTOM_CALLS
+
+
+def test_routes_by_hand():
+  one = jnp.ones((2, 8), jnp.int32)
+  docs = jnp.array([[1, 1, 2, 2, 2, 3, 0, 0], [5, 5, 5, 5, 5, 5, 5, 5]], jnp.int32)
+  assert int(cudnn.route(one, one)) == 0
+  assert int(cudnn.route(7 * one, 7 * one)) == 0                      # any non-zero id
+  assert int(cudnn.route(docs, docs)) == 1
+  assert int(cudnn.route(docs, docs, M=2)) == 2                       # three runs in row 0 > M
+  repeated = jnp.array([[1, 1, 2, 2, 1, 1, 0, 0], [1] * 8], jnp.int32)  # id 1 in two runs: one document to the contract
+  assert int(cudnn.route(repeated, repeated)) == 2
+  assert int(cudnn.route(docs, docs.at[0, 1].set(2))) == 2            # q and kv ids differ
+  assert int(cudnn.route(one.at[1, 7].set(0), one.at[1, 7].set(0))) == 1   # one document and a padding token
+
+
+def test_packed_operands_match_jax_for_mha_and_count_kv_heads_for_gqa():
+  """MHA: the same sequence lengths and offsets as jax's `_fix_seqlen_offsets` given the [B, M] / [B, M + 1] form
+  its docstring describes; GQA: the kv offsets count the kv heads (jax 0.10.2 multiplies them by the query heads)."""
+  B, T, H, D, M = 2, 8, 4, 16, 4
+  seg = jnp.array([[1, 1, 2, 2, 2, 3, 0, 0], [4, 4, 4, 4, 4, 4, 5, 5]], jnp.int32)
+  seqlen, offsets = cudnn._seqlens_offsets(seg, H, D, M)
+  jax_seqlen = jnp.array([[2, 3, 1, -1], [6, 2, -1, -1]], jnp.int32)
+  jax_offsets = jnp.array([[0, 2, 5, -1, -1], [0, 6, -1, -1, -1]], jnp.int32)
+  q = jnp.zeros((B, T, H, D), jnp.bfloat16)
+  want = fa._fix_seqlen_offsets(jax_seqlen, jax_seqlen, jax_offsets, jax_offsets, q, q)
+  np.testing.assert_array_equal(seqlen, want[0])
+  np.testing.assert_array_equal(offsets, want[2])
+  assert seqlen.reshape(-1).tolist() == [2, 3, 1, 6, 2, 0, 0, 0]
+  assert (offsets.reshape(-1) // (H * D)).tolist() == [0, 2, 5, 8, 14] + [B * T] * 5
+  _, kv_offsets = cudnn._seqlens_offsets(seg, 1, D, M)
+  assert (kv_offsets.reshape(-1)[:5] // D).tolist() == [0, 2, 5, 8, 14]
+
+
+def test_packed_stats_layout_round_trip():
+  """Segment g's statistics sit in row g, from its own position 0: token (b, t) of the 3rd segment overall (row 0's
+  third) at t = 5 reads stats[2, h, 0]; padding tokens read -inf; the backward's scatter inverts the gather."""
+  B, T, H, M = 2, 8, 3, 4
+  seg = jnp.array([[1, 1, 2, 2, 2, 3, 0, 0], [4, 4, 4, 4, 4, 4, 5, 5]], jnp.int32)
+  stats = jax.random.normal(jax.random.PRNGKey(0), (B * M, H, T))
+  lse = cudnn._packed_lse(stats, seg, M)
+  np.testing.assert_array_equal(lse[0, :, 5], stats[2, :, 0])
+  np.testing.assert_array_equal(lse[0, :, 3], stats[1, :, 1])
+  np.testing.assert_array_equal(lse[1, :, 7], stats[4, :, 1])          # row 1's second segment is the 5th overall
+  assert np.all(np.isneginf(np.asarray(lse[0, :, 6:])))
+  back = cudnn._packed_stats(lse, seg, M)
+  np.testing.assert_array_equal(cudnn._packed_lse(back, seg, M), lse)
+
+
+def test_unsupported_calls_say_why():
+  assert "bfloat16" in cudnn.unsupported(jnp.float32, 128, 64, 64, True)
+  assert "head dim" in cudnn.unsupported(jnp.bfloat16, 100, 64, 64, True)
+  assert "T == S" in cudnn.unsupported(jnp.bfloat16, 128, 32, 64, True)
+  assert cudnn.unsupported(jnp.bfloat16, 128, 32, 64, False) is None
+  assert "one [B, T] array" in cudnn.unsupported(jnp.bfloat16, 128, 64, 64, True, pair=True)
+  q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="only on NVIDIA GPUs"):        # on this CPU
+    flash_attention(q, q, q, impl="cudnn")
+
+
+def test_hopper_or_later_by_name_and_capability():
+  class Dev:
+    def __init__(self, kind, cc=None):
+      self.device_kind, self.compute_capability = kind, cc
+  assert flash.hopper_or_later(Dev("NVIDIA H100 80GB HBM3"))
+  assert flash.hopper_or_later(Dev("NVIDIA H200"))
+  assert flash.hopper_or_later(Dev("NVIDIA GH200 480GB"))
+  assert flash.hopper_or_later(Dev("NVIDIA B200"))
+  assert not flash.hopper_or_later(Dev("NVIDIA A100-SXM4-80GB"))
+  assert flash.hopper_or_later(Dev("whatever", "9.0")) and not flash.hopper_or_later(Dev("NVIDIA H100", "8.0"))
+  assert flash.default_impl("gpu", Dev("NVIDIA H100 80GB HBM3")) == "cudnn"
+  assert flash.default_impl("gpu", Dev("NVIDIA A100-SXM4-80GB")) == "pallas_gpu"
+
+
+def _h100_mesh(n=1):
+  devices = compile_lib.gpu_devices(compile_lib.parse_topology(f"h100:{n}"))
+  return Mesh(np.array(devices).reshape(n, 1, 1), ("data", "fsdp", "tensor"))
+
+
+def _targets(hlo):
+  return re.findall(r'custom_call_target="([^"]+)"', hlo)
+
+
+@needs_plugin
+@pytest.mark.parametrize("segmented", [False, True], ids=["no_segments", "segments"])
+def test_cudnn_compiles_for_h100_with_the_lse_gradient(segmented):
+  """Sink-style loss through out and LSE, GQA 8:2, bf16, D 128, under a mesh of two compile-only H100s: impl="auto" is
+  cuDNN's fused forward and backward (no Triton call without segment ids; with them, the Triton fallback of route 2
+  beside cuDNN's plain and packed calls)."""
+  mesh = _h100_mesh(2)
+  sh = NamedSharding(mesh, P("data"))
+  B, T, Hq, Hkv, D = 2, 512, 8, 2, 128
+  q = jax.ShapeDtypeStruct((B, T, Hq, D), jnp.bfloat16, sharding=sh)
+  kv = jax.ShapeDtypeStruct((B, T, Hkv, D), jnp.bfloat16, sharding=sh)
+  seg = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sh)
+
+  def loss(q, k, v, s):
+    out, lse = flash_attention(q, k, v, segment_ids=s if segmented else None)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jax.nn.sigmoid(lse))
+
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile().as_text()
+  targets = _targets(hlo)
+  assert FWD in targets and BWD in targets and "callback" not in hlo
+  assert ("__gpu$xla.gpu.triton" in targets) == segmented
+  assert compile_lib.attention_kernel(hlo, "auto") == "cudnn"
+
+
+@needs_plugin
+def test_auto_falls_back_to_triton_where_cudnn_cannot():
+  """float32 inputs (cuDNN takes bf16/f16) on an H100: impl="auto" compiles the Triton kernel, no cuDNN call."""
+  mesh = _h100_mesh(1)
+  spec = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(jax.grad(lambda q: jnp.sum(flash_attention(q, q, q)[1]))).lower(spec).compile().as_text()
+  targets = _targets(hlo)
+  assert "__gpu$xla.gpu.triton" in targets and FWD not in targets
