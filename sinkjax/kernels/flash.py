@@ -34,6 +34,9 @@ _HARDWARE = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cudnn": "gpu"}
 _HOPPER_OR_LATER = re.compile(r"\b(G?H\d{2,3}|G?B\d{3}|RTX PRO 6000 Blackwell)\b")
 # Names of the flash kernel's inputs (q, k, v as attended: after QK-norm and RoPE) and outputs, for remat policies.
 CHECKPOINT_NAMES = ("attention_q", "attention_k", "attention_v", "attention_out", "attention_lse")
+# The name scope of the kernels' forward and backward (HLO op_name metadata): what sinkjax.bench.profile_summary counts
+# as attention in a profile.
+NAME_SCOPE = "sinkjax_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +97,8 @@ def _kw(st):
 
 def _fwd(q, k, v, q_seg, kv_seg, st):
   q, k, v = (checkpoint_name(x, name) for x, name in zip((q, k, v), CHECKPOINT_NAMES))
-  out, lse = _backend(st.impl).fwd(q, k, v, q_seg, kv_seg, **_kw(st))
+  with jax.named_scope(NAME_SCOPE):
+    out, lse = _backend(st.impl).fwd(q, k, v, q_seg, kv_seg, **_kw(st))
   out, lse = checkpoint_name(out, CHECKPOINT_NAMES[3]), checkpoint_name(lse, CHECKPOINT_NAMES[4])
   return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
 
@@ -102,8 +106,9 @@ def _fwd(q, k, v, q_seg, kv_seg, st):
 def _bwd(st, res, cts):
   q, k, v, q_seg, kv_seg, out, lse = res
   dout, dlse = cts
-  dq, dk, dv = _backend(st.impl).bwd(q, k, v, q_seg, kv_seg, out, lse, dout.astype(q.dtype),
-                                     dlse.astype(jnp.float32), **_kw(st))
+  with jax.named_scope(NAME_SCOPE):
+    dq, dk, dv = _backend(st.impl).bwd(q, k, v, q_seg, kv_seg, out, lse, dout.astype(q.dtype),
+                                       dlse.astype(jnp.float32), **_kw(st))
   return dq, dk, dv, None, None
 
 
