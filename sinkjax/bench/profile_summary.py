@@ -16,7 +16,8 @@ writes one beside its xplane). The device's events are the kernels on a GPU's st
 An event is classified by its HLO op (`hlo_op` in the trace) looked up in the compiled program's text (--hlo: the
 `Compiled.as_text()` of the step; the op's opcode, custom-call target, called computation and `op_name` metadata);
 without it, or for an op not found there, by its names alone. Times are the sum of the events' durations (kernels
-that overlap on several streams count in full), divided by --steps when given.
+that overlap on several streams or CPU threads count in full), divided by --steps when given; loops, branches and
+calls (XLA:CPU traces them around their bodies' ops) are left out, their bodies' ops counted instead.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ _COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|collective-permu
                          r"allgather|reducescatter", re.I)
 _ATTENTION = re.compile(r"sinkjax_attention|sinkjax_flash|cudnn\$fmha|fmha|flash|sdpa|attention", re.I)
 _MATMUL = re.compile(r"gemm|cublas|nvjet|xmma|cutlass|matmul|\bdot\b|dot\.|dot_general|convolution", re.I)
+_CONTAINERS = ("while", "conditional", "call")
+_CONTAINER = re.compile(r"^(while|conditional|call)(\.\d+)?$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
@@ -119,6 +122,13 @@ def summarize(trace_path, hlo_texts=(), steps: int | None = None) -> dict:
   by_cat, by_name = collections.Counter({c: 0.0 for c in CATEGORIES}), collections.Counter()
   cat_of = {}
   events = device_events(trace)
+  kept = []
+  for name, op, mod, dur in events:
+    hint = info.get(op) or info.get(name)
+    if (hint or {}).get("opcode") in _CONTAINERS or (not hint and _CONTAINER.match(op or name)):
+      continue                  # a loop / branch / call whose body's ops are events of their own (XLA:CPU)
+    kept.append((name, op, mod, dur))
+  events = kept
   for name, op, _, dur in events:
     cat = categorize(name, info.get(op) or info.get(name))
     by_cat[cat] += dur
