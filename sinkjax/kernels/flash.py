@@ -183,7 +183,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
     interpret: Pallas interpret mode; None = only when the program is not compiled for the backend's hardware.
     platform: the platform the program is compiled for ("tpu", "gpu", "cpu"); None = the active mesh's devices' (a
       mesh of compile-only TPU devices on a CPU host says "tpu"), else the default backend's. It picks
-      `impl="auto"` (pallas_tpu / pallas_gpu / xla) and interpret mode.
+      `impl="auto"` (pallas_tpu / cudnn or pallas_gpu / xla) and interpret mode.
     block_sizes: `BlockSizes` with separate tiles for the forward, dK/dV and dQ passes (None fields and None =
       backend defaults; see `sinkjax.kernels.blocks` for which backend reads which field).
     block_q, block_k: shorthand for `BlockSizes.uniform(block_q, block_k)`: one tile for every pass.
