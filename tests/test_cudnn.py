@@ -136,3 +136,82 @@ def test_auto_falls_back_to_triton_where_cudnn_cannot():
     hlo = jax.jit(jax.grad(lambda q: jnp.sum(flash_attention(q, q, q)[1]))).lower(spec).compile().as_text()
   targets = _targets(hlo)
   assert "__gpu$xla.gpu.triton" in targets and FWD not in targets
+
+
+class _EmulatedCudnn:
+  """cuDNN's two custom calls emulated on the CPU, from their operands alone, with the `xla` backend (whose backward
+  reads O only through D, as cuDNN's does): plain calls as causal attention over whole rows; packed calls decode the
+  segments from cuDNN's own operands (shifted-left lengths and element offsets) and keep the statistics one row of T
+  per segment, NaN wherever cuDNN leaves memory unwritten (padding rows of out and of the gradients)."""
+
+  def __init__(self, M):
+    self.M = M
+
+  def segments(self, q_len, q_off, B, T, H, D):
+    """[B, T] ids (1 + segment number, 0 outside) and [B, T] (segment number, position in it) from the operands."""
+    lens = q_len.reshape(-1)
+    starts = q_off.reshape(-1)[:lens.size] // (H * D)          # [B, M + 1] offsets: the segments' come first
+    pos = jnp.arange(B * T)
+    inside = (pos[None, :] >= starts[:, None]) & (pos[None, :] < starts[:, None] + lens[:, None]) & \
+        (lens[:, None] > 0)                                                  # [segments, B * T]
+    seg_no = jnp.argmax(inside, axis=0)
+    ids = jnp.where(inside.any(0), seg_no + 1, 0).reshape(B, T)
+    local = (pos - starts[seg_no]).reshape(B, T)
+    return ids, seg_no.reshape(B, T), local
+
+  def fwd(self, q, k, v, causal, scale, packed=None):
+    from sinkjax.kernels import xla
+    B, T, H, D = q.shape
+    if packed is None:
+      ones = jnp.ones((B, T), jnp.int32)
+      return xla.fwd(q, k, v, ones, ones, causal=causal, scale=scale)
+    ids, seg_no, local = self.segments(packed[0], packed[2], B, T, H, D)
+    out, lse = xla.fwd(q, k, v, ids, ids, causal=causal, scale=scale)
+    stats = jnp.full((B * self.M, H, T), jnp.nan).at[seg_no, :, local].set(
+        jnp.where((ids != 0)[..., None], jnp.swapaxes(lse, 1, 2), jnp.nan))
+    return jnp.where((ids != 0)[:, :, None, None], out, jnp.nan), stats
+
+  def bwd(self, q, k, v, stats, out, dout, causal, scale, packed=None):
+    from sinkjax.kernels import xla
+    B, T, H, D = q.shape
+    zero = jnp.zeros((B, H, T))
+    if packed is None:
+      ones = jnp.ones((B, T), jnp.int32)
+      return xla.bwd(q, k, v, ones, ones, out, stats, dout, zero, causal=causal, scale=scale)
+    ids, seg_no, local = self.segments(packed[0], packed[2], B, T, H, D)
+    lse = jnp.swapaxes(stats[seg_no, :, local], 1, 2)
+    grads = xla.bwd(q, k, v, ids, ids, out, jnp.where((ids != 0)[:, None, :], lse, -jnp.inf), dout, zero,
+                    causal=causal, scale=scale)
+    return tuple(jnp.where((ids != 0)[:, :, None, None], g, jnp.nan) for g in grads)
+
+
+@pytest.mark.parametrize("kind", ["none", pytest.param("ones", marks=pytest.mark.slow), "docs",
+                                  pytest.param("many_docs", marks=pytest.mark.slow)])
+def test_backend_end_to_end_with_emulated_cudnn(kind, monkeypatch):
+  """The cudnn backend through `flash_attention` (its custom_vjp, routes, packed operands, statistics gather and
+  scatter, padding masks, the O' fold) on the emulated custom calls, against the reference's autodiff: out, lse and
+  dq, dk, dv of a loss through both outputs, GQA 4:2, bf16. `many_docs` takes route 2 (the fallback, here `xla`)."""
+  from sinkjax.bench import kernel_check
+  from sinkjax.kernels import xla
+  emu = _EmulatedCudnn(cudnn.MAX_SEGMENTS)
+  monkeypatch.setattr(cudnn, "_fwd_call", lambda q, k, v, causal, scale, packed_operands=None:
+                      emu.fwd(q, k, v, causal, scale, packed_operands))
+  monkeypatch.setattr(cudnn, "_bwd_call", lambda q, k, v, stats, out, dout, causal, scale, packed_operands=None:
+                      emu.bwd(q, k, v, stats, out, dout, causal, scale, packed_operands))
+  monkeypatch.setattr(cudnn, "_fallback", lambda: xla)
+  B, T, Hq, Hkv, D = 2, 64, 4, 2, 16
+  q, k, v, w, u, _ = kernel_check._inputs(B, T, Hq, Hkv, D, jnp.bfloat16)
+  seg = kernel_check.segments(kind, B, T)
+  expected_route = {"none": None, "ones": 0, "docs": 1, "many_docs": 2}[kind]
+  if seg is not None:
+    assert int(cudnn.route(seg, seg)) == expected_route
+
+  def loss(q, k, v, impl):
+    out, lse = flash_attention(q, k, v, segment_ids=seg, impl=impl, interpret=False)
+    return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u), (out, lse)
+
+  (_, (o1, l1)), g1 = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, "cudnn")
+  (_, (o0, l0)), g0 = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, "reference")
+  for name, a, b in (("out", o1, o0), ("lse", l1, l0)) + tuple(zip(("dq", "dk", "dv"), g1, g0)):
+    err = kernel_check._rel(a, b)
+    assert err < 2e-2, (name, err)
