@@ -48,17 +48,17 @@ stage() {
     env) run_stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
            python3 -c "import jax, flax, optax, orbax.checkpoint as o, grain; print(jax.__version__, flax.__version__,
            optax.__version__, o.__version__, grain.__version__, jax.devices())"' ;;
-    check) if [ "$c" = 1 ]; then run_stage check 120 python3 -m sinkjax.bench.kernel_check --seq 64 --head-dim 32
-           else run_stage check 120 python3 -m sinkjax.bench.kernel_check --seq 512; fi ;;
-    attn_mha) if [ "$c" = 1 ]; then run_stage attn_mha 120 $ATTN --batch 1 --heads 2 --head-dim 32 --seq 128 256
-           else run_stage attn_mha 120 $ATTN --batch 2 --heads 16 --head-dim 128 --seq 4096 8192 16384 --max-gib 40; fi ;;
-    attn_gqa) if [ "$c" = 1 ]; then run_stage attn_gqa 60 $ATTN --batch 1 --heads 4 --kv-heads 1 --head-dim 32 --seq 128
-           else run_stage attn_gqa 60 $ATTN --batch 1 --heads 32 --kv-heads 8 --head-dim 128 --seq 4096 8192; fi ;;
-    attn_d20) if [ "$c" = 1 ]; then run_stage attn_d20 40 $ATTN --batch 2 --heads 2 --head-dim 32 --seq 128
-           else run_stage attn_d20 40 $ATTN --batch 32 --heads 10 --head-dim 128 --seq 2048; fi ;;
-    trainer_d20) if [ "$c" = 1 ]; then run_stage trainer_d20 170 python3 -m sinkjax.bench.trainer $SMALL \
+    check) if [ "$c" = 1 ]; then run_stage check 100 python3 -m sinkjax.bench.kernel_check --seq 64 --head-dim 32
+           else run_stage check 100 python3 -m sinkjax.bench.kernel_check --seq 512; fi ;;
+    attn_mha) if [ "$c" = 1 ]; then run_stage attn_mha 110 $ATTN --batch 1 --heads 2 --head-dim 32 --seq 128 256
+           else run_stage attn_mha 110 $ATTN --batch 2 --heads 16 --head-dim 128 --seq 4096 8192 16384 --max-gib 40; fi ;;
+    attn_gqa) if [ "$c" = 1 ]; then run_stage attn_gqa 50 $ATTN --batch 1 --heads 4 --kv-heads 1 --head-dim 32 --seq 128
+           else run_stage attn_gqa 50 $ATTN --batch 1 --heads 32 --kv-heads 8 --head-dim 128 --seq 4096 8192; fi ;;
+    attn_d20) if [ "$c" = 1 ]; then run_stage attn_d20 30 $ATTN --batch 2 --heads 2 --head-dim 32 --seq 128
+           else run_stage attn_d20 30 $ATTN --batch 32 --heads 10 --head-dim 128 --seq 2048; fi ;;
+    trainer_d20) if [ "$c" = 1 ]; then run_stage trainer_d20 220 python3 -m sinkjax.bench.trainer $SMALL \
              --steps 2 --rounds 1 --no-estimate --rows "step, packed" --profile "$OUT/profile_d20"
-           else run_stage trainer_d20 170 python3 -m sinkjax.bench.trainer $D20 train.batch_size=32 \
+           else run_stage trainer_d20 220 python3 -m sinkjax.bench.trainer $D20 train.batch_size=32 \
              --steps 4 --rounds 3 --rows "step, packed" "train loop" --profile "$OUT/profile_d20"; fi ;;
     trainer_small) run_stage trainer_small 110 python3 -m sinkjax.bench.trainer \
            --config configs/streaming_vanilla.yaml --steps 20 --rounds 3 ;;
