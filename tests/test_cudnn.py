@@ -215,3 +215,10 @@ def test_backend_end_to_end_with_emulated_cudnn(kind, monkeypatch):
   for name, a, b in (("out", o1, o0), ("lse", l1, l0)) + tuple(zip(("dq", "dk", "dv"), g1, g0)):
     err = kernel_check._rel(a, b)
     assert err < 2e-2, (name, err)
+
+
+def test_packed_operands_are_int32_under_x64():
+  with jax.enable_x64(True):
+    seg = jnp.array([[1, 1, 2, 0]], jnp.int32)
+    seqlen, offsets = cudnn._seqlens_offsets(seg, 2, 8, 4)
+    assert seqlen.dtype == offsets.dtype == jnp.int32 and int(cudnn.route(seg, seg)) == 1

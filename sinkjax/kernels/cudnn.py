@@ -138,7 +138,8 @@ def _seqlens_offsets(seg, heads: int, head_dim: int, M: int):
     idx = jnp.nonzero(flat >= 0, size=flat.size, fill_value=flat.size)[0]
     return jnp.take(flat, idx, fill_value=fill).reshape(x.shape)
 
-  return shift_left(seqlen, 0), shift_left(offsets, B * T) * (heads * head_dim)
+  i32 = lambda x: x.astype(jnp.int32)   # cuDNN's operands are int32 (also under jax_enable_x64)
+  return i32(shift_left(seqlen, 0)), i32(shift_left(offsets, B * T) * (heads * head_dim))
 
 
 def _token_slots(seg, M: int):
