@@ -175,10 +175,7 @@ def _packed_stats(lse, seg, M: int):
 
 def _fwd_call(q, k, v, causal, scale, packed_operands=None):
   e = _empty(q.dtype)
-  if packed_operands is None:
-    seqs = (e, e, e, e)
-  else:
-    seqs = packed_operands
+  seqs = (e, e, e, e) if packed_operands is None else packed_operands
   out, stats = _fa._dot_product_attention_fwd_p.bind(
       q, k, v, e, *seqs, e, e, **_params(scale, _mask(causal, packed_operands is not None)), is_training=True)
   return out, stats
