@@ -22,17 +22,20 @@ needs_plugin = pytest.mark.skipif(
 FWD, BWD = cudnn.CUSTOM_CALLS
 
 
+_route = jax.jit(cudnn.route, static_argnums=2)
+
+
 def test_routes_by_hand():
   one = jnp.ones((2, 8), jnp.int32)
   docs = jnp.array([[1, 1, 2, 2, 2, 3, 0, 0], [5, 5, 5, 5, 5, 5, 5, 5]], jnp.int32)
-  assert int(cudnn.route(one, one)) == 0
-  assert int(cudnn.route(7 * one, 7 * one)) == 0                      # any non-zero id
-  assert int(cudnn.route(docs, docs)) == 1
-  assert int(cudnn.route(docs, docs, M=2)) == 2                       # three runs in row 0 > M
+  assert int(_route(one, one, 16)) == 0
+  assert int(_route(7 * one, 7 * one, 16)) == 0                      # any non-zero id
+  assert int(_route(docs, docs, 16)) == 1
+  assert int(_route(docs, docs, 2)) == 2                       # three runs in row 0 > M
   repeated = jnp.array([[1, 1, 2, 2, 1, 1, 0, 0], [1] * 8], jnp.int32)  # id 1 in two runs: one document to the contract
-  assert int(cudnn.route(repeated, repeated)) == 2
-  assert int(cudnn.route(docs, docs.at[0, 1].set(2))) == 2            # q and kv ids differ
-  assert int(cudnn.route(one.at[1, 7].set(0), one.at[1, 7].set(0))) == 1   # one document and a padding token
+  assert int(_route(repeated, repeated, 16)) == 2
+  assert int(_route(docs, docs.at[0, 1].set(2), 16)) == 2            # q and kv ids differ
+  assert int(_route(one.at[1, 7].set(0), one.at[1, 7].set(0), 16)) == 1   # one document and a padding token
 
 
 def test_packed_operands_match_jax_for_mha_and_count_kv_heads_for_gqa():
@@ -40,16 +43,16 @@ def test_packed_operands_match_jax_for_mha_and_count_kv_heads_for_gqa():
   its docstring describes; GQA: the kv offsets count the kv heads (jax 0.10.2 multiplies them by the query heads)."""
   B, T, H, D, M = 2, 8, 4, 16, 4
   seg = jnp.array([[1, 1, 2, 2, 2, 3, 0, 0], [4, 4, 4, 4, 4, 4, 5, 5]], jnp.int32)
-  seqlen, offsets = cudnn._seqlens_offsets(seg, H, D, M)
+  seqlen, offsets = jax.jit(cudnn._seqlens_offsets, static_argnums=(1, 2, 3))(seg, H, D, M)
   jax_seqlen = jnp.array([[2, 3, 1, -1], [6, 2, -1, -1]], jnp.int32)
   jax_offsets = jnp.array([[0, 2, 5, -1, -1], [0, 6, -1, -1, -1]], jnp.int32)
   q = jnp.zeros((B, T, H, D), jnp.bfloat16)
-  want = fa._fix_seqlen_offsets(jax_seqlen, jax_seqlen, jax_offsets, jax_offsets, q, q)
+  want = jax.jit(fa._fix_seqlen_offsets)(jax_seqlen, jax_seqlen, jax_offsets, jax_offsets, q, q)
   np.testing.assert_array_equal(seqlen, want[0])
   np.testing.assert_array_equal(offsets, want[2])
   assert seqlen.reshape(-1).tolist() == [2, 3, 1, 6, 2, 0, 0, 0]
   assert (offsets.reshape(-1) // (H * D)).tolist() == [0, 2, 5, 8, 14] + [B * T] * 5
-  _, kv_offsets = cudnn._seqlens_offsets(seg, 1, D, M)
+  _, kv_offsets = jax.jit(cudnn._seqlens_offsets, static_argnums=(1, 2, 3))(seg, 1, D, M)
   assert (kv_offsets.reshape(-1)[:5] // D).tolist() == [0, 2, 5, 8, 14]
 
 
@@ -59,13 +62,13 @@ def test_packed_stats_layout_round_trip():
   B, T, H, M = 2, 8, 3, 4
   seg = jnp.array([[1, 1, 2, 2, 2, 3, 0, 0], [4, 4, 4, 4, 4, 4, 5, 5]], jnp.int32)
   stats = jax.random.normal(jax.random.PRNGKey(0), (B * M, H, T))
-  lse = cudnn._packed_lse(stats, seg, M)
+  lse = jax.jit(cudnn._packed_lse, static_argnums=2)(stats, seg, M)
   np.testing.assert_array_equal(lse[0, :, 5], stats[2, :, 0])
   np.testing.assert_array_equal(lse[0, :, 3], stats[1, :, 1])
   np.testing.assert_array_equal(lse[1, :, 7], stats[4, :, 1])          # row 1's second segment is the 5th overall
   assert np.all(np.isneginf(np.asarray(lse[0, :, 6:])))
-  back = cudnn._packed_stats(lse, seg, M)
-  np.testing.assert_array_equal(cudnn._packed_lse(back, seg, M), lse)
+  back = jax.jit(cudnn._packed_stats, static_argnums=2)(lse, seg, M)
+  np.testing.assert_array_equal(jax.jit(cudnn._packed_lse, static_argnums=2)(back, seg, M), lse)
 
 
 def test_unsupported_calls_say_why():
@@ -204,14 +207,15 @@ def test_backend_end_to_end_with_emulated_cudnn(kind, monkeypatch):
   seg = kernel_check.segments(kind, B, T)
   expected_route = {"none": None, "ones": 0, "docs": 1, "many_docs": 2}[kind]
   if seg is not None:
-    assert int(cudnn.route(seg, seg)) == expected_route
+    assert int(_route(seg, seg, cudnn.MAX_SEGMENTS)) == expected_route
 
   def loss(q, k, v, impl):
     out, lse = flash_attention(q, k, v, segment_ids=seg, impl=impl, interpret=False)
     return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u), (out, lse)
 
-  (_, (o1, l1)), g1 = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, "cudnn")
-  (_, (o0, l0)), g0 = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, "reference")
+  grad = lambda impl: jax.jit(lambda q, k, v: jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, impl))
+  (_, (o1, l1)), g1 = grad("cudnn")(q, k, v)
+  (_, (o0, l0)), g0 = grad("reference")(q, k, v)
   for name, a, b in (("out", o1, o0), ("lse", l1, l0)) + tuple(zip(("dq", "dk", "dv"), g1, g0)):
     err = kernel_check._rel(a, b)
     assert err < 2e-2, (name, err)
@@ -220,5 +224,5 @@ def test_backend_end_to_end_with_emulated_cudnn(kind, monkeypatch):
 def test_packed_operands_are_int32_under_x64():
   with jax.enable_x64(True):
     seg = jnp.array([[1, 1, 2, 0]], jnp.int32)
-    seqlen, offsets = cudnn._seqlens_offsets(seg, 2, 8, 4)
-    assert seqlen.dtype == offsets.dtype == jnp.int32 and int(cudnn.route(seg, seg)) == 1
+    seqlen, offsets = jax.jit(cudnn._seqlens_offsets, static_argnums=(1, 2, 3))(seg, 2, 8, 4)
+    assert seqlen.dtype == offsets.dtype == jnp.int32

@@ -36,15 +36,16 @@ def test_folded_backward_equals_the_lse_gradient(causal):
   q, k, v, _, _ = make_inputs(B=B, T=T, Hq=Hq, Hkv=Hkv, D=D, seed=1)
   seg = packed_segments(B, T)                                 # documents, padding rows, an all-padding row
   dout, dlse = _cotangents(B, T, Hq, D)
-  out, lse, want = _reference_grads(q, k, v, seg, dout, dlse, causal)
+  out, lse, want = jax.jit(_reference_grads, static_argnums=6)(q, k, v, seg, dout, dlse, causal)
   g = jnp.where(jnp.isfinite(lse), dlse, 0.0)
-  o2, do2 = fold.fold_lse_cotangent(out, dout, g)
-  got = xla.bwd(q, k, v, seg, seg, o2, lse, do2, jnp.zeros_like(dlse), causal=causal, scale=1.0 / np.sqrt(D))
+  o2, do2 = jax.jit(fold.fold_lse_cotangent)(out, dout, g)
+  bwd = jax.jit(lambda *a: xla.bwd(*a, causal=causal, scale=1.0 / np.sqrt(D)))
+  got = bwd(q, k, v, seg, seg, o2, lse, do2, jnp.zeros_like(dlse))
   scale_of = lambda x: float(jnp.max(jnp.abs(x)))
   for name, a, b in zip(("dq", "dk", "dv"), got, want):
     assert_close(a, b, rtol=1e-4, atol=1e-5 * scale_of(b), what=name)
   # and the same backward given g directly agrees (the identity, not just the oracle)
-  direct = xla.bwd(q, k, v, seg, seg, out, lse, dout, g, causal=causal, scale=1.0 / np.sqrt(D))
+  direct = bwd(q, k, v, seg, seg, out, lse, dout, g)
   for name, a, b in zip(("dq", "dk", "dv"), got, direct):
     assert_close(a, b, rtol=1e-4, atol=1e-5 * scale_of(b), what=name + " vs direct")
 
@@ -63,7 +64,7 @@ def test_fold_rows_by_kind():
   B, T, H, D = 2, 8, 2, 16
   out = jax.random.normal(jax.random.PRNGKey(0), (B, T, H, D))
   dout, dlse = _cotangents(B, T, H, D)
-  o2, do2 = fold.fold_lse_cotangent(out, dout, dlse)
+  o2, do2 = jax.jit(fold.fold_lse_cotangent)(out, dout, dlse)
   d_old = jnp.einsum("bthd,bthd->bht", dout, out)
   d_new = jnp.einsum("bthd,bthd->bht", do2, o2)
   _within(d_new, d_old - dlse, 1e-5)
@@ -73,7 +74,7 @@ def test_fold_rows_by_kind():
   assert np.all(m == 0.5)                                     # a power of two: exact in bfloat16
   np.testing.assert_array_equal(o2[0, 5], out[0, 5])          # dO = 0 and g = 0: untouched
   np.testing.assert_array_equal(do2[0, 5], dout[0, 5])
-  ob, dob = fold.fold_lse_cotangent(out, dout, dlse, jnp.bfloat16)
+  ob, dob = jax.jit(fold.fold_lse_cotangent, static_argnums=3)(out, dout, dlse, jnp.bfloat16)
   d_bf = jnp.einsum("bthd,bthd->bht", dob.astype(jnp.float32), ob.astype(jnp.float32))
   assert np.all(np.isfinite(np.asarray(d_bf)))
   _within(d_bf, d_old - dlse, 2e-2)
