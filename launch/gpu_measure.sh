@@ -1,51 +1,76 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/PERF.md in one call of a lent GPU machine (a bare image with jax, flax, optax and
 # orbax; grain, tensorboardX and their needs travel as wheels in .whl/, see the device notes in docs/PERF.md):
-#   attention fwd+bwd against cuDNN at MHA, GQA and D 64 shapes; the trainer's step decomposed against bench.train
-#   (the trainer gap); d20 sink + aux at T 2048 (MFU) with the roofline estimate of sinkjax.compile beside it.
-# Each stage has its own time limit and log under $OUT; the tables are printed again at the end.
-#   bash launch/gpu_measure.sh [stage ...]      stages: env attn_mha attn_gqa trainer_small trainer_d20 (default all)
+#   check      every GPU backend against the reference with the LSE gradient (out, lse, dq, dk, dv; GQA, packed
+#              documents, sink + aux) and that cuDNN's backward reads O only through D (sinkjax.bench.kernel_check)
+#   attn_mha   fwd+bwd time of sinkjax's cudnn backend and the Triton kernel against stock cuDNN (jax.nn.cudnn, no
+#              LSE gradient) at B 2 H 16 D 128, T 4k / 8k / 16k; attn_gqa the same at GQA 32:8; attn_d20 at d20's
+#              attention shape (B 32, T 2048, H 10, D 128)
+#   trainer_d20  the d20 sink + aux step (configs/paper/d20_sink_aux.yaml, 32 x 2048 tokens) with its MFU and roofline
+#              estimate, then a jax.profiler trace of it summarised by kernel category (sinkjax.bench.profile_summary)
+#   trainer_small  the small trainer gap rows of earlier sessions (not in the default set)
+# Each stage has its own time limit (the default set's sum is 9 minutes; a persistent compile cache makes a rerun
+# faster) and log under $OUT; the tables are printed again at the end.
+#   bash launch/gpu_measure.sh [--check] [stage ...]   stages: env check attn_mha attn_gqa attn_d20 trainer_d20 (default)
+#                                                       and trainer_small
+# --check: the dry run on any machine (a CPU): every stage's program with small shapes and the xla backend (cuDNN and
+# Triton rows say they were skipped), so that a typo does not cost a GPU session.
 set -u
+CHECK=0
+if [ "${1:-}" = "--check" ]; then CHECK=1; shift; fi
 OUT=${OUT:-/tmp/sinkjax-gpu}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda JAX_COMPILATION_CACHE_DIR=/tmp/sinkjax-jax-cache \
+export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/sinkjax-jax-cache} \
   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
-if [ -d .whl ]; then
+if [ "$CHECK" = 1 ]; then export JAX_PLATFORMS=cpu; else export JAX_PLATFORMS=cuda; fi
+if [ -d .whl ] && [ "$CHECK" = 0 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
 D20="--config configs/paper/d20_sink_aux.yaml data.source=default data.val_source= data.tokenizer=bytes
      model.vocab_size=65536 mesh.data=1 mesh.fsdp=1"
+SMALL="--config configs/tiny.yaml train.batch_size=4 data.seq_len=128 model.max_seq_len=128 mesh.data=1 mesh.fsdp=1"
+ATTN="python3 -m sinkjax.bench.attention --dtype bfloat16 --impls jax.nn.cudnn cudnn pallas_gpu --repeats 5"
+if [ "$CHECK" = 1 ]; then
+  ATTN="python3 -m sinkjax.bench.attention --dtype float32 --impls xla jax.nn.cudnn cudnn pallas_gpu --repeats 1"
+fi
 run_stage() {   # name limit_s command...
   local name=$1 limit=$2; shift 2
   echo "== $name: $* (limit ${limit}s, $(date +%T))"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "== $name: exit $? ($(date +%T))"
 }
+# shellcheck disable=SC2086  # $ATTN, $D20, $SMALL are word lists
 stage() {
+  local c=$CHECK
   case $1 in
-    env) run_stage env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
+    env) run_stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
            python3 -c "import jax, flax, optax, orbax.checkpoint as o, grain; print(jax.__version__, flax.__version__,
            optax.__version__, o.__version__, grain.__version__, jax.devices())"' ;;
-    attn_mha) run_stage attn_mha 150 python3 -m sinkjax.bench.attention --batch 2 --heads 16 --head-dim 128 \
-           --dtype bfloat16 --seq 1024 4096 8192 16384 --impls cudnn pallas_gpu --repeats 5 --max-gib 40 ;;
-    attn_gqa) run_stage attn_gqa 100 bash -c 'python3 -m sinkjax.bench.attention --batch 1 --heads 32 --kv-heads 8 \
-           --head-dim 128 --dtype bfloat16 --seq 4096 8192 --impls cudnn pallas_gpu --repeats 5 &&
-           python3 -m sinkjax.bench.attention --batch 2 --heads 16 --head-dim 64 --dtype bfloat16 --seq 4096 8192 \
-           --impls cudnn pallas_gpu --repeats 5' ;;
+    check) if [ "$c" = 1 ]; then run_stage check 100 python3 -m sinkjax.bench.kernel_check --seq 64 --head-dim 32
+           else run_stage check 100 python3 -m sinkjax.bench.kernel_check --seq 512; fi ;;
+    attn_mha) if [ "$c" = 1 ]; then run_stage attn_mha 110 $ATTN --batch 1 --heads 2 --head-dim 32 --seq 128 256
+           else run_stage attn_mha 110 $ATTN --batch 2 --heads 16 --head-dim 128 --seq 4096 8192 16384 --max-gib 40; fi ;;
+    attn_gqa) if [ "$c" = 1 ]; then run_stage attn_gqa 50 $ATTN --batch 1 --heads 4 --kv-heads 1 --head-dim 32 --seq 128
+           else run_stage attn_gqa 50 $ATTN --batch 1 --heads 32 --kv-heads 8 --head-dim 128 --seq 4096 8192; fi ;;
+    attn_d20) if [ "$c" = 1 ]; then run_stage attn_d20 30 $ATTN --batch 2 --heads 2 --head-dim 32 --seq 128
+           else run_stage attn_d20 30 $ATTN --batch 32 --heads 10 --head-dim 128 --seq 2048; fi ;;
+    trainer_d20) if [ "$c" = 1 ]; then run_stage trainer_d20 220 python3 -m sinkjax.bench.trainer $SMALL \
+             --steps 2 --rounds 1 --no-estimate --rows "step, packed" --profile "$OUT/profile_d20"
+           else run_stage trainer_d20 220 python3 -m sinkjax.bench.trainer $D20 train.batch_size=32 \
+             --steps 4 --rounds 3 --rows "step, packed" "train loop" --profile "$OUT/profile_d20"; fi ;;
     trainer_small) run_stage trainer_small 110 python3 -m sinkjax.bench.trainer \
            --config configs/streaming_vanilla.yaml --steps 20 --rounds 3 ;;
-    trainer_d20) run_stage trainer_d20 220 python3 -m sinkjax.bench.trainer $D20 train.batch_size=32 \
-           --steps 4 --rounds 3 --rows "step, packed" "train loop" ;;
     *) echo "unknown stage $1"; return 2 ;;
   esac
 }
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env attn_mha attn_gqa trainer_small trainer_d20)
+[ ${#stages[@]} -eq 0 ] && stages=(env check attn_mha attn_gqa attn_d20 trainer_d20)
+[ "$CHECK" = 1 ] && [ "$*" = "" ] && stages=(check attn_mha attn_gqa attn_d20 trainer_d20)
 for s in "${stages[@]}"; do stage "$s"; done
 for s in "${stages[@]}"; do
   echo; echo "#### $s"
-  grep -E '^(#|\||roofline|no roofline|name|NVIDIA|[0-9. ]+ +[a-z_.]+ )|Error|error|Traceback' "$OUT/$s.log" | grep -v -i \
-    "tpu_\|libtpu" | tail -n 40
+  grep -E '^(#|\||roofline|no roofline|profile of|name|NVIDIA|cudnn reads|all passed|[0-9]+ FAILED|[0-9. ]+ +[a-z_.]+ )|Error|error|Traceback' \
+    "$OUT/$s.log" | grep -v -i "tpu_\|libtpu" | tail -n 40
 done

@@ -202,6 +202,8 @@ def attention_kernel(hlo: str, impl: str) -> str:
   """Which attention kernel the compiled program holds, read from its HLO (not from the settings)."""
   if "tpu_custom_call" in hlo:
     return "mosaic"
+  if "__cudnn$fmha" in hlo:             # cuDNN's fused attention (a Triton fallback may sit beside it: cudnn.route)
+    return "cudnn"
   if "__gpu$xla.gpu.triton" in hlo:     # Pallas's Triton custom call; bare "triton" is also XLA:GPU's own GEMM fusions
     return "triton"
   if impl in ("pallas_tpu", "pallas_gpu") and "callback" in hlo:
@@ -363,6 +365,7 @@ _RING = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: (n - 1
          "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
          "collective-permute": lambda n: 1.0}
 # XLA:GPU's cuBLAS matmul custom calls (their output: (result, s8 workspace)).
+_CUDNN_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha\w*"')
 _CUBLAS = re.compile(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)"')
 # Pallas's Triton lowering drops `pl.CostEstimate`; sinkjax's GPU kernels put theirs in the kernel's name
 # (`kernels.pallas_gpu`), which the compiled program keeps in the call's metadata.
@@ -505,7 +508,25 @@ class _HloCosts:
       return 2 * math.prod(_arrays(ins.type)[0][1]) * math.prod(lhs[d] for d in contracting)
     if ins.opcode == "convolution":
       return self.conv_flops(comp, ins)
+    if ins.opcode == "custom-call" and _CUDNN_FMHA.search(ins.attrs):
+      return self.fmha_flops(comp, ins)
     return 0
+
+  def fmha_flops(self, comp: str, ins: _Instruction) -> int:
+    """cuDNN's fused attention (sinkjax's `cudnn` backend, jax.nn's cudnn implementation): 2 matmuls forward (QK^T,
+    PV), 5 backward (QK^T again, dO V^T, P^T dO, dS K, dS^T Q), 2 FLOPs per multiply-add over the visible (query,
+    key) pairs of its [B, N, T, S] logits (causal: top-left aligned, sum over t of min(t + 1, S)). Packed documents
+    (max_seg_per_batch > 1) count the whole rows: an upper bound, the split being data."""
+    shape = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]', ins.attrs)
+    q = self.dims(comp, ins.operands[0]) if ins.operands else None
+    if shape is None or q is None:
+      return 0
+    B, N, T, S = (int(x.strip('" ')) for x in shape.group(1).split(","))
+    mask = re.search(r'"mask_type":\s*"(\w+)"', ins.attrs)
+    causal = mask is not None and "CAUSAL" in mask.group(1)
+    pairs = sum(min(t + 1, S) for t in range(T)) if causal else T * S
+    matmuls = 5 if "Backward" in _CUDNN_FMHA.search(ins.attrs).group(0) else 2
+    return 2 * matmuls * B * N * pairs * q[-1]
 
   def conv_flops(self, comp: str, ins: _Instruction) -> int:
     """2 x output elements x kernel input features x the kernel taps that land inside the unpadded input (XLA:TPU
@@ -665,8 +686,8 @@ def hlo_costs(text: str) -> dict:
   from the loop's initial value), nested loops multiply, and `loops_of_unknown_trips` counts loops read as one
   trip. So scanned layers, the chunked loss and micro-batches all count. Elementwise (VPU) work is not in `flops`
   (its cost shows in the bytes). XLA:GPU: cuBLAS matmul custom calls count as dots (their workspace output is no
-  traffic), async fusions (`fusion-start`) as the fusions they run, and sinkjax's Triton attention kernels by the
-  estimate in their names (`GPU_COST_NAME`)."""
+  traffic), async fusions (`fusion-start`) as the fusions they run, sinkjax's Triton attention kernels by the
+  estimate in their names (`GPU_COST_NAME`), cuDNN's fused attention by its logits' shape (`fmha_flops`)."""
   costs = _HloCosts(text)
   costs.walk(costs.entry, 1.0)
   return costs.out

@@ -56,8 +56,8 @@ def test_missing_cuda_plugin_is_one_line():
 @needs_plugin
 def test_pallas_gpu_kernel_compiles_with_triton_for_h100():
   """Sink attention with GQA and segment ids, causal, head dim 128, forward + backward (through the LSE), under a
-  mesh of two compile-only H100s on this CPU host: impl="auto" is the Triton kernel (three Triton calls: forward, dq,
-  dk/dv), not the Pallas interpreter."""
+  mesh of two compile-only H100s on this CPU host: impl="pallas_gpu" is the Triton kernel (three Triton calls:
+  forward, dq, dk/dv), not the Pallas interpreter. (impl="auto" on Hopper is cuDNN: tests/test_cudnn.py.)"""
   assert jax.default_backend() == "cpu"
   devices = compile_lib.gpu_devices(compile_lib.parse_topology("h100:2"))
   assert len(devices) == 2 and devices[0].device_kind == "NVIDIA H100 80GB HBM3"
@@ -71,7 +71,7 @@ def test_pallas_gpu_kernel_compiles_with_triton_for_h100():
   sink = jnp.zeros((Hq,), jnp.float32)
 
   def loss(q, k, v, seg):
-    out, lse = sink_attention(q, k, v, sink, segment_ids=seg)
+    out, lse = sink_attention(q, k, v, sink, segment_ids=seg, impl="pallas_gpu")
     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
   with jax.set_mesh(mesh):
@@ -79,8 +79,8 @@ def test_pallas_gpu_kernel_compiles_with_triton_for_h100():
   hlo = compiled.as_text()
   assert hlo.count(TRITON) >= 3 and "callback" not in hlo
   assert compiled.memory_analysis().temp_size_in_bytes > 0
-  with jax.set_mesh(mesh):   # flash_attention itself: auto follows the mesh's GPU devices
-    hlo = jax.jit(lambda q, k, v: flash_attention(q, k, v)[0]).lower(*args[:3]).compile().as_text()
+  with jax.set_mesh(mesh):   # flash_attention itself: interpret mode follows the mesh's GPU devices
+    hlo = jax.jit(lambda q, k, v: flash_attention(q, k, v, impl="pallas_gpu")[0]).lower(*args[:3]).compile().as_text()
   assert TRITON in hlo and "callback" not in hlo
 
 
@@ -96,7 +96,7 @@ def test_triton_kernels_costs_are_counted_on_h100():
   spec = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
 
   def loss(q, k, v):
-    out, lse = flash_attention(q, k, v, causal=True)
+    out, lse = flash_attention(q, k, v, causal=True, impl="pallas_gpu")
     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
 
   with jax.set_mesh(mesh):
@@ -138,11 +138,11 @@ def test_attention_kernel_is_read_from_the_hlo_not_guessed():
 @needs_plugin
 def test_d20_fits_one_h100_node(tmp_path):
   """docs/TPU.md's GPU row: the paper's d20 sink config, 256 rows x 2048 (32 rows per GPU), no accumulation, fits
-  8 x H100 with the Triton kernel."""
+  8 x H100 with cuDNN's fused attention (impl="auto" on Hopper, bf16)."""
   out = tmp_path / "r.json"
   r = subprocess.run([sys.executable, "-m", "sinkjax.compile", "--config", str(ROOT / "configs/paper/d20_sink_aux.yaml"),
                       "--topology", "h100:8", "--json", str(out), "--no-eval", "model.vocab_size=65536"], cwd=ROOT,
                      capture_output=True, text=True, timeout=3600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 0, r.stderr[-2000:]
   rep = json.loads(out.read_text())
-  assert rep["fits"] and rep["attention_kernel"] == "triton" and rep["tokens_per_chip_per_micro_step"] == 32 * 2048
+  assert rep["fits"] and rep["attention_kernel"] == "cudnn" and rep["tokens_per_chip_per_micro_step"] == 32 * 2048

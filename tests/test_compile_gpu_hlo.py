@@ -88,3 +88,23 @@ def test_gpu_kernel_names_carry_their_cost(monkeypatch):
   assert names == ["sinkjax_flash_fwd__cost_f123_t4_b56", "sinkjax_flash_fwd"]
   import re
   assert re.search(compile_lib.GPU_COST_NAME, names[0]).groups() == ("123", "4", "56")
+
+
+FMHA = """HloModule fmha, entry_computation_layout={()->bf16[2,8,4,64]{3,2,1,0}}
+
+ENTRY %main (q: bf16[2,8,4,64], k: bf16[2,8,4,64], v: bf16[2,8,4,64]) -> bf16[2,8,4,64] {
+  %q = bf16[2,8,4,64]{3,2,1,0} parameter(0)
+  %k = bf16[2,8,4,64]{3,2,1,0} parameter(1)
+  %v = bf16[2,8,4,64]{3,2,1,0} parameter(2)
+  %fwd = (bf16[2,4,8,64]{3,1,2,0}, f32[2,4,8]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"operation_queue_id": "0", "cudnn_fmha_backend_config": {"fmha_scale": 0.125, "intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "4", "8", "8"], "tuple_shapes": [], "layout": {"minor_to_major": ["3", "2", "1", "0"]}}, "is_flash_attention": true, "mask_type": "CAUSAL", "max_seg_per_batch": 1}}
+  %bwd = (bf16[2,4,8,64]{3,1,2,0}, bf16[2,4,8,64]{3,1,2,0}, bf16[2,4,8,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"operation_queue_id": "0", "cudnn_fmha_backend_config": {"fmha_scale": 0.125, "intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "4", "8", "8"], "tuple_shapes": [], "layout": {"minor_to_major": ["3", "2", "1", "0"]}}, "is_flash_attention": true, "mask_type": "NO_MASK", "max_seg_per_batch": 1}}
+  ROOT %out = bf16[2,8,4,64]{3,2,1,0} copy(%q)
+}
+"""
+
+
+def test_cudnn_fused_attention_flops_by_hand():
+  """cuDNN's forward, causal over 8 x 8 logits: 36 visible pairs (1 + 2 + ... + 8) x 2 matmuls; its backward without
+  a mask: 64 pairs x 5 matmuls; each pair-matmul 2 x D FLOPs, for B 2 x N 4."""
+  costs = compile_lib.hlo_costs(FMHA)
+  assert costs["flops"] == 2 * 4 * 2 * 64 * (36 * 2 + 64 * 5)

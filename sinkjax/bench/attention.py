@@ -11,9 +11,11 @@ compiled memory analysis (temporaries + outputs + arguments of the fwd+bwd progr
 peak allocator statistic is shown too when available. FLOP/s counts the useful causal FLOPs:
 fwd 2 matmuls + bwd 5 matmuls over the lower triangle = 7 * 2 * B*H*T^2*D / 2.
 
-Rows `jax.nn.dpa` (XLA's own) and `cudnn` (`jax.nn.dot_product_attention(implementation="cudnn")`, GPUs only) are
-stock kernels that return no LSE: they differentiate sum(out^2) alone, the speed a kernel gets by dropping the LSE
-gradient that sink-aware training needs. --kv-heads below --heads gives GQA / MQA shapes (K and V with fewer heads).
+Rows `jax.nn.dpa` (XLA's own) and `jax.nn.cudnn` (`jax.nn.dot_product_attention(implementation="cudnn")`, GPUs
+only) are stock kernels that return no LSE: they differentiate sum(out^2) alone, the speed a kernel gets by dropping
+the LSE gradient that sink-aware training needs. Row `cudnn` is sinkjax's cuDNN backend (`sinkjax.kernels.cudnn`:
+the same fused kernels, with the LSE gradient), so `--impls jax.nn.cudnn cudnn pallas_gpu` puts the cost of the LSE
+gradient and the Triton kernel side by side. --kv-heads below --heads gives GQA / MQA shapes (K and V with fewer heads).
 The last column is each row's time over the first backend's in --impls at the same T.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ from sinkjax import cli
 from sinkjax.kernels import BlockSizes, default_impl, flash_attention
 
 _BWD_TILES = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
+STOCK = ("jax.nn.dpa", "jax.nn.cudnn")     # stock kernels without an LSE
 
 
 def block_sizes(args) -> BlockSizes:
@@ -39,8 +42,8 @@ def block_sizes(args) -> BlockSizes:
 
 
 def _loss_fn(impl, blocks):
-  if impl in ("jax.nn.dpa", "cudnn"):
-    kind = "cudnn" if impl == "cudnn" else None
+  if impl in STOCK:
+    kind = "cudnn" if impl == "jax.nn.cudnn" else None
 
     def loss(q, k, v):
       out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kind)
@@ -65,7 +68,7 @@ def bench_one(impl, B, T, H, D, dtype, blocks, repeats, max_bytes, kv_heads=None
       raise
     return dict(impl=impl, T=T, skipped="out of device memory")
   except (NotImplementedError, ValueError, RuntimeError) as e:    # cuDNN off a GPU, or a shape it does not take
-    if impl != "cudnn":
+    if impl not in ("jax.nn.cudnn", "cudnn"):
       raise
     return dict(impl=impl, T=T, skipped=" ".join(str(e).split())[:80])
   mem = compiled.memory_analysis()
@@ -132,7 +135,8 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--impls", nargs="+", default=None,
                  help="backends to run (default: reference, xla, the platform's Pallas backend, jax.nn.dpa); "
-                      "also cudnn (GPU) and torch.sdpa: stock fused attention, fwd+bwd without the LSE term")
+                      "also cudnn (sinkjax's cuDNN backend, GPU), jax.nn.cudnn (GPU) and torch.sdpa: stock fused "
+                      "attention, fwd+bwd without the LSE term")
   p.add_argument("--max-gib", type=float, default=12.0, help="skip configurations whose program needs more")
   args = p.parse_args(argv)
   try:

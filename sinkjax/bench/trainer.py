@@ -36,6 +36,7 @@ if __name__ == "__main__":
   cli.require_extra("sinkjax.bench.trainer")   # before the imports below, which need the train extra
 
 import argparse
+import pathlib
 import statistics
 import sys
 import tempfile
@@ -217,6 +218,24 @@ def measure(args) -> None:
             f"{step / est['estimated_step_seconds']:.2f}x the estimate")
     elif not args.no_estimate and est is None:
       print(f"\nno roofline estimate: no peak figures for {devices[0].device_kind} (sinkjax.compile.CHIPS)")
+    if args.profile:
+      profile(trainer, runners[args.rows[0]], args.steps, args.profile)
+
+
+def profile(trainer, run, steps: int, out_dir: str) -> None:
+  """`steps` steps of one row traced by jax.profiler into out_dir, the step's compiled text beside it (step.hlo.txt),
+  and the trace summarised by kernel category (`sinkjax.bench.profile_summary`)."""
+  from sinkjax.bench import profile_summary  # pylint: disable=import-outside-toplevel
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  hlo = trainer.lower()[0].compile().as_text()
+  (out / "step.hlo.txt").write_text(hlo)
+  run(1)
+  with jax.profiler.trace(str(out / "trace")):
+    run(steps)
+  s = profile_summary.summarize(out / "trace", [hlo], steps)
+  print(f"\nprofile of {steps} steps ({out / 'trace'}), device time by kernel category (sinkjax.bench.profile_summary):")
+  print(profile_summary.format_summary(s))
 
 
 def main(argv=None) -> int:
@@ -227,6 +246,9 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=20, help="steps per timed block")
   p.add_argument("--rounds", type=int, default=3, help="timed blocks per row (median)")
   p.add_argument("--no-estimate", action="store_true", help="skip the roofline estimate (one more compile)")
+  p.add_argument("--profile", default=None, metavar="DIR",
+                 help="after timing, trace --steps steps of the first row into DIR and print the device time per "
+                      "kernel category (sinkjax.bench.profile_summary)")
   p.add_argument("--rows", nargs="+", choices=_ROWS, default=list(_ROWS), metavar="ROW",
                  help=f"rows to time (default all: {', '.join(repr(r) for r in _ROWS)})")
   args = p.parse_args(argv)

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +28,15 @@ from sinkjax.sharding import BATCH_AXES, HEAD_AXIS, target_platform
 
 IMPLS = ATTN_IMPLS
 _BACKEND_MODULES = {"xla": "sinkjax.kernels.xla", "pallas_tpu": "sinkjax.kernels.pallas_tpu",
-                    "pallas_gpu": "sinkjax.kernels.pallas_gpu"}
-_HARDWARE = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+                    "pallas_gpu": "sinkjax.kernels.pallas_gpu", "cudnn": "sinkjax.kernels.cudnn"}
+_HARDWARE = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cudnn": "gpu"}
+# GPUs of compute capability >= 9.0 (Hopper, Blackwell) by name, for compile-only devices, which carry only a name
+_HOPPER_OR_LATER = re.compile(r"\b(G?H\d{2,3}|G?B\d{3}|RTX PRO 6000 Blackwell)\b")
 # Names of the flash kernel's inputs (q, k, v as attended: after QK-norm and RoPE) and outputs, for remat policies.
 CHECKPOINT_NAMES = ("attention_q", "attention_k", "attention_v", "attention_out", "attention_lse")
+# The name scope of the kernels' forward and backward (HLO op_name metadata): what sinkjax.bench.profile_summary counts
+# as attention in a profile.
+NAME_SCOPE = "sinkjax_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,20 +46,40 @@ class _Static:
   scale: float
   block_sizes: BlockSizes
   interpret: bool
+  segmented: bool = True      # segment ids were given (False: all ones, which the cudnn backend runs unmasked)
 
 
 def _backend(impl: str):
   return importlib.import_module(_BACKEND_MODULES[impl])
 
 
-def default_impl(platform: str | None = None) -> str:
+def hopper_or_later(device=None) -> bool:
+  """Whether `device` (default: the active mesh's device, else the default backend's first) is an NVIDIA GPU of
+  compute capability >= 9.0: read from a real device's `compute_capability`, else from the name a compile-only
+  device carries ("NVIDIA H100 80GB HBM3")."""
+  if device is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None) if not mesh.empty else None
+    device = device or jax.devices()[0]
+  try:
+    cc = getattr(device, "compute_capability", None)
+  except Exception:  # pylint: disable=broad-except   # a device of another platform may raise on unknown attributes
+    cc = None
+  if cc:
+    return tuple(int(x) for x in str(cc).split(".")[:2]) >= (9, 0)
+  return bool(_HOPPER_OR_LATER.search(getattr(device, "device_kind", "") or ""))
+
+
+def default_impl(platform: str | None = None, device=None) -> str:
   """The backend `impl="auto"` picks for a platform (default: the target's, `sinkjax.sharding.target_platform`):
-  Pallas on TPU and NVIDIA GPU, blockwise XLA elsewhere."""
+  Pallas on TPU; on NVIDIA GPUs cuDNN on Hopper and later (`hopper_or_later`), Pallas (Triton) before; blockwise XLA
+  elsewhere. `flash_attention` falls back from cudnn to pallas_gpu for a call cuDNN does not take
+  (`sinkjax.kernels.cudnn.unsupported`: float32 inputs, T != S causal, paired segment ids)."""
   platform = platform or target_platform()
   if platform == "tpu":
     return "pallas_tpu"
   if platform in ("gpu", "cuda"):
-    return "pallas_gpu"
+    return "cudnn" if hopper_or_later(device) else "pallas_gpu"
   return "xla"
 
 
@@ -63,12 +89,16 @@ def _flash_vjp(q, k, v, q_seg, kv_seg, st: _Static):
 
 
 def _kw(st):
-  return dict(causal=st.causal, scale=st.scale, block_sizes=st.block_sizes, interpret=st.interpret)
+  kw = dict(causal=st.causal, scale=st.scale, block_sizes=st.block_sizes, interpret=st.interpret)
+  if st.impl == "cudnn":
+    kw["segmented"] = st.segmented
+  return kw
 
 
 def _fwd(q, k, v, q_seg, kv_seg, st):
   q, k, v = (checkpoint_name(x, name) for x, name in zip((q, k, v), CHECKPOINT_NAMES))
-  out, lse = _backend(st.impl).fwd(q, k, v, q_seg, kv_seg, **_kw(st))
+  with jax.named_scope(NAME_SCOPE):
+    out, lse = _backend(st.impl).fwd(q, k, v, q_seg, kv_seg, **_kw(st))
   out, lse = checkpoint_name(out, CHECKPOINT_NAMES[3]), checkpoint_name(lse, CHECKPOINT_NAMES[4])
   return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
 
@@ -76,8 +106,9 @@ def _fwd(q, k, v, q_seg, kv_seg, st):
 def _bwd(st, res, cts):
   q, k, v, q_seg, kv_seg, out, lse = res
   dout, dlse = cts
-  dq, dk, dv = _backend(st.impl).bwd(q, k, v, q_seg, kv_seg, out, lse, dout.astype(q.dtype),
-                                     dlse.astype(jnp.float32), **_kw(st))
+  with jax.named_scope(NAME_SCOPE):
+    dq, dk, dv = _backend(st.impl).bwd(q, k, v, q_seg, kv_seg, out, lse, dout.astype(q.dtype),
+                                       dlse.astype(jnp.float32), **_kw(st))
   return dq, dk, dv, None, None
 
 
@@ -146,11 +177,13 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
     segment_ids: int [B, T] (self-attention, T == S) or a pair ([B, T], [B, S]). Tokens attend only within equal
       ids; id 0 is padding: its rows give zero output and lse = -inf, with zero (never NaN) gradients.
     scale: logit scale, default 1/sqrt(D).
-    impl: "auto" | "reference" | "xla" | "pallas_tpu" | "pallas_gpu".
+    impl: "auto" | "reference" | "xla" | "pallas_tpu" | "pallas_gpu" | "cudnn" (NVIDIA, bfloat16/float16; see
+      `sinkjax.kernels.cudnn` for its segment-id routes). "auto" = `default_impl`, with cudnn falling back to
+      pallas_gpu for a call cuDNN does not take.
     interpret: Pallas interpret mode; None = only when the program is not compiled for the backend's hardware.
     platform: the platform the program is compiled for ("tpu", "gpu", "cpu"); None = the active mesh's devices' (a
       mesh of compile-only TPU devices on a CPU host says "tpu"), else the default backend's. It picks
-      `impl="auto"` (pallas_tpu / pallas_gpu / xla) and interpret mode.
+      `impl="auto"` (pallas_tpu / cudnn or pallas_gpu / xla) and interpret mode.
     block_sizes: `BlockSizes` with separate tiles for the forward, dK/dV and dQ passes (None fields and None =
       backend defaults; see `sinkjax.kernels.blocks` for which backend reads which field).
     block_q, block_k: shorthand for `BlockSizes.uniform(block_q, block_k)`: one tile for every pass.
@@ -178,6 +211,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
   target = platform or target_platform()
   if impl == "auto":
     impl = default_impl(target)
+    if impl == "cudnn" and _cudnn_unsupported(q, k, causal, segment_ids, T, S):
+      impl = "pallas_gpu"
   if impl == "reference":
     return reference.attention(q, k, v, q_seg, kv_seg, causal=causal, scale=scale)
   if impl in _HARDWARE and jnp.float64 in (q.dtype, k.dtype, v.dtype):
@@ -185,11 +220,16 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
                      "jax_enable_x64 on, jnp/jax.random default to float64: cast with .astype(jnp.float32))")
   if interpret is None:                 # the compile target's hardware, not the host's (a TPU step on a CPU host)
     interpret = impl in _HARDWARE and target != _HARDWARE[impl]
-  st = _Static(impl, bool(causal), scale, blocks, bool(interpret))
+  st = _Static(impl, bool(causal), scale, blocks, bool(interpret), segment_ids is not None)
   if _is_eager(q, k, v, q_seg, kv_seg) and jax.sharding.get_abstract_mesh().empty:
     return _flash_eager(q, k, v, q_seg, kv_seg, st)
   fn = lambda q, k, v, q_seg, kv_seg: _flash_vjp(q, k, v, q_seg, kv_seg, st)
   return _per_shard(fn, B, Hkv, batch_axes, head_axis)(q, k, v, q_seg, kv_seg)
+
+
+def _cudnn_unsupported(q, k, causal, segment_ids, T, S):
+  from sinkjax.kernels import cudnn  # pylint: disable=import-outside-toplevel
+  return cudnn.unsupported(q.dtype, q.shape[3], T, S, causal, pair=isinstance(segment_ids, (tuple, list)))
 
 
 def _mesh_axes(batch_axes, head_axis):

@@ -1,0 +1,194 @@
+"""Correctness of the attention backends against the materialized reference, with the LSE gradient: the device check.
+
+    python -m sinkjax.bench.kernel_check [--impls cudnn pallas_gpu] [--seq 512] [--dtype bfloat16]
+
+For each case (MHA, GQA 4:1; no segment ids, all-ones ids, packed documents with padding, more documents per row than
+the cudnn backend's packed route takes; sink attention with the aux loss) and backend, the largest error of out, lse
+and of the gradients dq, dk, dv (and d sink) of a loss through BOTH outputs, relative to the largest reference value,
+with cotangents g != 0 on every row and rows whose out cotangent is 0 (the `sinkjax.kernels.fold` substitute rows).
+The reference is `sinkjax.kernels.reference` (materialized softmax, float32 math on the same inputs) differentiated
+by JAX autodiff.
+
+With cudnn among the backends it also checks the premise of its LSE gradient: cuDNN's backward reads the forward output
+O only through D = rowsum(dO o O). Given O + W (W a large per-row vector orthogonal to dO, so D is unchanged up to
+rounding), cuDNN's backward must agree with the `xla` backend's (which provably reads O only through D) given the same
+O + W; a backward that used O otherwise would differ at O(1).
+
+On a CPU, `--impls xla --dtype float32` runs the same cases (the dry run of launch/gpu_measure.sh --check). Prints one
+table row per (case, backend); exit status 1 if any error exceeds the tolerance (bf16 2e-2, f32 2e-4).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sinkjax import cli
+from sinkjax.attention import sink_attention
+from sinkjax.balance import aux_loss, head_importance
+from sinkjax.kernels import flash_attention
+
+TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 2e-4}
+
+
+def segments(kind: str, B: int, T: int):
+  """[B, T] int32 segment ids of a case, or None."""
+  if kind == "none":
+    return None
+  if kind == "ones":
+    return jnp.ones((B, T), jnp.int32)
+  if kind == "docs":        # row 0: three documents and padding; other rows: two documents
+    rows = [[1] * (T // 4) + [2] * (T // 2 - T // 4) + [3] * (T - T // 2 - 7) + [0] * 7]
+    rows += [[5] * (T // 3) + [6] * (T - T // 3)] * (B - 1)
+    return jnp.array(rows, jnp.int32)
+  if kind == "many_docs":   # 20 documents per row: more than the cudnn backend's packed route (its Triton fallback)
+    return jnp.broadcast_to(1 + jnp.arange(T, dtype=jnp.int32) * 20 // T, (B, T))
+  raise ValueError(kind)
+
+
+CASES = (("mha", 8, 8, "none"), ("gqa", 8, 2, "none"), ("mha_ones", 8, 8, "ones"), ("gqa_docs", 8, 2, "docs"),
+         ("mha_many_docs", 4, 4, "many_docs"), ("sink_aux_gqa_docs", 8, 2, "docs"))
+
+
+def _inputs(B, T, Hq, Hkv, D, dtype, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  q = jax.random.normal(ks[0], (B, T, Hq, D)).astype(dtype)
+  k = jax.random.normal(ks[1], (B, T, Hkv, D)).astype(dtype)
+  v = jax.random.normal(ks[2], (B, T, Hkv, D)).astype(dtype)
+  w = jax.random.normal(ks[3], (B, T, Hq, D)).at[:, ::7].set(0.0)       # rows with dO = 0 (and g != 0)
+  u = jax.random.normal(ks[4], (B, Hq, T))
+  sink = jax.random.normal(ks[5], (Hq,))
+  return q, k, v, w, u, sink
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  fin = np.isfinite(b)
+  if not np.array_equal(np.isfinite(a), fin):
+    return float("inf")
+  scale = max(float(np.max(np.abs(b[fin]), initial=0.0)), 1e-30)
+  return float(np.max(np.abs(a[fin] - b[fin]), initial=0.0)) / scale
+
+
+def check_case(name, Hq, Hkv, seg_kind, impl, *, B, T, D, dtype):
+  """{"out": err, "lse": err, "dq": ..., "dk": ..., "dv": ...(, "dsink")} of `impl` against the reference."""
+  q, k, v, w, u, sink = _inputs(B, T, Hq, Hkv, D, dtype)
+  seg = segments(seg_kind, B, T)
+  valid = None if seg is None else (seg != 0)
+
+  if name.startswith("sink_aux"):
+    def outputs(q, k, v, sink, impl):
+      out, gate = sink_attention(q, k, v, sink, segment_ids=seg, impl=impl)
+      return out, gate
+
+    def loss(q, k, v, sink, impl):
+      out, gate = outputs(q, k, v, sink, impl)
+      imp = head_importance(gate, valid)[None]
+      return jnp.sum(out.astype(jnp.float32) * w) + aux_loss(imp, weight=1.0)
+    args = (q, k, v, sink)
+  else:
+    def outputs(q, k, v, impl):
+      return flash_attention(q, k, v, causal=True, segment_ids=seg, impl=impl)
+
+    def loss(q, k, v, impl):
+      out, lse = outputs(q, k, v, impl)
+      return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u)
+    args = (q, k, v)
+
+  argnums = tuple(range(len(args)))
+  run = lambda i: jax.jit(lambda *a: (outputs(*a, i), jax.grad(loss, argnums)(*a, i)))(*args)
+  key = (name, B, T, D, jnp.dtype(dtype).name)
+  if key not in _REFERENCE:              # computed once per case, shared by the backends checked
+    _REFERENCE.clear()
+    _REFERENCE[key] = run("reference")
+  (o0, l0), g0 = _REFERENCE[key]
+  (o1, l1), g1 = run(impl)
+  errs = {"out": _rel(o1, o0), "lse" if not name.startswith("sink") else "gate": _rel(l1, l0)}
+  for n, a, b in zip(("dq", "dk", "dv", "dsink"), g1, g0):
+    errs[n] = _rel(a, b)
+  return errs
+
+
+_REFERENCE = {}
+
+
+def check_o_through_d(*, B, T, H, D, dtype=jnp.bfloat16):
+  """(err with O, err with O + W): cuDNN's backward against the xla backend's given the same O, dO, stats (see the
+  module docstring). Also returns how far O + W is from O (so that a pass is not vacuous)."""
+  from sinkjax.kernels import cudnn, xla  # pylint: disable=import-outside-toplevel
+  q, k, v, w, _, _ = _inputs(B, T, H, H, D, dtype, seed=1)
+  scale = 1.0 / np.sqrt(D)
+  ones = jnp.ones((B, T), jnp.int32)
+  out, lse = jax.jit(lambda q, k, v: cudnn.fwd(q, k, v, ones, ones, causal=True, scale=scale, segmented=False))(q, k, v)
+  dout = w.astype(dtype)
+  r = jax.random.normal(jax.random.PRNGKey(9), out.shape)
+  do32 = dout.astype(jnp.float32)
+  n2 = jnp.maximum(jnp.sum(do32 * do32, -1, keepdims=True), 1e-30)
+  perp = r - jnp.sum(r * do32, -1, keepdims=True) / n2 * do32                 # orthogonal to dO per row
+  perp = 10.0 * perp / jnp.maximum(jnp.linalg.norm(perp, axis=-1, keepdims=True), 1e-30) * \
+      jnp.linalg.norm(out.astype(jnp.float32), axis=-1, keepdims=True)
+  moved = (out.astype(jnp.float32) + perp).astype(dtype)
+
+  def both(o):
+    got = jax.jit(lambda q, k, v, o, d: cudnn._bwd_call(q, k, v, lse, o, d, True, scale))(q, k, v, o, dout)
+    want = xla.bwd(*(x.astype(jnp.float32) for x in (q, k, v)), ones, ones, o.astype(jnp.float32), lse,
+                   dout.astype(jnp.float32), jnp.zeros_like(lse), causal=True, scale=scale)
+    return max(_rel(a, b) for a, b in zip(got, want))
+  return both(out), both(moved), _rel(moved, out)
+
+
+def main(argv=None):
+  p = cli.Parser(prog="python -m sinkjax.bench.kernel_check", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--impls", nargs="+", default=None,
+                 help="backends to check (default: cudnn pallas_gpu on a GPU, xla elsewhere)")
+  p.add_argument("--seq", type=int, default=512)
+  p.add_argument("--batch", type=int, default=2)
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--dtype", default=None, choices=sorted(TOL), help="default: bfloat16 on a GPU, float32 elsewhere")
+  p.add_argument("--cases", nargs="+", default=None, choices=[c[0] for c in CASES])
+  args = p.parse_args(argv)
+  gpu = jax.default_backend() == "gpu"
+  impls = args.impls or (["cudnn", "pallas_gpu"] if gpu else ["xla"])
+  dtype_name = args.dtype or ("bfloat16" if gpu else "float32")
+  dtype, tol = jnp.dtype(dtype_name), TOL[dtype_name]
+  cases = [c for c in CASES if args.cases is None or c[0] in args.cases]
+  print(f"# kernel check: B={args.batch} T={args.seq} D={args.head_dim} {dtype_name}, causal, loss through out and "
+        f"LSE (g != 0; out cotangent 0 on every 7th row), errors relative to the reference's largest value, tolerance "
+        f"{tol:g}; {jax.devices()[0].device_kind}")
+  print("| case | backend | out | lse/gate | dq | dk | dv | dsink | ok |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  failed = 0
+  for name, Hq, Hkv, seg_kind in cases:
+    for impl in impls:
+      try:
+        errs = check_case(name, Hq, Hkv, seg_kind, impl, B=args.batch, T=args.seq, D=args.head_dim, dtype=dtype)
+      except Exception as e:  # pylint: disable=broad-except   # one failing backend must not hide the others
+        failed += 1
+        print(f"| {name} | {impl} | error: {' '.join(str(e).split())[:160]} ||||||| no |", flush=True)
+        continue
+      ok = all(x <= tol for x in errs.values())
+      failed += not ok
+      cells = [f"{errs.get(n, float('nan')):.1e}" if n in errs else "-" for n in ("out",)] + \
+          [f"{errs[n]:.1e}" for n in errs if n in ("lse", "gate")] + \
+          [f"{errs[n]:.1e}" if n in errs else "-" for n in ("dq", "dk", "dv", "dsink")]
+      print(f"| {name} | {impl} | " + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |", flush=True)
+  if "cudnn" in impls:
+    try:
+      e0, e1, moved = check_o_through_d(B=args.batch, T=args.seq, H=4, D=args.head_dim)
+      ok = e0 <= tol and e1 <= tol and moved > 1.0
+      print(f"cudnn reads O only through D: grads vs xla's given O {e0:.1e}, given O + W {e1:.1e} (|W| {moved:.1f}x "
+            f"|O|): {'yes' if ok else 'NO'}", flush=True)
+    except Exception as e:  # pylint: disable=broad-except
+      ok = False
+      print(f"cudnn reads O only through D: error: {' '.join(str(e).split())[:300]}")
+    failed += not ok
+  print(f"{'all passed' if not failed else f'{failed} FAILED'}")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

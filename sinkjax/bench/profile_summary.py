@@ -1,0 +1,173 @@
+"""A jax.profiler trace summarised into device time per kernel category: where a step's time goes.
+
+    python -m sinkjax.bench.profile_summary TRACE_DIR [--hlo STEP.hlo.txt ...] [--steps N] [--top 8]
+
+TRACE_DIR is a `jax.profiler.trace` log directory (the newest `*.trace.json.gz` under it is read; `jax.profiler`
+writes one beside its xplane). The device's events are the kernels on a GPU's streams (processes named
+/device:GPU:N), or on a CPU the XLA ops the runtime executes (events naming an `hlo_op`). Each is put in one category:
+
+  collectives   all-reduce / all-gather / reduce-scatter / collective-permute / all-to-all, NCCL kernels
+  attention     the attention kernel and its own elementwise work: HLO ops under the `sinkjax_attention` name scope
+                (`sinkjax.kernels.flash`), cuDNN's fused attention, kernels named like flash / fmha / sdpa
+  optimizer     HLO ops under the `optimizer` name scope (`sinkjax.step`: the optax update and its application)
+  matmuls       dots and convolutions: HLO dot ops, fusions whose computation holds a dot, cuBLAS / GEMM kernels
+  elementwise   everything else (norms, activations, gates, the loss, copies, ...)
+
+An event is classified by its HLO op (`hlo_op` in the trace) looked up in the compiled program's text (--hlo: the
+`Compiled.as_text()` of the step; the op's opcode, custom-call target, called computation and `op_name` metadata);
+without it, or for an op not found there, by its names alone. Times are the sum of the events' durations (kernels
+that overlap on several streams or CPU threads count in full), divided by --steps when given; loops, branches and
+calls (XLA:CPU traces them around their bodies' ops) are left out, their bodies' ops counted instead.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import sys
+
+from sinkjax import cli
+
+CATEGORIES = ("matmuls", "attention", "elementwise", "optimizer", "collectives")
+_COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|nccl|allreduce|"
+                         r"allgather|reducescatter", re.I)
+_ATTENTION = re.compile(r"sinkjax_attention|sinkjax_flash|cudnn\$fmha|fmha|flash|sdpa|attention", re.I)
+_MATMUL = re.compile(r"gemm|cublas|nvjet|xmma|cutlass|matmul|\bdot\b|dot\.|dot_general|convolution", re.I)
+_CONTAINERS = ("while", "conditional", "call")
+_CONTAINER = re.compile(r"^(while|conditional|call)(\.\d+)?$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
+_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+def parse_hlo(text: str) -> dict:
+  """{instruction name: category hint} of an HLO module's text: for each instruction its opcode, custom-call target,
+  op_name metadata and, for fusions and calls, whether the called computation holds a dot."""
+  comps, comp_has_dot, instrs, comp = {}, collections.defaultdict(bool), {}, None
+  for line in text.splitlines():
+    m = _COMP.match(line)
+    if m and "=" not in line.split("{")[0]:
+      comp = m.group(1)
+      continue
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    name, opcode, rest = m.groups()
+    target = re.search(r'custom_call_target="([^"]+)"', rest)
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    calls = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", rest)
+    instrs[name] = dict(opcode=opcode, target=target.group(1) if target else "",
+                        op_name=op_name.group(1) if op_name else "", calls=calls)
+    if comp and (opcode in ("dot", "convolution") or (target and _MATMUL.search(target.group(1)))):
+      comp_has_dot[comp] = True
+    comps.setdefault(comp, []).append(name)
+  for info in instrs.values():
+    info["has_dot"] = any(comp_has_dot[c] for c in info["calls"])
+  return instrs
+
+
+def categorize(name: str, info: dict | None = None) -> str:
+  """The category of one device event: its kernel / op name and, when known, its HLO instruction's info."""
+  info = info or {}
+  opcode, target, op_name = info.get("opcode", ""), info.get("target", ""), info.get("op_name", "")
+  if _COLLECTIVE.search(opcode) or _COLLECTIVE.search(name):
+    return "collectives"
+  if "sinkjax_attention" in op_name or _ATTENTION.search(target) or (not info and _ATTENTION.search(name)):
+    return "attention"
+  if re.search(r"(^|/)optimizer(/|$)", op_name):
+    return "optimizer"
+  if opcode in ("dot", "convolution") or _MATMUL.search(target) or info.get("has_dot") or \
+      (not info and _MATMUL.search(name)):
+    return "matmuls"
+  return "elementwise"
+
+
+def _trace_file(path: pathlib.Path) -> pathlib.Path:
+  if path.is_file():
+    return path
+  files = sorted(path.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+  if not files:
+    raise FileNotFoundError(f"no *.trace.json.gz under {path}: pass the log directory of a jax.profiler.trace")
+  return files[-1]
+
+
+def device_events(trace: dict) -> list:
+  """[(name, hlo_op or "", hlo_module or "", duration µs)] of the device's work in a Chrome-format trace."""
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu = {pid for pid, n in procs.items() if re.search(r"/device:GPU", n)}
+  out = []
+  for e in events:
+    if e.get("ph") != "X" or "dur" not in e:
+      continue
+    args = e.get("args", {}) or {}
+    if gpu:
+      if e.get("pid") not in gpu:
+        continue
+    elif "hlo_op" not in args:
+      continue
+    out.append((e.get("name", ""), str(args.get("hlo_op", "")), str(args.get("hlo_module", "")), float(e["dur"])))
+  return out
+
+
+def summarize(trace_path, hlo_texts=(), steps: int | None = None) -> dict:
+  """{"by_category": {category: µs}, "total_us", "top": [(name, category, µs)], "events": n} (per step if steps)."""
+  trace = json.load(gzip.open(_trace_file(pathlib.Path(trace_path)), "rt"))
+  info = {}
+  for text in hlo_texts:
+    info.update(parse_hlo(text))
+  by_cat, by_name = collections.Counter({c: 0.0 for c in CATEGORIES}), collections.Counter()
+  cat_of = {}
+  events = device_events(trace)
+  kept = []
+  for name, op, mod, dur in events:
+    hint = info.get(op) or info.get(name)
+    if (hint or {}).get("opcode") in _CONTAINERS or (not hint and _CONTAINER.match(op or name)):
+      continue                  # a loop / branch / call whose body's ops are events of their own (XLA:CPU)
+    kept.append((name, op, mod, dur))
+  events = kept
+  for name, op, _, dur in events:
+    cat = categorize(name, info.get(op) or info.get(name))
+    by_cat[cat] += dur
+    key = op or name
+    by_name[key] += dur
+    cat_of[key] = cat
+  div = steps or 1
+  return {"by_category": {c: by_cat[c] / div for c in CATEGORIES}, "total_us": sum(by_cat.values()) / div,
+          "top": [(n, cat_of[n], t / div) for n, t in by_name.most_common()], "events": len(events),
+          "classified_by_hlo": bool(info)}
+
+
+def format_summary(s: dict, top: int = 8, per: str = "step") -> str:
+  total = s["total_us"] or 1.0
+  lines = [f"| category | ms / {per} | share |", "|---|---:|---:|"]
+  for c in CATEGORIES:
+    lines.append(f"| {c} | {s['by_category'][c] / 1e3:.3f} | {s['by_category'][c] / total:.1%} |")
+  lines.append(f"| total (device busy) | {s['total_us'] / 1e3:.3f} | |")
+  lines.append(f"\n{s['events']} device events, classified by {'the HLO' if s['classified_by_hlo'] else 'name'}; "
+               f"top {top} ops:")
+  lines += [f"  {t / 1e3:9.3f} ms  {c:<12} {n[:90]}" for n, c, t in s["top"][:top]]
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  p = cli.Parser(prog="python -m sinkjax.bench.profile_summary", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("trace", help="a jax.profiler.trace log directory (or one *.trace.json.gz)")
+  p.add_argument("--hlo", nargs="*", default=[], help="compiled program text(s) of the traced step (as_text())")
+  p.add_argument("--steps", type=int, default=None, help="steps in the trace (times are divided by it)")
+  p.add_argument("--top", type=int, default=8)
+  args = p.parse_args(argv)
+  try:
+    s = summarize(args.trace, [pathlib.Path(h).read_text() for h in args.hlo], args.steps)
+  except FileNotFoundError as e:
+    p.error(str(e))
+  print(format_summary(s, args.top, "step" if args.steps else "trace"))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,40 @@
+"""`sinkjax.bench.kernel_check` (the device correctness check) on a CPU with the xla backend: it passes a correct
+backend and fails one whose backward drops the LSE cotangent; `launch/gpu_measure.sh --check` runs every stage."""
+import os
+import pathlib
+import subprocess
+
+import jax.numpy as jnp
+import pytest
+
+from sinkjax.bench import kernel_check
+from sinkjax.kernels import xla
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_passes_a_correct_backend(capsys):
+  assert kernel_check.main(["--seq", "32", "--head-dim", "16", "--cases", "gqa_docs", "sink_aux_gqa_docs"]) == 0
+  out = capsys.readouterr().out
+  assert "| gqa_docs | xla |" in out and "all passed" in out
+
+
+def test_fails_a_backend_without_the_lse_gradient(monkeypatch, capsys):
+  bwd = xla.bwd
+  monkeypatch.setattr(xla, "bwd", lambda *a, **kw: bwd(*a[:8], jnp.zeros_like(a[8]), **kw))
+  errs = kernel_check.check_case("gqa", 8, 2, "none", "xla", B=1, T=32, D=16, dtype=jnp.float32)
+  assert errs["out"] < 1e-5 and errs["dq"] > 1e-2 and errs["dk"] > 1e-2
+  assert kernel_check.main(["--seq", "32", "--head-dim", "16", "--cases", "gqa"]) == 1
+  assert "1 FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_gpu_measure_dry_run(tmp_path):
+  """Every default stage of the device script with small shapes on this CPU (~80 s)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}      # one device, as on the lent machine
+  r = subprocess.run(["bash", "launch/gpu_measure.sh", "--check"], cwd=ROOT, capture_output=True, text=True,
+                     timeout=900, env={**env, "OUT": str(tmp_path), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")})
+  assert r.returncode == 0, r.stderr[-2000:]
+  for stage in ("check", "attn_mha", "attn_gqa", "attn_d20", "trainer_d20"):
+    assert f"== {stage}: exit 0" in r.stdout, r.stdout[-3000:]
+  assert "all passed" in r.stdout and "| attention |" in r.stdout and "runs only on NVIDIA GPUs" in r.stdout
