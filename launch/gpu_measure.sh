@@ -59,7 +59,7 @@ stage() {
     trainer_d20) if [ "$c" = 1 ]; then run_stage trainer_d20 220 python3 -m sinkjax.bench.trainer $SMALL \
              --steps 2 --rounds 1 --no-estimate --rows "step, packed" --profile "$OUT/profile_d20"
            else run_stage trainer_d20 220 python3 -m sinkjax.bench.trainer $D20 train.batch_size=32 \
-             --steps 4 --rounds 3 --rows "step, packed" "train loop" --profile "$OUT/profile_d20"; fi ;;
+             model.attn_impl=cudnn --steps 4 --rounds 3 --rows "step, packed" "train loop" --profile "$OUT/profile_d20"; fi ;;
     trainer_small) run_stage trainer_small 110 python3 -m sinkjax.bench.trainer \
            --config configs/streaming_vanilla.yaml --steps 20 --rounds 3 ;;
     *) echo "unknown stage $1"; return 2 ;;

@@ -92,8 +92,18 @@ def test_hopper_or_later_by_name_and_capability():
   assert flash.hopper_or_later(Dev("NVIDIA B200"))
   assert not flash.hopper_or_later(Dev("NVIDIA A100-SXM4-80GB"))
   assert flash.hopper_or_later(Dev("whatever", "9.0")) and not flash.hopper_or_later(Dev("NVIDIA H100", "8.0"))
-  assert flash.default_impl("gpu", Dev("NVIDIA H100 80GB HBM3")) == "cudnn"
+  # auto stays on Triton until the device check (flash.CUDNN_IN_AUTO); with it, cuDNN on Hopper and later only
+  assert flash.default_impl("gpu", Dev("NVIDIA H100 80GB HBM3")) == ("cudnn" if flash.CUDNN_IN_AUTO else "pallas_gpu")
   assert flash.default_impl("gpu", Dev("NVIDIA A100-SXM4-80GB")) == "pallas_gpu"
+
+
+def test_auto_picks_cudnn_on_hopper_once_enabled(monkeypatch):
+  class Dev:
+    device_kind, compute_capability = "NVIDIA H100 80GB HBM3", None
+  monkeypatch.setattr(flash, "CUDNN_IN_AUTO", True)
+  assert flash.default_impl("gpu", Dev()) == "cudnn"
+  Dev.device_kind = "NVIDIA A100-SXM4-80GB"
+  assert flash.default_impl("gpu", Dev()) == "pallas_gpu"
 
 
 def _h100_mesh(n=1):

@@ -70,16 +70,23 @@ def hopper_or_later(device=None) -> bool:
   return bool(_HOPPER_OR_LATER.search(getattr(device, "device_kind", "") or ""))
 
 
+# Whether impl="auto" picks cuDNN on Hopper. Off until launch/gpu_measure.sh's `check` stage has run on a device (issue
+# 46): it establishes that cuDNN's backward reads O only through D = rowsum(dO * O), which the LSE gradient's fold
+# (sinkjax.kernels.fold) rests on, and the packed-document route's statistics layout; both are checked here only on
+# emulated cuDNN calls. Until then impl="cudnn" (model.attn_impl=cudnn) opts in, and auto stays on pallas_gpu.
+CUDNN_IN_AUTO = False
+
+
 def default_impl(platform: str | None = None, device=None) -> str:
   """The backend `impl="auto"` picks for a platform (default: the target's, `sinkjax.sharding.target_platform`):
-  Pallas on TPU; on NVIDIA GPUs cuDNN on Hopper and later (`hopper_or_later`), Pallas (Triton) before; blockwise XLA
-  elsewhere. `flash_attention` falls back from cudnn to pallas_gpu for a call cuDNN does not take
+  Pallas on TPU; on NVIDIA GPUs cuDNN on Hopper and later (`hopper_or_later`) once CUDNN_IN_AUTO (the device check
+  of issue 46), Pallas (Triton) otherwise; blockwise XLA elsewhere. `flash_attention` falls back from cudnn to pallas_gpu for a call cuDNN does not take
   (`sinkjax.kernels.cudnn.unsupported`: float32 inputs, T != S causal, paired segment ids)."""
   platform = platform or target_platform()
   if platform == "tpu":
     return "pallas_tpu"
   if platform in ("gpu", "cuda"):
-    return "cudnn" if hopper_or_later(device) else "pallas_gpu"
+    return "cudnn" if CUDNN_IN_AUTO and hopper_or_later(device) else "pallas_gpu"
   return "xla"
 
 
