@@ -2,8 +2,8 @@
 
     python -m sinkjax.pod_paths [--worker-local-paths] MODULE -- ARGS...
 
-`launch/tpu_vm.sh run` / `babysit` run this on the launching machine with the program's arguments (and
-`sinkjax.experiments.paper --scale tpu` calls `check` for each run it launches). The workers of a slice share
+`launch/tpu_vm.sh run` / `babysit` run this on the launching machine with the program's arguments (so every launch
+of `sinkjax.experiments.paper --scale tpu` is checked too). The workers of a slice share
 nothing but the bucket, and `~/sinkjax` on each is replaced by the next `setup`: a relative data, tokenizer or run
 path there is never what a user means. Checked: for `sinkjax.train`, the config after its `base:` files and the
 overrides (`data.source`, `data.val_source`, `data.tokenizer`, `data.tfds_dir` of a `tfds:` source,
@@ -38,14 +38,12 @@ class PodPathError(ConfigError):
 
 
 def _check_one(what: str, value: str, fix: str, where: str, worker_local: bool) -> None:
-  for part in [p.strip() for p in str(value).split(",")] if what in ("data.source", "data.val_source") else [value]:
-    if paths.is_remote(part) or (worker_local and os.path.isabs(part)):
-      continue
-    kind = "an absolute path on each worker's own disk" if os.path.isabs(part) else "a path relative to ~/sinkjax " \
-        "on each worker, which the next setup replaces"
-    hint = "; or --worker-local-paths for a disk every worker mounts" if os.path.isabs(part) else ""
-    raise PodPathError(f"{what} is {part!r}{where}: on a pod slice that is {kind}; give the bucket's, e.g. {fix}"
-                       f"{hint}")
+  if paths.is_remote(value) or (worker_local and os.path.isabs(value)):
+    return
+  kind = "an absolute path on each worker's own disk" if os.path.isabs(value) else "a path relative to ~/sinkjax " \
+      "on each worker, which the next setup replaces"
+  hint = "; or --worker-local-paths for a disk every worker mounts" if os.path.isabs(value) else ""
+  raise PodPathError(f"{what} is {value!r}{where}: on a pod slice that is {kind}; give the bucket's, e.g. {fix}{hint}")
 
 
 def _get(cfg, dotted: str):

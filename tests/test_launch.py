@@ -347,3 +347,21 @@ def test_local_errors_are_one_line():
   for args, msg in cases.items():
     r = _local(*args, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     assert r.returncode == 2 and msg in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+
+
+def test_pod_paths_pass_what_is_no_path_and_refuse_what_a_worker_would_resolve_locally():
+  """sinkjax.pod_paths (which tpu_vm.sh runs): the special values (the embedded corpus, the byte tokenizer, a TFDS
+  name, empty) are no paths; a TFDS source's data.tfds_dir is checked."""
+  from sinkjax.pod_paths import PodPathError, check
+  ok = ["--config", "configs/tiny.yaml", "run.dir=gs://b/r", "data.source=default", "data.tokenizer=bytes"]
+  check("sinkjax.train", ok, root=".")
+  check("sinkjax.train", [*ok, "data.source=tfds:lm1b", "data.tfds_dir=gs://b/tfds"], root=".")
+  check("sinkjax.eval", ["--checkpoint", "gs://b/r", "data.tokenizer=bytes", "--max-docs", "3"])
+  bad = {("data.source=tfds:lm1b", "data.tfds_dir=tfds"): "data.tfds_dir is 'tfds'",
+         ("data.val_source=val/*.jsonl",): "data.val_source is 'val/\\*.jsonl'",
+         ("train.init_from=runs/base",): "train.init_from is 'runs/base'",
+         ("run.dir=/tmp/r",): "run.dir is '/tmp/r'"}
+  for extra, msg in bad.items():
+    with pytest.raises(PodPathError, match=msg.replace(".", r"\.")):
+      check("sinkjax.train", [*ok, *extra], root=".")
+  check("sinkjax.train", [*ok, "run.dir=/mnt/shared/r"], root=".", worker_local=True)
