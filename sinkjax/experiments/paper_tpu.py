@@ -232,6 +232,10 @@ def main(args, parser) -> int:
   variants = [v.strip() for v in args.variants.split(",") if v.strip()]
   runs = make_grid(sizes, variants, range(args.first_seed, args.first_seed + args.seeds))
   bucket, opts = Bucket(out, data), slice_options(args)
+  missing = [f for f in (TPU_VM, *{r.config for r in runs}) if not (REPO / f).is_file()]
+  if missing:
+    parser.error(f"--scale tpu launches from a checkout of sinkjax (launch/, configs/paper/); {REPO} lacks "
+                 f"{missing[0]}: run it from a clone (pip install -e .)")
 
   def drive() -> int:
     states = {r.name: run_state(bucket.run_dir(r)) for r in runs}
