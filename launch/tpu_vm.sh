@@ -3,14 +3,16 @@
 #
 #   launch/tpu_vm.sh create  --name N --zone Z [--project P] [--type v5litepod-8] [--version RUNTIME] [--spot] [--queued]
 #   launch/tpu_vm.sh setup   --name N --zone Z [--project P] [--python python3.11] [--extras tpu] [--include PATH ...]
-#   launch/tpu_vm.sh run     --name N --zone Z [--project P] [--job J] [--module M] [--env K=V] -- ARGS...
+#   launch/tpu_vm.sh run     --name N --zone Z [--project P] [--job J] [--module M] [--env K=V] [--worker-local-paths]
+#                            -- ARGS...
 #   launch/tpu_vm.sh babysit (create's, setup's and run's options) [--interval 300] [--max-failures 3]
 #                            [--delete-when-done] -- ARGS...
 #   launch/tpu_vm.sh status | stop | logs [--lines N] | ssh | delete   --name N --zone Z [--project P] [--job J]
 #
 # setup copies this checkout's code to ~/sinkjax on every worker (gcloud scp): its tracked files as they are in the
 # working tree (uncommitted edits included), plus each --include PATH (a file or directory of the checkout, relative
-# to its root); never an untracked file otherwise, so data/ and runs/ stay here (it says how many it left behind).
+# to its root); never an untracked file otherwise, so data/ and runs/ stay here (it names the untracked files it
+# leaves behind that git does not ignore).
 # It installs the copy with constraints.txt into ~/sinkjax-venv (launch/tpu_worker.sh setup).
 # run starts `python -m M ARGS` (M = sinkjax.train; sinkjax.eval, sinkjax.lm_eval, sinkjax.convert.hf ... work the
 # same) on every worker under nohup and returns: the job outlives the SSH session; each worker logs to
@@ -27,7 +29,7 @@
 # commands instead of running them. --project is passed to every gcloud command.
 set -euo pipefail
 
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "tpu_vm.sh: $*" >&2; exit 2; }
 say() { echo "tpu_vm.sh: $(date -u +%FT%TZ) $*" >&2; }
 
@@ -51,7 +53,8 @@ while [[ $# -gt 0 ]]; do
       case "$1" in
         --name) name=$2 ;; --zone) zone=$2 ;; --project) project=$2 ;; --type) type=$2 ;; --version) version=$2 ;;
         --python) python=$2 ;; --extras) extras=$2 ;; --job) job=$2 ;; --module) module=$2 ;; --env) envs+=("$2") ;;
-        --interval) interval=$2 ;; --max-failures) max_failures=$2 ;; --lines) lines=$2 ;; --include) includes+=("$2") ;;
+        --interval) interval=$2 ;; --max-failures) max_failures=$2 ;; --lines) lines=$2 ;;
+        --include) includes+=("$2") ;;
       esac
       shift 2 ;;
     --spot) spot=1; shift ;;
@@ -92,13 +95,15 @@ fi
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 for inc in ${includes[@]+"${includes[@]}"}; do
-  [[ "$inc" != /* && "/$inc/" != */../* ]] || die "--include takes a path inside the checkout, relative to its root, got '$inc'"
+  [[ "$inc" != /* && "/$inc/" != */../* ]] \
+    || die "--include takes a path inside the checkout, relative to its root, got '$inc'"
   [[ -e "$root/$inc" ]] || die "--include $inc: no such file or directory in $root"
 done
 if [[ $cmd == run || $cmd == babysit ]]; then   # the job's paths are the bucket's, before anything is launched
   launch_python=${SINKJAX_LAUNCH_PYTHON:-python3}
   "$launch_python" -c 'import yaml' 2> /dev/null \
-    || die "checking the job's paths needs $launch_python with pyyaml here (pip install pyyaml; SINKJAX_LAUNCH_PYTHON picks the interpreter)"
+    || die "checking the job's paths needs $launch_python with pyyaml here (pip install pyyaml;" \
+           "SINKJAX_LAUNCH_PYTHON picks the interpreter)"
   local_flag=()
   [[ $worker_local == 0 ]] || local_flag=(--worker-local-paths)
   bad=$(cd "$root" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" SINKJAX_CHECKOUT="$root" "$launch_python" \
@@ -171,7 +176,8 @@ wait_ready() {   # until the slice is READY (a queued resource may wait for capa
 shipped() {   # NUL-separated: the tracked files that exist, and every file under each --include, once each
   { git -C "$root" ls-files -z --cached
     for inc in ${includes[@]+"${includes[@]}"}; do (cd "$root" && find "$inc" -type f -print0); done
-  } | (cd "$root" && while IFS= read -r -d '' f; do if [[ -e "$f" ]]; then printf '%s\0' "${f#./}"; fi; done) | LC_ALL=C sort -zu
+  } | (cd "$root" && while IFS= read -r -d '' f; do if [[ -e "$f" ]]; then printf '%s\0' "${f#./}"; fi; done) \
+    | LC_ALL=C sort -zu
 }
 left_behind() {   # NUL-separated: the untracked, not-ignored files that shipped() leaves out
   LC_ALL=C comm -z -23 <(git -C "$root" ls-files -z --others --exclude-standard | LC_ALL=C sort -zu) <(shipped)
