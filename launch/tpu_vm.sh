@@ -2,18 +2,25 @@
 # Cloud TPU launcher for sinkjax (single host and pod slices), through gcloud.
 #
 #   launch/tpu_vm.sh create  --name N --zone Z [--project P] [--type v5litepod-8] [--version RUNTIME] [--spot] [--queued]
-#   launch/tpu_vm.sh setup   --name N --zone Z [--project P] [--python python3.11] [--extras tpu]
-#   launch/tpu_vm.sh run     --name N --zone Z [--project P] [--job J] [--module M] [--env K=V] -- ARGS...
+#   launch/tpu_vm.sh setup   --name N --zone Z [--project P] [--python python3.11] [--extras tpu] [--include PATH ...]
+#   launch/tpu_vm.sh run     --name N --zone Z [--project P] [--job J] [--module M] [--env K=V] [--worker-local-paths]
+#                            -- ARGS...
 #   launch/tpu_vm.sh babysit (create's, setup's and run's options) [--interval 300] [--max-failures 3]
 #                            [--delete-when-done] -- ARGS...
 #   launch/tpu_vm.sh status | stop | logs [--lines N] | ssh | delete   --name N --zone Z [--project P] [--job J]
 #
-# setup copies this checkout (its tracked and not-ignored files, uncommitted changes included) to ~/sinkjax on every
-# worker (gcloud scp) and installs it there with constraints.txt into ~/sinkjax-venv (launch/tpu_worker.sh setup).
+# setup copies this checkout's code to ~/sinkjax on every worker (gcloud scp): its tracked files as they are in the
+# working tree (uncommitted edits included), plus each --include PATH (a file or directory of the checkout, relative
+# to its root); never an untracked file otherwise, so data/ and runs/ stay here (it names the untracked files it
+# leaves behind that git does not ignore).
+# It installs the copy with constraints.txt into ~/sinkjax-venv (launch/tpu_worker.sh setup).
 # run starts `python -m M ARGS` (M = sinkjax.train; sinkjax.eval, sinkjax.lm_eval, sinkjax.convert.hf ... work the
 # same) on every worker under nohup and returns: the job outlives the SSH session; each worker logs to
 # ~/sinkjax-logs/J/HOSTNAME.log (J = train); `logs` shows their ends, `status` each worker's state, `stop` sends
-# SIGTERM (the trainer saves a checkpoint). --queued asks for the slice as a queued resource; --spot for spot chips.
+# SIGTERM (the trainer saves a checkpoint). Before it launches, run (and babysit) checks with python -m
+# sinkjax.pod_paths that the data, tokenizer and run paths the job resolves (a train job's config included) are in
+# a bucket: a relative path is one line and exit 2 (an absolute one passes with --worker-local-paths).
+# --queued asks for the slice as a queued resource; --spot for spot chips.
 # babysit (run it under nohup or tmux) creates the slice if needed, sets it up and starts the run; then every
 # --interval seconds it checks the slice and the job: a preempted or lost slice is deleted, re-created and set up, and
 # the same run is started again, which resumes from the latest checkpoint in run.dir (a gs:// run.dir outlives the
@@ -22,7 +29,7 @@
 # commands instead of running them. --project is passed to every gcloud command.
 set -euo pipefail
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "tpu_vm.sh: $*" >&2; exit 2; }
 say() { echo "tpu_vm.sh: $(date -u +%FT%TZ) $*" >&2; }
 
@@ -36,21 +43,24 @@ esac
 
 name="" zone="" project="" type="v5litepod-8" version="v2-alpha-tpuv5-lite" spot=0 queued=0 dry_run=0
 python="python3.11" extras="tpu" job="train" module="sinkjax.train" envs=() interval=300 max_failures=3
-delete_when_done=0 lines=50 prog_args=() seen_args=0
+delete_when_done=0 lines=50 prog_args=() seen_args=0 includes=() worker_local=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
-    --name|--zone|--project|--type|--version|--python|--extras|--job|--module|--env|--interval|--max-failures|--lines)
+    --name|--zone|--project|--type|--version|--python|--extras|--job|--module|--env|--interval|--max-failures|--lines|\
+    --include)
       [[ $# -ge 2 ]] || die "$1 needs a value (see --help)"
       case "$1" in
         --name) name=$2 ;; --zone) zone=$2 ;; --project) project=$2 ;; --type) type=$2 ;; --version) version=$2 ;;
         --python) python=$2 ;; --extras) extras=$2 ;; --job) job=$2 ;; --module) module=$2 ;; --env) envs+=("$2") ;;
         --interval) interval=$2 ;; --max-failures) max_failures=$2 ;; --lines) lines=$2 ;;
+        --include) includes+=("$2") ;;
       esac
       shift 2 ;;
     --spot) spot=1; shift ;;
     --queued) queued=1; shift ;;
     --delete-when-done) delete_when_done=1; shift ;;
+    --worker-local-paths) worker_local=1; shift ;;
     --dry-run) dry_run=1; shift ;;
     --) shift; seen_args=1
         for a in "$@"; do   # the launcher's --dry-run is honoured after -- too, and never reaches the program
@@ -84,6 +94,22 @@ if [[ $cmd == babysit ]]; then
 fi
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+for inc in ${includes[@]+"${includes[@]}"}; do
+  [[ "$inc" != /* && "/$inc/" != */../* ]] \
+    || die "--include takes a path inside the checkout, relative to its root, got '$inc'"
+  [[ -e "$root/$inc" ]] || die "--include $inc: no such file or directory in $root"
+done
+if [[ $cmd == run || $cmd == babysit ]]; then   # the job's paths are the bucket's, before anything is launched
+  launch_python=${SINKJAX_LAUNCH_PYTHON:-python3}
+  "$launch_python" -c 'import yaml' 2> /dev/null \
+    || die "checking the job's paths needs $launch_python with pyyaml here (pip install pyyaml;" \
+           "SINKJAX_LAUNCH_PYTHON picks the interpreter)"
+  local_flag=()
+  [[ $worker_local == 0 ]] || local_flag=(--worker-local-paths)
+  bad=$(cd "$root" && PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" SINKJAX_CHECKOUT="$root" "$launch_python" \
+        -m sinkjax.pod_paths ${local_flag[@]+"${local_flag[@]}"} "$module" -- "${prog_args[@]}" 2>&1) \
+    || die "$(tail -n 1 <<< "$bad")"
+fi
 project_flag=()
 [[ -z "$project" ]] || project_flag=("--project=$project")
 
@@ -147,20 +173,36 @@ wait_ready() {   # until the slice is READY (a queued resource may wait for capa
     sleep 30
   done
 }
-copy_and_setup() {   # the checkout to ~/sinkjax on every worker, then tpu_worker.sh setup there
-  local tmp archive
+shipped() {   # NUL-separated: the tracked files that exist, and every file under each --include, once each
+  { git -C "$root" ls-files -z --cached
+    for inc in ${includes[@]+"${includes[@]}"}; do (cd "$root" && find "$inc" -type f -print0); done
+  } | (cd "$root" && while IFS= read -r -d '' f; do if [[ -e "$f" ]]; then printf '%s\0' "${f#./}"; fi; done) \
+    | LC_ALL=C sort -zu
+}
+left_behind() {   # NUL-separated: the untracked, not-ignored files that shipped() leaves out
+  LC_ALL=C comm -z -23 <(git -C "$root" ls-files -z --others --exclude-standard | LC_ALL=C sort -zu) <(shipped)
+}
+summary() {   # summary: "N files, X MB" of a NUL-separated list on stdin
+  (cd "$root" && xargs -0 -r stat -c %s --) | awk '{n++; b+=$1} END {printf "%d files, %.1f MB", n, b/1e6}'
+}
+copy_and_setup() {   # the checkout's code to ~/sinkjax on every worker, then tpu_worker.sh setup there
+  local tmp archive behind
   git -C "$root" rev-parse --git-dir > /dev/null 2>&1 \
-    || die "setup copies a git checkout (its tracked and not-ignored files); $root is not one"
+    || die "setup copies a git checkout (its tracked files and --include); $root is not one"
+  behind=$(left_behind | tr '\0' '\n')
+  if [[ -n "$behind" ]]; then
+    say "setup leaves behind $(left_behind | summary) that git does not track (e.g. $(head -n 3 <<< "$behind" \
+| paste -sd ' ' -)); git add the code among them or name it with --include"
+  fi
   if [[ $dry_run == 1 ]]; then
     archive=/tmp/sinkjax-checkout.tar.gz
-    echo "# the checkout: $(quoted git -C "$root" ls-files -z --cached --others --exclude-standard) |" \
+    echo "# the checkout's code, $(shipped | summary): $(quoted git -C "$root" ls-files -z --cached)" \
+      "$(for inc in ${includes[@]+"${includes[@]}"}; do printf '+ %q ' "$inc"; done)|" \
       "$(quoted tar -C "$root" --null -T - -czf "$archive")"
   else
     tmp=$(mktemp -d "${TMPDIR:-/tmp}/sinkjax_tpu.XXXXXX")
     archive=$tmp/sinkjax-checkout.tar.gz
-    git -C "$root" ls-files -z --cached --others --exclude-standard \
-      | (cd "$root" && while IFS= read -r -d '' f; do [[ -e "$f" ]] && printf '%s\0' "$f"; done) \
-      | tar -C "$root" --null -T - -czf "$archive"
+    shipped | tar -C "$root" --null -T - -czf "$archive"
   fi
   local copied=0
   gc compute tpus tpu-vm scp "$archive" "$name:sinkjax-checkout.tar.gz" --zone="$zone" --worker=all || copied=$?

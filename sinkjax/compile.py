@@ -862,6 +862,21 @@ def _vocab(cfg) -> None:
                        "size, e.g. model.vocab_size=65536 (nanochat's tokenizer)")
 
 
+def _adopt_init_model(cfg) -> None:
+  """train.init_from: the model is the imported run's (its config.yaml alone is read). Where that run is not here
+  (not imported yet, or imported elsewhere) and the config's own model section names its vocabulary (a config that
+  spells out the published model, as configs/finetune_qwen3_4b.yaml does), it is sized from that section instead,
+  said in one line; otherwise the import is needed (ConfigError, one line)."""
+  from sinkjax import paths  # pylint: disable=import-outside-toplevel
+  from sinkjax import run as run_lib  # pylint: disable=import-outside-toplevel
+  src = cfg.train.init_from
+  if cfg.model.vocab_size and not paths.as_path(f"{src.rstrip('/')}/{run_lib.CONFIG_FILE}").exists():
+    print(f"sinkjax.compile: train.init_from {src} is not here (no {run_lib.CONFIG_FILE}); sized from this config's "
+          "model section", file=sys.stderr)
+    return
+  run_lib.adopt_init_model(cfg)
+
+
 def _hints(r: dict) -> str:
   need, have = r["per_chip_bytes"]["total"], r.get("available_bytes", r["hbm_per_chip_bytes"])
   tips = []
@@ -932,9 +947,8 @@ def _run(args) -> int:
   if topo.platform == "gpu":
     prepare_gpu()
   cfg = config_lib.load_config(args.config, args.overrides)
-  if cfg.train.init_from:             # fine-tuning: the model is the imported run's (its config.yaml alone is read)
-    from sinkjax import run as run_lib  # pylint: disable=import-outside-toplevel
-    run_lib.adopt_init_model(cfg)
+  if cfg.train.init_from:             # fine-tuning: the model is the imported run's (or the config's, _adopt_init_model)
+    _adopt_init_model(cfg)
   _vocab(cfg)
   if args.search:
     return _run_search(args, topo, cfg)
@@ -969,8 +983,7 @@ def _run_search(args, topo: Topology, cfg) -> int:
   def load(ov):
     c = config_lib.load_config(args.config, ov)
     if c.train.init_from:
-      from sinkjax import run as run_lib  # pylint: disable=import-outside-toplevel
-      run_lib.adopt_init_model(c)
+      _adopt_init_model(c)
     c.model.vocab_size = cfg.model.vocab_size
     return c
 

@@ -184,3 +184,88 @@ def test_user_errors_are_one_line(tmp_path, capsys):
     r = call_main(compile_lib.main, ["--config", TINY, *args], capsys)
     err = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 1 and len(err) == 1 and needle in err[0], r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------ fine-tuning on TPU
+
+FINETUNE_TPU = ("llama3", "qwen3", "qwen3_4b", "gptoss")        # the configs docs/TPU.md sizes for v5litepod-16
+
+
+def _tpu_fit_settings() -> dict:
+  """The key=value settings docs/TPU.md's fine-tuning compile command gives (what the configs must carry)."""
+  text = (ROOT / "docs" / "TPU.md").read_text()
+  cmd = text[text.index("**Fine-tuning on v5litepod-16**"):].split("`,", 1)[0]
+  found = dict(w.split("=", 1) for w in cmd.split() if "=" in w and not w.startswith("train.init_from"))
+  assert set(found) == {"model.scan_layers", "train.loss_chunk", "mesh.data", "mesh.fsdp"}, found
+  return {**found, "model.remat": "true"}          # remat: every candidate of that search (--search sets the policy)
+
+
+@pytest.mark.parametrize("name", FINETUNE_TPU)
+def test_finetune_configs_carry_their_tpu_fit(name):
+  """Each TPU fine-tuning config sets, itself, what docs/TPU.md says it needs to fit v5litepod-16."""
+  cfg = load_config(str(ROOT / "configs" / f"finetune_{name}.yaml"))
+  for key, want in _tpu_fit_settings().items():
+    section, k = key.split(".")
+    got = getattr(getattr(cfg, section), k)
+    assert str(got).lower() == want.lower(), (name, key, got, want)
+
+
+def test_finetune_config_compiles_from_its_own_model_section_without_the_import(tmp_path, capsys):
+  """configs/finetune_qwen3_4b.yaml spells out Qwen3-4B, so `sinkjax.compile` sizes it with no imported run (one
+  line says so) and compiles it with the config's own TPU settings: FSDP over every chip, scanned and rematerialized
+  layers (the model shrunk to 2 layers x 128 and rows of 256 here, to compile in seconds; the full size is the slow
+  test below). A config whose model section names no vocabulary still needs its import (one line). (The command's
+  main, called in this process.)"""
+  out, missing = tmp_path / "r.json", tmp_path / "not_imported"
+  small = ["model.num_layers=2", "model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=32",
+           "model.mlp_hidden=256", "model.vocab_size=1024", "data.seq_len=256", "train.batch_size=4",
+           f"train.init_from={missing}", "data.tokenizer=bytes"]
+  r = call_main(compile_lib.main, ["--config", str(ROOT / "configs/finetune_qwen3_4b.yaml"), "--topology", "v5e:2x2",
+                                   "--no-eval", "--json", str(out), *small], capsys)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert f"train.init_from {missing} is not here (no config.yaml); sized from this config's model section" in r.stderr
+  rep = json.loads(out.read_text())
+  assert rep["fits"] and rep["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+  assert rep["remat"] and rep["remat_policy"] == "save_out_proj" and rep["tokens_per_chip_per_micro_step"] == 256
+  r = call_main(compile_lib.main, ["--config", str(ROOT / "configs/finetune_llama3.yaml"), "--topology", "v5e:2x2",
+                                   f"train.init_from={missing}"], capsys)
+  err = [l for l in r.stderr.splitlines() if l.strip()]
+  assert r.returncode == 1 and len(err) == 1 and f"train.init_from {str(missing)!r}" in err[0], r.stderr[-2000:]
+
+
+def _imported_config(hf_json: str, out: pathlib.Path, param_dtype: str) -> pathlib.Path:
+  """A run directory holding only the config.yaml an import of that Hugging Face config.json writes (docs/TPU.md's
+  recipe: no weights needed to compile)."""
+  import yaml
+  from sinkjax import config as config_lib
+  from sinkjax.convert.hf import model_config_from_hf
+  m = model_config_from_hf(json.loads((ROOT / hf_json).read_text()), param_dtype=param_dtype)
+  c = config_lib.Config(model=m)
+  c.data.seq_len = m.max_seq_len
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.yaml").write_text(yaml.safe_dump(config_lib.to_dict(c), sort_keys=False))
+  return out
+
+
+HF_CONFIGS = "docs/results/tpu_compile/decode/hf_config"
+# config -> (the imported run's Hugging Face config and parameter dtype (None: the config's own model section),
+# GiB per chip docs/TPU.md reports at v5litepod-16). Qwen3-8B's config.json is not in the repository.
+FULL_SIZE = {"qwen3_4b": (None, None, 5.44), "llama3": (f"{HF_CONFIGS}/Llama-3.1-8B.json", "float32", 8.41),
+             "gptoss": (f"{HF_CONFIGS}/gpt-oss-20b.json", "bfloat16", 15.44)}
+
+
+@pytest.mark.slow   # full-size XLA:TPU compiles: 2-8 min each on 2 cores
+@pytest.mark.parametrize("name", sorted(FULL_SIZE))
+def test_finetune_configs_fit_v5litepod_16_as_they_stand(tmp_path, name):
+  """With nothing but train.init_from given (the import's config.yaml), each fine-tuning config fits v5litepod-16,
+  with the per-chip memory docs/TPU.md reports (within 3 %)."""
+  hf, dtype, gib = FULL_SIZE[name]
+  init = [f"train.init_from={_imported_config(hf, tmp_path / 'base', dtype)}"] if hf else []
+  out = tmp_path / "r.json"
+  r = subprocess.run([sys.executable, "-m", "sinkjax.compile", "--config", f"configs/finetune_{name}.yaml",
+                      "--topology", "v5litepod-16", "--no-eval", "--json", str(out), *init], cwd=ROOT,
+                     capture_output=True, text=True, timeout=1800, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0, r.stderr[-2000:]
+  rep = json.loads(out.read_text())
+  assert rep["fits"] and rep["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1}, rep
+  assert rep["per_chip_bytes"]["total"] / 2 ** 30 == pytest.approx(gib, rel=0.03), rep["per_chip_bytes"]

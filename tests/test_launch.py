@@ -78,7 +78,10 @@ def _calls(tmp):
 
 
 SLICE = ["--name", "pod1", "--zone", "us-central2-b"]
-TRAIN = ["--config", "configs/paper/d20_sink_aux.yaml", "run.dir=gs://bucket/d20"]
+BUCKET_DATA = ["data.source=gs://bucket/data/fineweb-edu/shard_*.parquet",
+               "data.val_source=gs://bucket/data/fineweb-edu/val/shard_01822.parquet",
+               "data.tokenizer=gs://bucket/data/tokenizer/tokenizer.json"]
+TRAIN = ["--config", "configs/paper/d20_sink_aux.yaml", "run.dir=gs://bucket/d20", *BUCKET_DATA]
 
 
 def test_tpu_dry_runs_print_the_commands_and_never_call_gcloud(fake):
@@ -89,7 +92,7 @@ def test_tpu_dry_runs_print_the_commands_and_never_call_gcloud(fake):
   out = _tpu(env, "create", *SLICE, "--queued", "--dry-run").stdout
   assert "gcloud compute tpus queued-resources create pod1 --node-id=pod1 --zone=us-central2-b" in out
   out = _tpu(env, "setup", *SLICE, "--dry-run").stdout
-  assert "ls-files -z --cached --others --exclude-standard" in out             # the checkout, not a clone
+  assert "ls-files -z --cached" in out and "--others" not in out               # the checkout's code, not a clone
   assert "gcloud compute tpus tpu-vm scp /tmp/sinkjax-checkout.tar.gz pod1:sinkjax-checkout.tar.gz" in out
   assert "git clone" not in out and "github" not in out
   assert "--worker=all" in out and "tpu_worker.sh\\ setup\\ --python\\ python3.11\\ --extras\\ tpu" in out
@@ -121,6 +124,70 @@ def test_tpu_errors_are_one_line(fake):
   for args, msg in cases.items():
     r = _tpu(env, *args)
     assert r.returncode == 2 and msg in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+
+
+def test_run_and_babysit_refuse_paths_that_are_not_the_buckets(fake):
+  """A pod job's data, tokenizer and run paths are the bucket's: a relative one (here from the paper config's own
+  data.source / data.tokenizer) is one line and exit 2 before anything is launched or printed."""
+  tmp, env = fake
+  d20 = ["--config", "configs/paper/d20_sink_aux.yaml", "run.dir=gs://bucket/d20"]
+  cases = {("run", "--", *d20): "data.source is 'data/fineweb-edu/shard_*.parquet'",
+           ("babysit", "--", *d20, *BUCKET_DATA[:2]): "data.tokenizer is 'data/tokenizer/tokenizer.json'",
+           ("run", "--", *d20[:2], *BUCKET_DATA): "run.dir is 'runs/d20_sink_aux'",
+           ("run", "--", *TRAIN, "data.tokenizer=/mnt/tok/tokenizer.json"): "--worker-local-paths",
+           ("run", "--module", "sinkjax.eval", "--", "--checkpoint", "gs://bucket/d20", "--data", "val.jsonl"):
+               "--data is 'val.jsonl'",
+           ("run", "--module", "sinkjax.generate", "--", "--checkpoint=runs/d20", "--prompt", "hi"):
+               "--checkpoint is 'runs/d20'"}
+  for (sub, *args), msg in cases.items():
+    r = _tpu(env, sub, *SLICE, "--dry-run", *args)
+    assert r.returncode == 2 and msg in r.stderr and r.stderr.count("\n") == 1 and r.stdout == "", (args, r.stderr)
+    assert "gs://BUCKET/" in r.stderr, r.stderr                                # the fix is named
+  ok = _tpu(env, "run", *SLICE, "--dry-run", "--worker-local-paths", "--", *TRAIN, "data.tokenizer=/mnt/t.json")
+  assert ok.returncode == 0 and "tpu_worker.sh\\ start" in ok.stdout, ok.stderr
+  assert _tpu(env, "run", *SLICE, "--dry-run", "--", *TRAIN).returncode == 0
+  assert _calls(tmp) == []
+
+
+def _toy_checkout(path):
+  """A git checkout holding the two launch scripts and constraints.txt (committed), an untracked 50 MB file under
+  data/ and an untracked note, with no .gitignore: what a user's clone looks like after staging data in it."""
+  (path / "launch").mkdir(parents=True)
+  for f in ("launch/tpu_vm.sh", "launch/tpu_worker.sh", "constraints.txt"):
+    shutil.copy(f, path / f)
+  git = lambda *a: subprocess.run(["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t", *a],
+                                  check=True, capture_output=True)
+  git("init", "-q")
+  git("add", ".")
+  git("commit", "-qm", "code")
+  (path / "data").mkdir()
+  (path / "data" / "shard_00000.parquet").write_bytes(os.urandom(50_000_000))
+  (path / "notes.txt").write_text("untracked\n")
+  (path / "extra").mkdir()
+  (path / "extra" / "my.yaml").write_text("model: {}\n")
+  return path
+
+
+def test_setup_ships_the_tracked_code_and_the_named_extras_never_data(fake):
+  tmp, env = fake
+  repo = _toy_checkout(tmp / "clone")
+  tpu = lambda *a: subprocess.run(["bash", str(repo / "launch/tpu_vm.sh"), "setup", *SLICE, *a], capture_output=True,
+                                  text=True, env=env, timeout=120)
+  r = tpu("--dry-run", "--include", "extra")
+  assert r.returncode == 0, r.stderr
+  assert "# the checkout's code, 4 files, 0.0 MB" in r.stdout, r.stdout   # 3 tracked + extra/my.yaml
+  assert "leaves behind 2 files, 50.0 MB" in r.stderr and "data/shard_00000.parquet" in r.stderr, r.stderr
+  assert _calls(tmp) == []
+  r = tpu("--include", "extra")
+  assert r.returncode == 0, r.stderr
+  shipped = sorted(str(p.relative_to(tmp / "home" / "sinkjax")) for p in (tmp / "home" / "sinkjax").rglob("*")
+                   if p.is_file())
+  assert shipped == ["constraints.txt", "extra/my.yaml", "launch/tpu_vm.sh", "launch/tpu_worker.sh"], shipped
+  assert (tmp / "home" / "sinkjax-checkout.tar.gz").stat().st_size < 100_000
+  for bad, msg in ((("--include", "/etc/passwd"), "inside the checkout"), (("--include", "../x"), "inside the checkout"),
+                   (("--include", "nope"), "--include nope: no such file")):
+    r = tpu(*bad)
+    assert r.returncode == 2 and msg in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_tpu_real_path_against_a_fake_gcloud(fake):
@@ -280,3 +347,21 @@ def test_local_errors_are_one_line():
   for args, msg in cases.items():
     r = _local(*args, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     assert r.returncode == 2 and msg in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+
+
+def test_pod_paths_pass_what_is_no_path_and_refuse_what_a_worker_would_resolve_locally():
+  """sinkjax.pod_paths (which tpu_vm.sh runs): the special values (the embedded corpus, the byte tokenizer, a TFDS
+  name, empty) are no paths; a TFDS source's data.tfds_dir is checked."""
+  from sinkjax.pod_paths import PodPathError, check
+  ok = ["--config", "configs/tiny.yaml", "run.dir=gs://b/r", "data.source=default", "data.tokenizer=bytes"]
+  check("sinkjax.train", ok, root=".")
+  check("sinkjax.train", [*ok, "data.source=tfds:lm1b", "data.tfds_dir=gs://b/tfds"], root=".")
+  check("sinkjax.eval", ["--checkpoint", "gs://b/r", "data.tokenizer=bytes", "--max-docs", "3"])
+  bad = {("data.source=tfds:lm1b", "data.tfds_dir=tfds"): "data.tfds_dir is 'tfds'",
+         ("data.val_source=val/*.jsonl",): "data.val_source is 'val/\\*.jsonl'",
+         ("train.init_from=runs/base",): "train.init_from is 'runs/base'",
+         ("run.dir=/tmp/r",): "run.dir is '/tmp/r'"}
+  for extra, msg in bad.items():
+    with pytest.raises(PodPathError, match=msg.replace(".", r"\.")):
+      check("sinkjax.train", [*ok, *extra], root=".")
+  check("sinkjax.train", [*ok, "run.dir=/mnt/shared/r"], root=".", worker_local=True)

@@ -7,8 +7,8 @@ records of `category` ("math" | "code"), `source`, `input` (the problem) and `ou
 dataset's card as we know it (and a derivative's, tkdrnjs0621/AcReason-1.1-short), not from a file fetched here: a
 record without `input` / `output` strings is refused with its file and line or row.
 
-    huggingface-cli download nvidia/AceReason-1.1-SFT --repo-type dataset --local-dir data/acereason
-    python -m sinkjax.data.acereason --source 'data/acereason/**/*.parquet' --out data/sft.jsonl [--category math]
+    hf download nvidia/AceReason-1.1-SFT --repo-type dataset --local-dir data/acereason
+    python -m sinkjax.data.acereason --source 'data/acereason/**/*.parquet' --out data/acereason.jsonl [--category math]
 
 Each record becomes one line {"messages": [{"role": "user", "content": input}, {"role": "assistant", "content":
 output}]} (sinkjax.data.sft: the loss on the assistant turn, rendered with the model's chat template, which for Qwen3

@@ -1,8 +1,8 @@
 """FineWeb-Edu for the paper's from-scratch runs: how many shards a config needs, and a resumable download.
 
     python -m sinkjax.data.fineweb --tokens-for configs/paper/d20_sink_aux.yaml [section.key=value ...]
-    python -m sinkjax.data.fineweb --shards 217 --out data/fineweb-edu            # or --out gs://BUCKET/fineweb-edu
-    python -m sinkjax.data.fineweb --tokens-for configs/paper/d20_sink_aux.yaml --out gs://BUCKET/fineweb-edu
+    python -m sinkjax.data.fineweb --shards 217 --out data/fineweb-edu            # or --out gs://BUCKET/data/fineweb-edu
+    python -m sinkjax.data.fineweb --tokens-for configs/paper/d20_sink_aux.yaml --out gs://BUCKET/data/fineweb-edu
 
 The copy is nanochat's (`nanochat/dataset.py` at 9d4c9b7): karpathy/fineweb-edu-100b-shuffle on the Hugging Face
 hub, FineWeb-Edu's sample-100BT (HuggingFaceFW/fineweb-edu, [Sink-MoE] §5.1's corpus) shuffled and repacked into

@@ -2,6 +2,11 @@
 
     python -m sinkjax.experiments.paper [--scale cpu|gpu] [--seeds N] [--first-seed K]
         [--variants vanilla,sink,gated] [--out DIR] [--dry-run] [--report-only] [--finetune] [--steps N]
+    python -m sinkjax.experiments.paper --scale tpu --out gs://BUCKET --name TPU_VM --zone ZONE [--dry-run] ...
+
+`--scale tpu` is another study: the paper's own 18 configs (configs/paper/) trained on a TPU slice, one launch per
+run through launch/tpu_vm.sh, resumable, data and runs in the bucket (`sinkjax.experiments.paper_tpu`). The rest of
+this docstring is the small-scale study.
 
 Every run is `sinkjax.train.train` on configs/nanochat.yaml (the paper's recipe: nanochat 9d4c9b7's Muon + AdamW
 groups, lr 0.02, no warmup, linear decay to 0 over the final 20 %, clipping at 1.0, nanochat's init, logit soft-cap,
@@ -38,7 +43,7 @@ import numpy as np
 from sinkjax import cli, paths
 from sinkjax import config as config_lib
 from sinkjax.cli import UserError
-from sinkjax.experiments import int_at_least, runner
+from sinkjax.experiments import int_at_least, paper_tpu, runner
 from sinkjax.experiments.paper_report import seed_stats, table1
 
 VARIANTS = ("vanilla", "sink", "gated")
@@ -640,9 +645,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "seeds with the paper's recipe, evaluated (Table 1, Fig. 5, first-token attention, "
                              "value zeroing both ways, importance), resumable; --finetune adds eq. 7 vs eq. 8 "
                              "fine-tuning.")
-  p.add_argument("--scale", choices=tuple(SCALES), default="cpu",
-                 help="cpu: ~2-3 min runs on 2 idle cores; gpu: ~3-5 min runs on one GPU; smoke: 2-step test runs")
-  p.add_argument("--seeds", type=int_at_least(1), default=3, help="number of seeds (default 3)")
+  p.add_argument("--scale", choices=(*SCALES, "tpu"), default="cpu",
+                 help="cpu: ~2-3 min runs on 2 idle cores; gpu: ~3-5 min runs on one GPU; smoke: 2-step test runs; "
+                      "tpu: configs/paper/'s 18 runs on a TPU slice (the options below)")
+  p.add_argument("--seeds", type=int_at_least(1), default=None, help="number of seeds (default 3; --scale tpu: 1)")
   p.add_argument("--first-seed", type=int_at_least(0), default=0,
                  help="seeds are first-seed .. first-seed + seeds - 1 (run a subset per invocation; default 0)")
   p.add_argument("--variants", default=None,
@@ -655,7 +661,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --lambdas: the committed main-grid results.json whose base / aux runs stand in for "
                       "lambda 0 / 1e-4 when no run directory holds them ('none': train them; default "
                       "docs/results/paper_cpu/results.json)")
-  p.add_argument("--out", default="runs/paper", help="output directory (default runs/paper)")
+  p.add_argument("--out", default="runs/paper",
+                 help="output directory (default runs/paper; --scale tpu: the bucket, gs://BUCKET, runs in OUT/runs)")
   p.add_argument("--steps", type=int_at_least(1), default=None,
                  help="training (and fine-tuning) steps per run instead of the scale's (quick checks)")
   p.add_argument("--dry-run", action="store_true", help="list the grid and what is done, train nothing")
@@ -664,6 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "(e.g. while the study is still running in another process)")
   p.add_argument("--finetune", action="store_true",
                  help="also fine-tune each base run of the first seed with eq. 7 and eq. 8 ([Sink-MoE] App. D)")
+  paper_tpu.add_arguments(p)
   return p
 
 
@@ -693,6 +701,10 @@ def main(argv=None) -> int:
   if bad or not variants:
     parser.error(f"--variants: unknown variant(s) {','.join(bad) or repr(args.variants)}; choose from "
                  f"{','.join(VARIANTS)}")
+  if args.seeds is None:
+    args.seeds = 1 if args.scale == "tpu" else 3
+  if args.scale == "tpu":
+    return paper_tpu.main(args, parser)
   scale = SCALES[args.scale]
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   if args.lambdas:
