@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sinkjax.config import ConfigError
+from sinkjax.cli import ConfigError
 from sinkjax.deltanet import DeltaNetConfig, DeltaNetState, GatedDeltaNet
 from sinkjax.kinds import MixerKind, register
 
