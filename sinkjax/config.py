@@ -454,10 +454,12 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
 def _flat_spelling(name: str, tree: dict) -> str:
   """The one-line refusal of a model.* mapping (`model: {attention: {kind: gated}}`, `model.linear.key_heads=2`):
   the model.* keys are flat, so it names the flat key of its first sub-key."""
-  sub = next(iter(tree), "...")
+  text = f"config key model.{name} is not a section: the model.* keys are flat"
+  if not tree:
+    return text
+  sub = next(iter(tree))
   flat = "attention" if (name, sub) == ("attention", "kind") else sub if name == "attention" else f"{name}_{sub}"
-  return (f"config key model.{name} is not a section: the model.* keys are flat, write model.{name}.{sub} as "
-          f"model.{flat}")
+  return f"{text}, write model.{name}.{sub} as model.{flat}"
 
 
 def _apply(obj: Any, tree: dict, source: str, prefix: str = "") -> None:

@@ -186,3 +186,29 @@ def test_model_keys_are_flat_and_a_nested_spelling_names_the_flat_key(tmp_path):
   flat = c.load_config(None, ["model.num_layers=4", "model.attention=gated", "model.gate=elementwise",
                               "model.layer_types=[linear,full,linear,full]", "model.linear_key_heads=2"]).model
   assert (flat.attention, flat.gate, flat.linear_key_heads) == ("gated", "elementwise", 2)
+
+
+def test_attention_config_is_a_view_of_the_model_config():
+  """An `AttentionConfig` holds the model config, not copies of its keys: it reads them under their model.* names
+  (a change of the model shows), its own fields are only whether the layer is "full" and o_proj's start; the standalone
+  keywords are the same model.* names, and the layer's old names (impl=, use_bias=) are refused naming the new one."""
+  from sinkjax import config as c
+  m = c.ModelConfig(num_layers=3, sliding_window=4, layer_types=["full", "sliding", "sliding"], attention="gated",
+                    attn_impl="xla", rope_scaling="llama3", rope_factor=8.0, max_seq_len=64)
+  views = [m.attention_config(i) for i in range(3)]
+  assert [f.name for f in dataclasses.fields(c.AttentionConfig)] == ["model", "full", "zero_init_output"]
+  assert [v.sliding_window for v in views] == [0, 4, 4] and views[1] == views[2] and views[0] != views[1]
+  assert (views[1].attention, views[1].attn_impl, views[1].num_heads) == ("gated", "xla", m.num_heads)
+  assert views[1].rope == c.RopeScaling("llama3", 8.0, 1.0, 4.0, 64)       # original context 0 = max_seq_len
+  m.gate = "elementwise"
+  assert views[1].gate == "elementwise"
+  with pytest.raises(AttributeError, match="no 'num_layers'"):
+    views[1].num_layers                     # pylint: disable=pointless-statement  (not an attention key)
+  one = c.AttentionConfig.of(32, 4, attention="sink", attn_bias=True, sink_init=0.5)
+  assert (one.num_kv_heads, one.head_dim, one.dtype, one.attn_bias, one.sink_init, one.sliding_window) == \
+      (4, 8, "float32", True, 0.5, 0)
+  for old, new in (("impl", "attn_impl"), ("use_bias", "attn_bias")):
+    with pytest.raises(TypeError, match=f"the attention keyword {old}= is spelled {new}="):
+      c.AttentionConfig.of(32, 4, **{old: "xla"})
+  with pytest.raises(c.ConfigError, match="model.num_heads \\(6\\) must be a multiple of model.num_kv_heads"):
+    c.AttentionConfig.of(48, 6, 4)

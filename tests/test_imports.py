@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import sinkjax
 
@@ -172,3 +174,41 @@ def test_sinkjax_has_no_import_cycle():
   cycles = [f"{len(c)} modules in a circle ({', '.join(c)}), e.g. {describe(graph, a_cycle(graph, c))}"
             for c in components]
   assert not cycles, "import cycles in sinkjax/ (a module must import only modules below it):\n" + "\n".join(cycles)
+
+
+def _below(graph: dict[str, dict], module: str) -> set:
+  """Every module `module` imports, directly or through others."""
+  seen, stack = set(), [module]
+  while stack:
+    for w in graph[stack.pop()]:
+      if w not in seen:
+        seen.add(w)
+        stack.append(w)
+  return seen
+
+
+def test_the_floors_of_the_kinds_and_the_config():
+  """The kind registry is the floor (it imports nothing of sinkjax); the config reaches no kind, only the registry
+  and the jax-free modules beside it (cli, choices, paths); the sharding, the cache, the kernels and Gated DeltaNet reach no config; the built-in
+  kinds are registered from above: the variants by layers, the mixers by model."""
+  graph = import_graph()
+  assert graph["sinkjax.kinds"] == {}
+  kinds = {m for m in graph if m.startswith("sinkjax.kinds.")}
+  assert _below(graph, "sinkjax.config") <= {"sinkjax.cli", "sinkjax.choices", "sinkjax.paths", "sinkjax.kinds"}
+  for module in ("sinkjax.sharding", "sinkjax.cache", "sinkjax.kernels", "sinkjax.deltanet", "sinkjax.attention"):
+    assert not _below(graph, module) & ({"sinkjax.config"} | kinds), module
+  assert {"sinkjax.kinds.vanilla", "sinkjax.kinds.sink", "sinkjax.kinds.gated", "sinkjax.kinds.relu"} <= \
+      set(graph["sinkjax.layers"])
+  assert {"sinkjax.kinds.attention_layer", "sinkjax.kinds.linear"} <= set(graph["sinkjax.model"])
+
+
+def test_a_config_loads_without_jax_and_a_standalone_layer_runs_every_builtin_variant():
+  """In a fresh interpreter: loading a config imports no jax (the registry it asks imports nothing); importing
+  `sinkjax.layers` alone registers the four variants (`Attention(..., attention=...)` needs nothing else)."""
+  code = ("import sys\nfrom sinkjax.config import load_config\nload_config(None, ['model.attention=gated'])\n"
+          "assert 'jax' not in sys.modules, 'config imported jax'\n"
+          "from flax import nnx\nfrom sinkjax.layers import Attention\n"
+          "for a in ('vanilla', 'sink', 'gated', 'relu'):\n  Attention(16, 2, attention=a, rngs=nnx.Rngs(0))\n"
+          "assert 'sinkjax.model' not in sys.modules\nprint('ok')\n")
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

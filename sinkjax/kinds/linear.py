@@ -41,9 +41,12 @@ class Linear(MixerKind):
   hf_module = "linear_attn"
 
   def build(self, cfg, layer, rngs):
+    self.check(cfg)
     return LinearAttention(deltanet_config(cfg), rngs=rngs)
 
   def check(self, cfg):
+    """A ConfigError when the model.linear_* keys give no Gated DeltaNet (asked when the config is validated with
+    this kind registered, and when a layer is built)."""
     try:
       deltanet_config(cfg)
     except ValueError as e:
