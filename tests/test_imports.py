@@ -3,7 +3,8 @@
 The graph is built from the source with `ast`, not by importing: every `import` / `from ... import` statement counts,
 at module level or inside a function (a function-level import is an edge all the same; it only runs later), relative
 or absolute. `from sinkjax.p import x` is an edge to the submodule `sinkjax.p.x` when x is a module of the package,
-else to `sinkjax.p` itself (x is a name its `__init__` defines, so that body must have run).
+else to `sinkjax.p` itself (x is a name its `__init__` defines, so that body must have run). A module that calls
+`importlib.import_module` has an edge to each module of ours it names in a string (kernels.flash's backend table).
 """
 from __future__ import annotations
 
@@ -39,11 +40,16 @@ def _resolve(name: str, modules: set) -> str | None:
 
 
 def import_edges(module: str, path: pathlib.Path, modules: set) -> list[tuple[str, int]]:
-  """[(imported module of ours, line)] of every import statement in `path`, wherever it stands."""
+  """[(imported module of ours, line)] of every import statement in `path`, wherever it stands; in a module that
+  calls `importlib.import_module`, every string constant naming a module of ours too (a backend table)."""
   is_package = path.name == "__init__.py"
   package = module if is_package else module.rpartition(".")[0]
   edges = []
-  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+  tree = ast.parse(path.read_text(), str(path))
+  if any(isinstance(n, ast.Attribute) and n.attr == "import_module" for n in ast.walk(tree)):
+    edges += [(n.value, n.lineno) for n in ast.walk(tree)
+              if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in modules]
+  for node in ast.walk(tree):
     if isinstance(node, ast.Import):
       for alias in node.names:
         target = _resolve(alias.name, modules)
@@ -134,7 +140,7 @@ def describe(graph: dict[str, dict], cycle: list[str]) -> str:
 
 def test_the_resolver_reads_every_form_of_import(tmp_path):
   """A hand-made package with each form: absolute, relative, `from pkg import module`, `from pkg import name`,
-  function-level; the edges found are exactly the ones written."""
+  function-level, a module named by a string for `importlib.import_module`; the edges found are exactly these."""
   pkg = tmp_path / "pkg"
   (pkg / "sub").mkdir(parents=True)
   (pkg / "__init__.py").write_text("")
@@ -143,10 +149,13 @@ def test_the_resolver_reads_every_form_of_import(tmp_path):
   (pkg / "sub" / "leaf.py").write_text("from .. import low\n")
   (pkg / "mid.py").write_text("import pkg.low as l\nfrom pkg.sub import NAME\n\ndef f():\n  from .sub.leaf import g\n")
   (pkg / "top.py").write_text("from pkg import mid, low\nimport os\n")
+  (pkg / "lazy.py").write_text("import importlib\nTABLE = {'a': 'pkg.mid', 'b': 'not.ours'}\n\n"
+                               "def get(k):\n  return importlib.import_module(TABLE[k])\n")
   graph = import_graph(pkg)
   assert graph == {
       "pkg": {}, "pkg.low": {}, "pkg.sub": {"pkg.sub.leaf": 1}, "pkg.sub.leaf": {"pkg.low": 1},
-      "pkg.mid": {"pkg.low": 1, "pkg.sub": 2, "pkg.sub.leaf": 5}, "pkg.top": {"pkg.mid": 1, "pkg.low": 1}}
+      "pkg.mid": {"pkg.low": 1, "pkg.sub": 2, "pkg.sub.leaf": 5}, "pkg.top": {"pkg.mid": 1, "pkg.low": 1},
+      "pkg.lazy": {"pkg.mid": 2}}
   assert strongly_connected(graph) == []
 
 
