@@ -30,7 +30,6 @@ for every head, so its importance CV is 0 and the aux loss has nothing to balanc
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 

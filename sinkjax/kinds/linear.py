@@ -4,7 +4,6 @@ the recurrent state (`DeltaNetState`), which a KV cache carries for it (`sinkjax
 so a streaming cache evicts nothing from it."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from sinkjax.cli import ConfigError
