@@ -18,8 +18,8 @@ Optimizer groups are labelled where a parameter is created (`sinkjax.sharding.op
 Variable metadata, read by `sinkjax.optim.param_labels`), like logical axes.
 
 This module is the floor the kinds stand on: the registries and the base classes, importing nothing of sinkjax (and
-no jax), so `sinkjax.config` asks it which kinds exist and what each refuses, and `sinkjax.cache` which layers keep
-a decode state of their own. The built-in kinds import it and register when they are imported: the attention
+no jax), so `sinkjax.config` asks it which kinds exist, what each refuses and which mixer a layer has
+(`ModelConfig.mixer`, which `sinkjax.cache` asks for a layer's own decode state). The built-in kinds import it and register when they are imported: the attention
 variants by `sinkjax.layers`, which runs them (a standalone `Attention(..., attention="sink")` needs nothing else),
 the mixers by `sinkjax.model`, which builds its layers from them. `sinkjax.choices` names the built-ins a config may
 use before they are imported.
