@@ -492,8 +492,7 @@ def _layer_states(cfg, batch: int) -> list:
   """Per layer of a `ModelConfig`: the decode state its kind keeps instead of keys and values, or None."""
   if cfg.attention_only:
     return [None] * cfg.num_layers
-  from sinkjax import kinds  # pylint: disable=import-outside-toplevel  (the kinds import this module)
-  return [kinds.mixer_of(cfg, i).init_state(cfg, batch) for i in range(cfg.num_layers)]
+  return [cfg.mixer(i).init_state(cfg, batch) for i in range(cfg.num_layers)]
 
 
 def make_cache(cfg, batch: int, capacity: int, *, sink_size: int = 0, full_heads=None, window: int = 0):

@@ -8,7 +8,8 @@ import sys
 
 class Registered:
   """The built-in names of a `sinkjax.kinds` registry plus those registered there since (read live, so a kind a
-  user registers is a valid config value at once; sinkjax.kinds, which imports jax, is never imported from here)."""
+  user registers is a valid config value at once). The built-in names are here because a config may name a built-in
+  kind before the module that registers it (`sinkjax.layers`, `sinkjax.model`) is imported."""
 
   def __init__(self, builtin: tuple, table: str):
     self.builtin, self.table = builtin, table

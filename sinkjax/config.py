@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from sinkjax import choices, paths
+from sinkjax import choices, kinds, paths   # kinds: the registry alone (no kind, no jax; sinkjax/kinds/__init__.py)
 from sinkjax.cli import ConfigError  # noqa: F401  (re-exported: sinkjax.config.ConfigError)
 
 
@@ -44,10 +44,11 @@ def _declared(config_cls) -> tuple[dict, dict]:
 
 @dataclasses.dataclass(kw_only=True)
 class AttentionSection:
-  """The attention keys, declared once: the model.* keys an attention layer reads, shared by `ModelConfig` (flat
-  model.* keys; `model.attention` nested in YAML) and `AttentionConfig` (what one `sinkjax.layers.Attention` is built
-  from). norm_scale, norm_eps and init apply to the rest of the model too. The gate options are gated attention's ([GatedAttn]; layers'
-  "Gating ablations")."""
+  """The attention keys: the model.* keys an attention layer reads besides the model's shapes, dtypes, attn_bias,
+  attn_impl and rope_* (`AttentionConfig` is the view of them one `sinkjax.layers.Attention` is built from), one
+  part of `ModelConfig` (flat model.* keys like the others). norm_scale, norm_eps and init apply to the rest of the
+  model too. The gate options are gated attention's ([GatedAttn]; layers' "Gating ablations"; which of them only
+  gated reads, `sinkjax.kinds.gated.GATE_OPTIONS`)."""
   attention: str = key("vanilla", choices=choices.ATTENTION_VARIANTS) # vanilla | sink | gated | relu
   gate: str = key("headwise", choices=choices.GATE_KINDS) # headwise | elementwise (gated attention)
   gate_position: str = key("sdpa", choices=choices.GATE_POSITIONS) # sdpa: out = SDPA * g(x_t) (G1) | value: v_j * g(x_j) before attention (G2)
@@ -165,12 +166,15 @@ class ModelConfig(NanochatCompatibility, ImportedArchitecture, PaperModel, Atten
     """Whether every layer is attention (full or sliding): the kinds registry need not be asked about any."""
     return all(t in ("full", "sliding") for t in self.layer_types)
 
+  def mixer(self, layer: int) -> kinds.MixerKind:
+    """The registered mixer kind of layer `layer` (its model.layer_types entry; "full" when the list is empty)."""
+    return kinds.mixer_of(self, layer)
+
   @property
   def head_layers(self) -> tuple:
     """Indices of the layers with heads (their head importances stack to [len, num_heads]; sinkjax.kinds)."""
     if self.attention_only:
       return tuple(range(self.num_layers))
-    from sinkjax import kinds  # pylint: disable=import-outside-toplevel  (imports jax)
     return kinds.head_layers(self)
 
   @property
@@ -179,18 +183,10 @@ class ModelConfig(NanochatCompatibility, ImportedArchitecture, PaperModel, Atten
     return self.mlp_hidden or self.mlp_ratio * self.d_model
 
   def attention_config(self, layer: int | None = None) -> AttentionConfig:
-    """The attention section: the model.* keys named as `AttentionConfig`'s fields (model.attn_bias / attn_impl as
-    use_bias / impl, the model.rope_* keys as one `RopeScaling`) and the sliding window of layer `layer` (0 on a
-    "full" layer of model.layer_types; None: model.sliding_window as set). Building it checks it."""
-    names = {f.name for f in dataclasses.fields(AttentionConfig)} & {f.name for f in dataclasses.fields(self)}
-    full = layer is not None and self.layer_types and self.layer_types[layer] == "full"
-    rope = None if self.rope_scaling == "none" else RopeScaling(
-        self.rope_scaling, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-        self.rope_original_max_seq_len or self.max_seq_len, self.rope_beta_fast, self.rope_beta_slow,
-        self.rope_truncate, self.rope_attention_factor)
-    return AttentionConfig(**{**{n: getattr(self, n) for n in names}, "use_bias": self.attn_bias,
-                              "impl": self.attn_impl, "rope_scaling": rope,
-                              "sliding_window": 0 if full else self.sliding_window})
+    """The view of this config that the attention layer `layer` is built from: its sliding window is 0 on a "full"
+    layer of model.layer_types (None: model.sliding_window as set). Making it checks the attention keys."""
+    return AttentionConfig(self, full=bool(layer is not None and self.layer_types
+                                            and self.layer_types[layer] == "full"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,32 +211,65 @@ class RopeScaling:
     return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
-@dataclasses.dataclass
-class AttentionConfig(AttentionSection):
-  """The attention section of the model config: everything one `sinkjax.layers.Attention` is built from, checked
-  once, when it is made (a ConfigError, a ValueError, names the key). Fields are the model.* keys of the same names
-  (`ModelConfig.attention_config`); standalone users pass them as keywords to `Attention(d_model, num_heads, ...)`.
-  The keys it shares with the model are declared once, in `AttentionSection`; here are the shapes, the dtypes and
-  the forms the layer needs (`rope_scaling` as a `RopeScaling`, model.attn_bias / attn_impl as use_bias / impl).
-  Treated as immutable (hashed by value: layers keep it as static graph metadata)."""
-  d_model: int
-  num_heads: int
-  num_kv_heads: int | None = None   # None = num_heads
-  head_dim: int | None = None       # None = d_model // num_heads
-  rope_scaling: RopeScaling | None = None   # llama3 / yarn long-context frequencies; None = plain RoPE
-  use_bias: bool = False            # q/k/v/o biases (model.attn_bias)
-  zero_init_output: bool = True     # o_proj starts at zero
-  impl: str = "auto"                # flash_attention backend (model.attn_impl)
-  dtype: Any = "float32"            # compute dtype (a name or a jnp dtype)
-  param_dtype: Any = "float32"
+# The model.* keys an `AttentionConfig` reads besides `AttentionSection`'s: shapes, dtypes, biases, kernel, RoPE scaling.
+_LAYER_KEYS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "dtype", "param_dtype", "attn_bias", "attn_impl",
+               "max_seq_len", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "rope_original_max_seq_len", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
+               "rope_attention_factor")
+_RENAMED = {"use_bias": "attn_bias", "impl": "attn_impl"}     # the layer keywords before the view
 
-  def __hash__(self):
-    return hash(tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """What one `sinkjax.layers.Attention` is built from: a view of the model config (`ModelConfig.attention_config`),
+  checked once, when it is made (a ConfigError names the key). It reads the model's attention keys
+  (`AttentionSection`) and `_LAYER_KEYS` under their model.* names and adds what is the layer's own: whether it is a
+  "full" layer of model.layer_types (no sliding window), whether o_proj starts at zero, the model.rope_* keys as one
+  `RopeScaling` (`rope`), the head dims RoPE rotates. Standalone users pass the same model.* keys as keywords
+  (`AttentionConfig.of`, `Attention(d_model, num_heads, ...)`). Hashed by value (layers keep it as static graph
+  metadata); layers of one kind get equal views, so blocks stack for the layer scan."""
+  model: ModelConfig
+  full: bool = False                # a "full" layer of model.layer_types: model.sliding_window does not apply
+  zero_init_output: bool = True     # o_proj starts at zero
+
+  KEYS = frozenset([f.name for f in dataclasses.fields(AttentionSection)] + list(_LAYER_KEYS))
 
   def __post_init__(self):
-    object.__setattr__(self, "num_kv_heads", self.num_kv_heads or self.num_heads)
-    object.__setattr__(self, "head_dim", self.head_dim or self.d_model // self.num_heads)
     _check_attention(self)
+
+  def __getattr__(self, name: str):
+    if name in AttentionConfig.KEYS:
+      return getattr(self.model, name)
+    raise AttributeError(f"AttentionConfig has no {name!r} (it reads the model.* keys {sorted(AttentionConfig.KEYS)})")
+
+  @classmethod
+  def of(cls, d_model: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None, *,
+         zero_init_output: bool = True, **keys) -> AttentionConfig:
+    """A standalone layer's view: model.* attention keys as keywords (`KEYS`; num_kv_heads None = num_heads,
+    head_dim None = d_model // num_heads, dtype float32 unless given); one line naming a key it does not read."""
+    for name in keys:
+      if name in _RENAMED:
+        raise TypeError(f"the attention keyword {name}= is spelled {_RENAMED[name]}= (the model.{_RENAMED[name]} key)")
+      if name not in cls.KEYS:
+        raise TypeError(f"an attention layer takes the model.* keys {', '.join(sorted(cls.KEYS))}; got {name}=")
+    model = ModelConfig(**{"dtype": "float32", **keys, "d_model": d_model, "num_heads": num_heads,
+                           "num_kv_heads": num_kv_heads or num_heads, "head_dim": head_dim or d_model // num_heads})
+    return cls(model, zero_init_output=zero_init_output)
+
+  @property
+  def sliding_window(self) -> int:
+    """The last keys each query sees (incl. itself): model.sliding_window, 0 (all) on a "full" layer."""
+    return 0 if self.full else self.model.sliding_window
+
+  @property
+  def rope(self) -> RopeScaling | None:
+    """The model.rope_* keys as one `RopeScaling` (llama3 / yarn long-context frequencies); None = plain RoPE."""
+    m = self.model
+    if m.rope_scaling == "none":
+      return None
+    return RopeScaling(m.rope_scaling, m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+                       m.rope_original_max_seq_len or m.max_seq_len, m.rope_beta_fast, m.rope_beta_slow,
+                       m.rope_truncate, m.rope_attention_factor)
 
   @property
   def rotary_dim(self) -> int:
@@ -376,6 +405,8 @@ class Config:
 # -1 has a meaning, the comment at the key's declaration above says which ("0 = the token budget", ...).
 # CHOICES / RANGES: every enumerated / numeric key's allowed values, read from its declaration above (`key`).
 CHOICES, RANGES = _declared(Config)
+_MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                   if f.default is not dataclasses.MISSING}
 _RANGE_TESTS = {
     "any": (lambda v: True, "finite"),
     ">=0": (lambda v: v >= 0, ">= 0"),
@@ -420,20 +451,15 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
   return value
 
 
-def model_section(name: str) -> dict[str, str]:
-  """{sub-key: model.* key} of a nested model section: `attention` (the keys of an `AttentionConfig` that are the
-  model's, `kind` for model.attention itself), `linear` (model.linear_*) and `moe` (model.moe_*), or {} for another
-  name. A YAML may write `model: {attention: {kind: gated, gate: elementwise}, linear: {key_heads: 16}}` or the flat
-  keys (`model.attention: gated`, `model.gate: elementwise`); the two are the same keys."""
-  model = [f.name for f in dataclasses.fields(ModelConfig)]
-  if name == "attention":
-    shapes = {"attention", "d_model", "num_heads", "num_kv_heads", "head_dim", "dtype", "param_dtype", "init",
-              "norm_scale", "norm_eps"}                     # model-wide: every norm of the model
-    own = [f.name for f in dataclasses.fields(AttentionConfig) if f.name in model and f.name not in shapes]
-    return {"kind": "attention", **{n: n for n in own}, "use_bias": "attn_bias", "impl": "attn_impl"}
-  if name in ("linear", "moe"):
-    return {n.removeprefix(name + "_"): n for n in model if n.startswith(name + "_")}
-  return {}
+def _flat_spelling(name: str, tree: dict) -> str:
+  """The one-line refusal of a model.* mapping (`model: {attention: {kind: gated}}`, `model.linear.key_heads=2`):
+  the model.* keys are flat, so it names the flat key of its first sub-key."""
+  text = f"config key model.{name} is not a section: the model.* keys are flat"
+  if not tree:
+    return text
+  sub = next(iter(tree))
+  flat = "attention" if (name, sub) == ("attention", "kind") else sub if name == "attention" else f"{name}_{sub}"
+  return f"{text}, write model.{name}.{sub} as model.{flat}"
 
 
 def _apply(obj: Any, tree: dict, source: str, prefix: str = "") -> None:
@@ -441,14 +467,8 @@ def _apply(obj: Any, tree: dict, source: str, prefix: str = "") -> None:
   hints = typing.get_type_hints(type(obj))
   for name, value in tree.items():
     key = f"{prefix}{name}"
-    section = model_section(name) if isinstance(obj, ModelConfig) and isinstance(value, dict) else {}
-    if section:                                   # model.attention.gate -> model.gate (one key, two spellings)
-      for sub, sub_value in value.items():
-        if sub not in section:
-          raise ConfigError(f"unknown config key {key}.{sub} in {source} (the keys of {key} are "
-                            f"{', '.join(section)})")
-        _apply(obj, {section[sub]: sub_value}, source, prefix)
-      continue
+    if isinstance(obj, ModelConfig) and isinstance(value, dict):
+      raise ConfigError(f"{_flat_spelling(name, value)} (in {source})")
     if name not in hints:
       raise ConfigError(f"unknown config key {key} in {source}{_suggest(obj, name, prefix)}")
     typ = hints[name]
@@ -570,7 +590,7 @@ def validate(cfg: Config) -> None:
   _check_ranges(cfg)
   m = cfg.model
   resolve_depth(m)
-  m.attention_config()                   # checks the attention section
+  m.attention_config()                   # checks the attention keys (the registered variants' own checks too)
   if cfg.train.batch_size % cfg.train.grad_accum:
     raise ConfigError(f"train.batch_size ({cfg.train.batch_size}) must be divisible by train.grad_accum "
                       f"({cfg.train.grad_accum})")
@@ -604,18 +624,17 @@ def _validate_architecture(m: ModelConfig) -> None:
     raise ConfigError("model.layer_types names sliding layers: set model.sliding_window > 0")
   if m.moe_shared_hidden and not m.moe_experts:
     raise ConfigError("model.moe_shared_hidden is the shared expert of an MoE: set model.moe_experts > 0")
-  if not m.attention_only:
-    from sinkjax import kinds  # pylint: disable=import-outside-toplevel  (imports jax: only for such models)
-    for t in dict.fromkeys(m.layer_types):
+  for t in dict.fromkeys(m.layer_types):
+    if t in kinds.MIXERS:                 # registered (a built-in one once sinkjax.model is imported)
       kinds.MIXERS[t].check(m)
 
 
-GATE_OPTIONS = ("gate_position", "gate_shared", "gate_activation", "gate_input", "gate_bias")   # gated's alone
-
-
 def _check_attention(a: AttentionConfig) -> None:
-  """What an attention section may hold: known choices, whole GQA groups, and each option where its variant is."""
-  for name in ("attention", "gate", "gate_position", "gate_activation", "gate_input", "rope_style", "init"):
+  """What an attention layer may be built from: known choices, whole GQA groups, and each option where its variant
+  is. The variants' own checks (`AttentionKind.options`, `.check`) are asked of the registered ones: all built-in
+  ones once `sinkjax.layers` is imported, and always when a layer is built (this runs when its view is made)."""
+  for name in ("attention", "gate", "gate_position", "gate_activation", "gate_input", "rope_style", "rope_scaling",
+               "init"):
     allowed = CHOICES[f"model.{name}"]
     if getattr(a, name) not in allowed:
       raise ConfigError(f"model.{name} must be one of {'|'.join(allowed)}, got {getattr(a, name)!r}")
@@ -627,15 +646,15 @@ def _check_attention(a: AttentionConfig) -> None:
                       f"got {a.rope_partial}")
   if a.sink_tokens < 0:
     raise ConfigError(f"model.sink_tokens must be >= 0, got {a.sink_tokens}")
-  from sinkjax import kinds  # pylint: disable=import-outside-toplevel  (the registry imports jax; layers are built)
-  kind = kinds.attention_kind(a.attention)
-  default = {f.name: f.default for f in dataclasses.fields(a)}
+  kind = kinds.ATTENTION.get(a.attention)      # None: a built-in variant not imported yet (its name is valid)
+  default = _MODEL_DEFAULTS
   for other in kinds.ATTENTION.values():
     changed = [k for k in other.options if other is not kind and getattr(a, k) != default[k]]
     if changed:
       raise ConfigError(f"model.{changed[0]} configures {other.name} attention: set model.attention={other.name} "
                         f"(got {a.attention!r}) or leave it at its default")
-  kind.check(a)
+  if kind is not None:
+    kind.check(a)
 
 
 def _validate_lora(lora: LoRAConfig) -> None:

@@ -1,8 +1,9 @@
 """Flax NNX layers: sink-aware multi-head attention and the pieces of the decoder block.
 
 `Attention` is the drop-in layer: q/k/v/o projections, GQA, RoPE, optional QK-norm, and one of the attention
-variants of `sinkjax.attention` (chosen by name; this module is the only place that switches on it), built from an
-`AttentionConfig` (the model config's attention section, checked once) or from the same options as keywords. Every call
+variants of `sinkjax.attention`, the registered kind `model.attention` names (`sinkjax.kinds`: this module imports the
+built-in ones, vanilla, sink, gated and relu, so they register; nothing switches on a kind's name), built from an
+`AttentionConfig` (a view of the model config, checked once) or from the same model.* keys as keywords. Every call
 records the per-head importance of its gate (eq. 5) with `nnx.sow` under the name `head_importance`, so a host
 model collects them after its forward pass with `pop_head_importance(model)` -> [L, H] and adds
 `sinkjax.balance.aux_loss`. Linen users get the same layer from `linen_attention(...)` (via `nnx.bridge`), whose
@@ -29,7 +30,6 @@ for every head, so its importance CV is 0 and the aux loss has nothing to balanc
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -43,9 +43,11 @@ from sinkjax import cache as cache_lib
 from sinkjax import kinds
 from sinkjax.balance import head_importance
 from sinkjax.cache import take_heads
+from sinkjax.kinds import gated, relu, sink, vanilla  # noqa: F401  (the built-in variants this layer runs register)
 from sinkjax.kinds.gated import Gate  # noqa: F401  (re-exported: layers.Gate)
 from sinkjax.choices import MLP_KINDS, MOE_ROUTERS
 from sinkjax.config import AttentionConfig, RopeScaling  # noqa: F401  (RopeScaling re-exported for layer users)
+from sinkjax.initializers import matrix_init
 from sinkjax.kernels import dense
 from sinkjax.kernels.reference import attention_weights as reference_weights
 from sinkjax.sharding import logical, per_batch_shard, target_platform
@@ -139,36 +141,28 @@ def default_positions(segment_ids, B: int, T: int):
   return jnp.arange(T, dtype=jnp.int32)[None, :] - first
 
 
-def matrix_init(init: str, fan_in: int) -> dict:
-  """kernel_init for the input-side matrices of a block: nanochat's uniform(-s, s), s = sqrt(3 / fan_in) (std
-  1/sqrt(fan_in), no outliers), or flax's default (lecun normal, the same std, truncated) for init="default"."""
-  if init == "default":
-    return {}
-  s = math.sqrt(3.0 / fan_in)
-  return {"kernel_init": lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -s, s)}
-
-
 class Attention(nnx.Module):
   """Causal multi-head attention with a per-head gate: vanilla, sink (GPT-OSS), gated (Qwen, G1) or ReLU; GQA, RoPE,
   optional QK-norm, sliding windows and learnable sink tokens.
 
-  `Attention(cfg)` from an `AttentionConfig` (a model's: `ModelConfig.attention_config(layer)`; its fields are the
-  options), or standalone `Attention(d_model, num_heads, num_kv_heads=None, head_dim=None, attention="sink", ...,
-  rngs=rngs)` with the same fields as keywords. Parameters: q/k/v/o_proj, q_norm/k_norm (qk_norm), `sink` [Hq]
-  (sink attention), `gate_proj` or `gate_logit` (gated attention, see `Gate`) and `sink_states` [n, d_model]: n
-  sink tokens ([StreamingLLM]) projected by this layer's k_proj/v_proj (and k_norm), prepended to the keys/values at
-  RoPE positions 0..n-1 while the sequence moves to n, n+1, ...; every query sees them (all packed segments, all
-  cache slots) and a streaming KV cache never evicts them. Decoding with a KV cache is `sinkjax.cache.decode`.
+  `Attention(cfg)` from an `AttentionConfig` (a model's: `ModelConfig.attention_config(layer)`), or standalone
+  `Attention(d_model, num_heads, num_kv_heads=None, head_dim=None, attention="sink", ..., rngs=rngs)` with the
+  model.* keys it reads as keywords (`AttentionConfig.of`: attn_bias, attn_impl, gate, sink_tokens, ...).
+  Parameters: q/k/v/o_proj, q_norm/k_norm (qk_norm), `sink` [Hq] (sink attention), `gate_proj` or `gate_logit`
+  (gated attention, see `Gate`) and `sink_states` [n, d_model]: n sink tokens ([StreamingLLM]) projected by this
+  layer's k_proj/v_proj (and k_norm), prepended to the keys/values at RoPE positions 0..n-1 while the sequence moves
+  to n, n+1, ...; every query sees them (all packed segments, all cache slots) and a streaming KV cache never evicts
+  them. Decoding with a KV cache is `sinkjax.cache.decode`.
   """
 
   def __init__(self, cfg: AttentionConfig | int, *args, rngs: nnx.Rngs, **options):
     if not isinstance(cfg, AttentionConfig):                # the keyword constructor
-      cfg = AttentionConfig(cfg, *args, **options)
+      cfg = AttentionConfig.of(cfg, *args, **options)
     d, H, Hkv, D = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.cfg, self.attention, self.num_sink_tokens = cfg, cfg.attention, cfg.sink_tokens
     self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
     pdt = jnp.dtype(cfg.param_dtype)
-    lin = dict(use_bias=cfg.use_bias, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, dot_general=dense.dot_general,
+    lin = dict(use_bias=cfg.attn_bias, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, dot_general=dense.dot_general,
                rngs=rngs)
     proj = lambda n_in, n_out, axes, **kw: nnx.Linear(n_in, n_out, kernel_metadata=logical(*axes), **lin, **kw)
     self.q_proj = proj(d, H * D, ("embed", "q_heads"), **matrix_init(cfg.init, d))
@@ -176,7 +170,7 @@ class Attention(nnx.Module):
     self.v_proj = proj(d, Hkv * D, ("embed", "kv_heads"), **matrix_init(cfg.init, d))
     out_init = nnx.initializers.zeros_init() if cfg.zero_init_output else nnx.initializers.lecun_normal()
     self.o_proj = nnx.Linear(H * D, d, kernel_init=out_init, kernel_metadata=logical("q_heads", "embed"),
-                             **{**lin, "use_bias": cfg.use_bias and cfg.attn_out_bias})
+                             **{**lin, "use_bias": cfg.attn_bias and cfg.attn_out_bias})
     norm = dict(eps=cfg.norm_eps, use_scale=cfg.norm_scale, param_dtype=pdt)
     self.q_norm = RMSNorm(D, **norm) if cfg.qk_norm else None
     self.k_norm = RMSNorm(D, **norm) if cfg.qk_norm else None
@@ -221,7 +215,7 @@ class Attention(nnx.Module):
   def rotate(self, x, positions, which: str):
     """RoPE at int positions [B,T] of queries (which="q") or keys ("k"), then their QK-norm where it follows RoPE
     (the one place this layer's rotary settings apply)."""
-    scaling = self.cfg.rope_scaling
+    scaling = self.cfg.rope
     rotary = self.cfg.rotary_dim
     y = apply_rope(x[..., :rotary], positions, rope_frequencies(rotary, self.cfg.rope_theta, scaling),
                    1.0 if scaling is None else scaling.cos_sin_scale(), self.cfg.rope_style)
@@ -252,7 +246,7 @@ class Attention(nnx.Module):
     kv_heads: q, k, v hold only these KV heads (a tuple of indices) and their query heads, and so do the per-head
     parameters used here (a head group of a `sinkjax.cache.HybridKVCache`); None = every head. sink_offset: see
     `sink_kv`."""
-    kw = dict(segment_ids=segment_ids, impl=impl or self.cfg.impl)
+    kw = dict(segment_ids=segment_ids, impl=impl or self.cfg.attn_impl)
     if self.cfg.sliding_window and slide:
       kw["window"] = self.cfg.sliding_window
     if self.sink_states is not None:
@@ -356,7 +350,7 @@ def hf_attention_tensors(cfg: AttentionConfig) -> dict | None:
   out = {}
   for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
     out[f"{p}.weight"] = ((p, "kernel"), True)
-    if cfg.use_bias and (p != "o_proj" or cfg.attn_out_bias):
+    if cfg.attn_bias and (p != "o_proj" or cfg.attn_out_bias):
       out[f"{p}.bias"] = ((p, "bias"), False)
   if cfg.qk_norm:
     out.update({f"{n}.weight": ((n, "scale"), False) for n in ("q_norm", "k_norm")})

@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from sinkjax import choices, kinds
 from sinkjax.config import ModelConfig
+from sinkjax.kinds import attention_layer, linear  # noqa: F401  (the built-in mixers its layers are built from register)
 from sinkjax.kernels import dense
 from sinkjax.layers import MLP, Attention, MoE, RMSNorm, default_positions, pop_head_importance
 from sinkjax.sharding import logical, target_platform

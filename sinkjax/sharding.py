@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sinkjax.config import ConfigError, MeshConfig
+from sinkjax.cli import ConfigError
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -59,8 +59,9 @@ def mesh_platform(mesh: Mesh) -> str:
   return "gpu" if platform in ("cuda", "rocm") else platform
 
 
-def make_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
-  """A ("data", "fsdp", "tensor") mesh over `devices` (default: all), -1 filling the remaining devices."""
+def make_mesh(mesh_cfg, devices=None) -> Mesh:
+  """A ("data", "fsdp", "tensor") mesh over `devices` (default: all) of the sizes of `mesh_cfg` (a
+  `sinkjax.config.MeshConfig`: .data, .fsdp, .tensor), -1 filling the remaining devices."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
   free = [i for i, s in enumerate(sizes) if s == -1]

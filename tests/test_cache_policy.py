@@ -117,7 +117,7 @@ def test_mixed_policy_equals_per_head_masked_attention(attention, sink_tokens, f
   """GQA (4 query heads on 2 KV heads): one KV head full, the other sinks + window, decoded token by token past
   the point where the ring wraps; each output equals the float64 reference within float32 rounding."""
   d, H, Hkv, D, S, W, P, N = 16, 4, 2, 8, 2, 6, 3, 14
-  layer = Attention(d, H, Hkv, D, attention=attention, sink_tokens=sink_tokens, sink_init=0.3, impl="xla",
+  layer = Attention(d, H, Hkv, D, attention=attention, sink_tokens=sink_tokens, sink_init=0.3, attn_impl="xla",
                     zero_init_output=False, rngs=nnx.Rngs(1))
   x = jax.random.normal(jax.random.key(2), (1, N, d))
   cache = HybridKVCache.create([full_kv], 1, N, W, D, sink_size=S)
@@ -142,7 +142,7 @@ def test_chunks_equal_per_head_masked_attention(attention, sink_tokens, full_kv,
   from empty past the point where the ring wraps; each token's output equals the float64 per-head reference of
   decoding it (its own sinks, window and StreamingLLM positions) within float32 rounding."""
   d, H, Hkv, D, S, W, N = 16, 4, 2, 8, 2, 7, 15
-  layer = Attention(d, H, Hkv, D, attention=attention, sink_tokens=sink_tokens, sink_init=0.3, impl="xla",
+  layer = Attention(d, H, Hkv, D, attention=attention, sink_tokens=sink_tokens, sink_init=0.3, attn_impl="xla",
                     zero_init_output=False, rngs=nnx.Rngs(1))
   x = jax.random.normal(jax.random.key(2), (1, N, d))
   cache = HybridKVCache.create([full_kv], 1, N, W, D, sink_size=S).appending()

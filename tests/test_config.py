@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import math
 import pathlib
+import re
 import typing
 
 import pytest
@@ -165,23 +166,49 @@ def test_every_key_is_declared_once_with_its_range_and_choices():
     c.load_config(None, ["model.mlp=gelu"])
 
 
-def test_nested_model_sections_are_the_flat_keys(tmp_path):
-  """model.attention / model.linear / model.moe as mappings (YAML or dotted overrides) set the same fields as the flat
-  keys; a flat string model.attention still names the kind; an unknown sub-key is one line naming the section's keys."""
+def test_model_keys_are_flat_and_a_nested_spelling_names_the_flat_key(tmp_path):
+  """Each model.* key has one spelling, the flat one (SPEC, docs/TRAINING.md, configs/): a mapping under model
+  (`attention: {kind: gated}`, `linear: {key_heads: 2}`) or a dotted `model.attention.kind=` is refused in one line
+  that names the flat key to write instead."""
   from sinkjax import config as c
   y = tmp_path / "nested.yaml"
-  y.write_text("model:\n  num_layers: 4\n  attention:\n    kind: gated\n    gate: elementwise\n    gate_bias: false\n"
-               "    rope_partial: 0.5\n  layer_types: [linear, full, linear, full]\n  linear: {key_heads: 2, chunk_size: 16}\n"
-               "  moe: {experts: 0}\n")
-  nested = c.load_config(str(y)).model
+  y.write_text("model:\n  num_layers: 4\n  attention:\n    kind: gated\n    gate: elementwise\n")
+  cases = [(str(y), [], "write model.attention.kind as model.attention "),
+           (None, ["model.attention.gate=elementwise"], "write model.attention.gate as model.gate "),
+           (None, ["model.linear.key_heads=2"], "write model.linear.key_heads as model.linear_key_heads "),
+           (None, ["model.moe.experts=4"], "write model.moe.experts as model.moe_experts ")]
+  for path, overrides, hint in cases:
+    section = hint.split()[1].split(".")[1]
+    with pytest.raises(c.ConfigError, match=re.escape(f"config key model.{section} is not a section: the model.* keys "
+                                                      f"are flat, {hint}")) as e:
+      c.load_config(path, overrides)
+    assert "\n" not in str(e.value)
   flat = c.load_config(None, ["model.num_layers=4", "model.attention=gated", "model.gate=elementwise",
-                              "model.gate_bias=false", "model.rope_partial=0.5",
-                              "model.layer_types=[linear,full,linear,full]", "model.linear_key_heads=2",
-                              "model.linear_chunk_size=16"]).model
-  assert nested == flat and nested.attention == "gated" and nested.linear_chunk_size == 16
-  dotted = c.load_config(None, ["model.attention.kind=sink", "model.attention.sink_init=1.5"]).model
-  assert (dotted.attention, dotted.sink_init) == ("sink", 1.5)
-  with pytest.raises(c.ConfigError, match="unknown config key model.attention.heads .*the keys of model.attention are "
-                                          "kind, gate") as e:
-    c.load_config(None, ["model.attention.heads=3"])
-  assert "\n" not in str(e.value)
+                              "model.layer_types=[linear,full,linear,full]", "model.linear_key_heads=2"]).model
+  assert (flat.attention, flat.gate, flat.linear_key_heads) == ("gated", "elementwise", 2)
+
+
+def test_attention_config_is_a_view_of_the_model_config():
+  """An `AttentionConfig` holds the model config, not copies of its keys: it reads them under their model.* names
+  (a change of the model shows), its own fields are only whether the layer is "full" and o_proj's start; the standalone
+  keywords are the same model.* names, and the layer's old names (impl=, use_bias=) are refused naming the new one."""
+  from sinkjax import config as c
+  m = c.ModelConfig(num_layers=3, sliding_window=4, layer_types=["full", "sliding", "sliding"], attention="gated",
+                    attn_impl="xla", rope_scaling="llama3", rope_factor=8.0, max_seq_len=64)
+  views = [m.attention_config(i) for i in range(3)]
+  assert [f.name for f in dataclasses.fields(c.AttentionConfig)] == ["model", "full", "zero_init_output"]
+  assert [v.sliding_window for v in views] == [0, 4, 4] and views[1] == views[2] and views[0] != views[1]
+  assert (views[1].attention, views[1].attn_impl, views[1].num_heads) == ("gated", "xla", m.num_heads)
+  assert views[1].rope == c.RopeScaling("llama3", 8.0, 1.0, 4.0, 64)       # original context 0 = max_seq_len
+  m.gate = "elementwise"
+  assert views[1].gate == "elementwise"
+  with pytest.raises(AttributeError, match="no 'num_layers'"):
+    views[1].num_layers                     # pylint: disable=pointless-statement  (not an attention key)
+  one = c.AttentionConfig.of(32, 4, attention="sink", attn_bias=True, sink_init=0.5)
+  assert (one.num_kv_heads, one.head_dim, one.dtype, one.attn_bias, one.sink_init, one.sliding_window) == \
+      (4, 8, "float32", True, 0.5, 0)
+  for old, new in (("impl", "attn_impl"), ("use_bias", "attn_bias")):
+    with pytest.raises(TypeError, match=f"the attention keyword {old}= is spelled {new}="):
+      c.AttentionConfig.of(32, 4, **{old: "xla"})
+  with pytest.raises(c.ConfigError, match="model.num_heads \\(6\\) must be a multiple of model.num_kv_heads"):
+    c.AttentionConfig.of(48, 6, 4)

@@ -174,7 +174,7 @@ def test_sink_tokens_hand_built_positions_and_visibility(attention):
   positions 0, 1, projected by the layer's own k/v and k-norm) plus its own document's earlier tokens at positions
   2, 3, ... (restarting per document). Everything is recomputed in float64 numpy from the layer's weights."""
   n, d, H, D = 2, 16, 2, 8
-  layer = Attention(d, H, H, D, attention=attention, sink_tokens=n, sink_init=0.3, impl="xla",
+  layer = Attention(d, H, H, D, attention=attention, sink_tokens=n, sink_init=0.3, attn_impl="xla",
                     zero_init_output=False, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (1, 6, d))
   seg = jnp.asarray([[1, 1, 1, 2, 2, 0]])

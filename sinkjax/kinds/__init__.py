@@ -14,14 +14,19 @@ Two registries, both open to users (`register`):
   transformers module name.
 
 A new kind is one module that defines its class and calls `register(...)`; nothing else switches on kind names.
-Optimizer groups are labelled where a parameter is created (`optimizer_group("scalar")` as Variable metadata,
-read by `sinkjax.optim.param_labels`), like logical axes.
+Optimizer groups are labelled where a parameter is created (`sinkjax.sharding.optimizer_group("scalar")` as
+Variable metadata, read by `sinkjax.optim.param_labels`), like logical axes.
+
+This module is the floor the kinds stand on: the registries and the base classes, importing nothing of sinkjax (and
+no jax), so `sinkjax.config` asks it which kinds exist, what each refuses and which mixer a layer has
+(`ModelConfig.mixer`, which `sinkjax.cache` asks for a layer's own decode state). The built-in kinds import it and register when they are imported: the attention
+variants by `sinkjax.layers`, which runs them (a standalone `Attention(..., attention="sink")` needs nothing else),
+the mixers by `sinkjax.model`, which builds its layers from them. `sinkjax.choices` names the built-ins a config may
+use before they are imported.
 """
 from __future__ import annotations
 
 from typing import Any
-
-from sinkjax.sharding import optimizer_group  # noqa: F401  (re-exported: where kinds label their parameters)
 
 ATTENTION: dict[str, "AttentionKind"] = {}
 MIXERS: dict[str, "MixerKind"] = {}
@@ -54,7 +59,8 @@ class AttentionKind:
   options: tuple = ()               # model.* keys only this variant reads (an error elsewhere when changed)
 
   def check(self, cfg) -> None:
-    """Refuses an `AttentionConfig` this variant cannot run, in one line naming the key."""
+    """Refuses an `AttentionConfig` this variant cannot run (a `sinkjax.cli.ConfigError`, one line naming the
+    key). Called when the config is validated (once the kind is registered) and when a layer is built."""
 
   def parameters(self, layer, cfg, rngs) -> None:
     """Adds the variant's own parameters to the layer (as attributes: their names are the checkpoint paths)."""
@@ -114,5 +120,3 @@ def head_layers(cfg) -> tuple:
   """Indices of the layers with heads to balance (their importances stack to [len, H] in layer order)."""
   return tuple(i for i in range(cfg.num_layers) if mixer_of(cfg, i).heads)
 
-
-from sinkjax.kinds import vanilla, sink, gated, relu, attention_layer, linear  # noqa: E402,F401  (register)

@@ -3,6 +3,7 @@ model.sliding_window keys), a `sinkjax.layers.Attention` of the variant model.at
 from __future__ import annotations
 
 from sinkjax.kinds import MixerKind, register
+from sinkjax.layers import Attention
 
 
 class AttentionLayer(MixerKind):
@@ -13,7 +14,6 @@ class AttentionLayer(MixerKind):
     self.name, self.sliding = name, sliding
 
   def build(self, cfg, layer, rngs):
-    from sinkjax.layers import Attention  # pylint: disable=import-outside-toplevel  (layers imports the kinds)
     return Attention(cfg.attention_config(layer), rngs=rngs)
 
 

@@ -11,10 +11,13 @@ from flax import nnx
 
 from sinkjax import attention as variants
 from sinkjax.cache import query_heads, take_heads
-from sinkjax.config import GATE_OPTIONS, AttentionConfig
+from sinkjax.initializers import matrix_init
 from sinkjax.kernels import dense
 from sinkjax.kinds import AttentionKind, register
 from sinkjax.sharding import logical
+
+# The model.* keys only gated attention reads: set on another variant, they are refused (`AttentionKind.options`).
+GATE_OPTIONS = ("gate_position", "gate_shared", "gate_activation", "gate_input", "gate_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +39,8 @@ class Gate:
   group: int            # query heads per KV head
 
   @classmethod
-  def of(cls, cfg: AttentionConfig) -> Gate:
+  def of(cls, cfg) -> Gate:
+    """The gate of an `AttentionConfig` (its model.gate* keys and head shapes)."""
     heads = 1 if cfg.gate_shared else cfg.num_heads if cfg.gate_position == "sdpa" else cfg.num_kv_heads
     return cls(cfg.gate, cfg.gate_position, cfg.gate_shared, cfg.gate_activation, cfg.gate_input == "dependent",
                heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
@@ -46,11 +50,10 @@ class Gate:
     """z per token: (Hg,) headwise, (Hg, D) elementwise."""
     return (self.heads,) if self.kind == "headwise" else (self.heads, self.head_dim)
 
-  def parameters(self, cfg: AttentionConfig, rngs: nnx.Rngs) -> tuple:
+  def parameters(self, cfg, rngs: nnx.Rngs) -> tuple:
     """(gate_proj, gate_logit), one of them None: the projection d_model -> Hg (x D) with bias gate_bias_init
     (none with model.gate_bias=false), or the learned logits initialized to gate_bias_init ([GatedAttn]: 0), flat
     like that bias (a vector, so the optimizer gives it AdamW at the scalar rate, not Muon)."""
-    from sinkjax.layers import matrix_init  # pylint: disable=import-outside-toplevel  (layers imports the kinds)
     width, pdt = math.prod(self.shape), jnp.dtype(cfg.param_dtype)
     if not self.dependent:
       return None, nnx.Param(jnp.full((width,), cfg.gate_bias_init, pdt))

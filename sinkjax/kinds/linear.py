@@ -4,10 +4,9 @@ the recurrent state (`DeltaNetState`), which a KV cache carries for it (`sinkjax
 so a streaming cache evicts nothing from it."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from sinkjax.config import ConfigError
+from sinkjax.cli import ConfigError
 from sinkjax.deltanet import DeltaNetConfig, DeltaNetState, GatedDeltaNet
 from sinkjax.kinds import MixerKind, register
 
@@ -41,9 +40,12 @@ class Linear(MixerKind):
   hf_module = "linear_attn"
 
   def build(self, cfg, layer, rngs):
+    self.check(cfg)
     return LinearAttention(deltanet_config(cfg), rngs=rngs)
 
   def check(self, cfg):
+    """A ConfigError when the model.linear_* keys give no Gated DeltaNet (asked when the config is validated with
+    this kind registered, and when a layer is built)."""
     try:
       deltanet_config(cfg)
     except ValueError as e:
