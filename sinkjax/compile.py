@@ -240,6 +240,7 @@ def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple
       "mesh": dict(mesh.shape), "hbm_per_chip_bytes": topo.hbm_bytes, "num_params": program.num_params,
       "tokens_per_chip_per_micro_step": rows_per_chip * cfg.data.seq_len, "rows_per_chip": rows_per_chip,
       "grad_accum": cfg.train.grad_accum, "remat": cfg.model.remat, "remat_policy": cfg.model.remat_policy,
+      "collective_matmul": cfg.mesh.collective_matmul,
       "model_flops_per_step": model_flops_per_step(cfg, program.num_params),
   }
   t0 = time.perf_counter()
@@ -448,6 +449,8 @@ class _HloCosts:
                     ici_bytes=0.0, collective_bytes={k: 0.0 for k in COLLECTIVES}, loops_of_unknown_trips=0)
     self.channels = set()
     self._param_reads = {}
+    self.records = {}                 # (computation, instruction) -> what it adds (`breakdown`)
+    self.frames = _stack_frames(text)
 
   def type_of(self, comp: str, name: str) -> str:
     ins = self.comps.get(comp, {}).get(name)
@@ -592,11 +595,11 @@ class _HloCosts:
   def collective(self, comp: str, ins: _Instruction, mult: float):
     kind = next((k for k in COLLECTIVES if ins.opcode.startswith(k)), None)
     if kind is None or ins.opcode.endswith("-done"):
-      return
+      return 0
     channel = re.search(r"channel_id=(\d+)", ins.attrs)
     key = channel.group(1) if channel else (comp, ins.name)
     if key in self.channels:          # an async collective's start and done halves both hold it
-      return
+      return 0
     self.channels.add(key)
     if kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
       kind = "reduce-scatter"         # XLA:TPU's reduce-scatter: an all-reduce fused with the slice it keeps
@@ -605,37 +608,54 @@ class _HloCosts:
         sum(_nbytes(self.type_of(comp, o), None) for o in ins.operands)
     self.out["collective_bytes"][kind] += mult * size
     self.out["ici_bytes"] += mult * size * _RING[kind](_group_size(ins.attrs))
+    return mult * size
 
-  def walk(self, comp: str, mult: float):
+  def walk(self, comp: str, mult: float, loops: tuple = (), owner: tuple | None = None):
+    """Adds up comp's instructions, each `mult` times (the trips of the loops around it, `loops`); what a fused
+    computation's instructions add is also recorded under the unfused instruction that calls it (`owner`)."""
     fused = comp in self.fused
     for ins in self.comps.get(comp, {}).values():
       op, attrs = ins.opcode, ins.attrs
       flops = self.flops(comp, ins)
+      hbm = 0
       est = (re.search(r'"cost_estimate":\{"flops":"?(\d+)"?,"transcendentals":"?(\d+)"?,"bytes_accessed":"?(\d+)',
                        attrs) or re.search(GPU_COST_NAME, attrs)) if op == "custom-call" else None
       if est:                         # a Pallas kernel's pl.CostEstimate
         flops = int(est.group(1))
         self.out["transcendentals"] += mult * int(est.group(2))
-        self.out["hbm_bytes"] += mult * int(est.group(3))
+        hbm = int(est.group(3))
       self.out["flops"] += mult * flops
       if "rematted_computation" in attrs:
         self.out["recompute_flops"] += mult * flops
-      self.collective(comp, ins, mult)
+      moved = self.collective(comp, ins, mult)
       if not fused and not est and op not in _NO_TRAFFIC and not op.endswith("-done") and \
           "AllocateBuffer" not in attrs:
-        self.out["hbm_bytes"] += mult * self.traffic(comp, ins, 0)
+        hbm = self.traffic(comp, ins, 0)
         self.out["host_bytes"] += mult * self.traffic(comp, ins, _HOST_SPACE)
+      self.out["hbm_bytes"] += mult * hbm
+      if hbm or flops or moved:
+        key = owner or (comp, ins.name)
+        rec = self.records.get(key)
+        if rec is None:
+          rec = self.records[key] = dict(hbm_bytes=0.0, flops=0.0, collective_bytes=0.0, mult=mult, loops=loops,
+                                         instruction=ins if owner is None else self.comps[owner[0]][owner[1]],
+                                         matmul=False)
+        rec["hbm_bytes"] += mult * hbm
+        rec["flops"] += mult * flops
+        rec["collective_bytes"] += moved
+        rec["matmul"] |= bool(flops) and not est
       if op == "while":
         trips = self.trips(comp, ins)
         self.out["loops_of_unknown_trips"] += trips is None
-        self.walk(re.search(r"body" + _CALLEE, attrs).group(1), mult * (trips if trips is not None else 1))
+        self.walk(re.search(r"body" + _CALLEE, attrs).group(1), mult * (trips if trips is not None else 1),
+                  loops + ((trips, ins),))
       elif op == "conditional":       # the first branch stands for all of them
         branches = re.search(r"branch_computations=\{%?([\w.\-]+)", attrs)
         for c in ([branches.group(1)] if branches else ins.callees("true_computation")):
-          self.walk(c, mult)
+          self.walk(c, mult, loops)
       elif op in ("fusion", "call") or op.endswith("-start"):
         for c in ins.callees("calls|to_apply" if op == "call" else "calls"):
-          self.walk(c, mult)
+          self.walk(c, mult, loops, owner if op == "call" or owner else (comp, ins.name))
 
 
 def _group_size(attrs: str) -> int:
@@ -649,6 +669,133 @@ def _group_size(attrs: str) -> int:
     return int(m.group(1))
   m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
   return max(1, len(m.group(1).split(","))) if m else 1
+
+
+def _stack_frames(text: str) -> dict:
+  """{stack frame id: (file, line, function, parent frame id or 0)} from the FileNames / FunctionNames /
+  FileLocations / StackFrames tables that head a compiled module's text (instructions name their innermost frame:
+  `stack_frame_id=N` in their metadata). The text prints each parent id one above the frame it means."""
+  tables, current = {}, None
+  for line in text.splitlines():
+    if line.startswith(("HloModule", "%", "ENTRY")):
+      if tables.get("StackFrames"):
+        break
+      continue
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      current = tables.setdefault(line, {})
+    elif current is not None and line[:1].isdigit():
+      n, rest = line.split(" ", 1)
+      current[int(n)] = rest
+  names = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+  funcs = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+  locs = {}
+  for k, v in tables.get("FileLocations", {}).items():
+    f = dict(re.findall(r"(\w+)=(\d+)", v))
+    locs[k] = (names.get(int(f.get("file_name_id", 0)), "?"), int(f.get("line", 0)),
+               funcs.get(int(f.get("function_name_id", 0)), "?"))
+  frames = {}
+  for k, v in tables.get("StackFrames", {}).items():
+    f = dict(re.findall(r"(\w+)=(\d+)", v))
+    frames[k] = locs.get(int(f.get("file_location_id", 0)), ("?", 0, "?")) + (max(int(f.get("parent_frame_id", 1)) - 1,
+                                                                                 0),)
+  return frames
+
+
+# The per-category table of `hbm_breakdown`, in the order a record is tested against them.
+CATEGORIES = ("attention kernels", "collectives", "loss", "optimizer", "matmuls", "copies / transposes / slices",
+              "elementwise / other fusions", "other")
+# Functions whose work is the loss (the LM head, the cross-entropy, their chunking; not `token_losses`, which
+# also runs the layers).
+LOSS_FUNCTIONS = ("chunked_nll", "Transformer.logits", "softmax_cross_entropy")
+# Instructions that only move or re-arrange data (a fusion of nothing else is a copy).
+_MOVES = {"parameter", "copy", "transpose", "bitcast", "reshape", "tuple", "get-tuple-element", "slice",
+          "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "constant", "copy-start", "copy-done",
+          "broadcast", "iota"}
+
+
+def _source(frames: dict, frame: int, depth: int = 2) -> list:
+  """The innermost `depth` frames of sinkjax's own code on the stack of frame `frame`, "file:line function"."""
+  out, seen = [], set()
+  while frame in frames and frame not in seen and len(out) < depth:
+    seen.add(frame)
+    path, line, func, parent = frames[frame]
+    if "/sinkjax/" in path and "/site-packages/" not in path:
+      out.append(f"{path[path.rindex('/sinkjax/') + 1:]}:{line} {func}")
+    frame = parent
+  return out
+
+
+def _frame_functions(frames: dict, frame: int) -> list:
+  out, seen = [], set()
+  while frame in frames and frame not in seen:
+    seen.add(frame)
+    out.append((frames[frame][0], frames[frame][2]))
+    frame = frames[frame][3]
+  return out
+
+
+def _category(costs: "_HloCosts", rec: dict, stack: list) -> str:
+  ins = rec["instruction"]
+  if ins.opcode == "custom-call" and ("tpu_custom_call" in ins.attrs or re.search(GPU_COST_NAME, ins.attrs)
+                                      or "__gpu$xla.gpu.triton" in ins.attrs):
+    return "attention kernels"
+  if any(ins.opcode.startswith(k) for k in COLLECTIVES) or (
+      ins.opcode == "fusion" and any(c.startswith("all-reduce-scatter") for c in ins.callees("calls"))):
+    return "collectives"
+  if any(f.startswith(LOSS_FUNCTIONS) for _, f in stack):
+    return "loss"
+  if any("/optax/" in p or p.endswith("sinkjax/optim.py") for p, _ in stack):
+    return "optimizer"
+  if rec["matmul"]:
+    return "matmuls"
+  if ins.opcode in _MOVES or (ins.opcode == "fusion" and all(
+      i.opcode in _MOVES for c in ins.callees("calls") for i in costs.comps.get(c, {}).values())):
+    return "copies / transposes / slices"
+  if ins.opcode == "fusion" or ins.opcode in ("add", "multiply", "convert", "select", "reduce", "exponential"):
+    return "elementwise / other fusions"
+  return "other"
+
+
+def _pass(op_name: str) -> str:
+  """Which part of the step JAX's op name places an instruction in."""
+  if "rematted_computation" in op_name:
+    return "recompute"
+  if "transpose(" in op_name:
+    return "backward"
+  if "jvp(" in op_name:
+    return "forward"
+  return "other"
+
+
+def breakdown(costs: "_HloCosts", top: int = 25) -> dict:
+  """Where a walked program's HBM bytes and FLOPs go (`hbm_breakdown`): `by_category` {category: {hbm_bytes, flops,
+  instructions}} (CATEGORIES), `by_pass` {forward | backward | recompute | other: {hbm_bytes, flops}}, and `top`, the
+  `top` unfused instructions of most HBM bytes, each with its fused work's FLOPs, the trips of the loops around it
+  (`loops`: [{trips, body}], outermost first), its output type, JAX's op name and sinkjax's source lines."""
+  cats = {c: dict(hbm_bytes=0.0, flops=0.0, instructions=0) for c in CATEGORIES}
+  passes = {p: dict(hbm_bytes=0.0, flops=0.0) for p in ("forward", "backward", "recompute", "other")}
+  rows = []
+  for (comp, name), rec in costs.records.items():
+    ins = rec["instruction"]
+    op_name = (re.search(r'op_name="([^"]*)"', ins.attrs) or [None, ""])[1]
+    frame = re.search(r"stack_frame_id=(\d+)", ins.attrs)
+    stack = _frame_functions(costs.frames, int(frame.group(1))) if frame else []
+    cat = _category(costs, rec, stack)
+    cats[cat]["hbm_bytes"] += rec["hbm_bytes"]
+    cats[cat]["flops"] += rec["flops"]
+    cats[cat]["instructions"] += 1
+    ps = _pass(op_name)
+    passes[ps]["hbm_bytes"] += rec["hbm_bytes"]
+    passes[ps]["flops"] += rec["flops"]
+    rows.append(dict(instruction=name, computation=comp, opcode=ins.opcode,
+                     type=re.sub(r"\{[^}]*\}", "", ins.type).replace(" ", ""),
+                     hbm_bytes=rec["hbm_bytes"], flops=rec["flops"], collective_bytes=rec["collective_bytes"],
+                     trips=rec["mult"], loops=[dict(trips=t, body=re.search(r"body" + _CALLEE, w.attrs).group(1))
+                                               for t, w in rec["loops"]],
+                     category=cat, phase=ps, op_name=op_name,
+                     source=_source(costs.frames, int(frame.group(1))) if frame else []))
+  rows.sort(key=lambda r: -r["hbm_bytes"])
+  return {"by_category": cats, "by_pass": passes, "top": rows[:top]}
 
 
 def hlo_costs(text: str) -> dict:
@@ -669,7 +816,7 @@ def hlo_costs(text: str) -> dict:
   estimate in their names (`GPU_COST_NAME`)."""
   costs = _HloCosts(text)
   costs.walk(costs.entry, 1.0)
-  return costs.out
+  return dict(costs.out, breakdown=breakdown(costs))
 
 
 def roofline(costs: dict, chip: Chip, model_flops_per_chip: float) -> dict:
@@ -690,10 +837,33 @@ def speed_report(compiled, chip: Chip, model_flops_per_step: float, chips: int) 
   out = {"flops_per_step": costs["flops"], "recompute_flops_per_step": costs["recompute_flops"],
          "hbm_bytes_per_step": costs["hbm_bytes"], "host_bytes_per_step": costs["host_bytes"],
          "collective_bytes_per_step": costs["collective_bytes"], "ici_bytes_per_step": costs["ici_bytes"],
-         "loops_of_unknown_trips": costs["loops_of_unknown_trips"], "chip_figures": dataclasses.asdict(chip)}
+         "loops_of_unknown_trips": costs["loops_of_unknown_trips"], "chip_figures": dataclasses.asdict(chip),
+         "hbm_breakdown": costs["breakdown"]}
   out.update(roofline(costs, chip, model_flops_per_step / chips))
   return out
 
+
+
+def print_breakdown(r: dict, top: int = 12) -> None:
+  """The report's `hbm_breakdown`: HBM bytes and FLOPs per category and pass, and the instructions that move the
+  most, with the trips of the loops around them and where in sinkjax they come from."""
+  b = r.get("hbm_breakdown")
+  if not b:
+    return
+  total = r["hbm_bytes_per_step"] or 1.0
+  print("  where the HBM bytes go (per chip and step; FLOPs of the fused work):")
+  print(f"    {'category':<30} {'HBM GB':>9} {'share':>6} {'FLOPs':>10} {'instructions':>12}")
+  for name, c in sorted(b["by_category"].items(), key=lambda kv: -kv[1]["hbm_bytes"]):
+    if c["instructions"]:
+      print(f"    {name:<30} {c['hbm_bytes'] / 1e9:9.2f} {100 * c['hbm_bytes'] / total:5.1f}% {c['flops']:10.3e} "
+            f"{c['instructions']:12d}")
+  print("    by pass: " + ", ".join(f"{k} {v['hbm_bytes'] / 1e9:.2f} GB" for k, v in b["by_pass"].items()))
+  print(f"  top {min(top, len(b['top']))} instructions by HBM bytes (trips: the loops around it, outermost first):")
+  for i in b["top"][:top]:
+    loops = " x ".join(str(lp["trips"]) for lp in i["loops"]) or "1"
+    src = " < ".join(i["source"]) or i["op_name"]
+    print(f"    {i['hbm_bytes'] / 1e9:8.2f} GB {i['flops']:9.2e} F  trips {loops:<8} {i['category']:<14.14} "
+          f"{i['phase']:<9} {i['opcode']} {i['type'][:60]}  [{src}]")
 
 
 def speed_rows(r: dict) -> list:
@@ -724,23 +894,28 @@ SEARCH_POLICIES = ("nothing", "dots", "save_qkv_proj", "save_out_proj", "save_at
 
 
 def search(cfg_path: str, overrides: list, topo: Topology, policies=SEARCH_POLICIES, accums=(None,),
-           load=None, on_result=None) -> dict:
-  """Compiles the config once per (remat policy, train.grad_accum) candidate with model.remat=true and returns
-  {"candidates": [reports], "picked": the fitting report of least estimated step time, or None}; on_result(report)
-  is called as each candidate is done."""
+           load=None, on_result=None, vary: dict | None = None) -> dict:
+  """Compiles the config once per (remat policy, train.grad_accum, values of the `vary` keys) candidate with
+  model.remat=true and returns {"candidates": [reports], "picked": the fitting report of least estimated step time,
+  or None}; on_result(report) is called as each candidate is done. `vary` ({"mesh.collective_matmul": ["gather",
+  "windowed"]}) adds the product of those keys' values; each report's `varied` names its values."""
+  import itertools  # pylint: disable=import-outside-toplevel
   from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
   load = load or (lambda ov: config_lib.load_config(cfg_path, ov))
   devices = gpu_devices(topo) if topo.platform == "gpu" else tpu_devices(topo)
+  vary = vary or {}
   candidates = []
-  for accum in accums:
-    for policy in policies:
-      ov = list(overrides) + ["model.remat=true", f"model.remat_policy={policy}"] + \
-          ([f"train.grad_accum={accum}"] if accum else [])
-      r = compile_config(load(ov), topo, eval_step=False, devices=devices)
-      r["overrides"] = ov
-      candidates.append(r)
-      if on_result:
-        on_result(r)
+  for values in itertools.product(*vary.values()):
+    varied = [f"{k}={v}" for k, v in zip(vary, values)]
+    for accum in accums:
+      for policy in policies:
+        ov = list(overrides) + varied + ["model.remat=true", f"model.remat_policy={policy}"] + \
+            ([f"train.grad_accum={accum}"] if accum else [])
+        r = compile_config(load(ov), topo, eval_step=False, devices=devices)
+        r["overrides"], r["varied"] = ov, varied
+        candidates.append(r)
+        if on_result:
+          on_result(r)
   fits = [r for r in candidates if r["fits"]]
   return {"candidates": candidates, "picked": min(fits, key=lambda r: r["estimated_step_seconds"]) if fits else None}
 
@@ -757,7 +932,7 @@ def print_search(result: dict) -> None:
 
 
 def print_search_row(r: dict, picked: bool = False) -> None:
-  picked = " **picked**" if picked else ""
+  picked = (" " + " ".join(r["varied"]) if r.get("varied") else "") + (" **picked**" if picked else "")
   if "flops_per_step" not in r:
     print(f"| {r['remat_policy']}{picked} | {r['grad_accum']} | {r['rows_per_chip']} | "
           f"{_gib(r['per_chip_bytes']['total'])} | no | | | | | | | |", flush=True)
@@ -773,8 +948,9 @@ def _gib(b) -> str:
   return f"{b / GIB:.2f}"
 
 
-def print_report(config: str, r: dict) -> None:
-  mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
+def print_report(config: str, r: dict, top: int = 12) -> None:
+  mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items()) + (
+      f" (mesh.collective_matmul={r['collective_matmul']})" if "collective_matmul" in r else "")
   rows = [
       ("slice", f"{r['topology']}" + (f" x {r['slices']} slices" if r["slices"] > 1 else "")
        + f": {r['chips']} x {r['device_kind']}, {_gib(r['hbm_per_chip_bytes'])} GiB HBM each"),
@@ -811,6 +987,7 @@ def print_report(config: str, r: dict) -> None:
   print(f"sinkjax.compile: {config}")
   for k, v in rows:
     print(f"  {k:<28} {v}")
+  print_breakdown(r, top)
 
 
 TABLE_HEADER = ("| config (overrides) | slice | mesh | tokens / chip / micro-step | GiB per chip (args + temps) "
@@ -879,6 +1056,12 @@ def main(argv=None) -> int:
                            "model.remat=true and pick the fastest estimated step that fits; prints the table")
   parser.add_argument("--accum", default=None, metavar="N,...",
                       help="with --search: also try these train.grad_accum values (fewer rows per chip each)")
+  parser.add_argument("--vary", action="append", default=[], metavar="section.key=V1,V2",
+                      help="with --search: also try each of these values of a config key (repeatable; candidates "
+                           "are the product), e.g. --vary mesh.collective_matmul=gather,windowed")
+  parser.add_argument("--top", type=int, default=12, metavar="N",
+                      help="print the N instructions that move the most HBM bytes (the report's hbm_breakdown; "
+                           "--json keeps 25)")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
   args = parser.parse_args(argv)
   if args.table:
@@ -917,13 +1100,16 @@ def _run(args) -> int:
   _vocab(cfg)
   if args.search:
     return _run_search(args, topo, cfg)
+  if args.vary:
+    raise CompileError("--vary goes with --search (it adds candidates); to compile one setting give it as an "
+                       "override, e.g. mesh.collective_matmul=windowed")
   if args.eval is not None and args.eval < 1:
     raise CompileError(f"--eval takes the number of rows (>= 1), got {args.eval}")
   report = compile_config(cfg, topo, eval_step=not args.no_eval, decode=_decode_shape(args.decode),
                           eval_rows=args.eval)
   report["config"] = args.config
   report["overrides"] = list(args.overrides)
-  print_report(args.config + (" " + " ".join(args.overrides) if args.overrides else ""), report)
+  print_report(args.config + (" " + " ".join(args.overrides) if args.overrides else ""), report, args.top)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(report, f, indent=1)
@@ -944,6 +1130,14 @@ def _run_search(args, topo: Topology, cfg) -> int:
     accums = tuple(int(a) for a in args.accum.split(",")) if args.accum else (None,)
   except ValueError:
     raise CompileError(f"--accum takes integers separated by commas, e.g. 1,2; got {args.accum!r}") from None
+  vary = {}
+  for item in args.vary:
+    k, eq, values = item.partition("=")
+    if not eq or not values.strip(",") or "." not in k:
+      raise CompileError(f"--vary takes section.key=V1,V2 (e.g. mesh.collective_matmul=gather,windowed), got {item!r}")
+    vary[k.strip()] = [v.strip() for v in values.split(",") if v.strip()]
+    for v in vary[k.strip()]:        # a bad key or value fails here, before minutes of compiling
+      config_lib.load_config(args.config, list(args.overrides) + [f"{k.strip()}={v}"])
 
   def load(ov):
     c = config_lib.load_config(args.config, ov)
@@ -955,7 +1149,8 @@ def _run_search(args, topo: Topology, cfg) -> int:
 
   print(f"sinkjax.compile --search: {args.config} {' '.join(args.overrides)} on {topo.name} (estimates, not "
         "measurements; rows as they compile, then the table with the pick)\n" + SEARCH_HEADER, flush=True)
-  result = search(args.config, args.overrides, topo, policies, accums, load=load, on_result=print_search_row)
+  result = search(args.config, args.overrides, topo, policies, accums, load=load, on_result=print_search_row,
+                  vary=vary)
   print()
   print_search(result)
   if args.json:
@@ -966,7 +1161,7 @@ def _run_search(args, topo: Topology, cfg) -> int:
     return 1
   p = result["picked"]
   print(f"picked: model.remat_policy={p['remat_policy']}" + (f" train.grad_accum={p['grad_accum']}"
-                                                            if args.accum else ""))
+                                                            if args.accum else "") + "".join(f" {v}" for v in p["varied"]))
   return 0
 
 
