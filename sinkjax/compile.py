@@ -222,10 +222,11 @@ _OOM = re.compile(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
 
 
 def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple | None = None, devices=None,
-                   eval_rows: int | None = None) -> dict:
+                   eval_rows: int | None = None, hlo_path: str | None = None) -> dict:
   """Compiles cfg's train (and eval) step for the topology; with decode = (rows, capacity) the decode step
   `sinkjax.generate` runs (`decode_program`), with eval_rows the batch function `sinkjax.eval` runs
-  (`eval_program`); returns the report (see `main` for its keys)."""
+  (`eval_program`); returns the report (see `main` for its keys). hlo_path: also write the compiled train step's
+  text there (gzipped when it ends in .gz)."""
   from sinkjax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
   from sinkjax.kernels import default_impl  # pylint: disable=import-outside-toplevel
   from sinkjax.train import Program  # pylint: disable=import-outside-toplevel
@@ -256,9 +257,14 @@ def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple
     return report
   report["compile_seconds"] = round(time.perf_counter() - t0, 1)
   report["per_chip_bytes"] = _memory(compiled)
-  report["attention_kernel"] = attention_kernel(compiled.as_text(), impl)
+  text = compiled.as_text()
+  report["attention_kernel"] = attention_kernel(text, impl)
+  if hlo_path:
+    import gzip  # pylint: disable=import-outside-toplevel
+    with (gzip.open(hlo_path, "wt") if hlo_path.endswith(".gz") else open(hlo_path, "w")) as f:
+      f.write(text)
   report["fits"] = report["per_chip_bytes"]["total"] <= topo.hbm_bytes
-  report.update(speed_report(compiled, CHIPS[topo.generation], report["model_flops_per_step"], len(devices)))
+  report.update(speed_report(compiled, CHIPS[topo.generation], report["model_flops_per_step"], len(devices), text))
   if eval_step:
     try:
       report["eval_per_chip_bytes"] = _memory(eval_lowered.compile())
@@ -702,15 +708,15 @@ def _stack_frames(text: str) -> dict:
 
 
 # The per-category table of `hbm_breakdown`, in the order a record is tested against them.
-CATEGORIES = ("attention kernels", "collectives", "loss", "optimizer", "matmuls", "copies / transposes / slices",
-              "elementwise / other fusions", "other")
+CATEGORIES = ("attention kernels", "collectives", "loss", "optimizer", "matmuls", "prefetches into VMEM",
+              "copies / transposes / slices", "elementwise / other fusions", "other")
 # Functions whose work is the loss (the LM head, the cross-entropy, their chunking; not `token_losses`, which
 # also runs the layers).
 LOSS_FUNCTIONS = ("chunked_nll", "Transformer.logits", "softmax_cross_entropy")
 # Instructions that only move or re-arrange data (a fusion of nothing else is a copy).
 _MOVES = {"parameter", "copy", "transpose", "bitcast", "reshape", "tuple", "get-tuple-element", "slice",
           "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "constant", "copy-start", "copy-done",
-          "broadcast", "iota"}
+          "slice-start", "slice-done", "broadcast", "iota"}
 
 
 def _source(frames: dict, frame: int, depth: int = 2) -> list:
@@ -739,7 +745,7 @@ def _category(costs: "_HloCosts", rec: dict, stack: list) -> str:
   if ins.opcode == "custom-call" and ("tpu_custom_call" in ins.attrs or re.search(GPU_COST_NAME, ins.attrs)
                                       or "__gpu$xla.gpu.triton" in ins.attrs):
     return "attention kernels"
-  if any(ins.opcode.startswith(k) for k in COLLECTIVES) or (
+  if any(ins.opcode.startswith(k) for k in COLLECTIVES) or rec["collective_bytes"] or (
       ins.opcode == "fusion" and any(c.startswith("all-reduce-scatter") for c in ins.callees("calls"))):
     return "collectives"
   if any(f.startswith(LOSS_FUNCTIONS) for _, f in stack):
@@ -748,6 +754,8 @@ def _category(costs: "_HloCosts", rec: dict, stack: list) -> str:
     return "optimizer"
   if rec["matmul"]:
     return "matmuls"
+  if ins.opcode in ("copy-start", "slice-start") and any(sp == 1 for _, _, sp in _arrays(ins.type)):
+    return "prefetches into VMEM"     # an operand read ahead into VMEM for a fusion (its read, counted here)
   if ins.opcode in _MOVES or (ins.opcode == "fusion" and all(
       i.opcode in _MOVES for c in ins.callees("calls") for i in costs.comps.get(c, {}).values())):
     return "copies / transposes / slices"
@@ -831,9 +839,9 @@ def roofline(costs: dict, chip: Chip, model_flops_per_chip: float) -> dict:
           "estimated_mfu": model_flops_per_chip / (seconds * chip.peak_flops) if seconds > 0 else 0.0}
 
 
-def speed_report(compiled, chip: Chip, model_flops_per_step: float, chips: int) -> dict:
-  """The report's speed keys from a compiled train step (see `main` for their meaning)."""
-  costs = hlo_costs(compiled.as_text())
+def speed_report(compiled, chip: Chip, model_flops_per_step: float, chips: int, text: str | None = None) -> dict:
+  """The report's speed keys from a compiled train step (see `main` for their meaning); `text` its text when at hand."""
+  costs = hlo_costs(text if text is not None else compiled.as_text())
   out = {"flops_per_step": costs["flops"], "recompute_flops_per_step": costs["recompute_flops"],
          "hbm_bytes_per_step": costs["hbm_bytes"], "host_bytes_per_step": costs["host_bytes"],
          "collective_bytes_per_step": costs["collective_bytes"], "ici_bytes_per_step": costs["ici_bytes"],
@@ -1059,6 +1067,9 @@ def main(argv=None) -> int:
   parser.add_argument("--vary", action="append", default=[], metavar="section.key=V1,V2",
                       help="with --search: also try each of these values of a config key (repeatable; candidates "
                            "are the product), e.g. --vary mesh.collective_matmul=gather,windowed")
+  parser.add_argument("--hlo", default=None, metavar="FILE",
+                      help="also write the compiled train step's text (HLO after optimization; .gz: gzipped), what "
+                           "the speed figures are read from")
   parser.add_argument("--top", type=int, default=12, metavar="N",
                       help="print the N instructions that move the most HBM bytes (the report's hbm_breakdown; "
                            "--json keeps 25)")
@@ -1106,7 +1117,7 @@ def _run(args) -> int:
   if args.eval is not None and args.eval < 1:
     raise CompileError(f"--eval takes the number of rows (>= 1), got {args.eval}")
   report = compile_config(cfg, topo, eval_step=not args.no_eval, decode=_decode_shape(args.decode),
-                          eval_rows=args.eval)
+                          eval_rows=args.eval, hlo_path=args.hlo)
   report["config"] = args.config
   report["overrides"] = list(args.overrides)
   print_report(args.config + (" " + " ".join(args.overrides) if args.overrides else ""), report, args.top)
