@@ -337,17 +337,19 @@ class Chip:
   hbm_bandwidth: float     # bytes/s
   ici_bandwidth: float     # bytes/s over all of the chip's inter-chip links (NVLink for GPUs)
   source: str
+  clock_hz: float = 0.0    # TPU: peak / (2 x the MXUs' multiply-adds per cycle); what XLA:TPU's cycle estimates count
 
 
 # The vendors' figures (docs/TPU.md shows this table).
 CHIPS = {
     "v4": Chip(275e12, 1200e9, 1.1e15 / 4096, "cloud.google.com/tpu/docs/v4: 275 TFLOPs, 1200 GBps; ICI: the pod's "
-                                               "1.1 PB/s all-reduce bandwidth / 4096 chips"),
+                                               "1.1 PB/s all-reduce bandwidth / 4096 chips", 275e12 / (2 * 8 * 128 ** 2)),
     "v5e": Chip(197e12, 819e9, 400e9, "cloud.google.com/tpu/docs/v5e: 197 TFLOPs, 819 GBps, bidirectional ICI "
-                                      "400 GBps per chip"),
-    "v5p": Chip(459e12, 2765e9, 600e9, "cloud.google.com/tpu/docs/v5p: 459 TFLOPs, 2765 GBps, ICI 4800 Gbps"),
+                                      "400 GBps per chip", 197e12 / (2 * 4 * 128 ** 2)),
+    "v5p": Chip(459e12, 2765e9, 600e9, "cloud.google.com/tpu/docs/v5p: 459 TFLOPs, 2765 GBps, ICI 4800 Gbps",
+                459e12 / (2 * 8 * 128 ** 2)),
     "v6e": Chip(918e12, 1638e9, 800e9, "cloud.google.com/tpu/docs/v6e: 918 TFLOPs, 1638 GBps, bidirectional ICI "
-                                       "800 GBps per chip"),
+                                       "800 GBps per chip", 918e12 / (2 * 4 * 256 ** 2)),
     "h100": Chip(989e12, 3.35e12, 900e9, "NVIDIA H100 SXM datasheet: 989 TFLOPS dense BF16, 3.35 TB/s HBM3, NVLink "
                                          "900 GB/s"),
     "h200": Chip(989e12, 4.8e12, 900e9, "NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 4.8 TB/s HBM3e, NVLink "
@@ -645,7 +647,9 @@ class _HloCosts:
         if rec is None:
           rec = self.records[key] = dict(hbm_bytes=0.0, flops=0.0, collective_bytes=0.0, mult=mult, loops=loops,
                                          instruction=ins if owner is None else self.comps[owner[0]][owner[1]],
-                                         matmul=False)
+                                         matmul=False, xla_cycles=0.0)
+          cycles = re.search(r'"estimated_cycles":"(\d+)"', rec["instruction"].attrs)
+          rec["xla_cycles"] = mult * int(cycles.group(1)) if cycles else 0.0
         rec["hbm_bytes"] += mult * hbm
         rec["flops"] += mult * flops
         rec["collective_bytes"] += moved
@@ -780,7 +784,7 @@ def breakdown(costs: "_HloCosts", top: int = 25) -> dict:
   instructions}} (CATEGORIES), `by_pass` {forward | backward | recompute | other: {hbm_bytes, flops}}, and `top`, the
   `top` unfused instructions of most HBM bytes, each with its fused work's FLOPs, the trips of the loops around it
   (`loops`: [{trips, body}], outermost first), its output type, JAX's op name and sinkjax's source lines."""
-  cats = {c: dict(hbm_bytes=0.0, flops=0.0, instructions=0) for c in CATEGORIES}
+  cats = {c: dict(hbm_bytes=0.0, flops=0.0, instructions=0, xla_cycles=0.0) for c in CATEGORIES}
   passes = {p: dict(hbm_bytes=0.0, flops=0.0) for p in ("forward", "backward", "recompute", "other")}
   rows = []
   for (comp, name), rec in costs.records.items():
@@ -792,6 +796,7 @@ def breakdown(costs: "_HloCosts", top: int = 25) -> dict:
     cats[cat]["hbm_bytes"] += rec["hbm_bytes"]
     cats[cat]["flops"] += rec["flops"]
     cats[cat]["instructions"] += 1
+    cats[cat]["xla_cycles"] += rec["xla_cycles"]
     ps = _pass(op_name)
     passes[ps]["hbm_bytes"] += rec["hbm_bytes"]
     passes[ps]["flops"] += rec["flops"]
@@ -803,7 +808,8 @@ def breakdown(costs: "_HloCosts", top: int = 25) -> dict:
                      category=cat, phase=ps, op_name=op_name,
                      source=_source(costs.frames, int(frame.group(1))) if frame else []))
   rows.sort(key=lambda r: -r["hbm_bytes"])
-  return {"by_category": cats, "by_pass": passes, "top": rows[:top]}
+  return {"by_category": cats, "by_pass": passes, "top": rows[:top],
+          "xla_cycles": sum(c["xla_cycles"] for c in cats.values())}
 
 
 def hlo_costs(text: str) -> dict:
@@ -846,7 +852,10 @@ def speed_report(compiled, chip: Chip, model_flops_per_step: float, chips: int, 
          "hbm_bytes_per_step": costs["hbm_bytes"], "host_bytes_per_step": costs["host_bytes"],
          "collective_bytes_per_step": costs["collective_bytes"], "ici_bytes_per_step": costs["ici_bytes"],
          "loops_of_unknown_trips": costs["loops_of_unknown_trips"], "chip_figures": dataclasses.asdict(chip),
-         "hbm_breakdown": costs["breakdown"]}
+         "hbm_breakdown": costs["breakdown"],
+         # XLA:TPU's own cost model: the cycles it estimates for its fusions and copies (window_config
+         # estimated_cycles), loop trips counted, at the chip's clock; the Pallas kernels and collectives are not in it
+         "xla_fusion_seconds": costs["breakdown"]["xla_cycles"] / chip.clock_hz if chip.clock_hz else None}
   out.update(roofline(costs, chip, model_flops_per_step / chips))
   return out
 
@@ -860,11 +869,13 @@ def print_breakdown(r: dict, top: int = 12) -> None:
     return
   total = r["hbm_bytes_per_step"] or 1.0
   print("  where the HBM bytes go (per chip and step; FLOPs of the fused work):")
-  print(f"    {'category':<30} {'HBM GB':>9} {'share':>6} {'FLOPs':>10} {'instructions':>12}")
+  clock = r.get("chip_figures", {}).get("clock_hz")
+  print(f"    {'category':<30} {'HBM GB':>9} {'share':>6} {'FLOPs':>10} {'instructions':>12}"
+        + (f" {'XLA est. s':>10}" if clock else ""))
   for name, c in sorted(b["by_category"].items(), key=lambda kv: -kv[1]["hbm_bytes"]):
     if c["instructions"]:
       print(f"    {name:<30} {c['hbm_bytes'] / 1e9:9.2f} {100 * c['hbm_bytes'] / total:5.1f}% {c['flops']:10.3e} "
-            f"{c['instructions']:12d}")
+            f"{c['instructions']:12d}" + (f" {c.get('xla_cycles', 0) / clock:10.4f}" if clock else ""))
   print("    by pass: " + ", ".join(f"{k} {v['hbm_bytes'] / 1e9:.2f} GB" for k, v in b["by_pass"].items()))
   print(f"  top {min(top, len(b['top']))} instructions by HBM bytes (trips: the loops around it, outermost first):")
   for i in b["top"][:top]:
@@ -890,6 +901,9 @@ def speed_rows(r: dict) -> list:
           ("step time (estimate)", f"compute {t['compute']:.3g} s, HBM {t['hbm']:.3g} s, ICI {t['ici']:.3g} s -> "
                                    f">= {r['estimated_step_seconds']:.3g} s ({r['estimated_bound']}-bound roofline, "
                                    f"not a measurement); MFU <= {100 * r['estimated_mfu']:.0f}%")]
+  if r.get("xla_fusion_seconds"):
+    rows.append(("XLA:TPU's cycle estimate", f"{r['xla_fusion_seconds']:.3g} s for its fusions and copies (its own "
+                                             "cost model; kernels and collectives not in it)"))
   if r.get("loops_of_unknown_trips"):
     rows.append(("note", f"{r['loops_of_unknown_trips']} loop(s) of unknown trip count counted once"))
   return rows

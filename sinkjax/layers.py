@@ -107,12 +107,6 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0, style: str = "llama")
   cos/sin tables rounded to bfloat16 as nanochat keeps them. The two are not interchangeable for trained weights:
   q R(-a) . k R(-b) = q . k R(a - b) while q R(a) . k R(b) = q . k R(b - a).
   """
-  if target_platform() == "tpu":
-    # XLA:TPU otherwise fuses the float32 cast below into the projection's matmul as a second, float32 output (and
-    # relayouts that copy): twice the bytes of q and k written and read again, per layer and pass. Behind the barrier
-    # the bfloat16 projection is the only array in HBM (d20 cut to 2 layers on v5e-32: 8.84 -> 8.42 GB per layer
-    # and step; docs/TPU.md). An identity.
-    x = jax.lax.optimization_barrier(x)
   angles = positions[..., None].astype(jnp.float32) * inv_freq          # [B,T,D/2]
   cos, sin = _materialized(jnp.cos(angles) * scale, jnp.sin(angles) * scale)
   cos, sin = cos[:, :, None, :], sin[:, :, None, :]
