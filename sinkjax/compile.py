@@ -736,6 +736,7 @@ def _source(frames: dict, frame: int, depth: int = 2) -> list:
 
 
 def _frame_functions(frames: dict, frame: int) -> list:
+  """[(file, function)] of every frame on the stack of frame `frame`, innermost first."""
   out, seen = [], set()
   while frame in frames and frame not in seen:
     seen.add(frame)

@@ -137,8 +137,9 @@ def test_hbm_bytes_are_within_1_5x_of_the_hand_count(gather):
   assert 1.0 <= gather["hbm_bytes"] / total <= 1.5, (gather["hbm_bytes"] / 1e9, total / 1e9)
   cats = gather["breakdown"]["by_category"]
   loss = sum(v for k, v in hand.items() if k.startswith("loss"))
-  assert cats["loss"]["hbm_bytes"] == pytest.approx(loss, rel=0.35)
-  assert cats["attention kernels"]["hbm_bytes"] == pytest.approx(hand["attention kernels"], rel=0.5)
+  assert cats["loss"]["hbm_bytes"] == pytest.approx(loss, rel=0.1)        # 22.7 GB compiled, 24.2 by hand
+  # the kernels' own estimates (their DMAs) add lane-padded statistics and segment ids: 3.6 GB against 2.7
+  assert 1.0 <= cats["attention kernels"]["hbm_bytes"] / hand["attention kernels"] <= 1.4
 
 
 def test_windowed_einsum_loops_really_move_their_whole_output_each_trip():
@@ -164,7 +165,8 @@ def test_windowed_einsum_loops_really_move_their_whole_output_each_trip():
       assert moved == pytest.approx(4 * 2 * np.prod(dims), rel=0.01), comp
       checked.setdefault((dims, trips), 0)
       checked[(dims, trips)] += 1
-  assert checked.get(((8, 256, 65536), 64)) and checked.get(((8, 2048, 5120), 16)) == 4   # 2 layers x fwd, bwd
+  # the LM head's forward loop; the up projection's loops of the layer scan's forward and backward bodies
+  assert checked == {((8, 256, 65536), 64): 1, ((8, 2048, 5120), 16): 2}
   assert _costs("windowed")["hbm_bytes"] > 3.5 * _costs("gather")["hbm_bytes"]
 
 
