@@ -809,8 +809,11 @@ def breakdown(costs: "_HloCosts", top: int = 25) -> dict:
                      category=cat, phase=ps, op_name=op_name,
                      source=_source(costs.frames, int(frame.group(1))) if frame else []))
   rows.sort(key=lambda r: -r["hbm_bytes"])
+  # what the core runs one after another: all but the collectives and the async copies / slices (DMAs beside it)
+  synchronous = [(r["flops"], r["hbm_bytes"]) for r in rows
+                 if r["category"] != "collectives" and not r["opcode"].endswith("-start")]
   return {"by_category": cats, "by_pass": passes, "top": rows[:top],
-          "xla_cycles": sum(c["xla_cycles"] for c in cats.values())}
+          "xla_cycles": sum(c["xla_cycles"] for c in cats.values()), "synchronous": synchronous}
 
 
 def hlo_costs(text: str) -> dict:
@@ -831,15 +834,21 @@ def hlo_costs(text: str) -> dict:
   estimate in their names (`GPU_COST_NAME`)."""
   costs = _HloCosts(text)
   costs.walk(costs.entry, 1.0)
-  return dict(costs.out, breakdown=breakdown(costs))
+  b = breakdown(costs)
+  return dict(costs.out, synchronous=b.pop("synchronous"), breakdown=b)
 
 
 def roofline(costs: dict, chip: Chip, model_flops_per_chip: float) -> dict:
   """An estimate, not a measurement: the step cannot run faster than its FLOPs at the chip's peak, its HBM bytes at
-  the HBM bandwidth, or its collectives' ring traffic at the ICI bandwidth; with perfect overlap it takes the
-  largest of the three. The MFU bound is the model FLOPs (6N + attention) over that time at peak."""
+  the HBM bandwidth, or its collectives' ring traffic at the ICI bandwidth; nor faster than its instructions one
+  after another (`sequential`: the core runs one fusion, kernel or copy at a time, each no faster than its own FLOPs
+  at peak or its own bytes at the HBM bandwidth, whichever is longer; collectives and async copies overlap them).
+  With perfect overlap otherwise it takes the largest of these. The MFU bound is the model FLOPs (6N + attention)
+  over that time at peak."""
   terms = {"compute": costs["flops"] / chip.peak_flops, "hbm": costs["hbm_bytes"] / chip.hbm_bandwidth,
            "ici": costs["ici_bytes"] / chip.ici_bandwidth}
+  if costs.get("synchronous"):
+    terms["sequential"] = sum(max(f / chip.peak_flops, b / chip.hbm_bandwidth) for f, b in costs["synchronous"])
   seconds = max(terms.values())
   return {"estimated_seconds_by_term": terms, "estimated_step_seconds": seconds,
           "estimated_bound": max(terms, key=terms.get),
@@ -899,7 +908,9 @@ def speed_rows(r: dict) -> list:
                                                                   if r["host_bytes_per_step"] else "")),
           ("collective GB / chip / step", ", ".join(f"{k} {gb(v)}" for k, v in c.items() if v)
            + f" (ICI traffic {gb(r['ici_bytes_per_step'])})"),
-          ("step time (estimate)", f"compute {t['compute']:.3g} s, HBM {t['hbm']:.3g} s, ICI {t['ici']:.3g} s -> "
+          ("step time (estimate)", f"compute {t['compute']:.3g} s, HBM {t['hbm']:.3g} s, ICI {t['ici']:.3g} s"
+                                   + (f", instructions in sequence {t['sequential']:.3g} s" if "sequential" in t else "")
+                                   + " -> "
                                    f">= {r['estimated_step_seconds']:.3g} s ({r['estimated_bound']}-bound roofline, "
                                    f"not a measurement); MFU <= {100 * r['estimated_mfu']:.0f}%")]
   if r.get("xla_fusion_seconds"):
