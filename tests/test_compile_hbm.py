@@ -147,9 +147,10 @@ def test_windowed_einsum_loops_really_move_their_whole_output_each_trip():
   activations by two shards' rows of the weight into a whole-size partial output and adds it to a whole-size
   accumulator (an add, not an in-place dynamic-update-slice). Where both live in HBM (no VMEM memory space in their
   layouts: the large ones) each trip writes the partial, reads it, reads the accumulator and writes it: 4 x the
-  output, by hand, and that is what the count says of the recorded program's LM-head loop (64 trips of bf16
-  [8, 256, 65536]: 68.7 GB where the default program's matmul fusion on the gathered weight moves 5.6 GB) and its MLP up projections (16 trips of
-  [8, 2048, 5120]). The count is right; the program is the inefficient one: over 3.5x the default program's bytes."""
+  output, by hand, and that is what the count says of the recorded program's LM-head loop (8 trips in each of the 8
+  loss chunks, bf16 [8, 256, 65536]: 68.7 GB where the default program's matmul fusion on the gathered weight moves
+  5.6 GB) and its MLP up projections (8 trips in each of the 2 layers, [8, 2048, 5120], forward and backward). The
+  count is right; the program is the inefficient one: over 3.5x the default program's bytes."""
   text = gzip.open(RECORDED["windowed"], "rt").read()
   costs = compile_lib._HloCosts(text)      # pylint: disable=protected-access
   costs.walk(costs.entry, 1.0)
@@ -165,7 +166,7 @@ def test_windowed_einsum_loops_really_move_their_whole_output_each_trip():
       assert moved == pytest.approx(4 * 2 * np.prod(dims), rel=0.01), comp
       checked.setdefault((dims, trips), 0)
       checked[(dims, trips)] += 1
-  # the LM head's forward loop; the up projection's loops of the layer scan's forward and backward bodies
+  # (output, trips x the loops around): the LM head's forward loop; the up projection's in the layers' fwd and bwd
   assert checked == {((8, 256, 65536), 64): 1, ((8, 2048, 5120), 16): 2}
   assert _costs("windowed")["hbm_bytes"] > 3.5 * _costs("gather")["hbm_bytes"]
 
