@@ -224,10 +224,11 @@ _OOM = re.compile(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
 
 
 def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple | None = None, devices=None,
-                   eval_rows: int | None = None) -> dict:
+                   eval_rows: int | None = None, hlo_path: str | None = None) -> dict:
   """Compiles cfg's train (and eval) step for the topology; with decode = (rows, capacity) the decode step
   `sinkjax.generate` runs (`decode_program`), with eval_rows the batch function `sinkjax.eval` runs
-  (`eval_program`); returns the report (see `main` for its keys)."""
+  (`eval_program`); returns the report (see `main` for its keys). hlo_path: also write the compiled train step's
+  text there (gzipped when it ends in .gz)."""
   from sinkjax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
   from sinkjax.kernels import default_impl  # pylint: disable=import-outside-toplevel
   from sinkjax.train import Program  # pylint: disable=import-outside-toplevel
@@ -242,6 +243,7 @@ def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple
       "mesh": dict(mesh.shape), "hbm_per_chip_bytes": topo.hbm_bytes, "num_params": program.num_params,
       "tokens_per_chip_per_micro_step": rows_per_chip * cfg.data.seq_len, "rows_per_chip": rows_per_chip,
       "grad_accum": cfg.train.grad_accum, "remat": cfg.model.remat, "remat_policy": cfg.model.remat_policy,
+      "collective_matmul": cfg.mesh.collective_matmul,
       "model_flops_per_step": model_flops_per_step(cfg, program.num_params),
   }
   t0 = time.perf_counter()
@@ -257,9 +259,14 @@ def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple
     return report
   report["compile_seconds"] = round(time.perf_counter() - t0, 1)
   report["per_chip_bytes"] = _memory(compiled)
-  report["attention_kernel"] = attention_kernel(compiled.as_text(), impl)
+  text = compiled.as_text()
+  report["attention_kernel"] = attention_kernel(text, impl)
+  if hlo_path:
+    import gzip  # pylint: disable=import-outside-toplevel
+    with (gzip.open(hlo_path, "wt") if hlo_path.endswith(".gz") else open(hlo_path, "w")) as f:
+      f.write(text)
   report["fits"] = report["per_chip_bytes"]["total"] <= topo.hbm_bytes
-  report.update(speed_report(compiled, CHIPS[topo.generation], report["model_flops_per_step"], len(devices)))
+  report.update(speed_report(compiled, CHIPS[topo.generation], report["model_flops_per_step"], len(devices), text))
   if eval_step:
     try:
       report["eval_per_chip_bytes"] = _memory(eval_lowered.compile())
@@ -332,17 +339,19 @@ class Chip:
   hbm_bandwidth: float     # bytes/s
   ici_bandwidth: float     # bytes/s over all of the chip's inter-chip links (NVLink for GPUs)
   source: str
+  clock_hz: float = 0.0    # TPU: peak / (2 x the MXUs' multiply-adds per cycle); what XLA:TPU's cycle estimates count
 
 
 # The vendors' figures (docs/TPU.md shows this table).
 CHIPS = {
     "v4": Chip(275e12, 1200e9, 1.1e15 / 4096, "cloud.google.com/tpu/docs/v4: 275 TFLOPs, 1200 GBps; ICI: the pod's "
-                                               "1.1 PB/s all-reduce bandwidth / 4096 chips"),
+                                               "1.1 PB/s all-reduce bandwidth / 4096 chips", 275e12 / (2 * 8 * 128 ** 2)),
     "v5e": Chip(197e12, 819e9, 400e9, "cloud.google.com/tpu/docs/v5e: 197 TFLOPs, 819 GBps, bidirectional ICI "
-                                      "400 GBps per chip"),
-    "v5p": Chip(459e12, 2765e9, 600e9, "cloud.google.com/tpu/docs/v5p: 459 TFLOPs, 2765 GBps, ICI 4800 Gbps"),
+                                      "400 GBps per chip", 197e12 / (2 * 4 * 128 ** 2)),
+    "v5p": Chip(459e12, 2765e9, 600e9, "cloud.google.com/tpu/docs/v5p: 459 TFLOPs, 2765 GBps, ICI 4800 Gbps",
+                459e12 / (2 * 8 * 128 ** 2)),
     "v6e": Chip(918e12, 1638e9, 800e9, "cloud.google.com/tpu/docs/v6e: 918 TFLOPs, 1638 GBps, bidirectional ICI "
-                                       "800 GBps per chip"),
+                                       "800 GBps per chip", 918e12 / (2 * 4 * 256 ** 2)),
     "h100": Chip(989e12, 3.35e12, 900e9, "NVIDIA H100 SXM datasheet: 989 TFLOPS dense BF16, 3.35 TB/s HBM3, NVLink "
                                          "900 GB/s"),
     "h200": Chip(989e12, 4.8e12, 900e9, "NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 4.8 TB/s HBM3e, NVLink "
@@ -451,6 +460,8 @@ class _HloCosts:
                     ici_bytes=0.0, collective_bytes={k: 0.0 for k in COLLECTIVES}, loops_of_unknown_trips=0)
     self.channels = set()
     self._param_reads = {}
+    self.records = {}                 # (computation, instruction) -> what it adds (`breakdown`)
+    self.frames = _stack_frames(text)
 
   def type_of(self, comp: str, name: str) -> str:
     ins = self.comps.get(comp, {}).get(name)
@@ -613,11 +624,11 @@ class _HloCosts:
   def collective(self, comp: str, ins: _Instruction, mult: float):
     kind = next((k for k in COLLECTIVES if ins.opcode.startswith(k)), None)
     if kind is None or ins.opcode.endswith("-done"):
-      return
+      return 0
     channel = re.search(r"channel_id=(\d+)", ins.attrs)
     key = channel.group(1) if channel else (comp, ins.name)
     if key in self.channels:          # an async collective's start and done halves both hold it
-      return
+      return 0
     self.channels.add(key)
     if kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
       kind = "reduce-scatter"         # XLA:TPU's reduce-scatter: an all-reduce fused with the slice it keeps
@@ -626,37 +637,56 @@ class _HloCosts:
         sum(_nbytes(self.type_of(comp, o), None) for o in ins.operands)
     self.out["collective_bytes"][kind] += mult * size
     self.out["ici_bytes"] += mult * size * _RING[kind](_group_size(ins.attrs))
+    return mult * size
 
-  def walk(self, comp: str, mult: float):
+  def walk(self, comp: str, mult: float, loops: tuple = (), owner: tuple | None = None):
+    """Adds up comp's instructions, each `mult` times (the trips of the loops around it, `loops`); what a fused
+    computation's instructions add is also recorded under the unfused instruction that calls it (`owner`)."""
     fused = comp in self.fused
     for ins in self.comps.get(comp, {}).values():
       op, attrs = ins.opcode, ins.attrs
       flops = self.flops(comp, ins)
+      hbm = 0
       est = (re.search(r'"cost_estimate":\{"flops":"?(\d+)"?,"transcendentals":"?(\d+)"?,"bytes_accessed":"?(\d+)',
                        attrs) or re.search(GPU_COST_NAME, attrs)) if op == "custom-call" else None
       if est:                         # a Pallas kernel's pl.CostEstimate
         flops = int(est.group(1))
         self.out["transcendentals"] += mult * int(est.group(2))
-        self.out["hbm_bytes"] += mult * int(est.group(3))
+        hbm = int(est.group(3))
       self.out["flops"] += mult * flops
       if "rematted_computation" in attrs:
         self.out["recompute_flops"] += mult * flops
-      self.collective(comp, ins, mult)
+      moved = self.collective(comp, ins, mult)
       if not fused and not est and op not in _NO_TRAFFIC and not op.endswith("-done") and \
           "AllocateBuffer" not in attrs:
-        self.out["hbm_bytes"] += mult * self.traffic(comp, ins, 0)
+        hbm = self.traffic(comp, ins, 0)
         self.out["host_bytes"] += mult * self.traffic(comp, ins, _HOST_SPACE)
+      self.out["hbm_bytes"] += mult * hbm
+      if hbm or flops or moved:
+        key = owner or (comp, ins.name)
+        rec = self.records.get(key)
+        if rec is None:
+          rec = self.records[key] = dict(hbm_bytes=0.0, flops=0.0, collective_bytes=0.0, mult=mult, loops=loops,
+                                         instruction=ins if owner is None else self.comps[owner[0]][owner[1]],
+                                         matmul=False, xla_cycles=0.0)
+          cycles = re.search(r'"estimated_cycles":"(\d+)"', rec["instruction"].attrs)
+          rec["xla_cycles"] = mult * int(cycles.group(1)) if cycles else 0.0
+        rec["hbm_bytes"] += mult * hbm
+        rec["flops"] += mult * flops
+        rec["collective_bytes"] += moved
+        rec["matmul"] |= bool(flops) and not est
       if op == "while":
         trips = self.trips(comp, ins)
         self.out["loops_of_unknown_trips"] += trips is None
-        self.walk(re.search(r"body" + _CALLEE, attrs).group(1), mult * (trips if trips is not None else 1))
+        self.walk(re.search(r"body" + _CALLEE, attrs).group(1), mult * (trips if trips is not None else 1),
+                  loops + ((trips, ins),))
       elif op == "conditional":       # the first branch stands for all of them
         branches = re.search(r"branch_computations=\{%?([\w.\-]+)", attrs)
         for c in ([branches.group(1)] if branches else ins.callees("true_computation")):
-          self.walk(c, mult)
+          self.walk(c, mult, loops)
       elif op in ("fusion", "call") or op.endswith("-start"):
         for c in ins.callees("calls|to_apply" if op == "call" else "calls"):
-          self.walk(c, mult)
+          self.walk(c, mult, loops, owner if op == "call" or owner else (comp, ins.name))
 
 
 def _group_size(attrs: str) -> int:
@@ -670,6 +700,141 @@ def _group_size(attrs: str) -> int:
     return int(m.group(1))
   m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
   return max(1, len(m.group(1).split(","))) if m else 1
+
+
+def _stack_frames(text: str) -> dict:
+  """{stack frame id: (file, line, function, parent frame id or 0)} from the FileNames / FunctionNames /
+  FileLocations / StackFrames tables that head a compiled module's text (instructions name their innermost frame:
+  `stack_frame_id=N` in their metadata). The text prints each parent id one above the frame it means."""
+  tables, current = {}, None
+  for line in text.splitlines():
+    if line.startswith(("HloModule", "%", "ENTRY")):
+      if tables.get("StackFrames"):
+        break
+      continue
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      current = tables.setdefault(line, {})
+    elif current is not None and line[:1].isdigit():
+      n, rest = line.split(" ", 1)
+      current[int(n)] = rest
+  names = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+  funcs = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+  locs = {}
+  for k, v in tables.get("FileLocations", {}).items():
+    f = dict(re.findall(r"(\w+)=(\d+)", v))
+    locs[k] = (names.get(int(f.get("file_name_id", 0)), "?"), int(f.get("line", 0)),
+               funcs.get(int(f.get("function_name_id", 0)), "?"))
+  frames = {}
+  for k, v in tables.get("StackFrames", {}).items():
+    f = dict(re.findall(r"(\w+)=(\d+)", v))
+    frames[k] = locs.get(int(f.get("file_location_id", 0)), ("?", 0, "?")) + (max(int(f.get("parent_frame_id", 1)) - 1,
+                                                                                 0),)
+  return frames
+
+
+# The per-category table of `hbm_breakdown`, in the order a record is tested against them.
+CATEGORIES = ("attention kernels", "collectives", "loss", "optimizer", "matmuls", "prefetches into VMEM",
+              "copies / transposes / slices", "elementwise / other fusions", "other")
+# Functions whose work is the loss (the LM head, the cross-entropy, their chunking; not `token_losses`, which
+# also runs the layers).
+LOSS_FUNCTIONS = ("chunked_nll", "Transformer.logits", "softmax_cross_entropy")
+# Instructions that only move or re-arrange data (a fusion of nothing else is a copy).
+_MOVES = {"parameter", "copy", "transpose", "bitcast", "reshape", "tuple", "get-tuple-element", "slice",
+          "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "constant", "copy-start", "copy-done",
+          "slice-start", "slice-done", "broadcast", "iota"}
+
+
+def _source(frames: dict, frame: int, depth: int = 2) -> list:
+  """The innermost `depth` frames of sinkjax's own code on the stack of frame `frame`, "file:line function"."""
+  out, seen = [], set()
+  while frame in frames and frame not in seen and len(out) < depth:
+    seen.add(frame)
+    path, line, func, parent = frames[frame]
+    if "/sinkjax/" in path and "/site-packages/" not in path:
+      out.append(f"{path[path.rindex('/sinkjax/') + 1:]}:{line} {func}")
+    frame = parent
+  return out
+
+
+def _frame_functions(frames: dict, frame: int) -> list:
+  """[(file, function)] of every frame on the stack of frame `frame`, innermost first."""
+  out, seen = [], set()
+  while frame in frames and frame not in seen:
+    seen.add(frame)
+    out.append((frames[frame][0], frames[frame][2]))
+    frame = frames[frame][3]
+  return out
+
+
+def _category(costs: "_HloCosts", rec: dict, stack: list) -> str:
+  ins = rec["instruction"]
+  if ins.opcode == "custom-call" and ("tpu_custom_call" in ins.attrs or re.search(GPU_COST_NAME, ins.attrs)
+                                      or "__gpu$xla.gpu.triton" in ins.attrs):
+    return "attention kernels"
+  if any(ins.opcode.startswith(k) for k in COLLECTIVES) or rec["collective_bytes"] or (
+      ins.opcode == "fusion" and any(c.startswith("all-reduce-scatter") for c in ins.callees("calls"))):
+    return "collectives"
+  if any(f.startswith(LOSS_FUNCTIONS) for _, f in stack):
+    return "loss"
+  if any("/optax/" in p or p.endswith("sinkjax/optim.py") for p, _ in stack):
+    return "optimizer"
+  if rec["matmul"]:
+    return "matmuls"
+  if ins.opcode in ("copy-start", "slice-start") and any(sp == 1 for _, _, sp in _arrays(ins.type)):
+    return "prefetches into VMEM"     # an operand read ahead into VMEM for a fusion (its read, counted here)
+  if ins.opcode in _MOVES or (ins.opcode == "fusion" and all(
+      i.opcode in _MOVES for c in ins.callees("calls") for i in costs.comps.get(c, {}).values())):
+    return "copies / transposes / slices"
+  if ins.opcode == "fusion" or ins.opcode in ("add", "multiply", "convert", "select", "reduce", "exponential"):
+    return "elementwise / other fusions"
+  return "other"
+
+
+def _pass(op_name: str) -> str:
+  """Which part of the step JAX's op name places an instruction in."""
+  if "rematted_computation" in op_name:
+    return "recompute"
+  if "transpose(" in op_name:
+    return "backward"
+  if "jvp(" in op_name:
+    return "forward"
+  return "other"
+
+
+def breakdown(costs: "_HloCosts", top: int = 25) -> dict:
+  """Where a walked program's HBM bytes and FLOPs go (`hbm_breakdown`): `by_category` {category: {hbm_bytes, flops,
+  instructions}} (CATEGORIES), `by_pass` {forward | backward | recompute | other: {hbm_bytes, flops}}, and `top`, the
+  `top` unfused instructions of most HBM bytes, each with its fused work's FLOPs, the trips of the loops around it
+  (`loops`: [{trips, body}], outermost first), its output type, JAX's op name and sinkjax's source lines."""
+  cats = {c: dict(hbm_bytes=0.0, flops=0.0, instructions=0, xla_cycles=0.0) for c in CATEGORIES}
+  passes = {p: dict(hbm_bytes=0.0, flops=0.0) for p in ("forward", "backward", "recompute", "other")}
+  rows = []
+  for (comp, name), rec in costs.records.items():
+    ins = rec["instruction"]
+    op_name = (re.search(r'op_name="([^"]*)"', ins.attrs) or [None, ""])[1]
+    frame = re.search(r"stack_frame_id=(\d+)", ins.attrs)
+    stack = _frame_functions(costs.frames, int(frame.group(1))) if frame else []
+    cat = _category(costs, rec, stack)
+    cats[cat]["hbm_bytes"] += rec["hbm_bytes"]
+    cats[cat]["flops"] += rec["flops"]
+    cats[cat]["instructions"] += 1
+    cats[cat]["xla_cycles"] += rec["xla_cycles"]
+    ps = _pass(op_name)
+    passes[ps]["hbm_bytes"] += rec["hbm_bytes"]
+    passes[ps]["flops"] += rec["flops"]
+    rows.append(dict(instruction=name, computation=comp, opcode=ins.opcode,
+                     type=re.sub(r"\{[^}]*\}", "", ins.type).replace(" ", ""),
+                     hbm_bytes=rec["hbm_bytes"], flops=rec["flops"], collective_bytes=rec["collective_bytes"],
+                     trips=rec["mult"], loops=[dict(trips=t, body=re.search(r"body" + _CALLEE, w.attrs).group(1))
+                                               for t, w in rec["loops"]],
+                     category=cat, phase=ps, op_name=op_name,
+                     source=_source(costs.frames, int(frame.group(1))) if frame else []))
+  rows.sort(key=lambda r: -r["hbm_bytes"])
+  # what the core runs one after another: all but the collectives and the async copies / slices (DMAs beside it)
+  synchronous = [(r["flops"], r["hbm_bytes"]) for r in rows
+                 if r["category"] != "collectives" and not r["opcode"].endswith("-start")]
+  return {"by_category": cats, "by_pass": passes, "top": rows[:top],
+          "xla_cycles": sum(c["xla_cycles"] for c in cats.values()), "synchronous": synchronous}
 
 
 def hlo_costs(text: str) -> dict:
@@ -690,31 +855,65 @@ def hlo_costs(text: str) -> dict:
   estimate in their names (`GPU_COST_NAME`), cuDNN's fused attention by its logits' shape (`fmha_flops`)."""
   costs = _HloCosts(text)
   costs.walk(costs.entry, 1.0)
-  return costs.out
+  b = breakdown(costs)
+  return dict(costs.out, synchronous=b.pop("synchronous"), breakdown=b)
 
 
 def roofline(costs: dict, chip: Chip, model_flops_per_chip: float) -> dict:
   """An estimate, not a measurement: the step cannot run faster than its FLOPs at the chip's peak, its HBM bytes at
-  the HBM bandwidth, or its collectives' ring traffic at the ICI bandwidth; with perfect overlap it takes the
-  largest of the three. The MFU bound is the model FLOPs (6N + attention) over that time at peak."""
+  the HBM bandwidth, or its collectives' ring traffic at the ICI bandwidth; nor faster than its instructions one
+  after another (`sequential`: the core runs one fusion, kernel or copy at a time, each no faster than its own FLOPs
+  at peak or its own bytes at the HBM bandwidth, whichever is longer; collectives and async copies overlap them).
+  With perfect overlap otherwise it takes the largest of these. The MFU bound is the model FLOPs (6N + attention)
+  over that time at peak."""
   terms = {"compute": costs["flops"] / chip.peak_flops, "hbm": costs["hbm_bytes"] / chip.hbm_bandwidth,
            "ici": costs["ici_bytes"] / chip.ici_bandwidth}
+  if costs.get("synchronous"):
+    terms["sequential"] = sum(max(f / chip.peak_flops, b / chip.hbm_bandwidth) for f, b in costs["synchronous"])
   seconds = max(terms.values())
   return {"estimated_seconds_by_term": terms, "estimated_step_seconds": seconds,
           "estimated_bound": max(terms, key=terms.get),
           "estimated_mfu": model_flops_per_chip / (seconds * chip.peak_flops) if seconds > 0 else 0.0}
 
 
-def speed_report(compiled, chip: Chip, model_flops_per_step: float, chips: int) -> dict:
-  """The report's speed keys from a compiled train step (see `main` for their meaning)."""
-  costs = hlo_costs(compiled.as_text())
+def speed_report(compiled, chip: Chip, model_flops_per_step: float, chips: int, text: str | None = None) -> dict:
+  """The report's speed keys from a compiled train step (see `main` for their meaning); `text` its text when at hand."""
+  costs = hlo_costs(text if text is not None else compiled.as_text())
   out = {"flops_per_step": costs["flops"], "recompute_flops_per_step": costs["recompute_flops"],
          "hbm_bytes_per_step": costs["hbm_bytes"], "host_bytes_per_step": costs["host_bytes"],
          "collective_bytes_per_step": costs["collective_bytes"], "ici_bytes_per_step": costs["ici_bytes"],
-         "loops_of_unknown_trips": costs["loops_of_unknown_trips"], "chip_figures": dataclasses.asdict(chip)}
+         "loops_of_unknown_trips": costs["loops_of_unknown_trips"], "chip_figures": dataclasses.asdict(chip),
+         "hbm_breakdown": costs["breakdown"],
+         # XLA:TPU's own cost model: the cycles it estimates for its fusions and copies (window_config
+         # estimated_cycles), loop trips counted, at the chip's clock; the Pallas kernels and collectives are not in it
+         "xla_fusion_seconds": costs["breakdown"]["xla_cycles"] / chip.clock_hz if chip.clock_hz else None}
   out.update(roofline(costs, chip, model_flops_per_step / chips))
   return out
 
+
+
+def print_breakdown(r: dict, top: int = 12) -> None:
+  """The report's `hbm_breakdown`: HBM bytes and FLOPs per category and pass, and the instructions that move the
+  most, with the trips of the loops around them and where in sinkjax they come from."""
+  b = r.get("hbm_breakdown")
+  if not b:
+    return
+  total = r["hbm_bytes_per_step"] or 1.0
+  print("  where the HBM bytes go (per chip and step; FLOPs of the fused work):")
+  clock = r.get("chip_figures", {}).get("clock_hz")
+  print(f"    {'category':<30} {'HBM GB':>9} {'share':>6} {'FLOPs':>10} {'instructions':>12}"
+        + (f" {'XLA est. s':>10}" if clock else ""))
+  for name, c in sorted(b["by_category"].items(), key=lambda kv: -kv[1]["hbm_bytes"]):
+    if c["instructions"]:
+      print(f"    {name:<30} {c['hbm_bytes'] / 1e9:9.2f} {100 * c['hbm_bytes'] / total:5.1f}% {c['flops']:10.3e} "
+            f"{c['instructions']:12d}" + (f" {c.get('xla_cycles', 0) / clock:10.4f}" if clock else ""))
+  print("    by pass: " + ", ".join(f"{k} {v['hbm_bytes'] / 1e9:.2f} GB" for k, v in b["by_pass"].items()))
+  print(f"  top {min(top, len(b['top']))} instructions by HBM bytes (trips: the loops around it, outermost first):")
+  for i in b["top"][:top]:
+    loops = " x ".join(str(lp["trips"]) for lp in i["loops"]) or "1"
+    src = " < ".join(i["source"]) or i["op_name"]
+    print(f"    {i['hbm_bytes'] / 1e9:8.2f} GB {i['flops']:9.2e} F  trips {loops:<8} {i['category']:<14.14} "
+          f"{i['phase']:<9} {i['opcode']} {i['type'][:60]}  [{src}]")
 
 
 def speed_rows(r: dict) -> list:
@@ -730,9 +929,14 @@ def speed_rows(r: dict) -> list:
                                                                   if r["host_bytes_per_step"] else "")),
           ("collective GB / chip / step", ", ".join(f"{k} {gb(v)}" for k, v in c.items() if v)
            + f" (ICI traffic {gb(r['ici_bytes_per_step'])})"),
-          ("step time (estimate)", f"compute {t['compute']:.3g} s, HBM {t['hbm']:.3g} s, ICI {t['ici']:.3g} s -> "
+          ("step time (estimate)", f"compute {t['compute']:.3g} s, HBM {t['hbm']:.3g} s, ICI {t['ici']:.3g} s"
+                                   + (f", instructions in sequence {t['sequential']:.3g} s" if "sequential" in t else "")
+                                   + " -> "
                                    f">= {r['estimated_step_seconds']:.3g} s ({r['estimated_bound']}-bound roofline, "
                                    f"not a measurement); MFU <= {100 * r['estimated_mfu']:.0f}%")]
+  if r.get("xla_fusion_seconds"):
+    rows.append(("XLA:TPU's cycle estimate", f"{r['xla_fusion_seconds']:.3g} s for its fusions and copies (its own "
+                                             "cost model; kernels and collectives not in it)"))
   if r.get("loops_of_unknown_trips"):
     rows.append(("note", f"{r['loops_of_unknown_trips']} loop(s) of unknown trip count counted once"))
   return rows
@@ -745,23 +949,28 @@ SEARCH_POLICIES = ("nothing", "dots", "save_qkv_proj", "save_out_proj", "save_at
 
 
 def search(cfg_path: str, overrides: list, topo: Topology, policies=SEARCH_POLICIES, accums=(None,),
-           load=None, on_result=None) -> dict:
-  """Compiles the config once per (remat policy, train.grad_accum) candidate with model.remat=true and returns
-  {"candidates": [reports], "picked": the fitting report of least estimated step time, or None}; on_result(report)
-  is called as each candidate is done."""
+           load=None, on_result=None, vary: dict | None = None) -> dict:
+  """Compiles the config once per (remat policy, train.grad_accum, values of the `vary` keys) candidate with
+  model.remat=true and returns {"candidates": [reports], "picked": the fitting report of least estimated step time,
+  or None}; on_result(report) is called as each candidate is done. `vary` ({"mesh.collective_matmul": ["gather",
+  "windowed"]}) adds the product of those keys' values; each report's `varied` names its values."""
+  import itertools  # pylint: disable=import-outside-toplevel
   from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
   load = load or (lambda ov: config_lib.load_config(cfg_path, ov))
   devices = gpu_devices(topo) if topo.platform == "gpu" else tpu_devices(topo)
+  vary = vary or {}
   candidates = []
-  for accum in accums:
-    for policy in policies:
-      ov = list(overrides) + ["model.remat=true", f"model.remat_policy={policy}"] + \
-          ([f"train.grad_accum={accum}"] if accum else [])
-      r = compile_config(load(ov), topo, eval_step=False, devices=devices)
-      r["overrides"] = ov
-      candidates.append(r)
-      if on_result:
-        on_result(r)
+  for values in itertools.product(*vary.values()):
+    varied = [f"{k}={v}" for k, v in zip(vary, values)]
+    for accum in accums:
+      for policy in policies:
+        ov = list(overrides) + varied + ["model.remat=true", f"model.remat_policy={policy}"] + \
+            ([f"train.grad_accum={accum}"] if accum else [])
+        r = compile_config(load(ov), topo, eval_step=False, devices=devices)
+        r["overrides"], r["varied"] = ov, varied
+        candidates.append(r)
+        if on_result:
+          on_result(r)
   fits = [r for r in candidates if r["fits"]]
   return {"candidates": candidates, "picked": min(fits, key=lambda r: r["estimated_step_seconds"]) if fits else None}
 
@@ -778,7 +987,7 @@ def print_search(result: dict) -> None:
 
 
 def print_search_row(r: dict, picked: bool = False) -> None:
-  picked = " **picked**" if picked else ""
+  picked = (" " + " ".join(r["varied"]) if r.get("varied") else "") + (" **picked**" if picked else "")
   if "flops_per_step" not in r:
     print(f"| {r['remat_policy']}{picked} | {r['grad_accum']} | {r['rows_per_chip']} | "
           f"{_gib(r['per_chip_bytes']['total'])} | no | | | | | | | |", flush=True)
@@ -794,8 +1003,9 @@ def _gib(b) -> str:
   return f"{b / GIB:.2f}"
 
 
-def print_report(config: str, r: dict) -> None:
-  mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
+def print_report(config: str, r: dict, top: int = 12) -> None:
+  mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items()) + (
+      f" (mesh.collective_matmul={r['collective_matmul']})" if "collective_matmul" in r else "")
   rows = [
       ("slice", f"{r['topology']}" + (f" x {r['slices']} slices" if r["slices"] > 1 else "")
        + f": {r['chips']} x {r['device_kind']}, {_gib(r['hbm_per_chip_bytes'])} GiB HBM each"),
@@ -832,6 +1042,7 @@ def print_report(config: str, r: dict) -> None:
   print(f"sinkjax.compile: {config}")
   for k, v in rows:
     print(f"  {k:<28} {v}")
+  print_breakdown(r, top)
 
 
 TABLE_HEADER = ("| config (overrides) | slice | mesh | tokens / chip / micro-step | GiB per chip (args + temps) "
@@ -915,6 +1126,15 @@ def main(argv=None) -> int:
                            "model.remat=true and pick the fastest estimated step that fits; prints the table")
   parser.add_argument("--accum", default=None, metavar="N,...",
                       help="with --search: also try these train.grad_accum values (fewer rows per chip each)")
+  parser.add_argument("--vary", action="append", default=[], metavar="section.key=V1,V2",
+                      help="with --search: also try each of these values of a config key (repeatable; candidates "
+                           "are the product), e.g. --vary mesh.collective_matmul=gather,windowed")
+  parser.add_argument("--hlo", default=None, metavar="FILE",
+                      help="also write the compiled train step's text (HLO after optimization; .gz: gzipped), what "
+                           "the speed figures are read from")
+  parser.add_argument("--top", type=int, default=12, metavar="N",
+                      help="print the N instructions that move the most HBM bytes (the report's hbm_breakdown; "
+                           "--json keeps 25)")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
   args = parser.parse_args(argv)
   if args.table:
@@ -952,13 +1172,16 @@ def _run(args) -> int:
   _vocab(cfg)
   if args.search:
     return _run_search(args, topo, cfg)
+  if args.vary:
+    raise CompileError("--vary goes with --search (it adds candidates); to compile one setting give it as an "
+                       "override, e.g. mesh.collective_matmul=windowed")
   if args.eval is not None and args.eval < 1:
     raise CompileError(f"--eval takes the number of rows (>= 1), got {args.eval}")
   report = compile_config(cfg, topo, eval_step=not args.no_eval, decode=_decode_shape(args.decode),
-                          eval_rows=args.eval)
+                          eval_rows=args.eval, hlo_path=args.hlo)
   report["config"] = args.config
   report["overrides"] = list(args.overrides)
-  print_report(args.config + (" " + " ".join(args.overrides) if args.overrides else ""), report)
+  print_report(args.config + (" " + " ".join(args.overrides) if args.overrides else ""), report, args.top)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(report, f, indent=1)
@@ -979,6 +1202,14 @@ def _run_search(args, topo: Topology, cfg) -> int:
     accums = tuple(int(a) for a in args.accum.split(",")) if args.accum else (None,)
   except ValueError:
     raise CompileError(f"--accum takes integers separated by commas, e.g. 1,2; got {args.accum!r}") from None
+  vary = {}
+  for item in args.vary:
+    k, eq, values = item.partition("=")
+    if not eq or not values.strip(",") or "." not in k:
+      raise CompileError(f"--vary takes section.key=V1,V2 (e.g. mesh.collective_matmul=gather,windowed), got {item!r}")
+    vary[k.strip()] = [v.strip() for v in values.split(",") if v.strip()]
+    for v in vary[k.strip()]:        # a bad key or value fails here, before minutes of compiling
+      config_lib.load_config(args.config, list(args.overrides) + [f"{k.strip()}={v}"])
 
   def load(ov):
     c = config_lib.load_config(args.config, ov)
@@ -989,7 +1220,8 @@ def _run_search(args, topo: Topology, cfg) -> int:
 
   print(f"sinkjax.compile --search: {args.config} {' '.join(args.overrides)} on {topo.name} (estimates, not "
         "measurements; rows as they compile, then the table with the pick)\n" + SEARCH_HEADER, flush=True)
-  result = search(args.config, args.overrides, topo, policies, accums, load=load, on_result=print_search_row)
+  result = search(args.config, args.overrides, topo, policies, accums, load=load, on_result=print_search_row,
+                  vary=vary)
   print()
   print_search(result)
   if args.json:
@@ -1000,7 +1232,7 @@ def _run_search(args, topo: Topology, cfg) -> int:
     return 1
   p = result["picked"]
   print(f"picked: model.remat_policy={p['remat_policy']}" + (f" train.grad_accum={p['grad_accum']}"
-                                                            if args.accum else ""))
+                                                            if args.accum else "") + "".join(f" {v}" for v in p["varied"]))
   return 0
 
 

@@ -386,6 +386,12 @@ class MeshConfig:
   data: int = key(-1, "-1|>=1")     # -1 fills the remaining devices
   fsdp: int = key(1, "-1|>=1")
   tensor: int = key(1, "-1|>=1")
+  # How XLA:TPU runs a matmul whose weight FSDP splits (docs/TPU.md, "Collective matmuls"): gather = all-gather the
+  # weight whole, one matmul, reduce-scatter its gradient (XLA:TPU's windowed einsums off) | windowed = XLA:TPU's
+  # windowed einsums where its heuristic picks them (a loop of per-shard matmuls overlapping the collective-permutes;
+  # with the weight split along the contracted d_model, each trip adds a whole-output partial sum in HBM).
+  # Compile options of the TPU programs (`sharding.compiler_options`); no effect on CPU and GPU.
+  collective_matmul: str = key("gather", choices=choices.COLLECTIVE_MATMULS)
 @dataclasses.dataclass
 class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)

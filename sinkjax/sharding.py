@@ -79,6 +79,25 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   return Mesh(np.asarray(devices).reshape(sizes), AXES)
 
 
+# mesh.collective_matmul -> XLA:TPU compile options. Passed per program (`jax.jit(compiler_options=...)`), not through
+# LIBTPU_INIT_ARGS, which libtpu reads once when it starts and applies to every program of the process: so one
+# process (`sinkjax.compile --vary`) can compile both, and a user's LIBTPU_INIT_ARGS cannot silently undo the setting.
+COLLECTIVE_MATMUL_OPTIONS = {
+    "gather": {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+               "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False},
+    "windowed": {"xla_tpu_enable_windowed_einsum_for_all_gather": True,
+                 "xla_tpu_enable_windowed_einsum_for_reduce_scatter": True},
+}
+
+
+def compiler_options(mesh_cfg: MeshConfig, mesh: Mesh) -> dict | None:
+  """The XLA compile options of the training programs on `mesh` (`jax.jit(..., compiler_options=)`): on TPU, those of
+  mesh.collective_matmul; elsewhere none (other compilers refuse XLA:TPU's options)."""
+  if mesh_platform(mesh) != "tpu":
+    return None
+  return dict(COLLECTIVE_MATMUL_OPTIONS[mesh_cfg.collective_matmul])
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Batches [B, ...]: the batch axis split over ("data", "fsdp"), the rest replicated."""
   return NamedSharding(mesh, P(BATCH_AXES))

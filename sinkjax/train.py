@@ -140,13 +140,14 @@ class Program:
     self.batch_sh = sharding_lib.batch_sharding(mesh)
     self.donate = (0,) if sharding_lib.mesh_platform(mesh) != "cpu" else ()  # CPU: async checkpoints may alias
     shared = None if self.shared is None else jnp.asarray(self.shared)
+    options = sharding_lib.compiler_options(self.cfg.mesh, mesh)     # mesh.collective_matmul on TPU
     self.train_step = jax.jit(make_train_step(self.cfg, self.graphdef, None, self.tx, shared),
                               in_shardings=(self.state_sh, self.batch_sh, self.rest_sh),
                               out_shardings=(self.state_sh, sharding_lib.replicated(mesh)),
-                              donate_argnums=self.donate)
+                              donate_argnums=self.donate, compiler_options=options)
     self.eval_step = jax.jit(make_eval_step(self.graphdef, None, self.cfg.train.loss_chunk),
                              in_shardings=(self.state_sh["params"], self.batch_sh, self.rest_sh),
-                             out_shardings=sharding_lib.replicated(mesh))
+                             out_shardings=sharding_lib.replicated(mesh), compiler_options=options)
 
   def abstract_batch(self, rows: int, features=TRAIN_FEATURES) -> dict:
     """Shapes of a global batch of `rows` rows as the data pipeline makes it (float32 loss mask, int32 the rest)."""

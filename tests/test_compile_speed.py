@@ -108,6 +108,14 @@ def test_hbm_bytes_equal_a_hand_count(rows, width, in_vmem):
   assert costs["flops"] == 2 * rows * width * width * layers
   if not in_vmem:                      # XLA's own count (all memory spaces) holds the loop body once
     assert compiled.cost_analysis()["bytes accessed"] == pytest.approx(2 * h + per_trip, rel=0.01)
+    # the roofline's sequential term: the copies at the HBM bandwidth, each trip's matmul fusion at its own bound
+    # (compute here: 2.2e12 FLOPs against 0.67 GB), one after another
+    v5e = compile_lib.CHIPS["v5e"]
+    seq = (2 * h + layers * 2 * h) / v5e.hbm_bandwidth + layers * max(2 * rows * width * width / v5e.peak_flops,
+                                                                       (2 * h + wl) / v5e.hbm_bandwidth)
+    terms = compile_lib.roofline(costs, v5e, 0.0)["estimated_seconds_by_term"]
+    assert terms["sequential"] == pytest.approx(seq, rel=0.01)
+    assert terms["sequential"] > max(terms["compute"], terms["hbm"])
 
 
 # Two layers, bfloat16, the Mosaic kernel, FSDP over 4 chips, AdamW (no matmuls in the optimizer).
@@ -254,7 +262,8 @@ def test_d20_paper_config_fits_v5e_32_with_no_more_recomputation_than_dots():
 
 
 WINDOWED = ROOT / "docs" / "results" / "tpu_compile" / "hlo" / "d20_gated_depth4_v5e-32.hlo.txt.gz"
-WINDOWED_ARGS = ("configs/paper/d20_gated_aux.yaml", "v5e:4x8", "model.vocab_size=65536", "model.depth=4")
+WINDOWED_ARGS = ("configs/paper/d20_gated_aux.yaml", "v5e:4x8", "model.vocab_size=65536", "model.depth=4",
+                 "mesh.collective_matmul=windowed")     # XLA:TPU's windowed einsums (the default gathers the weights)
 
 
 def _windowed_by_hand():
