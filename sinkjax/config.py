@@ -282,6 +282,9 @@ class LossConfig:
   aux_weight: float = key(0.0, ">=0") # lambda of eq. 7/8 (paper: 1e-4 from scratch, 1e-2 fine-tuning)
   num_shared_heads: int = key(0, ">=0") # m of eq. 8; 0 = eq. 7
   shared_heads_from: str = ""       # a run dir / report.json whose importances fix the shared set up front
+  aux_term: bool = True             # trace the aux term in the step at every lambda, 0 included, so that lambda = 0
+                                    # and lambda > 0 compile one program and differ only by the weight (a null arm
+                                    # is null); false drops it from the program (lambda must be 0: sinkjax.bench.train)
 
 
 @dataclasses.dataclass
@@ -600,6 +603,9 @@ def validate(cfg: Config) -> None:
   if cfg.train.batch_size % cfg.train.grad_accum:
     raise ConfigError(f"train.batch_size ({cfg.train.batch_size}) must be divisible by train.grad_accum "
                       f"({cfg.train.grad_accum})")
+  if not cfg.loss.aux_term and cfg.loss.aux_weight > 0:
+    raise ConfigError(f"loss.aux_term=false drops the aux loss but loss.aux_weight is {cfg.loss.aux_weight:g}; "
+                      "set loss.aux_weight=0 or loss.aux_term=true")
   if cfg.loss.num_shared_heads >= m.num_heads:
     raise ConfigError(f"loss.num_shared_heads must be in [0, model.num_heads) = [0, {m.num_heads}), "
                       f"got {cfg.loss.num_shared_heads}")

@@ -60,7 +60,7 @@ def loss_fn(params, graphdef, rest, batch, total_weight, loss_cfg, shared, num_m
   """
   nll, imp = token_losses(nnx.merge(graphdef, params, rest), batch, chunk)
   ce_sum = jnp.sum(nll * batch["loss_mask"])
-  if loss_cfg.aux_weight > 0:
+  if loss_cfg.aux_term:            # at every weight, 0 included: lambda = 0 and lambda > 0 run one program
     aux = balance.aux_loss(imp, loss_cfg.aux_weight, loss_cfg.num_shared_heads, shared)
   else:
     aux = jnp.zeros((), jnp.float32)

@@ -7,7 +7,8 @@ every checkpoint.every steps and at the end (and on SIGTERM / SIGINT, at the sam
 multi-process run: `sinkjax.distributed.StopVote`). Plots are written when the run ends.
 
 Loss = masked mean cross-entropy + the sink-aware load-balancing loss on the layer x head importances
-(`sinkjax.balance.aux_loss`, eq. 7 or eq. 8; skipped entirely when loss.aux_weight is 0). The model computes in
+(`sinkjax.balance.aux_loss`, eq. 7 or eq. 8; traced at every loss.aux_weight, 0 included, so that a λ = 0 arm
+runs the same program as λ > 0; loss.aux_term=false leaves it out). The model computes in
 model.dtype (bfloat16 by default) on float32 master weights. A step whose loss, gradient norm or updated
 parameters are non-finite leaves parameters and optimizer state untouched; train.max_nonfinite such steps in a row
 stop the run (no checkpoint is written from a non-finite state).

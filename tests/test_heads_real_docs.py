@@ -1,12 +1,16 @@
 """docs/RESULTS.md's real-model numbers recomputed from the study's raw files (docs/results/heads_real/), with numpy
-written here (not the study's code): the imbalance (eq. 6 as the mean over layers of std / mean across heads), the
-counts and ranges quoted, and each fine-tuning run's quoted held-out loss and imbalance."""
+and scipy written here (not the study's code): the imbalance (eq. 6 as the mean over layers of std / mean across
+heads), the counts and ranges quoted, every column of each fine-tuning run's row (imbalance, held-out loss, shared /
+routed heads' importance, routed CV, with the shared heads chosen here), every cell of the 30-step effects table
+(per-seed differences, mean, t-interval, paired t p, Holm p), and the provenance quoted (commit, dirty files, the
+interrupted run, run times)."""
 import json
 import pathlib
 import re
 
 import numpy as np
 import pytest
+from scipy import stats as sps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RAW = ROOT / "docs" / "results" / "heads_real"
@@ -36,13 +40,88 @@ def test_analysis_numbers():
       in DOC
 
 
+def _shared():
+  imp0 = np.asarray(json.loads((RAW / "analysis.json").read_text())["importance"])
+  shared = np.zeros(imp0.shape, bool)
+  np.put_along_axis(shared, np.argsort(-imp0, axis=-1)[:, :2], True, axis=-1)
+  return shared
+
+
+def _roles(imp, shared):
+  imp = np.asarray(imp, np.float64)
+  routed = imp[~shared].reshape(imp.shape[0], -1)
+  return {"imbalance": _cv(imp).mean(), "shared": imp[shared].mean(), "routed": routed.mean(),
+          "cv": (routed.std(-1) / routed.mean(-1)).mean()}
+
+
 def test_finetuning_rows():
-  for rec_path in sorted((RAW / "raw").glob("*/record.json")):
-    r = json.loads(rec_path.read_text())
-    row = re.search(rf"\| {re.escape(r['name'])} \| ([^|]+) \| ([^|]+) \|", DOC)
+  shared = _shared()
+  recs = [json.loads(p.read_text()) for p in sorted((RAW / "raw").glob("*/record.json"))]
+  recs.append({"name": "before fine-tuning", **json.loads((RAW / "before.json").read_text())})
+  for r in recs:
+    row = re.search(rf"\| {re.escape(r['name'])} \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|", DOC)
     assert row, r["name"]
-    assert float(row.group(1)) == pytest.approx(_cv(r["importance"]).mean(), abs=6e-5)
-    assert float(row.group(2)) == pytest.approx(r["val_loss"], abs=6e-5)
+    want = _roles(r["importance"], shared)
+    got = [float(row.group(i)) for i in range(1, 6)]
+    assert got == pytest.approx([want["imbalance"], r["val_loss"], want["shared"], want["routed"], want["cv"]],
+                                abs=6e-5), r["name"]
+
+
+def _holm(p):
+  order = np.argsort(p)
+  out, run = np.empty(len(p)), 0.0
+  for k, i in enumerate(order):
+    run = max(run, min(1.0, p[i] * (len(p) - k)))
+    out[i] = run
+  return out
+
+
+def test_thirty_step_effects_table():
+  """Every cell of the 30-step LoRA effects table, from the runs' records: per-seed differences, mean, t-interval
+  (scipy's t quantile), the paired t p (scipy.stats.ttest_rel) and Holm over the table's tests."""
+  shared = _shared()
+  m = lambda name: _roles(json.loads((RAW / "raw" / name / "record.json").read_text())["importance"], shared) | {
+      "loss": json.loads((RAW / "raw" / name / "record.json").read_text())["val_loss"]}
+  names = {"base": "base", "eq7": "eq. 7", "eq8": "eq. 8"}
+  what = {"loss": "held-out loss (nats/token)", "imbalance": "head imbalance", "shared": "shared heads' importance",
+          "routed": "routed heads' importance", "cv": "routed heads' CV"}
+  rows, ps = [], []
+  for t, c in (("eq8", "eq7"), ("eq7", "base"), ("eq8", "base")):
+    for key, w in what.items():
+      a = [m(f"{t}_lora_s{s}")[key] for s in range(3)]
+      b = [m(f"{c}_lora_s{s}")[key] for s in range(3)]
+      d = np.subtract(a, b)
+      half = sps.t.ppf(0.975, 2) * d.std(ddof=1) / np.sqrt(3)
+      p = sps.ttest_rel(a, b).pvalue
+      rows.append((f"{names[t]} − {names[c]}, {w}", d, half, p))
+      ps.append(p)
+  lines = [ln for ln in (ROOT / "docs" / "RESULTS.md").read_text().splitlines()]
+  start = next(i for i, ln in enumerate(lines) if ln.startswith("| effect (LoRA, 30 steps) |"))
+  table = [ln for ln in lines[start + 2:start + 2 + len(rows)]]
+  assert table[0].startswith("| eq. 8 − eq. 7, held-out loss")          # the paper's contrast first
+  for (label, d, half, p), hp, line in zip(rows, _holm(np.array(ps)), table, strict=True):
+    mean = d.mean()
+    assert line == (f"| {label} | {', '.join(f'{x:+.4f}' for x in d)} | {mean:+.4f} | {mean - half:+.4f} … "
+                    f"{mean + half:+.4f} | {p:.2g} | {hp:.2g} |"), label
+
+
+def test_thirty_step_provenance():
+  """The commit, the dirty files, the interrupted full run and the run times quoted are those of the records."""
+  files = {"analysis.json": RAW / "analysis.json", "before.json": RAW / "before.json"}
+  files |= {f"raw/{p.parent.name}/record.json": p for p in (RAW / "raw").glob("*/record.json")}
+  recs = {k: json.loads(p.read_text()) for k, p in files.items()}
+  assert {r["commit"] for r in recs.values()} == {"9125455423bd"} and "commit `9125455423bd`" in DOC
+  dirty = sorted(k for k, r in recs.items() if r["dirty"])
+  assert dirty == ["analysis.json", "before.json", "raw/base_lora_s0/record.json"]
+  assert "`analysis.json`, `before.json` and `raw/base_lora_s0/record.json` are marked **dirty**" in DOC
+  steps = [json.loads(ln)["step"] for ln in (RAW / "raw" / "base_full_s0" / "metrics.jsonl").read_text().splitlines()
+           if ln.strip() and "step" in json.loads(ln)]
+  full = {n: recs[f"raw/{n}_full_s0/record.json"]["train_seconds"] for n in ("base", "eq7", "eq8")}
+  assert f"starts at step {steps[0]}" in DOC and f"`train_seconds` ({full['base']:.0f} s)" in DOC
+  assert f"against {full['eq7']:.0f} and {full['eq8']:.0f} s" in DOC
+  lora = sorted(r["train_seconds"] for k, r in recs.items() if "_lora_" in k)
+  assert f"Training time per LoRA run: {lora[0]:.0f}–{lora[-2]:.0f} s, one {lora[-1]:.0f} s (base_lora_s0)" in DOC
+  assert recs["raw/base_lora_s0/record.json"]["train_seconds"] == lora[-1]
 
 
 def test_full_finetuning_check():
@@ -66,3 +145,133 @@ def test_full_finetuning_check():
   assert f"imbalance ({fmt(d['eq7']['imb'])}, {fmt(d['eq8']['imb'])})" in DOC
   assert f"held-out loss ({fmt(d['eq7']['loss'])}, {fmt(d['eq8']['loss'])} nats/token)" in DOC
   assert f"(eq. 7 {fmt(d['eq7']['shared'])}, eq. 8 {fmt(d['eq8']['shared'])})" in DOC
+
+
+# ------------------------------------------------------------------------------------ the one-epoch study
+
+EPOCH = ROOT / "docs" / "results" / "heads_pinning"
+LINES = (ROOT / "docs" / "RESULTS.md").read_text().splitlines()
+KEYS = {"held-out loss (nats/token)": "val_loss", "head imbalance (eq. 6)": "imbalance",
+        "shared heads' importance": "shared_importance", "routed heads' importance": "routed_importance",
+        "routed heads' CV": "routed_cv", "mean importance": "mean_importance"}
+epoch = pytest.mark.skipif(not (EPOCH / "nll_step0.json").is_file(), reason="the one-epoch study's files are not here")
+
+
+def _table(header: str) -> list[list[str]]:
+  start = next(i for i, ln in enumerate(LINES) if ln.startswith(header))
+  out = []
+  for ln in LINES[start + 2:]:
+    if not ln.startswith("|"):
+      break
+    out.append([c.strip() for c in ln.strip().strip("|").split("|")])
+  return out
+
+
+def _nll(name: str, step: int) -> dict:
+  d = json.loads((EPOCH / ("nll_step0.json" if step == 0 else f"raw/{name}/nll_step{step}.json")).read_text())
+  d = dict(d)
+  d["val_loss"] = list(np.asarray(d["nll_sum"]) / np.asarray(d["tokens"]))    # recomputed, not read
+  return d
+
+
+def _records() -> dict:
+  return {p.parent.name: json.loads(p.read_text()) for p in sorted((EPOCH / "raw").glob("*/record.json"))}
+
+
+def _fmt_p(p: float) -> str:
+  return f"{p:.2g}" if p >= 1e-4 else f"{p:.1e}"
+
+
+@epoch
+def test_epoch_provenance():
+  """One commit, none dirty, the same steps in every run, the run times quoted, and what ran."""
+  recs = _records()
+  study = [json.loads((EPOCH / f).read_text()) for f in ("shared_heads.json", "nll_step0.json")]
+  commits = {r["commit"] for r in list(recs.values()) + study}
+  assert len(commits) == 1 and f"commit `{commits.pop()}`" in DOC
+  assert not any(r["dirty"] for r in list(recs.values()) + study) and "none dirty" in DOC
+  steps = {r["steps"] for r in recs.values()}
+  assert len(steps) == 1
+  n = steps.pop()
+  t = sorted(r["train_seconds"] for r in recs.values())
+  assert f"{len(recs)} LoRA runs of {n} steps" in DOC and f"{t[0]:.0f}–{t[-1]:.0f} s of training per run" in DOC
+  for name, r in recs.items():
+    assert r["lora_rank"] == 16 and not r["dropped_interrupted"] and name in DOC
+    files = sorted(p.name for p in (EPOCH / "raw" / name).glob("*nll*"))
+    assert len(files) >= 3 and f"nll_step{n}.json" in files, name
+
+
+@epoch
+def test_epoch_effects_table():
+  """Every effect row: the mean over seeds of the per-seed mean differences, the t-interval and paired t p (scipy),
+  the document-level interval and p (a bootstrap and a sign-flip test written here, numpy, another seed: within
+  Monte-Carlo tolerance), and both Holm columns (recomputed here)."""
+  recs = _records()
+  end = next(iter(recs.values()))["steps"]
+  title = {"base": "base", "eq7": "eq. 7", "eq8": "eq. 8"}
+  rows = _table("| effect | mean |")
+  assert rows and rows[0][0].startswith("eq. 8 − eq. 7")                  # the paper's contrast first
+  rng = np.random.default_rng(12345)
+  pt, pd_printed, pd_holm, pt_holm = [], [], [], []
+  for row in rows:
+    label, metric = row[0].split(", ", 1)
+    t, c = [k for v in label.split(" − ") for k, x in title.items() if x == v]
+    key = KEYS[metric]
+    seeds = sorted(r["seed"] for r in recs.values() if r["arm"] == t and f"{c}_lora_s{r['seed']}" in recs)
+    a = [np.asarray(_nll(f"{t}_lora_s{s}", end)[key]) for s in seeds]
+    b = [np.asarray(_nll(f"{c}_lora_s{s}", end)[key]) for s in seeds]
+    per_seed = np.array([x.mean() - y.mean() for x, y in zip(a, b)])
+    assert row[1] == f"{per_seed.mean():+.4f}", row
+    if len(seeds) >= 2:
+      half = sps.t.ppf(0.975, len(seeds) - 1) * per_seed.std(ddof=1) / np.sqrt(len(seeds))
+      assert row[2] == f"[{per_seed.mean() - half:+.4f}, {per_seed.mean() + half:+.4f}]", row
+      p = sps.ttest_1samp(per_seed, 0).pvalue
+      assert row[3] == _fmt_p(p), row
+      pt.append(p)
+      pt_holm.append(row[4])
+    else:
+      assert row[2] == row[3] == row[4] == "—"
+    d = np.mean([x - y for x, y in zip(a, b)], axis=0)
+    boot = np.array([rng.choice(d, d.size).mean() for _ in range(4000)])
+    lo, hi = np.quantile(boot, [0.025, 0.975])
+    got = [float(x) for x in row[5].strip("[]").split(", ")]
+    width = max(hi - lo, 1e-9)
+    assert abs(got[0] - lo) < 0.1 * width and abs(got[1] - hi) < 0.1 * width, row
+    flips = np.abs((rng.choice([-1.0, 1.0], (4000, d.size)) * d).mean(1))
+    p_mc = (np.sum(flips >= abs(d.mean()) * (1 - 1e-12)) + 1) / (4000 + 1)
+    assert abs(float(row[6]) - p_mc) < max(0.02, 0.25 * p_mc), row
+    pd_printed.append(float(row[6]))
+    pd_holm.append(row[7])
+  assert [_fmt_p(p) for p in _holm(np.array(pd_printed))] == [_fmt_p(float(x)) for x in pd_holm]
+  if pt:
+    assert [_fmt_p(p) for p in _holm(np.array(pt))] == pt_holm
+
+
+@epoch
+def test_epoch_curve_table():
+  """Every cell of the curve: per arm and step, the mean over seeds of each run's mean over documents."""
+  recs = _records()
+  rows = _table("| arm @ step |")
+  header = next(ln for ln in LINES if ln.startswith("| arm @ step |"))
+  cols = [c.strip() for c in header.strip().strip("|").split("|")][2:]
+  assert rows
+  for row in rows:
+    arm, step = row[0].split("@")
+    seeds = sorted(r["seed"] for r in recs.values() if r["arm"] == arm)
+    assert row[1] == str(len(seeds))
+    files = [_nll(f"{arm}_lora_s{s}", int(step)) for s in seeds]
+    for col, cell in zip(cols, row[2:], strict=True):
+      assert cell == f"{np.mean([np.mean(f[KEYS[col]]) for f in files]):.4f}", (row[0], col)
+
+
+@pytest.mark.skipif(not (ROOT / "docs" / "results" / "null_arm" / "null.json").is_file(), reason="no null.json")
+def test_null_check_quoted():
+  """The null-arm check's figures quoted in RESULTS.md, from docs/results/null_arm/null.json."""
+  rec = json.loads((ROOT / "docs" / "results" / "null_arm" / "null.json").read_text())
+  assert not rec["dirty"] and f"`{rec['commit']}`" in DOC
+  cell = lambda c: "bit-identical" if c["bit_identical"] else f"{c['max_abs_diff']:.2g}"
+  for r in rec["runs"]:
+    last, first = r[f"after_step_{rec['steps']}"], r["after_step_1"]
+    assert (f"| {r['optimizer']} | {r['attention']} | {r['label']} | {cell(last)} | {cell(first)} | "
+            f"{last['elements_differing']:,} of {last['elements']:,} |") in DOC, r
+  assert all(r[f"after_step_{rec['steps']}"]["bit_identical"] for r in rec["runs"] if r["aux_weight"] == 0)

@@ -21,7 +21,7 @@ from flax import nnx
 
 from sinkjax import balance, optim
 from sinkjax import train as train_lib
-from sinkjax.config import load_config
+from sinkjax.config import ConfigError, load_config
 from sinkjax.data import build_tokenizer, make_train_iterator
 from sinkjax.cli import Interrupted
 from sinkjax.model import Transformer
@@ -65,6 +65,27 @@ def test_loss_finite_and_decreasing(variant, compile_cache):
   assert losses[0] == pytest.approx(np.log(cfg.model.vocab_size), rel=1e-3)   # zero-initialized LM head
   assert all(b < a for a, b in zip(losses, losses[1:])), losses
   assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_null_weight_is_null(compile_cache):
+  """The aux term is traced at every weight, 0 included, so lambda = 1e-30 runs the program of lambda = 0 with one
+  constant changed: with AdamW, five steps give bit-identical parameters (as two lambda = 0 runs do), and lambda = 1e-8
+  does not (its gradient is above the CE gradient's rounding). loss.aux_term=false compiles another program."""
+  def params(ov):
+    _, step, state, batch = _setup(["train.optimizer=adamw", "model.attention=vanilla"] + ov)
+    for _ in range(5):
+      state, _ = step(state, batch)
+    return [np.asarray(x) for x in jax.tree.leaves(state["params"])]
+  ref = params(["loss.aux_weight=0.0"])
+  same = lambda other: all(np.array_equal(a, b) for a, b in zip(ref, other, strict=True))
+  assert same(params(["loss.aux_weight=0.0"]))
+  assert same(params(["loss.aux_weight=1e-30"]))
+  assert not same(params(["loss.aux_weight=1e-8"]))
+
+
+def test_aux_term_false_needs_zero_weight():
+  with pytest.raises(ConfigError, match="loss.aux_term=false drops the aux loss but loss.aux_weight is 0.01"):
+    load_config(TINY, SMALL + ["loss.aux_term=false", "loss.aux_weight=0.01"])
 
 
 def test_gradient_accumulation_matches_one_batch(compile_cache):
@@ -177,7 +198,7 @@ def test_scan_over_alternating_layers_is_the_per_layer_step(compile_cache, optim
   _assert_same_step(step_a, state_a, step_b, state_b, batch)
 
 
-def test_no_aux_term_when_weight_is_zero(compile_cache):
+def test_aux_term_is_zero_when_weight_is_zero(compile_cache):
   _, step, state, batch = _setup(["loss.aux_weight=0.0", "model.attention=sink"])
   _, m = step(state, batch)
   assert float(m["aux_loss"]) == 0.0 and float(m["loss"]) == float(m["ce_loss"])

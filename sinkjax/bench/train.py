@@ -5,7 +5,7 @@
                                   [--no-torch] [--nanochat DIR]
 
 For each attention variant the full jitted train step (forward, backward through the LSE, optimizer) is timed with
-loss.aux_weight = 0 (the aux term is not even traced) and 1e-4 (eq. 7). Everything (every variant with and without
+loss.aux_weight = 0 and loss.aux_term=false (the aux term is not traced) and 1e-4 (eq. 7). Everything (every variant with and without
 the aux loss, the matmul reference, the PyTorch peer) is timed round-robin, one step of each per round (after one
 untimed step of the same row, which pays for switching from the previous row: caches, the other framework's threads),
 and reported by medians over the rounds, so that drifts in the load of a shared machine hit all rows alike. Besides
@@ -284,7 +284,7 @@ def measure(args) -> None:
   for variant, opt_name in rows:
     for aux in (0.0, 1e-4):
       cfg = load_config(args.config, ov + [f"model.attention={variant}", f"loss.aux_weight={aux!r}",
-                                           f"train.optimizer={opt_name}"])
+                                           f"loss.aux_term={aux > 0}", f"train.optimizer={opt_name}"])
       runners[(variant, opt_name, aux)], params[(variant, opt_name)] = jax_runner(cfg, batch)
   mm_n = 2048 if jax.default_backend() == "cpu" else 8192
   runners["matmul"], mm_flops = matmul_runner(mm_n, jnp.dtype(args.dtype))

@@ -1,0 +1,528 @@
+"""[Sink-MoE] App. D (head pinning) on SmolLM2-135M at the paper's budget, with per-document held-out losses.
+
+    python -m sinkjax.experiments.heads_pinning --run RUN --out OUT [--results DIR] [--seeds 0 1 2] [--allow-dirty]
+                                               [--only null|pinning|report]
+
+`--run` is the imported SmolLM2-135M-Instruct (docs/CONVERT.md). The corpus is `heads_real.english_corpus` (offline
+English from this Python's standard library: analysis / heldout / train documents). The study, resumable:
+
+1. **Shared heads** (`shared_heads.json`): eq. 8's shared set, fixed up front as the paper does: the top-m heads of
+   each layer by the pretrained model's eq. 5 importance over the first `SHARED_DOCS` analysis documents.
+2. **Step 0** (`nll_step0.json`): the pretrained model on every held-out document (`doc_eval`): per document its
+   summed and mean NLL (nats/token) and, from its own importance [L, H], the shared / routed heads' importance, the
+   routed heads' CV (eq. 8's target), the mean importance and the imbalance (eq. 6). A LoRA run starts from exactly
+   this model (its B matrices are zero), so step 0 is common to every run.
+3. **Fine-tuning** (`runs/<arm>_lora_s<seed>/`): configs/finetune_smollm2.yaml on all `train` documents for one epoch
+   (`epoch_steps`: the rows they pack into at data.seq_len, over train.batch_size), LoRA rank 16 / alpha 32 (the
+   paper's rank), arms base (λ 0), eq. 7 (λ 1e-2, all heads) and eq. 8 (λ 1e-2, m = 2 shared heads); seeds walked
+   one at a time with the three arms together (eq. 7, eq. 8, base), so an interrupted study holds whole seed triples
+   (or the eq. 8 − eq. 7 pair). The aux term is
+   traced in every arm (loss.aux_term, λ = 0 included): the arms differ only by λ and m. Each run is evaluated
+   (`doc_eval`) at steps `EVAL_STEPS` and at its end (files `nll_step<S>.json`) and then keeps only those
+   checkpoints.
+4. **Report** (`results.md`, `results.json`): every effect (eq. 8 − eq. 7 first, then each against base) at the end
+   step with two sources of variance: the paired t over seeds (each seed's mean over documents) and, over documents,
+   a bootstrap interval and a paired sign-flip permutation p of the per-document differences (averaged over seeds);
+   Holm's correction across the table (each column its own family); the curve of every arm at steps 0, 30, 100 and
+   the end.
+
+Provenance: the study refuses a checkout with uncommitted changes to tracked files (`--allow-dirty` runs anyway and
+every file it writes says `"dirty": true`); every record holds the commit, and the report refuses records of different
+commits. An interrupted run is **dropped**: its directory is emptied and the run made again from step 0, so a record's
+metrics and `train_seconds` are those of one uninterrupted run. `--only null` is the null-arm check (`null_check`,
+on a tiny model: RESULTS/null.json).
+"""
+from __future__ import annotations
+
+from sinkjax import cli
+
+if __name__ == "__main__":
+  cli.require_extra("sinkjax.experiments.heads_pinning")
+
+import argparse
+import functools
+import json
+import math
+import pathlib
+import shutil
+import sys
+import time
+
+import numpy as np
+
+from sinkjax.experiments import heads_real, runner, stats
+from sinkjax.experiments.runner import StudyError, one_commit
+
+ARMS = heads_real.ARMS                      # name -> (lambda, m)
+ARM_TITLES = {"base": "base", "eq7": "eq. 7", "eq8": "eq. 8"}
+CONTRASTS = (("eq8", "eq7"), ("eq7", "base"), ("eq8", "base"))        # the paper's point first
+SEEDS = (0, 1, 2)
+LORA = ("lora.rank=16", "lora.alpha=32.0")
+EVAL_STEPS = (30, 100)                      # besides step 0 and the end
+DOC_TOKENS = 208                            # a held-out document's first DOC_TOKENS + 1 tokens are scored
+SHARED_DOCS = 128
+NULL_WEIGHTS = (("lambda 0", 0.0), ("lambda 0, again", 0.0), ("lambda 1e-30", 1e-30), ("lambda 1e-8", 1e-8))
+PLAN_ARMS = ("eq7", "eq8", "base")           # within a seed: the paper's contrast first
+NULL_STEPS = 5
+METRICS = (("val_loss", "held-out loss (nats/token)"), ("imbalance", "head imbalance (eq. 6)"),
+           ("shared_importance", "shared heads' importance"), ("routed_importance", "routed heads' importance"),
+           ("routed_cv", "routed heads' CV"), ("mean_importance", "mean importance"))
+DOC_KEYS = ("tokens", "nll_sum", "val_loss", "imbalance", "shared_importance", "routed_importance", "routed_cv",
+            "mean_importance")
+RAW_FILES = ("record.json", "metrics.jsonl", "config.yaml")
+BOOTSTRAP = 10000
+
+_read, _write, _log, _commit = runner.read_json, runner.write_json, heads_real._log, heads_real._commit  # pylint: disable=protected-access
+
+
+def run_name(arm: str, seed: int) -> str:
+  return f"{arm}_lora_s{seed}"
+
+
+def plan(seeds=SEEDS) -> list[tuple[str, int]]:
+  """(arm, seed) in the order they run: seed by seed, each seed's three arms together, eq. 7 and eq. 8 first."""
+  return [(arm, s) for s in seeds for arm in PLAN_ARMS]
+
+
+# ------------------------------------------------------------------------------------------------ the documents
+
+def doc_rows(tok, path, T: int = DOC_TOKENS) -> tuple[dict, int]:
+  """One row per document of the JSONL file: its first T + 1 tokens (no BOS: as the training rows), padding after;
+  features as the pipeline's (`inputs`, `targets`, `segment_ids` 1 on the document, `positions`, `loss_mask` on
+  its targets). Returns (features [N, T], how many documents were cut at T + 1 tokens)."""
+  docs = [json.loads(line)["text"] for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+  n = len(docs)
+  tokens = np.zeros((n, T + 1), np.int32)
+  length = np.zeros(n, np.int64)
+  cut = 0
+  for i, text in enumerate(docs):
+    ids = np.asarray(tok.encode_with_bytes(text)[0], np.int32)
+    cut += len(ids) > T + 1
+    ids = ids[:T + 1]
+    tokens[i, :len(ids)] = ids
+    length[i] = len(ids)
+  on = np.arange(T + 1)[None, :] < length[:, None]
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": on[:, :-1].astype(np.int32),
+          "positions": np.where(on[:, :-1], np.arange(T)[None, :], 0).astype(np.int32),
+          "loss_mask": (on[:, 1:] & on[:, :-1]).astype(np.float32)}, cut
+
+
+@functools.lru_cache(maxsize=4)
+def _doc_fn(graphdef, chunk: int):
+  """The jitted per-row forward of `doc_eval` (one compile per model structure and shape in a process)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from sinkjax.step import token_losses  # pylint: disable=import-outside-toplevel
+
+  @jax.jit
+  def run(state, rows):
+    def one(row):
+      nll, imp = token_losses(nnx.merge(graphdef, state), jax.tree.map(lambda x: x[None], row))
+      return jnp.sum(nll[0] * row["loss_mask"]), imp
+    return jax.lax.map(one, rows, batch_size=chunk)
+  return run
+
+
+def doc_eval(model, rows: dict, shared_imp, m: int = 2, chunk: int = 8) -> dict:
+  """Per document (one row each): summed and mean NLL of its targets, and role metrics of its own importance
+  (`heads_real.role_metrics` with the shared set = top-m of `shared_imp` per layer); plus `importance`, the mean over
+  documents of their importances [L, H]. Each row is its own forward pass (a vmap over rows in chunks of `chunk`), so
+  a document's importance is its own."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  graphdef, state = nnx.split(model)
+  nll_sum, imp = jax.device_get(_doc_fn(graphdef, chunk)(state, {k: jnp.asarray(v) for k, v in rows.items()}))
+  tokens = rows["loss_mask"].sum(-1)
+  out = {k: [] for k in DOC_KEYS}
+  for i in range(len(tokens)):
+    r = heads_real.role_metrics(imp[i], imp[i], shared_imp, m)
+    out["tokens"].append(int(tokens[i]))
+    out["nll_sum"].append(float(nll_sum[i]))
+    out["val_loss"].append(float(nll_sum[i]) / max(float(tokens[i]), 1.0))
+    for k in ("imbalance", "shared_importance", "routed_importance", "routed_cv", "mean_importance"):
+      out[k].append(r[k])
+  out["importance"] = np.asarray(imp, np.float64).mean(0).tolist()
+  return out
+
+
+def _heldout(tok, corpus) -> tuple[dict, int]:
+  return doc_rows(tok, corpus["heldout"]["path"])
+
+
+def eval_checkpoint(run_dir, step: int | None, corpus: dict, shared_imp) -> dict:
+  """`doc_eval` of a run's checkpoint (adapters folded in) on the held-out documents, with its step and timing."""
+  from sinkjax import lora  # pylint: disable=import-outside-toplevel
+  from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  model, _, tok, got = load_run(run_dir, step=step, overrides=["model.dtype=float32"])
+  rows, cut = _heldout(tok, corpus)
+  ev = doc_eval(lora.merge(model), rows, shared_imp)
+  return {"step": int(got), "documents": len(ev["tokens"]), "doc_tokens": DOC_TOKENS, "documents_cut": cut,
+          **ev, "seconds": time.perf_counter() - t0, **_commit()}
+
+
+# ---------------------------------------------------------------------------------------------- study records
+
+def shared_heads(run: str, corpus: dict, out: pathlib.Path) -> dict:
+  """shared_heads.json: the pretrained importance over the first SHARED_DOCS analysis documents (what eq. 8's
+  shared set is taken from: loss.shared_heads_from)."""
+  rec = _read(out / "shared_heads.json")
+  if rec is None:
+    from sinkjax import eval as eval_lib  # pylint: disable=import-outside-toplevel
+    from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
+    t0 = time.perf_counter()
+    model, cfg, tok, _ = load_run(run, overrides=["model.dtype=float32"])
+    batches, ndocs = heads_real._batches(cfg, tok, corpus["analysis"]["path"], heads_real.ANALYSIS_SEQ, 8,  # pylint: disable=protected-access
+                                         max_docs=SHARED_DOCS)
+    lm = eval_lib.language_model_metrics(model, batches)
+    rec = {"importance": lm["importance"], "documents": ndocs, "seq_len": heads_real.ANALYSIS_SEQ,
+           "eval_tokens": lm["eval_tokens"], "source": "analysis documents", "seconds": time.perf_counter() - t0,
+           **_commit()}
+    _write(out / "shared_heads.json", rec)
+  return rec
+
+
+def step0(run: str, corpus: dict, out: pathlib.Path, shared_imp) -> dict:
+  rec = _read(out / "nll_step0.json")
+  if rec is None:
+    rec = eval_checkpoint(run, None, corpus, shared_imp)
+    rec["step"] = 0                         # the imported model: every run's step 0
+    _write(out / "nll_step0.json", rec)
+  return rec
+
+
+def finetune_overrides(run: str, arm: str, seed: int, corpus: dict, out: pathlib.Path, steps: int) -> list[str]:
+  """What one run sets on top of configs/finetune_smollm2.yaml: heads_real's arm overrides, the paper's LoRA rank,
+  one epoch of all train documents (data.val_source = the held-out ones, never evaluated by train), and a checkpoint every 10 steps (the evaluated ones are kept)."""
+  return list(heads_real.finetune_overrides(run, arm, "lora", seed, corpus, out, steps)) + list(LORA) + [
+      f"data.val_source={corpus['heldout']['path']}", "train.eval_batches=0", "loss.aux_term=true",
+      "checkpoint.every=10",
+      f"checkpoint.keep={steps // 10 + 2}"]
+
+
+def epoch_steps(run: str, corpus: dict) -> int:
+  """Optimizer steps in one pass over the train documents: their packed rows (data.seq_len, data.packing) over
+  train.batch_size."""
+  from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from sinkjax.data import build_tokenizer, make_eval_batches  # pylint: disable=import-outside-toplevel
+  from sinkjax.run import read_run_config  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.load_config(str(heads_real.CONFIG), [f"data.source={corpus['train']['path']}"])
+  cfg.data.tokenizer = read_run_config(run).data.tokenizer
+  batches = make_eval_batches(cfg.data, build_tokenizer(cfg.data), batch_size=1, num_batches=None, split="all")
+  rows = sum(int(b["segment_ids"].any()) for b in batches)
+  return math.ceil(rows / cfg.train.batch_size)
+
+
+def _empty(run_dir: pathlib.Path) -> bool:
+  """Empties an interrupted run's directory (all but the runner's lock file); True when there was something."""
+  dropped = False
+  for p in run_dir.iterdir():
+    if p.name.startswith(".") and p.name.endswith(".lock"):
+      continue
+    dropped = True
+    shutil.rmtree(p) if p.is_dir() else p.unlink()    # pylint: disable=expression-not-assigned
+  return dropped
+
+
+def _eval_steps(steps: int) -> list[int]:
+  return sorted({s for s in EVAL_STEPS if s < steps} | {steps})
+
+
+def finetune(run: str, arm: str, seed: int, corpus: dict, out: pathlib.Path, steps: int, shared_imp) -> runner.Run:
+  """One fine-tuning run from step 0 (an interrupted one is dropped first), its evaluations at `_eval_steps`
+  (nll_step<S>.json) and its record."""
+  overrides = finetune_overrides(run, arm, seed, corpus, out, steps)
+  lam, m = ARMS[arm]
+
+  def do(run_dir):
+    from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
+    from sinkjax.train import train  # pylint: disable=import-outside-toplevel
+    dropped = _empty(run_dir)
+    if dropped:
+      _log(f"{run_dir.name}: an interrupted run was dropped; made again from step 0")
+    cfg = config_lib.load_config(str(heads_real.CONFIG), list(overrides))
+    t0 = time.perf_counter()
+    summary = train(cfg, progress=False)
+    seconds = time.perf_counter() - t0
+    evals = {}
+    for s in _eval_steps(steps):
+      ev = eval_checkpoint(run_dir, s, corpus, shared_imp)
+      if ev["step"] != s:
+        raise StudyError(f"{run_dir}: checkpoint of step {s} missing (restored {ev['step']}); rerun the study")
+      _write(run_dir / f"nll_step{s}.json", ev)
+      evals[s] = ev
+    ckpts = run_dir / "checkpoints"
+    for p in ckpts.iterdir() if ckpts.is_dir() else ():
+      if p.name.isdigit() and int(p.name) not in evals:
+        shutil.rmtree(p)
+    end = evals[steps]
+    return {"name": run_dir.name, "arm": arm, "kind": "lora", "seed": seed, "aux_weight": lam, "num_shared_heads": m,
+            "lora_rank": 16, "steps": summary["steps"], "final_loss": summary["final_loss"],
+            "train_seconds": seconds, "eval_seconds": sum(e["seconds"] for e in evals.values()),
+            "eval_steps": sorted(evals), "dropped_interrupted": dropped,
+            **{k: float(np.mean(end[k])) for k, _ in METRICS}, "importance": end["importance"]}, "fine-tuned + evaluated"
+  return runner.Run(run_name(arm, seed), do, tuple(overrides))
+
+
+def raw_files(steps: int) -> tuple[str, ...]:
+  return RAW_FILES + tuple(f"nll_step{s}.json" for s in _eval_steps(steps))
+
+
+# ---------------------------------------------------------------------------------------------- the null arm
+
+NULL_MODEL = ("model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=2",
+              "model.head_dim=16", "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=16")
+NULL_SETUPS = (("adamw", "vanilla"), ("adamw", "gated"), ("muon", "vanilla"), ("muon", "gated"))
+
+
+def null_check(steps: int = NULL_STEPS) -> dict:
+  """The null arm, on configs/tiny.yaml shrunk to NULL_MODEL (byte tokenizer, its default corpus, float32 on this
+  CPU): for each optimizer / attention of NULL_SETUPS, `steps` train steps from one init (seed 0) on one batch at each
+  λ of NULL_WEIGHTS (0 twice, 1e-30, 1e-8; the aux term traced in all, loss.aux_term), each compared with the first
+  λ = 0 run over every parameter after step 1 and after the last step: bit-identical or not, the largest absolute
+  difference, the elements that differ, and which parameters differ after step 1."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from sinkjax import optim  # pylint: disable=import-outside-toplevel
+  from sinkjax.config import load_config  # pylint: disable=import-outside-toplevel
+  from sinkjax.data import build_tokenizer, make_train_iterator  # pylint: disable=import-outside-toplevel
+  from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
+  from sinkjax.step import TRAIN_FEATURES, make_train_step  # pylint: disable=import-outside-toplevel
+  tiny = str(runner.REPO / "configs" / "tiny.yaml")
+
+  def params_after(ov):
+    cfg = load_config(tiny, list(NULL_MODEL) + ov)
+    tok = build_tokenizer(cfg.data)
+    cfg.model.vocab_size = tok.vocab_size
+    graphdef, params, rest = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    tx, _ = optim.build_optimizer(cfg, 20)
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+             "rng": jax.random.PRNGKey(0), "nonfinite": jnp.zeros((), jnp.int32)}
+    it = make_train_iterator(cfg.data, tok, batch_size=cfg.train.batch_size, seed=0)
+    batch = {k: v for k, v in next(it).items() if k in TRAIN_FEATURES}
+    it.close()
+    step = jax.jit(make_train_step(cfg, graphdef, rest, tx))
+    out = []
+    for _ in range(steps):
+      state, _ = step(state, batch)
+      out.append({jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(
+          state["params"])})
+    return out[0], out[-1]
+
+  def compare(a, b):
+    d = {k: np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)) for k in a}
+    return {"bit_identical": all(np.array_equal(a[k], b[k]) for k in a),
+            "max_abs_diff": float(max(v.max() for v in d.values())),
+            "elements_differing": int(sum((v > 0).sum() for v in d.values())),
+            "elements": int(sum(v.size for v in d.values()))}
+
+  rows = []
+  for opt, attention in NULL_SETUPS:
+    ref = None
+    for label, lam in NULL_WEIGHTS:
+      first, last = params_after([f"train.optimizer={opt}", f"model.attention={attention}",
+                                  f"loss.aux_weight={lam!r}", "loss.aux_term=true"])
+      if ref is None:
+        ref = (first, last)
+      c1, cn = compare(ref[0], first), compare(ref[1], last)
+      moved = sorted(k for k in first if not np.array_equal(ref[0][k], first[k]))
+      rows.append({"optimizer": opt, "attention": attention, "label": label, "aux_weight": lam,
+                   "after_step_1": c1, f"after_step_{steps}": cn, "differ_after_step_1": moved})
+      _log(f"null check {opt}/{attention} {label}: step 1 {c1['max_abs_diff']:.3g}, step {steps} "
+           f"{cn['max_abs_diff']:.3g}")
+  return {"what": f"configs/tiny.yaml with {' '.join(NULL_MODEL)}, seed 0, one batch repeated for {steps} steps, "
+                  "float32 on the CPU; every parameter compared with the first lambda = 0 run of its setup",
+          "steps": steps, "runs": rows, **_commit()}
+
+
+# ------------------------------------------------------------------------------------------------------ report
+
+def _doc_file(results: pathlib.Path, name: str, step: int) -> dict:
+  return _read(results / "raw" / name / f"nll_step{step}.json")
+
+
+def summarize(results: pathlib.Path, seeds=SEEDS) -> dict:
+  """Everything results.md prints, from the raw files under `results` (RESULTS/raw/NAME/ and RESULTS/*.json)."""
+  shared = _read(results / "shared_heads.json")
+  s0 = _read(results / "nll_step0.json")
+  if shared is None or s0 is None:
+    raise StudyError(f"{results} holds no shared_heads.json / nll_step0.json; run the study first")
+  recs = {(a, s): r for a, s in plan(seeds) if (r := _read(results / "raw" / run_name(a, s) / "record.json"))}
+  commit = one_commit(list(recs.values()) + [shared, s0])
+  dirty = sorted({bool(r.get("dirty")) for r in list(recs.values()) + [shared, s0]})
+  steps = sorted({r["steps"] for r in recs.values()})
+  if len(steps) > 1:
+    raise StudyError(f"runs of different lengths cannot be aggregated: {steps}")
+  end = steps[0] if steps else None
+  curve = {}
+  for arm in ARMS:
+    for st in [0] + (_eval_steps(end) if end else []):
+      ss = [s for s in seeds if (arm, s) in recs]
+      if not ss:
+        continue
+      files = [s0 if st == 0 else _doc_file(results, run_name(arm, s), st) for s in ss]
+      curve[f"{arm}@{st}"] = {k: float(np.mean([np.mean(f[k]) for f in files])) for k, _ in METRICS}
+      curve[f"{arm}@{st}"]["seeds"] = len(ss)
+  effects = []
+  for treated, control in CONTRASTS:
+    ss = [s for s in seeds if (treated, s) in recs and (control, s) in recs]
+    if not ss:
+      continue
+    a = {s: _doc_file(results, run_name(treated, s), end) for s in ss}
+    b = {s: _doc_file(results, run_name(control, s), end) for s in ss}
+    for key, what in METRICS:
+      per_seed = [float(np.mean(a[s][key]) - np.mean(b[s][key])) for s in ss]
+      per_doc = np.mean([np.asarray(a[s][key]) - np.asarray(b[s][key]) for s in ss], axis=0)
+      e = {"contrast": f"{treated}-{control}", "metric": key,
+           "what": f"{ARM_TITLES[treated]} − {ARM_TITLES[control]}, {what}", "seeds": ss,
+           "mean": float(np.mean(per_seed)), "per_seed": per_seed, "documents": int(per_doc.size),
+           **doc_test(per_doc)}
+      if len(ss) >= 2:
+        t = stats.t_interval(per_seed)
+        e.update({"t_low": t["low"], "t_high": t["high"], "t": t["t"], "p_t": t["p"]})
+      else:
+        e.update({"t_low": None, "t_high": None, "t": None, "p_t": None})
+      effects.append(e)
+  for col in ("p_t", "p_doc"):
+    adj = holm([e[col] for e in effects])
+    for e, p in zip(effects, adj):
+      e[col + "_holm"] = p
+  times = [r["train_seconds"] for r in recs.values()]
+  return {"commit": commit, "dirty": dirty, "steps": end, "runs": sorted(run_name(a, s) for a, s in recs),
+          "seeds": sorted({s for _, s in recs}), "train_seconds": [min(times), max(times)] if times else None,
+          "dropped_interrupted": sorted(r["name"] for r in recs.values() if r.get("dropped_interrupted")),
+          "documents": s0["documents"], "shared_heads_documents": shared["documents"], "curve": curve,
+          "effects": effects}
+
+
+def doc_test(per_doc) -> dict:
+  """Over documents: the 95 % bootstrap interval (percentile, BOOTSTRAP resamples, seed 0) of the mean per-document
+  difference and the paired sign-flip permutation p (BOOTSTRAP random flips, seed 0; scipy.stats)."""
+  from scipy import stats as sps  # pylint: disable=import-outside-toplevel
+  d = np.asarray(per_doc, np.float64)
+  if np.all(d == d[0]):
+    return {"doc_low": float(d[0]), "doc_high": float(d[0]), "p_doc": 1.0 if d[0] == 0 else 0.0}
+  ci = sps.bootstrap((d,), np.mean, n_resamples=BOOTSTRAP, method="percentile",
+                     rng=np.random.default_rng(0)).confidence_interval
+  p = sps.permutation_test((d,), np.mean, permutation_type="samples", n_resamples=BOOTSTRAP,
+                           rng=np.random.default_rng(0)).pvalue
+  return {"doc_low": float(ci.low), "doc_high": float(ci.high), "p_doc": float(p)}
+
+
+def holm(pvalues) -> list:
+  """Holm's step-down adjusted p-values (None stays None): sorted ascending, p_(i) · (n − i + 1), made monotone,
+  capped at 1."""
+  idx = [i for i, p in enumerate(pvalues) if p is not None]
+  order = sorted(idx, key=lambda i: pvalues[i])
+  out, run = list(pvalues), 0.0
+  for k, i in enumerate(order):
+    run = max(run, min(1.0, pvalues[i] * (len(order) - k)))
+    out[i] = run
+  return out
+
+
+def _f(x, nd=4) -> str:
+  return "—" if x is None else f"{x:+.{nd}f}"
+
+
+def _pf(p) -> str:
+  return "—" if p is None else (f"{p:.2g}" if p >= 1e-4 else f"{p:.1e}")
+
+
+def markdown(summary: dict) -> str:
+  lines = ["# [Sink-MoE] App. D at one epoch on SmolLM2-135M: head pinning", "",
+           f"Commit `{summary['commit']}`, dirty: {summary['dirty']}. Runs: {', '.join(summary['runs'])} "
+           f"({summary['steps']} steps each; train time {summary['train_seconds'][0]:.0f}–"
+           f"{summary['train_seconds'][1]:.0f} s per run, from the records). Held-out: {summary['documents']} "
+           f"documents, each scored alone (its first {DOC_TOKENS + 1} tokens). Shared heads: top-2 per layer of the "
+           f"pretrained importance over {summary['shared_heads_documents']} analysis documents.", "",
+           "## Effects at the end step", "",
+           "Per seed: the mean over documents; t over seeds (t_{n-1}). Per document: the difference averaged over "
+           "seeds, 95 % bootstrap interval and sign-flip permutation p. Holm across the table, per column.", "",
+           "| effect | mean | 95 % t-interval (seeds) | p (t) | Holm | 95 % bootstrap (documents) | p (documents) | "
+           "Holm |", "|---|---|---|---|---|---|---|---|"]
+  for e in summary["effects"]:
+    ti = "—" if e["t_low"] is None else f"[{_f(e['t_low'])}, {_f(e['t_high'])}]"
+    lines.append(f"| {e['what']} | {_f(e['mean'])} | {ti} | {_pf(e['p_t'])} | {_pf(e['p_t_holm'])} | "
+                 f"[{_f(e['doc_low'])}, {_f(e['doc_high'])}] | {_pf(e['p_doc'])} | {_pf(e['p_doc_holm'])} |")
+  lines += ["", "## The curve (mean over seeds of each run's mean over documents)", "",
+            "| arm @ step | seeds | " + " | ".join(w for _, w in METRICS) + " |",
+            "|---|---|" + "---|" * len(METRICS)]
+  for k, row in summary["curve"].items():
+    lines.append(f"| {k} | {row['seeds']} | " + " | ".join(f"{row[m]:.4f}" for m, _ in METRICS) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def report(results: pathlib.Path, seeds=SEEDS) -> dict:
+  summary = summarize(results, seeds)
+  _write(results / "results.json", summary)
+  (results / "results.md").write_text(markdown(summary))
+  return summary
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+
+def build_parser() -> argparse.ArgumentParser:
+  p = cli.Parser(prog="python -m sinkjax.experiments.heads_pinning", description=__doc__.split("\n\n")[0])
+  p.add_argument("--run", required=True, help="the imported SmolLM2 run directory (sinkjax.convert.hf)")
+  p.add_argument("--out", required=True, help="the study's working directory (runs, records; resumable)")
+  p.add_argument("--results", default=None, help="where raw files and results.md go (default OUT/results)")
+  p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="LoRA seeds (default 0 1 2)")
+  p.add_argument("--steps", type=int, default=None, help="fine-tuning steps (default: one epoch of the train documents)")
+  p.add_argument("--only", choices=("null", "pinning", "report"), default=None, help="one part only")
+  p.add_argument("--allow-dirty", action="store_true",
+                 help="run from a checkout with uncommitted changes (every file written says dirty: true)")
+  return p
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+
+  def study():
+    out = pathlib.Path(args.out)
+    results = pathlib.Path(args.results) if args.results else out / "results"
+    if args.only == "report":
+      s = report(results, tuple(args.seeds))
+      _log(f"wrote {results}/results.md ({len(s['runs'])} runs)")
+      return
+    if not pathlib.Path(args.run, "config.yaml").is_file():
+      raise StudyError(f"--run {args.run} is not a run directory; import the model first (docs/CONVERT.md)")
+    import sinkjax.eval, sinkjax.lora, sinkjax.run, sinkjax.train  # pylint: disable=import-outside-toplevel,unused-import,redefined-outer-name
+    c = _commit()
+    if c["dirty"] and not args.allow_dirty:
+      raise StudyError(f"the checkout ({c['commit']}) has uncommitted changes to tracked files; commit them (every "
+                       "record names its commit) or pass --allow-dirty (every file then says dirty: true)")
+    out.mkdir(parents=True, exist_ok=True)
+    lock = runner.exclusive(out)  # pylint: disable=unused-variable
+    corpus = heads_real.english_corpus(out / "corpus")
+    _write(out / "corpus.json", {**corpus, **c})
+    if args.only == "null":
+      results.mkdir(parents=True, exist_ok=True)
+      _write(results / "null.json", null_check())
+      return
+    steps = args.steps or epoch_steps(args.run, corpus)
+    sizes = ", ".join(f"{n} {v['documents']}" for n, v in corpus.items())
+    _log(f"corpus: {sizes}; {steps} steps per run")
+    sh = shared_heads(args.run, corpus, out)
+    step0(args.run, corpus, out, sh["importance"])
+    runner.copy_files(out, results, ("shared_heads.json", "nll_step0.json", "corpus.json"))
+    study_ = runner.Study(out, record="record.json", raw=results / "raw", raw_files=raw_files(steps), commit=c)
+
+    def done(i, n, res):
+      if res.record is None:
+        _log(f"[{i}/{n}] {res.run.name}: {res.what}")
+      else:
+        _log(f"[{i}/{n}] {res.run.name}: held-out loss {res.record['val_loss']:.4f}, imbalance "
+             f"{res.record['imbalance']:.4f}, train {res.record['train_seconds']:.0f} s ({res.seconds:.0f} s)")
+    study_.walk([finetune(args.run, arm, s, corpus, out, steps, sh["importance"]) for arm, s in plan(args.seeds)],
+                done)
+    s = report(results, tuple(args.seeds))
+    _log(f"wrote {results}/results.md ({len(s['runs'])} runs)")
+  return cli.run_main("sinkjax.experiments.heads_pinning", study)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

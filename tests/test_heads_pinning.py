@@ -1,0 +1,145 @@
+"""The one-epoch pinning study's pieces, on a tiny model and hand-written records: per-document evaluation against
+each document run alone, Holm's correction by hand, the report's statistics against scipy / numpy written here, the
+dirty-tree refusal and the dropping of an interrupted run."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats as sps
+
+from sinkjax.config import load_config
+from sinkjax.data import build_tokenizer
+from sinkjax.experiments import heads_pinning as hp
+from sinkjax.layers import pop_head_importance
+from sinkjax.model import Transformer
+from tests.helpers import TINY
+
+SMALL = ["model.num_layers=2", "model.d_model=32", "model.num_heads=3", "model.num_kv_heads=3", "model.head_dim=8",
+         "model.max_seq_len=64", "model.attention=vanilla"]
+
+
+def test_doc_eval_is_each_document_alone(tmp_path):
+  """A document's NLL and importance from doc_eval (padded rows, vmapped in chunks) equal those of the model run on
+  that document alone, unpadded, with the cross-entropy computed here (log-softmax of the logits)."""
+  cfg = load_config(TINY, SMALL)
+  tok = build_tokenizer(cfg.data)
+  cfg.model.vocab_size = tok.vocab_size
+  model = Transformer(cfg.model, rngs=nnx.Rngs(3))
+  texts = ["A short document.", "A somewhat longer document, with a comma and more words in it than the first.",
+           "Mid-sized text here, not too long."]
+  path = tmp_path / "docs.jsonl"
+  path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+  rows, cut = hp.doc_rows(tok, path, T=48)
+  assert cut == sum(len(tok.encode_with_bytes(t)[0]) > 49 for t in texts)
+  shared = np.arange(cfg.model.num_layers * 3, dtype=np.float64).reshape(-1, 3)
+  ev = hp.doc_eval(model, rows, shared, m=1, chunk=2)
+  for i, text in enumerate(texts):
+    ids = np.asarray(tok.encode_with_bytes(text)[0][:49])    # the row: the first T + 1 = 49 tokens
+    inputs = ids[:48]                                         # every token of the document is a query (as in the
+    k = len(inputs)                                           # pipeline's rows), the targets are the next tokens
+    x = model.hidden(jnp.asarray(inputs[None]), segment_ids=jnp.ones((1, k), jnp.int32),
+                     positions=jnp.arange(k)[None])
+    imp = np.asarray(pop_head_importance(model))
+    logp = np.asarray(jax.nn.log_softmax(model.logits(x)[0].astype(jnp.float32), -1))
+    n = len(ids) - 1
+    nll = -logp[np.arange(n), ids[1:]].sum()
+    assert ev["tokens"][i] == n
+    assert ev["nll_sum"][i] == pytest.approx(nll, rel=1e-5)
+    assert ev["val_loss"][i] == pytest.approx(nll / n, rel=1e-5)
+    routed = imp[:, :2]                       # shared = the top-1 of each layer of `shared`: the last head
+    assert ev["shared_importance"][i] == pytest.approx(imp[:, 2].mean(), rel=1e-5)
+    assert ev["routed_importance"][i] == pytest.approx(routed.mean(), rel=1e-5)
+    assert ev["routed_cv"][i] == pytest.approx(np.mean(routed.std(-1) / routed.mean(-1)), rel=1e-4, abs=1e-7)
+
+
+def test_holm_by_hand():
+  # sorted 0.01, 0.02, 0.04, 0.5 -> x4, x3, x2, x1 = 0.04, 0.06, 0.08, 0.5 (monotone); None stays None
+  assert hp.holm([0.04, None, 0.01, 0.5, 0.02]) == pytest.approx([0.08, None, 0.04, 0.5, 0.06])
+  assert hp.holm([0.3, 0.3]) == [0.6, 0.6] and hp.holm([0.9, 0.8]) == [1.0, 1.0]
+
+
+def _fake_results(root, seeds=(0, 1, 2), docs=20, steps=40):
+  rng = np.random.default_rng(1)
+  commit = {"commit": "abc", "dirty": False}
+
+  def nll_file(shift):
+    tokens = rng.integers(50, 120, docs)
+    d = {"tokens": tokens.tolist(), "nll_sum": (tokens * (3 + shift + 0.1 * rng.standard_normal(docs))).tolist()}
+    d["val_loss"] = (np.asarray(d["nll_sum"]) / tokens).tolist()
+    for k in ("imbalance", "shared_importance", "routed_importance", "routed_cv", "mean_importance"):
+      d[k] = (0.5 + shift + 0.05 * rng.standard_normal(docs)).tolist()
+    return {**d, "importance": [[0.5]], **commit}
+
+  (root / "raw").mkdir(parents=True)
+  (root / "shared_heads.json").write_text(json.dumps({"importance": [[0.5]], "documents": 8, **commit}))
+  (root / "nll_step0.json").write_text(json.dumps({**nll_file(0.0), "documents": docs}))
+  shifts = {"base": 0.0, "eq7": 0.03, "eq8": 0.01}
+  for arm, s in hp.plan(seeds):
+    d = root / "raw" / hp.run_name(arm, s)
+    d.mkdir()
+    for st in hp._eval_steps(steps):                     # pylint: disable=protected-access
+      (d / f"nll_step{st}.json").write_text(json.dumps(nll_file(shifts[arm] * st / steps)))
+    (d / "record.json").write_text(json.dumps({"name": d.name, "arm": arm, "seed": s, "steps": steps,
+                                               "train_seconds": 100.0 + s, **commit}))
+
+
+def test_report_statistics(tmp_path):
+  """summarize: eq. 8 − eq. 7 first; the t over seeds equals scipy's on the per-seed means; the document interval
+  and p agree with a bootstrap and a sign-flip test written here (within Monte-Carlo error); Holm per column."""
+  _fake_results(tmp_path)
+  s = hp.summarize(tmp_path)
+  assert s["commit"] == "abc" and s["dirty"] == [False] and s["steps"] == 40
+  assert s["effects"][0]["contrast"] == "eq8-eq7" and len(s["effects"]) == 3 * len(hp.METRICS)
+  read = lambda arm, seed, key: np.asarray(json.loads(
+      (tmp_path / "raw" / hp.run_name(arm, seed) / "nll_step40.json").read_text())[key])
+  rng = np.random.default_rng(7)
+  for e in s["effects"]:
+    t, c = e["contrast"].split("-")
+    per_seed = [read(t, k, e["metric"]).mean() - read(c, k, e["metric"]).mean() for k in (0, 1, 2)]
+    assert e["mean"] == pytest.approx(np.mean(per_seed))
+    assert e["p_t"] == pytest.approx(sps.ttest_1samp(per_seed, 0).pvalue)
+    d = np.mean([read(t, k, e["metric"]) - read(c, k, e["metric"]) for k in (0, 1, 2)], axis=0)
+    boot = np.quantile([rng.choice(d, d.size).mean() for _ in range(4000)], [0.025, 0.975])
+    width = boot[1] - boot[0]
+    assert abs(e["doc_low"] - boot[0]) < 0.1 * width and abs(e["doc_high"] - boot[1]) < 0.1 * width
+  ps = [e["p_t"] for e in s["effects"]]
+  assert [e["p_t_holm"] for e in s["effects"]] == pytest.approx(hp.holm(ps))
+  md = hp.markdown(s)
+  assert "| eq. 8 − eq. 7, held-out loss (nats/token) |" in md and "| base@40 | 3 |" in md
+
+
+def test_report_refuses_mixed_commits(tmp_path):
+  _fake_results(tmp_path)
+  rec = tmp_path / "raw" / "eq8_lora_s1" / "record.json"
+  rec.write_text(json.dumps({**json.loads(rec.read_text()), "commit": "def"}))
+  with pytest.raises(hp.StudyError, match="runs of different commits cannot be aggregated"):
+    hp.summarize(tmp_path)
+
+
+def test_study_refuses_a_dirty_tree(tmp_path, monkeypatch, capsys):
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.yaml").write_text("model: {}\n")
+  monkeypatch.setattr(hp, "_commit", lambda: {"commit": "abc123", "dirty": True})
+  assert hp.main(["--run", str(run), "--out", str(tmp_path / "out")]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "uncommitted changes" in err[0] and "--allow-dirty" in err[0]
+  assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_run_is_emptied_but_its_lock_kept(tmp_path):
+  d = tmp_path / "eq7_lora_s0"
+  (d / "checkpoints" / "10").mkdir(parents=True)
+  (d / "metrics.jsonl").write_text("{}\n")
+  (d / ".eq7_lora_s0.lock").write_text("")
+  assert hp._empty(d) is True                               # pylint: disable=protected-access
+  assert sorted(p.name for p in d.iterdir()) == [".eq7_lora_s0.lock"]
+  assert hp._empty(d) is False                              # pylint: disable=protected-access
+
+
+def test_plan_runs_the_contrast_first_and_seeds_whole():
+  assert hp.plan((0, 1))[:3] == [("eq7", 0), ("eq8", 0), ("base", 0)]
+  assert [s for _, s in hp.plan((0, 1))] == [0, 0, 0, 1, 1, 1]
