@@ -32,6 +32,7 @@ class Registered:
 
 
 ATTENTION_VARIANTS = Registered(("vanilla", "sink", "gated", "relu"), "ATTENTION")   # model.attention (kinds.ATTENTION)
+PAPER_VARIANTS = ("vanilla", "sink", "gated")   # [Sink-MoE]'s three variants, in its tables' order (the grid, its reports)
 GATE_KINDS = ("headwise", "elementwise")
 GATE_POSITIONS = ("sdpa", "value")                        # [GatedAttn] G1 | G2
 GATE_ACTIVATIONS = ("sigmoid", "ns_sigmoid", "silu", "silu_additive")

@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 import numpy as np  # noqa: E402
 
+from sinkjax import choices  # noqa: E402
 from sinkjax import paths as paths_lib  # noqa: E402
 
 
@@ -460,7 +461,7 @@ def _ema(ys, alpha: float = 0.1):
   return out
 
 
-def plot_runs(runs: list[dict], out_dir, variants=("vanilla", "sink", "gated")) -> list[pathlib.Path]:
+def plot_runs(runs: list[dict], out_dir, variants=choices.PAPER_VARIANTS) -> list[pathlib.Path]:
   """fig5_imbalance.png (Fig. 5) and fig8_loss_bpb.png (Fig. 8): base vs base + aux over training, a panel per size
   (rows) and attention (columns, in `variants` order, others after); raw values faint, EMA (0.1) solid; several
   runs of a cell each drawn."""

@@ -78,3 +78,8 @@ def test_every_module_command_in_the_readme_exists_with_its_flags(capsys):
     assert e.value.code in (0, None), (module, out.err[-500:])
     missing = [f for f in flags if f not in out.out]
     assert not missing, f"README runs {module} with {missing}, which its --help does not list"
+
+
+def test_the_readme_stays_short():
+  """A newcomer's page: at most 150 lines; detail goes to docs/ (issue 50)."""
+  assert len(README.splitlines()) <= 150, len(README.splitlines())

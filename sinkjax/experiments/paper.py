@@ -40,13 +40,13 @@ import time
 import jax
 import numpy as np
 
-from sinkjax import cli, paths
+from sinkjax import choices, cli, paths
 from sinkjax import config as config_lib
 from sinkjax.cli import UserError
 from sinkjax.experiments import int_at_least, paper_tpu, runner
 from sinkjax.experiments.paper_report import seed_stats, table1
 
-VARIANTS = ("vanilla", "sink", "gated")
+VARIANTS = choices.PAPER_VARIANTS
 LOSSES = {"base": 0.0, "aux": 1e-4}            # loss.aux_weight: the paper's lambda for training from scratch (eq. 7)
 TAU = 0.75                                     # [Sink-MoE] App. A: selective zeroing of heads with alpha > tau
 RECIPE_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "nanochat.yaml"

@@ -42,6 +42,7 @@ import sys
 
 import numpy as np
 
+from sinkjax import choices
 from sinkjax.experiments import stats
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ GRID = REPO / "docs" / "results" / "paper_cpu" / "results.json"
 DOSE = REPO / "docs" / "results" / "paper_cpu_dose" / "dose.json"
 REPRO = REPO / "docs" / "results" / "paper_cpu_repro"
 NULL_LAMBDA = 1e-8          # the gated null arm of the dose study
-VARIANTS = ("vanilla", "sink", "gated")
+VARIANTS = choices.PAPER_VARIANTS
 
 
 def _by(records, variant, loss_or_lambda, key):

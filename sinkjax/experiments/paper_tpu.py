@@ -30,13 +30,13 @@ import pathlib
 import shlex
 import subprocess
 
-from sinkjax import paths
+from sinkjax import choices, paths
 from sinkjax.experiments.runner import StudyError
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TPU_VM = "launch/tpu_vm.sh"              # relative to REPO: the launcher, run from the checkout
 SIZES = ("d20", "d26", "d32")
-VARIANTS = ("vanilla", "sink", "gated")
+VARIANTS = choices.PAPER_VARIANTS
 LOSSES = ("base", "aux")
 VAL_SHARD = "shard_01822.parquet"         # nanochat's validation shard (sinkjax.data.fineweb: the last one)
 NOTE = ("configs/paper/{d20,d26,d32}_{vanilla,sink,gated}_{base,aux}.yaml as they are (the paper's shapes, 2,048-token "
