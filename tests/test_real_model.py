@@ -175,7 +175,7 @@ def test_an_unreadable_quantization_type_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_commands_on_the_real_model(smol, tmp_path):
   """As a user: generate --chat answers and stops; eval --split all scores every document of a file."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}   # one CPU device, as a user has (not the 8 of the tests)
   r = subprocess.run([sys.executable, "-m", "sinkjax.generate", "--checkpoint", str(smol["run"]), "--chat",
                       "--prompt", PROMPTS[0], "--max-new-tokens", "60", "--temperature", "0"],
                      capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
@@ -212,7 +212,7 @@ def test_commands_on_the_real_model(smol, tmp_path):
 @pytest.mark.slow   # the analysis reads 512 documents with the model and a random init (minutes on 2 cores)
 def test_fig4_analysis_command_writes_its_heatmap(smol, tmp_path):
   """docs/RESULTS.md's Fig. 4 command, the analysis part alone: analysis.json and the heatmap, exit 0."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}   # one CPU device, as a user has (not the 8 of the tests)
   r = subprocess.run([sys.executable, "-m", "sinkjax.experiments.heads_real", "--run", str(smol["run"]), "--out",
                       str(tmp_path / "heads_real"), "--only", "analysis"],
                      capture_output=True, text=True, env=env, cwd=ROOT, timeout=3000)
@@ -225,7 +225,7 @@ def test_fig4_analysis_command_writes_its_heatmap(smol, tmp_path):
 @pytest.mark.slow   # nine runs over 2,048 tokens and the importance of 256 documents (~10 minutes on 2 cores)
 def test_streaming_quick_command_as_documented(smol, tmp_path):
   """docs/STREAMING.md's quick form of the streaming comparison, as printed (run dir and --out in a temp dir)."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}   # one CPU device, as a user has (not the 8 of the tests)
   out = tmp_path / "streaming_quick"
   r = subprocess.run([sys.executable, "-m", "sinkjax.experiments.streaming_real", "--checkpoint", str(smol["run"]),
                       "--tokens", "2048", "--random-maps", "2", "--out", str(out)],
