@@ -276,7 +276,8 @@ def model_tokenizer(cfg: Config, own: str, whose: str, owner: str):
   """The tokenizer of `cfg.data.tokenizer` for a model whose own tokenizer is `own` (the data.tokenizer its run was
   trained or imported with), checked where a model and a tokenizer meet (train.init_from, load_run's overrides):
   another tokenizer is accepted only when its vocabulary is the model's own (the same token -> id table, so the
-  same embedding rows), and any tokenizer must fit the embedding. A model's ids read through another vocabulary are
+  same embedding rows) and fits the embedding (the run's own tokenizer is taken as the run was made: an import
+  without a tokenizer reads as bytes). A model's ids read through another vocabulary are
   never what a user means; a mismatch is a ConfigError (one line) before any step or forward pass. Sets
   model.vocab_size from the tokenizer where the config leaves it 0."""
   try:
@@ -299,7 +300,7 @@ def model_tokenizer(cfg: Config, own: str, whose: str, owner: str):
                         "the model's own")
   if cfg.model.vocab_size == 0:
     cfg.model.vocab_size = tokenizer.vocab_size
-  elif tokenizer.vocab_size > cfg.model.vocab_size:
+  elif tokenizer.vocab_size > cfg.model.vocab_size and str(cfg.data.tokenizer).strip() != str(own).strip():
     raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r} has {tokenizer.vocab_size:,} tokens, more than the "
                       f"{cfg.model.vocab_size:,} rows of {whose}'s embedding (model.vocab_size); use the model's own "
                       "tokenizer")
