@@ -573,27 +573,6 @@ def plot_head_analysis(analysis: dict, path) -> pathlib.Path:
   return _save(fig, path)
 
 
-def plot_pinning(summary: dict, path, *, arms, metrics) -> pathlib.Path:
-  """[Sink-MoE] App. D on a real model: each metric (`metrics`: (key, title) pairs) after fine-tuning per arm
-  (`arms`, in order), LoRA seeds as circles and full fine-tuning as squares, the value before as a dashed line."""
-  keys = [k for k, _ in metrics]
-  fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.8))
-  for ax, key in zip(axes, keys):
-    ax.axhline(summary["before"][key], color="gray", ls="--", lw=1, label="before fine-tuning")
-    for i, arm in enumerate(arms):
-      for kind, marker in (("lora", "o"), ("full", "s")):
-        ys = [v[key] for n, v in summary["rows"].items() if n.startswith(f"{arm}_{kind}_")]
-        ax.plot([i + (0.15 if kind == "full" else 0)] * len(ys), ys, marker, color=f"C{i}", ms=6, alpha=0.8,
-                label=f"{kind}" if i == 0 else None)
-    ax.set_xticks(range(len(arms)))
-    ax.set_xticklabels(list(arms))
-    ax.set_title(dict(metrics)[key], fontsize=9)
-  axes[0].legend(fontsize=7)
-  fig.suptitle("[Sink-MoE] App. D (head pinning) on SmolLM2-135M: held-out importance after fine-tuning "
-               "(circles LoRA, one per seed; squares full fine-tuning)", fontsize=10)
-  return _save(fig, path)
-
-
 def plot_streaming(lines, randoms, path, *, window: int, title: str) -> pathlib.Path:
   """Perplexity as the running mean of the NLL over `window` tokens against the position, log scale: one line per
   (label, per-position NLLs) of `lines`, and the min-max band of the `randoms` (per-position NLLs of the random-map

@@ -53,7 +53,7 @@ import numpy as np
 from sinkjax.experiments import heads_real, runner, stats
 from sinkjax.experiments.runner import StudyError, one_commit
 
-ARMS = heads_real.ARMS                      # name -> (lambda, m)
+ARMS = {"base": (0.0, 0), "eq7": (1e-2, 0), "eq8": (1e-2, 2)}     # name -> (lambda, m): base loss, eq. 7, eq. 8
 ARM_TITLES = {"base": "base", "eq7": "eq. 7", "eq8": "eq. 8"}
 CONTRASTS = (("eq8", "eq7"), ("eq7", "base"), ("eq8", "base"))        # the paper's point first
 SEEDS = (0, 1, 2)
@@ -85,6 +85,19 @@ def plan(seeds=SEEDS) -> list[tuple[str, int]]:
 
 
 # ------------------------------------------------------------------------------------------------ the documents
+
+def role_metrics(imp, shared_imp, m: int = 2) -> dict:
+  """Importance [L, H] of the shared heads (top-m per layer of `shared_imp`, the pretrained importance eq. 8 fixed) in
+  `imp` and of the routed rest, and the routed heads' CV (eq. 8's target); plus the overall imbalance (eq. 6)
+  and mean importance."""
+  a, s = np.asarray(imp, np.float64), np.asarray(shared_imp, np.float64)
+  shared = np.zeros(s.shape, bool)
+  np.put_along_axis(shared, np.argsort(-s, -1)[:, :m], True, -1)
+  routed = a[~shared].reshape(a.shape[0], -1)
+  cv = lambda x: float(np.mean(x.std(-1) / np.maximum(x.mean(-1), 1e-12)))
+  return {"shared_importance": float(a[shared].mean()), "routed_importance": float(routed.mean()),
+          "routed_cv": cv(routed), "mean_importance": float(a.mean()), "imbalance": cv(a)}
+
 
 def doc_rows(tok, path, T: int = DOC_TOKENS) -> tuple[dict, int]:
   """One row per document of the JSONL file: its first T + 1 tokens (no BOS: as the training rows), padding after;
@@ -126,7 +139,7 @@ def _doc_fn(graphdef, chunk: int):
 
 def doc_eval(model, rows: dict, shared_imp, m: int = 2, chunk: int = 8) -> dict:
   """Per document (one row each): summed and mean NLL of its targets, and role metrics of its own importance
-  (`heads_real.role_metrics` with the shared set = top-m of `shared_imp` per layer); plus `importance`, the mean over
+  (`role_metrics` with the shared set = top-m of `shared_imp` per layer); plus `importance`, the mean over
   documents of their importances [L, H]. Each row is its own forward pass (a vmap over rows in chunks of `chunk`), so
   a document's importance is its own."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -137,7 +150,7 @@ def doc_eval(model, rows: dict, shared_imp, m: int = 2, chunk: int = 8) -> dict:
   tokens = rows["loss_mask"].sum(-1)
   out = {k: [] for k in DOC_KEYS}
   for i in range(len(tokens)):
-    r = heads_real.role_metrics(imp[i], imp[i], shared_imp, m)
+    r = role_metrics(imp[i], shared_imp, m)
     out["tokens"].append(int(tokens[i]))
     out["nll_sum"].append(float(nll_sum[i]))
     out["val_loss"].append(float(nll_sum[i]) / max(float(tokens[i]), 1.0))
@@ -194,12 +207,15 @@ def step0(run: str, corpus: dict, out: pathlib.Path, shared_imp) -> dict:
 
 
 def finetune_overrides(run: str, arm: str, seed: int, corpus: dict, out: pathlib.Path, steps: int) -> list[str]:
-  """What one run sets on top of configs/finetune_smollm2.yaml: heads_real's arm overrides, the paper's LoRA rank,
-  one epoch of all train documents (data.val_source = the held-out ones, never evaluated by train), and a checkpoint every 10 steps (the evaluated ones are kept)."""
-  return list(heads_real.finetune_overrides(run, arm, "lora", seed, corpus, out, steps)) + list(LORA) + [
-      f"data.val_source={corpus['heldout']['path']}", "train.eval_batches=0", "loss.aux_term=true",
-      "checkpoint.every=10",
-      f"checkpoint.keep={steps // 10 + 2}"]
+  """What one run sets on top of configs/finetune_smollm2.yaml: the arm's λ and m (eq. 8's shared set fixed up front
+  from OUT/shared_heads.json), the paper's LoRA rank, one epoch of all train documents (data.val_source = the
+  held-out ones, never evaluated by train), and a checkpoint every 10 steps (the evaluated ones are kept)."""
+  lam, m = ARMS[arm]
+  return [f"train.init_from={run}", f"data.source={corpus['train']['path']}", f"run.dir={out / 'runs' / run_name(arm, seed)}",
+          f"train.seed={seed}", f"loss.aux_weight={lam}", f"loss.num_shared_heads={m}",
+          f"loss.shared_heads_from={out / 'shared_heads.json' if m else ''}", f"train.steps={steps}", *LORA,
+          f"data.val_source={corpus['heldout']['path']}", "train.eval_batches=0", "loss.aux_term=true",
+          "checkpoint.every=10", f"checkpoint.keep={steps // 10 + 2}"]
 
 
 def epoch_steps(run: str, corpus: dict) -> int:
