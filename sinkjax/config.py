@@ -673,3 +673,19 @@ def _validate_lora(lora: LoRAConfig) -> None:
   bad = [t for t in lora.targets if t not in LORA_TARGETS]
   if bad or (lora.rank and not lora.targets):
     raise ConfigError(f"lora.targets must be a non-empty list of {'|'.join(LORA_TARGETS)}, got {lora.targets!r}")
+
+
+def apply_section(section, tree: dict, source: str, name: str):
+  """Sets a command's own section (a dataclass declared with `key`, kept outside `Config`: e.g. a study's `study:`)
+  from a mapping, checked as Config's keys are (types, choices, ranges; errors name NAME.key and `source`)."""
+  added = {}
+  for f in dataclasses.fields(section):
+    for meta, table in (("choices", CHOICES), ("range", RANGES)):
+      if meta in f.metadata:
+        table[f"{name}.{f.name}"] = added[f"{name}.{f.name}", meta] = f.metadata[meta]
+  try:
+    _apply(section, tree, source, name + ".")
+  finally:                              # the tables stay Config's own (validate walks RANGES over Config)
+    for (k, meta) in added:
+      (CHOICES if meta == "choices" else RANGES).pop(k, None)
+  return section

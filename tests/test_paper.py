@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from sinkjax.experiments import paper
+from sinkjax.experiments import paper, runner
 from tests.helpers import call_main, run_command
 
 
@@ -65,7 +65,7 @@ def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
 def test_another_scale_in_the_same_out_is_a_one_line_error(tmp_path, capsys):
   (tmp_path / "study.json").write_text(json.dumps({"scale": "cpu", "steps": None}))
   rc, cap = run_main(["--scale", "smoke", "--out", str(tmp_path)], capsys)
-  assert rc == 1 and "--scale cpu" in cap.err and cap.err.count("\n") == 1, cap.err
+  assert rc == 1 and "scale cpu" in cap.err and cap.err.count("\n") == 1, cap.err
 
 
 def test_a_second_invocation_on_the_same_out_is_a_one_line_error(tmp_path, capsys):
@@ -83,6 +83,18 @@ def test_a_second_invocation_on_the_same_out_is_a_one_line_error(tmp_path, capsy
   finally:
     holder.kill()
     holder.wait()
+
+
+def test_study_file_runs_from_the_study_command(tmp_path, capsys):
+  """`python -m sinkjax.experiments.study FILE key=value --dry-run`: the file's grid with the overrides, seed-major;
+  a bad study key is one line naming it."""
+  from sinkjax.experiments import study
+  res = call_main(study.main, [str(paper.STUDIES / "paper_cpu_dose.yaml"), f"study.out={tmp_path}",
+                               "axes.train.seed=[7]", "axes.loss.aux_weight=[0, 0.01]", "--dry-run"], capsys)
+  names = [line.split()[1].rstrip(":") for line in res.stdout.splitlines() if line.startswith("[")]
+  assert res.returncode == 0 and names == ["gated_base_s7", "gated_lam0.01_s7"], res.stderr
+  res = call_main(study.main, [str(paper.STUDIES / "paper_cpu.yaml"), "study.eval_batches=0", "--dry-run"], capsys)
+  assert res.returncode != 0 and "study.eval_batches must be >= 1" in res.stderr and res.stderr.count("\n") == 1
 
 
 def test_dry_run_lists_the_grid_seed_major(tmp_path, capsys):
@@ -161,14 +173,34 @@ def test_whole_grid_with_two_seeds_and_finetuning(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ dose study
 
+def plan(name="paper_smoke", *overrides):
+  return runner.load_plan(paper.STUDIES / f"{name}.yaml", list(overrides))
+
+
 def test_dose_grid_names_reuse_the_main_grids_runs():
-  specs = paper.make_dose_grid(["gated"], [0.0, 1e-4, 1e-3, 1e-2], [0, 1])
+  specs = paper.specs_of(plan("paper_cpu_dose", "axes.loss.aux_weight=[0, 1e-4, 1e-3, 1e-2]", "axes.train.seed=[0,1]"))
   assert [s.name for s in specs[:4]] == ["gated_base_s0", "gated_aux_s0", "gated_lam0.001_s0", "gated_lam0.01_s0"]
   assert [s.lam for s in specs[:4]] == [0.0, 1e-4, 1e-3, 1e-2] and {s.seed for s in specs[4:]} == {1}
   for lam in (0.0, 1e-8, 1e-4, 3e-3, 1e-2):
     assert paper.label_lambda(paper.loss_label(lam)) == lam
-  cfg = paper.run_config(paper.SCALES["smoke"], specs[3], "RUN")
+  cfg = paper.run_config(plan(), specs[3], "RUN")
   assert cfg.loss.aux_weight == 1e-2 and cfg.model.attention == "gated" and cfg.train.seed == 0
+  assert cfg.model.num_layers == 2 and cfg.train.steps == 2 and cfg.data.packing == "stream"   # paper_smoke's shape
+
+
+def test_a_new_axis_is_one_line_of_the_grid(tmp_path):
+  """An axis added in YAML (or as axes.KEY=[...]) multiplies the grid, names each run after its value and sets the
+  key in that run's config; the study's other keys stay."""
+  f = tmp_path / "gates.yaml"
+  f.write_text(f"base: {paper.STUDIES / 'paper_smoke.yaml'}\naxes:\n  model.attention: [gated]\n"
+               "  model.gate: [headwise, elementwise]\n")
+  p = runner.load_plan(f, ["axes.train.seed=[3]"])
+  specs = paper.specs_of(p)
+  assert [s.name for s in specs] == ["gated_base_s3_gateheadwise", "gated_base_s3_gateelementwise",
+                                     "gated_aux_s3_gateheadwise", "gated_aux_s3_gateelementwise"]
+  cfgs = [paper.run_config(p, s, "R") for s in specs]
+  assert [c.model.gate for c in cfgs] == ["headwise", "elementwise"] * 2
+  assert {c.model.num_layers for c in cfgs} == {2} and p.study.scale == "smoke"
 
 
 def _with_this_commit(tmp_path):
@@ -183,22 +215,22 @@ def _with_this_commit(tmp_path):
 
 
 def test_dose_reuses_committed_runs_only_of_this_commit_and_recipe(tmp_path):
-  runs, why = paper.reusable_records(paper.COMMITTED_RESULTS, paper.SCALES["cpu"], None)
+  runs, why = paper.reusable_records(paper.COMMITTED_RESULTS, plan("paper_cpu"))
   assert runs == {} and not why["reused"]
   if why["recipe_differences"]["changed"] or why["recipe_differences"]["gone"]:
     pytest.skip(f"this checkout's recipe differs from the committed study's: {why['recipe_differences']}")
   assert "one commit" in why["reason"] and "unrecorded" in why["reason"]      # made before commits were recorded
   committed, path = _with_this_commit(tmp_path)
-  runs, why = paper.reusable_records(path, paper.SCALES["cpu"], None)
+  runs, why = paper.reusable_records(path, plan("paper_cpu"))
   assert why["reused"] and ("gated", "aux", 2) in runs and len(runs) == len(committed["runs"])
   changed = json.loads(json.dumps(committed))
   changed["recipe"]["train"]["matrix_lr"] = 0.03
   (tmp_path / "results.json").write_text(json.dumps(changed))
-  runs, why = paper.reusable_records(tmp_path / "results.json", paper.SCALES["cpu"], None)
+  runs, why = paper.reusable_records(tmp_path / "results.json", plan("paper_cpu"))
   assert runs == {} and not why["reused"] and why["recipe_differences"]["changed"] == {
       "train.matrix_lr": [0.03, committed["recipe"]["train"]["matrix_lr"]]}
-  assert paper.reusable_records(path, paper.SCALES["smoke"], None)[0] == {}
-  assert paper.reusable_records(path, paper.SCALES["cpu"], 50)[0] == {}
+  assert paper.reusable_records(path, plan("paper_smoke"))[0] == {}
+  assert paper.reusable_records(path, plan("paper_cpu", "train.steps=50"))[0] == {}
 
 
 def test_runs_of_different_commits_are_not_aggregated():

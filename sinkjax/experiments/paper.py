@@ -1,8 +1,14 @@
 """The method paper's ([Sink-MoE]) from-scratch study with error bars: variants x {base, base + aux} x seeds.
 
-    python -m sinkjax.experiments.paper [--scale cpu|gpu] [--seeds N] [--first-seed K]
+    python -m sinkjax.experiments.study configs/studies/paper_cpu.yaml [key=value ...] [--dry-run] [--report-only]
+    python -m sinkjax.experiments.paper [--scale cpu|gpu|smoke] [--seeds N] [--first-seed K]
         [--variants vanilla,sink,gated] [--out DIR] [--dry-run] [--report-only] [--finetune] [--steps N]
     python -m sinkjax.experiments.paper --scale tpu --out gs://BUCKET --name TPU_VM --zone ZONE [--dry-run] ...
+
+The study is a YAML file (configs/studies/paper_{cpu,gpu,smoke}.yaml, the dose study paper_cpu_dose.yaml; the format:
+`sinkjax.experiments.runner`); the flags of `paper` are spellings of its keys (--scale X: paper_X.yaml, --seeds /
+--first-seed: axes.train.seed, --variants: axes.model.attention, --lambdas: study.kind=dose with
+axes.loss.aux_weight, --out: study.out, --steps: train.steps and study.finetune_steps, --finetune: study.finetune).
 
 `--scale tpu` is another study: the paper's own 18 configs (configs/paper/) trained on a TPU slice, one launch per
 run through launch/tpu_vm.sh, resumable, data and runs in the bucket (`sinkjax.experiments.paper_tpu`). The rest of
@@ -10,7 +16,7 @@ this docstring is the small-scale study.
 
 Every run is `sinkjax.train.train` on configs/nanochat.yaml (the paper's recipe: nanochat 9d4c9b7's Muon + AdamW
 groups, lr 0.02, no warmup, linear decay to 0 over the final 20 %, clipping at 1.0, nanochat's init, logit soft-cap,
-`data.packing=stream`) with the shape, steps and batch overridden to what the scale allows (SCALES), on the embedded
+`data.packing=stream`) with the shape, steps and batch overridden to what the scale allows (the study file), on the embedded
 corpus (`data.source=default`) with the byte tokenizer; `base` has loss.aux_weight = 0, `aux` the paper's
 lambda = 1e-4 (eq. 7). Each run is then evaluated with `sinkjax.eval`'s functions (val BPB, importance, head
 imbalance, first-token attention, sink ratio alpha, teacher-forced value zeroing) plus value zeroing as the paper
@@ -49,43 +55,7 @@ from sinkjax.experiments.paper_report import seed_stats, table1
 VARIANTS = choices.PAPER_VARIANTS
 LOSSES = {"base": 0.0, "aux": 1e-4}            # loss.aux_weight: the paper's lambda for training from scratch (eq. 7)
 TAU = 0.75                                     # [Sink-MoE] App. A: selective zeroing of heads with alpha > tau
-RECIPE_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "nanochat.yaml"
-
-
-@dataclasses.dataclass(frozen=True)
-class Scale:
-  """What one scale overrides of the recipe, and how much it evaluates."""
-  name: str
-  overrides: tuple                 # dotted key=value on top of configs/nanochat.yaml (shape, batch, steps, dtype)
-  eval_batches: int                # held-out batches (of train.batch_size rows) per evaluation
-  prompt_len: int                  # after-prefill value zeroing: tokens prefilled before the scored continuation
-  finetune_steps: int
-  note: str
-
-
-def _shape(layers, d_model, heads, head_dim, seq_len, batch, steps, dtype, eval_every, ckpt_every):
-  return ("model.depth=0", f"model.num_layers={layers}", f"model.d_model={d_model}", f"model.num_heads={heads}",
-          f"model.num_kv_heads={heads}", f"model.head_dim={head_dim}", f"model.max_seq_len={seq_len}",
-          f"model.dtype={dtype}", f"data.seq_len={seq_len}", f"train.batch_size={batch}", f"train.steps={steps}",
-          f"train.eval_every={eval_every}", "train.eval_batches=4", "train.log_every=10",
-          f"checkpoint.every={ckpt_every}", "checkpoint.keep=1")
-
-
-SCALES = {
-    "cpu": Scale("cpu", _shape(4, 128, 4, 32, 256, 16, 300, "float32", 100, 100), eval_batches=8, prompt_len=64,
-                 finetune_steps=100,
-                 note="4 layers x 4 heads x 32 dims (d_model 128), 256-token rows, 16 rows (4,096 tokens) per step, "
-                      "300 steps (1.2M tokens, ~1.4 tokens/param); float32 compute (CPUs have no fast bfloat16 "
-                      "matmul), Newton-Schulz in the recipe's bfloat16"),
-    "gpu": Scale("gpu", _shape(8, 512, 8, 64, 1024, 32, 2000, "bfloat16", 250, 500), eval_batches=16, prompt_len=256,
-                 finetune_steps=400,
-                 note="8 layers x 8 heads x 64 dims (d_model 512), 1,024-token rows, 32 rows (32,768 tokens) per step, "
-                      "2,000 steps (65M tokens); the recipe's bfloat16 compute and Newton-Schulz"),
-    "smoke": Scale("smoke", _shape(2, 32, 2, 16, 32, 8, 2, "float32", 0, 100), eval_batches=1, prompt_len=8,
-                   finetune_steps=2,
-                   note="for tests: 2 layers x 2 heads x 16 dims, 32-token rows, 8 rows per step, 2 steps"),
-}
-COMMON = ("data.source=default", "data.tokenizer=bytes", "data.packing=stream")
+STUDIES = pathlib.Path(__file__).resolve().parents[2] / "configs" / "studies"   # paper_{cpu,gpu,smoke}.yaml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +64,11 @@ class RunSpec:
   loss: str                        # "base" | "aux" | a dose label "lam<lambda>" (loss_label)
   seed: int
   aux_weight: float | None = None  # lambda; None: LOSSES[loss]
+  extra: tuple = ()                # ((key, value), ...): the study's axes beyond attention, lambda and seed
 
   @property
   def name(self) -> str:
-    return f"{self.variant}_{self.loss}_s{self.seed}"
+    return f"{self.variant}_{self.loss}_s{self.seed}" + "".join(f"_{k.rsplit('.', 1)[-1]}{v}" for k, v in self.extra)
 
   @property
   def lam(self) -> float:
@@ -106,7 +77,8 @@ class RunSpec:
   @property
   def overrides(self) -> tuple[str, ...]:
     """What this run sets on top of the recipe and the scale."""
-    return (f"model.attention={self.variant}", f"loss.aux_weight={self.lam}", f"train.seed={self.seed}")
+    return (f"model.attention={self.variant}", f"loss.aux_weight={self.lam}", f"train.seed={self.seed}",
+            *(f"{k}={v}" for k, v in self.extra))
 
 
 def loss_label(lam: float) -> str:
@@ -127,23 +99,26 @@ def label_lambda(label: str) -> float:
   return float(label[3:])
 
 
-def make_grid(variants, seeds) -> list[RunSpec]:
-  """Seed-major order, so that a study cut short holds whole seeds of every variant."""
-  return [RunSpec(v, loss, s) for s in seeds for v in variants for loss in LOSSES]
+def specs_of(plan: runner.Plan) -> list[RunSpec]:
+  """The study's runs in its axes' order: attention, lambda and seed from the axes (else the study's config), any
+  other axis carried in the run's name and overrides; lambda 0 and 1e-4 are named base / aux (`loss_label`), so a
+  dose study's runs of those lambdas are the main grid's."""
+  fixed = plan.config({}, "RUN_DIR")
+  out = []
+  for run in plan.runs():
+    run = dict(run)
+    variant = str(run.pop("model.attention", fixed.model.attention))
+    lam = float(run.pop("loss.aux_weight", fixed.loss.aux_weight))
+    seed = int(run.pop("train.seed", fixed.train.seed))
+    if variant not in VARIANTS:
+      raise StudyError(f"{plan.path}: model.attention {variant!r} is not one of the paper's {', '.join(VARIANTS)}")
+    out.append(RunSpec(variant, loss_label(lam), seed, lam, tuple(run.items())))
+  return out
 
 
-def make_dose_grid(variants, lambdas, seeds) -> list[RunSpec]:
-  """The dose study's grid (--lambdas): variants x lambdas x seeds, seed-major; lambda 0 and 1e-4 are the main
-  grid's base / aux runs (same names, same configs)."""
-  return [RunSpec(v, loss_label(lam), s, float(lam)) for s in seeds for v in variants for lam in lambdas]
-
-
-def run_config(scale: Scale, spec: RunSpec, run_dir, *, steps: int | None = None, extra=()):
-  """The resolved `Config` of one run: the recipe, the scale's shape and the run's variant, lambda and seed."""
-  overrides = list(COMMON) + list(scale.overrides) + list(spec.overrides) + [f"run.dir={run_dir}"]
-  if steps is not None:
-    overrides.append(f"train.steps={steps}")
-  return config_lib.load_config(str(RECIPE_CONFIG), overrides + list(extra))
+def run_config(plan: runner.Plan, spec: RunSpec, run_dir, *, extra=()):
+  """The resolved `Config` of one run: the study's recipe and shape, the run's variant, lambda, seed and other axes."""
+  return plan.config({}, run_dir, [*spec.overrides, *extra])
 
 
 # ------------------------------------------------------------------------------------------------ training
@@ -183,13 +158,13 @@ def train_run(cfg, run_dir: pathlib.Path, commit: dict | None = None) -> tuple[d
 
 # ----------------------------------------------------------------------------------------------------- evaluation
 
-def _held_out(run_dir: pathlib.Path, scale: Scale) -> tuple:
-  """(the run's model, restored from its latest checkpoint; the scale's held-out batches of its data: eval_batches
+def _held_out(run_dir: pathlib.Path, study: runner.StudySection) -> tuple:
+  """(the run's model, restored from its latest checkpoint; the study's held-out batches of its data: eval_batches
   batches of train.batch_size rows)."""
   from sinkjax.data import make_eval_batches  # lazy: the train extra (main() checks it), not loaded for --help
   from sinkjax.run import load_run  # lazy: the train extra (main() checks it), not loaded for --help
   model, cfg, tok, _ = load_run(run_dir)
-  return model, make_eval_batches(cfg.data, tok, batch_size=cfg.train.batch_size, num_batches=scale.eval_batches)
+  return model, make_eval_batches(cfg.data, tok, batch_size=cfg.train.batch_size, num_batches=study.eval_batches)
 
 
 EVAL_KEYS = ("val_bpb", "val_loss", "importance", "head_imbalance", "cv_per_layer", "first_token_attention",
@@ -197,22 +172,22 @@ EVAL_KEYS = ("val_bpb", "val_loss", "importance", "head_imbalance", "cv_per_laye
              "gate_mean", "m_act")
 
 
-def evaluate_run(run_dir: pathlib.Path, scale: Scale, *, tau: float = TAU) -> dict:
+def evaluate_run(run_dir: pathlib.Path, study: runner.StudySection, *, tau: float = TAU) -> dict:
   """paper_eval.json's record: `sinkjax.eval.evaluate` on the run's held-out batches (teacher-forced value zeroing
   included) plus its after-prefill value zeroing (`prefill_value_zeroing`) and the teacher-forced one on the same
   targets (`teacher_forced_value_zeroing`)."""
   from sinkjax import eval as eval_lib  # lazy: the train extra (main() checks it), not loaded for --help
   t0 = time.perf_counter()
-  model, batches = _held_out(run_dir, scale)
+  model, batches = _held_out(run_dir, study)
   report = eval_lib.evaluate(model, batches, tau=tau)
   rec = {k: report[k] for k in EVAL_KEYS}
   vz = report["value_zeroing"]
   rec["value_zeroing_teacher_forced"] = {k: vz[k] for k in ("tau", "bpb_none", "bpb_all", "bpb_selected",
                                                             "num_heads_selected", "num_heads")}
   rec["value_zeroing_after_prefill"] = eval_lib.prefill_value_zeroing(
-      model, batches, report["sink_ratio_alpha"], tau=tau, prompt_len=scale.prompt_len)
+      model, batches, report["sink_ratio_alpha"], tau=tau, prompt_len=study.prompt_len)
   rec["value_zeroing_teacher_forced_window"] = eval_lib.teacher_forced_value_zeroing(
-      model, batches, report["sink_ratio_alpha"], tau=tau, prompt_len=scale.prompt_len)
+      model, batches, report["sink_ratio_alpha"], tau=tau, prompt_len=study.prompt_len)
   rec.update(eval_tokens=report["eval_tokens"], eval_seconds=time.perf_counter() - t0)
   return rec
 
@@ -342,8 +317,8 @@ FINETUNE_TITLES = {"none": "no aux loss", "eq7": "eq. 7 (all heads)", "eq8_fixed
                    "eq8_repicked": "eq. 8, shared re-picked each step"}
 
 
-def finetune_run(scale: Scale, base_dir: pathlib.Path, spec: RunSpec, mode: str, run_dir: pathlib.Path,
-                 steps: int | None, commit: dict | None = None) -> dict:
+def finetune_run(plan: runner.Plan, base_dir: pathlib.Path, spec: RunSpec, mode: str, run_dir: pathlib.Path,
+                 commit: dict | None = None) -> dict:
   """Fine-tunes the trained base run `base_dir` (train.init_from) with `mode`'s loss and returns the held-out
   val BPB, importance and head imbalance (finetune_eval.json's record)."""
   from sinkjax import eval as eval_lib  # lazy: the train extra (main() checks it), not loaded for --help
@@ -351,9 +326,9 @@ def finetune_run(scale: Scale, base_dir: pathlib.Path, spec: RunSpec, mode: str,
   extra = [f"train.init_from={base_dir}", f"loss.aux_weight={weight}", f"loss.num_shared_heads={m}"]
   if fixed:
     extra.append(f"loss.shared_heads_from={base_dir / 'paper_eval.json'}")
-  cfg = run_config(scale, spec, run_dir, steps=steps or scale.finetune_steps, extra=extra)
+  cfg = run_config(plan, spec, run_dir, extra=[*extra, f"train.steps={plan.study.finetune_steps}"])
   done, _ = train_run(cfg, run_dir, commit)
-  model, batches = _held_out(run_dir, scale)
+  model, batches = _held_out(run_dir, plan.study)
   lm = eval_lib.language_model_metrics(model, batches)
   rec = {"mode": mode, "aux_weight": weight, "num_shared_heads": m, "shared_fixed": fixed, "steps": done["steps"],
          **{k: lm[k] for k in ("val_bpb", "importance", "head_imbalance")}}
@@ -378,7 +353,7 @@ def head_roles(before, after, m: int = FINETUNE_SHARED) -> dict:
           "layers_top_changed": changed, "top_heads_after": top_a.tolist()}
 
 
-def run_finetune(args, scale: Scale, specs: list[RunSpec], root: pathlib.Path, commit: dict | None = None) -> dict:
+def run_finetune(plan: runner.Plan, specs: list[RunSpec], root: pathlib.Path, commit: dict | None = None) -> dict:
   """Every trained base run of the first requested seed, fine-tuned in each FINETUNE_MODES mode (runs
   OUT/finetune/NAME_MODE, finished once finetune_eval.json is written; done.json records `commit`)."""
   study = runner.Study(root, layout="finetune/{name}", record="finetune_eval.json", stamp=False, commit=commit)
@@ -392,7 +367,7 @@ def run_finetune(args, scale: Scale, specs: list[RunSpec], root: pathlib.Path, c
     for j, mode in enumerate(FINETUNE_MODES):
       t0 = time.perf_counter()
       do = lambda d, spec=spec, mode=mode, base_dir=base_dir: (
-          finetune_run(scale, base_dir, spec, mode, d, args.steps, study.commit), "fine-tuned")
+          finetune_run(plan, base_dir, spec, mode, d, study.commit), "fine-tuned")
       rec = study.walk_one(runner.Run(f"{spec.name}_{mode}", do)).record
       if rec is None:
         raise StudyError(f"fine-tuning run {spec.name}_{mode} is being made by another process; rerun when it ends")
@@ -426,32 +401,44 @@ def finetune_markdown(ft: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------ driver
 
-def _lock(out: pathlib.Path, scale: Scale, steps: int | None) -> None:
+def scale_record(plan: runner.Plan) -> dict:
+  """What results.json / dose.json record of the study's scale: its name, overrides, evaluation sizes and note (the
+  keys the committed studies have), and the study file with its axes."""
+  st = plan.study
+  return {"name": st.scale or pathlib.Path(plan.path).stem, "overrides": list(plan.overrides),
+          "eval_batches": st.eval_batches, "prompt_len": st.prompt_len, "finetune_steps": st.finetune_steps,
+          "note": st.note, "study": plan.path, "axes": plan.axes}
+
+
+def _lock(out: pathlib.Path, plan: runner.Plan) -> None:
   """OUT/study.json pins the scale and steps: runs of another size in the same directory would not compare."""
-  want = {"scale": scale.name, "steps": steps}
+  want = {"scale": scale_record(plan)["name"], "steps": plan.config({}, "RUN_DIR").train.steps}
   have = _read_json(out / "study.json")
   if have is not None and have != want:
-    raise StudyError(f"--out {out} holds a study with --scale {have['scale']} --steps {have['steps']}; use those, "
-                     "or another --out")
+    raise StudyError(f"study.out {out} holds a study of scale {have['scale']} with {have['steps']} steps; use that, "
+                     "or another study.out")
   _write_json(out / "study.json", want)
 
 
-def collect(out: pathlib.Path) -> list[dict]:
-  """Every trained and evaluated run in OUT/runs (whatever invocation made it), with its imbalance curve."""
-  records = []
+def collect(out: pathlib.Path, specs: list[RunSpec]) -> list[dict]:
+  """Every trained and evaluated main-grid run in OUT/runs: those of `specs` and those another invocation made
+  (named VARIANT_LOSS_sSEED), with its imbalance curve; dose-study runs (lambda labels) are dose.json's."""
+  known = {s.name: s for s in specs if s.loss in LOSSES}
   for d in sorted((out / "runs").glob("*_s*")):
+    parts = d.name.rsplit("_", 2)
+    if d.name not in known and len(parts) == 3 and parts[0] in VARIANTS and parts[1] in LOSSES and \
+        parts[2][1:].isdigit():
+      known[d.name] = RunSpec(parts[0], parts[1], int(parts[2][1:]))
+  records = []
+  for name, spec in known.items():
+    d = out / "runs" / name
     done, ev = _read_json(d / "done.json"), _read_json(d / "paper_eval.json")
-    if done is None or ev is None:
-      continue
-    variant, loss, seed = d.name.rsplit("_", 2)
-    if loss not in LOSSES:                    # a dose-study run (--lambdas): dose.json's, not the main grid's
-      continue
-    records.append({"variant": variant, "loss": loss, "seed": int(seed[1:]), "run_dir": str(d), "name": d.name,
-                    "commit": done.get("commit"), "final_train_loss": done["final_loss"],
-                    "train_seconds": done["train_seconds"], **ev,
-                    "imbalance_curve": imbalance_curve(d)})
+    if done is not None and ev is not None:
+      records.append({"variant": spec.variant, "loss": spec.loss, "seed": spec.seed, "run_dir": str(d), "name": name,
+                      "commit": done.get("commit"), "final_train_loss": done["final_loss"],
+                      "train_seconds": done["train_seconds"], **ev, "imbalance_curve": imbalance_curve(d)})
   order = {v: i for i, v in enumerate(VARIANTS)}
-  return sorted(records, key=lambda r: (order[r["variant"]], list(LOSSES).index(r["loss"]), r["seed"]))
+  return sorted(records, key=lambda r: (order[r["variant"]], list(LOSSES).index(r["loss"]), r["seed"], r["name"]))
 
 
 def machine_info() -> dict:
@@ -460,16 +447,15 @@ def machine_info() -> dict:
           "load_start": [round(x, 2) for x in os.getloadavg()]}
 
 
-def write_results(out: pathlib.Path, args, scale: Scale, specs, machine: dict, ft: dict | None) -> dict:
+def write_results(out: pathlib.Path, plan: runner.Plan, specs, machine: dict, ft: dict | None, command: str) -> dict:
   """results.json, results.md and the figures from every finished run in OUT."""
-  records = collect(out)
+  records = collect(out, specs)
   if not records:
     raise StudyError(f"no finished runs in {out}/runs yet")
   commit = one_commit(records)
-  recipe = config_lib.to_dict(run_config(scale, specs[0], "RUN_DIR", steps=args.steps))
+  recipe = config_lib.to_dict(run_config(plan, specs[0], "RUN_DIR"))
   machine = {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]}
-  res = {"command": "python -m sinkjax.experiments.paper " + " ".join(args.argv), "scale": dataclasses.asdict(scale),
-         "commit": commit, "recipe": recipe, "machine": machine, "seeds": sorted({s.seed for s in specs}),
+  res = {"command": command, "scale": scale_record(plan), "commit": commit, "recipe": recipe, "machine": machine, "seeds": sorted({s.seed for s in specs}),
          "variants": list(dict.fromkeys(s.variant for s in specs)), "grid_size": len(specs), "runs": records,
          "table1": table1(records), "value_zeroing": value_zeroing_table(records), "finetune": ft}
   curves = {}
@@ -490,13 +476,13 @@ def write_results(out: pathlib.Path, args, scale: Scale, specs, machine: dict, f
   return res
 
 
-def paper_run(scale: Scale, spec: RunSpec, steps: int | None, commit: dict | None = None) -> runner.Run:
+def paper_run(plan: runner.Plan, spec: RunSpec, commit: dict | None = None) -> runner.Run:
   """One run of a study for the runner: trains it (unless done.json says it finished; done.json records `commit`)
   and evaluates it (`evaluate_run`, the record the runner writes to paper_eval.json)."""
   def do(run_dir):
     try:
-      _, trained = train_run(run_config(scale, spec, run_dir, steps=steps), run_dir, commit)
-      rec = evaluate_run(run_dir, scale)
+      _, trained = train_run(run_config(plan, spec, run_dir), run_dir, commit)
+      rec = evaluate_run(run_dir, plan.study)
     except UserError as e:              # a bad config, data or checkpoint, a failed run: which run it was
       raise StudyError(f"run {spec.name}: {e}") from e
     return rec, "trained + evaluated" if trained else "evaluated (trained before)"
@@ -512,11 +498,10 @@ def _progress(res: runner.Result, i: int, n: int, t_start: float, label: str = "
         f"({res.seconds:.0f} s; study {time.perf_counter() - t_start:.0f} s)", flush=True)
 
 
-def run_study(args, scale: Scale, specs: list[RunSpec], mirror=None) -> dict:
-  """Trains and evaluates every run of the grid not yet done (a progress line each), then writes the results.
-  `mirror` (`sinkjax.paths.Mirror`) uploads each finished run when --out is a bucket."""
-  out = pathlib.Path(mirror.local if mirror is not None else args.out)
-  sync = mirror.sync if mirror is not None else (lambda: 0)
+def run_study(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, report_only: bool = False,
+              command: str = "", sync=lambda: 0) -> dict:
+  """Trains and evaluates every run of the grid not yet done (a progress line each), then writes the results;
+  `sync` (a bucket mirror's) runs after each run."""
   machine = machine_info()
   t_start = time.perf_counter()
   study = grid_study(out)
@@ -524,12 +509,12 @@ def run_study(args, scale: Scale, specs: list[RunSpec], mirror=None) -> dict:
   def done(i, n, res):
     _progress(res, i, n, t_start)
     sync()
-  study.walk([] if args.report_only else [paper_run(scale, s, args.steps, study.commit) for s in specs], done)
-  ft = run_finetune(args, scale, specs, out, study.commit) if args.finetune and not args.report_only else \
-      _read_json(out / "finetune.json")
-  if args.finetune and not args.report_only:
+  study.walk([] if report_only else [paper_run(plan, s, study.commit) for s in specs], done)
+  finetune = plan.study.finetune and not report_only
+  ft = run_finetune(plan, specs, out, study.commit) if finetune else _read_json(out / "finetune.json")
+  if finetune:
     _write_json(out / "finetune.json", ft)
-  res = write_results(out, args, scale, specs, machine, ft)
+  res = write_results(out, plan, specs, machine, ft, command)
   sync()
   return res
 
@@ -550,32 +535,32 @@ def _flatten(d: dict, prefix: str = "") -> dict:
   return out
 
 
-def recipe_differences(scale: Scale, committed: dict, steps: int | None) -> dict:
+def recipe_differences(plan: runner.Plan, committed: dict) -> dict:
   """How the config this checkout resolves for the committed study's first run differs from the recipe stored in
   its results.json: {"changed": {key: [committed, now]}, "new": [keys this checkout has that it lacks],
   "gone": [keys it has that this checkout lacks]}. Reuse requires "changed" and "gone" empty (a key added since,
   at a default that keeps the old behaviour, is listed but does not block)."""
   first = committed["runs"][0]
   spec = RunSpec(first["variant"], first["loss"], first["seed"])
-  now = _flatten(config_lib.to_dict(run_config(scale, spec, "RUN_DIR", steps=steps)))
+  now = _flatten(config_lib.to_dict(run_config(plan, spec, "RUN_DIR")))
   then = _flatten(committed["recipe"])
   changed = {k: [then[k], now[k]] for k in then if k in now and then[k] != now[k]}
   return {"changed": changed, "new": sorted(set(now) - set(then)), "gone": sorted(set(then) - set(now))}
 
 
-def reusable_records(path, scale: Scale, steps: int | None) -> tuple[dict, dict]:
+def reusable_records(path, plan: runner.Plan) -> tuple[dict, dict]:
   """({(variant, loss, seed): record}, why) of the committed main-grid study at `path` whose runs the dose study can
-  stand on instead of retraining (lambda 0 = base, 1e-4 = aux): only when it is the same scale and steps and its
-  recipe matches this checkout's (`recipe_differences`) and its runs were made with this checkout's commit;
+  stand on instead of retraining (lambda 0 = base, 1e-4 = aux): only when it is the same scale, its recipe matches
+  this study's (`recipe_differences`: the steps included) and its runs were made with this checkout's commit;
   otherwise ({}, why not)."""
-  if path is None or not pathlib.Path(path).is_file():
-    return {}, {"reused": False, "reason": f"no committed results at {path}"}
+  if not path or not pathlib.Path(path).is_file():
+    return {}, {"reused": False, "reason": f"no committed results at {path or '(study.reuse unset)'}"}
   committed = json.loads(pathlib.Path(path).read_text())
   why = {"path": str(path), "command": committed.get("command")}
-  if committed["scale"]["name"] != scale.name or steps is not None:
-    return {}, {**why, "reused": False, "reason": f"scale {committed['scale']['name']} at its own steps; this "
-                f"invocation: scale {scale.name}, steps {steps}"}
-  diff = recipe_differences(scale, committed, steps)
+  name = scale_record(plan)["name"]
+  if committed["scale"]["name"] != name:
+    return {}, {**why, "reused": False, "reason": f"scale {committed['scale']['name']}; this study: scale {name}"}
+  diff = recipe_differences(plan, committed)
   why.update(recipe_differences=diff)
   if diff["changed"] or diff["gone"]:
     return {}, {**why, "reused": False, "reason": "the recipe differs"}
@@ -611,32 +596,73 @@ def dose_records(out: pathlib.Path, specs: list[RunSpec], reuse: dict) -> list[d
   return records
 
 
-def run_dose(args, scale: Scale, specs: list[RunSpec], out: pathlib.Path) -> dict:
-  """Trains and evaluates the dose grid's runs that neither OUT/runs nor the reusable committed study hold, then
-  writes dose.json (its statistics, dose.md and figures are `sinkjax.experiments.paper_report`'s)."""
-  reuse, why = reusable_records(args.reuse, scale, args.steps)
-  print(f"reuse of {args.reuse}: {why.get('reused')} {why.get('reason', '')}", flush=True)
+def run_dose(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, report_only: bool = False,
+             command: str = "") -> dict:
+  """Trains and evaluates the dose grid's runs that neither OUT/runs nor the reusable committed study
+  (study.reuse) hold, then writes dose.json (its statistics, dose.md and figures are `paper_report`'s)."""
+  reuse, why = reusable_records(plan.study.reuse, plan)
+  print(f"reuse of {plan.study.reuse}: {why.get('reused')} {why.get('reason', '')}", flush=True)
   t_start = time.perf_counter()
   study = grid_study(out)
-  for i, spec in enumerate([] if args.report_only else specs, 1):
+  for i, spec in enumerate([] if report_only else specs, 1):
     if study.state(spec.name) != "done" and (spec.variant, spec.loss, spec.seed) in reuse:
-      print(f"[{i}/{len(specs)}] {spec.name}: reused from {args.reuse}", flush=True)
+      print(f"[{i}/{len(specs)}] {spec.name}: reused from {plan.study.reuse}", flush=True)
       continue
-    res = study.walk_one(paper_run(scale, spec, args.steps, study.commit))
+    res = study.walk_one(paper_run(plan, spec, study.commit))
     _progress(res, i, len(specs), t_start, f" (lambda {spec.lam:g})")
   records = dose_records(out, specs, reuse)
   if not records:
     raise StudyError(f"no finished dose runs in {out}/runs and nothing reusable")
-  commit = one_commit(records)
-  res = {"command": "python -m sinkjax.experiments.paper " + " ".join(args.argv), "scale": dataclasses.asdict(scale),
-         "lambdas": sorted({s.lam for s in specs}), "seeds": sorted({s.seed for s in specs}),
-         "variants": list(dict.fromkeys(s.variant for s in specs)), "grid_size": len(specs), "reuse": why,
-         "commit": commit,
-         "machine": {**machine_info()}, "runs": records}
+  res = {"command": command, "scale": scale_record(plan), "lambdas": sorted({s.lam for s in specs}),
+         "seeds": sorted({s.seed for s in specs}), "variants": list(dict.fromkeys(s.variant for s in specs)),
+         "grid_size": len(specs), "reuse": why, "commit": one_commit(records), "machine": machine_info(),
+         "runs": records}
   _write_json(out / "dose.json", res)
-  print(f"wrote {out / 'dose.json'}; statistics, dose.md and figures: python -m sinkjax.experiments.paper_report "
-        f"--dose {out / 'dose.json'} --write", flush=True)
+  print(f"wrote {out / 'dose.json'} ({len(records)} finished runs of {len(specs)}); statistics, dose.md and "
+        f"figures: python -m sinkjax.experiments.paper_report --dose {out / 'dose.json'} --write", flush=True)
   return res
+
+
+def dry_run(plan: runner.Plan, specs: list[RunSpec]) -> None:
+  """Lists the grid and each run's state; trains nothing."""
+  out = pathlib.Path(plan.study.out)
+  reuse = reusable_records(plan.study.reuse, plan)[0] if plan.study.kind == "dose" else {}
+  print(f"{plan.path}: scale {scale_record(plan)['name']}: {plan.study.note}")
+  for i, s in enumerate(specs, 1):
+    d = out / "runs" / s.name
+    state = ("evaluated" if (d / "paper_eval.json").is_file() else "trained" if (d / "done.json").is_file() else
+             "started" if d.is_dir() else "reused from study.reuse" if (s.variant, s.loss, s.seed) in reuse else
+             "to do")
+    print(f"[{i}/{len(specs)}] {s.name}: {s.variant} attention, loss.aux_weight={s.lam:g}, seed {s.seed}"
+          f" -> {d} ({state})")
+
+
+def run_plan(plan: runner.Plan, *, dry_run_only: bool = False, report_only: bool = False, command: str = "") -> None:
+  """A paper or dose study file, run (`sinkjax.experiments.study`'s kinds paper and dose): the grid trained and
+  evaluated in study.out (a gs:// / s3:// one is made locally, then uploaded), then its results."""
+  specs = specs_of(plan)
+  if dry_run_only:
+    dry_run(plan, specs)
+    return
+  if plan.config({}, "RUN_DIR").model.dtype == "bfloat16" and jax.default_backend() == "cpu":
+    raise StudyError(f"{plan.path} trains in bfloat16 for a GPU (JAX sees only the CPU); use paper_cpu.yaml")
+  mirror = paths.Mirror(plan.study.out)     # study.out may be gs:// / s3://: the runs are made locally, then uploaded
+  local = mirror.local
+  try:
+    local.mkdir(parents=True, exist_ok=True)
+    # held while the study runs; --report-only trains nothing and may run beside a study that is training
+    lock = None if report_only else runner.exclusive(local, "study.out")  # noqa: F841  # pylint: disable=unused-variable
+    _lock(local, plan)
+  except OSError as e:
+    raise StudyError(f"study.out {local}: {e.strerror or e}") from None
+  if plan.study.kind == "dose":
+    run_dose(plan, specs, local, report_only=report_only, command=command)
+    mirror.sync()
+    return
+  res = run_study(plan, specs, local, report_only=report_only, command=command, sync=mirror.sync)
+  url = plan.study.out.rstrip("/")
+  print(f"wrote {url}/results.json, {url}/results.md and {len(res['figures'])} figures "
+        f"({len(res['runs'])} finished runs)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -644,8 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
                  description="[Sink-MoE]'s from-scratch study: attention variants x {base, base + aux (eq. 7)} x "
                              "seeds with the paper's recipe, evaluated (Table 1, Fig. 5, first-token attention, "
                              "value zeroing both ways, importance), resumable; --finetune adds eq. 7 vs eq. 8 "
-                             "fine-tuning.")
-  p.add_argument("--scale", choices=(*SCALES, "tpu"), default="cpu",
+                             "fine-tuning. The flags spell keys of the study file configs/studies/paper_SCALE.yaml "
+                             "(python -m sinkjax.experiments.study FILE key=value ... runs any study file).")
+  p.add_argument("--scale", choices=("cpu", "gpu", "smoke", "tpu"), default="cpu",
                  help="cpu: ~2-3 min runs on 2 idle cores; gpu: ~3-5 min runs on one GPU; smoke: 2-step test runs; "
                       "tpu: configs/paper/'s 18 runs on a TPU slice (the options below)")
   p.add_argument("--seeds", type=int_at_least(1), default=None, help="number of seeds (default 3; --scale tpu: 1)")
@@ -675,38 +702,16 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def _dry_run(out: pathlib.Path, scale: Scale, specs, reuse=()) -> None:
-  print(f"scale {scale.name}: {scale.note}")
-  for i, s in enumerate(specs, 1):
-    d = out / "runs" / s.name
-    state = ("evaluated" if (d / "paper_eval.json").is_file() else "trained" if (d / "done.json").is_file() else
-             "started" if d.is_dir() else "reused from --reuse" if (s.variant, s.loss, s.seed) in reuse else
-             "to do")
-    print(f"[{i}/{len(specs)}] {s.name}: {s.variant} attention, loss.aux_weight={s.lam:g}, seed {s.seed}"
-          f" -> {d} ({state})")
-
-
-def main(argv=None) -> int:
-  cli.require_extra("sinkjax.experiments.paper")   # the study trains (sinkjax.train imported when it runs)
-  argv = sys.argv[1:] if argv is None else list(argv)
-  parser = build_parser()
-  args = parser.parse_args(argv)
-  args.argv = argv
-  if args.variants is None:
-    args.variants = "gated" if args.lambdas else ",".join(VARIANTS)
-  if args.reuse == "none":
-    args.reuse = None
-  variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+def study_overrides(args, parser) -> list[str]:
+  """The study file's keys that the parsed flags set."""
+  variants = [v.strip() for v in (args.variants or ("gated" if args.lambdas else ",".join(VARIANTS))).split(",")
+              if v.strip()]
   bad = [v for v in variants if v not in VARIANTS]
   if bad or not variants:
     parser.error(f"--variants: unknown variant(s) {','.join(bad) or repr(args.variants)}; choose from "
                  f"{','.join(VARIANTS)}")
-  if args.seeds is None:
-    args.seeds = 1 if args.scale == "tpu" else 3
-  if args.scale == "tpu":
-    return paper_tpu.main(args, parser)
-  scale = SCALES[args.scale]
-  seeds = range(args.first_seed, args.first_seed + args.seeds)
+  seeds = list(range(args.first_seed, args.first_seed + (args.seeds or 3)))
+  out = [f"study.out={args.out}", f"axes.train.seed={json.dumps(seeds)}", f"axes.model.attention={json.dumps(variants)}"]
   if args.lambdas:
     try:
       lambdas = sorted({float(x) for x in args.lambdas.split(",") if x.strip()})
@@ -716,37 +721,27 @@ def main(argv=None) -> int:
       parser.error(f"--lambdas: non-negative numbers, got {args.lambdas!r}")
     if args.finetune:
       parser.error("--finetune belongs to the main grid, not to the dose study (--lambdas)")
-    specs = make_dose_grid(variants, lambdas, seeds)
-  else:
-    specs = make_grid(variants, seeds)
-  out = pathlib.Path(args.out)
-  if args.dry_run:
-    _dry_run(out, scale, specs, reusable_records(args.reuse, scale, args.steps)[0] if args.lambdas else ())
-    return 0
-  if args.scale == "gpu" and jax.default_backend() == "cpu":
-    parser.error("--scale gpu needs a GPU (JAX sees only the CPU); use --scale cpu")
+    out += ["study.kind=dose", f"axes.loss.aux_weight={json.dumps(lambdas)}",
+            f"study.reuse={'' if args.reuse == 'none' else args.reuse}"]
+  if args.steps is not None:
+    out += [f"train.steps={args.steps}", f"study.finetune_steps={args.steps}"]
+  return out + (["study.finetune=true"] if args.finetune else [])
 
-  def study():
-    local = out
-    try:
-      mirror = paths.Mirror(args.out)        # --out may be gs:// / s3://: the runs are made locally, then uploaded
-      local = mirror.local
-      local.mkdir(parents=True, exist_ok=True)
-      # held while the study runs; --report-only trains nothing and may run beside a study that is training
-      lock = None if args.report_only else runner.exclusive(local)  # noqa: F841  # pylint: disable=unused-variable
-      _lock(local, scale, args.steps)
-      if args.lambdas:
-        res = run_dose(args, scale, specs, local)
-        print(f"wrote {local}/dose.json ({len(res['runs'])} finished runs of {len(specs)})")
-        mirror.sync()
-        return
-      res = run_study(args, scale, specs, mirror)
-    except OSError as e:
-      parser.error(f"--out {local}: {e.strerror or e}")
-    url = args.out.rstrip("/")
-    print(f"wrote {url}/results.json, {url}/results.md and {len(res['figures'])} figures "
-          f"({len(res['runs'])} finished runs)")
-  return cli.run_main("sinkjax.experiments.paper", study)
+
+def main(argv=None) -> int:
+  cli.require_extra("sinkjax.experiments.paper")   # the study trains (sinkjax.train imported when it runs)
+  argv = sys.argv[1:] if argv is None else list(argv)
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.scale == "tpu":
+    args.variants = args.variants or ",".join(VARIANTS)
+    args.seeds = args.seeds or 1
+    return paper_tpu.main(args, parser)
+  overrides = study_overrides(args, parser)
+  command = "python -m sinkjax.experiments.paper " + " ".join(argv)
+  return cli.run_main("sinkjax.experiments.paper", lambda: run_plan(
+      runner.load_plan(STUDIES / f"paper_{args.scale}.yaml", overrides), dry_run_only=args.dry_run,
+      report_only=args.report_only, command=command))
 
 
 if __name__ == "__main__":

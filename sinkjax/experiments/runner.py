@@ -14,6 +14,11 @@ what it did). A `Study` walks a list of them in order and, for each:
 - copies the run's own **raw files** (records, metrics.jsonl, config.yaml: no checkpoints) to RAW/NAME, small enough
   to commit.
 
+A study is a YAML file (`Plan`, `load_plan`; configs/studies/): `base:` the recipe config every run starts from (or
+another study file it extends), the config sections every run sets, `study:` the study's own keys (`StudySection`:
+its kind, output directory, evaluation sizes) and `axes:` one config key per line with its values: the grid is their
+product, the first axis outermost. `python -m sinkjax.experiments.study FILE [key=value ...]` runs it.
+
 Aggregation reads the records back (`Study.records`) and refuses runs of different commits (`one_commit`: a
 one-line `StudyError` naming each commit's runs). `exclusive(dir)` locks a whole study directory for drivers that
 allow one invocation at a time.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import itertools
 import json
 import os
 import pathlib
@@ -30,7 +36,11 @@ import subprocess
 import time
 from typing import Any, Callable
 
+import yaml
+
+from sinkjax import config as config_lib
 from sinkjax.cli import UserError
+from sinkjax.config import key
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -228,3 +238,107 @@ class Study:
   def records(self, names) -> dict[str, dict]:
     """{name: record} of the named runs that are finished, in the given order."""
     return {n: r for n in names if (r := read_json(self.record_path(n))) is not None}
+
+
+# ------------------------------------------------------------------------------------------------- study files
+
+STUDY_KINDS = ("paper", "dose", "pinning")
+
+
+@dataclasses.dataclass
+class StudySection:
+  """The `study:` section of a study file: what the study is, where it writes, and how much it evaluates."""
+  kind: str = key("paper", choices=STUDY_KINDS)   # which driver makes each run and which report reads them
+  out: str = "runs/study"           # the study's directory (runs/NAME, raw/NAME, results); gs:// / s3:// for paper
+  scale: str = ""                   # the scale's name, recorded (a dose study reuses main-grid runs of its scale)
+  note: str = ""                    # one line on the runs' shape, for the report
+  eval_batches: int = key(8, ">=1")  # held-out batches (of train.batch_size rows) per evaluation
+  prompt_len: int = key(64, ">=1")   # after-prefill value zeroing: tokens prefilled before the scored continuation
+  finetune: bool = False            # paper: also fine-tune each base run of the first seed, eq. 7 vs eq. 8
+  finetune_steps: int = key(100, ">=1")
+  reuse: str = ""                   # dose: a committed main-grid results.json whose runs stand in (same recipe+commit)
+  run: str = ""                     # pinning: the imported model's run directory
+  allow_dirty: bool = False         # pinning: run from a checkout with uncommitted changes (records say dirty)
+
+
+def _flat(tree: dict, prefix: str = "") -> list[str]:
+  """A config mapping as `dotted.key=value` overrides (values written as YAML / JSON scalars and lists)."""
+  out = []
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out += _flat(v, f"{prefix}{k}.")
+    else:
+      out.append(f"{prefix}{k}={v if isinstance(v, str) else json.dumps(v)}")
+  return out
+
+
+def _merge(base: dict, tree: dict) -> dict:
+  """`tree` over `base`, section by section (an axis of `tree` replaces the same axis of `base`, keeping its place)."""
+  out = dict(base)
+  for k, v in tree.items():
+    if k == "axes":
+      out[k] = {**(base.get("axes") or {}), **v}
+    elif isinstance(v, dict) and isinstance(out.get(k), dict):
+      out[k] = _merge(out[k], v)
+    else:
+      out[k] = v
+  return out
+
+
+def _read_study(path: pathlib.Path) -> tuple[pathlib.Path, dict]:
+  """(the recipe config's path, the merged tree of the study file and the study files it extends through base:)."""
+  if not path.is_file():
+    raise StudyError(f"study file {path} does not exist (see configs/studies/)")
+  tree = yaml.safe_load(path.read_text()) or {}
+  if not isinstance(tree, dict) or "base" not in tree or "axes" not in tree and "study" not in tree:
+    raise StudyError(f"{path} is not a study file: it needs base: (the recipe), study: and axes: (configs/studies/)")
+  base = path.parent / tree.pop("base")
+  if not base.is_file():
+    raise StudyError(f"{path}: base {base} does not exist")
+  above = yaml.safe_load(base.read_text()) or {}
+  if "axes" in above or "study" in above:              # a study built on another study
+    recipe, parent = _read_study(base)
+    return recipe, _merge(parent, tree)
+  return base, tree
+
+
+@dataclasses.dataclass
+class Plan:
+  """A loaded study file: its section, the recipe and the overrides every run gets, and the axes of its grid."""
+  path: str
+  study: StudySection
+  recipe: str
+  overrides: tuple[str, ...]
+  axes: dict
+
+  def runs(self) -> list[dict]:
+    """Every combination of the axes' values ({key: value}), the first axis outermost."""
+    return [dict(zip(self.axes, vs)) for vs in itertools.product(*self.axes.values())]
+
+  def config(self, run: dict, run_dir, extra=()) -> config_lib.Config:
+    """The resolved config of one run: the recipe, the study's overrides, the run's axis values, its run.dir."""
+    return config_lib.load_config(self.recipe, [*self.overrides, *_flat(run), f"run.dir={run_dir}", *extra])
+
+
+def load_plan(path, overrides=()) -> Plan:
+  """Reads a study file; `overrides` (`key=value`, as on the command line) set config keys of every run,
+  `study.KEY=...` the study's own keys and `axes.KEY=[v1, v2]` (or one value) an axis, added last when new."""
+  recipe, tree = _read_study(pathlib.Path(path))
+  section, axes = tree.pop("study", {}) or {}, dict(tree.pop("axes", {}) or {})
+  flat = []
+  for text in overrides:
+    k, v = config_lib.parse_override(text)
+    if k.startswith("study."):
+      section = {**section, k[6:]: v}
+    elif k.startswith("axes."):
+      values = yaml.safe_load(v)
+      axes[k[5:]] = values if isinstance(values, list) else [values]
+    else:
+      flat.append(text)
+  study = config_lib.apply_section(StudySection(), section, str(path), "study")
+  for k, vs in axes.items():
+    if not isinstance(vs, list) or not vs:
+      raise StudyError(f"{path}: axis {k} must be a non-empty list of values, got {vs!r}")
+  plan = Plan(str(path), study, str(recipe), tuple(_flat(tree) + flat), axes)
+  plan.config(plan.runs()[0] if axes else {}, "RUN_DIR")          # a bad key or value: one line now, not mid-study
+  return plan
