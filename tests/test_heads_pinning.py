@@ -77,7 +77,7 @@ def _fake_results(root, seeds=(0, 1, 2), docs=20, steps=40):
   (root / "shared_heads.json").write_text(json.dumps({"importance": [[0.5]], "documents": 8, **commit}))
   (root / "nll_step0.json").write_text(json.dumps({**nll_file(0.0), "documents": docs}))
   shifts = {"base": 0.0, "eq7": 0.03, "eq8": 0.01}
-  for arm, s in hp.plan(seeds):
+  for arm, s in hp.run_order(seeds):
     d = root / "raw" / hp.run_name(arm, s)
     d.mkdir()
     for st in hp._eval_steps(steps):                     # pylint: disable=protected-access
@@ -141,5 +141,20 @@ def test_interrupted_run_is_emptied_but_its_lock_kept(tmp_path):
 
 
 def test_plan_runs_the_contrast_first_and_seeds_whole():
-  assert hp.plan((0, 1))[:3] == [("eq7", 0), ("eq8", 0), ("base", 0)]
-  assert [s for _, s in hp.plan((0, 1))] == [0, 0, 0, 1, 1, 1]
+  assert hp.run_order((0, 1))[:3] == [("eq7", 0), ("eq8", 0), ("base", 0)]
+  assert [s for _, s in hp.run_order((0, 1))] == [0, 0, 0, 1, 1, 1]
+
+
+def test_study_file_gives_each_arm_the_papers_lora_and_its_loss(tmp_path):
+  """configs/studies/heads_pinning.yaml plus a run's overrides: LoRA rank 16 / alpha 32 ([Sink-MoE]'s), eq. 8's
+  λ 1e-2 and m = 2 with the shared set from OUT/shared_heads.json, the seed, one epoch's steps and the checkpoints
+  of every tenth step kept (183 // 10 + 2 = 20)."""
+  from sinkjax.experiments import runner
+  plan = runner.load_plan(hp.STUDY_FILE, [f"study.out={tmp_path}", "study.run=runs/smollm2"])
+  corpus = {n: {"path": str(tmp_path / f"{n}.jsonl")} for n in ("train", "heldout")}
+  cfg = plan.config({}, "X", hp.finetune_overrides("runs/smollm2", "eq8", 1, corpus, tmp_path, 183))
+  assert (cfg.lora.rank, cfg.lora.alpha, cfg.loss.aux_weight, cfg.loss.num_shared_heads) == (16, 32.0, 1e-2, 2)
+  assert cfg.loss.shared_heads_from == str(tmp_path / "shared_heads.json") and cfg.train.seed == 1
+  assert (cfg.train.steps, cfg.checkpoint.every, cfg.checkpoint.keep) == (183, 10, 20)
+  assert cfg.run.dir == str(tmp_path / "runs" / "eq8_lora_s1") and cfg.data.source == corpus["train"]["path"]
+  assert plan.axes == {"train.seed": [0, 1, 2]}

@@ -1,7 +1,12 @@
 """[Sink-MoE] App. D (head pinning) on SmolLM2-135M at the paper's budget, with per-document held-out losses.
 
+    python -m sinkjax.experiments.study configs/studies/heads_pinning.yaml [study.run=RUN] [study.out=OUT] ...
     python -m sinkjax.experiments.heads_pinning --run RUN --out OUT [--results DIR] [--seeds 0 1 2] [--allow-dirty]
                                                [--only null|pinning|report]
+
+The study file holds the fine-tuning config (configs/finetune_smollm2.yaml with the paper's LoRA rank) and the seeds
+(`axes: train.seed`); the flags spell its keys (--run: study.run, --out: study.out, --results: study.results,
+--seeds: axes.train.seed, --steps: train.steps, --allow-dirty: study.allow_dirty).
 
 `--run` is the imported SmolLM2-135M-Instruct (docs/CONVERT.md). The corpus is `heads_real.english_corpus` (offline
 English from this Python's standard library: analysis / heldout / train documents). The study, resumable:
@@ -57,7 +62,6 @@ ARMS = {"base": (0.0, 0), "eq7": (1e-2, 0), "eq8": (1e-2, 2)}     # name -> (lam
 ARM_TITLES = {"base": "base", "eq7": "eq. 7", "eq8": "eq. 8"}
 CONTRASTS = (("eq8", "eq7"), ("eq7", "base"), ("eq8", "base"))        # the paper's point first
 SEEDS = (0, 1, 2)
-LORA = ("lora.rank=16", "lora.alpha=32.0")
 EVAL_STEPS = (30, 100)                      # besides step 0 and the end
 DOC_TOKENS = 208                            # a held-out document's first DOC_TOKENS + 1 tokens are scored
 SHARED_DOCS = 128
@@ -70,6 +74,7 @@ METRICS = (("val_loss", "held-out loss (nats/token)"), ("imbalance", "head imbal
 DOC_KEYS = ("tokens", "nll_sum", "val_loss", "imbalance", "shared_importance", "routed_importance", "routed_cv",
             "mean_importance")
 RAW_FILES = ("record.json", "metrics.jsonl", "config.yaml")
+STUDY_FILE = runner.REPO / "configs" / "studies" / "heads_pinning.yaml"
 BOOTSTRAP = 10000
 
 _read, _write, _log, _commit = runner.read_json, runner.write_json, heads_real._log, heads_real._commit  # pylint: disable=protected-access
@@ -79,7 +84,7 @@ def run_name(arm: str, seed: int) -> str:
   return f"{arm}_lora_s{seed}"
 
 
-def plan(seeds=SEEDS) -> list[tuple[str, int]]:
+def run_order(seeds=SEEDS) -> list[tuple[str, int]]:
   """(arm, seed) in the order they run: seed by seed, each seed's three arms together, eq. 7 and eq. 8 first."""
   return [(arm, s) for s in seeds for arm in PLAN_ARMS]
 
@@ -207,25 +212,24 @@ def step0(run: str, corpus: dict, out: pathlib.Path, shared_imp) -> dict:
 
 
 def finetune_overrides(run: str, arm: str, seed: int, corpus: dict, out: pathlib.Path, steps: int) -> list[str]:
-  """What one run sets on top of configs/finetune_smollm2.yaml: the arm's λ and m (eq. 8's shared set fixed up front
-  from OUT/shared_heads.json), the paper's LoRA rank, one epoch of all train documents (data.val_source = the
+  """What one run sets on top of the study's config: the arm's λ and m (eq. 8's shared set fixed up front from
+  OUT/shared_heads.json), one epoch of all train documents (data.val_source = the
   held-out ones, never evaluated by train), and a checkpoint every 10 steps (the evaluated ones are kept)."""
   lam, m = ARMS[arm]
   return [f"train.init_from={run}", f"data.source={corpus['train']['path']}", f"run.dir={out / 'runs' / run_name(arm, seed)}",
           f"train.seed={seed}", f"loss.aux_weight={lam}", f"loss.num_shared_heads={m}",
-          f"loss.shared_heads_from={out / 'shared_heads.json' if m else ''}", f"train.steps={steps}", *LORA,
+          f"loss.shared_heads_from={out / 'shared_heads.json' if m else ''}", f"train.steps={steps}",
           f"data.val_source={corpus['heldout']['path']}", "train.eval_batches=0", "loss.aux_term=true",
           "checkpoint.every=10", f"checkpoint.keep={steps // 10 + 2}"]
 
 
-def epoch_steps(run: str, corpus: dict) -> int:
+def epoch_steps(plan: runner.Plan, corpus: dict) -> int:
   """Optimizer steps in one pass over the train documents: their packed rows (data.seq_len, data.packing) over
   train.batch_size."""
-  from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
   from sinkjax.data import build_tokenizer, make_eval_batches  # pylint: disable=import-outside-toplevel
   from sinkjax.run import read_run_config  # pylint: disable=import-outside-toplevel
-  cfg = config_lib.load_config(str(heads_real.CONFIG), [f"data.source={corpus['train']['path']}"])
-  cfg.data.tokenizer = read_run_config(run).data.tokenizer
+  cfg = plan.config({}, "RUN_DIR", [f"data.source={corpus['train']['path']}"])
+  cfg.data.tokenizer = read_run_config(plan.study.run).data.tokenizer
   batches = make_eval_batches(cfg.data, build_tokenizer(cfg.data), batch_size=1, num_batches=None, split="all")
   rows = sum(int(b["segment_ids"].any()) for b in batches)
   return math.ceil(rows / cfg.train.batch_size)
@@ -246,19 +250,18 @@ def _eval_steps(steps: int) -> list[int]:
   return sorted({s for s in EVAL_STEPS if s < steps} | {steps})
 
 
-def finetune(run: str, arm: str, seed: int, corpus: dict, out: pathlib.Path, steps: int, shared_imp) -> runner.Run:
+def finetune(plan: runner.Plan, arm: str, seed: int, corpus: dict, steps: int, shared_imp) -> runner.Run:
   """One fine-tuning run from step 0 (an interrupted one is dropped first), its evaluations at `_eval_steps`
   (nll_step<S>.json) and its record."""
-  overrides = finetune_overrides(run, arm, seed, corpus, out, steps)
+  overrides = finetune_overrides(plan.study.run, arm, seed, corpus, pathlib.Path(plan.study.out), steps)
   lam, m = ARMS[arm]
 
   def do(run_dir):
-    from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
     from sinkjax.train import train  # pylint: disable=import-outside-toplevel
     dropped = _empty(run_dir)
     if dropped:
       _log(f"{run_dir.name}: an interrupted run was dropped; made again from step 0")
-    cfg = config_lib.load_config(str(heads_real.CONFIG), list(overrides))
+    cfg = plan.config({}, run_dir, overrides)
     t0 = time.perf_counter()
     summary = train(cfg, progress=False)
     seconds = time.perf_counter() - t0
@@ -366,7 +369,7 @@ def summarize(results: pathlib.Path, seeds=SEEDS) -> dict:
   s0 = _read(results / "nll_step0.json")
   if shared is None or s0 is None:
     raise StudyError(f"{results} holds no shared_heads.json / nll_step0.json; run the study first")
-  recs = {(a, s): r for a, s in plan(seeds) if (r := _read(results / "raw" / run_name(a, s) / "record.json"))}
+  recs = {(a, s): r for a, s in run_order(seeds) if (r := _read(results / "raw" / run_name(a, s) / "record.json"))}
   commit = one_commit(list(recs.values()) + [shared, s0])
   dirty = sorted({bool(r.get("dirty")) for r in list(recs.values()) + [shared, s0]})
   steps = sorted({r["steps"] for r in recs.values()})
@@ -481,6 +484,56 @@ def report(results: pathlib.Path, seeds=SEEDS) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ driver
 
+def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
+  """The pinning study file, run (`sinkjax.experiments.study`'s kind pinning): shared heads, step 0, every seed's
+  three arms, then the report (see the module docstring)."""
+  st = plan.study
+  out = pathlib.Path(st.out)
+  results = pathlib.Path(st.results) if st.results else out / "results"
+  if set(plan.axes) - {"train.seed"}:
+    raise StudyError(f"{plan.path}: the pinning study's one axis is train.seed (its arms are heads_pinning.ARMS), "
+                     f"got {', '.join(plan.axes)}")
+  seeds = tuple(int(s) for s in plan.axes.get("train.seed", SEEDS))
+  if dry_run:
+    for i, (arm, s) in enumerate(run_order(seeds), 1):
+      d = out / "runs" / run_name(arm, s)
+      state = "done" if (d / "record.json").is_file() else "started (dropped, made again)" if d.is_dir() else "to do"
+      print(f"[{i}/{len(seeds) * len(ARMS)}] {run_name(arm, s)}: λ {ARMS[arm][0]:g}, m {ARMS[arm][1]} -> {d} ({state})")
+    return
+  if report_only:
+    summary = report(results, seeds)
+    _log(f"wrote {results}/results.md ({len(summary['runs'])} runs)")
+    return
+  if not pathlib.Path(st.run, "config.yaml").is_file():
+    raise StudyError(f"study.run {st.run} is not a run directory; import the model first (docs/CONVERT.md)")
+  import sinkjax.eval, sinkjax.lora, sinkjax.run, sinkjax.train  # pylint: disable=import-outside-toplevel,unused-import,redefined-outer-name
+  c = _commit()
+  if c["dirty"] and not st.allow_dirty:
+    raise StudyError(f"the checkout ({c['commit']}) has uncommitted changes to tracked files; commit them (every "
+                     "record names its commit) or set study.allow_dirty (--allow-dirty; every file then says dirty)")
+  out.mkdir(parents=True, exist_ok=True)
+  lock = runner.exclusive(out)  # noqa: F841  # pylint: disable=unused-variable
+  corpus = heads_real.english_corpus(out / "corpus")
+  _write(out / "corpus.json", {**corpus, **c})
+  steps = plan.config({}, "RUN_DIR").train.steps or epoch_steps(plan, corpus)
+  sizes = ", ".join(f"{n} {v['documents']}" for n, v in corpus.items())
+  _log(f"corpus: {sizes}; {steps} steps per run")
+  sh = shared_heads(st.run, corpus, out)
+  step0(st.run, corpus, out, sh["importance"])
+  runner.copy_files(out, results, ("shared_heads.json", "nll_step0.json", "corpus.json"))
+  study = runner.Study(out, record="record.json", raw=results / "raw", raw_files=raw_files(steps), commit=c)
+
+  def done(i, n, res):
+    if res.record is None:
+      _log(f"[{i}/{n}] {res.run.name}: {res.what}")
+    else:
+      _log(f"[{i}/{n}] {res.run.name}: held-out loss {res.record['val_loss']:.4f}, imbalance "
+           f"{res.record['imbalance']:.4f}, train {res.record['train_seconds']:.0f} s ({res.seconds:.0f} s)")
+  study.walk([finetune(plan, arm, s, corpus, steps, sh["importance"]) for arm, s in run_order(seeds)], done)
+  summary = report(results, seeds)
+  _log(f"wrote {results}/results.md ({len(summary['runs'])} runs)")
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = cli.Parser(prog="python -m sinkjax.experiments.heads_pinning", description=__doc__.split("\n\n")[0])
   p.add_argument("--run", required=True, help="the imported SmolLM2 run directory (sinkjax.convert.hf)")
@@ -496,48 +549,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  overrides = [f"study.run={args.run}", f"study.out={args.out}", f"study.results={args.results or ''}",
+               f"axes.train.seed={json.dumps(args.seeds)}", f"train.steps={args.steps or 0}",
+               f"study.allow_dirty={str(args.allow_dirty).lower()}"]
 
-  def study():
-    out = pathlib.Path(args.out)
-    results = pathlib.Path(args.results) if args.results else out / "results"
-    if args.only == "report":
-      s = report(results, tuple(args.seeds))
-      _log(f"wrote {results}/results.md ({len(s['runs'])} runs)")
-      return
-    if not pathlib.Path(args.run, "config.yaml").is_file():
-      raise StudyError(f"--run {args.run} is not a run directory; import the model first (docs/CONVERT.md)")
-    import sinkjax.eval, sinkjax.lora, sinkjax.run, sinkjax.train  # pylint: disable=import-outside-toplevel,unused-import,redefined-outer-name
-    c = _commit()
-    if c["dirty"] and not args.allow_dirty:
-      raise StudyError(f"the checkout ({c['commit']}) has uncommitted changes to tracked files; commit them (every "
-                       "record names its commit) or pass --allow-dirty (every file then says dirty: true)")
-    out.mkdir(parents=True, exist_ok=True)
-    lock = runner.exclusive(out)  # pylint: disable=unused-variable
-    corpus = heads_real.english_corpus(out / "corpus")
-    _write(out / "corpus.json", {**corpus, **c})
-    if args.only == "null":
-      results.mkdir(parents=True, exist_ok=True)
-      _write(results / "null.json", null_check())
-      return
-    steps = args.steps or epoch_steps(args.run, corpus)
-    sizes = ", ".join(f"{n} {v['documents']}" for n, v in corpus.items())
-    _log(f"corpus: {sizes}; {steps} steps per run")
-    sh = shared_heads(args.run, corpus, out)
-    step0(args.run, corpus, out, sh["importance"])
-    runner.copy_files(out, results, ("shared_heads.json", "nll_step0.json", "corpus.json"))
-    study_ = runner.Study(out, record="record.json", raw=results / "raw", raw_files=raw_files(steps), commit=c)
-
-    def done(i, n, res):
-      if res.record is None:
-        _log(f"[{i}/{n}] {res.run.name}: {res.what}")
-      else:
-        _log(f"[{i}/{n}] {res.run.name}: held-out loss {res.record['val_loss']:.4f}, imbalance "
-             f"{res.record['imbalance']:.4f}, train {res.record['train_seconds']:.0f} s ({res.seconds:.0f} s)")
-    study_.walk([finetune(args.run, arm, s, corpus, out, steps, sh["importance"]) for arm, s in plan(args.seeds)],
-                done)
-    s = report(results, tuple(args.seeds))
-    _log(f"wrote {results}/results.md ({len(s['runs'])} runs)")
-  return cli.run_main("sinkjax.experiments.heads_pinning", study)
+  def null_only():
+    results = pathlib.Path(args.results) if args.results else pathlib.Path(args.out) / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    _write(results / "null.json", null_check())
+  if args.only == "null":
+    return cli.run_main("sinkjax.experiments.heads_pinning", null_only)
+  return cli.run_main("sinkjax.experiments.heads_pinning", lambda: run_plan(
+      runner.load_plan(STUDY_FILE, overrides), report_only=args.only == "report"))
 
 
 if __name__ == "__main__":

@@ -258,6 +258,7 @@ class StudySection:
   finetune_steps: int = key(100, ">=1")
   reuse: str = ""                   # dose: a committed main-grid results.json whose runs stand in (same recipe+commit)
   run: str = ""                     # pinning: the imported model's run directory
+  results: str = ""                 # pinning: where raw files and results.md go (default OUT/results)
   allow_dirty: bool = False         # pinning: run from a checkout with uncommitted changes (records say dirty)
 
 
