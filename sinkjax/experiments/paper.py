@@ -49,7 +49,7 @@ import numpy as np
 from sinkjax import choices, cli, paths
 from sinkjax import config as config_lib
 from sinkjax.cli import UserError
-from sinkjax.experiments import int_at_least, paper_tpu, runner
+from sinkjax.experiments import int_at_least, paper_report, paper_tpu, runner
 from sinkjax.experiments.paper_report import seed_stats, table1
 
 VARIANTS = choices.PAPER_VARIANTS
@@ -222,26 +222,6 @@ def _pm(s: dict | None, nd: int = 4) -> str:
   return f"{s['mean']:.{nd}f}" + (f" ± {s['std']:.{nd}f}" if s["std"] is not None else "")
 
 
-def _values(s: dict, nd: int = 4) -> str:
-  return ", ".join(f"{x:.{nd}f}" for x in s["values"])
-
-
-def table1_markdown(t1: dict) -> list[str]:
-  from sinkjax.plots import LOSS_STYLE  # lazy: matplotlib, slow to import and the train extra's
-  lines = ["| attention | loss | val BPB (mean ± std) | per seed | head imbalance (final) |", "|---|---|---|---|---|"]
-  for v, row in t1.items():
-    for loss in LOSSES:
-      if loss in row:
-        r = row[loss]
-        lines.append(f"| {v} | {LOSS_STYLE[loss]['label']} | {_pm(r['val_bpb'])} | "
-                     f"{_values(r['val_bpb'])} (seeds {r['seeds']}) | {_pm(r['head_imbalance'], 3)} |")
-    if "aux_minus_base" in row:
-      d = row["aux_minus_base"]
-      lines.append(f"| {v} | **aux − base** (paired) | **{_pm(d['val_bpb'])}** | "
-                   f"{', '.join(f'{x:+.4f}' for x in d['val_bpb']['values'])} | {_pm(d['head_imbalance'], 3)} |")
-  return lines
-
-
 def value_zeroing_markdown(rows: list[dict]) -> list[str]:
   lines = ["| attention | loss | definition | BPB none | BPB all heads | BPB alpha > τ | heads with alpha > τ |",
            "|---|---|---|---|---|---|---|"]
@@ -283,9 +263,11 @@ def results_markdown(res: dict) -> str:
       f"Finished runs: {len(res['runs'])} of {res['grid_size']} in the requested grid "
       f"(seeds {res['seeds']}, variants {res['variants']}).", "",
       "## Table 1 analogue: validation BPB", "",
-      *table1_markdown(res["table1"]), "",
+      *paper_report.table1_lines({"table1": paper_report.table1_cells(res["runs"]),
+                                  "effects": paper_report.table1_effects(res["runs"])}), "",
       "std is over seeds (ddof 1); the paired difference is taken per seed (same data order and init seed), so seed "
-      "noise shared by base and aux cancels. [Sink-MoE] Table 1 reports aux − base of −0.0007 to −0.0055 BPB.", "",
+      "noise shared by base and aux cancels; its tests are `paper_report`'s (the same table as stats.md). "
+      "[Sink-MoE] Table 1 reports aux − base of −0.0007 to −0.0055 BPB.", "",
       "![table 1](table1_bpb.png)", "", "## Fig. 5 analogue: head imbalance during training", "",
       "![imbalance](imbalance_curves.png)", "",
       "## First-token attention and sink ratio", "", *attention_markdown(res["runs"]), "",

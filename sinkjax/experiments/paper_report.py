@@ -141,7 +141,7 @@ def grid_stats(grid: dict) -> dict:
     variants[f"{v} − vanilla"] = w
   return {"effects": effects, "variants_base_bpb": variants,
           "power": power_figures([diff[v, "val_bpb"][1] for v in VARIANTS], n=len(diff["gated", "val_bpb"][1])),
-          "finetune": _finetune(grid.get("finetune")), "table1": _table1(runs),
+          "finetune": _finetune(grid.get("finetune")), "table1": table1_cells(runs),
           "seeds": diff["gated", "val_bpb"][0], "aux_terms": _aux_terms(runs), "value_norm_ratio": _vnr(runs),
           "value_zeroing": _value_zeroing(runs), "timing": _timing(runs), "curves": _curves(runs),
           "first_token": _first_token(runs)}
@@ -295,27 +295,39 @@ def power_lines(pw: dict, what: str, unit: str = "BPB", nd: int = 4) -> list[str
 
 
 def table1_lines(gs: dict) -> list[str]:
-  """val BPB mean ± std per variant and loss, the paired aux - base differences with their tests, and the final
-  head imbalance base → aux per seed."""
+  """[Sink-MoE] Table 1 of a from-scratch grid, its one rendering (the study's results.md and stats.md): per variant
+  val BPB mean ± std of base and base + aux over seeds, the paired aux - base differences with their tests
+  (gs["effects"]["VARIANT BPB"]; "—" where fewer than two seeds pair) and the final head imbalance base → aux per
+  seed. gs["table1"] is `table1_cells`'s."""
   lines = ["| attention | base | base + aux | aux − base, per seed | mean | 95 % t-interval | paired t p | "
            "permutation p | head imbalance base → aux, per seed |", "|---|---|---|---|---:|---|---:|---:|---|"]
-  for v in VARIANTS:
-    t = gs["table1"][v]
-    e = gs["effects"][f"{v} BPB"]
-    c = effect_cells(e, 4)
-    imb = ", ".join(f"{a:.3f} → {b:.3f}" for a, b in zip(t["base"]["head_imbalance"], t["aux"]["head_imbalance"]))
-    lines.append(f"| {v} | {t['base']['mean']:.4f} ± {t['base']['std']:.4f} | {t['aux']['mean']:.4f} ± "
-                 f"{t['aux']['std']:.4f} | {c[0]} | {c[1]} | {c[2]} | {c[3]} | {c[4]} | {imb} |")
+  ms = lambda r: "—" if r is None else f"{r['mean']:.4f}" + ("" if r["std"] is None else f" ± {r['std']:.4f}")
+  for v, t in gs["table1"].items():
+    e = gs["effects"].get(f"{v} BPB")
+    c = effect_cells(e, 4) if e is not None else ["—"] * 5
+    imb = ", ".join(f"{a:.3f} → {b:.3f}" for a, b in zip(*(t.get(k, {}).get("head_imbalance", []) for k in LOSSES)))
+    lines.append(f"| {v} | {ms(t.get('base'))} | {ms(t.get('aux'))} | {c[0]} | {c[1]} | {c[2]} | {c[3]} | {c[4]} | "
+                 f"{imb or '—'} |")
   return lines
 
 
-def _table1(runs) -> dict:
-  """`table1` as the grid report lays it out: per variant (VARIANTS order) and loss, the val BPB's mean ± std over
-  seeds and values, and the final head imbalance per seed."""
+LOSSES = ("base", "aux")
+
+
+def table1_cells(runs) -> dict:
+  """`table1` as Table 1's rendering reads it: per variant present (VARIANTS order) and loss, the val BPB's mean ±
+  std over seeds and values, and the final head imbalance per seed."""
   t1 = table1(runs)
   return {v: {loss: {"mean": r["val_bpb"]["mean"], "std": r["val_bpb"]["std"], "val_bpb": r["val_bpb"]["values"],
                      "head_imbalance": r["head_imbalance"]["values"], "seeds": r["seeds"]}
-              for loss, r in t1[v].items() if loss in ("base", "aux")} for v in VARIANTS}
+              for loss, r in t1[v].items() if loss in LOSSES} for v in VARIANTS if v in t1}
+
+
+def table1_effects(runs) -> dict:
+  """{"VARIANT BPB": the paired aux - base effect's tests} of each variant with at least two paired seeds."""
+  diffs = {v: stats.paired(_by(runs, v, "aux", "val_bpb"), _by(runs, v, "base", "val_bpb"))[1] for v in VARIANTS}
+  return {f"{v} BPB": stats.paired_effect(d, what=f"{v}, val BPB aux − base") for v, d in diffs.items()
+          if len(d) >= 2}
 
 
 def value_sections(gs: dict) -> list[str]:
