@@ -134,3 +134,22 @@ def test_a_record_do_writes_itself_is_kept_and_runs_may_be_files(tmp_path):
   assert json.loads((tmp_path / "y.json").read_text()) == {"y": 2}      # stamp=False: no commit added
   assert s.state("y") == "done" and s.state("z") == "to do" and sorted(p.name for p in tmp_path.iterdir()) == [
       "x.json", "y.json"]
+
+
+def test_a_study_without_a_recipe_reads_its_kinds_own_section(tmp_path):
+  """configs/studies/streaming_real.yaml trains nothing: no base:, a `streaming:` section its kind declares with
+  key(); overrides reach that section and the axes; a section or config key the kind does not read is one error."""
+  from sinkjax.experiments import streaming_real
+  plan = runner.load_plan(streaming_real.STUDY_FILE, ["streaming.tokens=4096", "axes.random_map=[3, 9]",
+                                                      f"study.out={tmp_path}"])
+  opts = plan.options("streaming", streaming_real.StreamingOptions())
+  assert (opts.tokens, opts.full_heads, opts.chunk) == (4096, 0.25, 64) and plan.study.kind == "streaming"
+  assert streaming_real.plan(plan.axes["random_map"])[-4:] == ["hybrid_random3_w256", "hybrid_random9_w256", "full",
+                                                               "check"]
+  with pytest.raises(runner.StudyError, match="unknown section foo"):
+    runner.load_plan(streaming_real.STUDY_FILE, ["foo.x=1"]).options("streaming", streaming_real.StreamingOptions())
+  with pytest.raises(runner.StudyError, match="need a recipe"):
+    runner.load_plan(streaming_real.STUDY_FILE, ["train.steps=3"])
+  with pytest.raises(Exception, match="streaming.full_heads must be in"):
+    runner.load_plan(streaming_real.STUDY_FILE, ["streaming.full_heads=2"]).options(
+        "streaming", streaming_real.StreamingOptions())

@@ -15,9 +15,10 @@ what it did). A `Study` walks a list of them in order and, for each:
   to commit.
 
 A study is a YAML file (`Plan`, `load_plan`; configs/studies/): `base:` the recipe config every run starts from (or
-another study file it extends), the config sections every run sets, `study:` the study's own keys (`StudySection`:
-its kind, output directory, evaluation sizes) and `axes:` one config key per line with its values: the grid is their
-product, the first axis outermost. `python -m sinkjax.experiments.study FILE [key=value ...]` runs it.
+another study file it extends; a study that trains nothing, e.g. kind streaming, has none), the config sections every
+run sets, `study:` the study's own keys (`StudySection`: its kind, output directory, evaluation sizes), a section of
+its kind's own keys if it has one (`streaming:`) and `axes:` one key per line with its values (a config key, or for
+a study without a recipe a key its kind reads): the grid is their product, the first axis outermost. `python -m sinkjax.experiments.study FILE [key=value ...]` runs it.
 
 Aggregation reads the records back (`Study.records`) and refuses runs of different commits (`one_commit`: a
 one-line `StudyError` naming each commit's runs). `exclusive(dir)` locks a whole study directory for drivers that
@@ -242,7 +243,7 @@ class Study:
 
 # ------------------------------------------------------------------------------------------------- study files
 
-STUDY_KINDS = ("paper", "dose", "pinning")
+STUDY_KINDS = ("paper", "dose", "pinning", "streaming")
 
 
 @dataclasses.dataclass
@@ -286,13 +287,15 @@ def _merge(base: dict, tree: dict) -> dict:
   return out
 
 
-def _read_study(path: pathlib.Path) -> tuple[pathlib.Path, dict]:
-  """(the recipe config's path, the merged tree of the study file and the study files it extends through base:)."""
+def _read_study(path: pathlib.Path) -> tuple[pathlib.Path | None, dict]:
+  """(the recipe config's path or None, the merged tree of the study file and the study files it extends through base:)."""
   if not path.is_file():
     raise StudyError(f"study file {path} does not exist (see configs/studies/)")
   tree = yaml.safe_load(path.read_text()) or {}
-  if not isinstance(tree, dict) or "base" not in tree or "axes" not in tree and "study" not in tree:
-    raise StudyError(f"{path} is not a study file: it needs base: (the recipe), study: and axes: (configs/studies/)")
+  if not isinstance(tree, dict) or "study" not in tree and "axes" not in tree:
+    raise StudyError(f"{path} is not a study file: it needs study:, axes: and (to train) base: (configs/studies/)")
+  if "base" not in tree:
+    return None, tree
   base = path.parent / tree.pop("base")
   if not base.is_file():
     raise StudyError(f"{path}: base {base} does not exist")
@@ -305,12 +308,21 @@ def _read_study(path: pathlib.Path) -> tuple[pathlib.Path, dict]:
 
 @dataclasses.dataclass
 class Plan:
-  """A loaded study file: its section, the recipe and the overrides every run gets, and the axes of its grid."""
+  """A loaded study file: its section, the recipe and the overrides every run gets, the axes of its grid, and the
+  sections of its kind's own keys ({name: mapping}, read by the kind with `config.apply_section`)."""
   path: str
   study: StudySection
   recipe: str
   overrides: tuple[str, ...]
   axes: dict
+  sections: dict = dataclasses.field(default_factory=dict)
+
+  def options(self, name: str, options):
+    """The kind's own section `name` of the file set on `options` (a dataclass declared with `key`); another section
+    is an error naming it."""
+    for other in set(self.sections) - {name}:
+      raise StudyError(f"{self.path}: unknown section {other} (kind {self.study.kind} reads study, axes and {name})")
+    return config_lib.apply_section(options, self.sections.get(name, {}), self.path, name)
 
   def runs(self) -> list[dict]:
     """Every combination of the axes' values ({key: value}), the first axis outermost."""
@@ -326,20 +338,30 @@ def load_plan(path, overrides=()) -> Plan:
   `study.KEY=...` the study's own keys and `axes.KEY=[v1, v2]` (or one value) an axis, added last when new."""
   recipe, tree = _read_study(pathlib.Path(path))
   section, axes = tree.pop("study", {}) or {}, dict(tree.pop("axes", {}) or {})
+  configs = {f.name for f in dataclasses.fields(config_lib.Config)}
+  own = {k: dict(tree.pop(k)) for k in list(tree) if k not in configs}
   flat = []
   for text in overrides:
     k, v = config_lib.parse_override(text)
-    if k.startswith("study."):
-      section = {**section, k[6:]: v}
-    elif k.startswith("axes."):
+    head, _, rest = k.partition(".")
+    if head == "study":
+      section = {**section, rest: v}
+    elif head == "axes":
       values = yaml.safe_load(v)
-      axes[k[5:]] = values if isinstance(values, list) else [values]
-    else:
+      axes[rest] = values if isinstance(values, list) else [values]
+    elif head in configs:
       flat.append(text)
+    else:
+      own.setdefault(head, {})[rest] = v
   study = config_lib.apply_section(StudySection(), section, str(path), "study")
   for k, vs in axes.items():
     if not isinstance(vs, list) or not vs:
       raise StudyError(f"{path}: axis {k} must be a non-empty list of values, got {vs!r}")
-  plan = Plan(str(path), study, str(recipe), tuple(_flat(tree) + flat), axes)
-  plan.config(plan.runs()[0] if axes else {}, "RUN_DIR")          # a bad key or value: one line now, not mid-study
+  plan = Plan(str(path), study, str(recipe or ""), tuple(_flat(tree) + flat), axes, own)
+  if recipe is not None:
+    for name in own:
+      raise StudyError(f"{path}: unknown config key {name} (the sections are {', '.join(sorted(configs))})")
+    plan.config(plan.runs()[0] if axes else {}, "RUN_DIR")        # a bad key or value: one line now, not mid-study
+  elif plan.overrides:
+    raise StudyError(f"{path}: config keys ({plan.overrides[0]}, ...) need a recipe to apply to (base:)")
   return plan

@@ -1,9 +1,15 @@
 """[StreamingLLM] on real weights: streaming perplexity of a pretrained model under full, window-only, sinks + window
 and per-head (importance vs random) caches.
 
+    python -m sinkjax.experiments.study configs/studies/streaming_real.yaml [study.run=RUN] [streaming.tokens=N] ...
     python -m sinkjax.experiments.streaming_real --checkpoint runs/smollm2 [--out docs/results/streaming_real]
         [--tokens 8192] [--random-maps 6] [--full-heads 0.25] [--chunk 64]
     python -m sinkjax.experiments.streaming_real --report [--out docs/results/streaming_real]
+
+The study file (kind streaming) names the model (study.run), the output (study.out), the scoring (`streaming:`,
+`StreamingOptions`) and the random maps' seeds (`axes: random_map`); the flags spell its keys (--checkpoint:
+study.run, --out: study.out, --tokens / --full-heads / --chunk: streaming.*, --random-maps K: seeds 0 .. K-1,
+--report: the report alone).
 
 `--checkpoint` is an imported real model (docs/CONVERT.md: SmolLM2-135M-Instruct), scored in float32. Run by run,
 resumable (walked by `sinkjax.experiments.runner`): every run writes its own raw file `--out`/<name>.json (its
@@ -38,6 +44,7 @@ if __name__ == "__main__":
   cli.require_extra("sinkjax.experiments.streaming_real")
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -51,6 +58,7 @@ import time
 import numpy as np
 
 from sinkjax import cache_policy
+from sinkjax.config import key
 from sinkjax.experiments import runner, stats
 from sinkjax.experiments.runner import StudyError
 
@@ -61,6 +69,15 @@ IMPORTANCE_SEQ, IMPORTANCE_DOCS = 256, 256
 CHECK_TOKENS = 320
 BLOCK = 512               # per-block comparison of two maps
 CURVE = 256               # running mean of the figure
+STUDY_FILE = runner.REPO / "configs" / "studies" / "streaming_real.yaml"
+
+
+@dataclasses.dataclass
+class StreamingOptions:
+  """The `streaming:` section of a kind-streaming study file."""
+  tokens: int = key(8192, ">=1")          # tokens of the help topics scored (>= 2048: twice the largest window)
+  full_heads: float = key(0.25, "(0,1)")  # the hybrid's fraction of KV heads kept full
+  chunk: int = key(64, ">=1")             # positions scored per step
 
 
 # ------------------------------------------------------------------------------------------------------------ texts
@@ -105,12 +122,12 @@ def importance_documents() -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------------ runs
 
-def plan(random_maps: int) -> list[str]:
-  """Run names in the order they run (cheap first)."""
+def plan(random_maps) -> list[str]:
+  """Run names in the order they run (cheap first); `random_maps`: the random maps' seeds."""
   names = ["importance"]
   for w in WINDOWS:
     names += [f"sinks{SINKS}_w{w}", f"window_w{w}"]
-  names += [f"hybrid_importance_w{HYBRID_WINDOW}"] + [f"hybrid_random{s}_w{HYBRID_WINDOW}" for s in range(random_maps)]
+  names += [f"hybrid_importance_w{HYBRID_WINDOW}"] + [f"hybrid_random{s}_w{HYBRID_WINDOW}" for s in random_maps]
   return names + ["full", "check"]
 
 
@@ -134,7 +151,7 @@ def measure_importance(model, cfg, tok, work: pathlib.Path) -> dict:
           "tokens": tokens, "text": "stdlib docstrings (heads_real prose rule), first 256 in file order"}
 
 
-def score_run(name: str, model, ids, importance, args) -> dict:
+def score_run(name: str, model, ids, importance, opts: StreamingOptions) -> dict:
   from sinkjax.generate import kv_bytes, streaming_nll  # pylint: disable=import-outside-toplevel
   cfg = model.cfg
   N, shape = len(ids), (cfg.num_layers, cfg.num_kv_heads)
@@ -150,31 +167,31 @@ def score_run(name: str, model, ids, importance, args) -> dict:
     w = int(name.rsplit("_w", 1)[1])
     if "importance" in name:
       kv = cache_policy.kv_scores(np.asarray(importance), cfg.num_kv_heads, "any")
-      full = cache_policy.top_heads(kv, args.full_heads, "global")
+      full = cache_policy.top_heads(kv, opts.full_heads, "global")
       rec.update(map_source="importance")
     else:
       seed = int(name.split("random", 1)[1].split("_", 1)[0])
-      full = cache_policy.random_heads(shape, args.full_heads, "global", seed)
+      full = cache_policy.random_heads(shape, opts.full_heads, "global", seed)
       rec.update(map_source=f"random seed {seed}", seed=seed)
     kw = dict(capacity=N, sink_size=SINKS, window=w, full_heads=cache_policy.as_tuple(full))
-    rec.update(kind="hybrid", window=w, sink_size=SINKS, full_heads=args.full_heads,
+    rec.update(kind="hybrid", window=w, sink_size=SINKS, full_heads=opts.full_heads,
                map=np.asarray(full).astype(int).tolist())
   t0 = time.perf_counter()
-  nll = streaming_nll(model, ids, chunk=args.chunk, **kw)
-  rec.update(seconds=round(time.perf_counter() - t0, 1), chunk=args.chunk, tokens=N, nll=_nll_list(nll),
+  nll = streaming_nll(model, ids, chunk=opts.chunk, **kw)
+  rec.update(seconds=round(time.perf_counter() - t0, 1), chunk=opts.chunk, tokens=N, nll=_nll_list(nll),
              kv_bytes=kv_bytes(cfg, **kw))
   return rec
 
 
-def check_run(model, ids, args) -> dict:
+def check_run(model, ids, chunk: int) -> dict:
   from sinkjax.generate import streaming_nll  # pylint: disable=import-outside-toplevel
   ids = ids[:CHECK_TOKENS]
-  out = {"name": "check", "tokens": len(ids), "chunk": args.chunk, "modes": {}}
+  out = {"name": "check", "tokens": len(ids), "chunk": chunk, "modes": {}}
   for mode, kw in (("sinks", dict(capacity=HYBRID_WINDOW, sink_size=SINKS)), ("full", dict(capacity=len(ids)))):
     t0 = time.perf_counter()
     steps = streaming_nll(model, ids, **kw)
     t1 = time.perf_counter()
-    blocks = streaming_nll(model, ids, chunk=args.chunk, **kw)
+    blocks = streaming_nll(model, ids, chunk=chunk, **kw)
     t2 = time.perf_counter()
     out["modes"][mode] = {"max_abs_diff": float(np.abs(blocks - steps).max()), "seconds_steps": round(t1 - t0, 1),
                           "seconds_blocks": round(t2 - t1, 1), "ppl_steps": math.exp(steps.mean()),
@@ -182,18 +199,17 @@ def check_run(model, ids, args) -> dict:
   return out
 
 
-def study(args) -> None:
+def study(checkpoint: str, out: pathlib.Path, opts: StreamingOptions, random_maps) -> None:
   from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
   logging.getLogger("absl").setLevel(logging.ERROR)
-  out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   runs = runner.Study(out, layout=".", record="{name}.json")      # the commit: HEAD as the study starts
-  model, cfg, tok, _ = load_run(args.checkpoint, overrides=["model.dtype=float32"])
+  model, cfg, tok, _ = load_run(checkpoint, overrides=["model.dtype=float32"])
   text = scored_text()
-  ids = tok.encode_document(text)[:args.tokens]
-  if len(ids) < args.tokens:
-    raise StudyError(f"the help topics give {len(ids)} tokens, fewer than --tokens {args.tokens}")
-  meta = {"checkpoint": str(args.checkpoint), "tokens": len(ids), "text_chars": len(tok.decode(ids)),
+  ids = tok.encode_document(text)[:opts.tokens]
+  if len(ids) < opts.tokens:
+    raise StudyError(f"the help topics give {len(ids)} tokens, fewer than streaming.tokens {opts.tokens}")
+  meta = {"checkpoint": str(checkpoint), "tokens": len(ids), "text_chars": len(tok.decode(ids)),
           "text": "pydoc_data.topics prose paragraphs (sinkjax.experiments.streaming_real.prose_paragraphs), key order",
           "ids_sha256": hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest(), "dtype": "float32",
           "python": sys.version.split()[0]}
@@ -206,9 +222,9 @@ def study(args) -> None:
         rec = {"name": name, **measure_importance(model, cfg, tok, out)}
         (out / "importance_docs.jsonl").unlink(missing_ok=True)
       elif name == "check":
-        rec = check_run(model, ids, args)
+        rec = check_run(model, ids, opts.chunk)
       else:
-        rec = score_run(name, model, ids, runner.read_json(runs.record_path("importance"))["importance"], args)
+        rec = score_run(name, model, ids, runner.read_json(runs.record_path("importance"))["importance"], opts)
       rec.update(meta=meta, wall_seconds=round(time.perf_counter() - t0, 1))
       return rec, "scored"
     return run
@@ -220,7 +236,7 @@ def study(args) -> None:
       rec = res.record
       print(f"[streaming_real] {rec['name']}: {rec['wall_seconds']} s" +
             (f", ppl {math.exp(np.mean(rec['nll'])):.3f}" if "nll" in rec else ""), file=sys.stderr, flush=True)
-  runs.walk([runner.Run(name, do(name)) for name in plan(args.random_maps)], done)
+  runs.walk([runner.Run(name, do(name)) for name in plan(random_maps)], done)
   report(out)
 
 
@@ -337,19 +353,32 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def run_plan(plan_: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
+  """A kind-streaming study file, run (`sinkjax.experiments.study`): every run not yet scored, then the report."""
+  opts = plan_.options("streaming", StreamingOptions())
+  for axis in set(plan_.axes) - {"random_map"}:
+    raise StudyError(f"{plan_.path}: the streaming study's one axis is random_map (the random maps' seeds), got {axis}")
+  seeds = [int(x) for x in plan_.axes.get("random_map", range(6))]
+  out = pathlib.Path(plan_.study.out)
+  if dry_run:
+    print("\n".join(f"{n}: {'done' if (out / f'{n}.json').is_file() else 'to do'}" for n in plan(seeds)))
+  elif report_only:
+    report(out)
+  elif not plan_.study.run:
+    raise StudyError("give study.run=RUN_DIR (--checkpoint: an imported model) or report only (--report)")
+  elif len(seeds) < 2 or opts.tokens < 2 * max(WINDOWS):
+    raise StudyError("two random maps or more (--random-maps >= 2) and streaming.tokens (--tokens) >= 2048, please")
+  else:
+    study(plan_.study.run, out, opts, seeds)
+
+
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-
-  def run():
-    if args.report:
-      report(pathlib.Path(args.out))
-      return
-    if args.checkpoint is None:
-      raise StudyError("give --checkpoint RUN_DIR (an imported model) or --report")
-    if args.random_maps < 2 or args.tokens < 2 * max(WINDOWS) or args.chunk < 1:
-      raise StudyError("--random-maps >= 2, --tokens >= 2048 and --chunk >= 1, please")
-    study(args)
-  return cli.run_main("sinkjax.experiments.streaming_real", run)
+  overrides = [f"study.run={args.checkpoint or ''}", f"study.out={args.out}", f"streaming.tokens={args.tokens}",
+               f"streaming.full_heads={args.full_heads}", f"streaming.chunk={args.chunk}",
+               f"axes.random_map={json.dumps(list(range(args.random_maps)))}"]
+  return cli.run_main("sinkjax.experiments.streaming_real", lambda: run_plan(
+      runner.load_plan(STUDY_FILE, overrides), report_only=args.report))
 
 
 if __name__ == "__main__":

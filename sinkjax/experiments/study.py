@@ -7,7 +7,8 @@
 The study's `study.kind` says which driver makes its runs and which report reads them:
 - `paper`: [Sink-MoE]'s from-scratch grid, results.json / results.md / figures (`sinkjax.experiments.paper`);
 - `dose`: the same runs over lambda, dose.json (then `paper_report --dose`);
-- `pinning`: App. D on an imported model, one epoch, per-document losses (`sinkjax.experiments.heads_pinning`).
+- `pinning`: App. D on an imported model, one epoch, per-document losses (`sinkjax.experiments.heads_pinning`);
+- `streaming`: streaming perplexity of an imported model under each KV cache (`sinkjax.experiments.streaming_real`).
 Each run records the commit and config it was made with; a rerun resumes, skipping finished runs.
 """
 from __future__ import annotations
@@ -33,9 +34,12 @@ def run(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False, 
   if plan.study.kind in ("paper", "dose"):
     from sinkjax.experiments import paper  # pylint: disable=import-outside-toplevel
     paper.run_plan(plan, dry_run_only=dry_run, report_only=report_only, command=command)
-  else:
+  elif plan.study.kind == "pinning":
     from sinkjax.experiments import heads_pinning  # pylint: disable=import-outside-toplevel
     heads_pinning.run_plan(plan, dry_run=dry_run, report_only=report_only)
+  else:
+    from sinkjax.experiments import streaming_real  # pylint: disable=import-outside-toplevel
+    streaming_real.run_plan(plan, dry_run=dry_run, report_only=report_only)
 
 
 def main(argv=None) -> int:
