@@ -43,7 +43,7 @@ from sinkjax import cache_policy, paths
 from sinkjax.cli import UserError
 from sinkjax.data.sources import DefaultSource
 from sinkjax.generate import kv_bytes, streaming_scores
-from sinkjax.run import load_run
+from sinkjax.run import load_run, read_run_config
 
 FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ", "Here we go. ",
           "There and back again. ")
@@ -264,32 +264,29 @@ def _numbers(text: str, kind, flag: str, ok) -> list:
   return values
 
 
-def make_data(args) -> None:
-  if args.docs < 1 or not 0 <= args.text_fraction < 1:
+def make_data(path: str, docs: int, max_len: int, text_fraction: float, seed: int) -> None:
+  if docs < 1 or not 0 <= text_fraction < 1:
     raise PasskeyError("--docs must be >= 1 and --text-fraction in [0, 1)")
   shortest = len(passkey_text("0" * KEY_DIGITS, 0, 0.0)[0]) + KEY_DIGITS + 1
-  if args.max_len < shortest:
+  if max_len < shortest:
     raise PasskeyError(f"--max-len must be >= {shortest} (a needle and the question)")
-  n = write_training_data(args.make_data, args.docs, args.max_len, args.text_fraction, args.seed)
-  print(f"wrote {n} documents ({args.docs} passkey) to {args.make_data}")
+  n = write_training_data(path, docs, max_len, text_fraction, seed)
+  print(f"wrote {n} documents ({docs} passkey) to {path}")
 
 
-def run_probe(args) -> None:
+def run_probe(checkpoint: str, *, lengths, depths, samples: int, sink_size: int, window: int, seed: int,
+              policies=(), out: str | None = None) -> None:
+  """The probe of one run (`probe`) at every length and depth, for every cache mode; results.json / results.md in
+  `out` (default RUN_DIR/passkey). `policies`: (label, [L][Hkv] map) of the hybrid caches (`sinkjax.cache_policy`)."""
   logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
-  if args.checkpoint is None:
-    raise PasskeyError("give --checkpoint RUN_DIR (or --make-data OUT.jsonl)")
-  cache_policy.check_arguments(args)
-  lengths = _numbers(args.lengths, int, "--lengths", lambda v: v >= 1)
-  depths = _numbers(args.depths, float, "--depths", lambda v: 0 <= v <= 1)
-  if args.samples < 1 or not 0 <= args.sink_size < args.window:
+  if samples < 1 or not 0 <= sink_size < window:
     raise PasskeyError("--samples must be >= 1 and 0 <= --sink-size < --window")
-  model, cfg, tok, _ = load_run(args.checkpoint)
-  policies = cache_policy.policies_from_args(args, cfg.model, args.checkpoint) if cache_policy.wanted(args) else []
+  model, _, tok, _ = load_run(checkpoint)
   for label, full in policies:
     print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
-  records = probe(model, tok, lengths=lengths, depths=depths, samples=args.samples, sink_size=args.sink_size,
-                  window=args.window, policies=policies, seed=args.seed)
-  out = paths.as_path(args.out or f"{str(args.checkpoint).rstrip('/')}/passkey", "--out")
+  records = probe(model, tok, lengths=lengths, depths=depths, samples=samples, sink_size=sink_size, window=window,
+                  policies=policies, seed=seed)
+  out = paths.as_path(out or f"{str(checkpoint).rstrip('/')}/passkey", "--out")
   out.mkdir(parents=True, exist_ok=True)
   table = format_results(records)
   (out / "results.json").write_text(json.dumps(records, indent=1))
@@ -299,8 +296,19 @@ def run_probe(args) -> None:
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  return cli.run_main("sinkjax.experiments.passkey",
-                      lambda: run_probe(args) if args.make_data is None else make_data(args))
+
+  def command():
+    if args.make_data is not None:
+      return make_data(args.make_data, args.docs, args.max_len, args.text_fraction, args.seed)
+    if args.checkpoint is None:
+      raise PasskeyError("give --checkpoint RUN_DIR (or --make-data OUT.jsonl)")
+    cache_policy.check_arguments(args)
+    model_cfg = read_run_config(args.checkpoint).model
+    policies = cache_policy.policies_from_args(args, model_cfg, args.checkpoint) if cache_policy.wanted(args) else []
+    return run_probe(args.checkpoint, lengths=_numbers(args.lengths, int, "--lengths", lambda v: v >= 1),
+                     depths=_numbers(args.depths, float, "--depths", lambda v: 0 <= v <= 1), samples=args.samples,
+                     sink_size=args.sink_size, window=args.window, seed=args.seed, policies=policies, out=args.out)
+  return cli.run_main("sinkjax.experiments.passkey", command)
 
 
 if __name__ == "__main__":
