@@ -37,6 +37,7 @@ if __name__ == "__main__":
   cli.require_extra("sinkjax.experiments.trigger")   # before the imports below (tqdm, matplotlib: the train extra)
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -405,8 +406,28 @@ def build_parser():
   return p
 
 
-def parse_args(argv=None):
-  """The checked command line: (args, variants, [(layers, heads)], step cap); a bad one exits with status 2."""
+@dataclasses.dataclass(frozen=True)
+class TriggerStudy:
+  """What one invocation trains and evaluates (the command line's flags, checked)."""
+  out: str                          # local or gs:// / s3:// (written locally, uploaded after each model)
+  variants: tuple[str, ...]
+  configs: tuple[tuple[int, int], ...]   # (layers, heads)
+  max_steps: int
+  seed: int = 0
+  lr_single: float = 1e-3           # Adam lr of 1-layer models ([SinkNecessary] App. A)
+  lr_multi: float = 1e-4            # deeper models
+  batch_size: int = 128
+  seq_len: int = 16
+  dim: int = 16
+  stop_error: float = 5e-3
+  eval_size: int = 1000
+  impl: str = "reference"
+  bos: bool = True
+  progress: bool = True
+
+
+def parse_args(argv=None) -> TriggerStudy:
+  """The checked command line; a bad one exits with status 2."""
   parser = build_parser()
   args = parser.parse_args(argv)
   variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -426,27 +447,30 @@ def parse_args(argv=None):
     except (ValueError, AssertionError):
       parser.error(f"--configs: expected a list like 1x1,2x2,4x4; got {args.configs!r}")
   try:
-    args.mirror = paths.Mirror(args.out)  # --out may be gs:// / s3://: written locally, uploaded after each model
-    os.makedirs(args.mirror.local, exist_ok=True)
+    os.makedirs(paths.Mirror(args.out).local, exist_ok=True)
   except paths.StorageError as e:
     parser.error(str(e))
   except OSError as e:
     parser.error(f"--out: cannot create {args.out!r}: {e.strerror or e}")
-  return args, variants, configs, max_steps
+  return TriggerStudy(args.out, tuple(variants), tuple(configs), max_steps, args.seed, args.lr_single, args.lr_multi,
+                      args.batch_size, args.seq_len, args.dim, args.stop_error, args.eval_size, args.impl,
+                      not args.no_bos, not args.no_progress)
 
 
 def main(argv=None) -> int:
-  args, variants, configs, max_steps = parse_args(argv)
-  return cli.run_main("sinkjax.experiments.trigger", lambda: run_study(args, variants, configs, max_steps))
+  study = parse_args(argv)
+  return cli.run_main("sinkjax.experiments.trigger", lambda: run_study(study))
 
 
-def run_study(args, variants, configs, max_steps) -> None:
+def run_study(args: TriggerStudy) -> None:
   """Trains and evaluates every variant x (layers, heads); writes results.json, table.txt and the figures."""
-  mirror, out_url, out = args.mirror, args.out, str(args.mirror.local)
+  mirror = paths.Mirror(args.out)
+  out_url, out = args.out, str(mirror.local)
+  variants, configs, max_steps = args.variants, args.configs, args.max_steps
   T, d = args.seq_len, args.dim
   fig_trigger = min(7, T - 1)                                    # position 8 (1-indexed), as in [SinkNecessary]
   eval_key, fig_key = jax.random.split(jax.random.key(10_000 + args.seed))
-  bos = not args.no_bos
+  bos = args.bos
   x_ev, y_ev, t_ev = make_batch(eval_key, args.eval_size, T, d, bos=bos)
   x_fig, y_fig, t_fig = make_batch(fig_key, args.eval_size, T, d, trigger_pos=fig_trigger, bos=bos)
   # the held-out batch the "solved" rule is applied to: training batch size, keys no training run draws
@@ -462,7 +486,7 @@ def run_study(args, variants, configs, max_steps) -> None:
       run_seed = args.seed * 1000 + 17 * layers + heads
       params, info = train(variant, layers, heads, lr=lr, max_steps=max_steps, seed=run_seed,
                            batch=args.batch_size, seq_len=T, dim=d, stop_linf=args.stop_error, impl=args.impl,
-                           progress=not args.no_progress, bos=bos)
+                           progress=args.progress, bos=bos)
       rec = {"variant": variant, "layers": layers, "heads": heads, "bos_token": bos}
       rec.update(evaluate(params, variant, x_ev, y_ev, t_ev, args.impl))
       rec.update({k: v for k, v in info.items() if k != "curve"})
