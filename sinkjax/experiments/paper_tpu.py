@@ -97,14 +97,23 @@ def train_args(run: TpuRun, bucket: Bucket, steps: int | None = None) -> list[st
   return args
 
 
-def slice_options(args) -> list[str]:
-  """launch/tpu_vm.sh's options for the slice, from the study's command line."""
-  opts = ["--name", args.name, "--zone", args.zone, "--type", args.type, "--version", args.version,
-          "--interval", str(args.interval)]
-  opts += ["--project", args.project] if args.project else []
-  opts += ["--spot"] if args.spot else []
-  opts += ["--queued"] if args.queued else []
-  return opts
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  """The TPU slice every launch runs on (launch/tpu_vm.sh's options)."""
+  name: str
+  zone: str
+  type: str = "v5litepod-32"
+  version: str = "v2-alpha-tpuv5-lite"
+  interval: int = 300
+  project: str | None = None
+  spot: bool = False
+  queued: bool = False
+
+  def options(self) -> list[str]:
+    opts = ["--name", self.name, "--zone", self.zone, "--type", self.type, "--version", self.version,
+            "--interval", str(self.interval)]
+    opts += ["--project", self.project] if self.project else []
+    return opts + (["--spot"] if self.spot else []) + (["--queued"] if self.queued else [])
 
 
 def launch_command(run: TpuRun, bucket: Bucket, slice_opts: list[str], steps: int | None = None, *,
@@ -214,7 +223,8 @@ def add_arguments(p) -> None:
 
 
 def main(args, parser) -> int:
-  """The TPU grid of the parsed `sinkjax.experiments.paper` command line (args.scale == 'tpu')."""
+  """The command line's half of `sinkjax.experiments.paper --scale tpu`: its flags checked (a bad one: parser.error)
+  and turned into the grid, the bucket and the slice for `run_grid`."""
   out = args.out.rstrip("/")
   if not out.startswith("gs://"):
     parser.error(f"--scale tpu needs --out gs://BUCKET (the workers share nothing but the bucket), got {args.out!r}")
@@ -231,40 +241,43 @@ def main(args, parser) -> int:
     parser.error(f"--sizes: a comma-separated subset of {','.join(SIZES)}, got {args.sizes!r}")
   variants = [v.strip() for v in args.variants.split(",") if v.strip()]
   runs = make_grid(sizes, variants, range(args.first_seed, args.first_seed + args.seeds))
-  bucket, opts = Bucket(out, data), slice_options(args)
   missing = [f for f in (TPU_VM, *{r.config for r in runs}) if not (REPO / f).is_file()]
   if missing:
     parser.error(f"--scale tpu launches from a checkout of sinkjax (launch/, configs/paper/); {REPO} lacks "
                  f"{missing[0]}: run it from a clone (pip install -e .)")
-
-  def drive() -> int:
-    states = {r.name: run_state(bucket.run_dir(r)) for r in runs}
-    todo = [r for r in runs if not states[r.name].finished(args.steps)]
-    print(f"scale tpu: {NOTE}; {len(runs) - len(todo)} of {len(runs)} runs finished in {out}/runs", flush=True)
-    if todo and not args.dry_run:
-      print(check_data(todo, bucket, args.steps), flush=True)
-    for i, run in enumerate(runs, 1):
-      state = states[run.name]
-      cmd = launch_command(run, bucket, opts, args.steps,
-                           delete_when_done=bool(args.delete_when_done and todo and run == todo[-1]))
-      head = f"[{i}/{len(runs)}] {run.name}: {state.describe(args.steps)}"
-      if state.finished(args.steps):
-        print(f"{head}, skipped", flush=True)
-        continue
-      print(f"{head} -> {shlex.join(cmd)}", flush=True)
-      if args.dry_run:
-        continue
-      rc = subprocess.run(cmd, cwd=REPO, check=False).returncode
-      after = run_state(bucket.run_dir(run))
-      if rc != 0 or not after.finished(args.steps):
-        raise StudyError(f"run {run.name} ended {after.describe(args.steps)} (launch/tpu_vm.sh babysit exited {rc}; "
-                         f"its logs: launch/tpu_vm.sh logs --name {args.name} --zone {args.zone} --job {run.name}); "
-                         "rerun the same command to continue the grid")
-      print(f"[{i}/{len(runs)}] {run.name}: finished at step {after.latest}", flush=True)
-    if not args.dry_run:
-      print(f"every run finished; Table 1: python -m sinkjax.experiments.paper_report --runs '{out}/runs/d*' "
-            "--out report", flush=True)
-    return 0
-
+  slice_ = Slice(args.name, args.zone, args.type, args.version, args.interval, args.project, args.spot, args.queued)
   from sinkjax import cli  # pylint: disable=import-outside-toplevel
-  return cli.run_main("sinkjax.experiments.paper", drive)
+  return cli.run_main("sinkjax.experiments.paper", lambda: run_grid(
+      runs, Bucket(out, data), slice_, steps=args.steps, dry_run=args.dry_run, delete_when_done=args.delete_when_done))
+
+
+def run_grid(runs: list[TpuRun], bucket: Bucket, slice_: Slice, *, steps: int | None = None, dry_run: bool = False,
+             delete_when_done: bool = False) -> int:
+  """Launches every run the bucket does not hold finished, one at a time (see the module docstring)."""
+  out, opts = bucket.out, slice_.options()
+  states = {r.name: run_state(bucket.run_dir(r)) for r in runs}
+  todo = [r for r in runs if not states[r.name].finished(steps)]
+  print(f"scale tpu: {NOTE}; {len(runs) - len(todo)} of {len(runs)} runs finished in {out}/runs", flush=True)
+  if todo and not dry_run:
+    print(check_data(todo, bucket, steps), flush=True)
+  for i, run in enumerate(runs, 1):
+    state = states[run.name]
+    cmd = launch_command(run, bucket, opts, steps, delete_when_done=bool(delete_when_done and todo and run == todo[-1]))
+    head = f"[{i}/{len(runs)}] {run.name}: {state.describe(steps)}"
+    if state.finished(steps):
+      print(f"{head}, skipped", flush=True)
+      continue
+    print(f"{head} -> {shlex.join(cmd)}", flush=True)
+    if dry_run:
+      continue
+    rc = subprocess.run(cmd, cwd=REPO, check=False).returncode
+    after = run_state(bucket.run_dir(run))
+    if rc != 0 or not after.finished(steps):
+      raise StudyError(f"run {run.name} ended {after.describe(steps)} (launch/tpu_vm.sh babysit exited {rc}; "
+                       f"its logs: launch/tpu_vm.sh logs --name {slice_.name} --zone {slice_.zone} --job {run.name}); "
+                       "rerun the same command to continue the grid")
+    print(f"[{i}/{len(runs)}] {run.name}: finished at step {after.latest}", flush=True)
+  if not dry_run:
+    print(f"every run finished; Table 1: python -m sinkjax.experiments.paper_report --runs '{out}/runs/d*' "
+          "--out report", flush=True)
+  return 0
