@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from sinkjax.experiments import paper, runner
+from sinkjax.experiments import paper, paper_report, runner
 from tests.helpers import call_main, run_command
 
 
@@ -201,6 +201,13 @@ def test_a_new_axis_is_one_line_of_the_grid(tmp_path):
   cfgs = [paper.run_config(p, s, "R") for s in specs]
   assert [c.model.gate for c in cfgs] == ["headwise", "elementwise"] * 2
   assert {c.model.num_layers for c in cfgs} == {2} and p.study.scale == "smoke"
+  # the reports group seeds by arm (variant and the new axis' value), so the two gates are two rows of Table 1
+  assert [s.arm for s in specs] == ["gated_gateheadwise", "gated_gateelementwise"] * 2
+  recs = [{"variant": s.arm, "loss": s.loss, "seed": seed, "val_bpb": 2.0 + 0.1 * i + 0.01 * seed,
+           "head_imbalance": 0.1} for seed in (0, 1) for i, s in enumerate(specs)]
+  t1 = paper_report.table1_cells(recs)
+  assert list(t1) == ["gated_gateheadwise", "gated_gateelementwise"]
+  assert t1["gated_gateelementwise"]["aux"]["mean"] == pytest.approx(2.3 + 0.005)        # (2.30 + 2.31) / 2
 
 
 def _with_this_commit(tmp_path):

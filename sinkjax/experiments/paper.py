@@ -67,8 +67,13 @@ class RunSpec:
   extra: tuple = ()                # ((key, value), ...): the study's axes beyond attention, lambda and seed
 
   @property
+  def arm(self) -> str:
+    """What the reports group seeds by: the attention variant, and the value of each other axis."""
+    return self.variant + "".join(f"_{k.rsplit('.', 1)[-1]}{v}" for k, v in self.extra)
+
+  @property
   def name(self) -> str:
-    return f"{self.variant}_{self.loss}_s{self.seed}" + "".join(f"_{k.rsplit('.', 1)[-1]}{v}" for k, v in self.extra)
+    return f"{self.variant}_{self.loss}_s{self.seed}" + self.arm[len(self.variant):]
 
   @property
   def lam(self) -> float:
@@ -416,11 +421,12 @@ def collect(out: pathlib.Path, specs: list[RunSpec]) -> list[dict]:
     d = out / "runs" / name
     done, ev = _read_json(d / "done.json"), _read_json(d / "paper_eval.json")
     if done is not None and ev is not None:
-      records.append({"variant": spec.variant, "loss": spec.loss, "seed": spec.seed, "run_dir": str(d), "name": name,
+      records.append({"variant": spec.arm, "attention": spec.variant, "loss": spec.loss, "seed": spec.seed,
+                      "run_dir": str(d), "name": name,
                       "commit": done.get("commit"), "final_train_loss": done["final_loss"],
                       "train_seconds": done["train_seconds"], **ev, "imbalance_curve": imbalance_curve(d)})
   order = {v: i for i, v in enumerate(VARIANTS)}
-  return sorted(records, key=lambda r: (order[r["variant"]], list(LOSSES).index(r["loss"]), r["seed"], r["name"]))
+  return sorted(records, key=lambda r: (order[r["attention"]], r["variant"], list(LOSSES).index(r["loss"]), r["seed"]))
 
 
 def machine_info() -> dict:
@@ -523,7 +529,7 @@ def recipe_differences(plan: runner.Plan, committed: dict) -> dict:
   "gone": [keys it has that this checkout lacks]}. Reuse requires "changed" and "gone" empty (a key added since,
   at a default that keeps the old behaviour, is listed but does not block)."""
   first = committed["runs"][0]
-  spec = RunSpec(first["variant"], first["loss"], first["seed"])
+  spec = RunSpec(first.get("attention", first["variant"]), first["loss"], first["seed"])
   now = _flatten(config_lib.to_dict(run_config(plan, spec, "RUN_DIR")))
   then = _flatten(committed["recipe"])
   changed = {k: [then[k], now[k]] for k in then if k in now and then[k] != now[k]}
@@ -555,7 +561,7 @@ def reusable_records(path, plan: runner.Plan) -> tuple[dict, dict]:
 
 
 def _dose_record(spec: RunSpec, done: dict | None, ev: dict, run_dir: pathlib.Path | None, source: str) -> dict:
-  rec = {"variant": spec.variant, "loss": spec.loss, "lambda": spec.lam, "seed": spec.seed, "source": source, **ev}
+  rec = {"variant": spec.arm, "attention": spec.variant, "loss": spec.loss, "lambda": spec.lam, "seed": spec.seed, "source": source, **ev}
   if done is not None:
     rec.update(final_train_loss=done["final_loss"], train_seconds=done["train_seconds"], commit=done.get("commit"))
   rec["name"] = spec.name

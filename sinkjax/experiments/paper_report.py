@@ -315,17 +315,18 @@ LOSSES = ("base", "aux")
 
 
 def table1_cells(runs) -> dict:
-  """`table1` as Table 1's rendering reads it: per variant present (VARIANTS order) and loss, the val BPB's mean ±
+  """`table1` as Table 1's rendering reads it: per variant (or arm of a study with more axes, in the runs' order) and loss, the val BPB's mean ±
   std over seeds and values, and the final head imbalance per seed."""
   t1 = table1(runs)
   return {v: {loss: {"mean": r["val_bpb"]["mean"], "std": r["val_bpb"]["std"], "val_bpb": r["val_bpb"]["values"],
                      "head_imbalance": r["head_imbalance"]["values"], "seeds": r["seeds"]}
-              for loss, r in t1[v].items() if loss in LOSSES} for v in VARIANTS if v in t1}
+              for loss, r in row.items() if loss in LOSSES} for v, row in t1.items()}
 
 
 def table1_effects(runs) -> dict:
   """{"VARIANT BPB": the paired aux - base effect's tests} of each variant with at least two paired seeds."""
-  diffs = {v: stats.paired(_by(runs, v, "aux", "val_bpb"), _by(runs, v, "base", "val_bpb"))[1] for v in VARIANTS}
+  diffs = {v: stats.paired(_by(runs, v, "aux", "val_bpb"), _by(runs, v, "base", "val_bpb"))[1]
+           for v in dict.fromkeys(r["variant"] for r in runs)}
   return {f"{v} BPB": stats.paired_effect(d, what=f"{v}, val BPB aux − base") for v, d in diffs.items()
           if len(d) >= 2}
 
