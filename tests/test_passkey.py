@@ -40,3 +40,21 @@ def test_probe_records_every_keys_outcome():
     assert r["key_right"] == [d == 5 for d in digits]
     assert r["accuracy"] == pytest.approx(np.mean(r["key_right"]))
     assert r["digit_accuracy"] == pytest.approx(sum(digits) / 15)
+
+
+def test_the_study_file_spells_the_probe():
+  """configs/studies/passkey_tiny.yaml: the documented probe (lengths 256, 512 x five depths, W 64, 4 sinks, hybrid
+  caches at F 0.25 and 0.5 with five random seeds); an override empties a policy key, which cache_policy then reads
+  as not given (None)."""
+  from sinkjax import cache_policy
+  from sinkjax.experiments import runner
+  plan = runner.load_plan(passkey.STUDY_FILE)
+  opts = plan.options("passkey", passkey.PasskeyOptions())
+  assert plan.axes == {"length": [256, 512], "depth": [0, 0.25, 0.5, 0.75, 1]} and plan.study.kind == "passkey"
+  assert (opts.samples, opts.sink_size, opts.window) == (8, 4, 64)
+  assert cache_policy.parse_amounts(opts.full_heads) == [0.25, 0.5]
+  assert cache_policy.parse_seeds(opts.full_heads_random) == [0, 1, 2, 3, 4]
+  pol = runner.load_plan(passkey.STUDY_FILE, ["passkey.full_heads_random="]).options(
+      "passkey", passkey.PasskeyOptions()).policy()
+  assert pol.full_heads_random is None and pol.full_heads_from is None and cache_policy.wanted(pol)
+  cache_policy.check_arguments(pol)

@@ -110,11 +110,6 @@ def table1(records: list[dict]) -> dict:
   return out
 
 
-def _rng(xs, nd=3, fmt="f"):
-  xs = [x for x in xs if x is not None]
-  return f"{min(xs):.{nd}{fmt}}–{max(xs):.{nd}{fmt}}"
-
-
 # ---------------------------------------------------------------------------------------------------- main grid
 
 PAPER_BPB_EFFECTS = (0.003, 0.006)   # [Sink-MoE] Table 1's aux - base gains, in BPB (the sizes power is asked for)

@@ -4,6 +4,11 @@
         [--samples 8] [--sink-size 4 --window 64] [--full-heads 0.25,0.5 ...] [--full-heads-random 0,1,2] [--out DIR]
     python -m sinkjax.experiments.passkey --make-data OUT.jsonl [--docs 20000] [--max-len 512]
         [--text-fraction 0.3] [--seed 0]
+    python -m sinkjax.experiments.study configs/studies/passkey_tiny.yaml [study.run=RUN_DIR] [passkey.window=64] ...
+
+The probe is a study file of kind passkey (configs/studies/passkey_tiny.yaml): the run (study.run), the output
+(study.out, default RUN_DIR/passkey), the probe's keys (`passkey:`, `PasskeyOptions`: samples, sinks, window, seed and
+the hybrid caches' head policy) and `axes: length, depth`; the probe's flags spell those keys.
 
 The probe (the passkey test of Landmark Attention / LongLoRA): BOS, filler sentences ("The grass is green. The sky
 is blue. ..."), at depth d of the filler the needle "The pass key is #71829. Remember it. #71829 is the pass key. ",
@@ -41,6 +46,8 @@ import numpy as np
 
 from sinkjax import cache_policy, paths
 from sinkjax.cli import UserError
+from sinkjax.config import key
+from sinkjax.experiments import runner
 from sinkjax.data.sources import DefaultSource
 from sinkjax.generate import kv_bytes, streaming_scores
 from sinkjax.run import load_run, read_run_config
@@ -53,6 +60,28 @@ FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ", "H
 NEEDLE = "The pass key is #{key}. Remember it. #{key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is #"
 KEY_DIGITS = 5
+STUDY_FILE = runner.REPO / "configs" / "studies" / "passkey_tiny.yaml"
+POLICY_KEYS = ("full_heads", "full_heads_random", "full_heads_from", "head_scores")   # "" = not given
+
+
+@dataclasses.dataclass
+class PasskeyOptions:
+  """The `passkey:` section of a kind-passkey study file; the policy keys are `sinkjax.cache_policy`'s flags."""
+  samples: int = key(8, ">=1")            # keys per length and depth
+  sink_size: int = key(4, ">=0")          # sinks of streaming heads
+  window: int = key(64, ">=1")            # slots of streaming heads, sinks included
+  seed: int = key(0, ">=0")               # the keys drawn
+  full_heads: str = ""                    # F[,F...]: hybrid caches whose full heads are chosen by importance
+  full_heads_random: str = ""             # SEED[,SEED...]: the same number of full heads at random, per seed
+  full_heads_from: str = ""               # a JSON [layers][kv heads] map instead
+  head_scores: str = ""                   # where importance / alpha are read (default: the run's)
+  full_heads_by: str = key("importance", choices=cache_policy.SOURCES)
+  full_heads_scope: str = key("layer", choices=cache_policy.SCOPES)
+  full_heads_gqa: str = key("any", choices=cache_policy.GQA_RULES)
+
+  def policy(self):
+    """The head policy as `cache_policy`'s checks and choices read it (an unset key is None there)."""
+    return dataclasses.replace(self, **{k: getattr(self, k) or None for k in POLICY_KEYS})
 
 
 class PasskeyError(UserError):
@@ -279,8 +308,8 @@ def run_probe(checkpoint: str, *, lengths, depths, samples: int, sink_size: int,
   """The probe of one run (`probe`) at every length and depth, for every cache mode; results.json / results.md in
   `out` (default RUN_DIR/passkey). `policies`: (label, [L][Hkv] map) of the hybrid caches (`sinkjax.cache_policy`)."""
   logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
-  if samples < 1 or not 0 <= sink_size < window:
-    raise PasskeyError("--samples must be >= 1 and 0 <= --sink-size < --window")
+  if not 0 <= sink_size < window:
+    raise PasskeyError("0 <= --sink-size < --window (passkey.sink_size < passkey.window)")
   model, _, tok, _ = load_run(checkpoint)
   for label, full in policies:
     print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
@@ -294,20 +323,43 @@ def run_probe(checkpoint: str, *, lengths, depths, samples: int, sink_size: int,
   print(table)
 
 
+def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
+  """A kind-passkey study file, run (`sinkjax.experiments.study`): the probe of study.run at every length x depth of
+  its axes, for every cache mode."""
+  opts = plan.options("passkey", PasskeyOptions())
+  for axis in set(plan.axes) - {"length", "depth"}:
+    raise PasskeyError(f"{plan.path}: the passkey study's axes are length and depth, got {axis}")
+  lengths, depths = plan.axes.get("length", [128, 256, 512]), plan.axes.get("depth", [0, 0.25, 0.5, 0.75, 1])
+  if dry_run or report_only:
+    print(f"{plan.study.run}: lengths {lengths} x depths {depths}, {opts.samples} keys each"
+          + (" (the probe writes its report as it runs)" if report_only else ""))
+    return
+  if not plan.study.run:
+    raise PasskeyError("give --checkpoint RUN_DIR (study.run) (or --make-data OUT.jsonl)")
+  policy = opts.policy()
+  cache_policy.check_arguments(policy)
+  model_cfg = read_run_config(plan.study.run).model
+  policies = cache_policy.policies_from_args(policy, model_cfg, plan.study.run) if cache_policy.wanted(policy) else []
+  run_probe(plan.study.run, lengths=[int(x) for x in lengths], depths=[float(x) for x in depths],
+            samples=opts.samples, sink_size=opts.sink_size, window=opts.window, seed=opts.seed, policies=policies,
+            out=plan.study.out or None)
+
+
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
 
   def command():
     if args.make_data is not None:
       return make_data(args.make_data, args.docs, args.max_len, args.text_fraction, args.seed)
-    if args.checkpoint is None:
-      raise PasskeyError("give --checkpoint RUN_DIR (or --make-data OUT.jsonl)")
-    cache_policy.check_arguments(args)
-    model_cfg = read_run_config(args.checkpoint).model
-    policies = cache_policy.policies_from_args(args, model_cfg, args.checkpoint) if cache_policy.wanted(args) else []
-    return run_probe(args.checkpoint, lengths=_numbers(args.lengths, int, "--lengths", lambda v: v >= 1),
-                     depths=_numbers(args.depths, float, "--depths", lambda v: 0 <= v <= 1), samples=args.samples,
-                     sink_size=args.sink_size, window=args.window, seed=args.seed, policies=policies, out=args.out)
+    lengths = _numbers(args.lengths, int, "--lengths", lambda v: v >= 1)
+    depths = _numbers(args.depths, float, "--depths", lambda v: 0 <= v <= 1)
+    if args.samples < 1 or not 0 <= args.sink_size < args.window:
+      raise PasskeyError("--samples must be >= 1 and 0 <= --sink-size < --window")
+    flags = {k: getattr(args, k) for k in (*POLICY_KEYS, "full_heads_by", "full_heads_scope", "full_heads_gqa")}
+    overrides = [f"study.run={args.checkpoint or ''}", f"study.out={args.out or ''}", f"axes.length={lengths}",
+                 f"axes.depth={depths}", *(f"passkey.{k}={v or ''}" for k, v in flags.items()),
+                 *(f"passkey.{k}={getattr(args, k)}" for k in ("samples", "sink_size", "window", "seed"))]
+    return run_plan(runner.load_plan(STUDY_FILE, overrides))
   return cli.run_main("sinkjax.experiments.passkey", command)
 
 

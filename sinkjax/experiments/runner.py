@@ -243,7 +243,7 @@ class Study:
 
 # ------------------------------------------------------------------------------------------------- study files
 
-STUDY_KINDS = ("paper", "dose", "pinning", "streaming")
+STUDY_KINDS = ("paper", "dose", "pinning", "streaming", "passkey")
 
 
 @dataclasses.dataclass

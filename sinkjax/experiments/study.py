@@ -8,7 +8,8 @@ The study's `study.kind` says which driver makes its runs and which report reads
 - `paper`: [Sink-MoE]'s from-scratch grid, results.json / results.md / figures (`sinkjax.experiments.paper`);
 - `dose`: the same runs over lambda, dose.json (then `paper_report --dose`);
 - `pinning`: App. D on an imported model, one epoch, per-document losses (`sinkjax.experiments.heads_pinning`);
-- `streaming`: streaming perplexity of an imported model under each KV cache (`sinkjax.experiments.streaming_real`).
+- `streaming`: streaming perplexity of an imported model under each KV cache (`sinkjax.experiments.streaming_real`);
+- `passkey`: passkey retrieval of a run per length, depth and KV cache (`sinkjax.experiments.passkey`).
 Each run records the commit and config it was made with; a rerun resumes, skipping finished runs.
 """
 from __future__ import annotations
@@ -37,9 +38,12 @@ def run(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False, 
   elif plan.study.kind == "pinning":
     from sinkjax.experiments import heads_pinning  # pylint: disable=import-outside-toplevel
     heads_pinning.run_plan(plan, dry_run=dry_run, report_only=report_only)
-  else:
+  elif plan.study.kind == "streaming":
     from sinkjax.experiments import streaming_real  # pylint: disable=import-outside-toplevel
     streaming_real.run_plan(plan, dry_run=dry_run, report_only=report_only)
+  else:
+    from sinkjax.experiments import passkey  # pylint: disable=import-outside-toplevel
+    passkey.run_plan(plan, dry_run=dry_run, report_only=report_only)
 
 
 def main(argv=None) -> int:
