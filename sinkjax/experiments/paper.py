@@ -611,7 +611,7 @@ def run_dose(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, repo
   return res
 
 
-def dry_run(plan: runner.Plan, specs: list[RunSpec]) -> None:
+def list_grid(plan: runner.Plan, specs: list[RunSpec]) -> None:
   """Lists the grid and each run's state; trains nothing."""
   out = pathlib.Path(plan.study.out)
   reuse = reusable_records(plan.study.reuse, plan)[0] if plan.study.kind == "dose" else {}
@@ -625,12 +625,12 @@ def dry_run(plan: runner.Plan, specs: list[RunSpec]) -> None:
           f" -> {d} ({state})")
 
 
-def run_plan(plan: runner.Plan, *, dry_run_only: bool = False, report_only: bool = False, command: str = "") -> None:
+def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
   """A paper or dose study file, run (`sinkjax.experiments.study`'s kinds paper and dose): the grid trained and
   evaluated in study.out (a gs:// / s3:// one is made locally, then uploaded), then its results."""
   specs = specs_of(plan)
-  if dry_run_only:
-    dry_run(plan, specs)
+  if dry_run:
+    list_grid(plan, specs)
     return
   if plan.config({}, "RUN_DIR").model.dtype == "bfloat16" and jax.default_backend() == "cpu":
     raise StudyError(f"{plan.path} trains in bfloat16 for a GPU (JAX sees only the CPU); use paper_cpu.yaml")
@@ -644,10 +644,10 @@ def run_plan(plan: runner.Plan, *, dry_run_only: bool = False, report_only: bool
   except OSError as e:
     raise StudyError(f"study.out {local}: {e.strerror or e}") from None
   if plan.study.kind == "dose":
-    run_dose(plan, specs, local, report_only=report_only, command=command)
+    run_dose(plan, specs, local, report_only=report_only, command=plan.command)
     mirror.sync()
     return
-  res = run_study(plan, specs, local, report_only=report_only, command=command, sync=mirror.sync)
+  res = run_study(plan, specs, local, report_only=report_only, command=plan.command, sync=mirror.sync)
   url = plan.study.out.rstrip("/")
   print(f"wrote {url}/results.json, {url}/results.md and {len(res['figures'])} figures "
         f"({len(res['runs'])} finished runs)")
@@ -728,8 +728,8 @@ def main(argv=None) -> int:
   overrides = study_overrides(args, parser)
   command = "python -m sinkjax.experiments.paper " + " ".join(argv)
   return cli.run_main("sinkjax.experiments.paper", lambda: run_plan(
-      runner.load_plan(STUDIES / f"paper_{args.scale}.yaml", overrides), dry_run_only=args.dry_run,
-      report_only=args.report_only, command=command))
+      runner.load_plan(STUDIES / f"paper_{args.scale}.yaml", overrides, command), dry_run=args.dry_run,
+      report_only=args.report_only))
 
 
 if __name__ == "__main__":

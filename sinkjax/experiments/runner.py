@@ -316,6 +316,7 @@ class Plan:
   overrides: tuple[str, ...]
   axes: dict
   sections: dict = dataclasses.field(default_factory=dict)
+  command: str = ""                 # the command line that ran it, for the records
 
   def options(self, name: str, options):
     """The kind's own section `name` of the file set on `options` (a dataclass declared with `key`); another section
@@ -333,7 +334,7 @@ class Plan:
     return config_lib.load_config(self.recipe, [*self.overrides, *_flat(run), f"run.dir={run_dir}", *extra])
 
 
-def load_plan(path, overrides=()) -> Plan:
+def load_plan(path, overrides=(), command: str = "") -> Plan:
   """Reads a study file; `overrides` (`key=value`, as on the command line) set config keys of every run,
   `study.KEY=...` the study's own keys and `axes.KEY=[v1, v2]` (or one value) an axis, added last when new."""
   recipe, tree = _read_study(pathlib.Path(path))
@@ -357,7 +358,8 @@ def load_plan(path, overrides=()) -> Plan:
   for k, vs in axes.items():
     if not isinstance(vs, list) or not vs:
       raise StudyError(f"{path}: axis {k} must be a non-empty list of values, got {vs!r}")
-  plan = Plan(str(path), study, str(recipe or ""), tuple(_flat(tree) + flat), axes, own)
+  plan = Plan(str(path), study, str(recipe or ""), tuple(_flat(tree) + flat), axes, own,
+              command or f"python -m sinkjax.experiments.study {path} {' '.join(overrides)}".strip())
   if recipe is not None:
     for name in own:
       raise StudyError(f"{path}: unknown config key {name} (the sections are {', '.join(sorted(configs))})")

@@ -14,6 +14,7 @@ Each run records the commit and config it was made with; a rerun resumes, skippi
 """
 from __future__ import annotations
 
+import importlib
 import sys
 
 from sinkjax import cli
@@ -30,20 +31,17 @@ def build_parser() -> cli.Parser:
   return p
 
 
-def run(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False, command: str = "") -> None:
-  """Runs the plan with its kind's driver (imported here: the kinds' modules import the runner, not this one)."""
-  if plan.study.kind in ("paper", "dose"):
-    from sinkjax.experiments import paper  # pylint: disable=import-outside-toplevel
-    paper.run_plan(plan, dry_run_only=dry_run, report_only=report_only, command=command)
-  elif plan.study.kind == "pinning":
-    from sinkjax.experiments import heads_pinning  # pylint: disable=import-outside-toplevel
-    heads_pinning.run_plan(plan, dry_run=dry_run, report_only=report_only)
-  elif plan.study.kind == "streaming":
-    from sinkjax.experiments import streaming_real  # pylint: disable=import-outside-toplevel
-    streaming_real.run_plan(plan, dry_run=dry_run, report_only=report_only)
-  else:
-    from sinkjax.experiments import passkey  # pylint: disable=import-outside-toplevel
-    passkey.run_plan(plan, dry_run=dry_run, report_only=report_only)
+# kind -> the module whose run_plan(plan, dry_run=, report_only=) makes its runs and calls its report (imported when
+# a study of that kind runs: the kinds' modules import the runner, not this command)
+KINDS = {"paper": "sinkjax.experiments.paper", "dose": "sinkjax.experiments.paper",
+         "pinning": "sinkjax.experiments.heads_pinning", "streaming": "sinkjax.experiments.streaming_real",
+         "passkey": "sinkjax.experiments.passkey"}
+assert set(KINDS) == set(runner.STUDY_KINDS)
+
+
+def run(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
+  """Runs the plan with its kind's driver."""
+  importlib.import_module(KINDS[plan.study.kind]).run_plan(plan, dry_run=dry_run, report_only=report_only)
 
 
 def main(argv=None) -> int:
@@ -52,8 +50,8 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   command = "python -m sinkjax.experiments.study " + " ".join(argv)
   return cli.run_main("sinkjax.experiments.study", lambda: run(
-      runner.load_plan(args.file, args.overrides), dry_run=args.dry_run, report_only=args.report_only,
-      command=command))
+      runner.load_plan(args.file, args.overrides, command=command), dry_run=args.dry_run,
+      report_only=args.report_only))
 
 
 if __name__ == "__main__":
