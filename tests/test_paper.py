@@ -68,6 +68,17 @@ def test_another_scale_in_the_same_out_is_a_one_line_error(tmp_path, capsys):
   assert rc == 1 and "scale cpu" in cap.err and cap.err.count("\n") == 1, cap.err
 
 
+def test_a_study_out_of_the_flag_era_resumes_at_its_own_steps(tmp_path):
+  """OUT/study.json written before study files said steps None for the scale's own: the same scale at its own steps
+  (paper_smoke.yaml: 2) resumes there, other steps do not."""
+  (tmp_path / "study.json").write_text(json.dumps({"scale": "smoke", "steps": None}))
+  paper._lock(tmp_path, plan())                               # pylint: disable=protected-access
+  assert json.loads((tmp_path / "study.json").read_text()) == {"scale": "smoke", "steps": 2}
+  (tmp_path / "study.json").write_text(json.dumps({"scale": "smoke", "steps": None}))
+  with pytest.raises(paper.StudyError, match="scale smoke with 2 steps"):
+    paper._lock(tmp_path, plan("paper_smoke", "train.steps=5"))  # pylint: disable=protected-access
+
+
 def test_a_second_invocation_on_the_same_out_is_a_one_line_error(tmp_path, capsys):
   """Another process holding OUT's lock (a running study) stops a second invocation before it trains anything."""
   import subprocess

@@ -401,6 +401,8 @@ def _lock(out: pathlib.Path, plan: runner.Plan) -> None:
   """OUT/study.json pins the scale and steps: runs of another size in the same directory would not compare."""
   want = {"scale": scale_record(plan)["name"], "steps": plan.config({}, "RUN_DIR").train.steps}
   have = _read_json(out / "study.json")
+  if have is not None and have.get("steps", 0) is None:     # written before study files: None = the scale's steps
+    have = {**have, "steps": runner.load_plan(plan.path).config({}, "RUN_DIR").train.steps}
   if have is not None and have != want:
     raise StudyError(f"study.out {out} holds a study of scale {have['scale']} with {have['steps']} steps; use that, "
                      "or another study.out")
