@@ -190,3 +190,12 @@ def to_host(tree):
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return jax.tree.map(one, tree)
+
+
+def max_over_processes(value: int) -> int:
+  """The largest of one integer each process holds (every process must call this at the same point); itself in a
+  single process. `to_host` would not do: an array made from a host value is this process' own, fully addressable."""
+  if jax.process_count() == 1:
+    return int(value)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return int(np.max(multihost_utils.process_allgather(np.asarray([value], np.int64))))

@@ -359,8 +359,7 @@ def sized_batches(batches: list[dict], m, *, batch_rows: int | None, default_row
   used = (rows["segment_ids"] > 0) | (rows["loss_mask"] > 0)
   full_T = used.shape[1]
   length = int(np.max(np.nonzero(used.any(0))[0], initial=-1)) + 1
-  if jax.process_count() > 1:
-    length = int(np.max(distributed.to_host(jnp.asarray([length]))))
+  length = distributed.max_over_processes(length)
   T = min(full_T, max(-(-length // ROW_MULTIPLE) * ROW_MULTIPLE, ROW_MULTIPLE))
   n = len(used)
   if jax.process_count() == 1:

@@ -245,6 +245,18 @@ def test_two_processes_train_log_once_and_evaluate_in_one(tmp_path, compile_cach
   assert report["step"] == 6 and report["val_bpb"] == pytest.approx(recs[-1]["val_bpb"], rel=1e-5)
 
 
+def test_evaluation_rows_are_cut_to_one_length_in_every_process(launch):
+  """eval.sized_batches cuts rows to the longest used row of ALL processes (rounded up to 64): process 0's rows use
+  70 tokens, process 1's 150, so both cut to 192 (a per-process cut, 128 and 192, would give global arrays of two
+  shapes)."""
+  rc, out, err = launch(["--config", TINY], module="multihost_sized", devices=1).wait(timeout=300)
+  assert rc == 0, err
+  got = sorted((json.loads(line.split("]", 1)[1]) for line in out.splitlines() if '"seq_len"' in line),
+               key=lambda g: g["process"])
+  assert [g["process"] for g in got] == [0, 1], out
+  assert [g["seq_len"] for g in got] == [192, 192] and all(g["shapes"] == [[4, 192]] for g in got), got
+
+
 @pytest.mark.slow    # three 2-process runs and a refused single-process one: ~3 min on a 2-core CPU
 def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, compile_cache, launch):
   ov = OV + ["train.steps=6", "loss.aux_weight=0.0001"]

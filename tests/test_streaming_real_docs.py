@@ -1,4 +1,5 @@
-"""docs/STREAMING.md's "On real weights (SmolLM2-135M)" against its raw files (docs/results/streaming_real/*.json).
+"""docs/STREAMING.md's "On real weights (SmolLM2-135M)" against its raw files (docs/results/streaming_real/*.json),
+and its "the hybrid ranked within each layer" section against docs/results/streaming_real_layer/*.json.
 
 Every quoted number is recomputed here from the per-position NLLs with plain Python and scipy, not with the
 study's own report code: perplexities (math.fsum), the importance map's rank among the maps, the paired t (scipy),
@@ -11,23 +12,27 @@ import math
 import pathlib
 import re
 
+import pytest
 from scipy import stats as sps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RAW = ROOT / "docs" / "results" / "streaming_real"
 DOC = ROOT / "docs" / "STREAMING.md"
 TITLE = "## On real weights (SmolLM2-135M)"
+LAYER_RAW = ROOT / "docs" / "results" / "streaming_real_layer"
+LAYER_TITLE = "## On real weights: the hybrid ranked within each layer"
+STUDIES = [pytest.param((TITLE, RAW), id="global"), pytest.param((LAYER_TITLE, LAYER_RAW), id="layer")]
 
 
-def section() -> str:
+def section(title: str = TITLE) -> str:
   text = DOC.read_text()
-  assert TITLE in text, f"{DOC} has no section {TITLE!r}"
-  body = text.split(TITLE, 1)[1]
+  assert title in text, f"{DOC} has no section {title!r}"
+  body = text.split(title, 1)[1]
   return body.split("\n## ", 1)[0]
 
 
-def raw(name: str) -> dict:
-  path = RAW / f"{name}.json"
+def raw(name: str, base: pathlib.Path = RAW) -> dict:
+  path = base / f"{name}.json"
   assert path.is_file(), f"{path} is missing (python -m sinkjax.experiments.streaming_real makes it)"
   return json.loads(path.read_text())
 
@@ -42,17 +47,17 @@ def run_of(label: str) -> str:
   m = re.fullmatch(r"(\d+) sinks \+ window \(W (\d+)\)", label)
   if m:
     return f"sinks{m[1]}_w{m[2]}"
-  m = re.fullmatch(r"hybrid, importance \(W (\d+), \d+ sinks\)", label)
+  m = re.fullmatch(r"hybrid, importance(?:, within each layer)? \(W (\d+), \d+ sinks\)", label)
   if m:
     return f"hybrid_importance_w{m[1]}"
-  m = re.fullmatch(r"hybrid, random seed (\d+) \(W (\d+), \d+ sinks\)", label)
+  m = re.fullmatch(r"hybrid, random seed (\d+)(?:, within each layer)? \(W (\d+), \d+ sinks\)", label)
   assert m, f"unknown row label {label!r}"
   return f"hybrid_random{m[1]}_w{m[2]}"
 
 
-def table() -> dict:
+def table(title: str = TITLE) -> dict:
   rows = {}
-  for line in section().splitlines():
+  for line in section(title).splitlines():
     cells = [c.strip() for c in line.strip().strip("|").split("|")]
     if len(cells) == 7 and cells[0] not in ("cache", "---") and not cells[0].startswith("-"):
       rows[cells[0]] = cells
@@ -82,22 +87,47 @@ def test_every_table_row_is_its_raw_file():
     assert abs(float(cells[6]) - r["seconds"]) <= 0.51, label
 
 
-def test_one_token_sequence_and_one_commit():
-  runs = [json.loads(p.read_text()) for p in sorted(RAW.glob("*.json")) if p.name != "results.json"]
+def test_the_layer_table_rows_are_their_raw_files():
+  """The within-layer study: every row is its raw file; every map keeps the same number of full KV heads in every
+  layer (1 of 3 at F = 0.25: round half up of 0.75), the importance map the most important KV head of each layer."""
+  rows = table(LAYER_TITLE)
+  assert {run_of(label) for label in rows} == {"hybrid_importance_w256", *(f"hybrid_random{s}_w256" for s in range(5))}
+  for label, cells in rows.items():
+    r = raw(run_of(label), LAYER_RAW)
+    assert r["scope"] == "layer" and all(sum(row) == 1 for row in r["map"]), label
+    nll = r["nll"]
+    assert len(nll) == r["tokens"] - 1 >= 8191, label
+    for got, want in zip(cells[2:5], (ppl(nll), ppl(nll[:255]), ppl(nll[255:]))):
+      assert abs(float(got) - want) <= 5.01e-4, (label, got, want)
+    assert int(cells[1].split("/")[0]) == sum(map(sum, r["map"])) == 30, label
+    assert int(cells[5].replace(",", "")) == r["kv_bytes"] and abs(float(cells[6]) - r["seconds"]) <= 0.51, label
+  imp = raw("importance", LAYER_RAW)["importance"]        # [L][9 query heads]; a KV head = its best of 3 query heads
+  kv = [[max(layer[3 * g:3 * g + 3]) for g in range(3)] for layer in imp]
+  want = [[int(g == max(range(3), key=lambda h: (row[h], -h))) for g in range(3)] for row in kv]
+  assert raw("hybrid_importance_w256", LAYER_RAW)["map"] == want
+  # the same tokens as the global study, scored by the same model
+  assert raw("hybrid_importance_w256", LAYER_RAW)["meta"]["ids_sha256"] == raw("full")["meta"]["ids_sha256"]
+
+
+@pytest.mark.parametrize("base", [RAW, LAYER_RAW], ids=["global", "layer"])
+def test_one_token_sequence_and_one_commit(base):
+  runs = [json.loads(p.read_text()) for p in sorted(base.glob("*.json")) if p.name != "results.json"]
   scored = [r for r in runs if "nll" in r]
   assert len({r["meta"]["ids_sha256"] for r in scored}) == 1
-  assert len({r["commit"] for r in runs}) == 1
+  assert len({r["commit"] for r in runs}) == 1 and not any(r.get("dirty") for r in runs)
 
 
-def _hybrids():
-  imp = raw("hybrid_importance_w256")
-  randoms = sorted((json.loads(p.read_text()) for p in RAW.glob("hybrid_random*_w256.json")), key=lambda r: r["seed"])
+def _hybrids(base: pathlib.Path = RAW):
+  imp = raw("hybrid_importance_w256", base)
+  randoms = sorted((json.loads(p.read_text()) for p in base.glob("hybrid_random*_w256.json")), key=lambda r: r["seed"])
   return imp, randoms
 
 
-def test_rank_and_paired_tests_are_the_raw_files():
-  text = " ".join(section().split())
-  imp, randoms = _hybrids()
+@pytest.mark.parametrize("study", STUDIES)
+def test_rank_and_paired_tests_are_the_raw_files(study):
+  title, base = study
+  text = " ".join(section(title).split())
+  imp, randoms = _hybrids(base)
   k = len(randoms)
   assert all(sum(map(sum, r["map"])) == sum(map(sum, imp["map"])) for r in randoms)   # the same size
   p_imp = ppl(imp["nll"])
@@ -121,12 +151,15 @@ def test_rank_and_paired_tests_are_the_raw_files():
   assert math.isclose(float(m[2]), p_sign, rel_tol=0.06)
 
 
-def test_blocks_won_are_the_raw_files():
-  imp, randoms = _hybrids()
+@pytest.mark.parametrize("study", STUDIES)
+def test_blocks_won_are_the_raw_files(study):
+  title, base = study
+  imp, randoms = _hybrids(base)
   n = len(imp["nll"]) // 512
   block = lambda nll, b: math.fsum(nll[b * 512:(b + 1) * 512]) / 512
   won = [sum(block(imp["nll"], b) < block(r["nll"], b) for b in range(n)) for r in randoms]
-  m = re.search(r"blocks won by the importance map, per random map: \[([0-9, ]+)\] of (\d+)", " ".join(section().split()))
+  m = re.search(r"blocks won by the importance map, per random map: \[([0-9, ]+)\] of (\d+)",
+                " ".join(section(title).split()))
   assert m and [int(x) for x in m[1].split(",")] == won and int(m[2]) == n
 
 

@@ -29,7 +29,9 @@ exact for every cache): window-only and 4 sinks + window at W 256 and 1024; the 
 (4 sinks) whose full KV heads are the `--full-heads` F most important, ranked over the whole model
 (`cache_policy`, scope global, a KV head as its most important query head), and `--random-maps` maps of the same
 size drawn at random (seeds 0, 1, ...); and `check`: the first 320 tokens token by token against the blocks (4 sinks
-+ W 256, and the full cache), the largest difference in NLL.
++ W 256, and the full cache), the largest difference in NLL. `--scope layer` (its own `--out`) is the fair test of the
+ranking: the importance and random hybrids alone, each keeping F of every layer's KV heads full (SmolLM2: 1 of 3), so
+the importance map cannot win by picking layers.
 
 Statistics (`--report`): the importance map's perplexity ranks r among the 1 + k maps, so were it one more random map
 p = r / (1 + k) exactly (the permutation statement); the k differences random - importance with
@@ -78,6 +80,7 @@ class StreamingOptions:
   tokens: int = key(8192, ">=1")          # tokens of the help topics scored (>= 2048: twice the largest window)
   full_heads: float = key(0.25, "(0,1)")  # the hybrid's fraction of KV heads kept full
   chunk: int = key(64, ">=1")             # positions scored per step
+  scope: str = key("global", choices=cache_policy.SCOPES)   # the hybrid's full heads ranked over the model or per layer
 
 
 # ------------------------------------------------------------------------------------------------------------ texts
@@ -122,13 +125,17 @@ def importance_documents() -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------------ runs
 
-def plan(random_maps) -> list[str]:
-  """Run names in the order they run (cheap first); `random_maps`: the random maps' seeds."""
+def plan(random_maps, scope: str = "global") -> list[str]:
+  """Run names in the order they run (cheap first); `random_maps`: the random maps' seeds. Scope "layer" is the
+  study of the hybrid alone (importance and random maps ranked within each layer, a study.out of its own): the caches
+  that need no map are the global study's."""
+  hybrids = [f"hybrid_importance_w{HYBRID_WINDOW}"] + [f"hybrid_random{s}_w{HYBRID_WINDOW}" for s in random_maps]
+  if scope == "layer":
+    return ["importance"] + hybrids
   names = ["importance"]
   for w in WINDOWS:
     names += [f"sinks{SINKS}_w{w}", f"window_w{w}"]
-  names += [f"hybrid_importance_w{HYBRID_WINDOW}"] + [f"hybrid_random{s}_w{HYBRID_WINDOW}" for s in random_maps]
-  return names + ["full", "check"]
+  return names + hybrids + ["full", "check"]
 
 
 _write = runner.write_json
@@ -167,14 +174,14 @@ def score_run(name: str, model, ids, importance, opts: StreamingOptions) -> dict
     w = int(name.rsplit("_w", 1)[1])
     if "importance" in name:
       kv = cache_policy.kv_scores(np.asarray(importance), cfg.num_kv_heads, "any")
-      full = cache_policy.top_heads(kv, opts.full_heads, "global")
+      full = cache_policy.top_heads(kv, opts.full_heads, opts.scope)
       rec.update(map_source="importance")
     else:
       seed = int(name.split("random", 1)[1].split("_", 1)[0])
-      full = cache_policy.random_heads(shape, opts.full_heads, "global", seed)
+      full = cache_policy.random_heads(shape, opts.full_heads, opts.scope, seed)
       rec.update(map_source=f"random seed {seed}", seed=seed)
     kw = dict(capacity=N, sink_size=SINKS, window=w, full_heads=cache_policy.as_tuple(full))
-    rec.update(kind="hybrid", window=w, sink_size=SINKS, full_heads=opts.full_heads,
+    rec.update(kind="hybrid", window=w, sink_size=SINKS, full_heads=opts.full_heads, scope=opts.scope,
                map=np.asarray(full).astype(int).tolist())
   t0 = time.perf_counter()
   nll = streaming_nll(model, ids, chunk=opts.chunk, **kw)
@@ -236,7 +243,7 @@ def study(checkpoint: str, out: pathlib.Path, opts: StreamingOptions, random_map
       rec = res.record
       print(f"[streaming_real] {rec['name']}: {rec['wall_seconds']} s" +
             (f", ppl {math.exp(np.mean(rec['nll'])):.3f}" if "nll" in rec else ""), file=sys.stderr, flush=True)
-  runs.walk([runner.Run(name, do(name)) for name in plan(random_maps)], done)
+  runs.walk([runner.Run(name, do(name)) for name in plan(random_maps, opts.scope)], done)
   report(out)
 
 
@@ -266,7 +273,7 @@ def summary(runs: dict) -> dict:
     w = r["window"] or HYBRID_WINDOW
     rows.append({"name": r["name"], "kind": r["kind"], "window": r["window"], "sink_size": r["sink_size"],
                  "full_heads": int(np.sum(r["map"])) if "map" in r else None, "map_source": r.get("map_source"),
-                 "ppl": math.exp(nll.mean()), "ppl_first": math.exp(nll[:w - 1].mean()),
+                 "scope": r.get("scope", "global" if "map" in r else None), "ppl": math.exp(nll.mean()), "ppl_first": math.exp(nll[:w - 1].mean()),
                  "ppl_after": math.exp(nll[w - 1:].mean()), "kv_bytes": r["kv_bytes"], "seconds": r["seconds"],
                  "commit": r["commit"]})
   out = {"rows": rows}
@@ -302,7 +309,8 @@ def _label(row) -> str:
     return f"window only (W {row['window']})"
   if row["kind"] == "sinks":
     return f"{row['sink_size']} sinks + window (W {row['window']})"
-  return f"hybrid, {row['map_source']} (W {row['window']}, {row['sink_size']} sinks)"
+  within = ", within each layer" if row.get("scope") == "layer" else ""
+  return f"hybrid, {row['map_source']}{within} (W {row['window']}, {row['sink_size']} sinks)"
 
 
 def figure(runs: dict, path: pathlib.Path) -> None:
@@ -348,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--tokens", type=int, default=8192, help="tokens scored (default 8192)")
   p.add_argument("--random-maps", type=int, default=6, help="random maps of the hybrid's size (default 6)")
   p.add_argument("--full-heads", type=float, default=0.25, help="fraction of KV heads kept full (default 0.25)")
+  p.add_argument("--scope", choices=cache_policy.SCOPES, default="global",
+                 help="rank the hybrid's full heads across the whole model (global, default) or within each layer "
+                      "(layer: the hybrid maps only; give the study its own --out)")
   p.add_argument("--chunk", type=int, default=64, help="positions scored per step (default 64)")
   p.add_argument("--report", action="store_true", help="only write the report from the raw files")
   return p
@@ -361,7 +372,7 @@ def run_plan(plan_: runner.Plan, *, dry_run: bool = False, report_only: bool = F
   seeds = [int(x) for x in plan_.axes.get("random_map", range(6))]
   out = pathlib.Path(plan_.study.out)
   if dry_run:
-    print("\n".join(f"{n}: {'done' if (out / f'{n}.json').is_file() else 'to do'}" for n in plan(seeds)))
+    print("\n".join(f"{n}: {'done' if (out / f'{n}.json').is_file() else 'to do'}" for n in plan(seeds, opts.scope)))
   elif report_only:
     report(out)
   elif not plan_.study.run:
@@ -376,6 +387,7 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   overrides = [f"study.run={args.checkpoint or ''}", f"study.out={args.out}", f"streaming.tokens={args.tokens}",
                f"streaming.full_heads={args.full_heads}", f"streaming.chunk={args.chunk}",
+               f"streaming.scope={args.scope}",
                f"axes.random_map={json.dumps(list(range(args.random_maps)))}"]
   return cli.run_main("sinkjax.experiments.streaming_real", lambda: run_plan(
       runner.load_plan(STUDY_FILE, overrides), report_only=args.report))
