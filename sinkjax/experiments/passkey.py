@@ -39,7 +39,7 @@ import sys
 
 import numpy as np
 
-from sinkjax import cache_policy, paths
+from sinkjax import cache_policy, options, paths
 from sinkjax.cli import UserError
 from sinkjax.data.sources import DefaultSource
 from sinkjax.generate import kv_bytes, streaming_scores
@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--window", type=int, default=64, help="slots of streaming heads, sinks included (default 64)")
   p.add_argument("--seed", type=int, default=0, help="keys (probe) / documents (--make-data)")
   p.add_argument("--out", help="where results.json and results.md go (default RUN_DIR/passkey)")
-  cache_policy.add_arguments(p)
+  options.add_flags(p, "cache", cache_policy.CacheOptions)   # the cache.* options' flags
   p.add_argument("--make-data", metavar="OUT.jsonl", help="write a training mix instead of probing")
   p.add_argument("--docs", type=int, default=20000, help="--make-data: passkey documents (default 20000)")
   p.add_argument("--max-len", type=int, default=512, help="--make-data: longest passkey document in bytes")
@@ -278,13 +278,14 @@ def run_probe(args) -> None:
   logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
   if args.checkpoint is None:
     raise PasskeyError("give --checkpoint RUN_DIR (or --make-data OUT.jsonl)")
-  cache_policy.check_arguments(args)
+  cache = options.section_of(args, "cache", cache_policy.CacheOptions)
+  cache_policy.check(cache)
   lengths = _numbers(args.lengths, int, "--lengths", lambda v: v >= 1)
   depths = _numbers(args.depths, float, "--depths", lambda v: 0 <= v <= 1)
   if args.samples < 1 or not 0 <= args.sink_size < args.window:
     raise PasskeyError("--samples must be >= 1 and 0 <= --sink-size < --window")
   model, cfg, tok, _ = load_run(args.checkpoint)
-  policies = cache_policy.policies_from_args(args, cfg.model, args.checkpoint) if cache_policy.wanted(args) else []
+  policies = cache_policy.policies_from(cache, cfg.model, args.checkpoint) if cache_policy.wanted(cache) else []
   for label, full in policies:
     print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
   records = probe(model, tok, lengths=lengths, depths=depths, samples=args.samples, sink_size=args.sink_size,
