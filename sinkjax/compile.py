@@ -1243,7 +1243,8 @@ def _run_search(opts: CompileOptions, overrides: list[str] | tuple, topo: Topolo
     return 1
   p = result["picked"]
   print(f"picked: model.remat_policy={p['remat_policy']}" + (f" train.grad_accum={p['grad_accum']}"
-                                                            if opts.accum else "") + "".join(f" {v}" for v in p["varied"]))
+                                                            if opts.accum else "")
+        + "".join(f" {v}" for v in p["varied"]))
   return 0
 
 

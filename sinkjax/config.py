@@ -17,9 +17,9 @@ from sinkjax import choices, kinds, paths   # kinds: the registry alone (no kind
 from sinkjax.cli import ConfigError  # noqa: F401  (re-exported: sinkjax.config.ConfigError)
 
 
-def key(default, range: str | None = None, *, choices=None, alias: str | None = None,  # pylint: disable=redefined-builtin
-        help: str | None = None, metavar: str | None = None, required: bool = False,  # pylint: disable=redefined-builtin
-        nargs: str | None = None, const: str | None = None):
+# pylint: disable-next=redefined-builtin
+def key(default, range: str | None = None, *, choices=None, alias: str | None = None, help: str | None = None,
+        metavar: str | None = None, required: bool = False, nargs: str | None = None, const: str | None = None):
   """A config key's one declaration: its default (the annotation gives its type), the range a number must lie in
   (a name of `_RANGE_TESTS`: ">=1", "(0,1)", ...) and the values a string may take (`sinkjax.choices`). A command's
   option (`sinkjax.options`) also names the short flag people type (`alias="--tau"`), its help text (None: a

@@ -63,8 +63,9 @@ def _label(section: str, f: dataclasses.Field) -> str:
 def _help(section: str, f: dataclasses.Field, hint) -> str:
   text = f.metadata["help"]
   typ, _ = _base(hint)
-  shown = f.default not in (None, "", False, dataclasses.MISSING) and typ is not bool
-  default = f"; default {f.default}" if shown else ""
+  value = f.default_factory() if f.default is dataclasses.MISSING else f.default   # a list: its factory's
+  shown = value not in (None, "", False, []) and typ is not bool
+  default = f"; default {', '.join(map(str, value)) if typ is list else value}" if shown else ""
   return f"{text} [{section}.{f.name}{default}]".replace("%", "%%")
 
 
@@ -115,12 +116,16 @@ def _coerce(section: str, f: dataclasses.Field, hint, value):
   label = _label(section, f)
   if optional and (value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null"))):
     return None
-  if typ is list:
-    if isinstance(value, str):
-      value = yaml.safe_load(value) if value.lstrip().startswith("[") else [value]
-    if not isinstance(value, list):
-      raise ConfigError(f"config key {label} must be a list, got {value!r}")
-    return [config._coerce(label, v, str, f.metadata) for v in value]  # pylint: disable=protected-access
+  if typ is list:                      # list[int]: each element an int (list: strings)
+    element = (typing.get_args(typing.get_args(hint)[0] if optional else hint) or (str,))[0]
+    if isinstance(value, str) and value.lstrip().startswith("["):
+      try:
+        value = yaml.safe_load(value)
+      except yaml.YAMLError:
+        pass                          # not a YAML list: the text is the one value
+    if not isinstance(value, list):   # one value: a list of one
+      value = [value]
+    return [config._coerce(label, v, element, f.metadata) for v in value]  # pylint: disable=protected-access
   return config._coerce(label, value, typ, f.metadata)  # pylint: disable=protected-access
 
 
