@@ -40,10 +40,15 @@ class Command:
 
   def options(self):
     """(section, field, type hint) of every declared option, in declaration order."""
-    for section, cls in self.sections.items():
-      hints = typing.get_type_hints(cls)
-      for f in dataclasses.fields(cls):
-        yield section, f, hints[f.name]
+    return _declared(self.sections)
+
+
+def _declared(classes: dict):
+  """(section, field, type hint) of every field of the sections {name: dataclass}."""
+  for section, cls in classes.items():
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      yield section, f, hints[f.name]
 
 
 def _base(hint):
@@ -72,12 +77,10 @@ def _help(section: str, f: dataclasses.Field, hint) -> str:
 def add_flags(parser: argparse.ArgumentParser, section: str, cls) -> None:
   """One flag per declared alias of the section `cls` (its help from the declaration, the key it sets in brackets),
   storing the value's text under "section.key" (absent when not given); `typed` / `section_of` check it."""
-  hints = typing.get_type_hints(cls)
-  for f in dataclasses.fields(cls):
+  for _, f, hint in _declared({section: cls}):
     alias = f.metadata.get("alias")
     if alias is None:
       continue
-    hint = hints[f.name]
     typ, _ = _base(hint)
     common = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
                   help=_help(section, f, hint) if "help" in f.metadata else argparse.SUPPRESS)
@@ -170,8 +173,7 @@ def typed(command: Command, namespace: argparse.Namespace) -> tuple[dict, list[s
 
 def _fill(classes: dict, given: list[tuple[str, object]]) -> dict:
   """{section: cls()} of `classes` with each (section.key, value) of `given` checked and set in order."""
-  fields = {f"{s}.{f.name}": (s, f, hint) for s, cls in classes.items()
-            for hints in [typing.get_type_hints(cls)] for f in dataclasses.fields(cls) for hint in [hints[f.name]]}
+  fields = {f"{s}.{f.name}": (s, f, hint) for s, f, hint in _declared(classes)}
   sections = {name: cls() for name, cls in classes.items()}
   for name, value in given:
     if name not in fields:
