@@ -18,6 +18,7 @@ of its group needs it; rule "mean": the group's mean. Ties go to the lower head 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -26,6 +27,7 @@ import numpy as np
 
 from sinkjax import paths
 from sinkjax.cli import UserError
+from sinkjax.config import key
 
 SOURCES = ("importance", "alpha")
 SCOPES = ("layer", "global")
@@ -152,40 +154,44 @@ def as_tuple(full: np.ndarray) -> tuple:
   return tuple(tuple(bool(x) for x in row) for row in np.asarray(full))
 
 
-# ----------------------------------------------------------------------------------------------------- command line
+# ---------------------------------------------------------------------------------------------------- the options
 
 
-def add_arguments(parser) -> None:
-  """The head-policy flags shared by `sinkjax.generate` and `sinkjax.experiments.passkey`."""
-  parser.add_argument("--full-heads", metavar="F[,F...]",
-                      help="per-head cache: keep a full cache for a fraction F in [0, 1] (or an integer count > 1) "
-                           "of the KV heads, the rest sinks + window; chosen by importance (lowest = streaming)")
-  parser.add_argument("--full-heads-from", metavar="FILE",
-                      help="per-head cache from an explicit JSON [layers][kv heads] map of booleans or 0/1")
-  parser.add_argument("--full-heads-random", metavar="SEED[,SEED...]",
-                      help="the random control: the same number of full heads chosen at random (generation: "
-                           "instead of by importance; tables: extra rows per seed)")
-  parser.add_argument("--full-heads-by", choices=SOURCES, default="importance",
-                      help="importance (training's metrics.jsonl or eval's report.json; lowest streams) or alpha "
-                           "(eval's sink ratio; highest streams)")
-  parser.add_argument("--full-heads-scope", choices=SCOPES, default="layer",
-                      help="layer: F of each layer's heads; global: F of all heads, ranked across layers")
-  parser.add_argument("--full-heads-gqa", choices=GQA_RULES, default="any",
-                      help="GQA: a KV head scores as its best query head (any) or the group mean (mean)")
-  parser.add_argument("--head-scores", metavar="PATH",
-                      help="report.json, metrics.jsonl or run dir to read importance/alpha from (default: the "
-                           "checkpoint's eval/report.json, else its metrics.jsonl)")
+@dataclasses.dataclass
+class CacheOptions:
+  """The cache.* options: the head policy of `sinkjax.generate` and `sinkjax.experiments.passkey` (each flag the
+  alias of its key: `--full-heads 0.5` = `cache.full_heads=0.5`)."""
+  full_heads: str | None = key(None, alias="--full-heads", metavar="F[,F...]",
+                               help="per-head cache: keep a full cache for a fraction F in [0, 1] (or an integer count "
+                                    "> 1) of the KV heads, the rest sinks + window; chosen by importance (lowest = "
+                                    "streaming)")
+  full_heads_from: str | None = key(None, alias="--full-heads-from", metavar="FILE",
+                                    help="per-head cache from an explicit JSON [layers][kv heads] map of booleans or "
+                                         "0/1")
+  full_heads_random: str | None = key(None, alias="--full-heads-random", metavar="SEED[,SEED...]",
+                                      help="the random control: the same number of full heads chosen at random "
+                                           "(generation: instead of by importance; tables: extra rows per seed)")
+  full_heads_by: str = key("importance", choices=SOURCES, alias="--full-heads-by",
+                           help="importance (training's metrics.jsonl or eval's report.json; lowest streams) or alpha "
+                                "(eval's sink ratio; highest streams)")
+  full_heads_scope: str = key("layer", choices=SCOPES, alias="--full-heads-scope",
+                              help="layer: F of each layer's heads; global: F of all heads, ranked across layers")
+  full_heads_gqa: str = key("any", choices=GQA_RULES, alias="--full-heads-gqa",
+                            help="GQA: a KV head scores as its best query head (any) or the group mean (mean)")
+  head_scores: str | None = key(None, alias="--head-scores", metavar="PATH",
+                                help="report.json, metrics.jsonl or run dir to read importance/alpha from (default: "
+                                     "the checkpoint's eval/report.json, else its metrics.jsonl)")
 
 
-def check_arguments(args) -> None:
-  """Checks that need no model: amounts, seeds, exclusive flags (PolicyError, one line)."""
-  if args.full_heads is not None and args.full_heads_from is not None:
+def check(opts: CacheOptions) -> None:
+  """Checks that need no model: amounts, seeds, exclusive options (PolicyError, one line)."""
+  if opts.full_heads is not None and opts.full_heads_from is not None:
     raise PolicyError("give --full-heads F (chosen by importance) or --full-heads-from FILE (a map), not both")
-  if args.full_heads_random is not None and args.full_heads is None:
+  if opts.full_heads_random is not None and opts.full_heads is None:
     raise PolicyError("--full-heads-random needs --full-heads F (how many heads to choose at random)")
-  if args.full_heads is not None:
-    parse_amounts(args.full_heads)
-  parse_seeds(args.full_heads_random)
+  if opts.full_heads is not None:
+    parse_amounts(opts.full_heads)
+  parse_seeds(opts.full_heads_random)
 
 
 def parse_seeds(text: str | None) -> list[int]:
@@ -197,21 +203,22 @@ def parse_seeds(text: str | None) -> list[int]:
     raise PolicyError(f"--full-heads-random takes integer seeds, comma-separated; got {text!r}") from None
 
 
-def wanted(args) -> bool:
-  return args.full_heads is not None or args.full_heads_from is not None
+def wanted(opts: CacheOptions) -> bool:
+  """Whether the options ask for a per-head (hybrid) cache."""
+  return opts.full_heads is not None or opts.full_heads_from is not None
 
 
-def policies_from_args(args, cfg, run_dir, *, by_importance: bool = True) -> list[tuple[str, np.ndarray]]:
-  """(label, [L][Hkv] bool map) for every policy the flags ask for: the map of --full-heads-from, or per amount F
-  the importance-chosen split (when `by_importance`) and one random split per --full-heads-random seed."""
+def policies_from(opts: CacheOptions, cfg, run_dir, *, by_importance: bool = True) -> list[tuple[str, np.ndarray]]:
+  """(label, [L][Hkv] bool map) for every policy the options ask for: the map of full_heads_from, or per amount F
+  the importance-chosen split (when `by_importance`) and one random split per full_heads_random seed."""
   L, Hq, Hkv = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
-  if args.full_heads_from is not None:
-    return [(f"map {pathlib.Path(args.full_heads_from).name}", read_map(args.full_heads_from, (L, Hkv)))]
-  amounts, seeds = parse_amounts(args.full_heads), parse_seeds(args.full_heads_random)
+  if opts.full_heads_from is not None:
+    return [(f"map {pathlib.Path(opts.full_heads_from).name}", read_map(opts.full_heads_from, (L, Hkv)))]
+  amounts, seeds = parse_amounts(opts.full_heads), parse_seeds(opts.full_heads_random)
   out = []
   if by_importance:
-    kv = kv_scores(read_scores(args.head_scores or run_dir, args.full_heads_by, (L, Hq)), Hkv, args.full_heads_gqa)
-    out += [(f"F={a:g} by {args.full_heads_by}", top_heads(kv, a, args.full_heads_scope)) for a in amounts]
-  out += [(f"F={a:g} random (seed {s})", random_heads((L, Hkv), a, args.full_heads_scope, s))
+    kv = kv_scores(read_scores(opts.head_scores or run_dir, opts.full_heads_by, (L, Hq)), Hkv, opts.full_heads_gqa)
+    out += [(f"F={a:g} by {opts.full_heads_by}", top_heads(kv, a, opts.full_heads_scope)) for a in amounts]
+  out += [(f"F={a:g} random (seed {s})", random_heads((L, Hkv), a, opts.full_heads_scope, s))
           for s in seeds for a in amounts]
   return out

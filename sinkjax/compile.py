@@ -17,7 +17,6 @@ fastest estimated step that fits.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -25,7 +24,9 @@ import os
 import re
 import sys
 import time
+from sinkjax import cli, options
 from sinkjax.cli import UserError
+from sinkjax.config import key
 
 # Compile-only TPU devices need libtpu's plugin, which takes a lock file per host; other JAX processes on this host
 # (a training run that touched the plugin while choosing its backend) would hold it. Compiling needs no exclusive chip.
@@ -1100,52 +1101,63 @@ def _hints(r: dict) -> str:
           f"{r['device_kind']}; try {', or '.join(tips)}")
 
 
-def main(argv=None) -> int:
-  from sinkjax import cli  # pylint: disable=import-outside-toplevel
-  cli.require_extra("sinkjax.compile")   # it builds the trainer's step (sinkjax.train): the train extra
-  parser = cli.Parser(prog="python -m sinkjax.compile",
-                      description="Compile the training step of a config for a TPU slice or NVIDIA GPUs with "
-                                  "compile-only devices (libtpu or JAX's CUDA plugin; no TPU or GPU needed) and report "
-                                  "whether it fits the chips' memory.")
-  parser.add_argument("--config", help="YAML config file (configs/...)")
-  parser.add_argument("--topology",
+@dataclasses.dataclass
+class CompileOptions:
+  """The compile.* options (`python -m sinkjax.compile`; each flag the alias of its key: `--topology v5e:4x8` =
+  `compile.topology=v5e:4x8`). Its --config is the training config compiled, so the command has no file of options."""
+  config: str = key("", alias="--config", metavar="CONFIG", help="YAML config file (configs/...)")
+  topology: str = key("", alias="--topology",
                       help="v5e:4x8 | v5litepod-32 | v4-32 | v5p-64 | v6e-8 | 2xv5litepod-32 (two slices) ... | "
                            "h100:8 (one node of 8 NVIDIA H100) | h100:2x8 (nodes x GPUs)")
-  parser.add_argument("--table", nargs="+", metavar="JSON",
-                      help="instead of compiling: print the Markdown table of these --json reports (docs/TPU.md)")
-  parser.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
-  parser.add_argument("--no-eval", action="store_true", help="skip the eval step")
-  parser.add_argument("--decode", metavar="ROWSxSLOTS", default=None,
-                      help="also compile the decode step sinkjax.generate and sinkjax.lm_eval run (Generator's): ROWS "
-                           "sequences against a full KV cache of SLOTS positions, e.g. 64x4096")
-  parser.add_argument("--eval", type=int, metavar="ROWS", default=None,
-                      help="also compile the batch function sinkjax.eval runs (forward, BPB and importance) on ROWS "
-                           "rows of data.seq_len tokens")
-  parser.add_argument("--search", nargs="?", const=",".join(SEARCH_POLICIES), default=None, metavar="POLICY,...",
-                      help="compile each model.remat_policy (default: " + ", ".join(SEARCH_POLICIES) + ") with "
-                           "model.remat=true and pick the fastest estimated step that fits; prints the table")
-  parser.add_argument("--accum", default=None, metavar="N,...",
-                      help="with --search: also try these train.grad_accum values (fewer rows per chip each)")
-  parser.add_argument("--vary", action="append", default=[], metavar="section.key=V1,V2",
-                      help="with --search: also try each of these values of a config key (repeatable; candidates "
-                           "are the product), e.g. --vary mesh.collective_matmul=gather,windowed")
-  parser.add_argument("--hlo", default=None, metavar="FILE",
-                      help="also write the compiled train step's text (HLO after optimization; .gz: gzipped), what "
-                           "the speed figures are read from")
-  parser.add_argument("--top", type=int, default=12, metavar="N",
-                      help="print the N instructions that move the most HBM bytes (the report's hbm_breakdown; "
-                           "--json keeps 25)")
-  parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-  args = parser.parse_args(argv)
-  if args.table:
-    print(TABLE_HEADER)
-    for path in args.table:
-      with open(path) as f:
-        print(markdown_row(json.load(f)))
-    return 0
-  if not args.config or not args.topology:
-    parser.error("--config and --topology are required (or --table JSON ...)")
-  return cli.run_main("sinkjax.compile", lambda: _run(args), extra_errors=(CompileError,))
+  table: list = key([], alias="--table", nargs="+",
+                    metavar="JSON",
+                    help="instead of compiling: print the Markdown table of these --json reports (docs/TPU.md)")
+  json: str | None = key(None, alias="--json", metavar="FILE", help="also write the report as JSON")
+  no_eval: bool = key(False, alias="--no-eval", help="skip the eval step")
+  decode: str | None = key(None, alias="--decode", metavar="ROWSxSLOTS",
+                           help="also compile the decode step sinkjax.generate and sinkjax.lm_eval run (Generator's): "
+                                "ROWS sequences against a full KV cache of SLOTS positions, e.g. 64x4096")
+  eval: int | None = key(None, ">=1", alias="--eval", metavar="ROWS",
+                         help="also compile the batch function sinkjax.eval runs (forward, BPB and importance) on ROWS "
+                              "rows of data.seq_len tokens")
+  search: str | None = key(None, alias="--search", const=",".join(SEARCH_POLICIES), metavar="POLICY,...",
+                           help="compile each model.remat_policy (default: " + ", ".join(SEARCH_POLICIES) + ") with "
+                                "model.remat=true and pick the fastest estimated step that fits; prints the table")
+  accum: str | None = key(None, alias="--accum", metavar="N,...",
+                          help="with --search: also try these train.grad_accum values (fewer rows per chip each)")
+  vary: list = key([], alias="--vary",
+                   metavar="section.key=V1,V2",
+                   help="with --search: also try each of these values of a config key (repeatable; candidates are "
+                        "the product), e.g. --vary mesh.collective_matmul=gather,windowed")
+  hlo: str | None = key(None, alias="--hlo", metavar="FILE",
+                        help="also write the compiled train step's text (HLO after optimization; .gz: gzipped), what "
+                             "the speed figures are read from")
+  top: int = key(12, ">=0", alias="--top", metavar="N",
+                 help="print the N instructions that move the most HBM bytes (the report's hbm_breakdown; --json keeps "
+                      "25)")
+
+
+COMMAND = options.Command(
+    prog="python -m sinkjax.compile", sections={"compile": CompileOptions}, run_overrides=True, options_file=None,
+    description="Compile the training step of a config for a TPU slice or NVIDIA GPUs with compile-only devices "
+                "(libtpu or JAX's CUDA plugin; no TPU or GPU needed) and report whether it fits the chips' memory.")
+
+
+def main(argv=None) -> int:
+  cli.require_extra("sinkjax.compile")   # it builds the trainer's step (sinkjax.train): the train extra
+
+  def compile_or_table(sections, overrides) -> int:
+    opts = sections["compile"]
+    if opts.table:
+      print(TABLE_HEADER)
+      for path in opts.table:
+        with open(path) as f:
+          print(markdown_row(json.load(f)))
+      return 0
+    if not opts.config or not opts.topology:
+      options.build_parser(COMMAND).error("--config and --topology are required (or --table JSON ...)")
+    return _run(opts, overrides)
+  return options.main(COMMAND, argv, compile_or_table, extra_errors=(CompileError,))
 
 
 def _decode_shape(text: str | None) -> tuple | None:
@@ -1161,29 +1173,28 @@ def _decode_shape(text: str | None) -> tuple | None:
   return rows, slots
 
 
-def _run(args) -> int:
+def _run(opts: CompileOptions, overrides: list[str] | tuple = ()) -> int:
+  """Compiles opts.config (with the config overrides `overrides`) for opts.topology; exit status (1: no fit)."""
   from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
-  topo = parse_topology(args.topology)
+  topo = parse_topology(opts.topology)
   if topo.platform == "gpu":
     prepare_gpu()
-  cfg = config_lib.load_config(args.config, args.overrides)
+  cfg = config_lib.load_config(opts.config, overrides)
   if cfg.train.init_from:             # fine-tuning: the model is the imported run's (or the config's, _adopt_init_model)
     _adopt_init_model(cfg)
   _vocab(cfg)
-  if args.search:
-    return _run_search(args, topo, cfg)
-  if args.vary:
+  if opts.search:
+    return _run_search(opts, overrides, topo, cfg)
+  if opts.vary:
     raise CompileError("--vary goes with --search (it adds candidates); to compile one setting give it as an "
                        "override, e.g. mesh.collective_matmul=windowed")
-  if args.eval is not None and args.eval < 1:
-    raise CompileError(f"--eval takes the number of rows (>= 1), got {args.eval}")
-  report = compile_config(cfg, topo, eval_step=not args.no_eval, decode=_decode_shape(args.decode),
-                          eval_rows=args.eval, hlo_path=args.hlo)
-  report["config"] = args.config
-  report["overrides"] = list(args.overrides)
-  print_report(args.config + (" " + " ".join(args.overrides) if args.overrides else ""), report, args.top)
-  if args.json:
-    with open(args.json, "w") as f:
+  report = compile_config(cfg, topo, eval_step=not opts.no_eval, decode=_decode_shape(opts.decode),
+                          eval_rows=opts.eval, hlo_path=opts.hlo)
+  report["config"] = opts.config
+  report["overrides"] = list(overrides)
+  print_report(opts.config + (" " + " ".join(overrides) if overrides else ""), report, opts.top)
+  if opts.json:
+    with open(opts.json, "w") as f:
       json.dump(report, f, indent=1)
   if not report["fits"]:
     print(f"sinkjax.compile: {_hints(report)}", file=sys.stderr)
@@ -1191,48 +1202,49 @@ def _run(args) -> int:
   return 0
 
 
-def _run_search(args, topo: Topology, cfg) -> int:
+def _run_search(opts: CompileOptions, overrides: list[str] | tuple, topo: Topology, cfg) -> int:
   from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
-  policies = tuple(p.strip() for p in args.search.split(",") if p.strip())
+  policies = tuple(p.strip() for p in opts.search.split(",") if p.strip())
   bad = [p for p in policies if p not in config_lib.CHOICES["model.remat_policy"]]
   if bad:
     raise CompileError(f"--search {','.join(bad)}: not a model.remat_policy (choices: "
                        f"{', '.join(config_lib.CHOICES['model.remat_policy'])})")
   try:
-    accums = tuple(int(a) for a in args.accum.split(",")) if args.accum else (None,)
+    accums = tuple(int(a) for a in opts.accum.split(",")) if opts.accum else (None,)
   except ValueError:
-    raise CompileError(f"--accum takes integers separated by commas, e.g. 1,2; got {args.accum!r}") from None
+    raise CompileError(f"--accum takes integers separated by commas, e.g. 1,2; got {opts.accum!r}") from None
   vary = {}
-  for item in args.vary:
+  for item in opts.vary:
     k, eq, values = item.partition("=")
     if not eq or not values.strip(",") or "." not in k:
       raise CompileError(f"--vary takes section.key=V1,V2 (e.g. mesh.collective_matmul=gather,windowed), got {item!r}")
     vary[k.strip()] = [v.strip() for v in values.split(",") if v.strip()]
     for v in vary[k.strip()]:        # a bad key or value fails here, before minutes of compiling
-      config_lib.load_config(args.config, list(args.overrides) + [f"{k.strip()}={v}"])
+      config_lib.load_config(opts.config, list(overrides) + [f"{k.strip()}={v}"])
 
   def load(ov):
-    c = config_lib.load_config(args.config, ov)
+    c = config_lib.load_config(opts.config, ov)
     if c.train.init_from:
       _adopt_init_model(c)
     c.model.vocab_size = cfg.model.vocab_size
     return c
 
-  print(f"sinkjax.compile --search: {args.config} {' '.join(args.overrides)} on {topo.name} (estimates, not "
+  print(f"sinkjax.compile --search: {opts.config} {' '.join(overrides)} on {topo.name} (estimates, not "
         "measurements; rows as they compile, then the table with the pick)\n" + SEARCH_HEADER, flush=True)
-  result = search(args.config, args.overrides, topo, policies, accums, load=load, on_result=print_search_row,
+  result = search(opts.config, overrides, topo, policies, accums, load=load, on_result=print_search_row,
                   vary=vary)
   print()
   print_search(result)
-  if args.json:
-    with open(args.json, "w") as f:
+  if opts.json:
+    with open(opts.json, "w") as f:
       json.dump({**result, "picked": result["picked"] and result["candidates"].index(result["picked"])}, f, indent=1)
   if result["picked"] is None:
     print("sinkjax.compile: no candidate fits; try --accum 2,4 or a larger slice", file=sys.stderr)
     return 1
   p = result["picked"]
   print(f"picked: model.remat_policy={p['remat_policy']}" + (f" train.grad_accum={p['grad_accum']}"
-                                                            if args.accum else "") + "".join(f" {v}" for v in p["varied"]))
+                                                            if opts.accum else "")
+        + "".join(f" {v}" for v in p["varied"]))
   return 0
 
 

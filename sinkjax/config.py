@@ -17,14 +17,25 @@ from sinkjax import choices, kinds, paths   # kinds: the registry alone (no kind
 from sinkjax.cli import ConfigError  # noqa: F401  (re-exported: sinkjax.config.ConfigError)
 
 
-def key(default, range: str | None = None, *, choices=None):  # pylint: disable=redefined-builtin
+# pylint: disable-next=redefined-builtin
+def key(default, range: str | None = None, *, choices=None, alias: str | None = None, help: str | None = None,
+        metavar: str | None = None, required: bool = False, nargs: str | None = None, const: str | None = None):
   """A config key's one declaration: its default (the annotation gives its type), the range a number must lie in
-  (a name of `_RANGE_TESTS`: ">=1", "(0,1)", ...) and the values a string may take (`sinkjax.choices`)."""
+  (a name of `_RANGE_TESTS`: ">=1", "(0,1)", ...) and the values a string may take (`sinkjax.choices`). A command's
+  option (`sinkjax.options`) also names the short flag people type (`alias="--tau"`), its help text (None: a
+  hidden option), the flag's metavar, whether the command needs it (`required`), and for the flag alone: "+" (a
+  list flag taking several values at once) or the value of the flag given without one (`const`)."""
   meta = {}
   if range is not None:
     meta["range"] = range
   if choices is not None:
     meta["choices"] = choices
+  meta.update({k: v for k, v in dict(alias=alias, help=help, metavar=metavar, nargs=nargs, const=const).items()
+               if v is not None})
+  if required:
+    meta["required"] = True
+  if isinstance(default, list):           # a fresh list per instance
+    return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
   return dataclasses.field(default=default, metadata=meta)
 
 
@@ -421,6 +432,8 @@ _RANGE_TESTS = {
     ">=0": (lambda v: v >= 0, ">= 0"),
     ">=1": (lambda v: v >= 1, ">= 1"),
     ">0": (lambda v: v > 0, "> 0"),
+    ">=2": (lambda v: v >= 2, ">= 2"),
+    "(0,1]": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "[0,1]": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "[0,1)": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "(0,1)": (lambda v: 0 < v < 1, "in (0, 1)"),
@@ -428,15 +441,20 @@ _RANGE_TESTS = {
 }
 
 
-def _check_range(key: str, value) -> None:
-  """A numeric value outside RANGES[key] (or a NaN / infinity) is a ConfigError naming the key and its range."""
-  ok, text = _RANGE_TESTS[RANGES[key]]
+def _check_range(key: str, value, spec: str | None = None) -> None:
+  """A numeric value outside `spec` (default RANGES[key]; or a NaN / infinity) is a ConfigError naming the key and
+  its range."""
+  ok, text = _RANGE_TESTS[spec or RANGES[key]]
   if not math.isfinite(value) or not ok(value):
     raise ConfigError(f"config key {key} must be {text}, got {value!r}")
 
 
-def _coerce(key: str, value: Any, typ: type) -> Any:
-  """Checks/converts one leaf value; strings from the command line are parsed as YAML scalars first."""
+def _coerce(key: str, value: Any, typ: type, declared: dict | None = None) -> Any:
+  """Checks/converts one leaf value; strings from the command line are parsed as YAML scalars first. `declared`:
+  the key's declaration (its field's metadata: range, choices) where `key` is not one of `Config`'s (a command's
+  option, whose `key` names its flag too)."""
+  allowed = CHOICES.get(key) if declared is None else declared.get("choices")
+  spec = RANGES.get(key) if declared is None else declared.get("range")
   if isinstance(value, str) and typ is not str:
     try:
       value = yaml.safe_load(value)
@@ -453,10 +471,10 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
     value = str(value)
   if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
     raise ConfigError(f"config key {key} must be {typ.__name__}, got {value!r}")
-  if key in CHOICES and value not in CHOICES[key]:
-    raise ConfigError(f"config key {key} must be one of {'|'.join(CHOICES[key])}, got {value!r}")
-  if typ in (int, float):
-    _check_range(key, value)
+  if allowed is not None and value not in allowed:
+    raise ConfigError(f"config key {key} must be one of {'|'.join(allowed)}, got {value!r}")
+  if typ in (int, float) and (declared is None or spec is not None):
+    _check_range(key, value, spec)
   return value
 
 

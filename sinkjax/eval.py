@@ -55,7 +55,6 @@ from sinkjax import cli
 if __name__ == "__main__":
   cli.require_extra("sinkjax.eval")     # before the imports below: without the train extra, one line naming it
 
-import argparse
 import dataclasses
 import json
 import math
@@ -69,11 +68,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import analysis, distributed, paths, plots
+from sinkjax import analysis, choices, distributed, options, paths, plots
 from sinkjax import sharding as sharding_lib
 from sinkjax.balance import head_imbalance
 from sinkjax.cache import KVCache
 from sinkjax.cli import UserError
+from sinkjax.config import key
 from sinkjax.data import FEATURES, make_eval_batches, to_global_batch
 from sinkjax.model import forward_with_importance, padded_vocab
 from sinkjax.run import asks_for_mesh, load_run, read_metrics
@@ -448,35 +448,38 @@ def markdown(report: dict, figures: list[pathlib.Path]) -> str:
 # CLI
 # ---------------------------------------------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-  p = cli.Parser(prog="python -m sinkjax.eval",
-                 description="Evaluate a checkpoint: validation BPB, head importance and imbalance, attention-sink "
-                             "diagnostics (first-token attention, value norms, gates, massive activations, value "
-                             "zeroing); writes report.json, report.md and PNGs. Downstream tasks: python -m "
-                             "sinkjax.lm_eval.")
-  p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory of a training run")
-  p.add_argument("--out", default=None, metavar="DIR", help="output directory (default RUN_DIR/eval)")
-  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-  p.add_argument("--data", default=None, metavar="SOURCE",
-                 help="held-out data: a data.source (path/glob of .txt/.jsonl/.parquet, default, tfds:NAME); "
-                      "its validation split is used unless --split all (default: the run's data.source)")
-  p.add_argument("--split", choices=("val", "all"), default="val",
-                 help="val: the source's validation split (default); all: every document of the source, in order")
-  p.add_argument("--max-docs", type=int, default=None, metavar="N",
-                 help="score only the first N documents of the split (in order)")
-  p.add_argument("--packing", choices=("stream", "document"), default=None,
-                 help="how the held-out text becomes rows (data.packing; default: the run's)")
-  p.add_argument("--batches", type=int, default=None,
-                 help="number of eval batches (default train.eval_batches; with --split all or --max-docs: every "
-                      "batch the documents fill)")
-  p.add_argument("--batch-size", type=int, default=None,
-                 help="rows per batch (default: as many as the memory holds, at most the training micro-batch)")
-  p.add_argument("--tau", type=float, default=0.75,
-                 help="sink-ratio threshold of selective value zeroing ([Sink-MoE] App. A)")
-  p.add_argument("--mc", default=None, help=argparse.SUPPRESS)     # moved to sinkjax.lm_eval (one line says so)
-  p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                 help="config overrides of the run (e.g. model.dtype=float32 data.seq_len=1024)")
-  return p
+@dataclasses.dataclass
+class EvalOptions:
+  """The eval.* options (`python -m sinkjax.eval`; each flag is the alias of its key: `--data X` = `eval.data=X`)."""
+  checkpoint: str = key("", alias="--checkpoint", metavar="RUN_DIR", required=True,
+                        help="run directory of a training run")
+  out: str = key("", alias="--out", metavar="DIR", help="output directory (default RUN_DIR/eval)")
+  step: int | None = key(None, ">=0", alias="--step", help="checkpoint step (default: the latest)")
+  data: str | None = key(None, alias="--data", metavar="SOURCE",
+                         help="held-out data: a data.source (path/glob of .txt/.jsonl/.parquet, default, tfds:NAME); "
+                              "its validation split is used unless --split all (default: the run's data.source)")
+  split: str = key("val", choices=("val", "all"), alias="--split",
+                   help="val: the source's validation split (default); all: every document of the source, in order")
+  max_docs: int | None = key(None, ">=1", alias="--max-docs", metavar="N",
+                             help="score only the first N documents of the split (in order)")
+  packing: str | None = key(None, choices=choices.PACKINGS, alias="--packing",
+                            help="how the held-out text becomes rows (data.packing; default: the run's)")
+  batches: int | None = key(None, ">=1", alias="--batches",
+                            help="number of eval batches (default train.eval_batches; with --split all or --max-docs: "
+                                 "every batch the documents fill)")
+  batch_size: int | None = key(None, ">=1", alias="--batch-size",
+                               help="rows per batch (default: as many as the memory holds, at most the training "
+                                    "micro-batch)")
+  tau: float = key(0.75, "[0,1]", alias="--tau",
+                   help="sink-ratio threshold of selective value zeroing ([Sink-MoE] App. A)")
+  mc: str | None = key(None, alias="--mc")        # hidden: moved to sinkjax.lm_eval (one line says so)
+
+
+COMMAND = options.Command(
+    prog="python -m sinkjax.eval", sections={"eval": EvalOptions}, run_overrides=True,
+    description="Evaluate a checkpoint: validation BPB, head importance and imbalance, attention-sink diagnostics "
+                "(first-token attention, value norms, gates, massive activations, value zeroing); writes report.json, "
+                "report.md and PNGs. Downstream tasks: python -m sinkjax.lm_eval.")
 
 
 def place_batches(batches: list[dict], mesh) -> list[dict]:
@@ -493,46 +496,43 @@ def place_batches(batches: list[dict], mesh) -> list[dict]:
   return [to_global_batch(b, sharding_lib.batch_sharding(mesh)) for b in batches]
 
 
-def run(args) -> dict:
-  if args.mc is not None:
+def run(opts: EvalOptions, run_overrides: list[str] | tuple = ()) -> dict:
+  """Evaluates `opts.checkpoint` (with the run's config overrides `run_overrides`) and writes the report into
+  opts.out (default RUN_DIR/eval); returns the report."""
+  if opts.mc is not None:
     raise EvalError(f"multiple choice is an lm-evaluation-harness task now: python -m sinkjax.lm_eval --checkpoint "
-                    f"{args.checkpoint} --mc {args.mc} (docs/EVAL.md)")
-  for name in ("batches", "batch_size", "max_docs"):
-    if getattr(args, name) is not None and getattr(args, name) < 1:
-      raise EvalError(f"--{name.replace('_', '-')} must be >= 1")
-  if not 0.0 <= args.tau <= 1.0:
-    raise EvalError(f"--tau must be in [0, 1], got {args.tau}")
-  paths.check_bucket(args.checkpoint, "--checkpoint")   # the flag whose path fails is the one named
-  run_dir = paths.as_path(args.checkpoint, "--checkpoint")
-  out = paths.as_path(args.out, "--out") if args.out else run_dir / "eval"
-  if args.out:
+                    f"{opts.checkpoint} --mc {opts.mc} (docs/EVAL.md)")
+  paths.check_bucket(opts.checkpoint, "--checkpoint")   # the flag whose path fails is the one named
+  run_dir = paths.as_path(opts.checkpoint, "--checkpoint")
+  out = paths.as_path(opts.out, "--out") if opts.out else run_dir / "eval"
+  if opts.out:
     paths.check_bucket(out, "--out")        # before the work: a missing bucket is found now, not at the end
   t0 = time.perf_counter()
   # The layers as one scan (numerically the same program per layer): compile time does not grow with depth, which
   # on a CPU is most of an evaluation of a small file. An override on the command line wins.
-  overrides = ["model.scan_layers=true"] + list(args.overrides)
-  if args.data is not None:
-    overrides.append(f"data.source={args.data}")
-  if args.packing is not None:
-    overrides.append(f"data.packing={args.packing}")
+  overrides = ["model.scan_layers=true"] + list(run_overrides)
+  if opts.data is not None:
+    overrides.append(f"data.source={opts.data}")
+  if opts.packing is not None:
+    overrides.append(f"data.packing={opts.packing}")
   # mesh.* overrides: the model placed on the run's mesh as training places it; else whole on every device
-  model, cfg, tokenizer, step = load_run(run_dir, args.step, overrides,
-                                         mesh="run" if asks_for_mesh(args.overrides) else None)
+  model, cfg, tokenizer, step = load_run(run_dir, opts.step, overrides,
+                                         mesh="run" if asks_for_mesh(run_overrides) else None)
   mesh = sharding_lib.mesh_of(nnx.state(model, nnx.Param))
-  batch_size = args.batch_size or max(cfg.train.batch_size // cfg.train.grad_accum, 1)
+  batch_size = opts.batch_size or max(cfg.train.batch_size // cfg.train.grad_accum, 1)
   procs = jax.process_count()
   if batch_size % procs:
     raise EvalError(f"--batch-size {batch_size} must be divisible by the {procs} processes")
-  whole = args.split == "all" or args.max_docs is not None
-  num_batches = args.batches or (None if whole else max(cfg.train.eval_batches, 1))
+  whole = opts.split == "all" or opts.max_docs is not None
+  num_batches = opts.batches or (None if whole else max(cfg.train.eval_batches, 1))
   if cfg.model.max_seq_len and cfg.data.seq_len > cfg.model.max_seq_len:
     cfg.data.seq_len = cfg.model.max_seq_len           # no row longer than the model's context
   counts = {}
   # Which rows are read is set by the nominal batch (--batches N reads N batches' worth); their shape by the data
   # and the memory (sized_batches).
   rows = make_eval_batches(cfg.data, tokenizer, batch_size=batch_size // procs, num_batches=num_batches,
-                           split=args.split, max_docs=args.max_docs, counts=counts)
-  batches, diagnostic, plan = sized_batches(rows, cfg.model, batch_rows=args.batch_size and batch_size // procs,
+                           split=opts.split, max_docs=opts.max_docs, counts=counts)
+  batches, diagnostic, plan = sized_batches(rows, cfg.model, batch_rows=opts.batch_size and batch_size // procs,
                                             default_rows=batch_size // procs, budget=memory_budget())
   if jax.process_index() == 0:
     print(f"sinkjax.eval: {plan['rows']:,} rows of {plan['seq_len']:,} tokens in {len(batches)} batches of "
@@ -540,13 +540,13 @@ def run(args) -> dict:
 
   report = {"run_dir": str(run_dir), "step": step, "attention": cfg.model.attention,
             "layers_with_heads": list(cfg.model.head_layers),
-            "data_source": cfg.data.source, "packing": cfg.data.packing, "split": args.split,
+            "data_source": cfg.data.source, "packing": cfg.data.packing, "split": opts.split,
             "eval_documents": counts["documents"], "eval_batches": len(batches),
             "batch_size": plan["batch_size"], "seq_len": plan["seq_len"], "eval_rows": plan["rows"],
             "diagnostic_rows": plan["diagnostic_rows"], "processes": procs}
   try:
     with jax.set_mesh(mesh):              # as in training: attention runs per shard, kernels follow the mesh
-      report.update(evaluate(model, place_batches(batches, mesh), tau=args.tau,
+      report.update(evaluate(model, place_batches(batches, mesh), tau=opts.tau,
                              diagnostic_batches=place_batches(diagnostic, mesh)))
   except Exception as e:  # pylint: disable=broad-except  # XLA's allocation failure (JaxRuntimeError)
     if not out_of_memory(e):
@@ -570,14 +570,13 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-
-  def evaluate_and_print():
+  def evaluate_and_print(sections, run_overrides):
+    opts = sections["eval"]
     distributed.maybe_initialize()    # before anything touches JAX devices (a job of several processes)
-    report = run(args)
+    report = run(opts, run_overrides)
     if jax.process_index() != 0:
       return
-    out = args.out or f"{str(args.checkpoint).rstrip('/')}/eval"
+    out = opts.out or f"{str(opts.checkpoint).rstrip('/')}/eval"
     vz = report["value_zeroing"]
     docs = "" if report["eval_documents"] is None else f"{report['eval_documents']:,} documents, "
     print(f"sinkjax.eval: {docs}{report['eval_tokens']:,} tokens scored; val_bpb {report['val_bpb']:.4f}  "
@@ -585,7 +584,7 @@ def main(argv=None) -> int:
           f"first-token attention {np.mean(report['first_token_attention']):.3f}  value zeroing all/selected "
           f"{vz['bpb_all']:.4f}/{vz['bpb_selected']:.4f}; mesh {report['mesh']}, "
           f"{report['param_bytes_per_device']:,} parameter bytes per device; wrote {out}/report.json")
-  return cli.run_main("sinkjax.eval", evaluate_and_print)
+  return options.main(COMMAND, argv, evaluate_and_print)
 
 
 if __name__ == "__main__":

@@ -77,10 +77,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import cache_policy, distributed, paths
+from sinkjax import cache_policy, distributed, options, paths
 from sinkjax import sharding as sharding_lib
 from sinkjax.cache import KVCache, make_cache, shard_cache
 from sinkjax.cli import UserError
+from sinkjax.config import key
 from sinkjax.run import asks_for_mesh, load_run
 
 
@@ -492,134 +493,133 @@ def format_table(rows: list[dict], window: int) -> str:
 # Command line
 
 
-def build_parser() -> argparse.ArgumentParser:
-  p = cli.Parser(prog="python -m sinkjax.generate", description=__doc__.split("\n\n")[0],
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--checkpoint", required=True, help="run directory of a training run")
-  p.add_argument("--prompt", action="append",
-                 help="text to continue (BOS is prepended where the tokenizer adds one); repeat it for a batch of "
-                      "prompts, generated together (one row each, split over the mesh's batch axes when they divide)")
-  p.add_argument("--chat", action="store_true",
-                 help="the prompt is a user message: render it with the tokenizer's chat template (and the "
-                      "assistant's generation prompt) before generating")
-  p.add_argument("--system", help="--chat: a system message before the user's")
-  p.add_argument("--echo", action="store_true",
-                 help="--chat: print the prompt as the model reads it (the chat template's rendering) before the "
-                      "reply (plain prompts are always printed before their continuation)")
-  p.add_argument("--max-new-tokens", type=int, help="number of tokens to generate (>= 1); required with --prompt")
-  p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-  p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
-  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = all)")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--cache", choices=("full", "streaming", "hybrid"),
-                 help="full (default), streaming, or hybrid (per-head; implied by --full-heads/--full-heads-from)")
-  p.add_argument("--sink-size", type=int, help="streaming (heads): first tokens kept forever (default 4)")
-  p.add_argument("--window", type=int, help="streaming (heads): cache size W incl. sinks (default: training "
-                                            "data.seq_len)")
-  p.add_argument("--no-stop", action="store_true",
-                 help="keep going after the model emits a stop token (its EOS; BOS for sinkjax's own runs)")
-  p.add_argument("--ppl", metavar="FILE", help="score FILE under full / window-only / sink+window caches instead")
-  p.add_argument("--max-tokens", type=int, default=4096, help="--ppl: score at most this many tokens (default 4096)")
-  p.add_argument("--ppl-chunk", type=int, default=64,
-                 help="--ppl: positions scored per step against the cache (default 64, capped at W - S; the same "
-                      "numbers as 1 = one decode step per token, which is slower)")
-  cache_policy.add_arguments(p)
-  p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                 help="config overrides of the run (e.g. model.dtype=float32; mesh.fsdp=8 places the weights as "
-                      "training does)")
-  return p
+@dataclasses.dataclass
+class GenerateOptions:
+  """The generate.* options (`python -m sinkjax.generate`; each flag the alias of its key: `--prompt X` =
+  `generate.prompt=X`; the head policy is the cache.* section, `sinkjax.cache_policy.CacheOptions`)."""
+  checkpoint: str = key("", alias="--checkpoint", metavar="CHECKPOINT", required=True,
+                        help="run directory of a training run")
+  prompt: list | None = key(None, alias="--prompt", metavar="PROMPT",
+                            help="text to continue (BOS is prepended where the tokenizer adds one); repeat it for a "
+                                 "batch of prompts, generated together (one row each, split over the mesh's batch axes "
+                                 "when they divide)")
+  chat: bool = key(False, alias="--chat",
+                   help="the prompt is a user message: render it with the tokenizer's chat template (and the "
+                        "assistant's generation prompt) before generating")
+  system: str | None = key(None, alias="--system", help="--chat: a system message before the user's")
+  echo: bool = key(False, alias="--echo",
+                   help="--chat: print the prompt as the model reads it (the chat template's rendering) before the "
+                        "reply (plain prompts are always printed before their continuation)")
+  max_new_tokens: int | None = key(None, ">=1", alias="--max-new-tokens",
+                                   help="number of tokens to generate (>= 1); required with --prompt")
+  temperature: float = key(1.0, ">=0", alias="--temperature", help="0 = greedy (default 1.0)")
+  top_k: int = key(0, ">=0", alias="--top-k", help="sample from the k most likely tokens (0 = all)")
+  top_p: float = key(1.0, "(0,1]", alias="--top-p", help="nucleus sampling mass in (0, 1] (1 = all)")
+  seed: int = key(0, alias="--seed", help="the sampling seed")
+  cache: str | None = key(None, choices=("full", "streaming", "hybrid"), alias="--cache",
+                          help="full (default), streaming, or hybrid (per-head; implied by --full-heads/"
+                               "--full-heads-from)")
+  sink_size: int | None = key(None, ">=0", alias="--sink-size",
+                              help="streaming (heads): first tokens kept forever (default 4)")
+  window: int | None = key(None, ">=1", alias="--window",
+                           help="streaming (heads): cache size W incl. sinks (default: training data.seq_len)")
+  no_stop: bool = key(False, alias="--no-stop",
+                      help="keep going after the model emits a stop token (its EOS; BOS for sinkjax's own runs)")
+  ppl: str | None = key(None, alias="--ppl", metavar="FILE",
+                        help="score FILE under full / window-only / sink+window caches instead")
+  max_tokens: int = key(4096, ">=2", alias="--max-tokens",
+                        help="--ppl: score at most this many tokens (default 4096)")
+  ppl_chunk: int = key(64, ">=1", alias="--ppl-chunk",
+                       help="--ppl: positions scored per step against the cache (default 64, capped at W - S; the "
+                            "same numbers as 1 = one decode step per token, which is slower)")
 
 
-def _validate(args) -> None:
-  cache_policy.check_arguments(args)
-  if args.ppl is not None:
-    if args.prompt is not None or args.max_new_tokens is not None:
+COMMAND = options.Command(
+    prog="python -m sinkjax.generate", description=__doc__.split("\n\n")[0],
+    sections={"generate": GenerateOptions, "cache": cache_policy.CacheOptions}, run_overrides=True,
+    formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _validate(opts: GenerateOptions, cache: cache_policy.CacheOptions) -> None:
+  """Checks across options (each option's own range and choices were checked by its declaration); sets
+  opts.cache and, for a conversation, opts.max_new_tokens to their defaults."""
+  cache_policy.check(cache)
+  if opts.ppl is not None:
+    if opts.prompt is not None or opts.max_new_tokens is not None:
       raise UsageError("--ppl scores a file; do not combine it with --prompt/--max-new-tokens")
-    if not paths.as_path(args.ppl, "--ppl").is_file():
-      raise UsageError(f"--ppl file {args.ppl} does not exist")
-    if args.max_tokens < 2:
-      raise UsageError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-    if args.ppl_chunk < 1:
-      raise UsageError(f"--ppl-chunk must be >= 1, got {args.ppl_chunk}")
-    if args.cache is not None:
+    if not paths.as_path(opts.ppl, "--ppl").is_file():
+      raise UsageError(f"--ppl file {opts.ppl} does not exist")
+    if opts.cache is not None:
       raise UsageError("--ppl always compares full, window-only and sink+window caches (and --full-heads "
                        "hybrids); drop --cache")
-    if args.chat or args.system is not None:
+    if opts.chat or opts.system is not None:
       raise UsageError("--ppl scores a file as it is; drop --chat/--system")
     return
-  if args.system is not None and not args.chat:
+  if opts.system is not None and not opts.chat:
     raise UsageError("--system is a chat message; add --chat")
-  if args.echo and not args.chat:
+  if opts.echo and not opts.chat:
     raise UsageError("--echo shows the chat template's rendering; add --chat (plain prompts are always printed)")
-  _validate_cache(args)
-  if args.chat and args.prompt is None:              # a conversation on stdin
-    if args.cache != "full":
+  _validate_cache(opts, cache)
+  if opts.chat and opts.prompt is None:              # a conversation on stdin
+    if opts.cache != "full":
       raise UsageError("a conversation keeps its whole history in a full cache; drop --cache and the head policy")
-    args.max_new_tokens = CHAT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
-  if args.prompt is None and not args.chat or args.max_new_tokens is None:
+    opts.max_new_tokens = CHAT_MAX_NEW_TOKENS if opts.max_new_tokens is None else opts.max_new_tokens
+  if opts.prompt is None and not opts.chat or opts.max_new_tokens is None:
     raise UsageError("give --prompt TEXT and --max-new-tokens N, --chat alone for a conversation, or --ppl FILE")
-  if args.prompt is not None and not all(args.prompt):
+  if opts.prompt is not None and not all(opts.prompt):
     raise UsageError("--prompt is empty; give some text to continue")
-  if args.max_new_tokens < 1:
-    raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-  if args.temperature < 0:
-    raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
-  if args.top_k < 0:
-    raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
-  if not 0 < args.top_p <= 1:
-    raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-  if args.sink_size is not None and args.window is not None:
-    check_window(args.sink_size, args.window)
+  if opts.sink_size is not None and opts.window is not None:
+    check_window(opts.sink_size, opts.window)
 
 
-def _validate_cache(args) -> None:
+def _validate_cache(opts: GenerateOptions, cache: cache_policy.CacheOptions) -> None:
   """Generation: --cache defaults to hybrid with a head policy, else full; one policy at most."""
-  if args.cache is None:
-    args.cache = "hybrid" if cache_policy.wanted(args) else "full"
-  if args.cache != "hybrid" and cache_policy.wanted(args):
-    raise UsageError(f"--full-heads/--full-heads-from make a hybrid cache; drop --cache {args.cache}")
-  if args.cache == "hybrid" and not cache_policy.wanted(args):
+  if opts.cache is None:
+    opts.cache = "hybrid" if cache_policy.wanted(cache) else "full"
+  if opts.cache != "hybrid" and cache_policy.wanted(cache):
+    raise UsageError(f"--full-heads/--full-heads-from make a hybrid cache; drop --cache {opts.cache}")
+  if opts.cache == "hybrid" and not cache_policy.wanted(cache):
     raise UsageError("--cache hybrid needs --full-heads F or --full-heads-from FILE")
-  if args.full_heads is not None and "," in args.full_heads:
+  if cache.full_heads is not None and "," in cache.full_heads:
     raise UsageError("generation takes one --full-heads value (lists are for --ppl)")
-  if args.full_heads_random is not None and "," in args.full_heads_random:
+  if cache.full_heads_random is not None and "," in cache.full_heads_random:
     raise UsageError("generation takes one --full-heads-random seed (lists are for --ppl)")
-  if args.cache == "full" and (args.sink_size is not None or args.window is not None):
+  if opts.cache == "full" and (opts.sink_size is not None or opts.window is not None):
     raise UsageError("--sink-size/--window only apply to --cache streaming or hybrid")
 
 
-def run(args) -> None:
+def run(opts: GenerateOptions, cache: cache_policy.CacheOptions, run_overrides: list[str] | tuple = ()) -> None:
   logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
-  model, cfg, tok, _ = load_run(args.checkpoint, None, args.overrides,
-                                mesh="run" if asks_for_mesh(args.overrides) else None)
+  model, cfg, tok, _ = load_run(opts.checkpoint, None, run_overrides,
+                                mesh="run" if asks_for_mesh(run_overrides) else None)
   with jax.set_mesh(sharding_lib.mesh_of(nnx.state(model, nnx.Param))):   # as in training: kernels follow the mesh
-    if args.ppl is not None:
+    if opts.ppl is not None:
       if jax.process_count() > 1:
         raise UsageError("--ppl runs in one process (all its devices); start it without a launcher")
-      run_ppl(args, model, cfg, tok)
-    elif args.prompt is None:
+      run_ppl(opts, cache, model, cfg, tok)
+    elif opts.prompt is None:
       if jax.process_count() > 1:
         raise UsageError("a conversation runs in one process (all its devices); start it without a launcher")
-      run_chat(args, model, cfg, tok)
+      run_chat(opts, model, cfg, tok)
     else:
-      run_generate(args, model, cfg, tok)
+      run_generate(opts, cache, model, cfg, tok)
 
 
-def run_ppl(args, model, cfg, tok) -> None:
-  sink_size = 4 if args.sink_size is None else args.sink_size
-  window = cfg.data.seq_len if args.window is None else args.window
+def run_ppl(opts: GenerateOptions, cache: cache_policy.CacheOptions, model, cfg, tok) -> None:
+  sink_size = 4 if opts.sink_size is None else opts.sink_size
+  window = cfg.data.seq_len if opts.window is None else opts.window
   check_window(sink_size, window)
-  policies = cache_policy.policies_from_args(args, cfg.model, args.checkpoint) if cache_policy.wanted(args) else []
-  text = paths.as_path(args.ppl, "--ppl").read_bytes().decode("utf-8", errors="replace")
-  ids = tok.encode_document(text)[:args.max_tokens]
+  policies = cache_policy.policies_from(cache, cfg.model, opts.checkpoint) if cache_policy.wanted(cache) else []
+  text = paths.as_path(opts.ppl, "--ppl").read_bytes().decode("utf-8", errors="replace")
+  ids = tok.encode_document(text)[:opts.max_tokens]
   if len(ids) <= window:
     print(f"note: {len(ids)} tokens do not exceed the window ({window}); all modes see the same context",
           file=sys.stderr)
   for label, full in policies:
     print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
   rows = perplexity_table(model, ids, sink_size=sink_size, window=window, policies=policies,
-                          chunk=None if args.ppl_chunk == 1 else args.ppl_chunk)
-  print(f"streaming perplexity of {args.ppl} ({len(ids)} tokens) under {args.checkpoint} "
+                          chunk=None if opts.ppl_chunk == 1 else opts.ppl_chunk)
+  print(f"streaming perplexity of {opts.ppl} ({len(ids)} tokens) under {opts.checkpoint} "
         f"(attention={cfg.model.attention}, sink_tokens={cfg.model.sink_tokens}, trained at "
         f"seq_len {cfg.data.seq_len})")
   print(format_table(rows, window))
@@ -635,37 +635,37 @@ def prompt_ids(tok, prompt: str, *, chat: bool = False, system: str | None = Non
   return prompt, tok.encode_document(prompt)
 
 
-def run_generate(args, model, cfg, tok) -> None:
+def run_generate(opts: GenerateOptions, cache: cache_policy.CacheOptions, model, cfg, tok) -> None:
   """Generates after each --prompt; process 0 alone prints (one prompt: streamed as it comes; several: one after
   the other once the batch is done) and writes the summary line."""
   first = jax.process_index() == 0
-  if args.chat and tok.chat.plain and first:
+  if opts.chat and tok.chat.plain and first:
     print("note: the tokenizer has no chat template; the prompt is laid out as \"User: ... Assistant: \"",
           file=sys.stderr)
-  shown, ids = zip(*(prompt_ids(tok, p, chat=args.chat, system=args.system) for p in args.prompt))
+  shown, ids = zip(*(prompt_ids(tok, p, chat=opts.chat, system=opts.system) for p in opts.prompt))
   longest = max(map(len, ids))
-  mode = "streaming" if args.cache == "hybrid" else args.cache     # the hybrid's streaming heads use S, W
-  window, sink_size = cache_plan(mode, longest, args.max_new_tokens, args.sink_size, args.window, cfg.data.seq_len)
-  capacity, full_heads, note = window, None, f"{args.cache} cache of {window} slots"
-  if args.cache == "hybrid":
-    ((label, full),) = cache_policy.policies_from_args(args, cfg.model, args.checkpoint,
-                                                       by_importance=args.full_heads_random is None)
-    capacity, full_heads = longest + args.max_new_tokens, cache_policy.as_tuple(full)
+  mode = "streaming" if opts.cache == "hybrid" else opts.cache     # the hybrid's streaming heads use S, W
+  window, sink_size = cache_plan(mode, longest, opts.max_new_tokens, opts.sink_size, opts.window, cfg.data.seq_len)
+  capacity, full_heads, note = window, None, f"{opts.cache} cache of {window} slots"
+  if opts.cache == "hybrid":
+    ((label, full),) = cache_policy.policies_from(cache, cfg.model, opts.checkpoint,
+                                                  by_importance=cache.full_heads_random is None)
+    capacity, full_heads = longest + opts.max_new_tokens, cache_policy.as_tuple(full)
     note = (f"hybrid cache {label}, {cache_policy.describe(full)} of {capacity} slots, the others {window} slots "
             f"with {sink_size} sinks")
-  if capacity > cfg.model.max_seq_len and args.cache != "streaming" and first:
+  if capacity > cfg.model.max_seq_len and opts.cache != "streaming" and first:
     print(f"warning: a full cache of {capacity} tokens exceeds model.max_seq_len={cfg.model.max_seq_len}; "
           "positions past it were never trained (try --cache streaming)", file=sys.stderr)
   rows = len(ids)
   gen = Generator(model, capacity=capacity, sink_size=sink_size, full_heads=full_heads, window=window, batch=rows)
   stream = TextStream(tok, skip_special_tokens=False) if rows == 1 and first else None
-  echo = args.echo or not args.chat       # a chat prints the reply; the rendering only with --echo
+  echo = opts.echo or not opts.chat       # a chat prints the reply; the rendering only with --echo
   if stream is not None and echo:
     stream.out.write(shown[0])
   t0 = time.perf_counter()
-  outs = gen.generate_batch([list(i) for i in ids], args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            stop_token=None if args.no_stop else tok.stop_ids,
+  outs = gen.generate_batch([list(i) for i in ids], opts.max_new_tokens, temperature=opts.temperature,
+                            top_k=opts.top_k, top_p=opts.top_p, seed=opts.seed,
+                            stop_token=None if opts.no_stop else tok.stop_ids,
                             on_token=None if stream is None else lambda row, t: stream(t))
   dt = time.perf_counter() - t0
   if not first:
@@ -675,9 +675,9 @@ def run_generate(args, model, cfg, tok) -> None:
   else:
     for text, out in zip(shown, outs):
       print((text if echo else "") + tok.decode(out, skip_special_tokens=False))
-  if args.cache == "streaming":
+  if opts.cache == "streaming":
     note += f", {sink_size} sinks"
-  if any(len(out) < args.max_new_tokens for out in outs):
+  if any(len(out) < opts.max_new_tokens for out in outs):
     note = f"stopped at a stop token ({', '.join(map(str, tok.stop_ids))}); " + note
   where = sharding_lib.placement(nnx.state(model, nnx.Param))
   peak = where["peak_device_memory"]
@@ -693,7 +693,7 @@ CHAT_MAX_NEW_TOKENS = 512      # a conversation's reply length when --max-new-to
 CHAT_CAPACITY = 4096           # a conversation's cache (at most model.max_seq_len): the history it can hold
 
 
-def run_chat(args, model, cfg, tok, lines=None, out=None) -> list[dict]:
+def run_chat(opts: GenerateOptions, model, cfg, tok, lines=None, out=None) -> list[dict]:
   """A conversation: each line of `lines` (default stdin; an empty line or end of input ends it) is a user turn; the
   whole conversation so far (after --system) is rendered through the tokenizer's chat template and the reply
   generated and printed (streamed). One full cache of CHAT_CAPACITY slots (at most the model's context) serves every
@@ -703,10 +703,10 @@ def run_chat(args, model, cfg, tok, lines=None, out=None) -> list[dict]:
   interactive = lines is sys.stdin and sys.stdin.isatty()
   capacity = min(CHAT_CAPACITY, cfg.model.max_seq_len or CHAT_CAPACITY)
   gen = Generator(model, capacity=capacity)
-  messages = [{"role": "system", "content": args.system}] if args.system else []
+  messages = [{"role": "system", "content": opts.system}] if opts.system else []
   if tok.chat.plain:
     print("note: the tokenizer has no chat template; turns are laid out as \"User: ... Assistant: \"", file=sys.stderr)
-  print(f"sinkjax.generate: chatting with {args.checkpoint} (up to {capacity:,} tokens of history; an empty line or "
+  print(f"sinkjax.generate: chatting with {opts.checkpoint} (up to {capacity:,} tokens of history; an empty line or "
         "Ctrl-D ends it)", file=sys.stderr, flush=True)
   while True:
     if interactive:
@@ -716,31 +716,30 @@ def run_chat(args, model, cfg, tok, lines=None, out=None) -> list[dict]:
       return messages
     messages.append({"role": "user", "content": line.strip()})
     text = tok.chat.render(messages)
-    if args.echo:
+    if opts.echo:
       out.write(text)
     ids = list(tok.encode(text))
-    if len(ids) + args.max_new_tokens > capacity:
+    if len(ids) + opts.max_new_tokens > capacity:
       raise UsageError(f"the conversation ({len(ids):,} tokens) and a reply of --max-new-tokens "
-                       f"{args.max_new_tokens} exceed the cache of {capacity:,} tokens; start a new conversation")
+                       f"{opts.max_new_tokens} exceed the cache of {capacity:,} tokens; start a new conversation")
     stream = TextStream(tok, out=out, skip_special_tokens=False)
-    reply = gen.generate_batch([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                               top_p=args.top_p, seed=args.seed + len(messages), stop_token=tok.stop_ids,
+    reply = gen.generate_batch([ids], opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
+                               top_p=opts.top_p, seed=opts.seed + len(messages), stop_token=tok.stop_ids,
                                on_token=lambda row, t: stream(t), prefill_to=lambda n: -(-n // 256) * 256)[0]
     stream.finish()
     messages.append({"role": "assistant", "content": tok.decode(reply)})
 
 
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-
-  def checked_run():
-    _validate(args)
+  def checked_run(sections, run_overrides):
+    opts, cache = sections["generate"], sections["cache"]
+    _validate(opts, cache)
     distributed.maybe_initialize()    # before anything touches JAX devices (a job of several processes)
-    paths.check_bucket(args.checkpoint, "--checkpoint")
-    if not paths.as_path(args.checkpoint, "--checkpoint").is_dir():
-      raise UsageError(f"run directory {args.checkpoint} does not exist")
-    run(args)
-  return cli.run_main("sinkjax.generate", checked_run)
+    paths.check_bucket(opts.checkpoint, "--checkpoint")
+    if not paths.as_path(opts.checkpoint, "--checkpoint").is_dir():
+      raise UsageError(f"run directory {opts.checkpoint} does not exist")
+    run(opts, cache, run_overrides)
+  return options.main(COMMAND, argv, checked_run)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ if __name__ == "__main__":
   if _tasks.precheck(_sys.argv[1:], "sinkjax.lm_eval"):   # missing datasets offline, HumanEval's needs: one line, fast
     _sys.exit(1)
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -79,10 +78,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import choices, distributed, lm_eval_tasks, lora, paths
+from sinkjax import choices, distributed, lm_eval_tasks, lora, options, paths
 from sinkjax import sharding as sharding_lib
-from sinkjax.cli import Parser, UserError, run_main
-from sinkjax.config import MeshConfig
+from sinkjax.cli import UserError
+from sinkjax.config import MeshConfig, key
 from sinkjax.generate import Generator
 from sinkjax.model import Transformer
 from sinkjax.run import asks_for_mesh, load_run
@@ -140,8 +139,8 @@ class SinkjaxLM(_Base):
       raise LMEvalError(INSTALL_HINT)
     super().__init__()
     del max_batch_size, device                  # lm-eval passes them to every model; devices are JAX's
-    for key in ("trust_remote_code",):
-      kwargs.pop(key, None)
+    for name in ("trust_remote_code",):
+      kwargs.pop(name, None)
     if kwargs:
       raise LMEvalError(f"unknown model argument(s) for sinkjax: {', '.join(sorted(kwargs))} (known: checkpoint, "
                         "step, batch_size, max_length, max_gen_toks, add_bos_token, prefix_token_id, dtype, seed, "
@@ -507,43 +506,52 @@ def write_mc_task(path, task_dir) -> str:
 # Command line
 # ----------------------------------------------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-  p = Parser(prog="python -m sinkjax.lm_eval",
-              description="Evaluate a sinkjax run with EleutherAI's lm-evaluation-harness (its tasks, prompts, "
-                          "few-shot contexts and metrics); writes lm-eval's results_*.json (and samples_*.jsonl) "
-                          "under --output-path and prints its table.")
-  p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory (trained or imported)")
-  p.add_argument("--tasks", default="",
-                 help="comma-separated lm-eval task or group names (or task YAML files), 'paper' for Table 1's "
-                      "downstream tasks (" + ", ".join(PAPER_TASKS) + ") or 'paper-ft' for Table 2's ("
-                      + ", ".join(PAPER_FT_TASKS) + ")")
-  p.add_argument("--mc", default=None, metavar="FILE.jsonl",
-                 help='a multiple-choice file, one {"context": str, "choices": [str, ...], "label": int} per line, '
-                      "evaluated as a local lm-eval task mc_<file stem> (acc, acc_norm)")
-  p.add_argument("--include-path", default=None, metavar="DIR", help="a directory of extra task YAML files")
-  p.add_argument("--num-fewshot", type=int, default=None, metavar="K",
-                 help="few-shot examples per prompt (default: each task's own)")
-  p.add_argument("--limit", type=float, default=None, metavar="N",
-                 help="at most N documents per task (a fraction if < 1; for trials, not for reported numbers)")
-  p.add_argument("--batch-size", type=int, default=8, metavar="B", help="rows per forward pass (default 8)")
-  p.add_argument("--output-path", default=None, metavar="DIR", help="where lm-eval writes results_*.json")
-  p.add_argument("--log-samples", action="store_true", help="also write every document's samples_<task>_*.jsonl")
-  p.add_argument("--apply-chat-template", action="store_true",
-                 help="render prompts as chat turns (the tokenizer's chat template, else User:/Assistant:)")
-  p.add_argument("--model-args", default="", metavar="k=v,...",
-                 help="SinkjaxLM arguments: step, max_length, max_gen_toks, add_bos_token, prefix_token_id, dtype, "
-                      "seed")
-  p.add_argument("--confirm-run-unsafe-code", action="store_true",
-                 help="allow tasks that execute model-written code (humaneval: also set HF_ALLOW_CODE_EVAL=1 and "
-                      "install evaluate, whose code_eval metric runs it)")
-  p.add_argument("--seed", type=int, default=0, help="seed of lm-eval's few-shot sampling and of Python/NumPy")
-  p.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
-                 help="bootstrap resamples for the stderr of metrics without a closed form (lm-eval's default "
-                      "100000; 0 = none)")
-  p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                 help="config overrides of the run (e.g. model.dtype=float32; mesh.fsdp=8 places the weights as "
-                      "training does)")
-  return p
+@dataclasses.dataclass
+class LMEvalOptions:
+  """The lm_eval.* options (`python -m sinkjax.lm_eval`; each flag the alias of its key: `--tasks paper` =
+  `lm_eval.tasks=paper`)."""
+  checkpoint: str = key("", alias="--checkpoint", metavar="RUN_DIR", required=True,
+                        help="run directory (trained or imported)")
+  tasks: str = key("", alias="--tasks",
+                   help="comma-separated lm-eval task or group names (or task YAML files), 'paper' for Table 1's "
+                        "downstream tasks (" + ", ".join(PAPER_TASKS) + ") or 'paper-ft' for Table 2's ("
+                        + ", ".join(PAPER_FT_TASKS) + ")")
+  mc: str | None = key(None, alias="--mc", metavar="FILE.jsonl",
+                       help='a multiple-choice file, one {"context": str, "choices": [str, ...], "label": int} per '
+                            "line, evaluated as a local lm-eval task mc_<file stem> (acc, acc_norm)")
+  include_path: str | None = key(None, alias="--include-path", metavar="DIR",
+                                 help="a directory of extra task YAML files")
+  num_fewshot: int | None = key(None, ">=0", alias="--num-fewshot", metavar="K",
+                                help="few-shot examples per prompt (default: each task's own)")
+  limit: float | None = key(None, ">0", alias="--limit", metavar="N",
+                            help="at most N documents per task (a fraction if < 1; for trials, not for reported "
+                                 "numbers)")
+  batch_size: int = key(8, ">=1", alias="--batch-size", metavar="B", help="rows per forward pass (default 8)")
+  output_path: str | None = key(None, alias="--output-path", metavar="DIR",
+                                help="where lm-eval writes results_*.json")
+  log_samples: bool = key(False, alias="--log-samples",
+                          help="also write every document's samples_<task>_*.jsonl")
+  apply_chat_template: bool = key(False, alias="--apply-chat-template",
+                                  help="render prompts as chat turns (the tokenizer's chat template, else "
+                                       "User:/Assistant:)")
+  model_args: str = key("", alias="--model-args", metavar="k=v,...",
+                        help="SinkjaxLM arguments: step, max_length, max_gen_toks, add_bos_token, prefix_token_id, "
+                             "dtype, seed")
+  confirm_run_unsafe_code: bool = key(False, alias="--confirm-run-unsafe-code",
+                                      help="allow tasks that execute model-written code (humaneval: also set "
+                                           "HF_ALLOW_CODE_EVAL=1 and install evaluate, whose code_eval metric runs "
+                                           "it)")
+  seed: int = key(0, alias="--seed", help="seed of lm-eval's few-shot sampling and of Python/NumPy")
+  bootstrap_iters: int = key(100000, ">=0", alias="--bootstrap-iters", metavar="N",
+                             help="bootstrap resamples for the stderr of metrics without a closed form (lm-eval's "
+                                  "default 100000; 0 = none)")
+
+
+COMMAND = options.Command(
+    prog="python -m sinkjax.lm_eval", sections={"lm_eval": LMEvalOptions}, run_overrides=True,
+    description="Evaluate a sinkjax run with EleutherAI's lm-evaluation-harness (its tasks, prompts, few-shot "
+                "contexts and metrics); writes lm-eval's results_*.json (and samples_*.jsonl) under --output-path and "
+                "prints its table.")
 
 
 def expand_tasks(text: str, *, allow_empty: bool = False) -> list[str]:
@@ -604,56 +612,49 @@ def _model_args(text: str) -> dict:
   return out
 
 
-def run(args) -> dict:
-  """Loads the run, evaluates the tasks with lm-eval's `simple_evaluate`, saves and returns lm-eval's results."""
+def run(opts: LMEvalOptions, run_overrides: list[str] | tuple = ()) -> dict:
+  """Loads the run (with the run's config overrides `run_overrides`), evaluates the tasks with lm-eval's
+  `simple_evaluate`, saves and returns lm-eval's results."""
   if not HAVE_LM_EVAL:
     raise LMEvalError(INSTALL_HINT)
   from lm_eval import simple_evaluate  # pylint: disable=import-outside-toplevel
   from lm_eval.loggers import EvaluationTracker  # pylint: disable=import-outside-toplevel
-  if args.batch_size < 1:
-    raise LMEvalError(f"--batch-size must be >= 1, got {args.batch_size}")
-  if args.num_fewshot is not None and args.num_fewshot < 0:
-    raise LMEvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
-  if args.limit is not None and args.limit <= 0:
-    raise LMEvalError(f"--limit must be > 0, got {args.limit}")
-  if args.bootstrap_iters < 0:
-    raise LMEvalError(f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
-  if args.log_samples and not args.output_path:
+  if opts.log_samples and not opts.output_path:
     raise LMEvalError("--log-samples needs --output-path DIR (where the samples are written)")
-  extra = _model_args(args.model_args)
+  extra = _model_args(opts.model_args)
   if "checkpoint" in extra or "pretrained" in extra:
     raise LMEvalError("give the run with --checkpoint, not in --model-args")
-  names = expand_tasks(args.tasks, allow_empty=args.mc is not None)
-  if args.include_path is not None and not pathlib.Path(args.include_path).is_dir():
-    raise LMEvalError(f"--include-path {args.include_path} is not a directory")
-  paths.check_bucket(args.checkpoint, "--checkpoint")
-  if not paths.as_path(args.checkpoint, "--checkpoint").is_dir():
-    raise LMEvalError(f"run directory {args.checkpoint} does not exist")
-  lm_eval_tasks.check_unsafe_code(names, args.confirm_run_unsafe_code)
+  names = expand_tasks(opts.tasks, allow_empty=opts.mc is not None)
+  if opts.include_path is not None and not pathlib.Path(opts.include_path).is_dir():
+    raise LMEvalError(f"--include-path {opts.include_path} is not a directory")
+  paths.check_bucket(opts.checkpoint, "--checkpoint")
+  if not paths.as_path(opts.checkpoint, "--checkpoint").is_dir():
+    raise LMEvalError(f"run directory {opts.checkpoint} does not exist")
+  lm_eval_tasks.check_unsafe_code(names, opts.confirm_run_unsafe_code)
   with tempfile.TemporaryDirectory(prefix="sinkjax_lm_eval_") as task_dir:
-    includes = [args.include_path] if args.include_path else []
-    if args.mc is not None:
-      names.append(write_mc_task(args.mc, task_dir))
+    includes = [opts.include_path] if opts.include_path else []
+    if opts.mc is not None:
+      names.append(write_mc_task(opts.mc, task_dir))
     if set(names) & set(lm_eval_tasks.NAMES):
       lm_eval_tasks.write_tasks(task_dir)
-    if args.mc is not None or set(names) & set(lm_eval_tasks.NAMES):
+    if opts.mc is not None or set(names) & set(lm_eval_tasks.NAMES):
       includes.append(task_dir)
     lm_eval_tasks.check_hub(names, includes)             # seconds: no task index, no model
     manager, tasks = resolve_tasks(names, includes)      # before the model loads: a typo fails at once
-    tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
-    limit = args.limit
+    tracker = EvaluationTracker(output_path=opts.output_path) if opts.output_path else None
+    limit = opts.limit
     if limit is not None and limit >= 1 and float(limit).is_integer():
       limit = int(limit)
     # lm-eval builds the model from its registry, as `lm_eval --model sinkjax --model_args pretrained=RUN,...` does
     try:
       results = simple_evaluate(
-          model="sinkjax", model_args={"pretrained": str(args.checkpoint), **extra,
-                                       **({"overrides": list(args.overrides)} if args.overrides else {})},
-          batch_size=args.batch_size,
-          tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, log_samples=args.log_samples,
-          evaluation_tracker=tracker, apply_chat_template=args.apply_chat_template, task_manager=manager,
-          confirm_run_unsafe_code=args.confirm_run_unsafe_code, random_seed=args.seed, numpy_random_seed=args.seed,
-          torch_random_seed=args.seed, fewshot_random_seed=args.seed, bootstrap_iters=args.bootstrap_iters)
+          model="sinkjax", model_args={"pretrained": str(opts.checkpoint), **extra,
+                                       **({"overrides": list(run_overrides)} if run_overrides else {})},
+          batch_size=opts.batch_size,
+          tasks=tasks, num_fewshot=opts.num_fewshot, limit=limit, log_samples=opts.log_samples,
+          evaluation_tracker=tracker, apply_chat_template=opts.apply_chat_template, task_manager=manager,
+          confirm_run_unsafe_code=opts.confirm_run_unsafe_code, random_seed=opts.seed, numpy_random_seed=opts.seed,
+          torch_random_seed=opts.seed, fewshot_random_seed=opts.seed, bootstrap_iters=opts.bootstrap_iters)
     except Exception as e:  # pylint: disable=broad-except
       if not _hub_error(e):
         raise
@@ -662,7 +663,7 @@ def run(args) -> dict:
   if results is None:
     raise LMEvalError("lm-eval returned no results")
   if tracker is not None and jax.process_index() == 0:     # one copy of the outputs per job
-    samples = results.pop("samples", None) if args.log_samples else None
+    samples = results.pop("samples", None) if opts.log_samples else None
     tracker.save_results_aggregated(results=results, samples=samples)
     if samples is not None:
       for task_name in results["configs"]:
@@ -672,31 +673,30 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-
-  def action() -> int:
+  def action(sections, run_overrides) -> int:
+    opts = sections["lm_eval"]
     distributed.maybe_initialize()    # before anything touches JAX devices (a job of several processes)
     import multiprocessing  # pylint: disable=import-outside-toplevel
     # lm-eval's bootstrap stderr runs a multiprocessing pool; forking this process (JAX's threads) can deadlock
     method = multiprocessing.get_start_method(allow_none=True)
     multiprocessing.set_start_method("forkserver", force=True)
     try:
-      results = run(args)
+      results = run(opts, run_overrides)
     finally:
       multiprocessing.set_start_method(method, force=True)
     if jax.process_index() != 0:
       return 0
     from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
-    print(f"sinkjax ({args.checkpoint}, step {results['config'].get('sinkjax_step', '?')}), limit: {args.limit}, "
-          f"num_fewshot: {args.num_fewshot}, batch_size: {args.batch_size}")
+    print(f"sinkjax ({opts.checkpoint}, step {results['config'].get('sinkjax_step', '?')}), limit: {opts.limit}, "
+          f"num_fewshot: {opts.num_fewshot}, batch_size: {opts.batch_size}")
     print(make_table(results))
     if "groups" in results:
       print(make_table(results, "groups"))
-    if args.output_path:
-      print(f"sinkjax.lm_eval: wrote {args.output_path}", file=sys.stderr)
+    if opts.output_path:
+      print(f"sinkjax.lm_eval: wrote {opts.output_path}", file=sys.stderr)
     return 0
 
-  return run_main("sinkjax.lm_eval", action)
+  return options.main(COMMAND, argv, action)
 
 
 def register() -> None:

@@ -305,27 +305,33 @@ def test_sampling_knobs():
 @pytest.mark.parametrize("argv,message", [
     (["--checkpoint", "/nonexistent/run", "--prompt", "hi", "--max-new-tokens", "3"], "does not exist"),
     (["--checkpoint", "{tmp}", "--prompt", "", "--max-new-tokens", "3"], "prompt is empty"),
-    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "0"],
+     "config key generate.max_new_tokens (--max-new-tokens) must be >= 1, got 0"),
     (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--cache", "streaming",
       "--sink-size", "8", "--window", "8"], "must exceed --sink-size"),
     (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--sink-size", "-1", "--window", "8",
-      "--cache", "streaming"], "sink-size must be >= 0"),
+      "--cache", "streaming"], "config key generate.sink_size (--sink-size) must be >= 0, got -1"),
     (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--window", "8"], "only apply to"),
-    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--cache", "ring"], "invalid choice"),
-    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--top-p", "0"], "top-p"),
+    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--cache", "ring"],
+     "config key generate.cache (--cache) must be one of full|streaming|hybrid, got 'ring'"),
+    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--top-p", "0"],
+     "config key generate.top_p (--top-p) must be in (0, 1], got 0.0"),
+    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--frob"], "unrecognized arguments: --frob"),
     (["--checkpoint", "{tmp}", "--ppl", "/nonexistent.txt"], "does not exist"),
     (["--prompt", "hi", "--max-new-tokens", "3"], "--checkpoint"),
     (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3"], "not a run directory"),
 ])
 def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
-  """A bad value is one line and status 1; a command line argparse refuses, one line and status 2 (sinkjax.cli)."""
+  """A bad value is one line and status 1 (a range or a choice: the key's declaration names the key and its flag);
+  a command line argparse refuses (an unknown flag, a missing required option), one line and status 2
+  (sinkjax.cli, sinkjax.options)."""
   argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
   try:
     status = gen_lib.main(argv)
   except SystemExit as e:
     status = e.code
   err = capsys.readouterr().err.strip()
-  parsing = message in ("invalid choice", "--checkpoint")       # the two that argparse refuses
+  parsing = message in ("unrecognized arguments: --frob", "--checkpoint")       # the two that argparse refuses
   assert status == (2 if parsing else 1), (status, err)
   assert len(err.splitlines()) == 1 and message in err, err
   assert err.startswith("python -m sinkjax.generate: error:" if parsing else "sinkjax.generate: error:"), err
@@ -374,16 +380,14 @@ def test_chat_prints_the_reply_and_the_rendering_only_with_echo(byte_run, capsys
 def test_chat_without_a_prompt_holds_a_conversation(byte_run, capsys):
   """Each line is a user turn; the whole conversation (the earlier replies included) is rendered through the chat
   layout for the next reply, which is the greedy continuation of that rendering."""
-  import argparse
   import io
   from sinkjax.data import ByteTokenizer
   run, model = byte_run
   tok = ByteTokenizer()
-  args = argparse.Namespace(checkpoint=str(run), system=None, echo=False, max_new_tokens=5, temperature=0.0,
-                            top_k=0, top_p=1.0, seed=0)
+  opts = gen_lib.GenerateOptions(checkpoint=str(run), max_new_tokens=5, temperature=0.0)
   out = io.StringIO()
   cfg = type("C", (), {"model": model.cfg})
-  messages = gen_lib.run_chat(args, model, cfg, tok, lines=io.StringIO("hello\nand then?\n\nnot read\n"), out=out)
+  messages = gen_lib.run_chat(opts, model, cfg, tok, lines=io.StringIO("hello\nand then?\n\nnot read\n"), out=out)
   assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
   first = tok.decode(_greedy_reference(model, tok.encode(tok.chat.render(messages[:1])), 5))
   second = tok.decode(_greedy_reference(model, tok.encode(tok.chat.render(messages[:3])), 5))

@@ -55,6 +55,8 @@ def test_the_study_file_spells_the_probe():
   assert cache_policy.parse_amounts(opts.full_heads) == [0.25, 0.5]
   assert cache_policy.parse_seeds(opts.full_heads_random) == [0, 1, 2, 3, 4]
   pol = runner.load_plan(passkey.STUDY_FILE, ["passkey.full_heads_random="]).options(
-      "passkey", passkey.PasskeyOptions()).policy()
+      "passkey", passkey.PasskeyOptions()).cache_options()
+  assert isinstance(pol, cache_policy.CacheOptions)
   assert pol.full_heads_random is None and pol.full_heads_from is None and cache_policy.wanted(pol)
-  cache_policy.check_arguments(pol)
+  assert (pol.full_heads, pol.full_heads_scope) == ("0.25,0.5", "layer")
+  cache_policy.check(pol)

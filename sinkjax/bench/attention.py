@@ -22,22 +22,59 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-from sinkjax import cli
+from sinkjax import options
+from sinkjax.cli import ConfigError
+from sinkjax.config import key
 from sinkjax.kernels import BlockSizes, default_impl, flash_attention
 
 _BWD_TILES = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
 STOCK = ("jax.nn.dpa", "jax.nn.cudnn")     # stock kernels without an LSE
 
 
-def block_sizes(args) -> BlockSizes:
-  """The tiles from the command line: --block-q/--block-k for every pass, the backward options on top."""
-  uniform = BlockSizes.uniform(args.block_q, args.block_k)
-  bwd = {name: getattr(args, name) for name in _BWD_TILES if getattr(args, name) is not None}
+@dataclasses.dataclass
+class AttentionBenchOptions:
+  """The bench_attention.* options (`python -m sinkjax.bench.attention`; each flag the alias of its key)."""
+  seq: list[int] = key([512, 1024, 2048, 4096, 8192], ">=1", alias="--seq", nargs="+", metavar="T",
+                       help="sequence lengths to time")
+  batch: int = key(1, ">=1", alias="--batch", help="rows")
+  heads: int = key(4, ">=1", alias="--heads", help="query heads")
+  kv_heads: int | None = key(None, ">=1", alias="--kv-heads", help="K/V heads (GQA; default: --heads)")
+  head_dim: int = key(64, ">=1", alias="--head-dim", help="head dimension")
+  dtype: str = key("float32", choices=("float32", "bfloat16"), alias="--dtype", help="q/k/v dtype")
+  block_q: int | None = key(None, ">=1", alias="--block-q", help="query tile of every pass (default: the backend's)")
+  block_k: int | None = key(None, ">=1", alias="--block-k", help="key tile of every pass (default: the backend's)")
+  block_q_dkv: int | None = key(None, ">=1", alias="--block-q-dkv",
+                                help="block_q_dkv of BlockSizes: overrides --block-q/--block-k for that backward tile")
+  block_kv_dkv: int | None = key(None, ">=1", alias="--block-kv-dkv",
+                                 help="block_kv_dkv of BlockSizes: overrides --block-q/--block-k for that backward "
+                                      "tile")
+  block_q_dq: int | None = key(None, ">=1", alias="--block-q-dq",
+                               help="block_q_dq of BlockSizes: overrides --block-q/--block-k for that backward tile")
+  block_kv_dq: int | None = key(None, ">=1", alias="--block-kv-dq",
+                                help="block_kv_dq of BlockSizes: overrides --block-q/--block-k for that backward tile")
+  repeats: int = key(3, ">=1", alias="--repeats", help="timed runs per row (the fastest is shown)")
+  impls: list[str] | None = key(None, alias="--impls", nargs="+", metavar="IMPL",
+                                help="backends to run (default: reference, xla, the platform's Pallas backend, "
+                                     "jax.nn.dpa); also cudnn (sinkjax's cuDNN backend, GPU), jax.nn.cudnn (GPU) and "
+                                     "torch.sdpa: stock fused attention, fwd+bwd without the LSE term")
+  max_gib: float = key(12.0, ">0", alias="--max-gib", help="skip configurations whose program needs more")
+
+
+COMMAND = options.Command(prog="python -m sinkjax.bench.attention", description=__doc__,
+                          sections={"bench_attention": AttentionBenchOptions},
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def block_sizes(opts: AttentionBenchOptions) -> BlockSizes:
+  """The tiles of the options: block_q/block_k for every pass, the backward tiles on top."""
+  uniform = BlockSizes.uniform(opts.block_q, opts.block_k)
+  bwd = {name: getattr(opts, name) for name in _BWD_TILES if getattr(opts, name) is not None}
   return dataclasses.replace(uniform, **bwd)
 
 
@@ -118,50 +155,35 @@ def _tiles_text(blocks: BlockSizes) -> str:
   return " ".join(f"{k}={v}" for k, v in given.items()) or "backend defaults"
 
 
-def main(argv=None):
-  p = cli.Parser(prog="python -m sinkjax.bench.attention", description=__doc__,
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA; default: --heads)")
-  p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  p.add_argument("--block-q", type=int, default=None, help="query tile of every pass (default: the backend's)")
-  p.add_argument("--block-k", type=int, default=None, help="key tile of every pass (default: the backend's)")
-  for name in _BWD_TILES:
-    p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None,
-                   help=f"{name} of BlockSizes: overrides --block-q/--block-k for that backward tile")
-  p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--impls", nargs="+", default=None,
-                 help="backends to run (default: reference, xla, the platform's Pallas backend, jax.nn.dpa); "
-                      "also cudnn (sinkjax's cuDNN backend, GPU), jax.nn.cudnn (GPU) and torch.sdpa: stock fused "
-                      "attention, fwd+bwd without the LSE term")
-  p.add_argument("--max-gib", type=float, default=12.0, help="skip configurations whose program needs more")
-  args = p.parse_args(argv)
+def main(argv=None) -> int:
+  return options.main(COMMAND, argv, lambda sections, _: run(sections["bench_attention"]))
+
+
+def run(opts: AttentionBenchOptions) -> None:
+  """Times every backend at every sequence length and prints one row each."""
   try:
-    blocks = block_sizes(args)
+    blocks = block_sizes(opts)
   except ValueError as e:
-    p.error(str(e))
+    raise ConfigError(str(e)) from None
   platform = jax.default_backend()
-  impls = args.impls or ["reference", "xla"] + ([default_impl()] if default_impl() != "xla" else []) + ["jax.nn.dpa"]
-  dtype = jnp.dtype(args.dtype)
-  if args.kv_heads and args.heads % args.kv_heads:
-    p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
-  print(f"# attention fwd+bwd, causal, B={args.batch} H={args.heads} KV={args.kv_heads or args.heads} "
-        f"D={args.head_dim} {args.dtype}, "
+  impls = opts.impls or ["reference", "xla"] + ([default_impl()] if default_impl() != "xla" else []) + ["jax.nn.dpa"]
+  dtype = jnp.dtype(opts.dtype)
+  if opts.kv_heads and opts.heads % opts.kv_heads:
+    raise ConfigError(f"--heads {opts.heads} is not a multiple of --kv-heads {opts.kv_heads}")
+  print(f"# attention fwd+bwd, causal, B={opts.batch} H={opts.heads} KV={opts.kv_heads or opts.heads} "
+        f"D={opts.head_dim} {opts.dtype}, "
         f"platform={platform} ({jax.devices()[0].device_kind}), tiles {_tiles_text(blocks)}")
   print(f"{'T':>6} {'backend':>12} {'time ms':>10} {'peak MiB':>10} {'TFLOP/s':>9} {'vs ' + impls[0]:>14}")
-  for T in args.seq:
+  for T in opts.seq:
     ref_ms = None
     for impl in impls:
-      if impl == "torch.sdpa" and args.kv_heads not in (None, args.heads):
+      if impl == "torch.sdpa" and opts.kv_heads not in (None, opts.heads):
         r = dict(impl=impl, T=T, skipped="GQA shapes are not timed for torch here")
       elif impl == "torch.sdpa":
-        r = bench_torch(args.batch, T, args.heads, args.head_dim, dtype, args.repeats)
+        r = bench_torch(opts.batch, T, opts.heads, opts.head_dim, dtype, opts.repeats)
       else:
-        r = bench_one(impl, args.batch, T, args.heads, args.head_dim, dtype, blocks, args.repeats,
-                      args.max_gib * 2**30, args.kv_heads)
+        r = bench_one(impl, opts.batch, T, opts.heads, opts.head_dim, dtype, blocks, opts.repeats,
+                      opts.max_gib * 2**30, opts.kv_heads)
       if "skipped" in r:
         print(f"{T:>6} {impl:>12} {'-':>10} {'-':>10} {'-':>9} {'-':>14}  ({r['skipped']})")
         continue
@@ -172,5 +194,6 @@ def main(argv=None):
       print(f"{T:>6} {impl:>12} {r['ms']:>10.1f} {peak:>10} {r['tflops']:>9.4f} {rel:>14}", flush=True)
 
 
+
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

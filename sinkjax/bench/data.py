@@ -11,12 +11,14 @@ from sinkjax import cli
 if __name__ == "__main__":
   cli.require_extra("sinkjax.bench.data")   # before the imports below, which need the train extra
 
+import dataclasses
 import os
 import platform
 import sys
 import time
 
-from sinkjax.config import DataConfig
+from sinkjax import options
+from sinkjax.config import DataConfig, key
 from sinkjax.data import build_tokenizer, make_train_iterator
 
 
@@ -43,26 +45,35 @@ def measure(cfg: DataConfig, batch_size: int, seconds: float, warmup: int = 3) -
           "batches": n, "tokens_per_s": tokens / dt, "batches_per_s": n / dt, "loss_frac": real / max(tokens, 1)}
 
 
+@dataclasses.dataclass
+class DataBenchOptions:
+  """The bench_data.* options (`python -m sinkjax.bench.data`; each flag the alias of its key)."""
+  source: str = key("default", alias="--source", help="data.source (default: the embedded corpus)")
+  tokenizer: str = key("bytes", alias="--tokenizer", help="data.tokenizer")
+  seq_len: list[int] = key([256, 1024], ">=1", alias="--seq-len", nargs="+", metavar="T",
+                           help="data.seq_len values to try")
+  batch: int = key(16, ">=1", alias="--batch", help="rows per batch")
+  workers: list[int] = key([0, 2], ">=0", alias="--workers", nargs="+", metavar="N",
+                           help="data.num_workers values to try")
+  prefetch: int = key(2, ">=1", alias="--prefetch", help="data.prefetch")
+  seconds: float = key(5.0, ">0", alias="--seconds", help="measured wall time per configuration")
+
+
+COMMAND = options.Command(prog="python -m sinkjax.bench.data", description=__doc__.splitlines()[0],
+                          sections={"bench_data": DataBenchOptions})
+
+
 def main(argv=None) -> int:
-  p = cli.Parser(prog="python -m sinkjax.bench.data", description=__doc__.splitlines()[0])
-  p.add_argument("--source", default="default", help="data.source (default: the embedded corpus)")
-  p.add_argument("--tokenizer", default="bytes", help="data.tokenizer")
-  p.add_argument("--seq-len", type=int, nargs="+", default=[256, 1024])
-  p.add_argument("--batch", type=int, default=16)
-  p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="data.num_workers values to try")
-  p.add_argument("--prefetch", type=int, default=2)
-  p.add_argument("--seconds", type=float, default=5.0, help="measured wall time per configuration")
-  args = p.parse_args(argv)
-  return cli.run_main("sinkjax.bench.data", lambda: print_table(args))
+  return options.main(COMMAND, argv, lambda sections, _: print_table(sections["bench_data"]))
 
 
-def print_table(args) -> None:
+def print_table(opts: DataBenchOptions) -> None:
   """Measures every seq_len x workers configuration, then prints the Markdown table."""
-  rows = [measure(DataConfig(source=args.source, tokenizer=args.tokenizer, seq_len=seq_len, num_workers=workers,
-                             prefetch=args.prefetch), args.batch, args.seconds)
-          for seq_len in args.seq_len for workers in args.workers]
-  print(f"data pipeline throughput: source={args.source} tokenizer={args.tokenizer} batch={args.batch} "
-        f"prefetch={args.prefetch}; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+  rows = [measure(DataConfig(source=opts.source, tokenizer=opts.tokenizer, seq_len=seq_len, num_workers=workers,
+                             prefetch=opts.prefetch), opts.batch, opts.seconds)
+          for seq_len in opts.seq_len for workers in opts.workers]
+  print(f"data pipeline throughput: source={opts.source} tokenizer={opts.tokenizer} batch={opts.batch} "
+        f"prefetch={opts.prefetch}; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}")
   print()
   print("| seq_len | batch | workers | first batch (s) | batches | batches/s | tokens/s | loss-mask fraction |")

@@ -20,15 +20,17 @@ table row per (case, backend); exit status 1 if any error exceeds the tolerance 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sinkjax import cli
+from sinkjax import options
 from sinkjax.attention import sink_attention
 from sinkjax.balance import aux_loss, head_importance
+from sinkjax.config import key
 from sinkjax.kernels import flash_attention
 
 TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 2e-4}
@@ -140,23 +142,37 @@ def check_o_through_d(*, B, T, H, D, dtype=jnp.bfloat16):
   return both(out), both(moved), _rel(moved, out)
 
 
-def main(argv=None):
-  p = cli.Parser(prog="python -m sinkjax.bench.kernel_check", description=__doc__,
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--impls", nargs="+", default=None,
-                 help="backends to check (default: cudnn pallas_gpu on a GPU, xla elsewhere)")
-  p.add_argument("--seq", type=int, default=512)
-  p.add_argument("--batch", type=int, default=2)
-  p.add_argument("--head-dim", type=int, default=128)
-  p.add_argument("--dtype", default=None, choices=sorted(TOL), help="default: bfloat16 on a GPU, float32 elsewhere")
-  p.add_argument("--cases", nargs="+", default=None, choices=[c[0] for c in CASES])
-  args = p.parse_args(argv)
+@dataclasses.dataclass
+class KernelCheckOptions:
+  """The bench_kernel_check.* options (`python -m sinkjax.bench.kernel_check`; each flag the alias of its key)."""
+  impls: list[str] | None = key(None, alias="--impls", nargs="+", metavar="IMPL",
+                                help="backends to check (default: cudnn pallas_gpu on a GPU, xla elsewhere)")
+  seq: int = key(512, ">=1", alias="--seq", help="sequence length")
+  batch: int = key(2, ">=1", alias="--batch", help="rows")
+  head_dim: int = key(128, ">=1", alias="--head-dim", help="head dimension")
+  dtype: str | None = key(None, choices=tuple(sorted(TOL)), alias="--dtype",
+                          help="default: bfloat16 on a GPU, float32 elsewhere")
+  cases: list[str] | None = key(None, choices=tuple(c[0] for c in CASES), alias="--cases", nargs="+",
+                                metavar="CASE", help="cases to run (default: all)")
+
+
+COMMAND = options.Command(prog="python -m sinkjax.bench.kernel_check", description=__doc__,
+                          sections={"bench_kernel_check": KernelCheckOptions},
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def main(argv=None) -> int:
+  return options.main(COMMAND, argv, lambda sections, _: run(sections["bench_kernel_check"]))
+
+
+def run(opts: KernelCheckOptions) -> int:
+  """Checks every case on every backend against the reference and prints the table; 1 when one failed."""
   gpu = jax.default_backend() == "gpu"
-  impls = args.impls or (["cudnn", "pallas_gpu"] if gpu else ["xla"])
-  dtype_name = args.dtype or ("bfloat16" if gpu else "float32")
+  impls = opts.impls or (["cudnn", "pallas_gpu"] if gpu else ["xla"])
+  dtype_name = opts.dtype or ("bfloat16" if gpu else "float32")
   dtype, tol = jnp.dtype(dtype_name), TOL[dtype_name]
-  cases = [c for c in CASES if args.cases is None or c[0] in args.cases]
-  print(f"# kernel check: B={args.batch} T={args.seq} D={args.head_dim} {dtype_name}, causal, loss through out and "
+  cases = [c for c in CASES if opts.cases is None or c[0] in opts.cases]
+  print(f"# kernel check: B={opts.batch} T={opts.seq} D={opts.head_dim} {dtype_name}, causal, loss through out and "
         f"LSE (g != 0; out cotangent 0 on every 7th row), errors relative to the reference's largest value, tolerance "
         f"{tol:g}; {jax.devices()[0].device_kind}")
   print("| case | backend | out | lse/gate | dq | dk | dv | dsink | ok |")
@@ -165,7 +181,7 @@ def main(argv=None):
   for name, Hq, Hkv, seg_kind in cases:
     for impl in impls:
       try:
-        errs = check_case(name, Hq, Hkv, seg_kind, impl, B=args.batch, T=args.seq, D=args.head_dim, dtype=dtype)
+        errs = check_case(name, Hq, Hkv, seg_kind, impl, B=opts.batch, T=opts.seq, D=opts.head_dim, dtype=dtype)
       except Exception as e:  # pylint: disable=broad-except   # one failing backend must not hide the others
         failed += 1
         print(f"| {name} | {impl} | error: {' '.join(str(e).split())[:160]} ||||||| no |", flush=True)
@@ -178,7 +194,7 @@ def main(argv=None):
       print(f"| {name} | {impl} | " + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |", flush=True)
   if "cudnn" in impls:
     try:
-      e0, e1, moved = check_o_through_d(B=args.batch, T=args.seq, H=4, D=args.head_dim)
+      e0, e1, moved = check_o_through_d(B=opts.batch, T=opts.seq, H=4, D=opts.head_dim)
       ok = e0 <= tol and e1 <= tol and moved > 1.0
       print(f"cudnn reads O only through D: grads vs xla's given O {e0:.1e}, given O + W {e1:.1e} (|W| {moved:.1f}x "
             f"|O|): {'yes' if ok else 'NO'}", flush=True)

@@ -41,6 +41,7 @@ if __name__ == "__main__":
   cli.require_extra("sinkjax.bench.train")   # before the imports below, which need the train extra
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import statistics
@@ -52,8 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import optim
-from sinkjax.config import load_config
+from sinkjax import choices, optim, options
+from sinkjax.config import key, load_config
 from sinkjax.model import Transformer, count_params
 from sinkjax.step import make_train_step
 
@@ -243,75 +244,90 @@ def paired_ratio(reference: list, other: list) -> tuple:
   return statistics.median(r), min(r), max(r)
 
 
+@dataclasses.dataclass
+class TrainBenchOptions:
+  """The bench_train.* options (`python -m sinkjax.bench.train`; each flag the alias of its key). Its --config is the
+  training config the shapes start from, so the command has no file of options."""
+  config: str = key("configs/tiny.yaml", alias="--config", metavar="CONFIG", help="shapes and recipe to start from")
+  layers: int | None = key(None, ">=1", alias="--layers", help="model.num_layers")
+  d_model: int | None = key(None, ">=1", alias="--d-model", help="model.d_model")
+  heads: int | None = key(None, ">=1", alias="--heads", help="model.num_heads (and num_kv_heads)")
+  head_dim: int | None = key(None, ">=1", alias="--head-dim", help="model.head_dim")
+  seq: int | None = key(None, ">=1", alias="--seq", help="data.seq_len (and model.max_seq_len)")
+  batch: int | None = key(None, ">=1", alias="--batch", help="train.batch_size")
+  dtype: str = key("float32", choices=("float32", "bfloat16"), alias="--dtype", help="compute dtype")
+  variants: list[str] = key(["vanilla", "sink", "gated"], choices=choices.ATTENTION_VARIANTS, alias="--variants",
+                            nargs="+", metavar="VARIANT", help="model.attention values timed with Muon")
+  repeats: int = key(12, ">=1", alias="--repeats", help="timed rounds")
+  preset: str | None = key(None, choices=tuple(sorted(PRESETS)), alias="--preset",
+                           help="a named shape (flags given as well override it)")
+  no_torch: bool = key(False, alias="--no-torch", help="skip the PyTorch peers (nanochat and transformers)")
+  nanochat: str | None = key(None, alias="--nanochat", metavar="NANOCHAT",
+                             help=f"a nanochat tree (holding nanochat/gpt.py) whose GPT is timed as a peer; default "
+                                  f"$SINKJAX_NANOCHAT_PEERS/{NANOCHAT_TREE} or ../shared/peers/{NANOCHAT_TREE}")
+
+
+COMMAND = options.Command(prog="python -m sinkjax.bench.train", description=__doc__,
+                          sections={"bench_train": TrainBenchOptions}, options_file=None,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def with_preset(opts: TrainBenchOptions) -> TrainBenchOptions:
+  """The options with --preset's shape filled in where no flag set it."""
+  unset = {k: v for k, v in PRESETS.get(opts.preset, {}).items() if getattr(opts, k) is None}
+  return dataclasses.replace(opts, **unset)
+
+
 def main(argv=None) -> int:
-  p = cli.Parser(prog="python -m sinkjax.bench.train", description=__doc__,
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default="configs/tiny.yaml", help="shapes and recipe to start from")
-  p.add_argument("--layers", type=int)
-  p.add_argument("--d-model", type=int)
-  p.add_argument("--heads", type=int)
-  p.add_argument("--head-dim", type=int)
-  p.add_argument("--seq", type=int)
-  p.add_argument("--batch", type=int)
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-  p.add_argument("--variants", nargs="+", default=["vanilla", "sink", "gated"])
-  p.add_argument("--repeats", type=int, default=12, help="timed rounds")
-  p.add_argument("--preset", choices=sorted(PRESETS), help="a named shape (flags given as well override it)")
-  p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers (nanochat and transformers)")
-  p.add_argument("--nanochat", type=pathlib.Path, default=None,
-                 help=f"a nanochat tree (holding nanochat/gpt.py) whose GPT is timed as a peer; default "
-                      f"$SINKJAX_NANOCHAT_PEERS/{NANOCHAT_TREE} or ../shared/peers/{NANOCHAT_TREE}")
-  args = p.parse_args(argv)
-  for key, val in PRESETS.get(args.preset, {}).items():
-    if getattr(args, key) is None:
-      setattr(args, key, val)
-  return cli.run_main("sinkjax.bench.train", lambda: measure(args))
+  return options.main(COMMAND, argv, lambda sections, _: measure(with_preset(sections["bench_train"])))
 
 
-def measure(args) -> None:
+def measure(opts: TrainBenchOptions) -> None:
   """Times every row's step (and the peers') in round-robin rounds and prints the tables."""
-  ov = [f"model.dtype={args.dtype}", f"model.vocab_size={VOCAB}", "train.grad_accum=1"]
-  for key, val in (("model.num_layers", args.layers), ("model.d_model", args.d_model),
-                   ("model.num_heads", args.heads), ("model.num_kv_heads", args.heads),
-                   ("model.head_dim", args.head_dim), ("data.seq_len", args.seq), ("model.max_seq_len", args.seq),
-                   ("train.batch_size", args.batch)):
+  ov = [f"model.dtype={opts.dtype}", f"model.vocab_size={VOCAB}", "train.grad_accum=1"]
+  for name, val in (("model.num_layers", opts.layers), ("model.d_model", opts.d_model),
+                    ("model.num_heads", opts.heads), ("model.num_kv_heads", opts.heads),
+                    ("model.head_dim", opts.head_dim), ("data.seq_len", opts.seq), ("model.max_seq_len", opts.seq),
+                    ("train.batch_size", opts.batch)):
     if val is not None:
-      ov.append(f"{key}={val}")
-  base = load_config(args.config, ov)
+      ov.append(f"{name}={val}")
+  base = load_config(opts.config, ov)
   batch = random_batch(base.train.batch_size, base.data.seq_len)
 
-  runners, params, rows = {}, {}, [(v, "muon") for v in args.variants] + [("vanilla", "adamw"), ("sink", "adamw")]
+  runners, params, rows = {}, {}, [(v, "muon") for v in opts.variants] + [("vanilla", "adamw"), ("sink", "adamw")]
   for variant, opt_name in rows:
     for aux in (0.0, 1e-4):
-      cfg = load_config(args.config, ov + [f"model.attention={variant}", f"loss.aux_weight={aux!r}",
+      cfg = load_config(opts.config, ov + [f"model.attention={variant}", f"loss.aux_weight={aux!r}",
                                            f"loss.aux_term={aux > 0}", f"train.optimizer={opt_name}"])
       runners[(variant, opt_name, aux)], params[(variant, opt_name)] = jax_runner(cfg, batch)
   mm_n = 2048 if jax.default_backend() == "cpu" else 8192
-  runners["matmul"], mm_flops = matmul_runner(mm_n, jnp.dtype(args.dtype))
+  runners["matmul"], mm_flops = matmul_runner(mm_n, jnp.dtype(opts.dtype))
   torch_note = nanochat_note = "skipped (--no-torch)"
-  if not args.no_torch:
-    run, n, nanochat_note = nanochat_runner(args.nanochat or default_nanochat_dir(), base, batch)
+  if not opts.no_torch:
+    tree = pathlib.Path(opts.nanochat) if opts.nanochat else default_nanochat_dir()
+    run, n, nanochat_note = nanochat_runner(tree, base, batch)
     if run is not None:
       runners["nanochat"], params["nanochat"] = run, n
     run, n, torch_note = torch_runner(base, batch)
     if run is not None:
       runners["torch"], params["torch"] = run, n
   rounds = {}
-  res = time_round_robin(runners, args.repeats, rounds=rounds)
-  print_tables(args, base, ov, rows, res, rounds, params, mm_n, mm_flops, nanochat_note, torch_note)
+  res = time_round_robin(runners, opts.repeats, rounds=rounds)
+  print_tables(opts, base, ov, rows, res, rounds, params, mm_n, mm_flops, nanochat_note, torch_note)
 
 
-def print_tables(args, base, ov, rows, res, rounds, params, mm_n, mm_flops, nanochat_note, torch_note):
+def print_tables(opts: TrainBenchOptions, base, ov, rows, res, rounds, params, mm_n, mm_flops, nanochat_note,
+                 torch_note):
   """The three outputs of `main`: the variants' aux-loss table, the peers' table, Muon's cost."""
   m = base.model
   B, T = base.train.batch_size, base.data.seq_len
   tokens = B * T
   peak = mm_flops / res["matmul"][0]
   print(f"shape: {m.num_layers} layers x {m.num_heads} heads x {m.head_dim} head_dim, width {m.d_model}, vocab "
-        f"{m.vocab_size}, seq {T}, batch {B} ({tokens} tokens/step), compute {args.dtype}; "
-        f"{jax.device_count()} {jax.default_backend()} device(s); {args.dtype} {mm_n}^2 jnp matmul: {peak / 1e9:.1f} "
+        f"{m.vocab_size}, seq {T}, batch {B} ({tokens} tokens/step), compute {opts.dtype}; "
+        f"{jax.device_count()} {jax.default_backend()} device(s); {opts.dtype} {mm_n}^2 jnp matmul: {peak / 1e9:.1f} "
         f"GFLOP/s "
-        f"(median of {args.repeats} rounds)")
+        f"(median of {opts.repeats} rounds)")
   print("\n| variant | optimizer | params | step, aux off (ms) | step, aux on (ms) | aux overhead (wall) | "
         "aux overhead (CPU time) | tokens/s (aux on) | GFLOP/s | of matmul rate |")
   print("|---|---|---|---|---|---|---|---|---|---|")
@@ -334,21 +350,21 @@ def print_tables(args, base, ov, rows, res, rounds, params, mm_n, mm_flops, nano
     peers.append(("nanochat GPT (PyTorch eager), torch AdamW", "nanochat", params["nanochat"]))
   if "torch" in res:
     peers.append(("HF LlamaForCausalLM, torch AdamW", "torch", params["torch"]))
-  for label, key, n in peers:
-    if key not in res:
+  for label, row, n in peers:
+    if row not in res:
       continue
-    t, c = res[key]
+    t, c = res[row]
     flops = flops_per_token(n, base) * tokens / t
     ratio = "-"
     if "nanochat" in res:
-      mid, lo, hi = paired_ratio(rounds["nanochat"], rounds[key])
+      mid, lo, hi = paired_ratio(rounds["nanochat"], rounds[row])
       ratio = f"{mid:.2f}x ({lo:.2f}-{hi:.2f})"
     print(f"| {label} | {n:,} | {t * 1e3:.1f} | {c:.2f} | {tokens / t:,.0f} | {ratio} | {flops / 1e9:.1f} | "
           f"{flops / peak:.0%} |")
 
   if ("vanilla", "muon", 0.0) in res:
     muon_t, adamw_t = res[("vanilla", "muon", 0.0)][0], res[("vanilla", "adamw", 0.0)][0]
-    ns = newton_schulz_flops(model_params(load_config(args.config, ov + ["model.attention=vanilla"])))
+    ns = newton_schulz_flops(model_params(load_config(opts.config, ov + ["model.attention=vanilla"])))
     step_flops = flops_per_token(params[("vanilla", "adamw")], base) * tokens
     print(f"\nMuon vs AdamW (vanilla, aux off): {(muon_t / adamw_t - 1) * 100:+.1f} % step time; its Newton-Schulz "
           f"iterations are {ns / 1e9:.2f} GFLOP per step, {ns / step_flops:.1%} of the step's {step_flops / 1e9:.1f} "

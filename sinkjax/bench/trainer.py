@@ -36,6 +36,7 @@ if __name__ == "__main__":
   cli.require_extra("sinkjax.bench.trainer")   # before the imports below, which need the train extra
 
 import argparse
+import dataclasses
 import pathlib
 import statistics
 import sys
@@ -45,6 +46,9 @@ import time
 import jax
 import numpy as np
 
+from sinkjax import options
+from sinkjax.config import key
+
 _ROWS = ("data", "step, packed", "step, 1 segment", "step, batch re-sent", "step, batches on device", "trainer.step",
          "train loop", "bench.train")
 
@@ -52,10 +56,10 @@ _ROWS = ("data", "step, packed", "step, 1 segment", "step, batch re-sent", "step
 def chip_of(device) -> str | None:
   """The `sinkjax.compile.CHIPS` key of a device, or None when its peak figures are not known."""
   kind = device.device_kind.lower()
-  for key, names in (("h100", ("h100",)), ("h200", ("h200",)), ("v5e", ("v5 lite", "v5e")), ("v5p", ("v5p",)),
+  for chip, names in (("h100", ("h100",)), ("h200", ("h200",)), ("v5e", ("v5 lite", "v5e")), ("v5p", ("v5p",)),
                      ("v6e", ("v6", "trillium")), ("v4", ("v4",))):
     if any(n in kind for n in names):
-      return key
+      return chip
   return None
 
 
@@ -177,12 +181,13 @@ def estimate(trainer, cfg) -> dict | None:
   return report
 
 
-def measure(args) -> None:
+def measure(opts: TrainerBenchOptions, overrides: list[str] | tuple = ()) -> None:
+  """Times opts.rows of opts.config (with the config overrides `overrides`) and prints the table."""
   from sinkjax import compile as compile_lib  # pylint: disable=import-outside-toplevel
   from sinkjax.config import load_config  # pylint: disable=import-outside-toplevel
   from sinkjax.train import Trainer  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory(prefix="sinkjax-bench-trainer-") as tmp:
-    cfg = load_config(args.config, list(args.overrides) + [f"run.dir={tmp}/run", "train.eval_batches=0",
+    cfg = load_config(opts.config, list(overrides) + [f"run.dir={tmp}/run", "train.eval_batches=0",
                                                            "checkpoint.async_save=false"])
     trainer = Trainer(cfg)
     cfg = trainer.cfg
@@ -190,20 +195,20 @@ def measure(args) -> None:
     devices = trainer.mesh.devices.flatten()
     chip = chip_of(devices[0])
     model_flops = compile_lib.model_flops_per_step(cfg, trainer.num_params)
-    print(f"# {args.config} {' '.join(args.overrides)}: {cfg.model.attention}, {trainer.num_params:,} params, "
+    print(f"# {opts.config} {' '.join(overrides)}: {cfg.model.attention}, {trainer.num_params:,} params, "
           f"{B} x {T} tokens per step, {cfg.model.dtype}, remat {cfg.model.remat} ({cfg.model.remat_policy}), "
           f"packing {cfg.data.packing}; {len(devices)} x {devices[0].device_kind}; "
-          f"{args.rounds} rounds of {args.steps} steps per row", flush=True)
-    est = None if args.no_estimate else estimate(trainer, cfg)
-    runners, log = build_runners(trainer, cfg, args.rows)
+          f"{opts.rounds} rounds of {opts.steps} steps per row", flush=True)
+    est = None if opts.no_estimate else estimate(trainer, cfg)
+    runners, log = build_runners(trainer, cfg, opts.rows)
     try:
-      res = time_blocks(runners, args.steps, args.rounds)
+      res = time_blocks(runners, opts.steps, opts.rounds)
     finally:
       log.close()
     peak = compile_lib.CHIPS[chip].peak_flops * len(devices) if chip else None
     print(f"\n| row | ms / step | tokens/s | MFU (6N + attention{', ' + chip + ' peak' if chip else ''}) |")
     print("|---|---:|---:|---:|")
-    for name in args.rows:
+    for name in opts.rows:
       t = res[name]
       mfu = f"{model_flops / t / peak:.1%}" if peak and name != "data" else "-"
       print(f"| {name} | {t * 1e3:.2f} | {B * T / t:,.0f} | {mfu} |")
@@ -216,10 +221,10 @@ def measure(args) -> None:
             f"{est['flops_per_step']:.3e}, recomputed {est['recompute_flops_per_step']:.3e}, model "
             f"{model_flops:.3e}); measured step {step * 1e3:.2f} ms = "
             f"{step / est['estimated_step_seconds']:.2f}x the estimate")
-    elif not args.no_estimate and est is None:
+    elif not opts.no_estimate and est is None:
       print(f"\nno roofline estimate: no peak figures for {devices[0].device_kind} (sinkjax.compile.CHIPS)")
-    if args.profile:
-      profile(trainer, runners[args.rows[0]], args.steps, args.profile)
+    if opts.profile:
+      profile(trainer, runners[opts.rows[0]], opts.steps, opts.profile)
 
 
 def profile(trainer, run, steps: int, out_dir: str) -> None:
@@ -238,21 +243,28 @@ def profile(trainer, run, steps: int, out_dir: str) -> None:
   print(profile_summary.format_summary(s))
 
 
+@dataclasses.dataclass
+class TrainerBenchOptions:
+  """The bench_trainer.* options (`python -m sinkjax.bench.trainer`; each flag the alias of its key). Its --config is
+  the training config timed, so the command has no file of options."""
+  config: str = key("", alias="--config", metavar="CONFIG", required=True, help="the training config (a YAML file)")
+  steps: int = key(20, ">=1", alias="--steps", help="steps per timed block")
+  rounds: int = key(3, ">=1", alias="--rounds", help="timed blocks per row (median)")
+  no_estimate: bool = key(False, alias="--no-estimate", help="skip the roofline estimate (one more compile)")
+  profile: str | None = key(None, alias="--profile", metavar="DIR",
+                            help="after timing, trace --steps steps of the first row into DIR and print the device "
+                                 "time per kernel category (sinkjax.bench.profile_summary)")
+  rows: list[str] = key(list(_ROWS), choices=_ROWS, alias="--rows", nargs="+", metavar="ROW",
+                        help=f"rows to time (default all: {', '.join(repr(r) for r in _ROWS)})")
+
+
+COMMAND = options.Command(prog="python -m sinkjax.bench.trainer", description=__doc__,
+                          sections={"bench_trainer": TrainerBenchOptions}, run_overrides=True, options_file=None,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def main(argv=None) -> int:
-  p = cli.Parser(prog="python -m sinkjax.bench.trainer", description=__doc__,
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", required=True, help="the training config (a YAML file)")
-  p.add_argument("overrides", nargs="*", help="section.key=value, as for python -m sinkjax.train")
-  p.add_argument("--steps", type=int, default=20, help="steps per timed block")
-  p.add_argument("--rounds", type=int, default=3, help="timed blocks per row (median)")
-  p.add_argument("--no-estimate", action="store_true", help="skip the roofline estimate (one more compile)")
-  p.add_argument("--profile", default=None, metavar="DIR",
-                 help="after timing, trace --steps steps of the first row into DIR and print the device time per "
-                      "kernel category (sinkjax.bench.profile_summary)")
-  p.add_argument("--rows", nargs="+", choices=_ROWS, default=list(_ROWS), metavar="ROW",
-                 help=f"rows to time (default all: {', '.join(repr(r) for r in _ROWS)})")
-  args = p.parse_args(argv)
-  return cli.run_main("sinkjax.bench.trainer", lambda: measure(args))
+  return options.main(COMMAND, argv, lambda sections, overrides: measure(sections["bench_trainer"], overrides))
 
 
 if __name__ == "__main__":

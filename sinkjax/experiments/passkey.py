@@ -44,7 +44,7 @@ import sys
 
 import numpy as np
 
-from sinkjax import cache_policy, paths
+from sinkjax import cache_policy, options, paths
 from sinkjax.cli import UserError
 from sinkjax.config import key
 from sinkjax.experiments import runner
@@ -79,9 +79,10 @@ class PasskeyOptions:
   full_heads_scope: str = key("layer", choices=cache_policy.SCOPES)
   full_heads_gqa: str = key("any", choices=cache_policy.GQA_RULES)
 
-  def policy(self):
-    """The head policy as `cache_policy`'s checks and choices read it (an unset key is None there)."""
-    return dataclasses.replace(self, **{k: getattr(self, k) or None for k in POLICY_KEYS})
+  def cache_options(self) -> cache_policy.CacheOptions:
+    """The head policy as `cache_policy` takes it (an unset key is None there)."""
+    return cache_policy.CacheOptions(**{f.name: getattr(self, f.name) or (None if f.name in POLICY_KEYS else "")
+                                        for f in dataclasses.fields(cache_policy.CacheOptions)})
 
 
 class PasskeyError(UserError):
@@ -274,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--window", type=int, default=64, help="slots of streaming heads, sinks included (default 64)")
   p.add_argument("--seed", type=int, default=0, help="keys (probe) / documents (--make-data)")
   p.add_argument("--out", help="where results.json and results.md go (default RUN_DIR/passkey)")
-  cache_policy.add_arguments(p)
+  options.add_flags(p, "cache", cache_policy.CacheOptions)   # the cache.* options' flags
   p.add_argument("--make-data", metavar="OUT.jsonl", help="write a training mix instead of probing")
   p.add_argument("--docs", type=int, default=20000, help="--make-data: passkey documents (default 20000)")
   p.add_argument("--max-len", type=int, default=512, help="--make-data: longest passkey document in bytes")
@@ -336,10 +337,10 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
     return
   if not plan.study.run:
     raise PasskeyError("give --checkpoint RUN_DIR (study.run) (or --make-data OUT.jsonl)")
-  policy = opts.policy()
-  cache_policy.check_arguments(policy)
+  policy = opts.cache_options()
+  cache_policy.check(policy)
   model_cfg = read_run_config(plan.study.run).model
-  policies = cache_policy.policies_from_args(policy, model_cfg, plan.study.run) if cache_policy.wanted(policy) else []
+  policies = cache_policy.policies_from(policy, model_cfg, plan.study.run) if cache_policy.wanted(policy) else []
   run_probe(plan.study.run, lengths=[int(x) for x in lengths], depths=[float(x) for x in depths],
             samples=opts.samples, sink_size=opts.sink_size, window=opts.window, seed=opts.seed, policies=policies,
             out=plan.study.out or None)
@@ -355,7 +356,8 @@ def main(argv=None) -> int:
     depths = _numbers(args.depths, float, "--depths", lambda v: 0 <= v <= 1)
     if args.samples < 1 or not 0 <= args.sink_size < args.window:
       raise PasskeyError("--samples must be >= 1 and 0 <= --sink-size < --window")
-    flags = {k: getattr(args, k) for k in (*POLICY_KEYS, "full_heads_by", "full_heads_scope", "full_heads_gqa")}
+    cache = options.section_of(args, "cache", cache_policy.CacheOptions)
+    flags = {k: getattr(cache, k) for k in (*POLICY_KEYS, "full_heads_by", "full_heads_scope", "full_heads_gqa")}
     overrides = [f"study.run={args.checkpoint or ''}", f"study.out={args.out or ''}", f"axes.length={lengths}",
                  f"axes.depth={depths}", *(f"passkey.{k}={v or ''}" for k, v in flags.items()),
                  *(f"passkey.{k}={getattr(args, k)}" for k in ("samples", "sink_size", "window", "seed"))]

@@ -1,0 +1,216 @@
+"""A command's options are typed config sections: one command line for every command that has one.
+
+A command declares its options as dataclasses of `sinkjax.config.key` fields (name, type, default, range, choices,
+help, and the short flag people type as `alias`), one section each (`eval`, `generate`, `cache`, ...), and a
+`Command` naming them. Its command line is then
+
+    python -m sinkjax.CMD [--config FILE] [--flag VALUE ...] [section.key=value ...]
+
+where every flag is generated from a key's `alias` (`--tau 0.5` = `eval.tau=0.5`), `--config FILE` is a YAML file of
+sections (`eval: {tau: 0.5}`), and a `section.key=value` of a section the command does not declare is an override of
+the run's config (`model.dtype=float32`) for commands that load a run (`Command.run_overrides`). Later spellings win:
+the file, then the `key=value` words, then the flags. Every value is checked by its declaration (type, range,
+choices), so a bad one is one line naming the key and its flag (`sinkjax.cli.run_main`: status 1); an unknown flag
+or a missing required option is argparse's one line and status 2. The command's function receives the typed
+sections and the run overrides, never the parser's namespace.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+import yaml
+
+from sinkjax import cli, config, paths
+from sinkjax.cli import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+  """A command line: its program name, description, option sections ({name: dataclass of `config.key` fields}) and
+  whether other `section.key=value` words are overrides of the run's config (`run_overrides`)."""
+  prog: str
+  description: str
+  sections: dict
+  run_overrides: bool = False
+  formatter_class: type = argparse.HelpFormatter
+  options_file: str | None = "--config"   # the flag of a YAML file of option sections (None: a command whose
+                                          # --config is a run's config, sinkjax.compile, has none)
+
+  def options(self):
+    """(section, field, type hint) of every declared option, in declaration order."""
+    return _declared(self.sections)
+
+
+def _declared(classes: dict):
+  """(section, field, type hint) of every field of the sections {name: dataclass}."""
+  for section, cls in classes.items():
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      yield section, f, hints[f.name]
+
+
+def _base(hint):
+  """The value type of a key's hint: `int | None` -> (int, True); `list[str]` -> (list, False)."""
+  args = typing.get_args(hint)
+  optional = type(None) in args
+  if optional:
+    hint = next(a for a in args if a is not type(None))
+  return (typing.get_origin(hint) or hint), optional
+
+
+def _label(section: str, f: dataclasses.Field) -> str:
+  alias = f.metadata.get("alias")
+  return f"{section}.{f.name}" + (f" ({alias})" if alias else "")
+
+
+def _help(section: str, f: dataclasses.Field, hint) -> str:
+  text = f.metadata["help"]
+  typ, _ = _base(hint)
+  value = f.default_factory() if f.default is dataclasses.MISSING else f.default   # a list: its factory's
+  shown = value not in (None, "", False, []) and typ is not bool
+  default = f"; default {', '.join(map(str, value)) if typ is list else value}" if shown else ""
+  return f"{text} [{section}.{f.name}{default}]".replace("%", "%%")
+
+
+def add_flags(parser: argparse.ArgumentParser, section: str, cls) -> None:
+  """One flag per declared alias of the section `cls` (its help from the declaration, the key it sets in brackets),
+  storing the value's text under "section.key" (absent when not given); `typed` / `section_of` check it."""
+  for _, f, hint in _declared({section: cls}):
+    alias = f.metadata.get("alias")
+    if alias is None:
+      continue
+    typ, _ = _base(hint)
+    common = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
+                  help=_help(section, f, hint) if "help" in f.metadata else argparse.SUPPRESS)
+    if typ is bool:
+      parser.add_argument(alias, action="store_const", const="true", **common)
+    elif typ is list:                  # repeatable; "+": several values after one flag too
+      parser.add_argument(alias, action="extend" if f.metadata.get("nargs") == "+" else "append",
+                          nargs=f.metadata.get("nargs"), metavar=f.metadata.get("metavar"), **common)
+    else:
+      choices = f.metadata.get("choices")
+      metavar = f.metadata.get("metavar") or ("|".join(choices) if choices else f.name.upper())
+      if "const" in f.metadata:         # the flag alone means `const`
+        common.update(nargs="?", const=f.metadata["const"])
+      parser.add_argument(alias, metavar=metavar, **common)
+
+
+def build_parser(command: Command) -> cli.Parser:
+  """The argparse parser of `command`: --config, the flags of every section (`add_flags`) and the section.key=value
+  words. Values stay strings here; `typed` checks them."""
+  p = cli.Parser(prog=command.prog, description=command.description, formatter_class=command.formatter_class)
+  if command.options_file:
+    p.add_argument(command.options_file, dest="options_file", metavar="FILE", default=argparse.SUPPRESS,
+                   help="a YAML file of option sections (" + ", ".join(f"{s}:" for s in command.sections)
+                   + "); flags and key=value words win over it")
+  for section, cls in command.sections.items():
+    add_flags(p, section, cls)
+  what = ("an option of this command (" + ", ".join(f"{s}.*" for s in command.sections) + ")"
+          + (", or an override of the run's config (e.g. model.dtype=float32)" if command.run_overrides else ""))
+  p.add_argument("words", nargs="*", metavar="section.key=value", default=[], help=what)
+  return p
+
+
+def _coerce(section: str, f: dataclasses.Field, hint, value):
+  """One option's value, checked by its declaration (a ConfigError names the key and its flag)."""
+  typ, optional = _base(hint)
+  label = _label(section, f)
+  if optional and (value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null"))):
+    return None
+  if typ is list:                      # list[int]: each element an int (list: strings)
+    element = (typing.get_args(typing.get_args(hint)[0] if optional else hint) or (str,))[0]
+    if isinstance(value, str) and value.lstrip().startswith("["):
+      try:
+        value = yaml.safe_load(value)
+      except yaml.YAMLError:
+        pass                          # not a YAML list: the text is the one value
+    if not isinstance(value, list):   # one value: a list of one
+      value = [value]
+    return [config._coerce(label, v, element, f.metadata) for v in value]  # pylint: disable=protected-access
+  return config._coerce(label, value, typ, f.metadata)  # pylint: disable=protected-access
+
+
+def _file_words(path: str, command: Command) -> list[tuple[str, object]]:
+  """(section.key, value) of a --config YAML file of sections."""
+  file = paths.as_path(path, "--config")
+  if not file.is_file():
+    raise ConfigError(f"--config file {path} does not exist")
+  try:
+    tree = yaml.safe_load(file.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"--config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+  if not isinstance(tree, dict) or not all(isinstance(v, dict) for v in tree.values()):
+    raise ConfigError(f"--config file {path} must be a mapping of sections ("
+                      + ", ".join(f"{s}:" for s in command.sections) + ") to mappings of keys")
+  return [(f"{section}.{name}", value) for section, keys in tree.items() for name, value in keys.items()]
+
+
+def _as_text(value) -> str:
+  """A YAML value as the text of a `key=value` word (`[1, 2]`, `true`, `1.5`)."""
+  return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
+
+
+def typed(command: Command, namespace: argparse.Namespace) -> tuple[dict, list[str]]:
+  """({section: typed section}, run overrides) from a parsed command line; every value checked by its declaration
+  (ConfigError, one line: status 1 under `cli.run_main`)."""
+  values = vars(namespace)
+  words = _file_words(values["options_file"], command) if "options_file" in values else []
+  words += [config.parse_override(word) for word in values["words"]]
+  given, overrides = [], []
+  for name, value in words:
+    if name.split(".")[0] in command.sections:
+      given.append((name, value))
+    elif command.run_overrides:       # the run's config: a YAML value back as the text an override carries
+      overrides.append(f"{name}={value if isinstance(value, str) else _as_text(value)}")
+    else:
+      raise ConfigError(f"{name}={value} is not an option of this command: its keys are "
+                        + ", ".join(f"{s}.*" for s in command.sections) + " (see --help)")
+  given += [(k, v) for k, v in values.items() if k not in ("options_file", "words")]
+  return _fill(command.sections, given), overrides
+
+
+def _fill(classes: dict, given: list[tuple[str, object]]) -> dict:
+  """{section: cls()} of `classes` with each (section.key, value) of `given` checked and set in order."""
+  fields = {f"{s}.{f.name}": (s, f, hint) for s, f, hint in _declared(classes)}
+  sections = {name: cls() for name, cls in classes.items()}
+  for name, value in given:
+    if name not in fields:
+      section = name.split(".")[0]
+      keys = [k for k in fields if k.startswith(section + ".")]
+      raise ConfigError(f"unknown option {name}; the keys of {section} are {', '.join(keys)}")
+    section, f, hint = fields[name]
+    setattr(sections[section], f.name, _coerce(section, f, hint, value))
+  return sections
+
+
+def section_of(namespace: argparse.Namespace, section: str, cls):
+  """The typed section `cls` from the flags `add_flags` put on a parser of the caller's own (its "section.key"
+  attributes), checked by the declarations: where a command keeps its own parser, its main turns the flags into
+  the section before calling anything below it."""
+  prefix = section + "."
+  return _fill({section: cls}, [(k, v) for k, v in vars(namespace).items() if k.startswith(prefix)])[section]
+
+
+def missing(command: Command, sections: dict) -> list[str]:
+  """The required options left unset (their flags, or their keys where they have none)."""
+  return [f.metadata.get("alias") or f"{s}.{f.name}" for s, f, _ in command.options()
+          if f.metadata.get("required") and getattr(sections[s], f.name) in (None, "")]
+
+
+def main(command: Command, argv, fn, extra_errors: tuple = ()) -> int:
+  """Parses `argv` for `command` (argparse errors: one line, status 2) and runs fn(sections, overrides) under
+  `cli.run_main` (one line and status 1 for a UserError or one of `extra_errors`), after the declarations checked
+  every value (a bad one: one line, status 1)."""
+  parser = build_parser(command)
+  namespace = parser.parse_args(argv)
+  prog = command.prog.removeprefix("python -m ")
+
+  def checked():
+    sections, overrides = typed(command, namespace)
+    absent = missing(command, sections)
+    if absent:
+      parser.error(f"the following arguments are required: {', '.join(absent)}")
+    return fn(sections, overrides)
+  return cli.run_main(prog, checked, extra_errors)
