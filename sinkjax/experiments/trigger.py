@@ -462,38 +462,38 @@ def main(argv=None) -> int:
   return cli.run_main("sinkjax.experiments.trigger", lambda: run_study(study))
 
 
-def run_study(args: TriggerStudy) -> None:
+def run_study(study: TriggerStudy) -> None:
   """Trains and evaluates every variant x (layers, heads); writes results.json, table.txt and the figures."""
-  mirror = paths.Mirror(args.out)
-  out_url, out = args.out, str(mirror.local)
-  variants, configs, max_steps = args.variants, args.configs, args.max_steps
-  T, d = args.seq_len, args.dim
+  mirror = paths.Mirror(study.out)
+  out_url, out = study.out, str(mirror.local)
+  variants, configs, max_steps = study.variants, study.configs, study.max_steps
+  T, d = study.seq_len, study.dim
   fig_trigger = min(7, T - 1)                                    # position 8 (1-indexed), as in [SinkNecessary]
-  eval_key, fig_key = jax.random.split(jax.random.key(10_000 + args.seed))
-  bos = args.bos
-  x_ev, y_ev, t_ev = make_batch(eval_key, args.eval_size, T, d, bos=bos)
-  x_fig, y_fig, t_fig = make_batch(fig_key, args.eval_size, T, d, trigger_pos=fig_trigger, bos=bos)
+  eval_key, fig_key = jax.random.split(jax.random.key(10_000 + study.seed))
+  bos = study.bos
+  x_ev, y_ev, t_ev = make_batch(eval_key, study.eval_size, T, d, bos=bos)
+  x_fig, y_fig, t_fig = make_batch(fig_key, study.eval_size, T, d, trigger_pos=fig_trigger, bos=bos)
   # the held-out batch the "solved" rule is applied to: training batch size, keys no training run draws
-  x_ho, y_ho, _ = make_batch(jax.random.key(20_000 + args.seed), args.batch_size, T, d, bos=bos)
+  x_ho, y_ho, _ = make_batch(jax.random.key(20_000 + study.seed), study.batch_size, T, d, bos=bos)
 
   from sinkjax import plots  # lazy: matplotlib, slow to import; only the figures need it
   records, figures = [], []
   t_start = time.perf_counter()
   for layers, heads in configs:
-    lr = args.lr_single if layers == 1 else args.lr_multi
+    lr = study.lr_single if layers == 1 else study.lr_multi
     single_maps = {}
     for variant in variants:
-      run_seed = args.seed * 1000 + 17 * layers + heads
+      run_seed = study.seed * 1000 + 17 * layers + heads
       params, info = train(variant, layers, heads, lr=lr, max_steps=max_steps, seed=run_seed,
-                           batch=args.batch_size, seq_len=T, dim=d, stop_linf=args.stop_error, impl=args.impl,
-                           progress=args.progress, bos=bos)
+                           batch=study.batch_size, seq_len=T, dim=d, stop_linf=study.stop_error, impl=study.impl,
+                           progress=study.progress, bos=bos)
       rec = {"variant": variant, "layers": layers, "heads": heads, "bos_token": bos}
-      rec.update(evaluate(params, variant, x_ev, y_ev, t_ev, args.impl))
+      rec.update(evaluate(params, variant, x_ev, y_ev, t_ev, study.impl))
       rec.update({k: v for k, v in info.items() if k != "curve"})
-      rec.update(solved_on_heldout(params, variant, x_ho, y_ho, args.stop_error, args.impl))
+      rec.update(solved_on_heldout(params, variant, x_ho, y_ho, study.stop_error, study.impl))
       rec["train_curve"] = info["curve"]
       records.append(rec)
-      _, maps = forward_maps(params, x_fig, variant, args.impl)
+      _, maps = forward_maps(params, x_fig, variant, study.impl)
       attn = np.asarray(maps["attn"])                                       # [L,N,H,T,T]
       if layers == 1 and heads == 1:
         single_maps[variant] = attn[0, :, 0]
@@ -511,8 +511,8 @@ def run_study(args: TriggerStudy) -> None:
       figures.append(path)
 
   table = format_table(records)
-  table += (f"\n(conv: max error < {args.stop_error:g} on the training batch it stopped on; solved / max_err: on a "
-            f"held-out batch of {args.batch_size})")
+  table += (f"\n(conv: max error < {study.stop_error:g} on the training batch it stopped on; solved / max_err: on a "
+            f"held-out batch of {study.batch_size})")
   if not bos:
     table += "\n(--no-bos: there is no BOS token; the BOS columns are the attention on position 1, an ordinary token)"
   with open(os.path.join(out, "table.txt"), "w") as f:
