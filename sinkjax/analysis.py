@@ -233,17 +233,25 @@ class model_jit:  # pylint: disable=invalid-name  (used like a decorator / jax.j
   """`fn(model, *args)` compiled with jax.jit over the model's (graphdef, state): its outputs are only `fn`'s. (nnx.jit
   also returns the model's state, a second, unaliased copy of every weight per device: 2.03 GiB per chip for
   Llama-3.1-8B's eval batch on v5litepod-16.) The model is read, never updated; `lower` gives the compiled program's
-  lowering for `sinkjax.compile`."""
+  lowering for `sinkjax.compile`. `compiler_options` (`sinkjax.sharding.compiler_options`: mesh.collective_matmul on
+  TPU) selects one jitted program per set of options."""
 
   def __init__(self, fn):
     self.fn = fn
-    self.jitted = jax.jit(lambda graphdef, state, *args: fn(nnx.merge(graphdef, state), *args), static_argnums=0)
+    self._jitted = {}
 
-  def __call__(self, model, *args):
-    return self.jitted(*nnx.split(model), *args)
+  def jitted(self, compiler_options: dict | None = None):
+    key = tuple(sorted((compiler_options or {}).items()))
+    if key not in self._jitted:
+      self._jitted[key] = jax.jit(lambda graphdef, state, *args: self.fn(nnx.merge(graphdef, state), *args),
+                                  static_argnums=0, compiler_options=compiler_options)
+    return self._jitted[key]
 
-  def lower(self, model, *args):
-    return self.jitted.lower(*nnx.split(model), *args)
+  def __call__(self, model, *args, compiler_options: dict | None = None):
+    return self.jitted(compiler_options)(*nnx.split(model), *args)
+
+  def lower(self, model, *args, compiler_options: dict | None = None):
+    return self.jitted(compiler_options).lower(*nnx.split(model), *args)
 
 
 batch_statistics_jit = model_jit(batch_statistics)

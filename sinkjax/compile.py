@@ -307,7 +307,8 @@ def decode_program(cfg, mesh, rows: int, capacity: int):
   step generate and lm_eval run) lowered with abstract arguments (`Generator.lower_decode`: the cache and the tokens
   as the Generator places them)."""
   from sinkjax.generate import Generator  # pylint: disable=import-outside-toplevel
-  gen = Generator(_placed_model(cfg, mesh), capacity=capacity, batch=rows, mesh=mesh)
+  gen = Generator(_placed_model(cfg, mesh), capacity=capacity, batch=rows, mesh=mesh,
+                  collective_matmul=cfg.mesh.collective_matmul)
   return gen, gen.lower_decode()
 
 
@@ -325,7 +326,8 @@ def eval_program(cfg, mesh, rows: int):
                                    sharding=sharding) for k in eval_lib.MODEL_FEATURES}
   model = _placed_model(cfg, mesh)          # outside the mesh context: there nnx would read logical axes as mesh axes
   with jax.set_mesh(mesh):
-    return eval_lib._lm_batch_jit.lower(model, batch)  # pylint: disable=protected-access
+    return eval_lib._lm_batch_jit.lower(model, batch,  # pylint: disable=protected-access
+                                        compiler_options=eval_lib.model_options(model, cfg.mesh.collective_matmul))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -138,12 +138,13 @@ def _device_batch(batch) -> dict:
   return {k: jnp.asarray(batch[k]) for k in MODEL_FEATURES}
 
 
-def language_model_metrics(model, batches) -> dict:
-  """val_loss, val_bpb and the token-weighted importance over the batches (model forward)."""
+def language_model_metrics(model, batches, options: dict | None = None) -> dict:
+  """val_loss, val_bpb and the token-weighted importance over the batches (model forward; `options`: the program's
+  compile options, `model_options`)."""
   nll = tokens = nbytes = bpb_nll = 0.0
   imp_sum, imp_count = None, 0.0
   for b in progress(batches, "val BPB and importance"):
-    sums, imp, count = distributed.to_host(_lm_batch_jit(model, _device_batch(b)))
+    sums, imp, count = distributed.to_host(_lm_batch_jit(model, _device_batch(b), compiler_options=options))
     nll, tokens, nbytes = nll + float(sums["nll"]), tokens + float(sums["tokens"]), nbytes + float(sums["bytes"])
     bpb_nll += float(sums["bpb_nll"])
     weighted = np.asarray(imp, np.float64) * float(count)
@@ -158,20 +159,21 @@ def language_model_metrics(model, batches) -> dict:
           "cv_per_layer": cv.tolist()}
 
 
-def sink_diagnostics(model, batches) -> dict:
+def sink_diagnostics(model, batches, options: dict | None = None) -> dict:
   """Per-layer diagnostics of `sinkjax.analysis` accumulated over the batches."""
   totals = None
   for b in progress(batches, "attention diagnostics"):
-    totals = analysis.combine(totals, distributed.to_host(analysis.batch_statistics_jit(model, _device_batch(b))))
+    stats = analysis.batch_statistics_jit(model, _device_batch(b), compiler_options=options)
+    totals = analysis.combine(totals, distributed.to_host(stats))
   return analysis.summarize(totals)
 
 
-def zeroed_bpb(model, batches, zero_lh) -> float:
+def zeroed_bpb(model, batches, zero_lh, options: dict | None = None) -> float:
   """BPB with the first token's value zeroed in the heads where zero_lh [L,Hq] is True ([Sink-MoE] App. A)."""
   zero = jnp.asarray(zero_lh, bool)
   nll = nbytes = 0.0
   for b in progress(batches, "value zeroing"):
-    s = distributed.to_host(analysis.zeroed_lm_sums_jit(model, _device_batch(b), zero))
+    s = distributed.to_host(analysis.zeroed_lm_sums_jit(model, _device_batch(b), zero, compiler_options=options))
     nll, nbytes = nll + float(s["bpb_nll"]), nbytes + float(s["bytes"])
   return nll / math.log(2) / nbytes
 
@@ -183,12 +185,12 @@ def _zeroing_masks(alpha_lh, tau: float) -> dict:
   return {"none": np.zeros_like(selected), "all": np.ones_like(selected), "selected": selected}
 
 
-def value_zeroing(model, batches, alpha_lh, tau: float) -> dict:
+def value_zeroing(model, batches, alpha_lh, tau: float, options: dict | None = None) -> dict:
   masks = _zeroing_masks(alpha_lh, tau)
   selected = masks["selected"]
   return {
       "tau": tau,
-      **{f"bpb_{k}": zeroed_bpb(model, batches, m) for k, m in masks.items()},
+      **{f"bpb_{k}": zeroed_bpb(model, batches, m, options) for k, m in masks.items()},
       "heads_selected": [[int(l), int(h)] for l, h in zip(*np.nonzero(selected))],
       "num_heads_selected": int(selected.sum()),
       "num_heads": int(selected.size),
@@ -283,15 +285,23 @@ def _first_attention(model):
   return model.layers[model.cfg.head_layers[0]].attn
 
 
-def evaluate(model, batches, *, tau: float = 0.75, diagnostic_batches=None) -> dict:
+def model_options(model, collective_matmul: str = "gather") -> dict | None:
+  """The compile options of the eval programs over `model` as its parameters are placed (mesh.collective_matmul on
+  TPU, as the train step takes it; none elsewhere)."""
+  return sharding_lib.compiler_options(collective_matmul, sharding_lib.mesh_of(nnx.state(model, nnx.Param)))
+
+
+def evaluate(model, batches, *, tau: float = 0.75, diagnostic_batches=None, collective_matmul: str = "gather") -> dict:
   """Every number of the report except run metadata and multiple choice. The diagnostics that record [T, T]
-  attention maps read `diagnostic_batches` (default: all of `batches`; `sized_batches` bounds them)."""
-  report = language_model_metrics(model, batches)
-  report.update(sink_diagnostics(model, batches if diagnostic_batches is None else diagnostic_batches))
+  attention maps read `diagnostic_batches` (default: all of `batches`; `sized_batches` bounds them). On TPU every
+  program compiles with `collective_matmul`'s options (the run's mesh.collective_matmul)."""
+  options = model_options(model, collective_matmul)
+  report = language_model_metrics(model, batches, options)
+  report.update(sink_diagnostics(model, batches if diagnostic_batches is None else diagnostic_batches, options))
   if not _first_attention(model).has_outside_weight:       # no sink logit, no sink tokens: nothing outside the keys
     report["sink_logit_attention"] = None
   report["gate_sparsity_threshold"] = analysis.SPARSE_GATE
-  report["value_zeroing"] = value_zeroing(model, batches, report["sink_ratio_alpha"], tau)
+  report["value_zeroing"] = value_zeroing(model, batches, report["sink_ratio_alpha"], tau, options)
   return report
 
 
@@ -547,7 +557,8 @@ def run(opts: EvalOptions, run_overrides: list[str] | tuple = ()) -> dict:
   try:
     with jax.set_mesh(mesh):              # as in training: attention runs per shard, kernels follow the mesh
       report.update(evaluate(model, place_batches(batches, mesh), tau=opts.tau,
-                             diagnostic_batches=place_batches(diagnostic, mesh)))
+                             diagnostic_batches=place_batches(diagnostic, mesh),
+                             collective_matmul=cfg.mesh.collective_matmul))
   except Exception as e:  # pylint: disable=broad-except  # XLA's allocation failure (JaxRuntimeError)
     if not out_of_memory(e):
       raise

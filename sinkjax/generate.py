@@ -151,7 +151,7 @@ class Generator:
   """
 
   def __init__(self, model: nnx.Module, *, capacity: int, sink_size: int = 0, batch: int = 1, full_heads=None,
-               window: int = 0, mesh=None):
+               window: int = 0, mesh=None, collective_matmul: str = "gather"):
     self.cfg = model.cfg
     self.capacity, self.sink_size, self.batch = capacity, sink_size, batch
     self.full_heads, self.window = full_heads, window
@@ -163,7 +163,9 @@ class Generator:
       self.whole = sharding_lib.replicated(self.mesh)
       self.rows = (sharding_lib.batch_sharding(self.mesh) if batch % sharding_lib.batch_shards(self.mesh) == 0
                    else self.whole)
-    step = lambda f: jax.jit(functools.partial(f, self.graphdef, self.mesh), donate_argnums=(1,))
+    options = sharding_lib.compiler_options(collective_matmul, self.mesh)   # mesh.collective_matmul on TPU
+    step = lambda f: jax.jit(functools.partial(f, self.graphdef, self.mesh), donate_argnums=(1,),
+                             compiler_options=options)
     self.prefill_fn, self.decode_fn = step(prefill_step), step(decode_step)
     self.sample_fn = jax.jit(sample_logits)
     self._empty = lambda: shard_cache(make_cache(self.cfg, batch, capacity, sink_size=sink_size,
@@ -657,7 +659,8 @@ def run_generate(opts: GenerateOptions, cache: cache_policy.CacheOptions, model,
     print(f"warning: a full cache of {capacity} tokens exceeds model.max_seq_len={cfg.model.max_seq_len}; "
           "positions past it were never trained (try --cache streaming)", file=sys.stderr)
   rows = len(ids)
-  gen = Generator(model, capacity=capacity, sink_size=sink_size, full_heads=full_heads, window=window, batch=rows)
+  gen = Generator(model, capacity=capacity, sink_size=sink_size, full_heads=full_heads, window=window, batch=rows,
+                  collective_matmul=cfg.mesh.collective_matmul)
   stream = TextStream(tok, skip_special_tokens=False) if rows == 1 and first else None
   echo = opts.echo or not opts.chat       # a chat prints the reply; the rendering only with --echo
   if stream is not None and echo:
@@ -702,7 +705,7 @@ def run_chat(opts: GenerateOptions, model, cfg, tok, lines=None, out=None) -> li
   out = sys.stdout if out is None else out
   interactive = lines is sys.stdin and sys.stdin.isatty()
   capacity = min(CHAT_CAPACITY, cfg.model.max_seq_len or CHAT_CAPACITY)
-  gen = Generator(model, capacity=capacity)
+  gen = Generator(model, capacity=capacity, collective_matmul=cfg.mesh.collective_matmul)
   messages = [{"role": "system", "content": opts.system}] if opts.system else []
   if tok.chat.plain:
     print("note: the tokenizer has no chat template; turns are laid out as \"User: ... Assistant: \"", file=sys.stderr)

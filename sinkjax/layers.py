@@ -112,11 +112,15 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0, style: str = "llama")
   angles = positions[..., None].astype(jnp.float32) * inv_freq          # [B,T,D/2]
   cos, sin = _materialized(jnp.cos(angles) * scale, jnp.sin(angles) * scale)
   cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   if style == "nanochat":
     cos, sin = (t.astype(jnp.bfloat16).astype(jnp.float32) for t in (cos, sin))
     sin = -sin
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  # In x's dtype, tables cast to it, as both references rotate (HF's `q * cos + rotate_half(q) * sin` after
+  # `cos.to(q.dtype)`, nanochat's bfloat16 tables on bfloat16 q/k). In float32 a bfloat16 q and k would make XLA:TPU
+  # write a float32 copy of each beside the projection (docs/TPU.md, issue 49).
+  cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def _materialized(*xs):

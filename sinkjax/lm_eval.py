@@ -404,7 +404,8 @@ class SinkjaxLM(_Base):
     if self._generator is None:
       width = -(-self.batch_size // self._shards) * self._shards
       self._generator = self._Generator(nnx.merge(self.graphdef, self.state), capacity=self.max_length,
-                                        batch=width, mesh=self.mesh)
+                                        batch=width, mesh=self.mesh,
+                                        collective_matmul=self.cfg.mesh.collective_matmul)
     key = np.asarray(jax.random.fold_in(self._key, self._draws))
     self._draws += 1
     stop = (lambda _, toks: any(u and u in self.tok.decode(toks) for u in until)) if until else None

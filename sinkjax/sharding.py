@@ -90,12 +90,13 @@ COLLECTIVE_MATMUL_OPTIONS = {
 }
 
 
-def compiler_options(mesh_cfg: MeshConfig, mesh: Mesh) -> dict | None:
-  """The XLA compile options of the training programs on `mesh` (`jax.jit(..., compiler_options=)`): on TPU, those of
-  mesh.collective_matmul; elsewhere none (other compilers refuse XLA:TPU's options)."""
-  if mesh_platform(mesh) != "tpu":
+def compiler_options(collective_matmul: str, mesh: Mesh | None) -> dict | None:
+  """The XLA compile options of a program on `mesh` (`jax.jit(..., compiler_options=)`): on TPU, those of the
+  `mesh.collective_matmul` setting; elsewhere, or for arrays on no mesh, none (other compilers refuse XLA:TPU's
+  options). The train and eval steps, `sinkjax.eval`'s batch functions and the Generator's steps all take them."""
+  if mesh is None or mesh_platform(mesh) != "tpu":
     return None
-  return dict(COLLECTIVE_MATMUL_OPTIONS[mesh_cfg.collective_matmul])
+  return dict(COLLECTIVE_MATMUL_OPTIONS[collective_matmul])
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

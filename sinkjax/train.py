@@ -141,7 +141,7 @@ class Program:
     self.batch_sh = sharding_lib.batch_sharding(mesh)
     self.donate = (0,) if sharding_lib.mesh_platform(mesh) != "cpu" else ()  # CPU: async checkpoints may alias
     shared = None if self.shared is None else jnp.asarray(self.shared)
-    options = sharding_lib.compiler_options(self.cfg.mesh, mesh)     # mesh.collective_matmul on TPU
+    options = sharding_lib.compiler_options(self.cfg.mesh.collective_matmul, mesh)     # mesh.collective_matmul on TPU
     self.train_step = jax.jit(make_train_step(self.cfg, self.graphdef, None, self.tx, shared),
                               in_shardings=(self.state_sh, self.batch_sh, self.rest_sh),
                               out_shardings=(self.state_sh, sharding_lib.replicated(mesh)),

@@ -179,7 +179,7 @@ def _one_matmul_text(mesh_cfg: MeshConfig) -> str:
   x = jax.ShapeDtypeStruct((256, 2048, 1280), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
   w = jax.ShapeDtypeStruct((1280, 5120), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
   f = jax.jit(lambda x, w: jnp.tanh(x @ w), out_shardings=NamedSharding(mesh, P("fsdp")),
-              compiler_options=sharding_lib.compiler_options(mesh_cfg, mesh))
+              compiler_options=sharding_lib.compiler_options(mesh_cfg.collective_matmul, mesh))
   return f.lower(x, w).compile().as_text()
 
 
@@ -197,7 +197,8 @@ def test_collective_matmul_setting_reaches_the_compiler():
 
 def test_compiler_options_are_tpu_only():
   cpu = Mesh(np.asarray(jax.devices("cpu")[:1]).reshape(1, 1, 1), sharding_lib.AXES)
-  assert sharding_lib.compiler_options(MeshConfig(collective_matmul="windowed"), cpu) is None
+  assert sharding_lib.compiler_options("windowed", cpu) is None
+  assert sharding_lib.compiler_options("windowed", None) is None
 
 
 def test_vary_needs_search_and_valid_values(capsys):
@@ -218,3 +219,39 @@ def test_proxy_step_compiles_to_the_recorded_counts(tmp_path):
   assert report["hbm_bytes_per_step"] == pytest.approx(recorded["hbm_bytes"], rel=0.02)
   assert report["flops_per_step"] == pytest.approx(recorded["flops"], rel=1e-3)
   assert report["hbm_breakdown"]["by_category"]["loss"]["hbm_bytes"] > 0
+
+
+def _options_of(lowered) -> dict:
+  """The compile options a lowered program carries into `.compile()` (what `jax.jit(compiler_options=)` gave it)."""
+  return dict(lowered._lowering._compiler_options_kvs)   # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("setting", ["gather", "windowed"])
+def test_eval_and_generate_programs_take_the_setting(setting):
+  """`sinkjax.eval`'s batch function and the Generator's decode step (`sinkjax.generate`, lm_eval), lowered for
+  compile-only v5e chips as `sinkjax.compile --eval / --decode` lowers them, carry mesh.collective_matmul's XLA:TPU
+  options, as the train step does: those of the setting, written in `sharding.COLLECTIVE_MATMUL_OPTIONS`."""
+  cfg = load_config(str(ROOT / "configs" / "tiny.yaml"),
+                    ["mesh.data=1", "mesh.fsdp=4", "model.vocab_size=256", f"mesh.collective_matmul={setting}"])
+  mesh = sharding_lib.make_mesh(cfg.mesh, compile_lib.tpu_devices(compile_lib.parse_topology("v5e:2x2")))
+  expected = {"gather": {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                         "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False},
+              "windowed": {"xla_tpu_enable_windowed_einsum_for_all_gather": True,
+                           "xla_tpu_enable_windowed_einsum_for_reduce_scatter": True}}[setting]
+  assert _options_of(compile_lib.eval_program(cfg, mesh, rows=4)) == expected
+  assert _options_of(compile_lib.decode_program(cfg, mesh, rows=4, capacity=64)[1]) == expected
+
+
+@pytest.mark.slow   # ~25 s of compiling on 2 cores
+def test_eval_program_compiles_as_the_setting_says():
+  """The options change the compiled eval program, not only its arguments: a one-layer d20-wide forward over 32 v5e
+  chips (4 rows of 2048 per chip, vocabulary 8,192) gathers its FSDP-split weights under `gather` and runs XLA:TPU's windowed-einsum
+  loops under `windowed`."""
+  texts = {}
+  for setting in ("gather", "windowed"):
+    cfg = load_config(str(ROOT / PROXY[0]), list(PROXY[3:]) + ["model.vocab_size=8192", "model.num_layers=1",
+                                                       f"mesh.collective_matmul={setting}"])
+    mesh = sharding_lib.make_mesh(cfg.mesh, compile_lib.tpu_devices(compile_lib.parse_topology(PROXY[1])))
+    texts[setting] = compile_lib.eval_program(cfg, mesh, rows=128).compile().as_text()
+  assert "windowed_dot_general" not in texts["gather"]
+  assert "windowed_dot_general" in texts["windowed"]
