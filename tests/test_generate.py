@@ -12,7 +12,7 @@ from flax import nnx
 
 from sinkjax import generate as gen_lib
 from sinkjax.cache import KVCache, slot_of, slot_positions
-from sinkjax.config import ModelConfig
+from sinkjax.config import MeshConfig, ModelConfig
 from sinkjax.layers import Attention, pop_head_importance
 from sinkjax.model import Transformer
 from tests.helpers import rms_norm, rope
@@ -386,7 +386,7 @@ def test_chat_without_a_prompt_holds_a_conversation(byte_run, capsys):
   tok = ByteTokenizer()
   opts = gen_lib.GenerateOptions(checkpoint=str(run), max_new_tokens=5, temperature=0.0)
   out = io.StringIO()
-  cfg = type("C", (), {"model": model.cfg})
+  cfg = type("C", (), {"model": model.cfg, "mesh": MeshConfig()})     # what run_chat reads of a run's config
   messages = gen_lib.run_chat(opts, model, cfg, tok, lines=io.StringIO("hello\nand then?\n\nnot read\n"), out=out)
   assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
   first = tok.decode(_greedy_reference(model, tok.encode(tok.chat.render(messages[:1])), 5))
