@@ -97,7 +97,11 @@ class Checkpointer:
     self.directory = (run_dir if paths.is_remote(run_dir) else paths.as_path(os.path.abspath(run_dir))) \
         / CHECKPOINT_DIR
     self.read_only = read_only
-    options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
+    keep = ocp.checkpoint_managers.LatestN(cfg.keep)
+    if cfg.keep_steps:      # checkpoint.keep_steps: the latest `keep` and these, whatever their age
+      keep = ocp.checkpoint_managers.AnyPreservationPolicy(
+          [keep, ocp.checkpoint_managers.CustomSteps([int(s) for s in cfg.keep_steps])])
+    options = ocp.CheckpointManagerOptions(preservation_policy=keep, enable_async_checkpointing=cfg.async_save,
                                            create=not read_only, read_only=read_only)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 

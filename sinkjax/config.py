@@ -377,6 +377,7 @@ class TrainConfig:
 class CheckpointConfig:
   every: int = key(200, ">=1")      # save every this many steps, and always at the end / on SIGTERM or SIGINT
   keep: int = key(3, ">=1")         # most recent checkpoints kept in RUN_DIR/checkpoints
+  keep_steps: list = dataclasses.field(default_factory=list)  # also saved at these steps and never deleted
   async_save: bool = True           # write in a background thread while training continues
 
 
@@ -630,6 +631,8 @@ def validate(cfg: Config) -> None:
   if cfg.train.profile_steps > 0 and cfg.train.profile_start < 1:
     raise ConfigError(f"train.profile_steps > 0 needs train.profile_start >= 1 (a step number; pick one after the "
                       f"first, which compiles), got {cfg.train.profile_start}")
+  if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in cfg.checkpoint.keep_steps):
+    raise ConfigError(f"checkpoint.keep_steps must be a list of step numbers >= 1, got {cfg.checkpoint.keep_steps!r}")
   _validate_architecture(m)
   _validate_lora(cfg.lora)
   if cfg.data.format == "sft" and cfg.data.packing == "stream":

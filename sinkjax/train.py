@@ -328,7 +328,8 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
         t0 = time.perf_counter()
         val_bpb = trainer.evaluate() if trainer.eval_batches and (
             (cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0) or step == cfg.train.steps) else None
-        saving = step % cfg.checkpoint.every == 0 or step == stop_at or signum is not None
+        saving = (step % cfg.checkpoint.every == 0 or step in cfg.checkpoint.keep_steps or step == stop_at
+                  or signum is not None)
         if saving:
           trainer.save(step)
         log.paused(time.perf_counter() - t0)

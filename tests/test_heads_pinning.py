@@ -147,14 +147,29 @@ def test_plan_runs_the_contrast_first_and_seeds_whole():
 
 def test_study_file_gives_each_arm_the_papers_lora_and_its_loss(tmp_path):
   """configs/studies/heads_pinning.yaml plus a run's overrides: LoRA rank 16 / alpha 32 ([Sink-MoE]'s), eq. 8's
-  λ 1e-2 and m = 2 with the shared set from OUT/shared_heads.json, the seed, one epoch's steps and the checkpoints
-  of every tenth step kept (183 // 10 + 2 = 20)."""
+  λ 1e-2 and m = 2 with the shared set from OUT/shared_heads.json, the seed, one epoch's steps and checkpoints at the
+  evaluated steps only (30, 100 kept besides the end's)."""
   from sinkjax.experiments import runner
   plan = runner.load_plan(hp.STUDY_FILE, [f"study.out={tmp_path}", "study.run=runs/smollm2"])
   corpus = {n: {"path": str(tmp_path / f"{n}.jsonl")} for n in ("train", "heldout")}
   cfg = plan.config({}, "X", hp.finetune_overrides("runs/smollm2", "eq8", 1, corpus, tmp_path, 183))
   assert (cfg.lora.rank, cfg.lora.alpha, cfg.loss.aux_weight, cfg.loss.num_shared_heads) == (16, 32.0, 1e-2, 2)
   assert cfg.loss.shared_heads_from == str(tmp_path / "shared_heads.json") and cfg.train.seed == 1
-  assert (cfg.train.steps, cfg.checkpoint.every, cfg.checkpoint.keep) == (183, 10, 20)
+  assert (cfg.train.steps, cfg.checkpoint.every, cfg.checkpoint.keep, cfg.checkpoint.keep_steps) == (183, 183, 1,
+                                                                                                    [30, 100])
   assert cfg.run.dir == str(tmp_path / "runs" / "eq8_lora_s1") and cfg.data.source == corpus["train"]["path"]
-  assert plan.axes == {"train.seed": [0, 1, 2]}
+  assert plan.axes == {"train.seed": [0, 1, 2]} and hp.tuning_kind(plan) == "lora"
+
+
+def test_full_study_file_is_the_lora_one_on_every_weight(tmp_path):
+  """configs/studies/heads_pinning_full.yaml: the same arms on every weight (lora.rank 0, lr 3e-5), run names
+  {arm}_full_s{seed}, one seed."""
+  from sinkjax.experiments import runner
+  plan = runner.load_plan(runner.REPO / "configs" / "studies" / "heads_pinning_full.yaml",
+                          [f"study.out={tmp_path}", "study.run=runs/smollm2"])
+  corpus = {n: {"path": str(tmp_path / f"{n}.jsonl")} for n in ("train", "heldout")}
+  kind = hp.tuning_kind(plan)
+  cfg = plan.config({}, "X", hp.finetune_overrides("runs/smollm2", "eq7", 0, corpus, tmp_path, 183, kind))
+  assert (kind, cfg.lora.rank, cfg.train.adamw_lr, cfg.loss.aux_weight, cfg.loss.num_shared_heads) == (
+      "full", 0, 3e-5, 1e-2, 0)
+  assert cfg.run.dir == str(tmp_path / "runs" / "eq7_full_s0") and plan.axes == {"train.seed": [0]}

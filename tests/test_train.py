@@ -255,6 +255,17 @@ def test_exact_resume(tmp_path, compile_cache):
   assert cfg.model.vocab_size == tok.vocab_size == 257
 
 
+def test_checkpoint_keep_steps_are_saved_and_never_deleted(tmp_path, compile_cache):
+  """checkpoint.keep_steps: a step off the checkpoint.every cadence is saved, and outlives checkpoint.keep (1 here);
+  the rest are rolled as before (the latest one only)."""
+  train(load_config(TINY, SMALL + ["train.steps=7", "checkpoint.every=2", "checkpoint.keep=1",
+                                   "checkpoint.keep_steps=[3]", "checkpoint.async_save=false",
+                                   f"run.dir={tmp_path}"]), progress=False)
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [3, 7]
+  with pytest.raises(ConfigError, match="keep_steps"):
+    load_config(TINY, ["checkpoint.keep_steps=[0]"])
+
+
 @pytest.mark.slow  # two training commands (~18 s); resuming with changed settings is checked by default in
                    # test_config (another step count) and test_exact_resume
 def test_resume_with_other_data_settings_is_refused_not_set_aside(tmp_path, compile_cache):

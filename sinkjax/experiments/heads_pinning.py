@@ -80,8 +80,13 @@ BOOTSTRAP = 10000
 _read, _write, _log, _commit = runner.read_json, runner.write_json, heads_real._log, heads_real._commit  # pylint: disable=protected-access
 
 
-def run_name(arm: str, seed: int) -> str:
-  return f"{arm}_lora_s{seed}"
+def run_name(arm: str, seed: int, kind: str = "lora") -> str:
+  return f"{arm}_{kind}_s{seed}"
+
+
+def tuning_kind(plan: runner.Plan) -> str:
+  """"lora" (the study config's LoRA adapters) or "full" (lora.rank 0: every weight; heads_pinning_full.yaml)."""
+  return "full" if plan.config({}, "RUN_DIR").lora.rank == 0 else "lora"
 
 
 def run_order(seeds=SEEDS) -> list[tuple[str, int]]:
@@ -211,16 +216,19 @@ def step0(run: str, corpus: dict, out: pathlib.Path, shared_imp) -> dict:
   return rec
 
 
-def finetune_overrides(run: str, arm: str, seed: int, corpus: dict, out: pathlib.Path, steps: int) -> list[str]:
+def finetune_overrides(run: str, arm: str, seed: int, corpus: dict, out: pathlib.Path, steps: int,
+                       kind: str = "lora") -> list[str]:
   """What one run sets on top of the study's config: the arm's λ and m (eq. 8's shared set fixed up front from
   OUT/shared_heads.json), one epoch of all train documents (data.val_source = the
-  held-out ones, never evaluated by train), and a checkpoint every 10 steps (the evaluated ones are kept)."""
+  held-out ones, never evaluated by train), and checkpoints at the evaluated steps only (checkpoint.keep_steps)."""
   lam, m = ARMS[arm]
-  return [f"train.init_from={run}", f"data.source={corpus['train']['path']}", f"run.dir={out / 'runs' / run_name(arm, seed)}",
+  return [f"train.init_from={run}", f"data.source={corpus['train']['path']}",
+          f"run.dir={out / 'runs' / run_name(arm, seed, kind)}",
           f"train.seed={seed}", f"loss.aux_weight={lam}", f"loss.num_shared_heads={m}",
           f"loss.shared_heads_from={out / 'shared_heads.json' if m else ''}", f"train.steps={steps}",
           f"data.val_source={corpus['heldout']['path']}", "train.eval_batches=0", "loss.aux_term=true",
-          "checkpoint.every=10", f"checkpoint.keep={steps // 10 + 2}"]
+          f"checkpoint.every={steps}", "checkpoint.keep=1",
+          f"checkpoint.keep_steps={json.dumps([s for s in _eval_steps(steps) if s < steps])}"]
 
 
 def epoch_steps(plan: runner.Plan, corpus: dict) -> int:
@@ -253,7 +261,8 @@ def _eval_steps(steps: int) -> list[int]:
 def finetune(plan: runner.Plan, arm: str, seed: int, corpus: dict, steps: int, shared_imp) -> runner.Run:
   """One fine-tuning run from step 0 (an interrupted one is dropped first), its evaluations at `_eval_steps`
   (nll_step<S>.json) and its record."""
-  overrides = finetune_overrides(plan.study.run, arm, seed, corpus, pathlib.Path(plan.study.out), steps)
+  kind = tuning_kind(plan)
+  overrides = finetune_overrides(plan.study.run, arm, seed, corpus, pathlib.Path(plan.study.out), steps, kind)
   lam, m = ARMS[arm]
 
   def do(run_dir):
@@ -277,12 +286,12 @@ def finetune(plan: runner.Plan, arm: str, seed: int, corpus: dict, steps: int, s
       if p.name.isdigit() and int(p.name) not in evals:
         shutil.rmtree(p)
     end = evals[steps]
-    return {"name": run_dir.name, "arm": arm, "kind": "lora", "seed": seed, "aux_weight": lam, "num_shared_heads": m,
-            "lora_rank": 16, "steps": summary["steps"], "final_loss": summary["final_loss"],
+    return {"name": run_dir.name, "arm": arm, "kind": kind, "seed": seed, "aux_weight": lam, "num_shared_heads": m,
+            "lora_rank": cfg.lora.rank, "adamw_lr": cfg.train.adamw_lr, "steps": summary["steps"], "final_loss": summary["final_loss"],
             "train_seconds": seconds, "eval_seconds": sum(e["seconds"] for e in evals.values()),
             "eval_steps": sorted(evals), "dropped_interrupted": dropped,
             **{k: float(np.mean(end[k])) for k, _ in METRICS}, "importance": end["importance"]}, "fine-tuned + evaluated"
-  return runner.Run(run_name(arm, seed), do, tuple(overrides))
+  return runner.Run(run_name(arm, seed, kind), do, tuple(overrides))
 
 
 def raw_files(steps: int) -> tuple[str, ...]:
@@ -363,13 +372,14 @@ def _doc_file(results: pathlib.Path, name: str, step: int) -> dict:
   return _read(results / "raw" / name / f"nll_step{step}.json")
 
 
-def summarize(results: pathlib.Path, seeds=SEEDS) -> dict:
+def summarize(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
   """Everything results.md prints, from the raw files under `results` (RESULTS/raw/NAME/ and RESULTS/*.json)."""
   shared = _read(results / "shared_heads.json")
   s0 = _read(results / "nll_step0.json")
   if shared is None or s0 is None:
     raise StudyError(f"{results} holds no shared_heads.json / nll_step0.json; run the study first")
-  recs = {(a, s): r for a, s in run_order(seeds) if (r := _read(results / "raw" / run_name(a, s) / "record.json"))}
+  name = lambda a, s: run_name(a, s, kind)  # noqa: E731
+  recs = {(a, s): r for a, s in run_order(seeds) if (r := _read(results / "raw" / name(a, s) / "record.json"))}
   commit = one_commit(list(recs.values()) + [shared, s0])
   dirty = sorted({bool(r.get("dirty")) for r in list(recs.values()) + [shared, s0]})
   steps = sorted({r["steps"] for r in recs.values()})
@@ -382,7 +392,7 @@ def summarize(results: pathlib.Path, seeds=SEEDS) -> dict:
       ss = [s for s in seeds if (arm, s) in recs]
       if not ss:
         continue
-      files = [s0 if st == 0 else _doc_file(results, run_name(arm, s), st) for s in ss]
+      files = [s0 if st == 0 else _doc_file(results, name(arm, s), st) for s in ss]
       curve[f"{arm}@{st}"] = {k: float(np.mean([np.mean(f[k]) for f in files])) for k, _ in METRICS}
       curve[f"{arm}@{st}"]["seeds"] = len(ss)
   effects = []
@@ -390,8 +400,8 @@ def summarize(results: pathlib.Path, seeds=SEEDS) -> dict:
     ss = [s for s in seeds if (treated, s) in recs and (control, s) in recs]
     if not ss:
       continue
-    a = {s: _doc_file(results, run_name(treated, s), end) for s in ss}
-    b = {s: _doc_file(results, run_name(control, s), end) for s in ss}
+    a = {s: _doc_file(results, name(treated, s), end) for s in ss}
+    b = {s: _doc_file(results, name(control, s), end) for s in ss}
     for key, what in METRICS:
       per_seed = [float(np.mean(a[s][key]) - np.mean(b[s][key])) for s in ss]
       per_doc = np.mean([np.asarray(a[s][key]) - np.asarray(b[s][key]) for s in ss], axis=0)
@@ -410,7 +420,7 @@ def summarize(results: pathlib.Path, seeds=SEEDS) -> dict:
     for e, p in zip(effects, adj):
       e[col + "_holm"] = p
   times = [r["train_seconds"] for r in recs.values()]
-  return {"commit": commit, "dirty": dirty, "steps": end, "runs": sorted(run_name(a, s) for a, s in recs),
+  return {"commit": commit, "dirty": dirty, "kind": kind, "steps": end, "runs": sorted(name(a, s) for a, s in recs),
           "seeds": sorted({s for _, s in recs}), "train_seconds": [min(times), max(times)] if times else None,
           "dropped_interrupted": sorted(r["name"] for r in recs.values() if r.get("dropped_interrupted")),
           "documents": s0["documents"], "shared_heads_documents": shared["documents"], "curve": curve,
@@ -452,7 +462,8 @@ def _pf(p) -> str:
 
 
 def markdown(summary: dict) -> str:
-  lines = ["# [Sink-MoE] App. D at one epoch on SmolLM2-135M: head pinning", "",
+  how = "full fine-tuning (every weight)" if summary.get("kind") == "full" else "LoRA"
+  lines = [f"# [Sink-MoE] App. D at one epoch on SmolLM2-135M: head pinning, {how}", "",
            f"Commit `{summary['commit']}`, dirty: {summary['dirty']}. Runs: {', '.join(summary['runs'])} "
            f"({summary['steps']} steps each; train time {summary['train_seconds'][0]:.0f}–"
            f"{summary['train_seconds'][1]:.0f} s per run, from the records). Held-out: {summary['documents']} "
@@ -475,8 +486,8 @@ def markdown(summary: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def report(results: pathlib.Path, seeds=SEEDS) -> dict:
-  summary = summarize(results, seeds)
+def report(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
+  summary = summarize(results, seeds, kind)
   _write(results / "results.json", summary)
   (results / "results.md").write_text(markdown(summary))
   return summary
@@ -494,14 +505,15 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
     raise StudyError(f"{plan.path}: the pinning study's one axis is train.seed (its arms are heads_pinning.ARMS), "
                      f"got {', '.join(plan.axes)}")
   seeds = tuple(int(s) for s in plan.axes.get("train.seed", SEEDS))
+  kind = tuning_kind(plan)
   if dry_run:
     for i, (arm, s) in enumerate(run_order(seeds), 1):
-      d = out / "runs" / run_name(arm, s)
+      d = out / "runs" / run_name(arm, s, kind)
       state = "done" if (d / "record.json").is_file() else "started (dropped, made again)" if d.is_dir() else "to do"
-      print(f"[{i}/{len(seeds) * len(ARMS)}] {run_name(arm, s)}: λ {ARMS[arm][0]:g}, m {ARMS[arm][1]} -> {d} ({state})")
+      print(f"[{i}/{len(seeds) * len(ARMS)}] {run_name(arm, s, kind)}: λ {ARMS[arm][0]:g}, m {ARMS[arm][1]} -> {d} ({state})")
     return
   if report_only:
-    summary = report(results, seeds)
+    summary = report(results, seeds, kind)
     _log(f"wrote {results}/results.md ({len(summary['runs'])} runs)")
     return
   if not pathlib.Path(st.run, "config.yaml").is_file():
@@ -530,7 +542,7 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
       _log(f"[{i}/{n}] {res.run.name}: held-out loss {res.record['val_loss']:.4f}, imbalance "
            f"{res.record['imbalance']:.4f}, train {res.record['train_seconds']:.0f} s ({res.seconds:.0f} s)")
   study.walk([finetune(plan, arm, s, corpus, steps, sh["importance"]) for arm, s in run_order(seeds)], done)
-  summary = report(results, seeds)
+  summary = report(results, seeds, kind)
   _log(f"wrote {results}/results.md ({len(summary['runs'])} runs)")
 
 
