@@ -24,7 +24,7 @@ EVAL_FEATURES = TRAIN_FEATURES + ("target_bytes",)
 def token_losses(model, batch, chunk: int = 0):
   """(per-token NLL [B,T] float32, importance [L,H]) of a batch; chunk > 0 computes the logits `chunk` positions of
   every row at a time (`chunked_nll`)."""
-  x = model.hidden(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+  x = model.hidden(batch["inputs"], segment_ids=batch.get("segment_ids"), positions=batch["positions"])
   imp = pop_head_importance(model)
   T = x.shape[1]
   if chunk <= 0 or chunk >= T:
@@ -80,10 +80,13 @@ def make_train_step(cfg: Config, graphdef, rest, tx: optax.GradientTransformatio
   """
   default_rest = rest
   A = cfg.train.grad_accum
+  one_segment = cfg.data.packing == "stream"
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def train_step(state, batch, rest=None):
     rest = default_rest if rest is None else rest
+    if one_segment:      # data.packing=stream rows are one segment: attention without ids (no ids streamed on TPU)
+      batch = {k: v for k, v in batch.items() if k != "segment_ids"}
     params = state["params"]
     total = jnp.maximum(batch["loss_mask"].sum(), 1.0)
     run = lambda mb: grad_fn(params, graphdef, rest, mb, total, cfg.loss, shared, A, cfg.train.loss_chunk)

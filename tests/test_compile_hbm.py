@@ -134,12 +134,26 @@ def test_hbm_bytes_are_within_1_5x_of_the_hand_count(gather):
   the attention kernels. docs/TPU.md names each difference."""
   hand = hand_count(Step())
   total = sum(hand.values())
-  assert 1.0 <= gather["hbm_bytes"] / total <= 1.5, (gather["hbm_bytes"] / 1e9, total / 1e9)
+  assert 1.0 <= gather["hbm_bytes"] / total <= 1.5, (gather["hbm_bytes"] / 1e9, total / 1e9)   # 43.74 / 35.18
   cats = gather["breakdown"]["by_category"]
   loss = sum(v for k, v in hand.items() if k.startswith("loss"))
   assert cats["loss"]["hbm_bytes"] == pytest.approx(loss, rel=0.1)        # 22.7 GB compiled, 24.2 by hand
-  # the kernels' own estimates (their DMAs) add lane-padded statistics and segment ids: 3.6 GB against 2.7
-  assert 1.0 <= cats["attention kernels"]["hbm_bytes"] / hand["attention kernels"] <= 1.4
+  # the kernels' own estimates (their DMAs): 2.81 GB against 2.70 since they stream no segment ids for stream rows
+  # and write the LSE rows along lanes (3.59 GB before, with 128-lane padded statistics and ids)
+  assert 1.0 <= cats["attention kernels"]["hbm_bytes"] / hand["attention kernels"] <= 1.1
+
+
+def test_recorded_d20_step_is_within_1_5x_of_its_hand_count_and_fits():
+  """Issue 49's bar on the full d20 program as recorded by `python -m sinkjax.compile --config
+  configs/paper/d20_sink_aux.yaml --topology v5e:4x8 model.vocab_size=65536 --json` (docs/TPU.md, 'Cuts since'):
+  HBM bytes per chip and step within 1.5x of `hand_count` at 20 layers, estimated MFU >= 45 %, fitting 16 GiB."""
+  import json  # pylint: disable=import-outside-toplevel
+  rep = json.loads((ROOT / "docs" / "results" / "tpu_compile" / "kernel_ids_ns" / "d20_sink_aux_v5e-32.json")
+                   .read_text())
+  hand = sum(hand_count(Step(layers=20)).values())
+  assert rep["hbm_bytes_per_step"] / hand <= 1.5, (rep["hbm_bytes_per_step"] / 1e9, hand / 1e9)    # 178.13 / 128.88
+  assert rep["estimated_mfu"] >= 0.45 and rep["fits"] and rep["per_chip_bytes"]["total"] <= 16 * 2 ** 30
+  assert rep["collective_matmul"] == "gather" and rep["hbm_breakdown"]["by_category"]["optimizer"]["hbm_bytes"] < 1e9
 
 
 def test_windowed_einsum_loops_really_move_their_whole_output_each_trip():

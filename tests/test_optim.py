@@ -1,5 +1,7 @@
 """The optimizer groups and nanochat's Muon pieces that the training parity test (test_nanochat.py) does not reach:
 MoE expert matrices orthogonalized per expert, the momentum warmup schedule, the shape scale."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,3 +44,28 @@ def test_momentum_warms_up_like_base_train():
     beta = 0.85 + 0.1 * min(step / 300, 1)
     np.testing.assert_allclose(np.asarray(state[0].momentum["w"]), beta * np.asarray(mom_before) + (1 - beta) * np.eye(4),
                                rtol=1e-6)
+
+
+def test_muon_under_a_mesh_orthogonalizes_each_matrix_on_one_device():
+  """Under a mesh of 8 devices (jax.set_mesh, as the trainer traces its step) Muon stacks the matrices of one wide
+  shape (tall ones transposed), pads to a multiple of 8 and splits the stack over the devices: the directions equal
+  newton_schulz of each matrix alone (float32, to rounding), leaves of 3 dims per leading index, and the compiled
+  step runs Newton-Schulz on its own matrices only (one [16, 24] matrix per device, no stacked Gram products)."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))   # sinkjax.sharding's kind
+  keys = jax.random.split(jax.random.key(1), 3)
+  tree = {"a": jax.random.normal(keys[0], (3, 16, 24)),        # 3 wide [16, 24]
+          "b": jax.random.normal(keys[1], (24, 16)),           # tall: its transpose joins a's shape
+          "c": jax.random.normal(keys[2], (3, 8, 8))}          # another shape
+  tx = optim.scale_by_muon(beta=0.0, ns_dtype=jnp.float32)
+  with jax.set_mesh(mesh):
+    placed = jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    step = jax.jit(lambda t: tx.update(t, tx.init(t))[0])
+    out = step(placed)
+    hlo = step.lower(placed).compile().as_text()
+  for name, g in tree.items():
+    mats = g.reshape((-1,) + g.shape[-2:])
+    scale = max(1.0, g.shape[-1] / g.shape[-2]) ** 0.5
+    want = np.stack([scale * np.asarray(optim.newton_schulz(m, 5, jnp.float32)) for m in mats]).reshape(g.shape)
+    np.testing.assert_allclose(np.asarray(out[name]), want, rtol=2e-5, atol=2e-6, err_msg=name)
+  # per device: the [16, 24] group (4 matrices, padded to 8) is one matrix, the [8, 8] group (3 -> 8) one matrix
+  assert "f32[1,16,24]" in hlo and not re.search(r"f32\[[2-8],16,16\]", hlo)   # no Gram products of the stack

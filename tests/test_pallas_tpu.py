@@ -65,6 +65,9 @@ CASES = [
     pytest.param(1, 96, 96, 2, 1, 128, False, jnp.bfloat16, False, 30.0, (None, None), id="bf16-noncausal-mqa-large"),
     pytest.param(2, 160, 160, 4, 2, 64, True, jnp.float32, True, 1.0, DISTINCT, id="f32-causal-gqa-seg-distinct-tiles"),
     pytest.param(1, 100, 160, 2, 1, 128, False, jnp.float32, True, 1.0, DISTINCT, id="f32-noncausal-cross-distinct"),
+    # without segment ids the kernels stream no ids (segmented=False): padded query rows and keys by position alone
+    pytest.param(2, 160, 160, 4, 2, 64, True, jnp.float32, False, 1.0, (128, 128), id="f32-causal-gqa-noseg-ragged"),
+    pytest.param(1, 100, 160, 2, 1, 128, False, jnp.float32, False, 1.0, DISTINCT, id="f32-noncausal-cross-noseg"),
 ]
 
 
@@ -122,8 +125,10 @@ def test_lse_cotangent_alone(x64_always):
                                           ((1, 512, 1024, 2, 2, 64), (128, 256)),
                                           ((2, 1000, 1000, 4, 2, 128), BlockSizes(256, 512, 512, 128, 128, 384))],
                          ids=["T1024-default", "T1000-gqa-ragged", "cross-D64", "T1000-gqa-distinct-tiles"])
-def test_lowers_for_tpu(dtype, shape, blocks, x64_always):
-  """Forward and jax.grad lower to Mosaic TPU custom calls (no execution; the CPU has no TPU)."""
+@pytest.mark.parametrize("segmented", [True, False], ids=["seg", "noseg"])
+def test_lowers_for_tpu(dtype, shape, blocks, segmented, x64_always):
+  """Forward and jax.grad lower to Mosaic TPU custom calls (no execution; the CPU has no TPU); without segment ids
+  the kernels take no id operands."""
   B, T, S, Hq, Hkv, D = shape
   q = jax.ShapeDtypeStruct((B, T, Hq, D), dtype)
   k = jax.ShapeDtypeStruct((B, S, Hkv, D), dtype)
@@ -131,8 +136,8 @@ def test_lowers_for_tpu(dtype, shape, blocks, x64_always):
   kv_seg = jnp.ones((B, S), jnp.int32).at[:, S - T + T // 2:].set(2)
 
   def f(q, k, v):
-    return flash_attention(q, k, v, causal=True, segment_ids=(q_seg, kv_seg), impl="pallas_tpu", interpret=False,
-                           **_block_kw(blocks))
+    return flash_attention(q, k, v, causal=True, segment_ids=(q_seg, kv_seg) if segmented else None,
+                           impl="pallas_tpu", interpret=False, **_block_kw(blocks))
 
   def loss(q, k, v):
     out, lse = f(q, k, v)

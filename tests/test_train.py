@@ -83,6 +83,18 @@ def test_null_weight_is_null(compile_cache):
   assert not same(params(["loss.aux_weight=1e-8"]))
 
 
+def test_stream_rows_train_without_segment_ids(compile_cache):
+  """data.packing=stream rows are one segment, so the step leaves their ids out (the TPU kernels then stream none):
+  the step on ids scrambled to anything gives the loss of the step on the pipeline's all-ones ids; a document-packed
+  step does read them."""
+  for packing, same in (("stream", True), ("document", False)):
+    cfg, step, state, batch = _setup([f"data.packing={packing}", "model.attention=sink", "loss.aux_weight=0.01"])
+    scrambled = {**batch, "segment_ids": (np.arange(batch["segment_ids"].size).reshape(
+        batch["segment_ids"].shape) % 3 + 1).astype(np.int32)}
+    a, b = step(state, batch)[1], step(state, scrambled)[1]
+    assert (float(a["loss"]) == float(b["loss"])) is same, packing
+
+
 def test_aux_term_false_needs_zero_weight():
   with pytest.raises(ConfigError, match="loss.aux_term=false drops the aux loss but loss.aux_weight is 0.01"):
     load_config(TINY, SMALL + ["loss.aux_term=false", "loss.aux_weight=0.01"])

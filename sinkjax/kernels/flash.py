@@ -46,7 +46,7 @@ class _Static:
   scale: float
   block_sizes: BlockSizes
   interpret: bool
-  segmented: bool = True      # segment ids were given (False: all ones, which the cudnn backend runs unmasked)
+  segmented: bool = True      # segment ids were given (False: all ones, which cudnn and pallas_tpu run without ids)
 
 
 def _backend(impl: str):
@@ -95,9 +95,12 @@ def _flash_vjp(q, k, v, q_seg, kv_seg, st: _Static):
   return _fwd(q, k, v, q_seg, kv_seg, st)[0]
 
 
+_SEGMENTED_KW = ("cudnn", "pallas_tpu")     # backends that take `segmented` (they skip the ids when False)
+
+
 def _kw(st):
   kw = dict(causal=st.causal, scale=st.scale, block_sizes=st.block_sizes, interpret=st.interpret)
-  if st.impl == "cudnn":
+  if st.impl in _SEGMENTED_KW:
     kw["segmented"] = st.segmented
   return kw
 
