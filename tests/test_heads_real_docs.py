@@ -150,11 +150,13 @@ def test_full_finetuning_check():
 # ------------------------------------------------------------------------------------ the one-epoch study
 
 EPOCH = ROOT / "docs" / "results" / "heads_pinning"
+FULL = ROOT / "docs" / "results" / "heads_pinning_full"          # the same study with every weight trained
 LINES = (ROOT / "docs" / "RESULTS.md").read_text().splitlines()
 KEYS = {"held-out loss (nats/token)": "val_loss", "head imbalance (eq. 6)": "imbalance",
         "shared heads' importance": "shared_importance", "routed heads' importance": "routed_importance",
         "routed heads' CV": "routed_cv", "mean importance": "mean_importance"}
 epoch = pytest.mark.skipif(not (EPOCH / "nll_step0.json").is_file(), reason="the one-epoch study's files are not here")
+full = pytest.mark.skipif(not (FULL / "nll_step0.json").is_file(), reason="the full fine-tuning study's files are not here")
 
 
 def _table(header: str) -> list[list[str]]:
@@ -167,15 +169,15 @@ def _table(header: str) -> list[list[str]]:
   return out
 
 
-def _nll(name: str, step: int) -> dict:
-  d = json.loads((EPOCH / ("nll_step0.json" if step == 0 else f"raw/{name}/nll_step{step}.json")).read_text())
+def _nll(name: str, step: int, root: pathlib.Path = EPOCH) -> dict:
+  d = json.loads((root / ("nll_step0.json" if step == 0 else f"raw/{name}/nll_step{step}.json")).read_text())
   d = dict(d)
   d["val_loss"] = list(np.asarray(d["nll_sum"]) / np.asarray(d["tokens"]))    # recomputed, not read
   return d
 
 
-def _records() -> dict:
-  return {p.parent.name: json.loads(p.read_text()) for p in sorted((EPOCH / "raw").glob("*/record.json"))}
+def _records(root: pathlib.Path = EPOCH) -> dict:
+  return {p.parent.name: json.loads(p.read_text()) for p in sorted((root / "raw").glob("*/record.json"))}
 
 
 def _fmt_p(p: float) -> str:
@@ -208,10 +210,44 @@ def test_epoch_effects_table():
   """Every effect row: the mean over seeds of the per-seed mean differences, the t-interval and paired t p (scipy),
   the document-level interval and p (a bootstrap and a sign-flip test written here, numpy, another seed: within
   Monte-Carlo tolerance), and both Holm columns (recomputed here)."""
-  recs = _records()
+  _check_effects("| effect | mean |", EPOCH, "lora")
+
+
+@full
+def test_full_epoch_effects_table():
+  """The same for full fine-tuning (one seed per arm: no t; the documents' columns and their Holm)."""
+  _check_effects("| effect, full fine-tuning | mean |", FULL, "full")
+
+
+@full
+def test_full_epoch_curve_table():
+  _check_curve("| full fine-tuning: arm @ step |", FULL, "full")
+
+
+@full
+def test_full_epoch_provenance():
+  """One clean commit for the whole full fine-tuning study, quoted; every weight trained (lora_rank 0) at the quoted
+  learning rate for the same steps as the LoRA study; the run times quoted from the records; the nll files kept."""
+  recs = _records(FULL)
+  study = [json.loads((FULL / f).read_text()) for f in ("shared_heads.json", "nll_step0.json")]
+  commits = {r["commit"] for r in list(recs.values()) + study}
+  assert len(commits) == 1 and f"full fine-tuning study: commit `{commits.pop()}`" in DOC
+  assert not any(r["dirty"] for r in list(recs.values()) + study)
+  assert {(r["kind"], r["lora_rank"], r["adamw_lr"], r["steps"]) for r in recs.values()} == {
+      ("full", 0, 3e-5, next(iter(_records().values()))["steps"])}
+  t = sorted(r["train_seconds"] for r in recs.values())
+  assert f"{len(recs)} full fine-tuning runs" in DOC and f"{t[0]:.0f}–{t[-1]:.0f} s of training per run" in DOC
+  for name, r in recs.items():
+    assert not r["dropped_interrupted"] and name in DOC
+    files = sorted(p.name for p in (FULL / "raw" / name).glob("*nll*"))
+    assert len(files) >= 3 and f"nll_step{r['steps']}.json" in files, name
+
+
+def _check_effects(header: str, root: pathlib.Path, kind: str):
+  recs = _records(root)
   end = next(iter(recs.values()))["steps"]
   title = {"base": "base", "eq7": "eq. 7", "eq8": "eq. 8"}
-  rows = _table("| effect | mean |")
+  rows = _table(header)
   assert rows and rows[0][0].startswith("eq. 8 − eq. 7")                  # the paper's contrast first
   rng = np.random.default_rng(12345)
   pt, pd_printed, pd_holm, pt_holm = [], [], [], []
@@ -219,9 +255,9 @@ def test_epoch_effects_table():
     label, metric = row[0].split(", ", 1)
     t, c = [k for v in label.split(" − ") for k, x in title.items() if x == v]
     key = KEYS[metric]
-    seeds = sorted(r["seed"] for r in recs.values() if r["arm"] == t and f"{c}_lora_s{r['seed']}" in recs)
-    a = [np.asarray(_nll(f"{t}_lora_s{s}", end)[key]) for s in seeds]
-    b = [np.asarray(_nll(f"{c}_lora_s{s}", end)[key]) for s in seeds]
+    seeds = sorted(r["seed"] for r in recs.values() if r["arm"] == t and f"{c}_{kind}_s{r['seed']}" in recs)
+    a = [np.asarray(_nll(f"{t}_{kind}_s{s}", end, root)[key]) for s in seeds]
+    b = [np.asarray(_nll(f"{c}_{kind}_s{s}", end, root)[key]) for s in seeds]
     per_seed = np.array([x.mean() - y.mean() for x, y in zip(a, b)])
     assert row[1] == f"{per_seed.mean():+.4f}", row
     if len(seeds) >= 2:
@@ -252,16 +288,20 @@ def test_epoch_effects_table():
 @epoch
 def test_epoch_curve_table():
   """Every cell of the curve: per arm and step, the mean over seeds of each run's mean over documents."""
-  recs = _records()
-  rows = _table("| arm @ step |")
-  header = next(ln for ln in LINES if ln.startswith("| arm @ step |"))
+  _check_curve("| arm @ step |", EPOCH, "lora")
+
+
+def _check_curve(first: str, root: pathlib.Path, kind: str):
+  recs = _records(root)
+  rows = _table(first)
+  header = next(ln for ln in LINES if ln.startswith(first))
   cols = [c.strip() for c in header.strip().strip("|").split("|")][2:]
   assert rows
   for row in rows:
     arm, step = row[0].split("@")
     seeds = sorted(r["seed"] for r in recs.values() if r["arm"] == arm)
     assert row[1] == str(len(seeds))
-    files = [_nll(f"{arm}_lora_s{s}", int(step)) for s in seeds]
+    files = [_nll(f"{arm}_{kind}_s{s}", int(step), root) for s in seeds]
     for col, cell in zip(cols, row[2:], strict=True):
       assert cell == f"{np.mean([np.mean(f[KEYS[col]]) for f in files]):.4f}", (row[0], col)
 
