@@ -243,7 +243,7 @@ class Study:
 
 # ------------------------------------------------------------------------------------------------- study files
 
-STUDY_KINDS = ("paper", "dose", "pinning", "streaming", "passkey")
+STUDY_KINDS = ("paper", "dose", "pinning", "pinning_null", "streaming", "passkey", "trigger", "importance")
 
 
 @dataclasses.dataclass
@@ -258,8 +258,8 @@ class StudySection:
   finetune: bool = False            # paper: also fine-tune each base run of the first seed, eq. 7 vs eq. 8
   finetune_steps: int = key(100, ">=1")
   reuse: str = ""                   # dose: a committed main-grid results.json whose runs stand in (same recipe+commit)
-  run: str = ""                     # pinning: the imported model's run directory
-  results: str = ""                 # pinning: where raw files and results.md go (default OUT/results)
+  run: str = ""                     # the run studied (pinning, importance, streaming, passkey: an imported model)
+  results: str = ""                 # pinning, importance: where the files to commit go (default OUT/results)
   allow_dirty: bool = False         # pinning: run from a checkout with uncommitted changes (records say dirty)
 
 
@@ -324,6 +324,10 @@ class Plan:
     for other in set(self.sections) - {name}:
       raise StudyError(f"{self.path}: unknown section {other} (kind {self.study.kind} reads study, axes and {name})")
     return config_lib.apply_section(options, self.sections.get(name, {}), self.path, name)
+
+  def results(self) -> pathlib.Path:
+    """study.results, or OUT/results."""
+    return pathlib.Path(self.study.results) if self.study.results else pathlib.Path(self.study.out) / "results"
 
   def runs(self) -> list[dict]:
     """Every combination of the axes' values ({key: value}), the first axis outermost."""
