@@ -243,7 +243,8 @@ class Study:
 
 # ------------------------------------------------------------------------------------------------- study files
 
-STUDY_KINDS = ("paper", "dose", "pinning", "pinning_null", "streaming", "passkey", "trigger", "importance")
+STUDY_KINDS = ("paper", "dose", "pinning", "pinning_null", "streaming", "passkey", "trigger", "importance",
+               "tpu")
 
 
 @dataclasses.dataclass
