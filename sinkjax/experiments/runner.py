@@ -126,17 +126,14 @@ def _unlock(f, path: pathlib.Path) -> None:
   f.close()
 
 
-def exclusive(directory, what: str = "--out"):
+def exclusive(directory, what: str = "study.out"):
   """An exclusive lock on a whole study directory (DIR/.study.lock, released when the process ends, however it
   ends): for drivers whose invocations must not run side by side; a StudyError when another holds it."""
   directory = pathlib.Path(directory)
-  f = open(directory / ".study.lock", "a+")  # pylint: disable=consider-using-with
-  try:
-    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except BlockingIOError:
-    f.close()
+  f = _try_lock(directory / ".study.lock")
+  if f is None:
     raise StudyError(f"another invocation of the study is running on {what} {directory}; wait for it to finish "
-                     f"(then rerun this one: finished runs are skipped) or use another {what}") from None
+                     f"(then rerun this one: finished runs are skipped) or use another {what}")
   return f
 
 
