@@ -380,9 +380,10 @@ def _shape(text) -> tuple[int, int]:
   """"LxH" -> (layers, heads); a StudyError otherwise."""
   try:
     layers, heads = (int(n) for n in str(text).lower().split("x"))
-    assert min(layers, heads) >= 1
-  except (ValueError, AssertionError):
-    raise StudyError(f"axis shape: expected LAYERSxHEADS values like 1x1, 2x2, 4x4; got {text!r}") from None
+  except ValueError:
+    layers = heads = 0
+  if min(layers, heads) < 1:
+    raise StudyError(f"axis shape: expected LAYERSxHEADS values like 1x1, 2x2, 4x4; got {text!r}")
   return layers, heads
 
 
