@@ -161,17 +161,13 @@ def doc_eval(model, rows: dict, shared_imp, m: int = 2, chunk: int = 8) -> dict:
   return out
 
 
-def _heldout(tok, corpus) -> tuple[dict, int]:
-  return doc_rows(tok, corpus["heldout"]["path"])
-
-
 def eval_checkpoint(run_dir, step: int | None, corpus: dict, shared_imp) -> dict:
   """`doc_eval` of a run's checkpoint (adapters folded in) on the held-out documents, with its step and timing."""
   from sinkjax import lora  # pylint: disable=import-outside-toplevel
   from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
   model, _, tok, got = load_run(run_dir, step=step, overrides=["model.dtype=float32"])
-  rows, cut = _heldout(tok, corpus)
+  rows, cut = doc_rows(tok, corpus["heldout"]["path"])
   ev = doc_eval(lora.merge(model), rows, shared_imp)
   return {"step": int(got), "documents": len(ev["tokens"]), "doc_tokens": DOC_TOKENS, "documents_cut": cut,
           **ev, "seconds": time.perf_counter() - t0, **_commit()}
