@@ -1,6 +1,6 @@
 """The one-epoch pinning study's pieces, on a tiny model and hand-written records: per-document evaluation against
 each document run alone, Holm's correction by hand, the report's statistics against scipy / numpy written here, the
-dirty-tree refusal and the dropping of an interrupted run."""
+dirty-tree refusal, the dropping of an interrupted run, and the null arm's study file."""
 import json
 
 import jax
@@ -13,6 +13,7 @@ from scipy import stats as sps
 from sinkjax.config import load_config
 from sinkjax.data import build_tokenizer
 from sinkjax.experiments import heads_pinning as hp
+from sinkjax.experiments import runner, study
 from sinkjax.layers import pop_head_importance
 from sinkjax.model import Transformer
 from tests.helpers import TINY
@@ -124,9 +125,9 @@ def test_study_refuses_a_dirty_tree(tmp_path, monkeypatch, capsys):
   run.mkdir()
   (run / "config.yaml").write_text("model: {}\n")
   monkeypatch.setattr(hp, "_commit", lambda: {"commit": "abc123", "dirty": True})
-  assert hp.main(["--run", str(run), "--out", str(tmp_path / "out")]) == 1
+  assert study.main([str(hp.STUDY_FILE), f"study.run={run}", f"study.out={tmp_path / 'out'}"]) == 1
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and "uncommitted changes" in err[0] and "--allow-dirty" in err[0]
+  assert len(err) == 1 and "uncommitted changes" in err[0] and "study.allow_dirty=true" in err[0]
   assert not (tmp_path / "out").exists()
 
 
@@ -173,3 +174,16 @@ def test_full_study_file_is_the_lora_one_on_every_weight(tmp_path):
   assert (kind, cfg.lora.rank, cfg.train.adamw_lr, cfg.loss.aux_weight, cfg.loss.num_shared_heads) == (
       "full", 0, 3e-5, 1e-2, 0)
   assert cfg.run.dir == str(tmp_path / "runs" / "eq7_full_s0") and plan.axes == {"train.seed": [0]}
+
+
+def test_null_arm_is_a_study_file(tmp_path, monkeypatch, capsys):
+  """heads_pinning_null.yaml (kind pinning_null) runs `null_check` and writes study.results/null.json, as the
+  former `--only null` did (docs/results/null_arm/null.json)."""
+  monkeypatch.setattr(hp, "null_check", lambda: {"runs": [], "what": "stand-in"})
+  path = runner.REPO / "configs" / "studies" / "heads_pinning_null.yaml"
+  args = [str(path), f"study.out={tmp_path}"]
+  assert study.main([*args, "--dry-run"]) == 0 and "to do" in capsys.readouterr().out
+  assert study.main(args) == 0
+  assert json.loads((tmp_path / "results" / "null.json").read_text()) == {"runs": [], "what": "stand-in"}
+  assert study.main([*args, "--dry-run"]) == 0 and "done" in capsys.readouterr().out
+

@@ -1,5 +1,5 @@
-"""Fig. 4 on its own (`heads_real --only analysis`): analysis.json and its heatmap, without the fine-tuning part's
-before.json (it used to run the analysis, then exit 1 asking for it). A tiny byte-level model stands in for SmolLM2
+"""Fig. 4 as a study file (configs/studies/heads_fig4.yaml, kind importance): analysis.json and its heatmap, without
+the former fine-tuning part's before.json. A tiny byte-level model stands in for SmolLM2
 (the slow tests/test_real_model.py runs the documented command on the real one)."""
 import json
 
@@ -8,10 +8,10 @@ import numpy as np
 from flax import nnx
 
 from sinkjax.config import Config, ModelConfig
-from sinkjax.experiments import heads_real
+from sinkjax.experiments import heads_real, study
 from sinkjax.model import Transformer
 from sinkjax.run import save_params_run
-from tests.helpers import call_main
+from tests.helpers import ROOT, call_main, one_error_line
 
 
 def test_only_analysis_writes_the_fig4_heatmap(tmp_path, monkeypatch, capsys):
@@ -23,7 +23,9 @@ def test_only_analysis_writes_the_fig4_heatmap(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(heads_real, "ANALYSIS_DOCS", 16)       # a few documents: the path, not the numbers
   monkeypatch.setattr(heads_real, "HELDOUT_DOCS", 4)
   out = tmp_path / "study"
-  res = call_main(heads_real.main, ["--run", tmp_path / "run", "--out", out, "--only", "analysis"], capsys)
+  args = [ROOT / "configs" / "studies" / "heads_fig4.yaml", f"study.run={tmp_path / 'run'}", f"study.out={out}"]
+  assert "analysis.json: to do" in call_main(study.main, [*args, "--dry-run"], capsys).stdout
+  res = call_main(study.main, args, capsys)
   assert res.returncode == 0, res.stderr[-2000:]
   analysis = json.loads((out / "analysis.json").read_text())
   assert analysis["documents"] == 16 and np.asarray(analysis["importance"]).shape == (2, 4)
@@ -31,3 +33,8 @@ def test_only_analysis_writes_the_fig4_heatmap(tmp_path, monkeypatch, capsys):
   assert image.shape[0] > 300 and image.shape[1] > 600 and image[..., :3].std() > 0.05    # a drawn figure
   assert (out / "results" / "analysis.json").is_file()
   assert not (out / "before.json").exists()       # the fine-tuning part did not run
+  (out / "results" / "analysis.png").unlink()
+  res = call_main(study.main, [*args, "--report-only"], capsys)       # the figure again, from analysis.json alone
+  assert res.returncode == 0 and (out / "results" / "analysis.png").is_file()
+  assert "random inits [0], not [0, 1]" in one_error_line(call_main(study.main, [*args, "axes.random_init=[0,1]"],
+                                                                     capsys))

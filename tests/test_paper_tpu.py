@@ -101,6 +101,27 @@ def test_dry_run_prints_one_babysit_launch_per_config_and_skips_finished_runs(gc
   assert "1 of 4 runs finished in gs://bucket/runs" in r.stdout
 
 
+def test_the_study_file_is_the_same_grid(gcs, capsys):
+  """configs/studies/paper_tpu.yaml (kind tpu) launches what `paper --scale tpu` launches: the same lines for the
+  whole grid, and for a part of it its axes (axes.size=[d20] axes.variant=[sink] axes.seed=[0,1])."""
+  study = ROOT / "configs" / "studies" / "paper_tpu.yaml"
+  keys = ["study.out=gs://bucket", "tpu.name=sj", "tpu.zone=us-central1-a", "--dry-run"]
+  for flags, axes in (((), ()), (("--sizes", "d20", "--variants", "sink", "--seeds", 2),
+                                 ("axes.size=[d20]", "axes.variant=[sink]", "axes.seed=[0,1]"))):
+    want = _paper(gcs, "--out", "gs://bucket", *SLICE, "--dry-run", *flags)
+    env = {k: v for k, v in os.environ.items() if k not in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")}
+    got = subprocess.run([sys.executable, "-m", "sinkjax.experiments.study", str(study), *axes, *keys], cwd=ROOT,
+                         env={**env, **gcs.env}, capture_output=True, text=True, timeout=300)
+    assert want.returncode == got.returncode == 0, got.stderr
+    assert got.stdout == want.stdout
+  from sinkjax.experiments import study as study_cmd
+  for args, msg in (((), "the tpu study needs study.out=gs://BUCKET"),
+                    (("study.out=gs://bucket", "tpu.zone=z"), "the tpu study needs tpu.name"),
+                    (("axes.size=[d40]",), "axis size: a subset of d20, d26, d32"),
+                    (("study.out=gs://bucket", "tpu.name=sj", "tpu.zone=z", "--report-only"), "writes no report")):
+    assert msg in one_error_line(call_main(study_cmd.main, [study, *args], capsys)), args
+
+
 def test_grid_errors_are_one_line(capsys):
   cases = {("--out", "runs/paper", *SLICE): "--scale tpu needs --out gs://BUCKET",
            ("--out", "gs://bucket", "--zone", "z"): "--scale tpu needs --name",

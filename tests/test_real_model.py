@@ -215,8 +215,8 @@ def test_commands_on_the_real_model(smol, tmp_path):
 def test_fig4_analysis_command_writes_its_heatmap(smol, tmp_path):
   """docs/RESULTS.md's Fig. 4 command, the analysis part alone: analysis.json and the heatmap, exit 0."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}   # one CPU device, as a user has (not the 8 of the tests)
-  r = subprocess.run([sys.executable, "-m", "sinkjax.experiments.heads_real", "--run", str(smol["run"]), "--out",
-                      str(tmp_path / "heads_real"), "--only", "analysis"],
+  r = subprocess.run([sys.executable, "-m", "sinkjax.experiments.study", "configs/studies/heads_fig4.yaml",
+                      f"study.run={smol['run']}", f"study.out={tmp_path / 'heads_real'}"],
                      capture_output=True, text=True, env=env, cwd=ROOT, timeout=3000)
   assert r.returncode == 0, r.stderr[-2000:]
   analysis = json.loads((tmp_path / "heads_real" / "analysis.json").read_text())
@@ -229,8 +229,8 @@ def test_streaming_quick_command_as_documented(smol, tmp_path):
   """docs/STREAMING.md's quick form of the streaming comparison, as printed (run dir and --out in a temp dir)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}   # one CPU device, as a user has (not the 8 of the tests)
   out = tmp_path / "streaming_quick"
-  r = subprocess.run([sys.executable, "-m", "sinkjax.experiments.streaming_real", "--checkpoint", str(smol["run"]),
-                      "--tokens", "2048", "--random-maps", "2", "--out", str(out)],
+  r = subprocess.run([sys.executable, "-m", "sinkjax.experiments.study", "configs/studies/streaming_real.yaml",
+                      f"study.run={smol['run']}", "streaming.tokens=2048", "axes.random_map=[0,1]", f"study.out={out}"],
                      capture_output=True, text=True, env=env, cwd=ROOT, timeout=3000)
   assert r.returncode == 0, r.stderr[-2000:]
   results = json.loads((out / "results.json").read_text())

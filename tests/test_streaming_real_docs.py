@@ -33,7 +33,7 @@ def section(title: str = TITLE) -> str:
 
 def raw(name: str, base: pathlib.Path = RAW) -> dict:
   path = base / f"{name}.json"
-  assert path.is_file(), f"{path} is missing (python -m sinkjax.experiments.streaming_real makes it)"
+  assert path.is_file(), f"{path} is missing (configs/studies/streaming_real.yaml makes it)"
   return json.loads(path.read_text())
 
 

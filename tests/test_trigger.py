@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from sinkjax.attention import relu_attention, relu_attention_weights
+from sinkjax.experiments import runner, study
 from sinkjax.experiments import trigger as tr
+from tests.helpers import ROOT, call_main, one_error_line
 
 
 # ------------------------------------------------------------------------------------------------ the task
@@ -194,30 +196,45 @@ def test_value_norms_by_hand():
   assert got["bos_value_norm_per_head"] is None and len(got["value_norm_per_head"]) == 2
 
 
-# -------------------------------------------------------------------------------------------------- CLI
+# ------------------------------------------------------------------------------------------------ study file
 
-def test_cli_bad_arguments(capsys):
-  for argv in (["--seq-len", "2"], ["--variants", "softmax,foo"], ["--max-steps", "-3"], ["--bogus"],
-               ["--configs", "2y2"]):
-    with pytest.raises(SystemExit) as e:
-      tr.main(argv)
-    assert e.value.code != 0
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "error" in err
+QUICK = ROOT / "configs" / "studies" / "trigger_quick.yaml"
 
 
-@pytest.mark.slow   # the CLI twin (~25 s) of the in-process trigger tests
-def test_cli_smoke(tmp_path):
+def test_study_file_bad_values_are_one_line(capsys):
+  """A bad key of the trigger: section or a bad axis value is one line naming it, status 1, before any training."""
+  for argv, says in ((["trigger.seq_len=2"], "trigger.seq_len must be >= 3"),
+                     (["axes.variant=[softmax,foo]"], "unknown variant 'foo'"),
+                     (["trigger.max_steps=-3"], "trigger.max_steps"), (["trigger.bogus=1"], "trigger.bogus"),
+                     (["axes.shape=[2y2]"], "LAYERSxHEADS"), (["axes.seed=[0,1]"], "axes are shape and variant")):
+    assert says in one_error_line(call_main(study.main, [QUICK, *argv, "--dry-run"], capsys)), argv
+
+
+def test_study_files_are_the_papers_grid():
+  """trigger.yaml: App. A's settings over 1x1, 2x2, 4x4 x the four variants (shape outermost); trigger_quick.yaml: its
+  1x1 row with the smaller step cap."""
+  full = runner.load_plan(ROOT / "configs" / "studies" / "trigger.yaml")
+  o = full.options("trigger", tr.TriggerOptions())
+  assert (o.lr_single, o.lr_multi, o.batch_size, o.seq_len, o.dim, o.stop_error, o.max_steps) == (
+      1e-3, 1e-4, 128, 16, 16, 5e-3, 50000)
+  assert tr._grid(full)[:5] == [("softmax", 1, 1), ("relu", 1, 1), ("sink", 1, 1), ("gated", 1, 1), ("softmax", 2, 2)]
+  quick = runner.load_plan(QUICK)
+  assert [g[1:] for g in tr._grid(quick)] == [(1, 1)] * 4
+  assert quick.options("trigger", tr.TriggerOptions()).max_steps == 20000
+
+
+@pytest.mark.slow   # the study command's twin (~25 s) of the in-process trigger tests
+def test_study_smoke(tmp_path):
   out = tmp_path / "trig"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, "-m", "sinkjax.experiments.trigger", "--quick", "--out", str(out),
-                      "--max-steps", "3", "--eval-size", "16", "--seq-len", "6", "--dim", "5", "--no-progress"],
-                     capture_output=True, text=True, env=env, timeout=300)
+  argv = [sys.executable, "-m", "sinkjax.experiments.study", str(QUICK), f"study.out={out}", "trigger.max_steps=3",
+          "trigger.eval_size=16", "trigger.seq_len=6", "trigger.dim=5", "trigger.progress=false"]
+  r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   recs = json.loads((out / "results.json").read_text())
   assert [rec["variant"] for rec in recs] == ["softmax", "relu", "sink", "gated"]
   for rec in recs:
-    assert rec["layers"] == 1 and rec["heads"] == 1 and rec["steps"] == 3
+    assert rec["layers"] == 1 and rec["heads"] == 1 and rec["steps"] == 3 and rec["commit"]
     for key in ("final_loss", "baseline_loss", "bos_attention_nontrigger", "bos_attention_trigger"):
       assert isinstance(rec[key], float) and np.isfinite(rec[key])
     assert rec["baseline_loss"] > 0
@@ -225,6 +242,8 @@ def test_cli_smoke(tmp_path):
   assert all(isinstance(rec["solved"], bool) and rec["heldout_max_abs_error"] >= 0 for rec in recs)
   assert (out / "attention_1L1H.png").stat().st_size > 0
   assert "final_loss" in r.stdout and "baseline" in r.stdout
+  again = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)    # resumes: nothing to train
+  assert again.returncode == 0 and json.loads((out / "results.json").read_text()) == recs
 
 
 @pytest.mark.slow

@@ -1,15 +1,13 @@
 """[Sink-MoE] App. D (head pinning) on SmolLM2-135M at the paper's budget, with per-document held-out losses.
 
     python -m sinkjax.experiments.study configs/studies/heads_pinning.yaml [study.run=RUN] [study.out=OUT] ...
-    python -m sinkjax.experiments.heads_pinning --run RUN --out OUT [--results DIR] [--seeds 0 1 2] [--allow-dirty]
-                                               [--only null|pinning|report]
+        [study.results=DIR] [axes.train.seed=[0,1]] [train.steps=N] [study.allow_dirty=true] [--report-only]
+    python -m sinkjax.experiments.study configs/studies/heads_pinning_null.yaml     # the null arm (null.json)
 
 The study file holds the fine-tuning config (configs/finetune_smollm2.yaml with the paper's LoRA rank) and the seeds
-(`axes: train.seed`); the flags spell its keys (--run: study.run, --out: study.out, --results: study.results,
---seeds: axes.train.seed, --steps: train.steps, --allow-dirty: study.allow_dirty).
-
-`--run` is the imported SmolLM2-135M-Instruct (docs/CONVERT.md). The corpus is `heads_real.english_corpus` (offline
-English from this Python's standard library: analysis / heldout / train documents). The study, resumable:
+(`axes: train.seed`). study.run is the imported SmolLM2-135M-Instruct (docs/CONVERT.md). The corpus is
+`heads_real.english_corpus` (offline English from this Python's standard library: analysis / heldout / train
+documents). The study, resumable:
 
 1. **Shared heads** (`shared_heads.json`): eq. 8's shared set, fixed up front as the paper does: the top-m heads of
    each layer by the pretrained model's eq. 5 importance over the first `SHARED_DOCS` analysis documents.
@@ -31,26 +29,19 @@ English from this Python's standard library: analysis / heldout / train document
    Holm's correction across the table (each column its own family); the curve of every arm at steps 0, 30, 100 and
    the end.
 
-Provenance: the study refuses a checkout with uncommitted changes to tracked files (`--allow-dirty` runs anyway and
+Provenance: the study refuses a checkout with uncommitted changes to tracked files (study.allow_dirty runs anyway and
 every file it writes says `"dirty": true`); every record holds the commit, and the report refuses records of different
 commits. An interrupted run is **dropped**: its directory is emptied and the run made again from step 0, so a record's
-metrics and `train_seconds` are those of one uninterrupted run. `--only null` is the null-arm check (`null_check`,
-on a tiny model: RESULTS/null.json).
+metrics and `train_seconds` are those of one uninterrupted run. The null-arm check (`null_check`, on a tiny model:
+RESULTS/null.json) is its own study file, heads_pinning_null.yaml (kind pinning_null).
 """
 from __future__ import annotations
 
-from sinkjax import cli
-
-if __name__ == "__main__":
-  cli.require_extra("sinkjax.experiments.heads_pinning")
-
-import argparse
 import functools
 import json
 import math
 import pathlib
 import shutil
-import sys
 import time
 
 import numpy as np
@@ -170,17 +161,13 @@ def doc_eval(model, rows: dict, shared_imp, m: int = 2, chunk: int = 8) -> dict:
   return out
 
 
-def _heldout(tok, corpus) -> tuple[dict, int]:
-  return doc_rows(tok, corpus["heldout"]["path"])
-
-
 def eval_checkpoint(run_dir, step: int | None, corpus: dict, shared_imp) -> dict:
   """`doc_eval` of a run's checkpoint (adapters folded in) on the held-out documents, with its step and timing."""
   from sinkjax import lora  # pylint: disable=import-outside-toplevel
   from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
   model, _, tok, got = load_run(run_dir, step=step, overrides=["model.dtype=float32"])
-  rows, cut = _heldout(tok, corpus)
+  rows, cut = doc_rows(tok, corpus["heldout"]["path"])
   ev = doc_eval(lora.merge(model), rows, shared_imp)
   return {"step": int(got), "documents": len(ev["tokens"]), "doc_tokens": DOC_TOKENS, "documents_cut": cut,
           **ev, "seconds": time.perf_counter() - t0, **_commit()}
@@ -495,12 +482,24 @@ def report(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
 
 # ------------------------------------------------------------------------------------------------------ driver
 
+def null_study(results: pathlib.Path, dry_run: bool, report_only: bool) -> None:
+  """A kind-pinning_null study (configs/studies/heads_pinning_null.yaml): `null_check`, written to RESULTS/null.json."""
+  done = (results / "null.json").is_file()
+  if dry_run or report_only:
+    print(f"{results / 'null.json'}: {'done' if done else 'to do'}")
+    return
+  results.mkdir(parents=True, exist_ok=True)
+  _write(results / "null.json", null_check())
+  _log(f"wrote {results / 'null.json'}")
+
+
 def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
   """The pinning study file, run (`sinkjax.experiments.study`'s kind pinning): shared heads, step 0, every seed's
   three arms, then the report (see the module docstring)."""
   st = plan.study
-  out = pathlib.Path(st.out)
-  results = pathlib.Path(st.results) if st.results else out / "results"
+  out, results = pathlib.Path(st.out), plan.results()
+  if st.kind == "pinning_null":
+    return null_study(results, dry_run, report_only)
   if set(plan.axes) - {"train.seed"}:
     raise StudyError(f"{plan.path}: the pinning study's one axis is train.seed (its arms are heads_pinning.ARMS), "
                      f"got {', '.join(plan.axes)}")
@@ -522,7 +521,7 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
   c = _commit()
   if c["dirty"] and not st.allow_dirty:
     raise StudyError(f"the checkout ({c['commit']}) has uncommitted changes to tracked files; commit them (every "
-                     "record names its commit) or set study.allow_dirty (--allow-dirty; every file then says dirty)")
+                     "record names its commit) or set study.allow_dirty=true (every file then says dirty)")
   out.mkdir(parents=True, exist_ok=True)
   lock = runner.exclusive(out)  # noqa: F841  # pylint: disable=unused-variable
   corpus = heads_real.english_corpus(out / "corpus")
@@ -544,36 +543,3 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
   study.walk([finetune(plan, arm, s, corpus, steps, sh["importance"]) for arm, s in run_order(seeds)], done)
   summary = report(results, seeds, kind)
   _log(f"wrote {results}/results.md ({len(summary['runs'])} runs)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-  p = cli.Parser(prog="python -m sinkjax.experiments.heads_pinning", description=__doc__.split("\n\n")[0])
-  p.add_argument("--run", required=True, help="the imported SmolLM2 run directory (sinkjax.convert.hf)")
-  p.add_argument("--out", required=True, help="the study's working directory (runs, records; resumable)")
-  p.add_argument("--results", default=None, help="where raw files and results.md go (default OUT/results)")
-  p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="LoRA seeds (default 0 1 2)")
-  p.add_argument("--steps", type=int, default=None, help="fine-tuning steps (default: one epoch of the train documents)")
-  p.add_argument("--only", choices=("null", "pinning", "report"), default=None, help="one part only")
-  p.add_argument("--allow-dirty", action="store_true",
-                 help="run from a checkout with uncommitted changes (every file written says dirty: true)")
-  return p
-
-
-def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-  overrides = [f"study.run={args.run}", f"study.out={args.out}", f"study.results={args.results or ''}",
-               f"axes.train.seed={json.dumps(args.seeds)}", f"train.steps={args.steps or 0}",
-               f"study.allow_dirty={str(args.allow_dirty).lower()}"]
-
-  def null_only():
-    results = pathlib.Path(args.results) if args.results else pathlib.Path(args.out) / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    _write(results / "null.json", null_check())
-  if args.only == "null":
-    return cli.run_main("sinkjax.experiments.heads_pinning", null_only)
-  return cli.run_main("sinkjax.experiments.heads_pinning", lambda: run_plan(
-      runner.load_plan(STUDY_FILE, overrides), report_only=args.only == "report"))
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,16 +1,18 @@
 """[Sink-MoE] on a real pretrained model: head importance (Fig. 4 / App. C), and the offline corpus the real-model
 studies share.
 
-    python -m sinkjax.experiments.heads_real --run runs/smollm2 --out runs/heads_real [--results DIR] [--only analysis]
+    python -m sinkjax.experiments.study configs/studies/heads_fig4.yaml [study.run=RUN] [study.out=OUT] ...
 
-`--run` is an imported real model (docs/CONVERT.md: SmolLM2-135M-Instruct from its GGUF file). Resumable:
+The study file (kind importance) names the model (study.run), the working directory (study.out), where analysis.json
+and its figure go (study.results, default OUT/results) and the random inits' seeds (`axes: random_init`). study.run
+is an imported real model (docs/CONVERT.md: SmolLM2-135M-Instruct from its GGUF file). Resumable:
 
 1. **Corpus** (`english_corpus`): English prose from this machine, offline: Python's own help topics
    (pydoc_data.topics) and the docstrings of the standard library's modules, classes and functions (>= 300 characters,
    at least 75 % letters and spaces, cut at a paragraph end near 600 characters), deduplicated and split by a hash of
    the text into `analysis` (>= 500 documents), `train` (fine-tuning) and `heldout`. Technical English, not GSM8K:
    [Sink-MoE] App. C uses 500 GSM8K samples, which this machine cannot download.
-2. **Fig. 4 / App. C** (`analysis.json`, `analysis.png` in --results, default OUT/results): eq. 5 importance per head
+2. **Fig. 4 / App. C** (`analysis.json`, `analysis.png` in study.results): eq. 5 importance per head
    of the pretrained model over every `analysis` document (one document per segment, rows of 256 tokens, no BOS: this
    tokenizer adds none, so eq. 4's first key is each document's first token), eq. 6 imbalance and per-layer CV, beside
    the same architecture at random init (sinkjax's initialisation) on the same rows; first-token attention and value
@@ -18,22 +20,15 @@ studies share.
 
 App. D (head pinning) is `sinkjax.experiments.heads_pinning` (one epoch, per-document losses). The first 30-step
 pinning study (docs/results/heads_real/: before.json, raw/, results.md) was made by this module at commit 9125455,
-whose App. D part heads_pinning replaced; `--only analysis` is the only part left and the default.
+whose App. D part heads_pinning replaced; the analysis is the part left.
 """
 from __future__ import annotations
 
-from sinkjax import cli
-
-if __name__ == "__main__":
-  cli.require_extra("sinkjax.experiments.heads_real")
-
-import argparse
 import ast
 import hashlib
 import json
 import os
 import pathlib
-import sys
 import sysconfig
 import time
 
@@ -76,17 +71,20 @@ def _docstrings(path: pathlib.Path):
       yield doc
 
 
-def english_documents() -> list[str]:
-  """The corpus's documents, deduplicated, in a fixed order (see the module docstring)."""
-  from pydoc_data.topics import topics   # pylint: disable=import-outside-toplevel
-  texts = [topics[k] for k in sorted(topics)]
+def stdlib_docstrings():
+  """The docstrings of the standard library's modules, classes and functions, in file order (no tests, no
+  site-packages, no help topics)."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
   skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
   for dirpath, dirnames, files in os.walk(root):
     dirnames[:] = sorted(d for d in dirnames if d not in skip)
     for name in sorted(files):
       if name.endswith(".py"):
-        texts += list(_docstrings(pathlib.Path(dirpath) / name))
+        yield from _docstrings(pathlib.Path(dirpath) / name)
+
+
+def prose_documents(texts) -> list[str]:
+  """The texts that are prose (`_prose`, cut near 600 characters), deduplicated, in their order."""
   seen, out = set(), []
   for t in texts:
     p = _prose(t)
@@ -94,6 +92,12 @@ def english_documents() -> list[str]:
       seen.add(p)
       out.append(p)
   return out
+
+
+def english_documents() -> list[str]:
+  """The corpus's documents, deduplicated, in a fixed order (see the module docstring)."""
+  from pydoc_data.topics import topics   # pylint: disable=import-outside-toplevel
+  return prose_documents([*(topics[k] for k in sorted(topics)), *stdlib_docstrings()])
 
 
 def english_corpus(out: pathlib.Path) -> dict:
@@ -146,7 +150,7 @@ def _log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ Fig. 4 / App. C
 
-def analyse(run: str, corpus: dict, out: pathlib.Path) -> dict:
+def analyse(run: str, corpus: dict, out: pathlib.Path, seeds=RANDOM_SEEDS) -> dict:
   """analysis.json: the pretrained model's and random inits' importance over the analysis documents."""
   rec = _read(out / "analysis.json")
   if rec is not None:
@@ -164,7 +168,7 @@ def analyse(run: str, corpus: dict, out: pathlib.Path) -> dict:
   _log(f"pretrained: imbalance {lm['head_imbalance']:.4f}, val_bpb {lm['val_bpb']:.4f}")
   diag = eval_lib.sink_diagnostics(model, batches[:4])
   rand = []
-  for seed in RANDOM_SEEDS:
+  for seed in seeds:
     r = eval_lib.language_model_metrics(Transformer(cfg.model, rngs=nnx.Rngs(seed)), batches)
     rand.append({"seed": seed, "importance": r["importance"], "head_imbalance": r["head_imbalance"],
                  "cv_per_layer": r["cv_per_layer"]})
@@ -182,36 +186,34 @@ def analyse(run: str, corpus: dict, out: pathlib.Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ driver
 
-def build_parser() -> argparse.ArgumentParser:
-  p = cli.Parser(prog="python -m sinkjax.experiments.heads_real", description=__doc__.split("\n\n")[0])
-  p.add_argument("--run", required=True, help="the imported real model's run directory (sinkjax.convert.hf)")
-  p.add_argument("--out", required=True, help="the study's working directory (corpus, analysis.json; resumable)")
-  p.add_argument("--results", default=None, help="where analysis.json / analysis.png go (default OUT/results)")
-  p.add_argument("--only", choices=("analysis",), default="analysis",
-                 help="the one part left (App. D: python -m sinkjax.experiments.heads_pinning)")
-  return p
-
-
-def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-
-  def study():
-    if not pathlib.Path(args.run, "config.yaml").is_file():
-      raise StudyError(f"--run {args.run} is not a run directory; import the model first (docs/CONVERT.md)")
+def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
+  """A kind-importance study file, run (`sinkjax.experiments.study`): the corpus, analysis.json (once; a rerun reuses
+  it) and the Fig. 4 heatmap, both in study.results (default OUT/results)."""
+  for axis in set(plan.axes) - {"random_init"}:
+    raise StudyError(f"{plan.path}: the importance study's one axis is random_init (the random inits' seeds), "
+                     f"got {axis}")
+  seeds = tuple(int(s) for s in plan.axes.get("random_init", RANDOM_SEEDS))
+  out = pathlib.Path(plan.study.out)
+  results = plan.results()
+  rec = _read(out / "analysis.json")
+  if rec is not None and [r["seed"] for r in rec["random_init"]] != list(seeds):
+    raise StudyError(f"{out}/analysis.json holds random inits {[r['seed'] for r in rec['random_init']]}, not "
+                     f"{list(seeds)}: give the study another study.out")
+  if dry_run:
+    print(f"{out / 'analysis.json'}: {'done' if rec else 'to do'} (random inits {list(seeds)})")
+    return
+  if not report_only:
+    if not pathlib.Path(plan.study.run, "config.yaml").is_file():
+      raise StudyError(f"study.run {plan.study.run!r} is not a run directory; import the model first (docs/CONVERT.md)")
     import sinkjax.eval, sinkjax.run  # pylint: disable=import-outside-toplevel,unused-import,redefined-outer-name
     _commit()                     # the code is loaded: the commit that made every record of this process
-    out = pathlib.Path(args.out)
-    results = pathlib.Path(args.results) if args.results else out / "results"
     corpus = english_corpus(out / "corpus")
     _write(out / "corpus.json", corpus)
     _log("corpus: " + ", ".join(f"{n} {c['documents']}" for n, c in corpus.items()))
-    analyse(args.run, corpus, out)
-    runner.copy_files(out, results, ("analysis.json", "corpus.json"))
-    from sinkjax import plots  # pylint: disable=import-outside-toplevel
-    figure = plots.plot_head_analysis(_read(out / "analysis.json"), results / "analysis.png")
-    _log(f"wrote {figure} (Fig. 4: importance of the pretrained model and of a random init)")
-  return cli.run_main("sinkjax.experiments.heads_real", study)
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+    analyse(plan.study.run, corpus, out, seeds)
+  elif rec is None:
+    raise StudyError(f"{out} holds no analysis.json; run the study first")
+  runner.copy_files(out, results, ("analysis.json", "corpus.json"))
+  from sinkjax import plots  # pylint: disable=import-outside-toplevel
+  figure = plots.plot_head_analysis(_read(out / "analysis.json"), results / "analysis.png")
+  _log(f"wrote {figure} (Fig. 4: importance of the pretrained model and of a random init)")

@@ -1,5 +1,8 @@
-"""[Sink-MoE] Table 1's 18 runs on a TPU slice: `python -m sinkjax.experiments.paper --scale tpu`.
+"""[Sink-MoE] Table 1's 18 runs on a TPU slice: study kind tpu (configs/studies/paper_tpu.yaml), or
+`python -m sinkjax.experiments.paper --scale tpu`.
 
+    python -m sinkjax.experiments.study configs/studies/paper_tpu.yaml study.out=gs://BUCKET tpu.name=sj \
+        tpu.zone=us-central1-a [axes.size=[d20]] [tpu.spot=true] [tpu.steps=N] [--dry-run]
     python -m sinkjax.experiments.paper --scale tpu --out gs://BUCKET --name sj --zone us-central1-a
         [--sizes d20,d26,d32] [--variants vanilla,sink,gated] [--seeds 1] [--first-seed 0] [--data gs://BUCKET/data]
         [--type v5litepod-32] [--version v2-alpha-tpuv5-lite] [--project P] [--spot] [--queued] [--interval 300]
@@ -31,6 +34,7 @@ import shlex
 import subprocess
 
 from sinkjax import choices, paths
+from sinkjax.config import key
 from sinkjax.experiments.runner import StudyError
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -222,17 +226,31 @@ def add_arguments(p) -> None:
                  help="the bucket's data directory: fineweb-edu/ and tokenizer/tokenizer.json (default OUT/data)")
 
 
+FLAGS = {"it": "--scale tpu", "out": "--out ", "data": "--data", "name": "--name", "zone": "--zone"}
+KEYS = {"it": "the tpu study", "out": "study.out=", "data": "tpu.data", "name": "tpu.name", "zone": "tpu.zone"}
+
+
+def problem(out: str, data: str, name: str | None, zone: str | None, runs: list[TpuRun], say=FLAGS) -> str | None:
+  """What keeps the grid from launching (one line naming the flags or keys of `say`), or None: the bucket, the slice
+  and the checkout checked."""
+  if not out.startswith("gs://"):
+    return f"{say['it']} needs {say['out']}gs://BUCKET (the workers share nothing but the bucket), got {out!r}"
+  if not data.startswith("gs://"):
+    return f"{say['data']} must be in the bucket (gs://...), got {data!r}"
+  if not name or not zone:
+    return f"{say['it']} needs {say['name']} (the TPU VM's) and {say['zone']}"
+  missing = [f for f in (TPU_VM, *{r.config for r in runs}) if not (REPO / f).is_file()]
+  if missing:
+    return (f"{say['it']} launches from a checkout of sinkjax (launch/, configs/paper/); {REPO} lacks {missing[0]}: "
+            "run it from a clone (pip install -e .)")
+  return None
+
+
 def main(args, parser) -> int:
   """The command line's half of `sinkjax.experiments.paper --scale tpu`: its flags checked (a bad one: parser.error)
   and turned into the grid, the bucket and the slice for `run_grid`."""
   out = args.out.rstrip("/")
-  if not out.startswith("gs://"):
-    parser.error(f"--scale tpu needs --out gs://BUCKET (the workers share nothing but the bucket), got {args.out!r}")
   data = (args.data or f"{out}/data").rstrip("/")
-  if not data.startswith("gs://"):
-    parser.error(f"--data must be in the bucket (gs://...), got {args.data!r}")
-  if not args.name or not args.zone:
-    parser.error("--scale tpu needs --name (the TPU VM's) and --zone")
   if args.lambdas or args.finetune or args.report_only:
     parser.error("--scale tpu runs the main grid only (no --lambdas, --finetune, --report-only); Table 1 from its "
                  "runs: python -m sinkjax.experiments.paper_report --runs 'OUT/runs/d*'")
@@ -241,14 +259,52 @@ def main(args, parser) -> int:
     parser.error(f"--sizes: a comma-separated subset of {','.join(SIZES)}, got {args.sizes!r}")
   variants = [v.strip() for v in args.variants.split(",") if v.strip()]
   runs = make_grid(sizes, variants, range(args.first_seed, args.first_seed + args.seeds))
-  missing = [f for f in (TPU_VM, *{r.config for r in runs}) if not (REPO / f).is_file()]
-  if missing:
-    parser.error(f"--scale tpu launches from a checkout of sinkjax (launch/, configs/paper/); {REPO} lacks "
-                 f"{missing[0]}: run it from a clone (pip install -e .)")
+  if (bad := problem(args.out, data, args.name, args.zone, runs)) is not None:
+    parser.error(bad)
   slice_ = Slice(args.name, args.zone, args.type, args.version, args.interval, args.project, args.spot, args.queued)
   from sinkjax import cli  # pylint: disable=import-outside-toplevel
   return cli.run_main("sinkjax.experiments.paper", lambda: run_grid(
       runs, Bucket(out, data), slice_, steps=args.steps, dry_run=args.dry_run, delete_when_done=args.delete_when_done))
+
+
+@dataclasses.dataclass
+class TpuOptions:
+  """The `tpu:` section of a kind-tpu study file (configs/studies/paper_tpu.yaml): the slice and the data."""
+  name: str = ""                    # the TPU VM's name (required)
+  zone: str = ""                    # its zone, e.g. us-central1-a (required)
+  project: str = ""                 # gcloud project ("": gcloud's)
+  type: str = "v5litepod-32"        # accelerator type (all 18 configs fit: docs/TPU.md)
+  version: str = "v2-alpha-tpuv5-lite"   # TPU runtime (v5e's)
+  spot: bool = False                # spot capacity
+  queued: bool = False              # ask for the slice as a queued resource
+  interval: int = key(300, ">=1")   # seconds between babysit's checks
+  delete_when_done: bool = False    # delete the slice after the last run finishes
+  data: str = ""                    # the bucket's fineweb-edu/ and tokenizer/tokenizer.json ("": OUT/data)
+  steps: int = key(0, ">=0")        # every run's train.steps (a check); 0: the configs' own
+
+
+def run_plan(plan, *, dry_run: bool = False, report_only: bool = False) -> int:
+  """A kind-tpu study file, run (`sinkjax.experiments.study`): the grid of its axes (seed, size, variant, loss; in
+  the file's order, seed-major) launched run by run (`run_grid`)."""
+  o = plan.options("tpu", TpuOptions())
+  grid = {"seed": None, "size": SIZES, "variant": VARIANTS, "loss": LOSSES}
+  for axis, values in plan.axes.items():
+    if axis not in grid:
+      raise StudyError(f"{plan.path}: the tpu study's axes are {', '.join(grid)}, got {axis}")
+    if grid[axis] is not None and any(v not in grid[axis] for v in values):
+      raise StudyError(f"axis {axis}: a subset of {', '.join(grid[axis])}, got {values}")
+  if report_only:
+    raise StudyError("the tpu study writes no report; Table 1 from its runs: python -m "
+                     "sinkjax.experiments.paper_report --runs 'OUT/runs/d*'")
+  runs = [TpuRun(str(r.get("size", "d20")), str(r.get("variant", "vanilla")), str(r.get("loss", "base")),
+                 int(r.get("seed", 0))) for r in plan.runs()]
+  out = plan.study.out.rstrip("/")
+  data = (o.data or f"{out}/data").rstrip("/")
+  if (bad := problem(out, data, o.name, o.zone, runs, KEYS)) is not None:
+    raise StudyError(bad)
+  slice_ = Slice(o.name, o.zone, o.type, o.version, o.interval, o.project or None, o.spot, o.queued)
+  return run_grid(runs, Bucket(out, data), slice_, steps=o.steps or None, dry_run=dry_run,
+                  delete_when_done=o.delete_when_done)
 
 
 def run_grid(runs: list[TpuRun], bucket: Bucket, slice_: Slice, *, steps: int | None = None, dry_run: bool = False,

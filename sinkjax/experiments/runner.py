@@ -126,17 +126,14 @@ def _unlock(f, path: pathlib.Path) -> None:
   f.close()
 
 
-def exclusive(directory, what: str = "--out"):
+def exclusive(directory, what: str = "study.out"):
   """An exclusive lock on a whole study directory (DIR/.study.lock, released when the process ends, however it
   ends): for drivers whose invocations must not run side by side; a StudyError when another holds it."""
   directory = pathlib.Path(directory)
-  f = open(directory / ".study.lock", "a+")  # pylint: disable=consider-using-with
-  try:
-    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except BlockingIOError:
-    f.close()
+  f = _try_lock(directory / ".study.lock")
+  if f is None:
     raise StudyError(f"another invocation of the study is running on {what} {directory}; wait for it to finish "
-                     f"(then rerun this one: finished runs are skipped) or use another {what}") from None
+                     f"(then rerun this one: finished runs are skipped) or use another {what}")
   return f
 
 
@@ -243,7 +240,8 @@ class Study:
 
 # ------------------------------------------------------------------------------------------------- study files
 
-STUDY_KINDS = ("paper", "dose", "pinning", "streaming", "passkey")
+STUDY_KINDS = ("paper", "dose", "pinning", "pinning_null", "streaming", "passkey", "trigger", "importance",
+               "tpu")
 
 
 @dataclasses.dataclass
@@ -258,8 +256,8 @@ class StudySection:
   finetune: bool = False            # paper: also fine-tune each base run of the first seed, eq. 7 vs eq. 8
   finetune_steps: int = key(100, ">=1")
   reuse: str = ""                   # dose: a committed main-grid results.json whose runs stand in (same recipe+commit)
-  run: str = ""                     # pinning: the imported model's run directory
-  results: str = ""                 # pinning: where raw files and results.md go (default OUT/results)
+  run: str = ""                     # the run studied (pinning, importance, streaming, passkey: an imported model)
+  results: str = ""                 # pinning, importance: where the files to commit go (default OUT/results)
   allow_dirty: bool = False         # pinning: run from a checkout with uncommitted changes (records say dirty)
 
 
@@ -324,6 +322,10 @@ class Plan:
     for other in set(self.sections) - {name}:
       raise StudyError(f"{self.path}: unknown section {other} (kind {self.study.kind} reads study, axes and {name})")
     return config_lib.apply_section(options, self.sections.get(name, {}), self.path, name)
+
+  def results(self) -> pathlib.Path:
+    """study.results, or OUT/results."""
+    return pathlib.Path(self.study.results) if self.study.results else pathlib.Path(self.study.out) / "results"
 
   def runs(self) -> list[dict]:
     """Every combination of the axes' values ({key: value}), the first axis outermost."""

@@ -1,60 +1,48 @@
 """[StreamingLLM] on real weights: streaming perplexity of a pretrained model under full, window-only, sinks + window
 and per-head (importance vs random) caches.
 
-    python -m sinkjax.experiments.study configs/studies/streaming_real.yaml [study.run=RUN] [streaming.tokens=N] ...
-    python -m sinkjax.experiments.streaming_real --checkpoint runs/smollm2 [--out docs/results/streaming_real]
-        [--tokens 8192] [--random-maps 6] [--full-heads 0.25] [--chunk 64]
-    python -m sinkjax.experiments.streaming_real --report [--out docs/results/streaming_real]
+    python -m sinkjax.experiments.study configs/studies/streaming_real.yaml [study.run=RUN] [study.out=OUT]
+        [streaming.tokens=8192] [streaming.full_heads=0.25] [streaming.chunk=64] [axes.random_map=[0,1,2]]
+        [--report-only]
 
 The study file (kind streaming) names the model (study.run), the output (study.out), the scoring (`streaming:`,
-`StreamingOptions`) and the random maps' seeds (`axes: random_map`); the flags spell its keys (--checkpoint:
-study.run, --out: study.out, --tokens / --full-heads / --chunk: streaming.*, --random-maps K: seeds 0 .. K-1,
---report: the report alone).
-
-`--checkpoint` is an imported real model (docs/CONVERT.md: SmolLM2-135M-Instruct), scored in float32. Run by run,
-resumable (walked by `sinkjax.experiments.runner`): every run writes its own raw file `--out`/<name>.json (its
-per-position NLLs, cache, timing and the commit that made it) and a finished run is never redone; `--report` (also run
-at the end) reads only those files (refusing runs of different commits or token sequences) and writes results.md,
+`StreamingOptions`) and the random maps' seeds (`axes: random_map`). study.run is an imported real model
+(docs/CONVERT.md: SmolLM2-135M-Instruct), scored in float32. Run by run, resumable (walked by
+`sinkjax.experiments.runner`): every run writes its own raw file OUT/<name>.json (its per-position NLLs, cache,
+timing and the commit that made it) and a finished run is never redone; the report (--report-only; also run at the
+end) reads only those files (refusing runs of different commits or token sequences) and writes results.md,
 results.json and streaming_real.png there.
 
 Texts (offline, English prose from this machine's Python, no code):
 - scored: Python's help topics (pydoc_data.topics, in key order), the paragraphs that are prose (`prose_paragraphs`:
   no indented line, no ">>>", >= 75 % letters and spaces; heading underlines dropped), joined with blank lines, the
-  first `--tokens` tokens (the tokenizer adds no BOS);
+  first streaming.tokens tokens (the tokenizer adds no BOS);
 - importance: the docstrings of the standard library's modules, classes and functions (not the help topics;
   `heads_real`'s prose rule), one document per segment, rows of 256 tokens ([Sink-MoE] eq. 5 per head, `run.head_importance_of`).
 
 Runs: `importance`; then, each over the same tokens, scored in blocks (`sinkjax.generate.streaming_scores(chunk=)`,
 exact for every cache): window-only and 4 sinks + window at W 256 and 1024; the full cache; the hybrid cache at W 256
-(4 sinks) whose full KV heads are the `--full-heads` F most important, ranked over the whole model
-(`cache_policy`, scope global, a KV head as its most important query head), and `--random-maps` maps of the same
-size drawn at random (seeds 0, 1, ...); and `check`: the first 320 tokens token by token against the blocks (4 sinks
-+ W 256, and the full cache), the largest difference in NLL. `--scope layer` (its own `--out`) is the fair test of the
+(4 sinks) whose full KV heads are the streaming.full_heads F most important, ranked over the whole model
+(`cache_policy`, scope global, a KV head as its most important query head), and maps of the same size drawn at
+random (the seeds of axes.random_map); and `check`: the first 320 tokens token by token against the blocks (4 sinks
++ W 256, and the full cache), the largest difference in NLL. streaming.scope=layer (its own study.out) is the fair test of the
 ranking: the importance and random hybrids alone, each keeping F of every layer's KV heads full (SmolLM2: 1 of 3), so
 the importance map cannot win by picking layers.
 
-Statistics (`--report`): the importance map's perplexity ranks r among the 1 + k maps, so were it one more random map
+Statistics (the report): the importance map's perplexity ranks r among the 1 + k maps, so were it one more random map
 p = r / (1 + k) exactly (the permutation statement); the k differences random - importance with
 `stats.paired_effect` (paired t, exact permutation and sign tests); per map, the 512-token blocks the importance map
 wins.
 """
 from __future__ import annotations
 
-from sinkjax import cli
-
-if __name__ == "__main__":
-  cli.require_extra("sinkjax.experiments.streaming_real")
-
-import argparse
 import dataclasses
 import hashlib
 import json
 import logging
 import math
-import os
 import pathlib
 import sys
-import sysconfig
 import time
 
 import numpy as np
@@ -107,20 +95,8 @@ def scored_text() -> str:
 
 def importance_documents() -> list[str]:
   """Prose docstrings of the standard library (heads_real's rule), deduplicated, in file order; no help topics."""
-  from sinkjax.experiments.heads_real import _docstrings, _prose  # pylint: disable=import-outside-toplevel
-  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-  skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data"}
-  seen, out = set(), []
-  for dirpath, dirnames, files in os.walk(root):
-    dirnames[:] = sorted(d for d in dirnames if d not in skip)
-    for name in sorted(files):
-      if name.endswith(".py"):
-        for doc in _docstrings(pathlib.Path(dirpath) / name):
-          p = _prose(doc)
-          if p is not None and p not in seen:
-            seen.add(p)
-            out.append(p)
-  return out
+  from sinkjax.experiments import heads_real  # pylint: disable=import-outside-toplevel
+  return heads_real.prose_documents(heads_real.stdlib_docstrings())
 
 
 # ------------------------------------------------------------------------------------------------------------ runs
@@ -256,9 +232,9 @@ def load(out: pathlib.Path) -> dict:
       runs[p.stem] = json.loads(p.read_text())
   scored = [r for r in runs.values() if "nll" in r]
   if len({r["meta"]["ids_sha256"] for r in scored}) > 1:
-    raise StudyError(f"{out}: runs over different token sequences; give each study its own --out")
+    raise StudyError(f"{out}: runs over different token sequences; give each study its own study.out")
   if not runs:
-    raise StudyError(f"{out} holds no raw run files; run the study (--checkpoint) first, or give its --out")
+    raise StudyError(f"{out} holds no raw run files; run the study (study.run) first, or give its study.out")
   runner.one_commit(list(runs.values()))
   return runs
 
@@ -347,23 +323,6 @@ def report(out: pathlib.Path) -> dict:
   return s
 
 
-# ---------------------------------------------------------------------------------------------------- command line
-
-def build_parser() -> argparse.ArgumentParser:
-  p = cli.Parser(prog="python -m sinkjax.experiments.streaming_real", description=__doc__.split("\n\n")[0])
-  p.add_argument("--checkpoint", help="the imported real model's run directory")
-  p.add_argument("--out", default="docs/results/streaming_real", help="raw per-run files and the report")
-  p.add_argument("--tokens", type=int, default=8192, help="tokens scored (default 8192)")
-  p.add_argument("--random-maps", type=int, default=6, help="random maps of the hybrid's size (default 6)")
-  p.add_argument("--full-heads", type=float, default=0.25, help="fraction of KV heads kept full (default 0.25)")
-  p.add_argument("--scope", choices=cache_policy.SCOPES, default="global",
-                 help="rank the hybrid's full heads across the whole model (global, default) or within each layer "
-                      "(layer: the hybrid maps only; give the study its own --out)")
-  p.add_argument("--chunk", type=int, default=64, help="positions scored per step (default 64)")
-  p.add_argument("--report", action="store_true", help="only write the report from the raw files")
-  return p
-
-
 def run_plan(plan_: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
   """A kind-streaming study file, run (`sinkjax.experiments.study`): every run not yet scored, then the report."""
   opts = plan_.options("streaming", StreamingOptions())
@@ -376,22 +335,8 @@ def run_plan(plan_: runner.Plan, *, dry_run: bool = False, report_only: bool = F
   elif report_only:
     report(out)
   elif not plan_.study.run:
-    raise StudyError("give study.run=RUN_DIR (--checkpoint: an imported model) or report only (--report)")
+    raise StudyError("give study.run=RUN_DIR (an imported model) or report only (--report-only)")
   elif len(seeds) < 2 or opts.tokens < 2 * max(WINDOWS):
-    raise StudyError("two random maps or more (--random-maps >= 2) and streaming.tokens (--tokens) >= 2048, please")
+    raise StudyError("two random maps or more (axes.random_map) and streaming.tokens >= 2048, please")
   else:
     study(plan_.study.run, out, opts, seeds)
-
-
-def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-  overrides = [f"study.run={args.checkpoint or ''}", f"study.out={args.out}", f"streaming.tokens={args.tokens}",
-               f"streaming.full_heads={args.full_heads}", f"streaming.chunk={args.chunk}",
-               f"streaming.scope={args.scope}",
-               f"axes.random_map={json.dumps(list(range(args.random_maps)))}"]
-  return cli.run_main("sinkjax.experiments.streaming_real", lambda: run_plan(
-      runner.load_plan(STUDY_FILE, overrides), report_only=args.report))
-
-
-if __name__ == "__main__":
-  sys.exit(main())

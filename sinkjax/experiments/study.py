@@ -7,9 +7,14 @@
 The study's `study.kind` says which driver makes its runs and which report reads them:
 - `paper`: [Sink-MoE]'s from-scratch grid, results.json / results.md / figures (`sinkjax.experiments.paper`);
 - `dose`: the same runs over lambda, dose.json (then `paper_report --dose`);
+- `tpu`: Table 1's 18 paper configs on a TPU slice, one launch each (`sinkjax.experiments.paper_tpu`);
 - `pinning`: App. D on an imported model, one epoch, per-document losses (`sinkjax.experiments.heads_pinning`);
+  `pinning_null`: its null-arm check on a tiny model (`heads_pinning.null_check`, null.json);
+- `importance`: Fig. 4 / App. C, head importance of an imported model beside a random init
+  (`sinkjax.experiments.heads_real`);
 - `streaming`: streaming perplexity of an imported model under each KV cache (`sinkjax.experiments.streaming_real`);
-- `passkey`: passkey retrieval of a run per length, depth and KV cache (`sinkjax.experiments.passkey`).
+- `passkey`: passkey retrieval of a run per length, depth and KV cache (`sinkjax.experiments.passkey`);
+- `trigger`: [SinkNecessary]'s trigger task, every attention variant x shape (`sinkjax.experiments.trigger`).
 Each run records the commit and config it was made with; a rerun resumes, skipping finished runs.
 """
 from __future__ import annotations
@@ -35,7 +40,9 @@ def build_parser() -> cli.Parser:
 # a study of that kind runs: the kinds' modules import the runner, not this command)
 KINDS = {"paper": "sinkjax.experiments.paper", "dose": "sinkjax.experiments.paper",
          "pinning": "sinkjax.experiments.heads_pinning", "streaming": "sinkjax.experiments.streaming_real",
-         "passkey": "sinkjax.experiments.passkey"}
+         "passkey": "sinkjax.experiments.passkey", "trigger": "sinkjax.experiments.trigger",
+         "importance": "sinkjax.experiments.heads_real", "pinning_null": "sinkjax.experiments.heads_pinning",
+         "tpu": "sinkjax.experiments.paper_tpu"}
 assert set(KINDS) == set(runner.STUDY_KINDS)
 
 

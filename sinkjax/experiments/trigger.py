@@ -1,7 +1,8 @@
 """Trigger-conditional averaging task of [SinkNecessary] ("Attention sinks are provably necessary in softmax
 transformers"), trained with softmax, ReLU, sink and gated attention.
 
-    python -m sinkjax.experiments.trigger [--quick] [--out DIR] [--seed N]
+    python -m sinkjax.experiments.study configs/studies/trigger_quick.yaml [study.out=DIR] [trigger.seed=N] ...
+    python -m sinkjax.experiments.study configs/studies/trigger.yaml      # + the 2x2 and 4x4 models
 
 Task ([SinkNecessary] §3.2). A sequence of T tokens in R^d (1-indexed positions here, as in the paper; the code is
 0-indexed):
@@ -25,22 +26,16 @@ layer and 1e-4 for deeper models, until the largest absolute error over the whol
 counts as *solved* only when a held-out batch of the same size (fresh sequences, never trained on) also has its
 largest absolute error below 5e-3 (`solved`, `heldout_max_abs_error`).
 
-Outputs in --out: results.json (one record per variant x depth, schema in SPEC.md plus extra keys), attention
-map figures (mean/std over 1000 test sequences with the trigger at position 8 for 1x1 models, as [SinkNecessary]
-Fig. 3; one example per head for deeper models, as Fig. 4-5), and a printed table.
+A study file (kind trigger, configs/studies/trigger*.yaml) names the grid (`axes:` shape LAYERSxHEADS, variant) and
+the task and training (`trigger:`, `TriggerOptions`). Each model is a run of `sinkjax.experiments.runner` in
+study.out/runs/VARIANT_LxH (record.json with its commit and options, params.npz): a rerun skips finished models. Then
+study.out holds results.json (the records in grid order, schema in SPEC.md plus extra keys), table.txt (printed too)
+and attention figures: mean/std over `eval_size` test sequences with the trigger at position 8 for 1x1 models, as
+[SinkNecessary] Fig. 3; one example per head for deeper models, as Fig. 4-5.
 """
 from __future__ import annotations
 
-from sinkjax import cli
-
-if __name__ == "__main__":
-  cli.require_extra("sinkjax.experiments.trigger")   # before the imports below (tqdm, matplotlib: the train extra)
-
-import argparse
 import dataclasses
-import json
-import math
-import os
 import sys
 import time
 from typing import Any
@@ -53,12 +48,12 @@ import optax
 from sinkjax import paths
 from sinkjax.attention import (gated_attention, relu_attention, relu_attention_weights, sink_attention,
                                vanilla_attention)
-from sinkjax.experiments import int_at_least
+from sinkjax.config import key
+from sinkjax.experiments import runner
+from sinkjax.experiments.runner import StudyError
 from sinkjax.kernels import attention_weights
 
 VARIANTS = ("softmax", "relu", "sink", "gated")
-FULL_CONFIGS = ((1, 1), (2, 2), (4, 4))     # (layers, heads)
-QUICK_CONFIGS = ((1, 1),)
 BOS, TRIG, OTHER = 0, 1, 2                   # indicator coordinates (paper's 1, 2, 3)
 
 
@@ -263,7 +258,7 @@ def _masked_mean(a, m, axes):
 def value_norms(params, x, variant: str, impl: str = "reference") -> dict[str, Any]:
   """Per layer and head [L][H]: the mean norm of the BOS token's value vector v = h W_V and of the other tokens',
   and of what each writes to the residual stream through W_O (v W_O, the part attention weight multiplies); the
-  "BOS value ≈ 0" of a sink is bos / other << 1. Without a BOS token (--no-bos) the BOS entries are None."""
+  "BOS value ≈ 0" of a sink is bos / other << 1. Without a BOS token (trigger.bos false) the BOS entries are None."""
   h = x
   bos = x[..., BOS] > 0.5
   has_bos = bool(np.asarray(bos).any())
@@ -363,165 +358,148 @@ def format_table(records: list[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-_positive_int = int_at_least(1)
-_nonneg_int = int_at_least(0)
+@dataclasses.dataclass
+class TriggerOptions:
+  """The `trigger:` section of a kind-trigger study file (configs/studies/trigger.yaml); its axes are `shape`
+  (LAYERSxHEADS) and `variant`."""
+  seed: int = key(0, ">=0")                   # the study's seed: evaluation batches and every model's init and data
+  max_steps: int = key(50000, ">=1")          # step cap per model
+  lr_single: float = key(1e-3, ">0")          # Adam lr of 1-layer models ([SinkNecessary] App. A)
+  lr_multi: float = key(1e-4, ">0")           # deeper models
+  batch_size: int = key(128, ">=1")
+  seq_len: int = key(16, ">=1")               # >= 3: BOS, a token and a trigger
+  dim: int = key(16, ">=1")                   # token dimension d (3 indicators + d - 3 content), >= 4
+  stop_error: float = key(5e-3, ">0")         # stop when max |pred - target| over a training batch is below this
+  eval_size: int = key(1000, ">=1")           # evaluation sequences
+  impl: str = key("reference", choices=("reference", "xla"))   # backend of the softmax-based variants
+  bos: bool = True                            # False: ablation beyond the paper, position 1 an ordinary token
+  progress: bool = True                       # tqdm bars
 
 
-def _positive_float(s):
+def _shape(text) -> tuple[int, int]:
+  """"LxH" -> (layers, heads); a StudyError otherwise."""
   try:
-    v = float(s)
+    layers, heads = (int(n) for n in str(text).lower().split("x"))
   except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}") from None
-  if not (v > 0 and math.isfinite(v)):
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
-  return v
+    layers = heads = 0
+  if min(layers, heads) < 1:
+    raise StudyError(f"axis shape: expected LAYERSxHEADS values like 1x1, 2x2, 4x4; got {text!r}")
+  return layers, heads
 
 
-def build_parser():
-  p = cli.Parser(prog="python -m sinkjax.experiments.trigger",
-                 description="Trigger-conditional task of [SinkNecessary]: softmax / ReLU / sink / gated attention.")
-  p.add_argument("--quick", action="store_true", help="only the 1-layer 1-head models, with a smaller step cap")
-  p.add_argument("--out", default="runs/trigger", help="output directory (default: runs/trigger)")
-  p.add_argument("--seed", type=_nonneg_int, default=0, help="random seed (default 0)")
-  p.add_argument("--variants", default=",".join(VARIANTS),
-                 help="comma-separated subset of softmax,relu,sink,gated (default: all)")
-  p.add_argument("--configs", default=None,
-                 help="comma-separated LAYERSxHEADS list, e.g. 2x2,4x4 (default: 1x1,2x2,4x4; 1x1 with --quick)")
-  p.add_argument("--max-steps", type=_positive_int, default=None,
-                 help="step cap per model (default 50000; 20000 with --quick)")
-  p.add_argument("--lr-single", type=_positive_float, default=1e-3, help="Adam lr, 1-layer models (App. A: 1e-3)")
-  p.add_argument("--lr-multi", type=_positive_float, default=1e-4, help="Adam lr, deeper models (App. A: 1e-4)")
-  p.add_argument("--batch-size", type=_positive_int, default=128)
-  p.add_argument("--seq-len", type=_positive_int, default=16)
-  p.add_argument("--dim", type=_positive_int, default=16, help="token dimension d (3 indicators + d-3 content)")
-  p.add_argument("--stop-error", type=_positive_float, default=5e-3,
-                 help="stop when max |pred - target| over a training batch is below this (default 5e-3)")
-  p.add_argument("--eval-size", type=_positive_int, default=1000, help="evaluation sequences (default 1000)")
-  p.add_argument("--impl", choices=("reference", "xla"), default="reference",
-                 help="flash_attention backend for the softmax-based variants (default reference)")
-  p.add_argument("--no-bos", action="store_true",
-                 help="ablation beyond the paper: no BOS token (position 1 is an ordinary token); the "
-                      "'bos_attention' values then measure attention on that first token")
-  p.add_argument("--no-progress", action="store_true", help="disable the tqdm progress bars")
-  return p
+def run_name(variant: str, layers: int, heads: int) -> str:
+  return f"{variant}_{layers}x{heads}"
 
 
-@dataclasses.dataclass(frozen=True)
-class TriggerStudy:
-  """What one invocation trains and evaluates (the command line's flags, checked)."""
-  out: str                          # local or gs:// / s3:// (written locally, uploaded after each model)
-  variants: tuple[str, ...]
-  configs: tuple[tuple[int, int], ...]   # (layers, heads)
-  max_steps: int
-  seed: int = 0
-  lr_single: float = 1e-3           # Adam lr of 1-layer models ([SinkNecessary] App. A)
-  lr_multi: float = 1e-4            # deeper models
-  batch_size: int = 128
-  seq_len: int = 16
-  dim: int = 16
-  stop_error: float = 5e-3
-  eval_size: int = 1000
-  impl: str = "reference"
-  bos: bool = True
-  progress: bool = True
+def _grid(plan: runner.Plan) -> list[tuple[str, int, int]]:
+  """(variant, layers, heads) of every run, in the axes' order (shape outermost in the study files)."""
+  for axis in set(plan.axes) - {"shape", "variant"}:
+    raise StudyError(f"{plan.path}: the trigger study's axes are shape and variant, got {axis}")
+  grid = []
+  for run in plan.runs():
+    variant = str(run.get("variant", "softmax"))
+    if variant not in VARIANTS:
+      raise StudyError(f"axis variant: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    grid.append((variant, *_shape(run.get("shape", "1x1"))))
+  return grid
 
 
-def parse_args(argv=None) -> TriggerStudy:
-  """The checked command line; a bad one exits with status 2."""
-  parser = build_parser()
-  args = parser.parse_args(argv)
-  variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-  bad = [v for v in variants if v not in VARIANTS]
-  if bad or not variants:
-    parser.error(f"--variants: unknown variant(s) {bad or args.variants!r}; choose from {','.join(VARIANTS)}")
-  if args.seq_len < 3:
-    parser.error(f"--seq-len must be at least 3 (BOS, a token and a trigger); got {args.seq_len}")
-  if args.dim < 4:
-    parser.error(f"--dim must be at least 4 (3 indicator coordinates + content); got {args.dim}")
-  max_steps = args.max_steps or (20000 if args.quick else 50000)
-  configs = QUICK_CONFIGS if args.quick else FULL_CONFIGS
-  if args.configs is not None:
-    try:
-      configs = tuple(tuple(int(n) for n in c.lower().split("x")) for c in args.configs.split(",") if c.strip())
-      assert configs and all(len(c) == 2 and min(c) >= 1 for c in configs)
-    except (ValueError, AssertionError):
-      parser.error(f"--configs: expected a list like 1x1,2x2,4x4; got {args.configs!r}")
-  try:
-    os.makedirs(paths.Mirror(args.out).local, exist_ok=True)
-  except paths.StorageError as e:
-    parser.error(str(e))
-  except OSError as e:
-    parser.error(f"--out: cannot create {args.out!r}: {e.strerror or e}")
-  return TriggerStudy(args.out, tuple(variants), tuple(configs), max_steps, args.seed, args.lr_single, args.lr_multi,
-                      args.batch_size, args.seq_len, args.dim, args.stop_error, args.eval_size, args.impl,
-                      not args.no_bos, not args.no_progress)
+def _save_params(path, params) -> None:
+  np.savez(path, **{f"{i}.{k}": np.asarray(v) for i, p in enumerate(params) for k, v in p.items()})
 
 
-def main(argv=None) -> int:
-  study = parse_args(argv)
-  return cli.run_main("sinkjax.experiments.trigger", lambda: run_study(study))
+def _load_params(path) -> list[dict]:
+  with np.load(path) as f:
+    out: dict[int, dict] = {}
+    for name in f.files:
+      i, k = name.split(".")
+      out.setdefault(int(i), {})[k] = jnp.asarray(f[name])
+  return [out[i] for i in sorted(out)]
 
 
-def run_study(study: TriggerStudy) -> None:
-  """Trains and evaluates every variant x (layers, heads); writes results.json, table.txt and the figures."""
-  mirror = paths.Mirror(study.out)
-  out_url, out = study.out, str(mirror.local)
-  variants, configs, max_steps = study.variants, study.configs, study.max_steps
-  T, d = study.seq_len, study.dim
-  fig_trigger = min(7, T - 1)                                    # position 8 (1-indexed), as in [SinkNecessary]
-  eval_key, fig_key = jax.random.split(jax.random.key(10_000 + study.seed))
-  bos = study.bos
-  x_ev, y_ev, t_ev = make_batch(eval_key, study.eval_size, T, d, bos=bos)
-  x_fig, y_fig, t_fig = make_batch(fig_key, study.eval_size, T, d, trigger_pos=fig_trigger, bos=bos)
-  # the held-out batch the "solved" rule is applied to: training batch size, keys no training run draws
-  x_ho, y_ho, _ = make_batch(jax.random.key(20_000 + study.seed), study.batch_size, T, d, bos=bos)
+class _Data:
+  """The study's fixed batches: evaluation, the figures' (trigger at position 8), and the held-out batch the "solved"
+  rule is applied to (training batch size, keys no training run draws)."""
 
-  from sinkjax import plots  # lazy: matplotlib, slow to import; only the figures need it
-  records, figures = [], []
-  t_start = time.perf_counter()
-  for layers, heads in configs:
-    lr = study.lr_single if layers == 1 else study.lr_multi
-    single_maps = {}
-    for variant in variants:
-      run_seed = study.seed * 1000 + 17 * layers + heads
-      params, info = train(variant, layers, heads, lr=lr, max_steps=max_steps, seed=run_seed,
-                           batch=study.batch_size, seq_len=T, dim=d, stop_linf=study.stop_error, impl=study.impl,
-                           progress=study.progress, bos=bos)
-      rec = {"variant": variant, "layers": layers, "heads": heads, "bos_token": bos}
-      rec.update(evaluate(params, variant, x_ev, y_ev, t_ev, study.impl))
-      rec.update({k: v for k, v in info.items() if k != "curve"})
-      rec.update(solved_on_heldout(params, variant, x_ho, y_ho, study.stop_error, study.impl))
-      rec["train_curve"] = info["curve"]
-      records.append(rec)
-      _, maps = forward_maps(params, x_fig, variant, study.impl)
-      attn = np.asarray(maps["attn"])                                       # [L,N,H,T,T]
-      if layers == 1 and heads == 1:
-        single_maps[variant] = attn[0, :, 0]
-      else:
-        path = os.path.join(out, f"attention_{variant}_{layers}L{heads}H.png")
-        plots.plot_attention_heads(attn[:, 0], f"{variant} attention, {layers} layers x {heads} heads, one test "
-                                   f"sequence, trigger at position {fig_trigger + 1}", T, path)
-        figures.append(path)
-      with open(os.path.join(out, "results.json"), "w") as f:        # rewritten after every model
-        json.dump(records, f, indent=1)
-      mirror.sync()
-    if single_maps:
-      path = os.path.join(out, "attention_1L1H.png")
-      plots.plot_attention_mean_std(single_maps, T, fig_trigger, path)
-      figures.append(path)
+  def __init__(self, o: TriggerOptions):
+    self.fig_trigger = min(7, o.seq_len - 1)                      # position 8 (1-indexed), as in [SinkNecessary]
+    eval_key, fig_key = jax.random.split(jax.random.key(10_000 + o.seed))
+    self.ev = make_batch(eval_key, o.eval_size, o.seq_len, o.dim, bos=o.bos)
+    self.fig = make_batch(fig_key, o.eval_size, o.seq_len, o.dim, trigger_pos=self.fig_trigger, bos=o.bos)
+    self.heldout = make_batch(jax.random.key(20_000 + o.seed), o.batch_size, o.seq_len, o.dim, bos=o.bos)
 
+
+def train_and_evaluate(o: TriggerOptions, data: _Data, variant: str, layers: int, heads: int, run_dir, root) -> dict:
+  """One model of the grid: trained (`train`), evaluated (`evaluate`, `solved_on_heldout`); its parameters saved in
+  RUN_DIR/params.npz (the figures are drawn from them) and, for a deeper model, its per-head figure drawn."""
+  from sinkjax import plots  # pylint: disable=import-outside-toplevel  # matplotlib: slow to import
+  lr = o.lr_single if layers == 1 else o.lr_multi
+  params, info = train(variant, layers, heads, lr=lr, max_steps=o.max_steps, seed=o.seed * 1000 + 17 * layers + heads,
+                       batch=o.batch_size, seq_len=o.seq_len, dim=o.dim, stop_linf=o.stop_error, impl=o.impl,
+                       progress=o.progress, bos=o.bos)
+  rec = {"variant": variant, "layers": layers, "heads": heads, "bos_token": o.bos}
+  rec.update(evaluate(params, variant, *data.ev, o.impl))
+  rec.update({k: v for k, v in info.items() if k != "curve"})
+  rec.update(solved_on_heldout(params, variant, *data.heldout[:2], o.stop_error, o.impl))
+  rec["train_curve"] = info["curve"]
+  _save_params(run_dir / "params.npz", params)
+  if (layers, heads) != (1, 1):
+    attn = np.asarray(forward_maps(params, data.fig[0], variant, o.impl)[1]["attn"])     # [L,N,H,T,T]
+    plots.plot_attention_heads(attn[:, 0], f"{variant} attention, {layers} layers x {heads} heads, one test "
+                               f"sequence, trigger at position {data.fig_trigger + 1}", o.seq_len,
+                               root / f"attention_{variant}_{layers}L{heads}H.png")
+  return rec
+
+
+def report(o: TriggerOptions, grid, study: runner.Study, data: _Data | None = None) -> list[dict]:
+  """results.json (the finished runs' records, in grid order), table.txt and the 1x1 models' mean / std attention
+  figure ([SinkNecessary] Fig. 3, from their saved parameters)."""
+  from sinkjax import plots  # pylint: disable=import-outside-toplevel
+  names = [run_name(*g) for g in grid]
+  records = list(study.records(names).values())
+  runner.write_json(study.root / "results.json", records)
+  single = [(v, n) for (v, L, H), n in zip(grid, names)
+            if (L, H) == (1, 1) and (study.run_dir(n) / "params.npz").is_file()]
+  if single:
+    data = data or _Data(o)
+    maps = {v: np.asarray(forward_maps(_load_params(study.run_dir(n) / "params.npz"), data.fig[0], v, o.impl)[1]
+                          ["attn"])[0, :, 0] for v, n in single}
+    plots.plot_attention_mean_std(maps, o.seq_len, data.fig_trigger, study.root / "attention_1L1H.png")
   table = format_table(records)
-  table += (f"\n(conv: max error < {study.stop_error:g} on the training batch it stopped on; solved / max_err: on a "
-            f"held-out batch of {study.batch_size})")
-  if not bos:
-    table += "\n(--no-bos: there is no BOS token; the BOS columns are the attention on position 1, an ordinary token)"
-  with open(os.path.join(out, "table.txt"), "w") as f:
-    f.write(table + "\n")
-  mirror.sync()
+  table += (f"\n(conv: max error < {o.stop_error:g} on the training batch it stopped on; solved / max_err: on a "
+            f"held-out batch of {o.batch_size})")
+  if not o.bos:
+    table += ("\n(trigger.bos false: there is no BOS token; the BOS columns are the attention on position 1, an "
+              "ordinary token)")
+  (study.root / "table.txt").write_text(table + "\n")
   print(table)
-  print(f"\nwrote {out_url.rstrip('/')}/results.json and {len(figures)} figure(s) in {out_url} "
-        f"({time.perf_counter() - t_start:.0f} s)")
+  return records
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
+  """A kind-trigger study file, run (`sinkjax.experiments.study`): every model of shape x variant not yet trained
+  (OUT/runs/VARIANT_LxH/record.json), then the report: OUT/results.json, table.txt and the figures."""
+  o = plan.options("trigger", TriggerOptions())
+  if o.seq_len < 3 or o.dim < 4:
+    raise StudyError(f"trigger.seq_len must be >= 3 (BOS, a token and a trigger) and trigger.dim >= 4 (3 indicator "
+                     f"coordinates + content); got {o.seq_len} and {o.dim}")
+  grid = _grid(plan)
+  mirror = paths.Mirror(plan.study.out, "study.out")      # local, or gs:// / s3:// (uploaded after each model)
+  study = runner.Study(mirror.local)
+  if dry_run:
+    print("\n".join(f"{run_name(*g)}: {study.state(run_name(*g))}" for g in grid))
+    return
+  data = None if report_only else _Data(o)
+  t0 = time.perf_counter()
+
+  def run(g):
+    def do(run_dir):
+      rec = train_and_evaluate(o, data, *g, run_dir, study.root)
+      return {**rec, "options": dataclasses.asdict(o)}, "trained + evaluated"
+    return runner.Run(run_name(*g), do)
+  if not report_only:
+    study.walk([run(g) for g in grid], lambda i, n, res: mirror.sync())
+  report(o, grid, study, data)
+  mirror.sync()
+  print(f"\nwrote {plan.study.out.rstrip('/')}/results.json, table.txt and the figures "
+        f"({time.perf_counter() - t0:.0f} s)")
