@@ -168,11 +168,12 @@ def typed(command: Command, namespace: argparse.Namespace) -> tuple[dict, list[s
       raise ConfigError(f"{name}={value} is not an option of this command: its keys are "
                         + ", ".join(f"{s}.*" for s in command.sections) + " (see --help)")
   given += [(k, v) for k, v in values.items() if k not in ("options_file", "words")]
-  return _fill(command.sections, given), overrides
+  return fill(command.sections, given), overrides
 
 
-def _fill(classes: dict, given: list[tuple[str, object]]) -> dict:
-  """{section: cls()} of `classes` with each (section.key, value) of `given` checked and set in order."""
+def fill(classes: dict, given: list[tuple[str, object]]) -> dict:
+  """{section: cls()} of `classes` with each (section.key, value) of `given` checked by its declaration and set in
+  order (a command line's sections, a study file's own sections: `runner.Plan.options`)."""
   fields = {f"{s}.{f.name}": (s, f, hint) for s, f, hint in _declared(classes)}
   sections = {name: cls() for name, cls in classes.items()}
   for name, value in given:
@@ -190,7 +191,7 @@ def section_of(namespace: argparse.Namespace, section: str, cls):
   attributes), checked by the declarations: where a command keeps its own parser, its main turns the flags into
   the section before calling anything below it."""
   prefix = section + "."
-  return _fill({section: cls}, [(k, v) for k, v in vars(namespace).items() if k.startswith(prefix)])[section]
+  return fill({section: cls}, [(k, v) for k, v in vars(namespace).items() if k.startswith(prefix)])[section]
 
 
 def missing(command: Command, sections: dict) -> list[str]:

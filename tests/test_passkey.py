@@ -4,6 +4,7 @@ taken from the model's own teacher-forced forward pass (no cache)."""
 import numpy as np
 import pytest
 
+from sinkjax.cli import ConfigError
 from sinkjax.data.tokenizers import ByteTokenizer
 from sinkjax.experiments import passkey
 from tests.test_generate import random_model
@@ -44,19 +45,52 @@ def test_probe_records_every_keys_outcome():
 
 def test_the_study_file_spells_the_probe():
   """configs/studies/passkey_tiny.yaml: the documented probe (lengths 256, 512 x five depths, W 64, 4 sinks, hybrid
-  caches at F 0.25 and 0.5 with five random seeds); an override empties a policy key, which cache_policy then reads
-  as not given (None)."""
+  caches at F 0.25 and 0.5 with five random seeds), the head policy in a `cache:` section read as
+  `cache_policy.CacheOptions` (the cache.* keys of sinkjax.generate); an override sets a policy key back to not
+  given (None), and the probe's own section holds no policy key."""
   from sinkjax import cache_policy
   from sinkjax.experiments import runner
   plan = runner.load_plan(passkey.STUDY_FILE)
-  opts = plan.options("passkey", passkey.PasskeyOptions())
+  sections = plan.options(passkey.SECTIONS)
   assert plan.axes == {"length": [256, 512], "depth": [0, 0.25, 0.5, 0.75, 1]} and plan.study.kind == "passkey"
-  assert (opts.samples, opts.sink_size, opts.window) == (8, 4, 64)
-  assert cache_policy.parse_amounts(opts.full_heads) == [0.25, 0.5]
-  assert cache_policy.parse_seeds(opts.full_heads_random) == [0, 1, 2, 3, 4]
-  pol = runner.load_plan(passkey.STUDY_FILE, ["passkey.full_heads_random="]).options(
-      "passkey", passkey.PasskeyOptions()).cache_options()
-  assert isinstance(pol, cache_policy.CacheOptions)
+  assert sections["passkey"] == passkey.PasskeyOptions(samples=8, sink_size=4, window=64, seed=0)
+  assert sections["cache"] == cache_policy.CacheOptions(full_heads="0.25,0.5", full_heads_random="0,1,2,3,4")
+  assert cache_policy.parse_amounts(sections["cache"].full_heads) == [0.25, 0.5]
+  assert cache_policy.parse_seeds(sections["cache"].full_heads_random) == [0, 1, 2, 3, 4]
+  pol = runner.load_plan(passkey.STUDY_FILE, ["cache.full_heads_random=null", "cache.full_heads_scope=global"]).options(
+      passkey.SECTIONS)["cache"]
   assert pol.full_heads_random is None and pol.full_heads_from is None and cache_policy.wanted(pol)
-  assert (pol.full_heads, pol.full_heads_scope) == ("0.25,0.5", "layer")
+  assert (pol.full_heads, pol.full_heads_scope) == ("0.25,0.5", "global")
   cache_policy.check(pol)
+  with pytest.raises(ConfigError, match=r"^config key cache.full_heads_scope \(--full-heads-scope\) must be one of "
+                                        r"layer\|global, got 'model' \(in .*passkey_tiny.yaml\)$"):
+    runner.load_plan(passkey.STUDY_FILE, ["cache.full_heads_scope=model"]).options(passkey.SECTIONS)
+  with pytest.raises(ConfigError, match="unknown option passkey.full_heads; the keys of passkey are"):
+    runner.load_plan(passkey.STUDY_FILE, ["passkey.full_heads=0.5"]).options(passkey.SECTIONS)
+
+
+def test_the_flags_spell_the_study_files_keys(monkeypatch):
+  """`python -m sinkjax.experiments.passkey --checkpoint R ...` with the flags that spell passkey_tiny.yaml probes
+  what the study file does: the same run, lengths, depths and typed passkey / cache sections."""
+  from sinkjax import cache_policy
+  from sinkjax.experiments import runner
+  calls = []
+  monkeypatch.setattr(passkey, "run_study", lambda *a, **kw: calls.append((a, kw)))
+  assert passkey.main(["--checkpoint", "R", "--lengths", "256,512", "--depths", "0,0.25,0.5,0.75,1", "--samples",
+                       "8", "--full-heads", "0.25,0.5", "--full-heads-random", "0,1,2,3,4"]) == 0
+  passkey.run_plan(runner.load_plan(passkey.STUDY_FILE, ["study.run=R"]))
+  assert len(calls) == 2 and calls[0] == calls[1], calls
+  (run, lengths, depths, opts, cache), kw = calls[0]
+  assert (run, lengths, depths, kw) == ("R", [256, 512], [0.0, 0.25, 0.5, 0.75, 1.0], {"out": None})
+  assert opts == passkey.PasskeyOptions(samples=8, sink_size=4, window=64, seed=0)
+  assert cache == cache_policy.CacheOptions(full_heads="0.25,0.5", full_heads_random="0,1,2,3,4")
+
+
+def test_a_bad_flag_value_is_one_line_naming_its_key(capsys):
+  assert passkey.main(["--checkpoint", "R", "--window", "0"]) == 1
+  assert capsys.readouterr().err.strip().splitlines() == [
+      "sinkjax.experiments.passkey: error: config key passkey.window (--window) must be >= 1, got 0"]
+  assert passkey.main(["--checkpoint", "R", "--full-heads-gqa", "max"]) == 1
+  assert capsys.readouterr().err.strip().splitlines() == [
+      "sinkjax.experiments.passkey: error: config key cache.full_heads_gqa (--full-heads-gqa) must be one of "
+      "any|mean, got 'max'"]

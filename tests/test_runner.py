@@ -142,18 +142,18 @@ def test_a_study_without_a_recipe_reads_its_kinds_own_section(tmp_path):
   from sinkjax.experiments import streaming_real
   plan = runner.load_plan(streaming_real.STUDY_FILE, ["streaming.tokens=4096", "axes.random_map=[3, 9]",
                                                       f"study.out={tmp_path}"])
-  opts = plan.options("streaming", streaming_real.StreamingOptions())
+  opts = plan.options({"streaming": streaming_real.StreamingOptions})["streaming"]
   assert (opts.tokens, opts.full_heads, opts.chunk) == (4096, 0.25, 64) and plan.study.kind == "streaming"
   assert streaming_real.plan(plan.axes["random_map"])[-4:] == ["hybrid_random3_w256", "hybrid_random9_w256", "full",
                                                                "check"]
   layer = runner.load_plan(streaming_real.STUDY_FILE, ["streaming.scope=layer"]).options(
-      "streaming", streaming_real.StreamingOptions())               # the hybrid alone, ranked within each layer
+      {"streaming": streaming_real.StreamingOptions})["streaming"]  # the hybrid alone, ranked within each layer
   assert streaming_real.plan([0, 1], layer.scope) == ["importance", "hybrid_importance_w256", "hybrid_random0_w256",
                                                       "hybrid_random1_w256"]
   with pytest.raises(runner.StudyError, match="unknown section foo"):
-    runner.load_plan(streaming_real.STUDY_FILE, ["foo.x=1"]).options("streaming", streaming_real.StreamingOptions())
+    runner.load_plan(streaming_real.STUDY_FILE, ["foo.x=1"]).options({"streaming": streaming_real.StreamingOptions})
   with pytest.raises(runner.StudyError, match="need a recipe"):
     runner.load_plan(streaming_real.STUDY_FILE, ["train.steps=3"])
   with pytest.raises(Exception, match="streaming.full_heads must be in"):
     runner.load_plan(streaming_real.STUDY_FILE, ["streaming.full_heads=2"]).options(
-        "streaming", streaming_real.StreamingOptions())
+        {"streaming": streaming_real.StreamingOptions})

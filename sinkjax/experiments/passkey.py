@@ -4,11 +4,14 @@
         [--samples 8] [--sink-size 4 --window 64] [--full-heads 0.25,0.5 ...] [--full-heads-random 0,1,2] [--out DIR]
     python -m sinkjax.experiments.passkey --make-data OUT.jsonl [--docs 20000] [--max-len 512]
         [--text-fraction 0.3] [--seed 0]
-    python -m sinkjax.experiments.study configs/studies/passkey_tiny.yaml [study.run=RUN_DIR] [passkey.window=64] ...
+    python -m sinkjax.experiments.study configs/studies/passkey_tiny.yaml [study.run=RUN_DIR] [passkey.window=64]
+        [cache.full_heads=0.5] ...
 
 The probe is a study file of kind passkey (configs/studies/passkey_tiny.yaml): the run (study.run), the output
-(study.out, default RUN_DIR/passkey), the probe's keys (`passkey:`, `PasskeyOptions`: samples, sinks, window, seed and
-the hybrid caches' head policy) and `axes: length, depth`; the probe's flags spell those keys.
+(study.out, default RUN_DIR/passkey), the probe's keys (`passkey:`, `PasskeyOptions`: samples, sinks, window, seed),
+the hybrid caches' head policy (`cache:`, `sinkjax.cache_policy.CacheOptions`, the cache.* keys of
+`sinkjax.generate`) and `axes: length, depth`; the probe's flags spell those keys (`--window 64` = passkey.window,
+`--full-heads 0.5` = cache.full_heads).
 
 The probe (the passkey test of Landmark Attention / LongLoRA): BOS, filler sentences ("The grass is green. The sky
 is blue. ..."), at depth d of the filler the needle "The pass key is #71829. Remember it. #71829 is the pass key. ",
@@ -61,28 +64,21 @@ NEEDLE = "The pass key is #{key}. Remember it. #{key} is the pass key. "
 QUESTION = "What is the pass key? The pass key is #"
 KEY_DIGITS = 5
 STUDY_FILE = runner.REPO / "configs" / "studies" / "passkey_tiny.yaml"
-POLICY_KEYS = ("full_heads", "full_heads_random", "full_heads_from", "head_scores")   # "" = not given
 
 
 @dataclasses.dataclass
 class PasskeyOptions:
-  """The `passkey:` section of a kind-passkey study file; the policy keys are `sinkjax.cache_policy`'s flags."""
-  samples: int = key(8, ">=1")            # keys per length and depth
-  sink_size: int = key(4, ">=0")          # sinks of streaming heads
-  window: int = key(64, ">=1")            # slots of streaming heads, sinks included
-  seed: int = key(0, ">=0")               # the keys drawn
-  full_heads: str = ""                    # F[,F...]: hybrid caches whose full heads are chosen by importance
-  full_heads_random: str = ""             # SEED[,SEED...]: the same number of full heads at random, per seed
-  full_heads_from: str = ""               # a JSON [layers][kv heads] map instead
-  head_scores: str = ""                   # where importance / alpha are read (default: the run's)
-  full_heads_by: str = key("importance", choices=cache_policy.SOURCES)
-  full_heads_scope: str = key("layer", choices=cache_policy.SCOPES)
-  full_heads_gqa: str = key("any", choices=cache_policy.GQA_RULES)
+  """The `passkey:` section of a kind-passkey study file (each flag the alias of its key: `--window 64` =
+  `passkey.window=64`). The hybrid caches' head policy is not here: it is the `cache:` section (`SECTIONS`)."""
+  samples: int = key(8, ">=1", alias="--samples", help="keys per length and depth")
+  sink_size: int = key(4, ">=0", alias="--sink-size", help="sinks of streaming heads")
+  window: int = key(64, ">=1", alias="--window", help="slots of streaming heads, sinks included")
+  seed: int = key(0, ">=0", alias="--seed", help="the keys drawn (probe) / the documents (--make-data)")
 
-  def cache_options(self) -> cache_policy.CacheOptions:
-    """The head policy as `cache_policy` takes it (an unset key is None there)."""
-    return cache_policy.CacheOptions(**{f.name: getattr(self, f.name) or (None if f.name in POLICY_KEYS else "")
-                                        for f in dataclasses.fields(cache_policy.CacheOptions)})
+
+# The sections of a kind-passkey study file besides study: and axes:, and of the probe's flags: its own keys and the
+# per-head cache policy of `sinkjax.generate` (cache.full_heads, ...), declared once in `sinkjax.cache_policy`.
+SECTIONS = {"passkey": PasskeyOptions, "cache": cache_policy.CacheOptions}
 
 
 class PasskeyError(UserError):
@@ -270,12 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--checkpoint", help="run directory of a training run (the probe)")
   p.add_argument("--lengths", default="128,256,512", help="prompt lengths in tokens, comma-separated")
   p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1], comma-separated")
-  p.add_argument("--samples", type=int, default=8, help="keys per length and depth (default 8)")
-  p.add_argument("--sink-size", type=int, default=4, help="sinks of streaming heads (default 4)")
-  p.add_argument("--window", type=int, default=64, help="slots of streaming heads, sinks included (default 64)")
-  p.add_argument("--seed", type=int, default=0, help="keys (probe) / documents (--make-data)")
   p.add_argument("--out", help="where results.json and results.md go (default RUN_DIR/passkey)")
-  options.add_flags(p, "cache", cache_policy.CacheOptions)   # the cache.* options' flags
+  for section, cls in SECTIONS.items():      # the passkey.* and cache.* keys' flags
+    options.add_flags(p, section, cls)
   p.add_argument("--make-data", metavar="OUT.jsonl", help="write a training mix instead of probing")
   p.add_argument("--docs", type=int, default=20000, help="--make-data: passkey documents (default 20000)")
   p.add_argument("--max-len", type=int, default=512, help="--make-data: longest passkey document in bytes")
@@ -324,44 +317,43 @@ def run_probe(checkpoint: str, *, lengths, depths, samples: int, sink_size: int,
   print(table)
 
 
+def run_study(run: str, lengths, depths, opts: PasskeyOptions, cache: cache_policy.CacheOptions,
+              out: str | None = None) -> None:
+  """The probe of `run` at every length x depth for every cache mode: the full cache, sinks + window, and the
+  hybrid caches that the head policy `cache` asks for (none when it asks for none)."""
+  if not run:
+    raise PasskeyError("give --checkpoint RUN_DIR (study.run) (or --make-data OUT.jsonl)")
+  cache_policy.check(cache)
+  policies = cache_policy.policies_from(cache, read_run_config(run).model, run) if cache_policy.wanted(cache) else []
+  run_probe(run, lengths=lengths, depths=depths, samples=opts.samples, sink_size=opts.sink_size, window=opts.window,
+            seed=opts.seed, policies=policies, out=out)
+
+
 def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
   """A kind-passkey study file, run (`sinkjax.experiments.study`): the probe of study.run at every length x depth of
   its axes, for every cache mode."""
-  opts = plan.options("passkey", PasskeyOptions())
+  sections = plan.options(SECTIONS)
   for axis in set(plan.axes) - {"length", "depth"}:
     raise PasskeyError(f"{plan.path}: the passkey study's axes are length and depth, got {axis}")
   lengths, depths = plan.axes.get("length", [128, 256, 512]), plan.axes.get("depth", [0, 0.25, 0.5, 0.75, 1])
   if dry_run or report_only:
-    print(f"{plan.study.run}: lengths {lengths} x depths {depths}, {opts.samples} keys each"
+    print(f"{plan.study.run}: lengths {lengths} x depths {depths}, {sections['passkey'].samples} keys each"
           + (" (the probe writes its report as it runs)" if report_only else ""))
     return
-  if not plan.study.run:
-    raise PasskeyError("give --checkpoint RUN_DIR (study.run) (or --make-data OUT.jsonl)")
-  policy = opts.cache_options()
-  cache_policy.check(policy)
-  model_cfg = read_run_config(plan.study.run).model
-  policies = cache_policy.policies_from(policy, model_cfg, plan.study.run) if cache_policy.wanted(policy) else []
-  run_probe(plan.study.run, lengths=[int(x) for x in lengths], depths=[float(x) for x in depths],
-            samples=opts.samples, sink_size=opts.sink_size, window=opts.window, seed=opts.seed, policies=policies,
-            out=plan.study.out or None)
+  run_study(plan.study.run, [int(x) for x in lengths], [float(x) for x in depths], sections["passkey"],
+            sections["cache"], out=plan.study.out or None)
 
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
 
   def command():
+    opts, cache = (options.section_of(args, name, cls) for name, cls in SECTIONS.items())
     if args.make_data is not None:
-      return make_data(args.make_data, args.docs, args.max_len, args.text_fraction, args.seed)
+      return make_data(args.make_data, args.docs, args.max_len, args.text_fraction, opts.seed)
     lengths = _numbers(args.lengths, int, "--lengths", lambda v: v >= 1)
     depths = _numbers(args.depths, float, "--depths", lambda v: 0 <= v <= 1)
-    if args.samples < 1 or not 0 <= args.sink_size < args.window:
-      raise PasskeyError("--samples must be >= 1 and 0 <= --sink-size < --window")
-    cache = options.section_of(args, "cache", cache_policy.CacheOptions)
-    flags = {k: getattr(cache, k) for k in (*POLICY_KEYS, "full_heads_by", "full_heads_scope", "full_heads_gqa")}
-    overrides = [f"study.run={args.checkpoint or ''}", f"study.out={args.out or ''}", f"axes.length={lengths}",
-                 f"axes.depth={depths}", *(f"passkey.{k}={v or ''}" for k, v in flags.items()),
-                 *(f"passkey.{k}={getattr(args, k)}" for k in ("samples", "sink_size", "window", "seed"))]
-    return run_plan(runner.load_plan(STUDY_FILE, overrides))
+    return run_study(args.checkpoint, lengths, depths, opts, cache, out=args.out)
   return cli.run_main("sinkjax.experiments.passkey", command)
 
 

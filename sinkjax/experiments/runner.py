@@ -40,6 +40,7 @@ from typing import Any, Callable
 import yaml
 
 from sinkjax import config as config_lib
+from sinkjax import options as options_lib
 from sinkjax.cli import UserError
 from sinkjax.config import key
 
@@ -316,12 +317,18 @@ class Plan:
   sections: dict = dataclasses.field(default_factory=dict)
   command: str = ""                 # the command line that ran it, for the records
 
-  def options(self, name: str, options):
-    """The kind's own section `name` of the file set on `options` (a dataclass declared with `key`); another section
+  def options(self, classes: dict) -> dict:
+    """The kind's own sections of the file, {name: dataclass declared with `key`} -> {name: typed section}, each value
+    checked by its declaration as a command's options are (`sinkjax.options.fill`); a section the kind does not read
     is an error naming it."""
-    for other in set(self.sections) - {name}:
-      raise StudyError(f"{self.path}: unknown section {other} (kind {self.study.kind} reads study, axes and {name})")
-    return config_lib.apply_section(options, self.sections.get(name, {}), self.path, name)
+    for other in sorted(set(self.sections) - set(classes)):
+      raise StudyError(f"{self.path}: unknown section {other} (kind {self.study.kind} reads study, axes and "
+                       f"{', '.join(classes)})")
+    given = [(f"{name}.{k}", v) for name, keys in self.sections.items() for k, v in keys.items()]
+    try:
+      return options_lib.fill(classes, given)
+    except config_lib.ConfigError as e:
+      raise config_lib.ConfigError(f"{e} (in {self.path})") from None
 
   def results(self) -> pathlib.Path:
     """study.results, or OUT/results."""

@@ -325,7 +325,7 @@ def report(out: pathlib.Path) -> dict:
 
 def run_plan(plan_: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
   """A kind-streaming study file, run (`sinkjax.experiments.study`): every run not yet scored, then the report."""
-  opts = plan_.options("streaming", StreamingOptions())
+  opts = plan_.options({"streaming": StreamingOptions})["streaming"]
   for axis in set(plan_.axes) - {"random_map"}:
     raise StudyError(f"{plan_.path}: the streaming study's one axis is random_map (the random maps' seeds), got {axis}")
   seeds = [int(x) for x in plan_.axes.get("random_map", range(6))]
