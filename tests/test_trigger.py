@@ -214,13 +214,13 @@ def test_study_files_are_the_papers_grid():
   """trigger.yaml: App. A's settings over 1x1, 2x2, 4x4 x the four variants (shape outermost); trigger_quick.yaml: its
   1x1 row with the smaller step cap."""
   full = runner.load_plan(ROOT / "configs" / "studies" / "trigger.yaml")
-  o = full.options("trigger", tr.TriggerOptions())
+  o = full.options({"trigger": tr.TriggerOptions})["trigger"]
   assert (o.lr_single, o.lr_multi, o.batch_size, o.seq_len, o.dim, o.stop_error, o.max_steps) == (
       1e-3, 1e-4, 128, 16, 16, 5e-3, 50000)
   assert tr._grid(full)[:5] == [("softmax", 1, 1), ("relu", 1, 1), ("sink", 1, 1), ("gated", 1, 1), ("softmax", 2, 2)]
   quick = runner.load_plan(QUICK)
   assert [g[1:] for g in tr._grid(quick)] == [(1, 1)] * 4
-  assert quick.options("trigger", tr.TriggerOptions()).max_steps == 20000
+  assert quick.options({"trigger": tr.TriggerOptions})["trigger"].max_steps == 20000
 
 
 @pytest.mark.slow   # the study command's twin (~25 s) of the in-process trigger tests

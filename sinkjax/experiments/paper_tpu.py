@@ -286,7 +286,7 @@ class TpuOptions:
 def run_plan(plan, *, dry_run: bool = False, report_only: bool = False) -> int:
   """A kind-tpu study file, run (`sinkjax.experiments.study`): the grid of its axes (seed, size, variant, loss; in
   the file's order, seed-major) launched run by run (`run_grid`)."""
-  o = plan.options("tpu", TpuOptions())
+  o = plan.options({"tpu": TpuOptions})["tpu"]
   grid = {"seed": None, "size": SIZES, "variant": VARIANTS, "loss": LOSSES}
   for axis, values in plan.axes.items():
     if axis not in grid:

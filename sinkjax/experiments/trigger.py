@@ -479,7 +479,7 @@ def report(o: TriggerOptions, grid, study: runner.Study, data: _Data | None = No
 def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
   """A kind-trigger study file, run (`sinkjax.experiments.study`): every model of shape x variant not yet trained
   (OUT/runs/VARIANT_LxH/record.json), then the report: OUT/results.json, table.txt and the figures."""
-  o = plan.options("trigger", TriggerOptions())
+  o = plan.options({"trigger": TriggerOptions})["trigger"]
   if o.seq_len < 3 or o.dim < 4:
     raise StudyError(f"trigger.seq_len must be >= 3 (BOS, a token and a trigger) and trigger.dim >= 4 (3 indicator "
                      f"coordinates + content); got {o.seq_len} and {o.dim}")
