@@ -97,9 +97,10 @@ def param_labels(params):
 
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
 
 
-def newton_schulz(g, steps: int = 5, dtype=jnp.bfloat16, eps: float = 1e-7):
+def newton_schulz(g, steps: int = 5, dtype=jnp.bfloat16, eps: float = NS_EPS):
   """Keller Jordan's quintic Newton-Schulz orthogonalization of a matrix (nanochat `zeropower_via_newtonschulz5`),
   computed in `dtype` on the wide orientation; returns g's dtype."""
   x = g.astype(dtype)
@@ -136,7 +137,7 @@ def _directions(leaves, steps: int, dtype, devices: int, axes: tuple, explicit: 
     n = stack.shape[0]
     stack = jnp.pad(stack, ((0, -n % devices), (0, 0), (0, 0)))
     stack = jax.sharding.reshard(stack, spec) if explicit else jax.lax.with_sharding_constraint(stack, spec)
-    stack = jax.vmap(lambda x: _ns_wide(x, steps, 1e-7))(stack)
+    stack = jax.vmap(lambda x: _ns_wide(x, steps, NS_EPS))(stack)
     start = 0
     for i in idx:
       x, tall = mats[i]
@@ -145,6 +146,11 @@ def _directions(leaves, steps: int, dtype, devices: int, axes: tuple, explicit: 
       o = jnp.swapaxes(o, -1, -2) if tall else o
       out[i] = o.reshape(leaves[i].shape).astype(leaves[i].dtype)
   return out
+
+
+def _shape_scale(shape) -> float:
+  """Muon's max(1, fan_out / fan_in) ** 0.5 of a kernel of `shape` (Flax's (in, out) layout)."""
+  return max(1.0, shape[-1] / shape[-2]) ** 0.5
 
 
 def _mesh_devices():
@@ -173,7 +179,7 @@ def scale_by_muon(beta: optax.ScalarOrSchedule = 0.95, ns_steps: int = 5, ns_dty
 
   def direction(g):
     o = newton_schulz(g, ns_steps, ns_dtype)
-    return o * max(1.0, g.shape[-1] / g.shape[-2]) ** 0.5
+    return o * _shape_scale(g.shape)
 
   def update_fn(updates, state, params=None):
     del params
@@ -186,7 +192,7 @@ def scale_by_muon(beta: optax.ScalarOrSchedule = 0.95, ns_steps: int = 5, ns_dty
     else:
       leaves, treedef = jax.tree.flatten(nesterov)
       ortho = _directions(leaves, ns_steps, ns_dtype, devices, axes, explicit)
-      out = treedef.unflatten([o * max(1.0, g.shape[-1] / g.shape[-2]) ** 0.5 for o, g in zip(ortho, leaves)])
+      out = treedef.unflatten([o * _shape_scale(g.shape) for o, g in zip(ortho, leaves)])
     return out, MuonState(optax.safe_increment(state.count), mom)
 
   return optax.GradientTransformation(init_fn, update_fn)
