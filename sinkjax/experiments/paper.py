@@ -26,8 +26,8 @@ from sinkjax import config as config_lib
 from sinkjax import paths
 from sinkjax.cli import UserError
 from sinkjax.experiments import runner
-from sinkjax.experiments.paper_report import LOSSES, VARIANTS, mean_std, seed_stats, table1, table1_cells, table1_effects
-from sinkjax.experiments.paper_report import table1_lines
+from sinkjax.experiments.paper_report import (LOSSES, VARIANTS, finetune_lines, finetune_summary, mean_std, seed_stats,
+                                              table1, table1_cells, table1_effects, table1_lines)
 from sinkjax.experiments.runner import StudyError, git_commit, one_commit, read_json, write_json
 
 TAU = 0.75                                     # [Sink-MoE] App. A: selective zeroing of heads with alpha > tau
@@ -244,7 +244,12 @@ def results_markdown(res: dict) -> str:
       *value_zeroing_markdown(res["value_zeroing"]), "", "![value zeroing](value_zeroing.png)", "",
       "## Head importance", "", "![importance](importance.png)", ""]
   if res.get("finetune"):
-    lines += finetune_markdown(res["finetune"])
+    lines += ["## Fine-tuning: eq. 7 vs eq. 8 ([Sink-MoE] App. D, head pinning)", "",
+              f"Each base run of the first seed fine-tuned from its final checkpoint (`train.init_from`) with the same "
+              f"recipe, λ = {FINETUNE_LAMBDA:g}, m = {FINETUNE_SHARED} shared head per layer (the top-m heads per "
+              "layer of the base run's held-out importance).", "", "![fine-tuning](finetune.png)"]
+    for v in res["finetune"]:
+      lines += finetune_lines(finetune_summary(res["finetune"], v), v)
   return "\n".join(lines)
 
 
@@ -323,25 +328,6 @@ def run_finetune(plan: runner.Plan, specs: list[RunSpec], root: pathlib.Path, co
             f"({time.perf_counter() - t0:.0f} s)", flush=True)
     out[spec.variant] = res
   return out
-
-
-def finetune_markdown(ft: dict) -> list[str]:
-  lines = ["## Fine-tuning: eq. 7 vs eq. 8 ([Sink-MoE] App. D, head pinning)", "",
-           f"Each base run of the first seed fine-tuned from its final checkpoint (`train.init_from`) with the same "
-           f"recipe, λ = {FINETUNE_LAMBDA:g}, m = {FINETUNE_SHARED} shared head per layer. Shared heads = the top-m "
-           "heads per layer of the base run's held-out importance. 'top changed' = layers whose top-m head after "
-           "fine-tuning is not the shared one (that head lost its role).", "",
-           "| attention | mode | val BPB | imbalance | shared imp. before → after | routed imp. before → after | "
-           "routed CV before → after | layers whose top head changed |", "|---|---|---|---|---|---|---|---|"]
-  for v, res in ft.items():
-    lines.append(f"| {v} | before | {res['before']['val_bpb']:.4f} | {res['before']['head_imbalance']:.3f} | | | | |")
-    for mode, rec in res["modes"].items():
-      r = rec["roles"]
-      lines.append(f"| {v} | {FINETUNE_TITLES[mode]} | {rec['val_bpb']:.4f} | {rec['head_imbalance']:.3f} | "
-                   f"{r['shared_before']:.3f} → {r['shared_after']:.3f} | {r['routed_before']:.3f} → "
-                   f"{r['routed_after']:.3f} | {r['routed_cv_before']:.3f} → {r['routed_cv_after']:.3f} | "
-                   f"{r['layers_top_changed'] or 'none'} |")
-  return lines + ["", "![fine-tuning](finetune.png)", ""]
 
 
 # ------------------------------------------------------------------------------------------------------ driver

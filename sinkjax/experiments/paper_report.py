@@ -115,7 +115,7 @@ def grid_stats(grid: dict) -> dict:
     variants[f"{v} − vanilla"] = w
   return {"effects": effects, "variants_base_bpb": variants,
           "power": power_figures([diff[v, "val_bpb"][1] for v in VARIANTS], n=len(diff["gated", "val_bpb"][1])),
-          "finetune": _finetune(grid.get("finetune")), "table1": table1_cells(runs),
+          "finetune": finetune_summary(grid.get("finetune")), "table1": table1_cells(runs),
           "seeds": diff["gated", "val_bpb"][0], "aux_terms": _aux_terms(runs), "value_norm_ratio": _vnr(runs),
           "value_zeroing": _value_zeroing(runs), "timing": _timing(runs), "curves": _curves(runs),
           "first_token": _first_token(runs)}
@@ -133,12 +133,12 @@ def power_figures(groups, n: int, effects=PAPER_BPB_EFFECTS) -> dict:
 DOMINANT = 0.9        # a head with held-out importance above this before fine-tuning is listed head by head
 
 
-def _finetune(ft: dict | None) -> dict | None:
-  """Gated fine-tuning (one seed): the shared (top-1) / routed means before and after each mode, and every head
-  whose importance before exceeds DOMINANT (the heads that carry their layer), before and after each mode."""
-  if not ft or "gated" not in ft:
+def finetune_summary(ft: dict | None, variant: str = "gated") -> dict | None:
+  """One variant's fine-tuning (one seed): the shared (top-1) / routed means before and after each mode, and every
+  head whose importance before exceeds DOMINANT (the heads that carry their layer), before and after each mode."""
+  if not ft or variant not in ft:
     return None
-  g = ft["gated"]
+  g = ft[variant]
   before = np.asarray(g["before"]["importance"], np.float64)
   modes = list(g["modes"])
   after = {m: np.asarray(g["modes"][m]["importance"], np.float64) for m in modes}
@@ -258,12 +258,10 @@ EFFECT_HEADER = ("per seed | mean | 95 % t-interval | paired t p | permutation p
                  "---|---:|---|---:|---:|---:|---|")
 
 
-def effects_table(effects: dict) -> list[str]:
-  lines = [f"| effect | {EFFECT_HEADER[0]}", f"|---|{EFFECT_HEADER[1]}"]
-  for name, e in effects.items():
-    nd = 3 if ("imbalance" in name or "head" in name) else 4
-    lines.append(f"| {e['what']} | " + " | ".join(effect_cells(e, nd)) + " |")
-  return lines
+def effects_table(rows, head: str = "effect") -> list[str]:
+  """One row per (label, effect, decimals): `effect_cells` under EFFECT_HEADER (stats.md, dose.md)."""
+  return [f"| {head} | {EFFECT_HEADER[0]}", f"|---|{EFFECT_HEADER[1]}",
+          *(f"| {label} | " + " | ".join(effect_cells(e, nd)) + " |" for label, e, nd in rows)]
 
 
 def power_lines(pw: dict, what: str, unit: str = "BPB", nd: int = 4) -> list[str]:
@@ -348,13 +346,13 @@ def value_sections(gs: dict) -> list[str]:
   return lines
 
 
-def finetune_lines(ft: dict | None) -> list[str]:
-  """The fine-tuning section of the grid report (eq. 7 vs eq. 8), or nothing without --finetune."""
+def finetune_lines(ft: dict | None, variant: str = "gated") -> list[str]:
+  """The fine-tuning section (eq. 7 vs eq. 8) of one variant's `finetune_summary` (stats.md, results.md), or nothing
+  without study.finetune."""
   if not ft:
     return []
-  lines = []
   modes = list(ft["modes"])
-  lines += ["", f"## Fine-tuning, gated ({ft['base_run']}, one seed, 100 steps)", "",
+  lines = ["", f"## Fine-tuning, {variant} ({ft['base_run']}, one seed, 100 steps)", "",
             "| mode | val BPB | imbalance | shared (top-1 per layer) before → after | routed before → after | "
             "routed CV after |", "|---|---:|---:|---|---|---:|",
             f"| before | {ft['before']['val_bpb']:.4f} | {ft['before']['head_imbalance']:.3f} | | | |"]
@@ -386,7 +384,8 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
       f"~1.3 (gated: {gs['aux_terms']['gated']:.1e}); their differences show how far two runs of one seed drift "
       "apart.", "",
       "## Table 1 analogue with its tests", "", *table1_lines(gs), "", "## Effects", "",
-      *effects_table(gs["effects"]), ""]
+      *effects_table([(e["what"], e, 3 if ("imbalance" in k or "head" in k) else 4)
+                      for k, e in gs["effects"].items()]), ""]
   lines += [f"- {e['sentence']}" for e in gs["effects"].values()] + [""]
   lines += ["## Variants against vanilla, base runs (Welch's t, unpaired)", "",
             "| comparison | difference of means | 95 % interval | Welch df | p |", "|---|---:|---|---:|---:|"]
@@ -571,12 +570,8 @@ def _rank_diffs(runs, variant, lam, control=0.0) -> tuple[list[float], list[floa
 
 def dose_effects_lines(effects: list[dict], control_label: str = "paired with") -> list[str]:
   """One row per lambda and quantity (RESULTS.md copies these tables)."""
-  lines = [f"| effect ({control_label}) | {EFFECT_HEADER[0]}", f"|---|{EFFECT_HEADER[1]}"]
-  for e in effects:
-    nd = 4 if e["quantity"] == "val BPB" else 3
-    lines.append(f"| λ = {e['lambda']:g} − {e['control']:g}, {e['quantity']} | " + " | ".join(effect_cells(e, nd))
-                 + " |")
-  return lines
+  return effects_table([(f"λ = {e['lambda']:g} − {e['control']:g}, {e['quantity']}", e,
+                         4 if e["quantity"] == "val BPB" else 3) for e in effects], f"effect ({control_label})")
 
 
 def drift_lines(effects: list[dict]) -> list[str]:
