@@ -3,7 +3,7 @@
     python -m sinkjax.pod_paths [--worker-local-paths] MODULE -- ARGS...
 
 `launch/tpu_vm.sh run` / `babysit` run this on the launching machine with the program's arguments (so every launch
-of `sinkjax.experiments.paper --scale tpu` is checked too). The workers of a slice share
+of the tpu study, `sinkjax.experiments.paper_tpu`, is checked too). The workers of a slice share
 nothing but the bucket, and `~/sinkjax` on each is replaced by the next `setup`: a relative data, tokenizer or run
 path there is never what a user means. Checked: for `sinkjax.train`, the config after its `base:` files and the
 overrides (`data.source`, `data.val_source`, `data.tokenizer`, `data.tfds_dir` of a `tfds:` source,

@@ -237,16 +237,17 @@ def test_two_processes_share_a_bucket_run(gcs, tmp_path):
 
 @pytest.mark.slow
 def test_paper_study_writes_to_a_bucket_and_resumes_from_it(gcs, tmp_path):
-  """`sinkjax.experiments.paper --out gs://...` makes its runs in a local mirror, uploads each finished run and the
+  """A paper study with study.out=gs://... makes its runs in a local mirror, uploads each finished run and the
   results; a rerun from an empty mirror (another machine) finds the finished run in the bucket and skips it."""
-  argv = ["--scale", "smoke", "--variants", "sink", "--seeds", "1", "--out", "gs://bucket/study"]
-  first = _run("sinkjax.experiments.paper", argv, tmp_path, gcs, SINKJAX_MIRROR_DIR=str(tmp_path / "m1"))
+  argv = [str(ROOT / "configs" / "studies" / "paper_smoke.yaml"), "axes.model.attention=[sink]", "axes.train.seed=[0]",
+          "study.out=gs://bucket/study"]
+  first = _run("sinkjax.experiments.study", argv, tmp_path, gcs, SINKJAX_MIRROR_DIR=str(tmp_path / "m1"))
   assert first.returncode == 0, first.stderr[-3000:]
   names = set(gcs.objects())
   for name in ("study/results.json", "study/results.md", "study/table1_bpb.png", "study/runs/sink_base_s0/done.json",
                "study/runs/sink_aux_s0/paper_eval.json", "study/runs/sink_aux_s0/metrics.jsonl"):
     assert name in names, name
-  again = _run("sinkjax.experiments.paper", argv, tmp_path, gcs, SINKJAX_MIRROR_DIR=str(tmp_path / "m2"))
+  again = _run("sinkjax.experiments.study", argv, tmp_path, gcs, SINKJAX_MIRROR_DIR=str(tmp_path / "m2"))
   assert again.returncode == 0, again.stderr[-3000:]
   assert again.stdout.count("done before, skipped") == 2, again.stdout
   assert json.loads(gcs.read("bucket", "study/results.json"))["runs"]

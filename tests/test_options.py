@@ -33,7 +33,7 @@ RUN_COMMANDS = {k: COMMANDS[k] for k in ("eval", "generate", "lm_eval")}     # t
 # Modules whose functions below main still take the parser's namespace: the studies (sinkjax/experiments, turned
 # into configs by #50's other part) and the commands not converted yet. The test fails when one of them no longer
 # does (take it off the list) or when another module starts to.
-NOT_CONVERTED = {"experiments/paper.py"}
+NOT_CONVERTED: set[str] = set()
 
 
 def _flags(parser) -> list[str]:

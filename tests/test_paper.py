@@ -1,21 +1,21 @@
-"""The paper study runner (`sinkjax.experiments.paper`): the Table 1 statistics against hand computations, and the
-grid runner end to end on 2-step runs (every artefact written, a rerun skips finished runs, bad arguments are
-one-line errors). Its after-prefill value zeroing is `sinkjax.eval`'s, tested in tests/test_eval.py."""
+"""The paper study (`sinkjax.experiments.paper`, study kinds paper and dose): the Table 1 statistics against hand
+computations, and its study files run end to end on 2-step runs (every artefact written, a rerun skips finished runs,
+bad keys are one-line errors). Its after-prefill value zeroing is `sinkjax.eval`'s, tested in tests/test_eval.py."""
 import json
 import math
 
 import numpy as np
 import pytest
 
-from sinkjax.experiments import paper, paper_report, runner
-from tests.helpers import call_main, run_command
+from sinkjax.experiments import paper, paper_report, runner, study
+from tests.helpers import call_main, one_error_line, run_command
 
 
 def test_table1_means_stds_and_paired_differences_by_hand():
   bpb = {("base", 0): 2.0, ("aux", 0): 1.9, ("base", 1): 2.2, ("aux", 1): 2.15, ("base", 2): 2.1}
   recs = [{"variant": "sink", "loss": l, "seed": s, "val_bpb": v, "head_imbalance": 0.1 * (s + 1)}
           for (l, s), v in bpb.items()]
-  t = paper.table1(recs)["sink"]
+  t = paper_report.table1(recs)["sink"]
   assert t["base"]["seeds"] == [0, 1, 2] and t["aux"]["seeds"] == [0, 1]
   assert t["base"]["val_bpb"]["mean"] == pytest.approx(2.1)
   assert t["base"]["val_bpb"]["std"] == pytest.approx(0.1)                     # sqrt((0.01 + 0.01 + 0) / 2)
@@ -40,32 +40,24 @@ def test_head_roles_names_the_heads_that_lost_their_role():
 
 # ------------------------------------------------------------------------------------------------ the runner
 
-def run_main(argv, capsys):
-  rc = paper.main(argv)
-  return rc, capsys.readouterr()
+def run_study(name, *args, capsys):
+  """`python -m sinkjax.experiments.study configs/studies/NAME.yaml ARGS`, called in this process."""
+  return call_main(study.main, [paper.STUDIES / f"{name}.yaml", *args], capsys)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--variants", "vanilla,foo"], "unknown variant(s) foo"),
-    (["--seeds", "0"], "--seeds"),
-    (["--first-seed", "-1"], "--first-seed"),
-    (["--scale", "tpu"], "--scale"),
-    (["--steps", "two"], "--steps"),
-    (["--lambdas", "0,x"], "--lambdas"),
-    (["--lambdas", "-1e-3"], "--lambdas"),
-    (["--lambdas", "0,1e-2", "--finetune"], "--finetune"),
+@pytest.mark.parametrize("args,needle", [
+    (["axes.model.attention=[vanilla,foo]"], "foo"),
+    (["train.steps=two"], "train.steps"),
+    (["axes.train.seed=[]"], "axis train.seed must be a non-empty list"),
+    (["study.kind=bogus"], "study.kind"),
 ])
-def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
-  with pytest.raises(SystemExit) as e:
-    paper.main(argv + ["--dry-run"])
-  err = capsys.readouterr().err
-  assert e.value.code == 2 and needle in err and err.count("\n") == 1, err
+def test_bad_keys_are_one_line_errors(args, needle, capsys):
+  assert needle in one_error_line(run_study("paper_smoke", *args, "--dry-run", capsys=capsys))
 
 
 def test_another_scale_in_the_same_out_is_a_one_line_error(tmp_path, capsys):
   (tmp_path / "study.json").write_text(json.dumps({"scale": "cpu", "steps": None}))
-  rc, cap = run_main(["--scale", "smoke", "--out", str(tmp_path)], capsys)
-  assert rc == 1 and "scale cpu" in cap.err and cap.err.count("\n") == 1, cap.err
+  assert "scale cpu" in one_error_line(run_study("paper_smoke", f"study.out={tmp_path}", capsys=capsys))
 
 
 def test_a_study_out_of_the_flag_era_resumes_at_its_own_steps(tmp_path):
@@ -88,8 +80,8 @@ def test_a_second_invocation_on_the_same_out_is_a_one_line_error(tmp_path, capsy
                              str(tmp_path / ".study.lock")], stdout=subprocess.PIPE, text=True)
   try:
     assert holder.stdout.readline().strip() == "locked"
-    rc, cap = run_main(["--scale", "smoke", "--out", str(tmp_path)], capsys)
-    assert rc == 1 and "another invocation of the study is running" in cap.err and cap.err.count("\n") == 1, cap.err
+    assert "another invocation of the study is running" in one_error_line(
+        run_study("paper_smoke", f"study.out={tmp_path}", capsys=capsys))
     assert not (tmp_path / "runs").exists()
   finally:
     holder.kill()
@@ -99,7 +91,6 @@ def test_a_second_invocation_on_the_same_out_is_a_one_line_error(tmp_path, capsy
 def test_study_file_runs_from_the_study_command(tmp_path, capsys):
   """`python -m sinkjax.experiments.study FILE key=value --dry-run`: the file's grid with the overrides, seed-major;
   a bad study key is one line naming it."""
-  from sinkjax.experiments import study
   res = call_main(study.main, [str(paper.STUDIES / "paper_cpu_dose.yaml"), f"study.out={tmp_path}",
                                "axes.train.seed=[7]", "axes.loss.aux_weight=[0, 0.01]", "--dry-run"], capsys)
   names = [line.split()[1].rstrip(":") for line in res.stdout.splitlines() if line.startswith("[")]
@@ -109,10 +100,10 @@ def test_study_file_runs_from_the_study_command(tmp_path, capsys):
 
 
 def test_dry_run_lists_the_grid_seed_major(tmp_path, capsys):
-  rc, cap = run_main(["--seeds", "2", "--first-seed", "4", "--variants", "sink,gated", "--out", str(tmp_path),
-                      "--dry-run"], capsys)
-  names = [line.split()[1].rstrip(":") for line in cap.out.splitlines() if line.startswith("[")]
-  assert rc == 0 and names == ["sink_base_s4", "sink_aux_s4", "gated_base_s4", "gated_aux_s4", "sink_base_s5",
+  res = run_study("paper_cpu", "axes.train.seed=[4,5]", "axes.model.attention=[sink,gated]", f"study.out={tmp_path}",
+                  "--dry-run", capsys=capsys)
+  names = [line.split()[1].rstrip(":") for line in res.stdout.splitlines() if line.startswith("[")]
+  assert res.returncode == 0 and names == ["sink_base_s4", "sink_aux_s4", "gated_base_s4", "gated_aux_s4", "sink_base_s5",
                                "sink_aux_s5", "gated_base_s5", "gated_aux_s5"]
   assert not (tmp_path / "runs").exists()
 
@@ -141,15 +132,15 @@ def check_artefacts(out, names):
   return res
 
 
-def run_cli(argv):
-  return run_command("sinkjax.experiments.paper", *argv, timeout=900)
+def run_cli(*args):
+  return run_command("sinkjax.experiments.study", paper.STUDIES / "paper_smoke.yaml", *args, timeout=900)
 
 
 def test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs(tmp_path, capsys):
-  """The command trains and evaluates the grid; run again it skips what finished, and --report-only trains
+  """The study command trains and evaluates the grid; run again it skips what finished, and --report-only trains
   nothing (those two call its main in this process: the same code without a second interpreter's start-up)."""
-  argv = ["--scale", "smoke", "--variants", "sink", "--seeds", "1", "--out", str(tmp_path)]
-  p = run_cli(argv)
+  argv = ["axes.model.attention=[sink]", "axes.train.seed=[0]", f"study.out={tmp_path}"]
+  p = run_cli(*argv)
   assert p.returncode == 0, p.stderr[-2000:]
   assert "[1/2] sink_base_s0: trained + evaluated" in p.stdout and "[2/2] sink_aux_s0: trained + evaluated" in p.stdout
   res = check_artefacts(tmp_path, ["sink_base_s0", "sink_aux_s0"])
@@ -157,18 +148,18 @@ def test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs(tmp_p
                for n in ("sink_base_s0", "sink_aux_s0"))
   assert res["table1"]["sink"]["aux_minus_base"]["val_bpb"]["values"] == pytest.approx([aux - base])
   stamp = (tmp_path / "runs" / "sink_base_s0" / "done.json").stat().st_mtime_ns
-  p = call_main(paper.main, argv, capsys)
+  p = run_study("paper_smoke", *argv, capsys=capsys)
   assert p.returncode == 0 and p.stdout.count("done before, skipped") == 2 and "sinkjax.train" not in p.stdout
   assert (tmp_path / "runs" / "sink_base_s0" / "done.json").stat().st_mtime_ns == stamp
   # A bigger grid with --report-only trains nothing and reports what finished.
-  p = call_main(paper.main, argv[:-4] + ["--seeds", "2", "--out", str(tmp_path), "--report-only"], capsys)
+  p = run_study("paper_smoke", *argv, "axes.train.seed=[0,1]", "--report-only", capsys=capsys)
   assert p.returncode == 0 and "sinkjax.train" not in p.stdout and not (tmp_path / "runs" / "sink_base_s1").exists()
   assert "Finished runs: 2 of 4" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.slow
 def test_whole_grid_with_two_seeds_and_finetuning(tmp_path):
-  p = run_cli(["--scale", "smoke", "--seeds", "2", "--out", str(tmp_path), "--finetune"])
+  p = run_cli("axes.train.seed=[0,1]", f"study.out={tmp_path}", "study.finetune=true")
   assert p.returncode == 0, p.stderr[-2000:]
   names = [f"{v}_{l}_s{s}" for v in paper.VARIANTS for l in paper.LOSSES for s in (0, 1)]
   res = check_artefacts(tmp_path, names)
@@ -192,8 +183,7 @@ def test_dose_grid_names_reuse_the_main_grids_runs():
   specs = paper.specs_of(plan("paper_cpu_dose", "axes.loss.aux_weight=[0, 1e-4, 1e-3, 1e-2]", "axes.train.seed=[0,1]"))
   assert [s.name for s in specs[:4]] == ["gated_base_s0", "gated_aux_s0", "gated_lam0.001_s0", "gated_lam0.01_s0"]
   assert [s.lam for s in specs[:4]] == [0.0, 1e-4, 1e-3, 1e-2] and {s.seed for s in specs[4:]} == {1}
-  for lam in (0.0, 1e-8, 1e-4, 3e-3, 1e-2):
-    assert paper.label_lambda(paper.loss_label(lam)) == lam
+  assert [paper.loss_label(lam) for lam in (0.0, 1e-4, 1e-8, 3e-3)] == ["base", "aux", "lam1e-08", "lam0.003"]
   cfg = paper.run_config(plan(), specs[3], "RUN")
   assert cfg.loss.aux_weight == 1e-2 and cfg.model.attention == "gated" and cfg.train.seed == 0
   assert cfg.model.num_layers == 2 and cfg.train.steps == 2 and cfg.data.packing == "stream"   # paper_smoke's shape
@@ -223,7 +213,7 @@ def test_a_new_axis_is_one_line_of_the_grid(tmp_path):
 
 def _with_this_commit(tmp_path):
   """The committed main grid's results.json as if its runs had been made with this checkout's commit."""
-  committed = json.loads(paper.COMMITTED_RESULTS.read_text())
+  committed = json.loads(paper_report.GRID.read_text())
   committed["commit"] = paper.git_commit()["commit"]
   for r in committed["runs"]:
     r["commit"] = committed["commit"]
@@ -233,7 +223,7 @@ def _with_this_commit(tmp_path):
 
 
 def test_dose_reuses_committed_runs_only_of_this_commit_and_recipe(tmp_path):
-  runs, why = paper.reusable_records(paper.COMMITTED_RESULTS, plan("paper_cpu"))
+  runs, why = paper.reusable_records(paper_report.GRID, plan("paper_cpu"))
   assert runs == {} and not why["reused"]
   if why["recipe_differences"]["changed"] or why["recipe_differences"]["gone"]:
     pytest.skip(f"this checkout's recipe differs from the committed study's: {why['recipe_differences']}")
@@ -265,15 +255,15 @@ def test_keep_raw_copies_the_runs_own_files_not_its_checkpoints(tmp_path):
   (run / "checkpoints").mkdir(parents=True)
   for name in paper.RAW_FILES:
     (run / name).write_text(name)
-  paper.keep_raw(run, tmp_path / "raw" / "x")
+  runner.copy_files(run, tmp_path / "raw" / "x", paper.RAW_FILES)
   assert sorted(p.name for p in (tmp_path / "raw" / "x").iterdir()) == sorted(paper.RAW_FILES)
   assert (tmp_path / "raw" / "x" / "metrics.jsonl").read_text() == "metrics.jsonl"
 
 
 def test_dose_dry_run_marks_the_reused_runs(tmp_path, capsys):
   _, path = _with_this_commit(tmp_path)
-  rc, cap = run_main(["--lambdas", "0,1e-4,1e-2", "--seeds", "1", "--out", str(tmp_path / "out"), "--dry-run",
-                      "--reuse", str(path)], capsys)
-  lines = [l for l in cap.out.splitlines() if l.startswith("[")]
-  assert rc == 0 and len(lines) == 3 and all("gated" in l for l in lines)
+  res = run_study("paper_cpu_dose", "axes.loss.aux_weight=[0,1e-4,1e-2]", "axes.train.seed=[0]",
+                  f"study.out={tmp_path / 'out'}", f"study.reuse={path}", "--dry-run", capsys=capsys)
+  lines = [l for l in res.stdout.splitlines() if l.startswith("[")]
+  assert res.returncode == 0 and len(lines) == 3 and all("gated" in l for l in lines)
   assert "reused" in lines[0] and "reused" in lines[1] and "to do" in lines[2] and "gated_lam0.01_s0" in lines[2]

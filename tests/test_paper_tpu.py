@@ -1,4 +1,4 @@
-"""`python -m sinkjax.experiments.paper --scale tpu`: configs/paper/'s grid on a TPU slice, one launch per run through
+"""The tpu study (configs/studies/paper_tpu.yaml, `sinkjax.experiments.paper_tpu`): configs/paper/'s grid on a TPU slice, one launch per run through
 launch/tpu_vm.sh, resumable from the bucket. Checked against a GCS emulator on 127.0.0.1 (the bucket) and the fake
 gcloud of tests/test_launch.py (the slice: every SSH command runs here, as one worker, whose `python -m
 sinkjax.train` is a stand-in that writes what a finished run leaves in the bucket); no network."""
@@ -11,14 +11,15 @@ import sys
 
 import pytest
 
-from sinkjax.experiments import paper
+from sinkjax.experiments import study as study_cmd
 from tests import gcs_emulator
 from tests.helpers import call_main, one_error_line
 from tests.test_launch import FAKE_GCLOUD
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(gcs_emulator.missing() is not None, reason=str(gcs_emulator.missing()))
-SLICE = ["--name", "sj", "--zone", "us-central1-a"]
+STUDY = ROOT / "configs" / "studies" / "paper_tpu.yaml"
+SLICE = ["tpu.name=sj", "tpu.zone=us-central1-a"]
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ def _paper(em, *args, fake=None, timeout=300):
   env.update(em.env)
   if fake is not None:
     env.update(FAKE=str(fake), PATH=f"{fake / 'bin'}:{env['PATH']}")
-  return subprocess.run([sys.executable, "-m", "sinkjax.experiments.paper", "--scale", "tpu", *map(str, args)],
+  return subprocess.run([sys.executable, "-m", "sinkjax.experiments.study", str(STUDY), *map(str, args)],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -69,7 +70,7 @@ def _finished(em, name, steps, latest=None):
 
 
 def test_dry_run_prints_one_babysit_launch_per_config_and_skips_finished_runs(gcs):
-  r = _paper(gcs, "--out", "gs://bucket", *SLICE, "--dry-run")
+  r = _paper(gcs, "study.out=gs://bucket", *SLICE, "--dry-run")
   assert r.returncode == 0, r.stderr
   lines = [l for l in r.stdout.splitlines() if l.startswith("[")]
   configs = sorted(p.stem for p in (ROOT / "configs" / "paper").glob("d*_*_*.yaml"))
@@ -92,7 +93,8 @@ def test_dry_run_prints_one_babysit_launch_per_config_and_skips_finished_runs(gc
   # What the bucket holds decides: a finished run is skipped, a started one resumes from its checkpoint.
   _finished(gcs, "d20_sink_base", 21400)
   _finished(gcs, "d20_sink_aux", 21400, latest=8000)
-  r = _paper(gcs, "--out", "gs://bucket", *SLICE, "--dry-run", "--sizes", "d20", "--variants", "sink", "--seeds", 2)
+  r = _paper(gcs, "study.out=gs://bucket", *SLICE, "axes.size=[d20]", "axes.variant=[sink]", "axes.seed=[0,1]",
+             "--dry-run")
   assert r.returncode == 0, r.stderr
   lines = [l for l in r.stdout.splitlines() if l.startswith("[")]
   assert lines[0] == "[1/4] d20_sink_base: finished at step 21400, skipped"
@@ -101,35 +103,24 @@ def test_dry_run_prints_one_babysit_launch_per_config_and_skips_finished_runs(gc
   assert "1 of 4 runs finished in gs://bucket/runs" in r.stdout
 
 
-def test_the_study_file_is_the_same_grid(gcs, capsys):
-  """configs/studies/paper_tpu.yaml (kind tpu) launches what `paper --scale tpu` launches: the same lines for the
-  whole grid, and for a part of it its axes (axes.size=[d20] axes.variant=[sink] axes.seed=[0,1])."""
-  study = ROOT / "configs" / "studies" / "paper_tpu.yaml"
-  keys = ["study.out=gs://bucket", "tpu.name=sj", "tpu.zone=us-central1-a", "--dry-run"]
-  for flags, axes in (((), ()), (("--sizes", "d20", "--variants", "sink", "--seeds", 2),
-                                 ("axes.size=[d20]", "axes.variant=[sink]", "axes.seed=[0,1]"))):
-    want = _paper(gcs, "--out", "gs://bucket", *SLICE, "--dry-run", *flags)
-    env = {k: v for k, v in os.environ.items() if k not in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")}
-    got = subprocess.run([sys.executable, "-m", "sinkjax.experiments.study", str(study), *axes, *keys], cwd=ROOT,
-                         env={**env, **gcs.env}, capture_output=True, text=True, timeout=300)
-    assert want.returncode == got.returncode == 0, got.stderr
-    assert got.stdout == want.stdout
-  from sinkjax.experiments import study as study_cmd
-  for args, msg in (((), "the tpu study needs study.out=gs://BUCKET"),
-                    (("study.out=gs://bucket", "tpu.zone=z"), "the tpu study needs tpu.name"),
-                    (("axes.size=[d40]",), "axis size: a subset of d20, d26, d32"),
-                    (("study.out=gs://bucket", "tpu.name=sj", "tpu.zone=z", "--report-only"), "writes no report")):
-    assert msg in one_error_line(call_main(study_cmd.main, [study, *args], capsys)), args
-
-
 def test_grid_errors_are_one_line(capsys):
-  cases = {("--out", "runs/paper", *SLICE): "--scale tpu needs --out gs://BUCKET",
-           ("--out", "gs://bucket", "--zone", "z"): "--scale tpu needs --name",
-           ("--out", "gs://bucket", *SLICE, "--sizes", "d40"): "--sizes: a comma-separated subset of d20,d26,d32",
-           ("--out", "gs://bucket", *SLICE, "--data", "data"): "--data must be in the bucket",
-           ("--out", "gs://bucket", *SLICE, "--finetune"): "--scale tpu runs the main grid only"}
+  cases = {("study.out=runs/paper", *SLICE): "the tpu study needs study.out=gs://BUCKET",
+           ("study.out=gs://bucket", "tpu.zone=z"): "the tpu study needs tpu.name",
+           ("study.out=gs://bucket", *SLICE, "axes.size=[d40]"): "axis size: a subset of d20, d26, d32",
+           ("study.out=gs://bucket", *SLICE, "tpu.data=data"): "tpu.data must be in the bucket",
+           ("study.out=gs://bucket", *SLICE, "axes.depth=[1]"): "the tpu study's axes are seed, size, variant, loss"}
   for args, msg in cases.items():
-    assert msg in one_error_line(call_main(paper.main, ["--scale", "tpu", *args], capsys), status=2), args
+    assert msg in one_error_line(call_main(study_cmd.main, [STUDY, *args, "--dry-run"], capsys)), args
+
+
+def test_report_only_is_table1_of_the_finished_runs(gcs, tmp_path):
+  """--report-only launches nothing: Table 1 of the runs in OUT/runs (`paper_report.runs_report`), one line when
+  there are none."""
+  r = _paper(gcs, "study.out=gs://bucket", "--report-only")
+  assert r.returncode == 1 and "matches no run directory" in r.stderr, r.stderr
+  gcs.upload("bucket", "runs/d20_sink_base/config.yaml", b"model: {attention: sink, num_layers: 20}\n")
+  r = _paper(gcs, "study.out=gs://bucket", "--report-only")
+  assert r.returncode == 0 and "| Sink | base |" in r.stdout, r.stderr
 
 
 def test_grid_launches_through_tpu_vm_sh_and_resumes_where_the_bucket_says(gcs, tmp_path):
@@ -143,7 +134,7 @@ def test_grid_launches_through_tpu_vm_sh_and_resumes_where_the_bucket_says(gcs, 
   (tmp_path / "fake_train.py").write_text(FAKE_TRAIN)
   for f in (tmp_path / "bin" / "gcloud", venv / "python"):
     f.chmod(0o755)
-  grid = ["--out", "gs://bucket", *SLICE, "--sizes", "d20", "--variants", "sink", "--steps", 3, "--interval", 0]
+  grid = ["study.out=gs://bucket", *SLICE, "axes.size=[d20]", "axes.variant=[sink]", "tpu.steps=3", "tpu.interval=0"]
   # No data in the bucket: one line naming what stages it, nothing launched.
   r = _paper(gcs, *grid, fake=tmp_path)
   assert r.returncode == 1 and "no tokenizer at gs://bucket/data/tokenizer/tokenizer.json" in r.stderr, r.stderr

@@ -1,61 +1,37 @@
-"""The method paper's ([Sink-MoE]) from-scratch study with error bars: variants x {base, base + aux} x seeds.
+"""[Sink-MoE]'s from-scratch study with error bars (study kinds paper and dose): attention variants x lambda x seeds.
 
     python -m sinkjax.experiments.study configs/studies/paper_cpu.yaml [key=value ...] [--dry-run] [--report-only]
-    python -m sinkjax.experiments.paper [--scale cpu|gpu|smoke] [--seeds N] [--first-seed K]
-        [--variants vanilla,sink,gated] [--out DIR] [--dry-run] [--report-only] [--finetune] [--steps N]
-    python -m sinkjax.experiments.paper --scale tpu --out gs://BUCKET --name TPU_VM --zone ZONE [--dry-run] ...
 
-The study is a YAML file (configs/studies/paper_{cpu,gpu,smoke}.yaml, the dose study paper_cpu_dose.yaml; the format:
-`sinkjax.experiments.runner`); the flags of `paper` are spellings of its keys (--scale X: paper_X.yaml, --seeds /
---first-seed: axes.train.seed, --variants: axes.model.attention, --lambdas: study.kind=dose with
-axes.loss.aux_weight, --out: study.out, --steps: train.steps and study.finetune_steps, --finetune: study.finetune).
-
-`--scale tpu` is another study: the paper's own 18 configs (configs/paper/) trained on a TPU slice, one launch per
-run through launch/tpu_vm.sh, resumable, data and runs in the bucket (`sinkjax.experiments.paper_tpu`). The rest of
-this docstring is the small-scale study.
-
-Every run is `sinkjax.train.train` on configs/nanochat.yaml (the paper's recipe: nanochat 9d4c9b7's Muon + AdamW
-groups, lr 0.02, no warmup, linear decay to 0 over the final 20 %, clipping at 1.0, nanochat's init, logit soft-cap,
-`data.packing=stream`) with the shape, steps and batch overridden to what the scale allows (the study file), on the embedded
-corpus (`data.source=default`) with the byte tokenizer; `base` has loss.aux_weight = 0, `aux` the paper's
-lambda = 1e-4 (eq. 7). Each run is then evaluated with `sinkjax.eval`'s functions (val BPB, importance, head
-imbalance, first-token attention, sink ratio alpha, teacher-forced value zeroing) plus value zeroing as the paper
-defines it ([Sink-MoE] App. A): the first token's value zeroed in the KV cache *after* prefilling a prompt, the
-continuation scored token by token against that cache (`sinkjax.eval.prefill_value_zeroing`).
-
-Outputs in --out (the grid walked by `sinkjax.experiments.runner`): runs/NAME/ (one training run each, with done.json
-once trained and paper_eval.json once evaluated: a rerun skips both), raw/NAME/ (each finished run's own files without
-its checkpoints: done.json with the git commit the study ran, paper_eval.json with its final importance,
-metrics.jsonl, config.yaml; small enough to commit), results.json (refused when the runs were made with different
-commits: the arms of one study run on one commit), results.md and figures (`sinkjax.plots`): table1_bpb.png (the
-Table 1 analogue), imbalance_curves.png (Fig. 5), first_token_attention.png, value_zeroing.png, importance.png.
-With --finetune also finetune/ (eq. 7 vs eq. 8 fine-tuning of each trained base run, [Sink-MoE] App. D),
-finetune.json and finetune.png.
+Each run is `sinkjax.train.train` on the study file's recipe and shape (configs/studies/paper_{cpu,gpu,smoke}.yaml, the
+dose study paper_cpu_dose.yaml), then evaluated with `sinkjax.eval` (val BPB, importance, head imbalance, first-token
+attention, sink ratio, value zeroing teacher-forced and after prefill as [Sink-MoE] App. A defines it). study.out holds
+runs/NAME (done.json once trained, paper_eval.json once evaluated: a rerun skips both), raw/NAME (each run's files to
+commit, no checkpoints), results.json (one commit per study), results.md and the figures; with study.finetune=true
+also finetune/ and finetune.json (eq. 7 vs eq. 8, App. D). A dose study writes dose.json (its report: `paper_report`).
+docs/RESULTS.md reads them.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import pathlib
 import platform
-import sys
 import time
 
 import jax
 import numpy as np
 
-from sinkjax import choices, cli, paths
 from sinkjax import config as config_lib
+from sinkjax import paths
 from sinkjax.cli import UserError
-from sinkjax.experiments import int_at_least, paper_report, paper_tpu, runner
-from sinkjax.experiments.paper_report import seed_stats, table1
+from sinkjax.experiments import runner
+from sinkjax.experiments.paper_report import (LOSSES, VARIANTS, finetune_lines, finetune_summary, mean_std, seed_stats,
+                                              table1, table1_cells, table1_effects, table1_lines)
+from sinkjax.experiments.runner import StudyError, git_commit, one_commit, read_json, write_json
 
-VARIANTS = choices.PAPER_VARIANTS
-LOSSES = {"base": 0.0, "aux": 1e-4}            # loss.aux_weight: the paper's lambda for training from scratch (eq. 7)
 TAU = 0.75                                     # [Sink-MoE] App. A: selective zeroing of heads with alpha > tau
-STUDIES = pathlib.Path(__file__).resolve().parents[2] / "configs" / "studies"   # paper_{cpu,gpu,smoke}.yaml
+STUDIES = runner.REPO / "configs" / "studies"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,15 +71,6 @@ def loss_label(lam: float) -> str:
   return f"lam{float(lam):g}"
 
 
-def label_lambda(label: str) -> float:
-  """Inverse of loss_label."""
-  if label in LOSSES:
-    return LOSSES[label]
-  if not label.startswith("lam"):
-    raise ValueError(f"not a loss label: {label!r}")
-  return float(label[3:])
-
-
 def specs_of(plan: runner.Plan) -> list[RunSpec]:
   """The study's runs in its axes' order: attention, lambda and seed from the axes (else the study's config), any
   other axis carried in the run's name and overrides; lambda 0 and 1e-4 are named base / aux (`loss_label`), so a
@@ -128,28 +95,20 @@ def run_config(plan: runner.Plan, spec: RunSpec, run_dir, *, extra=()):
 
 # ------------------------------------------------------------------------------------------------ training
 
-_read_json, _write_json = runner.read_json, runner.write_json
-git_commit, one_commit, StudyError = runner.git_commit, runner.one_commit, runner.StudyError
 RAW_FILES = ("done.json", "paper_eval.json", "metrics.jsonl", "config.yaml")   # what a run keeps in OUT/raw/NAME
 
 
-def keep_raw(run_dir: pathlib.Path, raw_dir: pathlib.Path) -> None:
-  """Copies a finished run's own files (`RAW_FILES`, not its checkpoints) to raw_dir."""
-  runner.copy_files(run_dir, raw_dir, RAW_FILES)
-
-
-def grid_study(out: pathlib.Path, commit: dict | None = None) -> runner.Study:
+def grid_study(out: pathlib.Path) -> runner.Study:
   """The runner of OUT's grid: run NAME in OUT/runs/NAME, finished once paper_eval.json is written (done.json, the
   training record, carries the commit), its raw files kept in OUT/raw/NAME."""
-  return runner.Study(out, record="paper_eval.json", raw=out / "raw", raw_files=RAW_FILES, stamp=False,
-                      commit=commit)
+  return runner.Study(out, record="paper_eval.json", raw=out / "raw", raw_files=RAW_FILES, stamp=False)
 
 
 def train_run(cfg, run_dir: pathlib.Path, commit: dict | None = None) -> tuple[dict, bool]:
   """(done.json's record, whether it trained now): trains (or resumes) the run unless done.json says it finished;
   `commit` (default: this checkout's) is what done.json records the run was made with."""
-  from sinkjax.train import train  # lazy: the train extra (main() checks it), not loaded for --help
-  done = _read_json(run_dir / "done.json")
+  from sinkjax.train import train  # lazy: the train extra (study's main checks it)
+  done = read_json(run_dir / "done.json")
   if done is not None and done.get("steps") == cfg.train.steps:
     return done, False
   t0 = time.perf_counter()
@@ -157,7 +116,7 @@ def train_run(cfg, run_dir: pathlib.Path, commit: dict | None = None) -> tuple[d
   done = {"steps": summary["steps"], "end_step": summary["end_step"], "val_bpb": summary["val_bpb"],
           "final_loss": summary["final_loss"], "num_params": summary["num_params"],
           "train_seconds": time.perf_counter() - t0, **(commit or git_commit())}
-  _write_json(run_dir / "done.json", done)
+  write_json(run_dir / "done.json", done)
   return done, True
 
 
@@ -166,8 +125,8 @@ def train_run(cfg, run_dir: pathlib.Path, commit: dict | None = None) -> tuple[d
 def _held_out(run_dir: pathlib.Path, study: runner.StudySection) -> tuple:
   """(the run's model, restored from its latest checkpoint; the study's held-out batches of its data: eval_batches
   batches of train.batch_size rows)."""
-  from sinkjax.data import make_eval_batches  # lazy: the train extra (main() checks it), not loaded for --help
-  from sinkjax.run import load_run  # lazy: the train extra (main() checks it), not loaded for --help
+  from sinkjax.data import make_eval_batches  # lazy: the train extra (study's main checks it)
+  from sinkjax.run import load_run  # lazy: the train extra (study's main checks it)
   model, cfg, tok, _ = load_run(run_dir)
   return model, make_eval_batches(cfg.data, tok, batch_size=cfg.train.batch_size, num_batches=study.eval_batches)
 
@@ -181,7 +140,7 @@ def evaluate_run(run_dir: pathlib.Path, study: runner.StudySection, *, tau: floa
   """paper_eval.json's record: `sinkjax.eval.evaluate` on the run's held-out batches (teacher-forced value zeroing
   included) plus its after-prefill value zeroing (`prefill_value_zeroing`) and the teacher-forced one on the same
   targets (`teacher_forced_value_zeroing`)."""
-  from sinkjax import eval as eval_lib  # lazy: the train extra (main() checks it), not loaded for --help
+  from sinkjax import eval as eval_lib  # lazy: the train extra (study's main checks it)
   t0 = time.perf_counter()
   model, batches = _held_out(run_dir, study)
   report = eval_lib.evaluate(model, batches, tau=tau)
@@ -199,18 +158,25 @@ def evaluate_run(run_dir: pathlib.Path, study: runner.StudySection, *, tau: floa
 
 def imbalance_curve(run_dir: pathlib.Path) -> list[list[float]]:
   """[[step, head_imbalance], ...] of the run's metrics.jsonl (the training batches' importances, eq. 6)."""
-  from sinkjax.run import read_metrics  # lazy: the train extra (main() checks it), not loaded for --help
+  from sinkjax.run import read_metrics  # lazy: the train extra (study's main checks it)
   return [[r["step"], r["head_imbalance"]] for r in read_metrics(run_dir / "metrics.jsonl")
           if r.get("head_imbalance") is not None]
 
 
 # ------------------------------------------------------------------------------------------------- aggregation
 
+def arms(records: list[dict]) -> dict:
+  """{(variant, loss): its records}, in the records' order."""
+  out = {}
+  for r in records:
+    out.setdefault((r["variant"], r["loss"]), []).append(r)
+  return out
+
+
 def value_zeroing_table(records: list[dict]) -> list[dict]:
   """Per variant and loss: mean over seeds of BPB with no / all / alpha > tau zeroing, in both definitions."""
   rows = []
-  for (v, loss) in dict.fromkeys((r["variant"], r["loss"]) for r in records):
-    rs = [r for r in records if r["variant"] == v and r["loss"] == loss]
+  for (v, loss), rs in arms(records).items():
     row = {"variant": v, "loss": loss, "n": len(rs)}
     for defn in ("teacher_forced", "after_prefill"):
       for k in ("bpb_none", "bpb_all", "bpb_selected", "num_heads_selected"):
@@ -221,28 +187,21 @@ def value_zeroing_table(records: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------------ outputs
 
-def _pm(s: dict | None, nd: int = 4) -> str:
-  if not s:
-    return "-"
-  return f"{s['mean']:.{nd}f}" + (f" ± {s['std']:.{nd}f}" if s["std"] is not None else "")
-
-
 def value_zeroing_markdown(rows: list[dict]) -> list[str]:
   lines = ["| attention | loss | definition | BPB none | BPB all heads | BPB alpha > τ | heads with alpha > τ |",
            "|---|---|---|---|---|---|---|"]
   for r in rows:
     for defn, name in (("teacher_forced", "teacher-forced"), ("after_prefill", "after prefill (paper)")):
-      lines.append(f"| {r['variant']} | {r['loss']} | {name} | {_pm(r[f'{defn}.bpb_none'])} | "
-                   f"{_pm(r[f'{defn}.bpb_all'])} | {_pm(r[f'{defn}.bpb_selected'])} | "
-                   f"{_pm(r[f'{defn}.num_heads_selected'], 1)} |")
+      lines.append(f"| {r['variant']} | {r['loss']} | {name} | {mean_std(r[f'{defn}.bpb_none'])} | "
+                   f"{mean_std(r[f'{defn}.bpb_all'])} | {mean_std(r[f'{defn}.bpb_selected'])} | "
+                   f"{mean_std(r[f'{defn}.num_heads_selected'], 1)} |")
   return lines
 
 
 def attention_markdown(records: list[dict]) -> list[str]:
   lines = ["| attention | loss | F-Attn per layer (mean over heads and seeds) | mean alpha per layer | "
            "sink-logit weight per layer |", "|---|---|---|---|---|"]
-  for (v, loss) in dict.fromkeys((r["variant"], r["loss"]) for r in records):
-    rs = [r for r in records if r["variant"] == v and r["loss"] == loss]
+  for (v, loss), rs in arms(records).items():
     fmt = lambda a: " ".join(f"{x:.3f}" for x in np.mean(a, 0))
     sink = fmt([r["sink_logit_attention"] for r in rs]) if rs[0]["sink_logit_attention"] is not None else "-"
     lines.append(f"| {v} | {loss} | {fmt([r['first_token_attention'] for r in rs])} | "
@@ -268,8 +227,7 @@ def results_markdown(res: dict) -> str:
       f"Finished runs: {len(res['runs'])} of {res['grid_size']} in the requested grid "
       f"(seeds {res['seeds']}, variants {res['variants']}).", "",
       "## Table 1 analogue: validation BPB", "",
-      *paper_report.table1_lines({"table1": paper_report.table1_cells(res["runs"]),
-                                  "effects": paper_report.table1_effects(res["runs"])}), "",
+      *table1_lines({"table1": table1_cells(res["runs"]), "effects": table1_effects(res["runs"])}), "",
       "std is over seeds (ddof 1); the paired difference is taken per seed (same data order and init seed), so seed "
       "noise shared by base and aux cancels; its tests are `paper_report`'s (the same table as stats.md). "
       "[Sink-MoE] Table 1 reports aux − base of −0.0007 to −0.0055 BPB.", "",
@@ -286,7 +244,12 @@ def results_markdown(res: dict) -> str:
       *value_zeroing_markdown(res["value_zeroing"]), "", "![value zeroing](value_zeroing.png)", "",
       "## Head importance", "", "![importance](importance.png)", ""]
   if res.get("finetune"):
-    lines += finetune_markdown(res["finetune"])
+    lines += ["## Fine-tuning: eq. 7 vs eq. 8 ([Sink-MoE] App. D, head pinning)", "",
+              f"Each base run of the first seed fine-tuned from its final checkpoint (`train.init_from`) with the same "
+              f"recipe, λ = {FINETUNE_LAMBDA:g}, m = {FINETUNE_SHARED} shared head per layer (the top-m heads per "
+              "layer of the base run's held-out importance).", "", "![fine-tuning](finetune.png)"]
+    for v in res["finetune"]:
+      lines += finetune_lines(finetune_summary(res["finetune"], v), v)
   return "\n".join(lines)
 
 
@@ -308,7 +271,7 @@ def finetune_run(plan: runner.Plan, base_dir: pathlib.Path, spec: RunSpec, mode:
                  commit: dict | None = None) -> dict:
   """Fine-tunes the trained base run `base_dir` (train.init_from) with `mode`'s loss and returns the held-out
   val BPB, importance and head imbalance (finetune_eval.json's record)."""
-  from sinkjax import eval as eval_lib  # lazy: the train extra (main() checks it), not loaded for --help
+  from sinkjax import eval as eval_lib  # lazy: the train extra (study's main checks it)
   weight, m, fixed = FINETUNE_MODES[mode]
   extra = [f"train.init_from={base_dir}", f"loss.aux_weight={weight}", f"loss.num_shared_heads={m}"]
   if fixed:
@@ -348,7 +311,7 @@ def run_finetune(plan: runner.Plan, specs: list[RunSpec], root: pathlib.Path, co
   bases = [s for s in specs if s.loss == "base" and s.seed == specs[0].seed]
   for i, spec in enumerate(bases):
     base_dir = root / "runs" / spec.name
-    before = _read_json(base_dir / "paper_eval.json")
+    before = read_json(base_dir / "paper_eval.json")
     res = {"base_run": spec.name, "before": {k: before[k] for k in ("val_bpb", "importance", "head_imbalance")},
            "modes": {}}
     for j, mode in enumerate(FINETUNE_MODES):
@@ -367,25 +330,6 @@ def run_finetune(plan: runner.Plan, specs: list[RunSpec], root: pathlib.Path, co
   return out
 
 
-def finetune_markdown(ft: dict) -> list[str]:
-  lines = ["## Fine-tuning: eq. 7 vs eq. 8 ([Sink-MoE] App. D, head pinning)", "",
-           f"Each base run of the first seed fine-tuned from its final checkpoint (`train.init_from`) with the same "
-           f"recipe, λ = {FINETUNE_LAMBDA:g}, m = {FINETUNE_SHARED} shared head per layer. Shared heads = the top-m "
-           "heads per layer of the base run's held-out importance. 'top changed' = layers whose top-m head after "
-           "fine-tuning is not the shared one (that head lost its role).", "",
-           "| attention | mode | val BPB | imbalance | shared imp. before → after | routed imp. before → after | "
-           "routed CV before → after | layers whose top head changed |", "|---|---|---|---|---|---|---|---|"]
-  for v, res in ft.items():
-    lines.append(f"| {v} | before | {res['before']['val_bpb']:.4f} | {res['before']['head_imbalance']:.3f} | | | | |")
-    for mode, rec in res["modes"].items():
-      r = rec["roles"]
-      lines.append(f"| {v} | {FINETUNE_TITLES[mode]} | {rec['val_bpb']:.4f} | {rec['head_imbalance']:.3f} | "
-                   f"{r['shared_before']:.3f} → {r['shared_after']:.3f} | {r['routed_before']:.3f} → "
-                   f"{r['routed_after']:.3f} | {r['routed_cv_before']:.3f} → {r['routed_cv_after']:.3f} | "
-                   f"{r['layers_top_changed'] or 'none'} |")
-  return lines + ["", "![fine-tuning](finetune.png)", ""]
-
-
 # ------------------------------------------------------------------------------------------------------ driver
 
 def scale_record(plan: runner.Plan) -> dict:
@@ -400,33 +344,36 @@ def scale_record(plan: runner.Plan) -> dict:
 def _lock(out: pathlib.Path, plan: runner.Plan) -> None:
   """OUT/study.json pins the scale and steps: runs of another size in the same directory would not compare."""
   want = {"scale": scale_record(plan)["name"], "steps": plan.config({}, "RUN_DIR").train.steps}
-  have = _read_json(out / "study.json")
+  have = read_json(out / "study.json")
   if have is not None and have.get("steps", 0) is None:     # written before study files: None = the scale's steps
     have = {**have, "steps": runner.load_plan(plan.path).config({}, "RUN_DIR").train.steps}
   if have is not None and have != want:
     raise StudyError(f"study.out {out} holds a study of scale {have['scale']} with {have['steps']} steps; use that, "
                      "or another study.out")
-  _write_json(out / "study.json", want)
+  write_json(out / "study.json", want)
+
+
+def run_record(spec: RunSpec, run_dir: pathlib.Path) -> dict | None:
+  """What results.json / dose.json keep of a trained and evaluated run (None: not finished)."""
+  done, ev = read_json(run_dir / "done.json"), read_json(run_dir / "paper_eval.json")
+  if done is None or ev is None:
+    return None
+  return {"variant": spec.arm, "attention": spec.variant, "loss": spec.loss, "lambda": spec.lam, "seed": spec.seed,
+          "name": spec.name, "run_dir": str(run_dir), "commit": done.get("commit"),
+          "final_train_loss": done["final_loss"], "train_seconds": done["train_seconds"], **ev,
+          "imbalance_curve": imbalance_curve(run_dir)}
 
 
 def collect(out: pathlib.Path, specs: list[RunSpec]) -> list[dict]:
   """Every trained and evaluated main-grid run in OUT/runs: those of `specs` and those another invocation made
-  (named VARIANT_LOSS_sSEED), with its imbalance curve; dose-study runs (lambda labels) are dose.json's."""
+  (named VARIANT_LOSS_sSEED); dose-study runs (lambda labels) are dose.json's."""
   known = {s.name: s for s in specs if s.loss in LOSSES}
   for d in sorted((out / "runs").glob("*_s*")):
     parts = d.name.rsplit("_", 2)
     if d.name not in known and len(parts) == 3 and parts[0] in VARIANTS and parts[1] in LOSSES and \
         parts[2][1:].isdigit():
       known[d.name] = RunSpec(parts[0], parts[1], int(parts[2][1:]))
-  records = []
-  for name, spec in known.items():
-    d = out / "runs" / name
-    done, ev = _read_json(d / "done.json"), _read_json(d / "paper_eval.json")
-    if done is not None and ev is not None:
-      records.append({"variant": spec.arm, "attention": spec.variant, "loss": spec.loss, "seed": spec.seed,
-                      "run_dir": str(d), "name": name,
-                      "commit": done.get("commit"), "final_train_loss": done["final_loss"],
-                      "train_seconds": done["train_seconds"], **ev, "imbalance_curve": imbalance_curve(d)})
+  records = [r for name, spec in known.items() if (r := run_record(spec, out / "runs" / name)) is not None]
   order = {v: i for i, v in enumerate(VARIANTS)}
   return sorted(records, key=lambda r: (order[r["attention"]], r["variant"], list(LOSSES).index(r["loss"]), r["seed"]))
 
@@ -437,7 +384,7 @@ def machine_info() -> dict:
           "load_start": [round(x, 2) for x in os.getloadavg()]}
 
 
-def write_results(out: pathlib.Path, plan: runner.Plan, specs, machine: dict, ft: dict | None, command: str) -> dict:
+def write_results(out: pathlib.Path, plan: runner.Plan, specs, machine: dict, ft: dict | None) -> dict:
   """results.json, results.md and the figures from every finished run in OUT."""
   records = collect(out, specs)
   if not records:
@@ -445,12 +392,10 @@ def write_results(out: pathlib.Path, plan: runner.Plan, specs, machine: dict, ft
   commit = one_commit(records)
   recipe = config_lib.to_dict(run_config(plan, specs[0], "RUN_DIR"))
   machine = {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]}
-  res = {"command": command, "scale": scale_record(plan), "commit": commit, "recipe": recipe, "machine": machine, "seeds": sorted({s.seed for s in specs}),
-         "variants": list(dict.fromkeys(s.variant for s in specs)), "grid_size": len(specs), "runs": records,
+  res = {"command": plan.command, "scale": scale_record(plan), "commit": commit, "recipe": recipe, "machine": machine,
+         "seeds": sorted({s.seed for s in specs}), "variants": list(dict.fromkeys(s.variant for s in specs)), "grid_size": len(specs), "runs": records,
          "table1": table1(records), "value_zeroing": value_zeroing_table(records), "finetune": ft}
-  curves = {}
-  for r in records:
-    curves.setdefault((r["variant"], r["loss"]), []).append(r["imbalance_curve"])
+  curves = {k: [r["imbalance_curve"] for r in rs] for k, rs in arms(records).items()}
   from sinkjax import plots  # lazy: matplotlib, slow to import and the train extra's
   figures = [plots.plot_table1(res["table1"], out / "table1_bpb.png"),
              plots.plot_imbalance_curves(curves, out / "imbalance_curves.png"),
@@ -461,7 +406,7 @@ def write_results(out: pathlib.Path, plan: runner.Plan, specs, machine: dict, ft
     figures.append(plots.plot_finetune(ft, out / "finetune.png", titles=FINETUNE_TITLES, lam=FINETUNE_LAMBDA,
                                        m=FINETUNE_SHARED))
   res["figures"] = [p.name for p in figures]
-  _write_json(out / "results.json", res)
+  write_json(out / "results.json", res)
   (out / "results.md").write_text(results_markdown(res))
   return res
 
@@ -489,7 +434,7 @@ def _progress(res: runner.Result, i: int, n: int, t_start: float, label: str = "
 
 
 def run_study(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, report_only: bool = False,
-              command: str = "", sync=lambda: 0) -> dict:
+              sync=lambda: 0) -> dict:
   """Trains and evaluates every run of the grid not yet done (a progress line each), then writes the results;
   `sync` (a bucket mirror's) runs after each run."""
   machine = machine_info()
@@ -501,29 +446,15 @@ def run_study(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, rep
     sync()
   study.walk([] if report_only else [paper_run(plan, s, study.commit) for s in specs], done)
   finetune = plan.study.finetune and not report_only
-  ft = run_finetune(plan, specs, out, study.commit) if finetune else _read_json(out / "finetune.json")
+  ft = run_finetune(plan, specs, out, study.commit) if finetune else read_json(out / "finetune.json")
   if finetune:
-    _write_json(out / "finetune.json", ft)
-  res = write_results(out, plan, specs, machine, ft, command)
+    write_json(out / "finetune.json", ft)
+  res = write_results(out, plan, specs, machine, ft)
   sync()
   return res
 
 
 # ------------------------------------------------------------------------------------------------- dose study
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-COMMITTED_RESULTS = REPO / "docs" / "results" / "paper_cpu" / "results.json"   # the main cpu grid, as committed
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flatten(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
 
 def recipe_differences(plan: runner.Plan, committed: dict) -> dict:
   """How the config this checkout resolves for the committed study's first run differs from the recipe stored in
@@ -532,8 +463,8 @@ def recipe_differences(plan: runner.Plan, committed: dict) -> dict:
   at a default that keeps the old behaviour, is listed but does not block)."""
   first = committed["runs"][0]
   spec = RunSpec(first.get("attention", first["variant"]), first["loss"], first["seed"])
-  now = _flatten(config_lib.to_dict(run_config(plan, spec, "RUN_DIR")))
-  then = _flatten(committed["recipe"])
+  now = runner.flatten(config_lib.to_dict(run_config(plan, spec, "RUN_DIR")))
+  then = runner.flatten(committed["recipe"])
   changed = {k: [then[k], now[k]] for k in then if k in now and then[k] != now[k]}
   return {"changed": changed, "new": sorted(set(now) - set(then)), "gone": sorted(set(then) - set(now))}
 
@@ -562,32 +493,19 @@ def reusable_records(path, plan: runner.Plan) -> tuple[dict, dict]:
   return {(r["variant"], r["loss"], r["seed"]): r for r in committed["runs"]}, {**why, "reused": True}
 
 
-def _dose_record(spec: RunSpec, done: dict | None, ev: dict, run_dir: pathlib.Path | None, source: str) -> dict:
-  rec = {"variant": spec.arm, "attention": spec.variant, "loss": spec.loss, "lambda": spec.lam, "seed": spec.seed, "source": source, **ev}
-  if done is not None:
-    rec.update(final_train_loss=done["final_loss"], train_seconds=done["train_seconds"], commit=done.get("commit"))
-  rec["name"] = spec.name
-  if run_dir is not None:
-    rec.update(run_dir=str(run_dir), imbalance_curve=imbalance_curve(run_dir))
-  return rec
-
-
 def dose_records(out: pathlib.Path, specs: list[RunSpec], reuse: dict) -> list[dict]:
   """Every run of the dose grid that is finished: from OUT/runs when evaluated there, else the committed record."""
   records = []
   for spec in specs:
-    d = out / "runs" / spec.name
-    done, ev = _read_json(d / "done.json"), _read_json(d / "paper_eval.json")
-    if done is not None and ev is not None:
-      records.append(_dose_record(spec, done, ev, d, f"{d}"))
+    if (r := run_record(spec, out / "runs" / spec.name)) is not None:
+      records.append({**r, "source": r["run_dir"]})
     elif (spec.variant, spec.loss, spec.seed) in reuse:
       r = dict(reuse[spec.variant, spec.loss, spec.seed])
       records.append({**r, "lambda": spec.lam, "source": f"committed main grid ({r.pop('run_dir', '')})"})
   return records
 
 
-def run_dose(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, report_only: bool = False,
-             command: str = "") -> dict:
+def run_dose(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, report_only: bool = False) -> dict:
   """Trains and evaluates the dose grid's runs that neither OUT/runs nor the reusable committed study
   (study.reuse) hold, then writes dose.json (its statistics, dose.md and figures are `paper_report`'s)."""
   reuse, why = reusable_records(plan.study.reuse, plan)
@@ -603,11 +521,11 @@ def run_dose(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, repo
   records = dose_records(out, specs, reuse)
   if not records:
     raise StudyError(f"no finished dose runs in {out}/runs and nothing reusable")
-  res = {"command": command, "scale": scale_record(plan), "lambdas": sorted({s.lam for s in specs}),
+  res = {"command": plan.command, "scale": scale_record(plan), "lambdas": sorted({s.lam for s in specs}),
          "seeds": sorted({s.seed for s in specs}), "variants": list(dict.fromkeys(s.variant for s in specs)),
          "grid_size": len(specs), "reuse": why, "commit": one_commit(records), "machine": machine_info(),
          "runs": records}
-  _write_json(out / "dose.json", res)
+  write_json(out / "dose.json", res)
   print(f"wrote {out / 'dose.json'} ({len(records)} finished runs of {len(specs)}); statistics, dose.md and "
         f"figures: python -m sinkjax.experiments.paper_report --dose {out / 'dose.json'} --write", flush=True)
   return res
@@ -646,93 +564,10 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
   except OSError as e:
     raise StudyError(f"study.out {local}: {e.strerror or e}") from None
   if plan.study.kind == "dose":
-    run_dose(plan, specs, local, report_only=report_only, command=plan.command)
+    run_dose(plan, specs, local, report_only=report_only)
     mirror.sync()
     return
-  res = run_study(plan, specs, local, report_only=report_only, command=plan.command, sync=mirror.sync)
+  res = run_study(plan, specs, local, report_only=report_only, sync=mirror.sync)
   url = plan.study.out.rstrip("/")
   print(f"wrote {url}/results.json, {url}/results.md and {len(res['figures'])} figures "
         f"({len(res['runs'])} finished runs)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-  p = cli.Parser(prog="python -m sinkjax.experiments.paper",
-                 description="[Sink-MoE]'s from-scratch study: attention variants x {base, base + aux (eq. 7)} x "
-                             "seeds with the paper's recipe, evaluated (Table 1, Fig. 5, first-token attention, "
-                             "value zeroing both ways, importance), resumable; --finetune adds eq. 7 vs eq. 8 "
-                             "fine-tuning. The flags spell keys of the study file configs/studies/paper_SCALE.yaml "
-                             "(python -m sinkjax.experiments.study FILE key=value ... runs any study file).")
-  p.add_argument("--scale", choices=("cpu", "gpu", "smoke", "tpu"), default="cpu",
-                 help="cpu: ~2-3 min runs on 2 idle cores; gpu: ~3-5 min runs on one GPU; smoke: 2-step test runs; "
-                      "tpu: configs/paper/'s 18 runs on a TPU slice (the options below)")
-  p.add_argument("--seeds", type=int_at_least(1), default=None, help="number of seeds (default 3; --scale tpu: 1)")
-  p.add_argument("--first-seed", type=int_at_least(0), default=0,
-                 help="seeds are first-seed .. first-seed + seeds - 1 (run a subset per invocation; default 0)")
-  p.add_argument("--variants", default=None,
-                 help="comma-separated subset of vanilla,sink,gated (default: all three; with --lambdas: gated)")
-  p.add_argument("--lambdas", default=None,
-                 help="the dose study instead of the main grid: comma-separated aux weights (e.g. 0,1e-4,1e-3,1e-2) "
-                      "x --variants (default gated) x seeds; lambda 0 and 1e-4 are the main grid's base / aux runs, "
-                      "taken from --reuse when it matches this recipe. Writes dose.json (then: paper_report --dose)")
-  p.add_argument("--reuse", default=str(COMMITTED_RESULTS),
-                 help="with --lambdas: the committed main-grid results.json whose base / aux runs stand in for "
-                      "lambda 0 / 1e-4 when no run directory holds them ('none': train them; default "
-                      "docs/results/paper_cpu/results.json)")
-  p.add_argument("--out", default="runs/paper",
-                 help="output directory (default runs/paper; --scale tpu: the bucket, gs://BUCKET, runs in OUT/runs)")
-  p.add_argument("--steps", type=int_at_least(1), default=None,
-                 help="training (and fine-tuning) steps per run instead of the scale's (quick checks)")
-  p.add_argument("--dry-run", action="store_true", help="list the grid and what is done, train nothing")
-  p.add_argument("--report-only", action="store_true",
-                 help="train nothing: write results.json / results.md / figures from the runs finished so far "
-                      "(e.g. while the study is still running in another process)")
-  p.add_argument("--finetune", action="store_true",
-                 help="also fine-tune each base run of the first seed with eq. 7 and eq. 8 ([Sink-MoE] App. D)")
-  paper_tpu.add_arguments(p)
-  return p
-
-
-def study_overrides(args, parser) -> list[str]:
-  """The study file's keys that the parsed flags set."""
-  variants = [v.strip() for v in (args.variants or ("gated" if args.lambdas else ",".join(VARIANTS))).split(",")
-              if v.strip()]
-  bad = [v for v in variants if v not in VARIANTS]
-  if bad or not variants:
-    parser.error(f"--variants: unknown variant(s) {','.join(bad) or repr(args.variants)}; choose from "
-                 f"{','.join(VARIANTS)}")
-  seeds = list(range(args.first_seed, args.first_seed + (args.seeds or 3)))
-  out = [f"study.out={args.out}", f"axes.train.seed={json.dumps(seeds)}", f"axes.model.attention={json.dumps(variants)}"]
-  if args.lambdas:
-    try:
-      lambdas = sorted({float(x) for x in args.lambdas.split(",") if x.strip()})
-    except ValueError:
-      parser.error(f"--lambdas: comma-separated numbers, got {args.lambdas!r}")
-    if not lambdas or min(lambdas) < 0:
-      parser.error(f"--lambdas: non-negative numbers, got {args.lambdas!r}")
-    if args.finetune:
-      parser.error("--finetune belongs to the main grid, not to the dose study (--lambdas)")
-    out += ["study.kind=dose", f"axes.loss.aux_weight={json.dumps(lambdas)}",
-            f"study.reuse={'' if args.reuse == 'none' else args.reuse}"]
-  if args.steps is not None:
-    out += [f"train.steps={args.steps}", f"study.finetune_steps={args.steps}"]
-  return out + (["study.finetune=true"] if args.finetune else [])
-
-
-def main(argv=None) -> int:
-  cli.require_extra("sinkjax.experiments.paper")   # the study trains (sinkjax.train imported when it runs)
-  argv = sys.argv[1:] if argv is None else list(argv)
-  parser = build_parser()
-  args = parser.parse_args(argv)
-  if args.scale == "tpu":
-    args.variants = args.variants or ",".join(VARIANTS)
-    args.seeds = args.seeds or 1
-    return paper_tpu.main(args, parser)
-  overrides = study_overrides(args, parser)
-  command = "python -m sinkjax.experiments.paper " + " ".join(argv)
-  return cli.run_main("sinkjax.experiments.paper", lambda: run_plan(
-      runner.load_plan(STUDIES / f"paper_{args.scale}.yaml", overrides, command), dry_run=args.dry_run,
-      report_only=args.report_only))
-
-
-if __name__ == "__main__":
-  sys.exit(main())

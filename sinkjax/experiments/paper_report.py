@@ -1,56 +1,35 @@
-"""Statistics and readings of the committed paper studies, computed from their raw files (no training, no model);
-and [Sink-MoE] Table 1 with Figs. 5 and 8 from finished run directories.
+"""The paper studies' reports: the tests of the committed cpu grid and dose study, computed from their raw files (no
+training, no model), and [Sink-MoE] Table 1 with Figs. 5 and 8 from finished run directories.
 
-    python -m sinkjax.experiments.paper_report [--grid docs/results/paper_cpu/results.json]
-        [--dose docs/results/paper_cpu_dose/dose.json] [--write]
+    python -m sinkjax.experiments.paper_report [--grid RESULTS.json] [--dose DOSE.json|none] [--write]
     python -m sinkjax.experiments.paper_report --runs 'gs://BUCKET/runs/d20_*' [--runs 'runs/d26_*' ...] [--out DIR]
 
---runs (local or gs:// / s3:// globs of run directories, each with config.yaml): one Table 1 row per size, attention
-and loss (`runs_table`): the validation BPB of RUN/eval/report.json (`sinkjax.eval`), else the last val_bpb of
-RUN/metrics.jsonl; the ten downstream columns from lm-eval's results_*.json under RUN/lm_eval (`sinkjax.lm_eval
---output-path RUN/lm_eval`; a later file's task replaces an earlier one's), as percentages with the metric of
-`TABLE1_COLUMNS`; Average, the plain mean of the ten (the paper's), only when all ten are there; on each base + aux
-row the change of the Average against the base row as an arrow. Several runs of one cell (seeds) are averaged and
-counted. Prints the markdown table; with --out also writes table1.md / table1.json, fig5_imbalance.png (head
-imbalance, eq. 6, over training: raw and EMA, base vs base + aux, a panel per size and attention) and fig8_loss_bpb.png
-(training loss and validation BPB the same way).
-
-Prints every effect's tests (`sinkjax.experiments.stats`); with --write also writes `stats.md` / `stats.json` next
-to the grid's results.json and, given --dose, `dose.md`, `dose_stats.json`, `dose_imbalance.png` and
-`dose_importance.png` next to dose.json. docs/RESULTS.md quotes these files; tests/test_results_docs.py recomputes
-what it quotes from the raw files with scipy.
-
-What is tested and how:
-- Every effect is a per-seed paired difference (treated - control, same seed) read with the paired t-interval
-  (t_{n-1}), the exact permutation test and the exact sign test (`stats.paired_effect`); an effect not detected is
-  printed with the smallest effect the design could detect (power 0.8, two-sided 0.05, its own SD and n).
-- Null arms (vanilla and sink at lambda 1e-4, whose aux term is ~1e-9 / 1e-6 of the loss; gated at lambda 1e-8)
-  are drift controls (`stats.drift`): how far two runs of one seed move apart, or a code change moves them. They
-  are never the noise of another arm.
-- Arms on different commits are stated as such: in the dose study lambda 0 and 1e-4 are the main grid's runs
-  (commit 9d017eb), the other lambdas ran on 2e0c6b5; lambda 1e-3 and 1e-2 are therefore also compared with lambda
-  1e-8, the same-commit near-zero arm.
-- Unpaired comparisons (attention variants against each other) use Welch's t (`stats.welch`).
+What is tested and how (`sinkjax.experiments.stats`), and what each file holds: docs/RESULTS.md and docs/EVAL.md;
+tests/test_results_docs.py recomputes what the docs quote from the raw files with scipy.
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import pathlib
 import sys
 
 import numpy as np
+import yaml
 
-from sinkjax import choices
-from sinkjax.experiments import stats
+from sinkjax import choices, options, paths
+from sinkjax.cli import UserError
+from sinkjax.config import key
+from sinkjax.experiments import runner, stats
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = runner.REPO
 GRID = REPO / "docs" / "results" / "paper_cpu" / "results.json"
 DOSE = REPO / "docs" / "results" / "paper_cpu_dose" / "dose.json"
 REPRO = REPO / "docs" / "results" / "paper_cpu_repro"
 NULL_LAMBDA = 1e-8          # the gated null arm of the dose study
 VARIANTS = choices.PAPER_VARIANTS
+LOSSES = {"base": 0.0, "aux": 1e-4}   # loss label -> loss.aux_weight: the paper's lambda from scratch (eq. 7)
 
 
 def _by(records, variant, loss_or_lambda, key):
@@ -136,7 +115,7 @@ def grid_stats(grid: dict) -> dict:
     variants[f"{v} − vanilla"] = w
   return {"effects": effects, "variants_base_bpb": variants,
           "power": power_figures([diff[v, "val_bpb"][1] for v in VARIANTS], n=len(diff["gated", "val_bpb"][1])),
-          "finetune": _finetune(grid.get("finetune")), "table1": table1_cells(runs),
+          "finetune": finetune_summary(grid.get("finetune")), "table1": table1_cells(runs),
           "seeds": diff["gated", "val_bpb"][0], "aux_terms": _aux_terms(runs), "value_norm_ratio": _vnr(runs),
           "value_zeroing": _value_zeroing(runs), "timing": _timing(runs), "curves": _curves(runs),
           "first_token": _first_token(runs)}
@@ -154,12 +133,12 @@ def power_figures(groups, n: int, effects=PAPER_BPB_EFFECTS) -> dict:
 DOMINANT = 0.9        # a head with held-out importance above this before fine-tuning is listed head by head
 
 
-def _finetune(ft: dict | None) -> dict | None:
-  """Gated fine-tuning (one seed): the shared (top-1) / routed means before and after each mode, and every head
-  whose importance before exceeds DOMINANT (the heads that carry their layer), before and after each mode."""
-  if not ft or "gated" not in ft:
+def finetune_summary(ft: dict | None, variant: str = "gated") -> dict | None:
+  """One variant's fine-tuning (one seed): the shared (top-1) / routed means before and after each mode, and every
+  head whose importance before exceeds DOMINANT (the heads that carry their layer), before and after each mode."""
+  if not ft or variant not in ft:
     return None
-  g = ft["gated"]
+  g = ft[variant]
   before = np.asarray(g["before"]["importance"], np.float64)
   modes = list(g["modes"])
   after = {m: np.asarray(g["modes"][m]["importance"], np.float64) for m in modes}
@@ -255,8 +234,14 @@ def _first_token(runs) -> dict:
   return out
 
 
-def _p(x: float) -> str:
-  return f"{x:.2g}" if x >= 0.001 else f"{x:.1e}"
+_p = stats._p  # pylint: disable=protected-access  # p-values as the tests' sentences print them
+
+
+def mean_std(s: dict | None, nd: int = 4) -> str:
+  """A `seed_stats` as "mean ± std" ("—": none; no std for one seed)."""
+  if not s:
+    return "—"
+  return f"{s['mean']:.{nd}f}" + (f" ± {s['std']:.{nd}f}" if s["std"] is not None else "")
 
 
 def effect_cells(e: dict, nd: int) -> list[str]:
@@ -273,12 +258,10 @@ EFFECT_HEADER = ("per seed | mean | 95 % t-interval | paired t p | permutation p
                  "---|---:|---|---:|---:|---:|---|")
 
 
-def effects_table(effects: dict) -> list[str]:
-  lines = [f"| effect | {EFFECT_HEADER[0]}", f"|---|{EFFECT_HEADER[1]}"]
-  for name, e in effects.items():
-    nd = 3 if ("imbalance" in name or "head" in name) else 4
-    lines.append(f"| {e['what']} | " + " | ".join(effect_cells(e, nd)) + " |")
-  return lines
+def effects_table(rows, head: str = "effect") -> list[str]:
+  """One row per (label, effect, decimals): `effect_cells` under EFFECT_HEADER (stats.md, dose.md)."""
+  return [f"| {head} | {EFFECT_HEADER[0]}", f"|---|{EFFECT_HEADER[1]}",
+          *(f"| {label} | " + " | ".join(effect_cells(e, nd)) + " |" for label, e, nd in rows)]
 
 
 def power_lines(pw: dict, what: str, unit: str = "BPB", nd: int = 4) -> list[str]:
@@ -296,17 +279,14 @@ def table1_lines(gs: dict) -> list[str]:
   seed. gs["table1"] is `table1_cells`'s."""
   lines = ["| attention | base | base + aux | aux − base, per seed | mean | 95 % t-interval | paired t p | "
            "permutation p | head imbalance base → aux, per seed |", "|---|---|---|---|---:|---|---:|---:|---|"]
-  ms = lambda r: "—" if r is None else f"{r['mean']:.4f}" + ("" if r["std"] is None else f" ± {r['std']:.4f}")
   for v, t in gs["table1"].items():
     e = gs["effects"].get(f"{v} BPB")
     c = effect_cells(e, 4) if e is not None else ["—"] * 5
     imb = ", ".join(f"{a:.3f} → {b:.3f}" for a, b in zip(*(t.get(k, {}).get("head_imbalance", []) for k in LOSSES)))
-    lines.append(f"| {v} | {ms(t.get('base'))} | {ms(t.get('aux'))} | {c[0]} | {c[1]} | {c[2]} | {c[3]} | {c[4]} | "
+    lines.append(f"| {v} | {mean_std(t.get('base'))} | {mean_std(t.get('aux'))} | {c[0]} | {c[1]} | {c[2]} | {c[3]} | {c[4]} | "
                  f"{imb or '—'} |")
   return lines
 
-
-LOSSES = ("base", "aux")
 
 
 def table1_cells(runs) -> dict:
@@ -366,13 +346,13 @@ def value_sections(gs: dict) -> list[str]:
   return lines
 
 
-def finetune_lines(ft: dict | None) -> list[str]:
-  """The fine-tuning section of the grid report (eq. 7 vs eq. 8), or nothing without --finetune."""
+def finetune_lines(ft: dict | None, variant: str = "gated") -> list[str]:
+  """The fine-tuning section (eq. 7 vs eq. 8) of one variant's `finetune_summary` (stats.md, results.md), or nothing
+  without study.finetune."""
   if not ft:
     return []
-  lines = []
   modes = list(ft["modes"])
-  lines += ["", f"## Fine-tuning, gated ({ft['base_run']}, one seed, 100 steps)", "",
+  lines = ["", f"## Fine-tuning, {variant} ({ft['base_run']}, one seed, 100 steps)", "",
             "| mode | val BPB | imbalance | shared (top-1 per layer) before → after | routed before → after | "
             "routed CV after |", "|---|---:|---:|---|---|---:|",
             f"| before | {ft['before']['val_bpb']:.4f} | {ft['before']['head_imbalance']:.3f} | | | |"]
@@ -404,7 +384,8 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
       f"~1.3 (gated: {gs['aux_terms']['gated']:.1e}); their differences show how far two runs of one seed drift "
       "apart.", "",
       "## Table 1 analogue with its tests", "", *table1_lines(gs), "", "## Effects", "",
-      *effects_table(gs["effects"]), ""]
+      *effects_table([(e["what"], e, 3 if ("imbalance" in k or "head" in k) else 4)
+                      for k, e in gs["effects"].items()]), ""]
   lines += [f"- {e['sentence']}" for e in gs["effects"].values()] + [""]
   lines += ["## Variants against vanilla, base runs (Welch's t, unpaired)", "",
             "| comparison | difference of means | 95 % interval | Welch df | p |", "|---|---:|---|---:|---:|"]
@@ -444,11 +425,6 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
 
 # ------------------------------------------------------------------------------- value zeroing on one window
 
-def _read(path):
-  path = pathlib.Path(path)
-  return json.loads(path.read_text()) if path.is_file() else None
-
-
 def repro_runs(repro_dir: pathlib.Path, grid: dict) -> list[dict]:
   """Main-grid runs retrained, their raw files in repro_dir/raw/NAME (done.json + paper_eval.json) with the committed record of
   the same name: whether the retrained model is the committed one (val BPB and importances equal) and its value
@@ -456,7 +432,7 @@ def repro_runs(repro_dir: pathlib.Path, grid: dict) -> list[dict]:
   committed = {f"{r['variant']}_{r['loss']}_s{r['seed']}": r for r in grid["runs"]}
   out = []
   for d in sorted((repro_dir / "raw").glob("*_s*")) if (repro_dir / "raw").is_dir() else []:
-    ev, done = _read(d / "paper_eval.json"), _read(d / "done.json")
+    ev, done = runner.read_json(d / "paper_eval.json"), runner.read_json(d / "done.json")
     if ev is None or done is None or d.name not in committed:
       continue
     c = committed[d.name]
@@ -594,12 +570,8 @@ def _rank_diffs(runs, variant, lam, control=0.0) -> tuple[list[float], list[floa
 
 def dose_effects_lines(effects: list[dict], control_label: str = "paired with") -> list[str]:
   """One row per lambda and quantity (RESULTS.md copies these tables)."""
-  lines = [f"| effect ({control_label}) | {EFFECT_HEADER[0]}", f"|---|{EFFECT_HEADER[1]}"]
-  for e in effects:
-    nd = 4 if e["quantity"] == "val BPB" else 3
-    lines.append(f"| λ = {e['lambda']:g} − {e['control']:g}, {e['quantity']} | " + " | ".join(effect_cells(e, nd))
-                 + " |")
-  return lines
+  return effects_table([(f"λ = {e['lambda']:g} − {e['control']:g}, {e['quantity']}", e,
+                         4 if e["quantity"] == "val BPB" else 3) for e in effects], f"effect ({control_label})")
 
 
 def drift_lines(effects: list[dict]) -> list[str]:
@@ -611,10 +583,6 @@ def drift_lines(effects: list[dict]) -> list[str]:
                  f"{', '.join(stats.fmt(x, nd) for x in e['diffs'])} | {stats.fmt(e['mean'], nd)} | "
                  f"{stats.fmt(t['low'], nd)} … {stats.fmt(t['high'], nd)} | {_p(t['p'])} | {e['reading']} |")
   return lines
-
-
-def _mean_std(xs) -> str:
-  return f"{np.mean(xs):.4f} ± {np.std(xs, ddof=1):.4f}" if len(xs) > 1 else f"{xs[0]:.4f} (one seed)"
 
 
 def dose_markdown(dose: dict, ds: dict, dose_path: str) -> str:
@@ -632,7 +600,7 @@ def dose_markdown(dose: dict, ds: dict, dose_path: str) -> str:
   for lam, r in ds["per_lambda"].items():
     b, i = r["val_bpb"], r["head_imbalance"]
     ranks = np.array(r["importance_by_rank"]).mean(0)
-    lines.append(f"| {lam} | {', '.join(f'{x:.4f}' for x in b)} | {_mean_std(b)} | "
+    lines.append(f"| {lam} | {', '.join(f'{x:.4f}' for x in b)} | {mean_std(seed_stats(b))} | "
                  f"{', '.join(f'{x:.3f}' for x in i)} | {np.mean(i):.3f} | {np.mean(r['aux_term']):.1e} | "
                  f"{np.mean(r['mean_importance']):.3f} | {ranks[0]:.3f} / {ranks[1:].mean():.3f} |")
   lines += ["", "## Tests (paired with λ = 0, per seed)", "", *dose_effects_lines(ds["effects"]), ""]
@@ -649,8 +617,6 @@ def dose_markdown(dose: dict, ds: dict, dose_path: str) -> str:
   lines += ["![imbalance and BPB per λ](dose_imbalance.png)", "", "![importance by rank](dose_importance.png)", ""]
   return "\n".join(lines)
 
-
-# --------------------------------------------------------------------------------------------------------- CLI
 
 def _jsonable(x):
   if isinstance(x, dict):
@@ -684,14 +650,11 @@ TABLE1_COLUMNS = (
 
 
 def _read_text(path: str) -> str:
-  from sinkjax import paths  # pylint: disable=import-outside-toplevel
   return paths.as_path(path).read_text()
 
 
 def find_runs(patterns: list[str]) -> list[str]:
   """The run directories (holding config.yaml) that the local or remote globs match, sorted."""
-  from sinkjax import paths  # pylint: disable=import-outside-toplevel
-  from sinkjax.cli import UserError  # pylint: disable=import-outside-toplevel
   runs = []
   for pat in patterns:
     found = [f.rsplit("/", 1)[0] for f in paths.expand_glob(pat.rstrip("/") + "/config.yaml")]
@@ -703,8 +666,6 @@ def find_runs(patterns: list[str]) -> list[str]:
 
 def read_run(run: str) -> dict:
   """What Table 1 and Figs. 5 / 8 need of one run directory."""
-  import yaml  # pylint: disable=import-outside-toplevel
-  from sinkjax import paths  # pylint: disable=import-outside-toplevel
   from sinkjax.run import read_metrics  # pylint: disable=import-outside-toplevel
   cfg = yaml.safe_load(_read_text(f"{run}/config.yaml")) or {}
   model, loss = cfg.get("model") or {}, cfg.get("loss") or {}
@@ -793,7 +754,6 @@ def runs_report(patterns: list[str], out: str | None) -> str:
     print(f"  {r['run']}: {r['attention']} {r['loss']}, BPB from {r['val_bpb_from'] or 'nowhere'}"
           + (f"; no lm-eval result for {', '.join(missing)}" if missing else ""))
   if out:
-    from sinkjax import paths  # pylint: disable=import-outside-toplevel
     with paths.staged_dir(out) as d:
       (d / "table1.md").write_text(md)
       (d / "table1.json").write_text(json.dumps(_jsonable({"rows": rows, "columns": [
@@ -804,26 +764,31 @@ def runs_report(patterns: list[str], out: str | None) -> str:
   return md
 
 
-def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m sinkjax.experiments.paper_report", description=__doc__.split("\n")[0])
-  p.add_argument("--runs", action="append", default=None, metavar="GLOB",
-                 help="run directories (local or gs:// globs; repeatable): Table 1 and Figs. 5 / 8 from them")
-  p.add_argument("--out", default=None, help="with --runs: where table1.md / .json and the figures go")
-  p.add_argument("--grid", default=str(GRID), help="the main grid's results.json")
-  p.add_argument("--dose", default=str(DOSE), help="the dose study's dose.json ('none': skip)")
-  p.add_argument("--repro", default=str(REPRO), help="retrained main-grid runs (raw/NAME/paper_eval.json)")
-  p.add_argument("--write", action="store_true", help="write stats.md / stats.json (and the dose report) next to "
-                                                      "the inputs")
-  args = p.parse_args(argv)
-  if args.runs:
-    from sinkjax import cli  # pylint: disable=import-outside-toplevel
-    return cli.run_main("sinkjax.experiments.paper_report", lambda: runs_report(args.runs, args.out) and 0)
-  grid_path = pathlib.Path(args.grid)
+@dataclasses.dataclass
+class ReportOptions:
+  """The report.* options of `python -m sinkjax.experiments.paper_report` (each flag the alias of its key)."""
+  runs: list[str] = key([], alias="--runs", metavar="GLOB",
+                        help="run directories (local or gs:// globs; repeatable): Table 1 and Figs. 5 / 8 from them")
+  out: str = key("", alias="--out", help="with --runs: where table1.md / .json and the figures go")
+  grid: str = key(str(GRID), alias="--grid", help="the main grid's results.json")
+  dose: str = key(str(DOSE), alias="--dose", help="the dose study's dose.json ('none': skip)")
+  repro: str = key(str(REPRO), alias="--repro", help="retrained main-grid runs (raw/NAME/paper_eval.json)")
+  write: bool = key(False, alias="--write", help="write stats.md / stats.json (and the dose report) next to the inputs")
+
+
+COMMAND = options.Command(prog="python -m sinkjax.experiments.paper_report", description=__doc__.split("\n\n")[0],
+                          sections={"report": ReportOptions})
+
+
+def stats_report(grid_path: pathlib.Path, dose_path: pathlib.Path | None, repro: pathlib.Path, write: bool) -> None:
+  """Prints every test of the main grid (and of the dose study, given one); with `write`, writes stats.md /
+  stats.json next to the grid's results.json and dose.md, dose_stats.json and the dose figures next to dose.json."""
+  if not grid_path.is_file():
+    raise UserError(f"--grid {grid_path}: no such results.json")
   grid = json.loads(grid_path.read_text())
-  dose_path = None if args.dose == "none" else pathlib.Path(args.dose)
   dose = json.loads(dose_path.read_text()) if dose_path is not None and dose_path.is_file() else None
   gs = grid_stats(grid)
-  gs["repro"] = repro_runs(pathlib.Path(args.repro), grid)
+  gs["repro"] = repro_runs(repro, grid)
   gs["window_dose"] = [{"name": f"{r['variant']}_{r['loss']}_s{r['seed']}", **_vz_both(r)} for r in
                        (dose or {}).get("runs", []) if "value_zeroing_teacher_forced_window" in r]
   rel = lambda q: str(q.resolve().relative_to(REPO)) if q.resolve().is_relative_to(REPO) else str(q)
@@ -833,23 +798,35 @@ def main(argv=None) -> int:
         f"±{pw['detectable']:.4f}; seeds needed: {pw['seeds_needed']}")
   for e in gs["effects"].values():
     print(f"  - {e['sentence']}")
-  if args.write:
+  if write:
     (grid_path.parent / "stats.md").write_text(grid_markdown(gs, rel(grid_path)))
     (grid_path.parent / "stats.json").write_text(json.dumps(_jsonable(gs), indent=1))
-  if dose is not None:
-    ds = dose_stats(dose, grid)
-    print(f"dose study ({rel(dose_path)}): commits {ds['commits']}")
-    for lam, r in ds["per_lambda"].items():
-      print(f"  lambda {lam}: val BPB {np.mean(r['val_bpb']):.4f} ({', '.join(f'{x:.4f}' for x in r['val_bpb'])}), "
-            f"imbalance {np.mean(r['head_imbalance']):.3f} ({', '.join(f'{x:.3f}' for x in r['head_imbalance'])})")
-    for e in ds["effects"] + ds["drift"] + ds["same_commit"]:
-      print(f"  - {e['sentence']}")
-    if args.write:
-      from sinkjax import plots  # pylint: disable=import-outside-toplevel
-      plots.plot_dose(dose, ds, dose_path.parent)
-      (dose_path.parent / "dose.md").write_text(dose_markdown(dose, ds, rel(dose_path)))
-      (dose_path.parent / "dose_stats.json").write_text(json.dumps(_jsonable(ds), indent=1))
-  return 0
+  if dose is None:
+    return
+  ds = dose_stats(dose, grid)
+  print(f"dose study ({rel(dose_path)}): commits {ds['commits']}")
+  for lam, r in ds["per_lambda"].items():
+    print(f"  lambda {lam}: val BPB {np.mean(r['val_bpb']):.4f} ({', '.join(f'{x:.4f}' for x in r['val_bpb'])}), "
+          f"imbalance {np.mean(r['head_imbalance']):.3f} ({', '.join(f'{x:.3f}' for x in r['head_imbalance'])})")
+  for e in ds["effects"] + ds["drift"] + ds["same_commit"]:
+    print(f"  - {e['sentence']}")
+  if write:
+    from sinkjax import plots  # pylint: disable=import-outside-toplevel  # matplotlib: slow to import
+    plots.plot_dose(dose, ds, dose_path.parent)
+    (dose_path.parent / "dose.md").write_text(dose_markdown(dose, ds, rel(dose_path)))
+    (dose_path.parent / "dose_stats.json").write_text(json.dumps(_jsonable(ds), indent=1))
+
+
+def report(o: ReportOptions) -> None:
+  if o.runs:
+    runs_report(o.runs, o.out or None)
+  else:
+    stats_report(pathlib.Path(o.grid), None if o.dose == "none" else pathlib.Path(o.dose), pathlib.Path(o.repro),
+                 o.write)
+
+
+def main(argv=None) -> int:
+  return options.main(COMMAND, argv, lambda sections, _: report(sections["report"]))
 
 
 if __name__ == "__main__":

@@ -1,47 +1,34 @@
-"""[Sink-MoE] Table 1's 18 runs on a TPU slice: study kind tpu (configs/studies/paper_tpu.yaml), or
-`python -m sinkjax.experiments.paper --scale tpu`.
+"""[Sink-MoE] Table 1's 18 runs on a TPU slice: study kind tpu (configs/studies/paper_tpu.yaml).
 
     python -m sinkjax.experiments.study configs/studies/paper_tpu.yaml study.out=gs://BUCKET tpu.name=sj \
-        tpu.zone=us-central1-a [axes.size=[d20]] [tpu.spot=true] [tpu.steps=N] [--dry-run]
-    python -m sinkjax.experiments.paper --scale tpu --out gs://BUCKET --name sj --zone us-central1-a
-        [--sizes d20,d26,d32] [--variants vanilla,sink,gated] [--seeds 1] [--first-seed 0] [--data gs://BUCKET/data]
-        [--type v5litepod-32] [--version v2-alpha-tpuv5-lite] [--project P] [--spot] [--queued] [--interval 300]
-        [--delete-when-done] [--steps N] [--dry-run]
+        tpu.zone=us-central1-a [axes.size=[d20]] [axes.seed=[0,1]] [tpu.spot=true] [tpu.steps=N] [--dry-run]
 
-The grid is `configs/paper/{size}_{variant}_{loss}.yaml` (3 sizes x 3 attention variants x base / base + aux = 18
-runs per seed; seed 0 is the configs' own, seed K > 0 adds `train.seed=K` and `_sK` to the name), in that order
-within each seed. Each run is one launch: `launch/tpu_vm.sh babysit --job NAME -- --config configs/paper/NAME.yaml
-run.dir=OUT/runs/NAME data.source=... data.val_source=... data.tokenizer=...`, which creates and sets up the slice if
-it is missing, starts the run, restarts it after a preemption and returns when the run has ended; the next launch
-follows on the same slice. The bucket holds the checkout's tree: the data in DATA (default OUT/data) as the
-configs name it locally, `DATA/fineweb-edu/shard_*.parquet`, `DATA/fineweb-edu/val/shard_01822.parquet` and
-`DATA/tokenizer/tokenizer.json`; the runs in `OUT/runs/NAME`.
+The grid is `configs/paper/{size}_{variant}_{loss}.yaml` (seed 0 is the configs' own, seed K > 0 adds `train.seed=K`
+and `_sK` to the name), seed-major. Each run is one launch: `launch/tpu_vm.sh babysit --job NAME -- --config
+configs/paper/NAME.yaml run.dir=OUT/runs/NAME data.source=... data.val_source=... data.tokenizer=...`, which creates
+and sets up the slice if it is missing, starts the run, restarts it after a preemption and returns when the run has
+ended. The bucket holds the data in DATA (default OUT/data: `fineweb-edu/shard_*.parquet`,
+`fineweb-edu/val/shard_01822.parquet`, `tokenizer/tokenizer.json`) and the runs in `OUT/runs/NAME`.
 
-Resumable: before launching, each run's state is read from the bucket (its config.yaml's train.steps and the latest
-checkpoint Orbax lists there): a finished run is skipped, an unfinished one is launched again and the trainer resumes
-it from that checkpoint. A launch that ends with the run unfinished (stopped, or failing more than babysit's
---max-failures) stops the grid with one line; rerunning the command continues it. --dry-run reads the states and
-prints each launch without running anything. Before the first launch the data is checked: the tokenizer, the
-validation shard and as many training shards as the largest run needs (`sinkjax.data.fineweb.plan`), else one
-line with the command that stages them. Table 1 and Figs. 5 / 8 from the finished runs: `python -m
-sinkjax.experiments.paper_report --runs 'OUT/runs/d*'`.
+Resumable: each run's state is read from the bucket (its config.yaml's train.steps and the latest checkpoint Orbax
+lists there): a finished run is skipped, an unfinished one launched again (the trainer resumes it). A launch that ends
+with the run unfinished stops the grid with one line; rerunning the command continues it. Before the first launch the
+data is checked against what the largest run reads (`sinkjax.data.fineweb.plan`). --report-only: Table 1 and Figs. 5
+/ 8 of the finished runs (`paper_report.runs_report`). docs/SCALING.md describes the whole path.
 """
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import shlex
 import subprocess
 
-from sinkjax import choices, paths
+from sinkjax import paths
 from sinkjax.config import key
-from sinkjax.experiments.runner import StudyError
+from sinkjax.experiments.paper_report import LOSSES, VARIANTS, runs_report
+from sinkjax.experiments.runner import REPO, StudyError
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 TPU_VM = "launch/tpu_vm.sh"              # relative to REPO: the launcher, run from the checkout
 SIZES = ("d20", "d26", "d32")
-VARIANTS = choices.PAPER_VARIANTS
-LOSSES = ("base", "aux")
 VAL_SHARD = "shard_01822.parquet"         # nanochat's validation shard (sinkjax.data.fineweb: the last one)
 NOTE = ("configs/paper/{d20,d26,d32}_{vanilla,sink,gated}_{base,aux}.yaml as they are (the paper's shapes, 2,048-token "
         "rows, 256 rows per step, 20 tokens per parameter; configs/d{20,26,32}.yaml's scan, remat, loss_chunk 256, "
@@ -62,11 +49,6 @@ class TpuRun:
   @property
   def name(self) -> str:
     return f"{self.size}_{self.variant}_{self.loss}" + (f"_s{self.seed}" if self.seed else "")
-
-
-def make_grid(sizes, variants, seeds) -> list[TpuRun]:
-  """Seed-major, then size, variant and loss: a grid cut short holds whole seeds of the smaller sizes first."""
-  return [TpuRun(z, v, loss, s) for s in seeds for z in sizes for v in variants for loss in LOSSES]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,30 +83,28 @@ def train_args(run: TpuRun, bucket: Bucket, steps: int | None = None) -> list[st
   return args
 
 
-@dataclasses.dataclass(frozen=True)
-class Slice:
-  """The TPU slice every launch runs on (launch/tpu_vm.sh's options)."""
-  name: str
-  zone: str
-  type: str = "v5litepod-32"
-  version: str = "v2-alpha-tpuv5-lite"
-  interval: int = 300
-  project: str | None = None
-  spot: bool = False
-  queued: bool = False
-
-  def options(self) -> list[str]:
-    opts = ["--name", self.name, "--zone", self.zone, "--type", self.type, "--version", self.version,
-            "--interval", str(self.interval)]
-    opts += ["--project", self.project] if self.project else []
-    return opts + (["--spot"] if self.spot else []) + (["--queued"] if self.queued else [])
+@dataclasses.dataclass
+class TpuOptions:
+  """The `tpu:` section of a kind-tpu study file (configs/studies/paper_tpu.yaml): the slice and the data."""
+  name: str = ""                    # the TPU VM's name (required)
+  zone: str = ""                    # its zone, e.g. us-central1-a (required)
+  project: str = ""                 # gcloud project ("": gcloud's)
+  type: str = "v5litepod-32"        # accelerator type (all 18 configs fit: docs/TPU.md)
+  version: str = "v2-alpha-tpuv5-lite"   # TPU runtime (v5e's)
+  spot: bool = False                # spot capacity
+  queued: bool = False              # ask for the slice as a queued resource
+  interval: int = key(300, ">=0")   # seconds between babysit's checks
+  delete_when_done: bool = False    # delete the slice after the last run finishes
+  data: str = ""                    # the bucket's fineweb-edu/ and tokenizer/tokenizer.json ("": OUT/data)
+  steps: int = key(0, ">=0")        # every run's train.steps (a check); 0: the configs' own
 
 
-def launch_command(run: TpuRun, bucket: Bucket, slice_opts: list[str], steps: int | None = None, *,
-                   delete_when_done: bool = False) -> list[str]:
-  """The one launch of a run (relative to the checkout)."""
-  return ["bash", TPU_VM, "babysit", *slice_opts, *(["--delete-when-done"] if delete_when_done else []),
-          "--job", run.name, "--", *train_args(run, bucket, steps)]
+def launch_command(run: TpuRun, bucket: Bucket, o: TpuOptions, *, delete_when_done: bool = False) -> list[str]:
+  """The one launch of a run on the slice `o` names (relative to the checkout)."""
+  opts = ["--name", o.name, "--zone", o.zone, "--type", o.type, "--version", o.version, "--interval", str(o.interval)]
+  opts += (["--project", o.project] if o.project else []) + (["--spot"] if o.spot else [])
+  opts += (["--queued"] if o.queued else []) + (["--delete-when-done"] if delete_when_done else [])
+  return ["bash", TPU_VM, "babysit", *opts, "--job", run.name, "--", *train_args(run, bucket, o.steps or None)]
 
 
 # ---------------------------------------------------------------------------------------------------- the bucket
@@ -209,108 +189,39 @@ def check_data(runs: list[TpuRun], bucket: Bucket, steps: int | None) -> str:
 
 # ---------------------------------------------------------------------------------------------------- the driver
 
-def add_arguments(p) -> None:
-  g = p.add_argument_group("--scale tpu (configs/paper/ on a TPU slice through launch/tpu_vm.sh babysit)")
-  g.add_argument("--name", default=None, help="the TPU VM's name (required with --scale tpu)")
-  g.add_argument("--zone", default=None, help="its zone, e.g. us-central1-a (required with --scale tpu)")
-  g.add_argument("--project", default=None, help="gcloud project (default: gcloud's)")
-  g.add_argument("--type", default="v5litepod-32",
-                 help="accelerator type (default v5litepod-32, where all 18 configs fit: docs/TPU.md)")
-  g.add_argument("--version", default="v2-alpha-tpuv5-lite", help="TPU runtime (default v5e's)")
-  g.add_argument("--spot", action="store_true", help="spot capacity")
-  g.add_argument("--queued", action="store_true", help="ask for the slice as a queued resource")
-  g.add_argument("--interval", type=int, default=300, help="seconds between babysit's checks (default 300)")
-  g.add_argument("--delete-when-done", action="store_true", help="delete the slice after the last run finishes")
-  g.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of d20,d26,d32 (default: all)")
-  g.add_argument("--data", default=None,
-                 help="the bucket's data directory: fineweb-edu/ and tokenizer/tokenizer.json (default OUT/data)")
-
-
-FLAGS = {"it": "--scale tpu", "out": "--out ", "data": "--data", "name": "--name", "zone": "--zone"}
-KEYS = {"it": "the tpu study", "out": "study.out=", "data": "tpu.data", "name": "tpu.name", "zone": "tpu.zone"}
-
-
-def problem(out: str, data: str, name: str | None, zone: str | None, runs: list[TpuRun], say=FLAGS) -> str | None:
-  """What keeps the grid from launching (one line naming the flags or keys of `say`), or None: the bucket, the slice
-  and the checkout checked."""
-  if not out.startswith("gs://"):
-    return f"{say['it']} needs {say['out']}gs://BUCKET (the workers share nothing but the bucket), got {out!r}"
-  if not data.startswith("gs://"):
-    return f"{say['data']} must be in the bucket (gs://...), got {data!r}"
-  if not name or not zone:
-    return f"{say['it']} needs {say['name']} (the TPU VM's) and {say['zone']}"
-  missing = [f for f in (TPU_VM, *{r.config for r in runs}) if not (REPO / f).is_file()]
-  if missing:
-    return (f"{say['it']} launches from a checkout of sinkjax (launch/, configs/paper/); {REPO} lacks {missing[0]}: "
-            "run it from a clone (pip install -e .)")
-  return None
-
-
-def main(args, parser) -> int:
-  """The command line's half of `sinkjax.experiments.paper --scale tpu`: its flags checked (a bad one: parser.error)
-  and turned into the grid, the bucket and the slice for `run_grid`."""
-  out = args.out.rstrip("/")
-  data = (args.data or f"{out}/data").rstrip("/")
-  if args.lambdas or args.finetune or args.report_only:
-    parser.error("--scale tpu runs the main grid only (no --lambdas, --finetune, --report-only); Table 1 from its "
-                 "runs: python -m sinkjax.experiments.paper_report --runs 'OUT/runs/d*'")
-  sizes = [z.strip() for z in args.sizes.split(",") if z.strip()]
-  if not sizes or any(z not in SIZES for z in sizes):
-    parser.error(f"--sizes: a comma-separated subset of {','.join(SIZES)}, got {args.sizes!r}")
-  variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-  runs = make_grid(sizes, variants, range(args.first_seed, args.first_seed + args.seeds))
-  if (bad := problem(args.out, data, args.name, args.zone, runs)) is not None:
-    parser.error(bad)
-  slice_ = Slice(args.name, args.zone, args.type, args.version, args.interval, args.project, args.spot, args.queued)
-  from sinkjax import cli  # pylint: disable=import-outside-toplevel
-  return cli.run_main("sinkjax.experiments.paper", lambda: run_grid(
-      runs, Bucket(out, data), slice_, steps=args.steps, dry_run=args.dry_run, delete_when_done=args.delete_when_done))
-
-
-@dataclasses.dataclass
-class TpuOptions:
-  """The `tpu:` section of a kind-tpu study file (configs/studies/paper_tpu.yaml): the slice and the data."""
-  name: str = ""                    # the TPU VM's name (required)
-  zone: str = ""                    # its zone, e.g. us-central1-a (required)
-  project: str = ""                 # gcloud project ("": gcloud's)
-  type: str = "v5litepod-32"        # accelerator type (all 18 configs fit: docs/TPU.md)
-  version: str = "v2-alpha-tpuv5-lite"   # TPU runtime (v5e's)
-  spot: bool = False                # spot capacity
-  queued: bool = False              # ask for the slice as a queued resource
-  interval: int = key(300, ">=1")   # seconds between babysit's checks
-  delete_when_done: bool = False    # delete the slice after the last run finishes
-  data: str = ""                    # the bucket's fineweb-edu/ and tokenizer/tokenizer.json ("": OUT/data)
-  steps: int = key(0, ">=0")        # every run's train.steps (a check); 0: the configs' own
-
-
-def run_plan(plan, *, dry_run: bool = False, report_only: bool = False) -> int:
+def run_plan(plan, *, dry_run: bool = False, report_only: bool = False) -> None:
   """A kind-tpu study file, run (`sinkjax.experiments.study`): the grid of its axes (seed, size, variant, loss; in
-  the file's order, seed-major) launched run by run (`run_grid`)."""
+  the file's order, seed-major) launched run by run (`run_grid`), or with report_only Table 1 of its finished runs."""
   o = plan.options({"tpu": TpuOptions})["tpu"]
-  grid = {"seed": None, "size": SIZES, "variant": VARIANTS, "loss": LOSSES}
+  grid = {"seed": None, "size": SIZES, "variant": VARIANTS, "loss": tuple(LOSSES)}
   for axis, values in plan.axes.items():
     if axis not in grid:
       raise StudyError(f"{plan.path}: the tpu study's axes are {', '.join(grid)}, got {axis}")
     if grid[axis] is not None and any(v not in grid[axis] for v in values):
       raise StudyError(f"axis {axis}: a subset of {', '.join(grid[axis])}, got {values}")
-  if report_only:
-    raise StudyError("the tpu study writes no report; Table 1 from its runs: python -m "
-                     "sinkjax.experiments.paper_report --runs 'OUT/runs/d*'")
   runs = [TpuRun(str(r.get("size", "d20")), str(r.get("variant", "vanilla")), str(r.get("loss", "base")),
                  int(r.get("seed", 0))) for r in plan.runs()]
   out = plan.study.out.rstrip("/")
   data = (o.data or f"{out}/data").rstrip("/")
-  if (bad := problem(out, data, o.name, o.zone, runs, KEYS)) is not None:
-    raise StudyError(bad)
-  slice_ = Slice(o.name, o.zone, o.type, o.version, o.interval, o.project or None, o.spot, o.queued)
-  return run_grid(runs, Bucket(out, data), slice_, steps=o.steps or None, dry_run=dry_run,
-                  delete_when_done=o.delete_when_done)
+  if not out.startswith("gs://"):
+    raise StudyError(f"the tpu study needs study.out=gs://BUCKET (the workers share nothing but the bucket), got {out!r}")
+  if report_only:
+    runs_report([f"{out}/runs/d*"], None)
+    return
+  if not data.startswith("gs://"):
+    raise StudyError(f"tpu.data must be in the bucket (gs://...), got {data!r}")
+  if not o.name or not o.zone:
+    raise StudyError("the tpu study needs tpu.name (the TPU VM's) and tpu.zone")
+  missing = [f for f in (TPU_VM, *{r.config for r in runs}) if not (REPO / f).is_file()]
+  if missing:
+    raise StudyError(f"the tpu study launches from a checkout of sinkjax (launch/, configs/paper/); {REPO} lacks "
+                     f"{missing[0]}: run it from a clone (pip install -e .)")
+  run_grid(runs, Bucket(out, data), o, dry_run=dry_run)
 
 
-def run_grid(runs: list[TpuRun], bucket: Bucket, slice_: Slice, *, steps: int | None = None, dry_run: bool = False,
-             delete_when_done: bool = False) -> int:
+def run_grid(runs: list[TpuRun], bucket: Bucket, o: TpuOptions, *, dry_run: bool = False) -> None:
   """Launches every run the bucket does not hold finished, one at a time (see the module docstring)."""
-  out, opts = bucket.out, slice_.options()
+  out, steps = bucket.out, o.steps or None
   states = {r.name: run_state(bucket.run_dir(r)) for r in runs}
   todo = [r for r in runs if not states[r.name].finished(steps)]
   print(f"scale tpu: {NOTE}; {len(runs) - len(todo)} of {len(runs)} runs finished in {out}/runs", flush=True)
@@ -318,7 +229,7 @@ def run_grid(runs: list[TpuRun], bucket: Bucket, slice_: Slice, *, steps: int | 
     print(check_data(todo, bucket, steps), flush=True)
   for i, run in enumerate(runs, 1):
     state = states[run.name]
-    cmd = launch_command(run, bucket, opts, steps, delete_when_done=bool(delete_when_done and todo and run == todo[-1]))
+    cmd = launch_command(run, bucket, o, delete_when_done=o.delete_when_done and run in todo[-1:])
     head = f"[{i}/{len(runs)}] {run.name}: {state.describe(steps)}"
     if state.finished(steps):
       print(f"{head}, skipped", flush=True)
@@ -330,10 +241,8 @@ def run_grid(runs: list[TpuRun], bucket: Bucket, slice_: Slice, *, steps: int | 
     after = run_state(bucket.run_dir(run))
     if rc != 0 or not after.finished(steps):
       raise StudyError(f"run {run.name} ended {after.describe(steps)} (launch/tpu_vm.sh babysit exited {rc}; "
-                       f"its logs: launch/tpu_vm.sh logs --name {slice_.name} --zone {slice_.zone} --job {run.name}); "
+                       f"its logs: launch/tpu_vm.sh logs --name {o.name} --zone {o.zone} --job {run.name}); "
                        "rerun the same command to continue the grid")
     print(f"[{i}/{len(runs)}] {run.name}: finished at step {after.latest}", flush=True)
   if not dry_run:
-    print(f"every run finished; Table 1: python -m sinkjax.experiments.paper_report --runs '{out}/runs/d*' "
-          "--out report", flush=True)
-  return 0
+    print("every run finished; Table 1 and Figs. 5 / 8: the same command with --report-only", flush=True)

@@ -262,15 +262,17 @@ class StudySection:
   allow_dirty: bool = False         # pinning: run from a checkout with uncommitted changes (records say dirty)
 
 
-def _flat(tree: dict, prefix: str = "") -> list[str]:
-  """A config mapping as `dotted.key=value` overrides (values written as YAML / JSON scalars and lists)."""
-  out = []
+def flatten(tree: dict, prefix: str = "") -> dict:
+  """A nested mapping as {dotted.key: value}."""
+  out = {}
   for k, v in tree.items():
-    if isinstance(v, dict):
-      out += _flat(v, f"{prefix}{k}.")
-    else:
-      out.append(f"{prefix}{k}={v if isinstance(v, str) else json.dumps(v)}")
+    out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
   return out
+
+
+def _flat(tree: dict) -> list[str]:
+  """A config mapping as `dotted.key=value` overrides (values written as YAML / JSON scalars and lists)."""
+  return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in flatten(tree).items()]
 
 
 def _merge(base: dict, tree: dict) -> dict:
