@@ -1,29 +1,6 @@
-"""The one runner of the study drivers: a grid of runs walked in order, each in its own directory.
-
-A `Run` is a name and what to do (`do(run_dir) -> (record, what)`: train, evaluate, score; `what` says in a few words
-what it did). A `Study` walks a list of them in order and, for each:
-
-- **skips** a run whose record file exists (it finished before, in this process or another);
-- **resumes** one whose directory exists without a record (an interrupted run: `do` is called again and picks up
-  from what it left, e.g. `sinkjax.train`'s checkpoints);
-- **locks** the run while `do` works (an exclusive `flock` on RUN_DIR/.NAME.lock, removed when the run ends): a
-  second process walking the same grid skips the run another is working on instead of training it twice;
-- writes the record (atomically) with the **commit** of the code the study runs (`git_commit`, read once when the
-  study starts: the checkout's HEAD may move during a long study, the code loaded at the start is what made every
-  record), unless `do` wrote the record itself;
-- copies the run's own **raw files** (records, metrics.jsonl, config.yaml: no checkpoints) to RAW/NAME, small enough
-  to commit.
-
-A study is a YAML file (`Plan`, `load_plan`; configs/studies/): `base:` the recipe config every run starts from (or
-another study file it extends; a study that trains nothing, e.g. kind streaming, has none), the config sections every
-run sets, `study:` the study's own keys (`StudySection`: its kind, output directory, evaluation sizes), a section of
-its kind's own keys if it has one (`streaming:`) and `axes:` one key per line with its values (a config key, or for
-a study without a recipe a key its kind reads): the grid is their product, the first axis outermost. `python -m sinkjax.experiments.study FILE [key=value ...]` runs it.
-
-Aggregation reads the records back (`Study.records`) and refuses runs of different commits (`one_commit`: a
-one-line `StudyError` naming each commit's runs). `exclusive(dir)` locks a whole study directory for drivers that
-allow one invocation at a time.
-"""
+"""The study runner: a study file (`Plan`, `load_plan`) turned into a grid of `Run`s that a `Study` walks in order,
+each in its own directory, skipping finished runs, resuming interrupted ones, locking the one it works on and
+recording the commit (the format and the walk: docs/COMMANDS.md, "Studies")."""
 from __future__ import annotations
 
 import dataclasses

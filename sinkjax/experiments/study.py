@@ -1,21 +1,10 @@
-"""The one command that runs a study file (configs/studies/*.yaml; the format: `sinkjax.experiments.runner`).
+"""The one command that runs a study file (configs/studies/*.yaml; the format and the kinds: docs/COMMANDS.md).
 
     python -m sinkjax.experiments.study FILE [key=value ...] [--dry-run] [--report-only]
 
 `key=value` sets a config key of every run (`train.steps=50`), a key of the study (`study.out=runs/x`) or an axis
-(`axes.train.seed=[0,1]`, `axes.model.gate=[headwise,elementwise]`: a new axis is a new line of the grid's product).
-The study's `study.kind` says which driver makes its runs and which report reads them:
-- `paper`: [Sink-MoE]'s from-scratch grid, results.json / results.md / figures (`sinkjax.experiments.paper`);
-- `dose`: the same runs over lambda, dose.json (then `paper_report --dose`);
-- `tpu`: Table 1's 18 paper configs on a TPU slice, one launch each (`sinkjax.experiments.paper_tpu`);
-- `pinning`: App. D on an imported model, one epoch, per-document losses (`sinkjax.experiments.heads_pinning`);
-  `pinning_null`: its null-arm check on a tiny model (`heads_pinning.null_check`, null.json);
-- `importance`: Fig. 4 / App. C, head importance of an imported model beside a random init
-  (`sinkjax.experiments.heads_real`);
-- `streaming`: streaming perplexity of an imported model under each KV cache (`sinkjax.experiments.streaming_real`);
-- `passkey`: passkey retrieval of a run per length, depth and KV cache (`sinkjax.experiments.passkey`);
-- `trigger`: [SinkNecessary]'s trigger task, every attention variant x shape (`sinkjax.experiments.trigger`).
-Each run records the commit and config it was made with; a rerun resumes, skipping finished runs.
+(`axes.train.seed=[0,1]`: a new axis is a new line of the grid's product). `study.kind` picks the module (`KINDS`)
+that makes the runs and writes the report; each run records the commit and config it was made with.
 """
 from __future__ import annotations
 
