@@ -1,39 +1,16 @@
-"""[Sink-MoE] App. D (head pinning) on SmolLM2-135M at the paper's budget, with per-document held-out losses.
+"""[Sink-MoE] App. D (head pinning) on SmolLM2-135M at the paper's budget, with per-document held-out losses; study
+files of kind pinning (heads_pinning.yaml: LoRA; heads_pinning_full.yaml: every weight) and pinning_null.
 
-    python -m sinkjax.experiments.study configs/studies/heads_pinning.yaml [study.run=RUN] [study.out=OUT] ...
-        [study.results=DIR] [axes.train.seed=[0,1]] [train.steps=N] [study.allow_dirty=true] [--report-only]
+    python -m sinkjax.experiments.study configs/studies/heads_pinning.yaml [study.run=RUN] [study.results=DIR]
+        [axes.train.seed=[0,1]] [study.allow_dirty=true] [--report-only]
     python -m sinkjax.experiments.study configs/studies/heads_pinning_null.yaml     # the null arm (null.json)
 
-The study file holds the fine-tuning config (configs/finetune_smollm2.yaml with the paper's LoRA rank) and the seeds
-(`axes: train.seed`). study.run is the imported SmolLM2-135M-Instruct (docs/CONVERT.md). The corpus is
-`heads_real.english_corpus` (offline English from this Python's standard library: analysis / heldout / train
-documents). The study, resumable:
-
-1. **Shared heads** (`shared_heads.json`): eq. 8's shared set, fixed up front as the paper does: the top-m heads of
-   each layer by the pretrained model's eq. 5 importance over the first `SHARED_DOCS` analysis documents.
-2. **Step 0** (`nll_step0.json`): the pretrained model on every held-out document (`doc_eval`): per document its
-   summed and mean NLL (nats/token) and, from its own importance [L, H], the shared / routed heads' importance, the
-   routed heads' CV (eq. 8's target), the mean importance and the imbalance (eq. 6). A LoRA run starts from exactly
-   this model (its B matrices are zero), so step 0 is common to every run.
-3. **Fine-tuning** (`runs/<arm>_lora_s<seed>/`): configs/finetune_smollm2.yaml on all `train` documents for one epoch
-   (`epoch_steps`: the rows they pack into at data.seq_len, over train.batch_size), LoRA rank 16 / alpha 32 (the
-   paper's rank), arms base (λ 0), eq. 7 (λ 1e-2, all heads) and eq. 8 (λ 1e-2, m = 2 shared heads); seeds walked
-   one at a time with the three arms together (eq. 7, eq. 8, base), so an interrupted study holds whole seed triples
-   (or the eq. 8 − eq. 7 pair). The aux term is
-   traced in every arm (loss.aux_term, λ = 0 included): the arms differ only by λ and m. Each run is evaluated
-   (`doc_eval`) at steps `EVAL_STEPS` and at its end (files `nll_step<S>.json`) and then keeps only those
-   checkpoints.
-4. **Report** (`results.md`, `results.json`): every effect (eq. 8 − eq. 7 first, then each against base) at the end
-   step with two sources of variance: the paired t over seeds (each seed's mean over documents) and, over documents,
-   a bootstrap interval and a paired sign-flip permutation p of the per-document differences (averaged over seeds);
-   Holm's correction across the table (each column its own family); the curve of every arm at steps 0, 30, 100 and
-   the end.
-
-Provenance: the study refuses a checkout with uncommitted changes to tracked files (study.allow_dirty runs anyway and
-every file it writes says `"dirty": true`); every record holds the commit, and the report refuses records of different
-commits. An interrupted run is **dropped**: its directory is emptied and the run made again from step 0, so a record's
-metrics and `train_seconds` are those of one uninterrupted run. The null-arm check (`null_check`, on a tiny model:
-RESULTS/null.json) is its own study file, heads_pinning_null.yaml (kind pinning_null).
+Resumable, in order: eq. 8's shared heads fixed up front (`shared_heads`), the pretrained model on every held-out
+document (`step0`), then per seed the arms eq. 7, eq. 8 and base (`ARMS`) for one epoch, each evaluated per document
+(`doc_eval`) at `EVAL_STEPS` and its end; the report tests every contrast over seeds (paired t) and over documents
+(bootstrap, sign-flip permutation), with Holm's correction per column. A dirty checkout is refused unless
+study.allow_dirty; an interrupted run is dropped and made again from step 0. The setup and the readings:
+docs/RESULTS.md, "App. D at the paper's budget".
 """
 from __future__ import annotations
 

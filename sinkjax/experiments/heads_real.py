@@ -1,26 +1,12 @@
-"""[Sink-MoE] on a real pretrained model: head importance (Fig. 4 / App. C), and the offline corpus the real-model
-studies share.
+"""[Sink-MoE] on a real pretrained model: head importance (Fig. 4 / App. C) beside a random init, and the offline
+English corpus the real-model studies share (`english_corpus`: Python's help topics and the standard library's
+docstrings, split by a hash into analysis / train / heldout); a study file of kind importance.
 
     python -m sinkjax.experiments.study configs/studies/heads_fig4.yaml [study.run=RUN] [study.out=OUT] ...
 
-The study file (kind importance) names the model (study.run), the working directory (study.out), where analysis.json
-and its figure go (study.results, default OUT/results) and the random inits' seeds (`axes: random_init`). study.run
-is an imported real model (docs/CONVERT.md: SmolLM2-135M-Instruct from its GGUF file). Resumable:
-
-1. **Corpus** (`english_corpus`): English prose from this machine, offline: Python's own help topics
-   (pydoc_data.topics) and the docstrings of the standard library's modules, classes and functions (>= 300 characters,
-   at least 75 % letters and spaces, cut at a paragraph end near 600 characters), deduplicated and split by a hash of
-   the text into `analysis` (>= 500 documents), `train` (fine-tuning) and `heldout`. Technical English, not GSM8K:
-   [Sink-MoE] App. C uses 500 GSM8K samples, which this machine cannot download.
-2. **Fig. 4 / App. C** (`analysis.json`, `analysis.png` in study.results): eq. 5 importance per head
-   of the pretrained model over every `analysis` document (one document per segment, rows of 256 tokens, no BOS: this
-   tokenizer adds none, so eq. 4's first key is each document's first token), eq. 6 imbalance and per-layer CV, beside
-   the same architecture at random init (sinkjax's initialisation) on the same rows; first-token attention and value
-   norms per head on the first rows.
-
-App. D (head pinning) is `sinkjax.experiments.heads_pinning` (one epoch, per-document losses). The first 30-step
-pinning study (docs/results/heads_real/: before.json, raw/, results.md) was made by this module at commit 9125455,
-whose App. D part heads_pinning replaced; the analysis is the part left.
+What is measured and how: docs/RESULTS.md, "Fig. 4 / App. C". App. D (head pinning) is
+`sinkjax.experiments.heads_pinning`; the first 30-step pinning study (docs/results/heads_real/) was made by this
+module at commit 9125455.
 """
 from __future__ import annotations
 

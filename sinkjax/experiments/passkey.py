@@ -1,35 +1,12 @@
-"""Passkey retrieval: a number hidden at a chosen depth of filler text, asked for at the end.
+"""Passkey retrieval: a number hidden at a chosen depth of filler text, asked for at the end, scored under each KV
+cache (full, sinks + window, per-head hybrids by importance or at random).
 
-    python -m sinkjax.experiments.passkey --checkpoint RUN_DIR [--lengths 128,256,512] [--depths 0,0.25,0.5,0.75,1]
-        [--samples 8] [--sink-size 4 --window 64] [--full-heads 0.25,0.5 ...] [--full-heads-random 0,1,2] [--out DIR]
+    python -m sinkjax.experiments.passkey --checkpoint RUN_DIR [--lengths 128,256,512] [--full-heads 0.25,0.5 ...]
     python -m sinkjax.experiments.passkey --make-data OUT.jsonl [--docs 20000] [--max-len 512]
-        [--text-fraction 0.3] [--seed 0]
-    python -m sinkjax.experiments.study configs/studies/passkey_tiny.yaml [study.run=RUN_DIR] [passkey.window=64]
-        [cache.full_heads=0.5] ...
+    python -m sinkjax.experiments.study configs/studies/passkey_tiny.yaml [study.run=RUN_DIR] [cache.full_heads=0.5]
 
-The probe is a study file of kind passkey (configs/studies/passkey_tiny.yaml): the run (study.run), the output
-(study.out, default RUN_DIR/passkey), the probe's keys (`passkey:`, `PasskeyOptions`: samples, sinks, window, seed),
-the hybrid caches' head policy (`cache:`, `sinkjax.cache_policy.CacheOptions`, the cache.* keys of
-`sinkjax.generate`) and `axes: length, depth`; the probe's flags spell those keys (`--window 64` = passkey.window,
-`--full-heads 0.5` = cache.full_heads).
-
-The probe (the passkey test of Landmark Attention / LongLoRA): BOS, filler sentences ("The grass is green. The sky
-is blue. ..."), at depth d of the filler the needle "The pass key is #71829. Remember it. #71829 is the pass key. ",
-more filler, then "What is the pass key? The pass key is #". A sample counts as retrieved when greedy decoding
-continues with the key's digits. That is measured with teacher forcing (`sinkjax.generate.streaming_scores`): greedy
-decoding produces the key iff every key token is the argmax given the correct ones before it, so one pass of the
-cached decode step over prompt + key gives the exact greedy result for a whole batch of samples.
-
-Cache modes, one table each: the full cache; sinks + window (every head streaming); and for each --full-heads F the
-hybrid cache whose full heads are chosen by importance (`sinkjax.cache_policy`) and, per --full-heads-random seed,
-the same number chosen at random. Accuracy is reported by context length and depth and writes `results.json`
-(one record per mode, length and depth, with every key's own outcome: `keys`, `key_right`, `digits_right`, so two
-caches can be compared key by key) and `results.md` into --out.
-
---make-data writes a training JSONL (field `text`) for a model that can take the probe: --docs passkey documents
-(random key, random depth, lengths up to --max-len tokens of the byte tokenizer) mixed with chunks of the embedded
-corpus's training split (`data.source=default`, so its validation files stay held out) making up --text-fraction
-of the bytes. Train on it with `data.source=OUT.jsonl`.
+The probe, its exact greedy scoring by teacher forcing, the files and the training data: docs/STREAMING.md,
+"Passkey retrieval by cache".
 """
 from __future__ import annotations
 

@@ -1,38 +1,13 @@
 """[StreamingLLM] on real weights: streaming perplexity of a pretrained model under full, window-only, sinks + window
-and per-head (importance vs random) caches.
+and per-head (importance vs random) caches; a study file of kind streaming.
 
     python -m sinkjax.experiments.study configs/studies/streaming_real.yaml [study.run=RUN] [study.out=OUT]
-        [streaming.tokens=8192] [streaming.full_heads=0.25] [streaming.chunk=64] [axes.random_map=[0,1,2]]
-        [--report-only]
+        [streaming.tokens=8192] [streaming.full_heads=0.25] [streaming.scope=layer] [axes.random_map=[0,1,2]]
 
-The study file (kind streaming) names the model (study.run), the output (study.out), the scoring (`streaming:`,
-`StreamingOptions`) and the random maps' seeds (`axes: random_map`). study.run is an imported real model
-(docs/CONVERT.md: SmolLM2-135M-Instruct), scored in float32. Run by run, resumable (walked by
-`sinkjax.experiments.runner`): every run writes its own raw file OUT/<name>.json (its per-position NLLs, cache,
-timing and the commit that made it) and a finished run is never redone; the report (--report-only; also run at the
-end) reads only those files (refusing runs of different commits or token sequences) and writes results.md,
-results.json and streaming_real.png there.
-
-Texts (offline, English prose from this machine's Python, no code):
-- scored: Python's help topics (pydoc_data.topics, in key order), the paragraphs that are prose (`prose_paragraphs`:
-  no indented line, no ">>>", >= 75 % letters and spaces; heading underlines dropped), joined with blank lines, the
-  first streaming.tokens tokens (the tokenizer adds no BOS);
-- importance: the docstrings of the standard library's modules, classes and functions (not the help topics;
-  `heads_real`'s prose rule), one document per segment, rows of 256 tokens ([Sink-MoE] eq. 5 per head, `run.head_importance_of`).
-
-Runs: `importance`; then, each over the same tokens, scored in blocks (`sinkjax.generate.streaming_scores(chunk=)`,
-exact for every cache): window-only and 4 sinks + window at W 256 and 1024; the full cache; the hybrid cache at W 256
-(4 sinks) whose full KV heads are the streaming.full_heads F most important, ranked over the whole model
-(`cache_policy`, scope global, a KV head as its most important query head), and maps of the same size drawn at
-random (the seeds of axes.random_map); and `check`: the first 320 tokens token by token against the blocks (4 sinks
-+ W 256, and the full cache), the largest difference in NLL. streaming.scope=layer (its own study.out) is the fair test of the
-ranking: the importance and random hybrids alone, each keeping F of every layer's KV heads full (SmolLM2: 1 of 3), so
-the importance map cannot win by picking layers.
-
-Statistics (the report): the importance map's perplexity ranks r among the 1 + k maps, so were it one more random map
-p = r / (1 + k) exactly (the permutation statement); the k differences random - importance with
-`stats.paired_effect` (paired t, exact permutation and sign tests); per map, the 512-token blocks the importance map
-wins.
+Each run writes its own raw file OUT/<name>.json (per-position NLLs, cache, timing, commit) and is never redone; the
+report reads only those (refusing runs of different commits or token sequences). The texts, the runs, the check
+against token-by-token decoding and the statistics (the importance map's rank among the random maps as an exact
+permutation statement, `stats.paired_effect` over the maps): docs/STREAMING.md, "On real weights".
 """
 from __future__ import annotations
 

@@ -1,37 +1,14 @@
 """Trigger-conditional averaging task of [SinkNecessary] ("Attention sinks are provably necessary in softmax
-transformers"), trained with softmax, ReLU, sink and gated attention.
+transformers"), trained with softmax, ReLU, sink and gated attention; a study file of kind trigger.
 
     python -m sinkjax.experiments.study configs/studies/trigger_quick.yaml [study.out=DIR] [trigger.seed=N] ...
     python -m sinkjax.experiments.study configs/studies/trigger.yaml      # + the 2x2 and 4x4 models
 
-Task ([SinkNecessary] §3.2). A sequence of T tokens in R^d (1-indexed positions here, as in the paper; the code is
-0-indexed):
-  * position 1 is BOS: coordinate 1 = 1, every other coordinate 0 (no content);
-  * the trigger position t* is uniform on {2, ..., T}: coordinate 2 = 1, content coordinates 4..d i.i.d. U(-1, 1);
-  * every other position: coordinate 3 = 1 (non-trigger non-BOS indicator), content i.i.d. U(-1, 1).
-  The target is the zero vector everywhere except at t*, where it is the mean of the (full) token vectors
-  x_2, ..., x_{t*}: all non-BOS tokens up to and including the trigger.
-
-Models ([SinkNecessary] §3.4, §4.2, App. A). Attention-only, no norms, no MLPs, every head of width d (head_dim =
-d_model, as in the paper's code), unscaled scores (scale 1, as in the paper). Each layer adds W_O·attn(x) to the
-residual stream; the prediction is what the layers wrote, h_L - x. For one layer that is the paper's single-layer
-model f(X) = W_O·attn(X) exactly; for L > 1 it is the paper's residual model with its target x + y.
-  * softmax: `sinkjax.attention.vanilla_attention`;
-  * relu:    `sinkjax.attention.relu_attention` (ReLU(z)/#non-BOS positions up to t, [SinkNecessary] §3.4);
-  * sink:    `sinkjax.attention.sink_attention` with a learnable logit per head (initialized to 0);
-  * gated:   `sinkjax.attention.gated_attention` with a headwise gate sigmoid(h W_g) from the layer input.
-Training (App. A): Adam(b1=0.9, b2=0.95), batch 128, MSE loss, d = T = 16, weights N(0, 0.02), lr 1e-3 for one
-layer and 1e-4 for deeper models, until the largest absolute error over the whole training batch is below
-5e-3 (or a step cap): `converged`. That batch is the one training stopped on, chosen by the rule itself, so the task
-counts as *solved* only when a held-out batch of the same size (fresh sequences, never trained on) also has its
-largest absolute error below 5e-3 (`solved`, `heldout_max_abs_error`).
-
-A study file (kind trigger, configs/studies/trigger*.yaml) names the grid (`axes:` shape LAYERSxHEADS, variant) and
-the task and training (`trigger:`, `TriggerOptions`). Each model is a run of `sinkjax.experiments.runner` in
-study.out/runs/VARIANT_LxH (record.json with its commit and options, params.npz): a rerun skips finished models. Then
-study.out holds results.json (the records in grid order, schema in SPEC.md plus extra keys), table.txt (printed too)
-and attention figures: mean/std over `eval_size` test sequences with the trigger at position 8 for 1x1 models, as
-[SinkNecessary] Fig. 3; one example per head for deeper models, as Fig. 4-5.
+The task (§3.2; positions 1-indexed as in the paper, the code 0-indexed), the attention-only models (§3.4, §4.2:
+no norms or MLPs, head_dim = d_model, unscaled scores; the prediction is what the layers wrote, h_L - x), the training
+of App. A and the `converged` / `solved` (held-out batch) criteria: docs/TRIGGER.md. Each model is a run of
+`sinkjax.experiments.runner` in study.out/runs/VARIANT_LxH (record.json, params.npz); study.out then holds
+results.json, table.txt and the attention figures (Fig. 3 for 1x1 models, Figs. 4-5 per head for deeper ones).
 """
 from __future__ import annotations
 
