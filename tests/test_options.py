@@ -27,7 +27,7 @@ from sinkjax.experiments import passkey
 ROOT = pathlib.Path(sinkjax.__file__).parent
 COMMANDS = {"eval": ev, "generate": gen, "lm_eval": lm_eval, "compile": compile_lib,
             "bench.attention": bench_attention, "bench.data": bench_data, "bench.train": bench_train,
-            "bench.trainer": bench_trainer, "bench.kernel_check": kernel_check}
+            "bench.trainer": bench_trainer, "bench.kernel_check": kernel_check, "experiments.passkey": passkey}
 RUN_COMMANDS = {k: COMMANDS[k] for k in ("eval", "generate", "lm_eval")}     # those that take --checkpoint RUN_DIR
 
 # Modules whose functions below main still take the parser's namespace: the studies (sinkjax/experiments, turned

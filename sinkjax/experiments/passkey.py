@@ -15,7 +15,6 @@ from sinkjax import cli
 if __name__ == "__main__":
   cli.require_extra("sinkjax.experiments.passkey")   # before the imports below, which need the train extra
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -237,20 +236,30 @@ def format_results(records: list[dict]) -> str:
 # ---------------------------------------------------------------------------------------------------- command line
 
 
-def build_parser() -> argparse.ArgumentParser:
-  p = cli.Parser(prog="python -m sinkjax.experiments.passkey", description=__doc__.split("\n\n")[0],
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--checkpoint", help="run directory of a training run (the probe)")
-  p.add_argument("--lengths", default="128,256,512", help="prompt lengths in tokens, comma-separated")
-  p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1], comma-separated")
-  p.add_argument("--out", help="where results.json and results.md go (default RUN_DIR/passkey)")
-  for section, cls in SECTIONS.items():      # the passkey.* and cache.* keys' flags
-    options.add_flags(p, section, cls)
-  p.add_argument("--make-data", metavar="OUT.jsonl", help="write a training mix instead of probing")
-  p.add_argument("--docs", type=int, default=20000, help="--make-data: passkey documents (default 20000)")
-  p.add_argument("--max-len", type=int, default=512, help="--make-data: longest passkey document in bytes")
-  p.add_argument("--text-fraction", type=float, default=0.3, help="--make-data: share of corpus text bytes (0.3)")
-  return p
+@dataclasses.dataclass
+class ProbeOptions:
+  """The probe command's own options (`python -m sinkjax.experiments.passkey`; in a study file: study.run, study.out
+  and `axes: length, depth`)."""
+  checkpoint: str | None = key(None, alias="--checkpoint", metavar="RUN_DIR", help="run directory of a training run")
+  lengths: str = key("128,256,512", alias="--lengths", metavar="N[,N...]", help="prompt lengths in tokens")
+  depths: str = key("0,0.25,0.5,0.75,1", alias="--depths", metavar="D[,D...]", help="needle depths in [0, 1]")
+  out: str | None = key(None, alias="--out", metavar="DIR",
+                        help="where results.json and results.md go (default RUN_DIR/passkey)")
+
+
+@dataclasses.dataclass
+class MakeDataOptions:
+  """--make-data: a training mix of passkey documents and corpus text instead of a probe."""
+  make_data: str | None = key(None, alias="--make-data", metavar="OUT.jsonl",
+                              help="write a training mix instead of probing")
+  docs: int = key(20000, ">=1", alias="--docs", help="--make-data: passkey documents")
+  max_len: int = key(512, ">=1", alias="--max-len", help="--make-data: longest passkey document in bytes")
+  text_fraction: float = key(0.3, "[0,1)", alias="--text-fraction", help="--make-data: share of corpus text bytes")
+
+
+COMMAND = options.Command(
+    prog="python -m sinkjax.experiments.passkey", description=__doc__.split("\n\n")[0],
+    sections={"probe": ProbeOptions, **SECTIONS, "mix": MakeDataOptions})
 
 
 def _numbers(text: str, kind, flag: str, ok) -> list:
@@ -265,8 +274,6 @@ def _numbers(text: str, kind, flag: str, ok) -> list:
 
 
 def make_data(path: str, docs: int, max_len: int, text_fraction: float, seed: int) -> None:
-  if docs < 1 or not 0 <= text_fraction < 1:
-    raise PasskeyError("--docs must be >= 1 and --text-fraction in [0, 1)")
   shortest = len(passkey_text("0" * KEY_DIGITS, 0, 0.0)[0]) + KEY_DIGITS + 1
   if max_len < shortest:
     raise PasskeyError(f"--max-len must be >= {shortest} (a needle and the question)")
@@ -321,17 +328,18 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
             sections["cache"], out=plan.study.out or None)
 
 
-def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
+def run(sections: dict) -> None:
+  """The command from its typed sections: --make-data's training mix, else the probe of --checkpoint."""
+  probe_, opts, cache, data = (sections[name] for name in COMMAND.sections)
+  if data.make_data is not None:
+    return make_data(data.make_data, data.docs, data.max_len, data.text_fraction, opts.seed)
+  lengths = _numbers(probe_.lengths, int, "--lengths", lambda v: v >= 1)
+  depths = _numbers(probe_.depths, float, "--depths", lambda v: 0 <= v <= 1)
+  return run_study(probe_.checkpoint, lengths, depths, opts, cache, out=probe_.out)
 
-  def command():
-    opts, cache = (options.section_of(args, name, cls) for name, cls in SECTIONS.items())
-    if args.make_data is not None:
-      return make_data(args.make_data, args.docs, args.max_len, args.text_fraction, opts.seed)
-    lengths = _numbers(args.lengths, int, "--lengths", lambda v: v >= 1)
-    depths = _numbers(args.depths, float, "--depths", lambda v: 0 <= v <= 1)
-    return run_study(args.checkpoint, lengths, depths, opts, cache, out=args.out)
-  return cli.run_main("sinkjax.experiments.passkey", command)
+
+def main(argv=None) -> int:
+  return options.main(COMMAND, argv, lambda sections, _: run(sections))
 
 
 if __name__ == "__main__":
