@@ -22,12 +22,13 @@ from sinkjax.bench import kernel_check
 from sinkjax.bench import train as bench_train
 from sinkjax.bench import trainer as bench_trainer
 from sinkjax.cli import ConfigError
-from sinkjax.experiments import passkey
+from sinkjax.experiments import paper_report, passkey
 
 ROOT = pathlib.Path(sinkjax.__file__).parent
 COMMANDS = {"eval": ev, "generate": gen, "lm_eval": lm_eval, "compile": compile_lib,
             "bench.attention": bench_attention, "bench.data": bench_data, "bench.train": bench_train,
-            "bench.trainer": bench_trainer, "bench.kernel_check": kernel_check, "experiments.passkey": passkey}
+            "bench.trainer": bench_trainer, "bench.kernel_check": kernel_check, "experiments.passkey": passkey,
+            "experiments.paper_report": paper_report}
 RUN_COMMANDS = {k: COMMANDS[k] for k in ("eval", "generate", "lm_eval")}     # those that take --checkpoint RUN_DIR
 
 # Modules whose functions below main still take the parser's namespace: the studies (sinkjax/experiments, turned
