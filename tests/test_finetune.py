@@ -21,8 +21,6 @@ from sinkjax.config import Config, ModelConfig  # noqa: E402
 from sinkjax.model import Transformer  # noqa: E402
 from tests.helpers import run_ok  # noqa: E402
 
-# One worker runs the module: its fine-tuned run (a module fixture, ~20 s) is built once, not once per worker.
-pytestmark = pytest.mark.xdist_group("finetune")
 
 VOCAB = 64
 

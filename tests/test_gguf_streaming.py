@@ -12,8 +12,6 @@ from safetensors.numpy import load_file
 from sinkjax.convert import gguf as gguf_lib
 from tests import real_model
 
-pytestmark = pytest.mark.xdist_group("smollm2")
-
 torch = pytest.importorskip("torch", reason="the reference is transformers on torch (the test extra)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers (the test extra)")
 pytest.importorskip("gguf", reason="the GGUF reader is the gguf package (the test extra)")

@@ -37,9 +37,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from sinkjax import lm_eval as sj  # noqa: E402  (after the environment above)
 from tests.helpers import call_main  # noqa: E402
 
-# One worker runs the module: its imported toy and the hf backend's reference results (module fixtures, ~10 s) are
-# built once, not once per worker.
-pytestmark = pytest.mark.xdist_group("lm_eval")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MAX_LEN = 64                                              # the toy's max_position_embeddings: rolling windows cut

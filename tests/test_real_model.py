@@ -20,7 +20,7 @@ from tests.helpers import ROOT
 
 # one worker imports the model once; compiled with every optimization (tests/conftest.py): a 30-layer model's
 # generation and forward passes run long enough that the cheaper compile mode costs more than it saves
-pytestmark = [pytest.mark.xdist_group("smollm2"), pytest.mark.usefixtures("optimized_compile")]
+pytestmark = pytest.mark.usefixtures("optimized_compile")
 
 torch = pytest.importorskip("torch", reason="the reference is transformers on torch (the test extra)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers (the test extra)")
