@@ -134,8 +134,10 @@ def _add_options(p: argparse.ArgumentParser, command: Command) -> None:
   if command.positional:
     section, name = command.positional.split(".")
     f = next(f for f in dataclasses.fields(command.sections[section]) if f.name == name)
-    what = f"{f.metadata.get('metavar') or name.upper()} (= {command.positional}), or {what}"
-  p.add_argument("words", nargs="*", metavar="section.key=value", default=[], help=what)
+    operand = f.metadata.get("metavar") or name.upper()
+    what = f"{operand} (= {command.positional}), or {what}"
+  p.add_argument("words", nargs="*", metavar=f"{operand}|section.key=value" if command.positional
+                 else "section.key=value", default=[], help=what)
 
 
 def _coerce(section: str, f: dataclasses.Field, hint, value):
@@ -182,6 +184,9 @@ def typed(command: Command, namespace: argparse.Namespace) -> tuple[dict, list[s
   (ConfigError, one line: status 1 under `cli.run_main`)."""
   values = vars(namespace)
   words = _file_words(values["options_file"], command) if "options_file" in values else []
+  bare = [word for word in values["words"] if "=" not in word]
+  if command.positional and len(bare) > 1:
+    raise ConfigError(f"one {command.positional} is given without a key, got {' '.join(bare)}")
   words += [(command.positional, word) if command.positional and "=" not in word else config.parse_override(word)
             for word in values["words"]]
   run_flags = {f"{s}.{f.name}": (s, f, hint) for s, f, hint in command.run_options()}
