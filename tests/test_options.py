@@ -302,7 +302,8 @@ BAD = [
 ]
 # What each command needs besides the bad value (the value is refused before any of it is used).
 REQUIRED = {**{name: ["--checkpoint", "/nonexistent/run"] for name in RUN_COMMANDS},
-            "compile": ["--config", "/nonexistent.yaml"], "train": ["--config", "/nonexistent.yaml"], "convert.hf": ["--hf-dir", "/nonexistent", "--out", "/x"],
+            "compile": ["--config", "/nonexistent.yaml"], "train": ["--config", "/nonexistent.yaml"],
+            "convert.hf": ["--hf-dir", "/nonexistent", "--out", "/x"],
             "convert.nanochat": ["--checkpoint", "/nonexistent", "--out", "/x"], "data.fineweb": ["--out", "/x"],
             "data.acereason": ["--source", "/nonexistent", "--out", "/x"], "bench.profile_summary": ["/nonexistent"]}
 

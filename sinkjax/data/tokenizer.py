@@ -193,8 +193,8 @@ class TokenizerTrainOptions:
   doc_cap: int = key(DOC_CAP, ">=1", alias="--doc-cap", metavar="N", help="characters kept of each document")
   text_field: str = key("text", alias="--text-field", metavar="F",
                         help="the text column / key of .parquet / .jsonl files")
-  val_fraction: float = key(0.02, "(0,1)", alias="--val-fraction", metavar="F",
-                            help="documents left out as the trainer's validation split (data.val_fraction)")
+  val_fraction: float = key(0.02, "[0,1)", alias="--val-fraction", metavar="F",
+                            help="documents left out as the trainer's validation split (data.val_fraction; 0: none)")
 
 
 @dataclasses.dataclass
