@@ -8,7 +8,9 @@ help, and the short flag people type as `alias`), one section each (`eval`, `gen
 
 where every flag is generated from a key's `alias` (`--tau 0.5` = `eval.tau=0.5`), `--config FILE` is a YAML file of
 sections (`eval: {tau: 0.5}`), and a `section.key=value` of a section the command does not declare is an override of
-the run's config (`model.dtype=float32`) for commands that load a run (`Command.run_overrides`). Later spellings win:
+the run's config (`model.dtype=float32`) for commands that load a run (`Command.run_overrides`); a flag may be the
+alias of such a key of the run's config itself (`Command.run_keys`: eval's `--data X` = `data.source=X`), and one
+word without "=" may set the command's operand (`Command.positional`: a trace directory). Later spellings win:
 the file, then the `key=value` words, then the flags. Every value is checked by its declaration (type, range,
 choices), so a bad one is one line naming the key and its flag (`sinkjax.cli.run_main`: status 1); an unknown flag
 or a missing required option is argparse's one line and status 2. The command's function receives the typed
