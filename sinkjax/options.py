@@ -249,13 +249,15 @@ def main(command: Command, argv, fn, extra_errors: tuple = ()) -> int:
 def main_of(prog: str, description: str, commands: dict, argv, fns: dict, extra_errors: tuple = ()) -> int:
   """`main` of a command of subcommands (`python -m sinkjax.data.tokenizer train ...`): `commands` {name: Command},
   `fns` {name: fn(sections, overrides)}; the first word picks one (another: argparse's one line, status 2)."""
-  parser = cli.Parser(prog=prog, description=description)
+  parser = cli.Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="subcommand", metavar="|".join(commands), required=True, parser_class=cli.Parser)
   parsers = {}
   for name, command in commands.items():
     parsers[name] = sub.add_parser(name, prog=command.prog, help=command.description,
                                    description=command.description, formatter_class=command.formatter_class)
     _add_options(parsers[name], command)
+  parser.epilog = "commands (each with --help):\n" + "".join(  # every subcommand's flags on the command's --help
+      "  " + p.format_usage().removeprefix("usage: ") for p in parsers.values())
   namespace = parser.parse_args(argv)
   name = vars(namespace).pop("subcommand")
   return _run(commands[name], parsers[name], namespace, fns[name], prog, extra_errors)
