@@ -19,10 +19,12 @@ from sinkjax.cli import ConfigError  # noqa: F401  (re-exported: sinkjax.config.
 
 # pylint: disable-next=redefined-builtin
 def key(default, range: str | None = None, *, choices=None, alias: str | None = None, help: str | None = None,
-        metavar: str | None = None, required: bool = False, nargs: str | None = None, const: str | None = None):
+        metavar: str | None = None, required: bool = False, nargs: str | None = None, const: str | None = None,
+        other_aliases: tuple = ()):
   """A config key's one declaration: its default (the annotation gives its type), the range a number must lie in
   (a name of `_RANGE_TESTS`: ">=1", "(0,1)", ...) and the values a string may take (`sinkjax.choices`). A command's
-  option (`sinkjax.options`) also names the short flag people type (`alias="--tau"`), its help text (None: a
+  option (`sinkjax.options`) also names the short flag people type (`alias="--tau"`; `other_aliases`: more spellings
+  of the same flag, `--gguf` for `--hf-dir`), its help text (None: a
   hidden option), the flag's metavar, whether the command needs it (`required`), and for the flag alone: "+" (a
   list flag taking several values at once) or the value of the flag given without one (`const`)."""
   meta = {}
@@ -34,6 +36,8 @@ def key(default, range: str | None = None, *, choices=None, alias: str | None = 
                if v is not None})
   if required:
     meta["required"] = True
+  if other_aliases:
+    meta["other_aliases"] = tuple(other_aliases)
   if isinstance(default, list):           # a fresh list per instance
     return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
   return dataclasses.field(default=default, metadata=meta)
@@ -309,7 +313,9 @@ class LoRAConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-  source: str = "default"           # default | path/glob of .txt/.jsonl/.parquet | tfds:NAME
+  source: str = key("default", alias="--data", metavar="SOURCE",   # --data: the flag of commands that read a
+                    help="the text: 'default' (the embedded corpus), a path / glob of .txt / .jsonl / .parquet "
+                         "files, or tfds:NAME")                         # run's data (eval: COMMAND.run_keys)
   val_source: str = ""              # a path/glob of files that IS the validation split (nanochat: the last shard);
                                     # then the whole data.source trains. "" = split data.source (val_split/fraction)
   seq_len: int = key(256, ">=1")
@@ -328,7 +334,9 @@ class DataConfig:
                                     # rows of one long document land in different batches
   format: str = key("text", choices=choices.DATA_FORMATS) # text (packed documents) | sft (JSONL prompt/response or chat messages; loss
                                     # on the response tokens, sinkjax.data.sft)
-  packing: str = key("document", choices=choices.PACKINGS) # how text becomes rows (sinkjax.data.pipeline):
+  packing: str = key("document", choices=choices.PACKINGS, alias="--packing", # how text becomes rows (data.pipeline):
+                     help="how the text becomes rows: document (documents packed, attention masked between them) "
+                          "or stream (rows cut from one stream of documents)")
                                     # document: documents packed with segment ids; attention masked between them,
                                     #   RoPE positions restart at each BOS, the vanilla gate's first key is the
                                     #   document's BOS, no loss on BOS targets

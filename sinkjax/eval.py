@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import analysis, choices, distributed, options, paths, plots
+from sinkjax import analysis, distributed, options, paths, plots
 from sinkjax import sharding as sharding_lib
 from sinkjax.balance import head_imbalance
 from sinkjax.cache import KVCache
@@ -460,20 +460,17 @@ def markdown(report: dict, figures: list[pathlib.Path]) -> str:
 
 @dataclasses.dataclass
 class EvalOptions:
-  """The eval.* options (`python -m sinkjax.eval`; each flag is the alias of its key: `--data X` = `eval.data=X`)."""
+  """The eval.* options (`python -m sinkjax.eval`; each flag is the alias of its key: `--tau 0.5` = `eval.tau=0.5`).
+  The held-out data is the run's config's (`--data X` is `data.source=X`, `--packing P` `data.packing=P`: the flags of
+  those keys, `COMMAND.run_keys`), its validation split unless --split all."""
   checkpoint: str = key("", alias="--checkpoint", metavar="RUN_DIR", required=True,
                         help="run directory of a training run")
   out: str = key("", alias="--out", metavar="DIR", help="output directory (default RUN_DIR/eval)")
   step: int | None = key(None, ">=0", alias="--step", help="checkpoint step (default: the latest)")
-  data: str | None = key(None, alias="--data", metavar="SOURCE",
-                         help="held-out data: a data.source (path/glob of .txt/.jsonl/.parquet, default, tfds:NAME); "
-                              "its validation split is used unless --split all (default: the run's data.source)")
   split: str = key("val", choices=("val", "all"), alias="--split",
                    help="val: the source's validation split (default); all: every document of the source, in order")
   max_docs: int | None = key(None, ">=1", alias="--max-docs", metavar="N",
                              help="score only the first N documents of the split (in order)")
-  packing: str | None = key(None, choices=choices.PACKINGS, alias="--packing",
-                            help="how the held-out text becomes rows (data.packing; default: the run's)")
   batches: int | None = key(None, ">=1", alias="--batches",
                             help="number of eval batches (default train.eval_batches; with --split all or --max-docs: "
                                  "every batch the documents fill)")
@@ -487,6 +484,7 @@ class EvalOptions:
 
 COMMAND = options.Command(
     prog="python -m sinkjax.eval", sections={"eval": EvalOptions}, run_overrides=True,
+    run_keys=("data.source", "data.packing"),
     description="Evaluate a checkpoint: validation BPB, head importance and imbalance, attention-sink diagnostics "
                 "(first-token attention, value norms, gates, massive activations, value zeroing); writes report.json, "
                 "report.md and PNGs. Downstream tasks: python -m sinkjax.lm_eval.")
@@ -521,10 +519,6 @@ def run(opts: EvalOptions, run_overrides: list[str] | tuple = ()) -> dict:
   # The layers as one scan (numerically the same program per layer): compile time does not grow with depth, which
   # on a CPU is most of an evaluation of a small file. An override on the command line wins.
   overrides = ["model.scan_layers=true"] + list(run_overrides)
-  if opts.data is not None:
-    overrides.append(f"data.source={opts.data}")
-  if opts.packing is not None:
-    overrides.append(f"data.packing={opts.packing}")
   # mesh.* overrides: the model placed on the run's mesh as training places it; else whole on every device
   model, cfg, tokenizer, step = load_run(run_dir, opts.step, overrides,
                                          mesh="run" if asks_for_mesh(run_overrides) else None)

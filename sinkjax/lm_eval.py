@@ -58,10 +58,6 @@ from sinkjax import cli
 
 if __name__ == "__main__":
   cli.require_extra("sinkjax.lm_eval")   # before the imports below: a run is read with the train extra's Orbax
-  import sys as _sys
-  from sinkjax import lm_eval_tasks as _tasks
-  if _tasks.precheck(_sys.argv[1:], "sinkjax.lm_eval"):   # missing datasets offline, HumanEval's needs: one line, fast
-    _sys.exit(1)
 
 import contextlib
 import dataclasses
@@ -618,8 +614,6 @@ def run(opts: LMEvalOptions, run_overrides: list[str] | tuple = ()) -> dict:
   `simple_evaluate`, saves and returns lm-eval's results."""
   if not HAVE_LM_EVAL:
     raise LMEvalError(INSTALL_HINT)
-  from lm_eval import simple_evaluate  # pylint: disable=import-outside-toplevel
-  from lm_eval.loggers import EvaluationTracker  # pylint: disable=import-outside-toplevel
   if opts.log_samples and not opts.output_path:
     raise LMEvalError("--log-samples needs --output-path DIR (where the samples are written)")
   extra = _model_args(opts.model_args)
@@ -640,7 +634,9 @@ def run(opts: LMEvalOptions, run_overrides: list[str] | tuple = ()) -> dict:
       lm_eval_tasks.write_tasks(task_dir)
     if opts.mc is not None or set(names) & set(lm_eval_tasks.NAMES):
       includes.append(task_dir)
-    lm_eval_tasks.check_hub(names, includes)             # seconds: no task index, no model
+    lm_eval_tasks.check_hub(names, includes)             # seconds: no task index, no model, no lm-eval import
+    from lm_eval import simple_evaluate  # pylint: disable=import-outside-toplevel
+    from lm_eval.loggers import EvaluationTracker  # pylint: disable=import-outside-toplevel
     manager, tasks = resolve_tasks(names, includes)      # before the model loads: a typo fails at once
     tracker = EvaluationTracker(output_path=opts.output_path) if opts.output_path else None
     limit = opts.limit

@@ -1,6 +1,6 @@
 """sinkjax.lm_eval's task groups (`--tasks paper`, `--tasks paper-ft`), a task of our own that lm-eval 0.4.x lacks
-(ProcessBench), and the checks that run in seconds before lm-eval's task index or a model is loaded (standard library
-only, so that `python -m sinkjax.lm_eval` runs them before importing JAX or lm-eval): HumanEval's requirements, and the
+(ProcessBench), and the checks that run in seconds before lm-eval is imported, its task index read or a model loaded
+(standard library only; `sinkjax.lm_eval.run` calls them first): HumanEval's requirements, and the
 tasks' datasets when the Hugging Face hub is unreachable (`check_hub`: the task YAMLs read as text for their
 dataset_path, the local `datasets` / hub caches looked at).
 
@@ -18,14 +18,12 @@ directory that `sinkjax.lm_eval` adds to lm-eval's include path.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.util
 import os
 import pathlib
 import re
 import socket
-import sys
 import urllib.parse
 
 from sinkjax import paths
@@ -272,27 +270,3 @@ def check_hub(names: list[str], include_paths: list[str]) -> None:
     raise UserError(f"the Hugging Face hub is unreachable ({why}) and these tasks' datasets are not in the local "
                       f"cache ({_hf_caches()[0]}): {listed}; run once with network access to cache them, or point "
                       "HF_HOME / HF_DATASETS_CACHE at a cache that holds them")
-
-
-def precheck(argv: list[str], prog: str) -> bool:
-  """The command's quick checks on its own arguments (before anything heavy is imported); True when one failed (its
-  line printed on stderr). What it cannot read here (a bad flag, an unknown task) is left to the command."""
-  p = argparse.ArgumentParser(add_help=False)
-  p.add_argument("--tasks", default="")
-  p.add_argument("--include-path", default=None)
-  p.add_argument("--confirm-run-unsafe-code", action="store_true")
-  p.add_argument("--checkpoint", default=None)
-  args, _ = p.parse_known_args(argv)
-  if not args.checkpoint or (not paths.is_remote(args.checkpoint) and not os.path.isdir(args.checkpoint)):
-    return False                               # the command says what is wrong with the run first
-  names = []
-  for t in (x.strip() for x in args.tasks.split(",")):
-    names += [n for n in TASK_GROUPS.get(t, (t,)) if n and n not in names]
-  try:
-    check_unsafe_code(names, args.confirm_run_unsafe_code)
-    includes = [args.include_path] if args.include_path and os.path.isdir(args.include_path) else []
-    check_hub(names, includes)
-  except UserError as e:
-    print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
-    return True
-  return False

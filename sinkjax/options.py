@@ -8,7 +8,9 @@ help, and the short flag people type as `alias`), one section each (`eval`, `gen
 
 where every flag is generated from a key's `alias` (`--tau 0.5` = `eval.tau=0.5`), `--config FILE` is a YAML file of
 sections (`eval: {tau: 0.5}`), and a `section.key=value` of a section the command does not declare is an override of
-the run's config (`model.dtype=float32`) for commands that load a run (`Command.run_overrides`). Later spellings win:
+the run's config (`model.dtype=float32`) for commands that load a run (`Command.run_overrides`); a flag may be the
+alias of such a key of the run's config itself (`Command.run_keys`: eval's `--data X` = `data.source=X`), and one
+word without "=" may set the command's operand (`Command.positional`: a trace directory). Later spellings win:
 the file, then the `key=value` words, then the flags. Every value is checked by its declaration (type, range,
 choices), so a bad one is one line naming the key and its flag (`sinkjax.cli.run_main`: status 1); an unknown flag
 or a missing required option is argparse's one line and status 2. The command's function receives the typed
@@ -37,10 +39,21 @@ class Command:
   formatter_class: type = argparse.HelpFormatter
   options_file: str | None = "--config"   # the flag of a YAML file of option sections (None: a command whose
                                           # --config is a run's config, sinkjax.compile, has none)
+  positional: str | None = None           # the key ("section.key") a word without "=" sets: the one operand a command
+                                          # names without a flag (a trace directory, a file to convert)
+  run_keys: tuple = ()                    # keys of the run's config ("data.source") that have a flag here (the key's
+                                          # alias in sinkjax.config): the flag is that key's override, not a second key
 
   def options(self):
     """(section, field, type hint) of every declared option, in declaration order."""
     return _declared(self.sections)
+
+  def run_options(self):
+    """(section, field, type hint) of each of `run_keys`, as the run's config declares it."""
+    sections = {f.name: f.default_factory for f in dataclasses.fields(config.Config)}
+    for name in self.run_keys:
+      section, field = name.split(".")
+      yield next(d for d in _declared({section: sections[section]}) if d[1].name == field)
 
 
 def _declared(classes: dict):
@@ -81,36 +94,52 @@ def add_flags(parser: argparse.ArgumentParser, section: str, cls) -> None:
     alias = f.metadata.get("alias")
     if alias is None:
       continue
+    alias = (alias, *f.metadata.get("other_aliases", ()))   # every spelling of the one flag
     typ, _ = _base(hint)
     common = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
                   help=_help(section, f, hint) if "help" in f.metadata else argparse.SUPPRESS)
     if typ is bool:
-      parser.add_argument(alias, action="store_const", const="true", **common)
+      parser.add_argument(*alias, action="store_const", const="true", **common)
     elif typ is list:                  # repeatable; "+": several values after one flag too
-      parser.add_argument(alias, action="extend" if f.metadata.get("nargs") == "+" else "append",
+      parser.add_argument(*alias, action="extend" if f.metadata.get("nargs") == "+" else "append",
                           nargs=f.metadata.get("nargs"), metavar=f.metadata.get("metavar"), **common)
     else:
       choices = f.metadata.get("choices")
       metavar = f.metadata.get("metavar") or ("|".join(choices) if choices else f.name.upper())
       if "const" in f.metadata:         # the flag alone means `const`
         common.update(nargs="?", const=f.metadata["const"])
-      parser.add_argument(alias, metavar=metavar, **common)
+      parser.add_argument(*alias, metavar=metavar, **common)
 
 
 def build_parser(command: Command) -> cli.Parser:
   """The argparse parser of `command`: --config, the flags of every section (`add_flags`) and the section.key=value
   words. Values stay strings here; `typed` checks them."""
   p = cli.Parser(prog=command.prog, description=command.description, formatter_class=command.formatter_class)
+  _add_options(p, command)
+  return p
+
+
+def _add_options(p: argparse.ArgumentParser, command: Command) -> None:
   if command.options_file:
     p.add_argument(command.options_file, dest="options_file", metavar="FILE", default=argparse.SUPPRESS,
                    help="a YAML file of option sections (" + ", ".join(f"{s}:" for s in command.sections)
                    + "); flags and key=value words win over it")
   for section, cls in command.sections.items():
     add_flags(p, section, cls)
+  for section, f, _ in command.run_options():   # the run's value unless given
+    choices = f.metadata.get("choices")
+    p.add_argument(f.metadata["alias"], dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
+                   metavar=f.metadata.get("metavar") or ("|".join(choices) if choices else f.name.upper()),
+                   help=f"{f.metadata['help']} [{section}.{f.name}; default: the run's]".replace("%", "%%"))
   what = ("an option of this command (" + ", ".join(f"{s}.*" for s in command.sections) + ")"
           + (", or an override of the run's config (e.g. model.dtype=float32)" if command.run_overrides else ""))
-  p.add_argument("words", nargs="*", metavar="section.key=value", default=[], help=what)
-  return p
+  if command.positional:
+    section, name = command.positional.split(".")
+    f = next(f for f in dataclasses.fields(command.sections[section]) if f.name == name)
+    operand = f.metadata.get("metavar") or name.upper()
+    what = f"{operand} (= {command.positional}), or {what}"
+  p.add_argument("words", nargs="*", metavar=f"{operand}|section.key=value" if command.positional
+                 else "section.key=value", default=[], help=what)
 
 
 def _coerce(section: str, f: dataclasses.Field, hint, value):
@@ -157,7 +186,16 @@ def typed(command: Command, namespace: argparse.Namespace) -> tuple[dict, list[s
   (ConfigError, one line: status 1 under `cli.run_main`)."""
   values = vars(namespace)
   words = _file_words(values["options_file"], command) if "options_file" in values else []
-  words += [config.parse_override(word) for word in values["words"]]
+  bare = [word for word in values["words"] if "=" not in word]
+  if command.positional and len(bare) > 1:
+    raise ConfigError(f"one {command.positional} is given without a key, got {' '.join(bare)}")
+  words += [(command.positional, word) if command.positional and "=" not in word else config.parse_override(word)
+            for word in values["words"]]
+  run_flags = {f"{s}.{f.name}": (s, f, hint) for s, f, hint in command.run_options()}
+  for name, (section, f, hint) in run_flags.items():   # a run key's flag: that key's override, checked now
+    if name in values:
+      _coerce(section, f, hint, values[name])
+      words.append((name, values[name]))
   given, overrides = [], []
   for name, value in words:
     if name.split(".")[0] in command.sections:
@@ -167,7 +205,7 @@ def typed(command: Command, namespace: argparse.Namespace) -> tuple[dict, list[s
     else:
       raise ConfigError(f"{name}={value} is not an option of this command: its keys are "
                         + ", ".join(f"{s}.*" for s in command.sections) + " (see --help)")
-  given += [(k, v) for k, v in values.items() if k not in ("options_file", "words")]
+  given += [(k, v) for k, v in values.items() if k not in ("options_file", "words", *run_flags)]
   return fill(command.sections, given), overrides
 
 
@@ -205,8 +243,28 @@ def main(command: Command, argv, fn, extra_errors: tuple = ()) -> int:
   `cli.run_main` (one line and status 1 for a UserError or one of `extra_errors`), after the declarations checked
   every value (a bad one: one line, status 1)."""
   parser = build_parser(command)
+  return _run(command, parser, parser.parse_args(argv), fn, command.prog, extra_errors)
+
+
+def main_of(prog: str, description: str, commands: dict, argv, fns: dict, extra_errors: tuple = ()) -> int:
+  """`main` of a command of subcommands (`python -m sinkjax.data.tokenizer train ...`): `commands` {name: Command},
+  `fns` {name: fn(sections, overrides)}; the first word picks one (another: argparse's one line, status 2)."""
+  parser = cli.Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="subcommand", metavar="|".join(commands), required=True, parser_class=cli.Parser)
+  parsers = {}
+  for name, command in commands.items():
+    parsers[name] = sub.add_parser(name, prog=command.prog, help=command.description,
+                                   description=command.description, formatter_class=command.formatter_class)
+    _add_options(parsers[name], command)
+  parser.epilog = "commands (each with --help):\n" + "".join(  # every subcommand's flags on the command's --help
+      "  " + p.format_usage().removeprefix("usage: ") for p in parsers.values())
   namespace = parser.parse_args(argv)
-  prog = command.prog.removeprefix("python -m ")
+  name = vars(namespace).pop("subcommand")
+  return _run(commands[name], parsers[name], namespace, fns[name], prog, extra_errors)
+
+
+def _run(command: Command, parser, namespace, fn, prog: str, extra_errors: tuple) -> int:
+  prog = prog.removeprefix("python -m ")
 
   def checked():
     sections, overrides = typed(command, namespace)

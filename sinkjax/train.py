@@ -24,6 +24,7 @@ if __name__ == "__main__":
   cli.require_extra("sinkjax.train")    # before the imports below: without the train extra, one line naming it
 
 import copy
+import dataclasses
 import math
 import sys
 import time
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import yaml
 from flax import nnx
 
-from sinkjax import distributed, optim, paths, tracking
+from sinkjax import distributed, optim, options, paths, tracking
 from sinkjax import lora as lora_lib
 from sinkjax import checkpoint as ckpt_lib
 from sinkjax import config as config_lib
@@ -41,7 +42,7 @@ from sinkjax import run as run_lib
 from sinkjax import sharding as sharding_lib
 from sinkjax.cache import make_cache
 from sinkjax.cli import Interrupted, UserError
-from sinkjax.config import Config, ConfigError
+from sinkjax.config import Config, ConfigError, key
 from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator, sft, to_global_batch
 from sinkjax.metrics import MetricsLogger, Profiler
 from sinkjax.step import EVAL_FEATURES, TRAIN_FEATURES, make_eval_step, make_train_step
@@ -378,19 +379,27 @@ def _end_of_data(trainer: Trainer, log: MetricsLogger, pending, data_end: int):
 # CLI
 # --------------------------------------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
-  parser = cli.Parser(prog="python -m sinkjax.train",
-                      description="Train a sink-aware language model. Every config key can be overridden as "
-                                  "section.key=value (e.g. train.steps=100 model.attention=sink run.dir=runs/x). "
-                                  "Rerunning with the same run.dir resumes from its latest checkpoint.")
-  parser.add_argument("--config", required=True, help="YAML config file (see configs/; tiny.yaml runs on a CPU)")
-  parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-  args = parser.parse_args(argv)
+@dataclasses.dataclass
+class TrainCommandOptions:
+  """The train_command.* option (`python -m sinkjax.train`): the run's config file; every other section.key=value word
+  is an override of it (`train.steps=100`). Its --config is that config, so the command has no file of options."""
+  config: str = key("", alias="--config", metavar="CONFIG", required=True,
+                    help="YAML config file (see configs/; tiny.yaml runs on a CPU)")
 
-  def run():
+
+COMMAND = options.Command(
+    prog="python -m sinkjax.train", sections={"train_command": TrainCommandOptions}, run_overrides=True,
+    options_file=None,
+    description="Train a sink-aware language model. Every config key can be overridden as section.key=value (e.g. "
+                "train.steps=100 model.attention=sink run.dir=runs/x). Rerunning with the same run.dir resumes from "
+                "its latest checkpoint.")
+
+
+def main(argv=None) -> int:
+  def run(sections, overrides):
     distributed.maybe_initialize()    # before anything touches JAX devices
-    train(config_lib.load_config(args.config, args.overrides))
-  return cli.run_main("sinkjax.train", run)
+    train(config_lib.load_config(sections["train_command"].config, overrides))
+  return options.main(COMMAND, argv, run)
 
 
 if __name__ == "__main__":

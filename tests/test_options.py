@@ -7,6 +7,8 @@ import dataclasses
 import pathlib
 import typing
 
+import types
+
 import pytest
 import yaml
 
@@ -16,24 +18,41 @@ from sinkjax import compile as compile_lib
 from sinkjax import eval as ev
 from sinkjax import generate as gen
 from sinkjax import lm_eval
+from sinkjax import train as train_lib
 from sinkjax.bench import attention as bench_attention
 from sinkjax.bench import data as bench_data
-from sinkjax.bench import kernel_check
+from sinkjax.bench import kernel_check, profile_summary
 from sinkjax.bench import train as bench_train
 from sinkjax.bench import trainer as bench_trainer
 from sinkjax.cli import ConfigError
+from sinkjax.convert import hf as convert_hf
+from sinkjax.convert import nanochat as convert_nanochat
+from sinkjax.data import acereason, fineweb
+from sinkjax.data import tokenizer as tokenizer_cli
 from sinkjax.experiments import paper_report, passkey
 
 ROOT = pathlib.Path(sinkjax.__file__).parent
-COMMANDS = {"eval": ev, "generate": gen, "lm_eval": lm_eval, "compile": compile_lib,
+
+
+def _subcommand(module, word):
+  """A subcommand of a command of several (`sinkjax.data.tokenizer train ...`: a Command each, `options.main_of`) as a
+  command of its own for the checks below: its Command, and the module's main with the subcommand's word in front."""
+  return types.SimpleNamespace(COMMAND=module.COMMANDS[word], main=lambda argv: module.main([word, *argv]),
+                               __file__=module.__file__)
+
+
+COMMANDS = {"eval": ev, "generate": gen, "lm_eval": lm_eval, "compile": compile_lib, "train": train_lib,
             "bench.attention": bench_attention, "bench.data": bench_data, "bench.train": bench_train,
-            "bench.trainer": bench_trainer, "bench.kernel_check": kernel_check, "experiments.passkey": passkey,
-            "experiments.paper_report": paper_report}
+            "bench.trainer": bench_trainer, "bench.kernel_check": kernel_check,
+            "bench.profile_summary": profile_summary, "convert.hf": convert_hf, "convert.nanochat": convert_nanochat,
+            "data.fineweb": fineweb, "data.acereason": acereason,
+            "data.tokenizer train": _subcommand(tokenizer_cli, "train"),
+            "data.tokenizer from-tiktoken": _subcommand(tokenizer_cli, "from-tiktoken"),
+            "experiments.passkey": passkey, "experiments.paper_report": paper_report}
 RUN_COMMANDS = {k: COMMANDS[k] for k in ("eval", "generate", "lm_eval")}     # those that take --checkpoint RUN_DIR
 
-# Modules whose functions below main still take the parser's namespace: the studies (sinkjax/experiments, turned
-# into configs by #50's other part) and the commands not converted yet. The test fails when one of them no longer
-# does (take it off the list) or when another module starts to.
+# Modules whose functions below main still take the parser's namespace (none now). The test fails when one of them
+# no longer does (take it off the list) or when another module starts to.
 NOT_CONVERTED: set[str] = set()
 
 
@@ -47,7 +66,9 @@ def test_every_option_is_declared_once_and_its_flag_generated(name):
   declared key (besides -h/--help and --config), and no hand-written add_argument in the command's module."""
   command = COMMANDS[name].COMMAND
   keys = [f"{s}.{f.name}" for s, f, _ in command.options()]
-  aliases = [f.metadata["alias"] for _, f, _ in command.options() if "alias" in f.metadata]
+  declared = list(command.options()) + list(command.run_options())     # run_keys: the run config's own declarations
+  aliases = [a for _, f, _ in declared if "alias" in f.metadata
+             for a in (f.metadata["alias"], *f.metadata.get("other_aliases", ()))]
   assert len(keys) == len(set(keys)) and len(aliases) == len(set(aliases)), (keys, aliases)
   flags = _flags(options.build_parser(command))
   assert sorted(flags) == sorted(aliases + ["-h", "--help"] + ([command.options_file] if command.options_file else []))
@@ -148,6 +169,48 @@ def test_library_functions_take_the_typed_sections():
   for fn in (gen.run, gen.run_ppl, gen.run_generate, gen.run_chat):
     assert inspect.signature(fn).parameters["opts"].annotation in ("GenerateOptions", gen.GenerateOptions), fn
   assert inspect.signature(lm_eval.run).parameters["opts"].annotation in ("LMEvalOptions", lm_eval.LMEvalOptions)
+  for fn, cls in ((convert_hf.run, "HFConvertOptions"), (convert_nanochat.run, "NanochatConvertOptions"),
+                  (fineweb.plan_and_download, "FineWebOptions"),
+                  (profile_summary.print_summary, "ProfileSummaryOptions"),
+                  (tokenizer_cli.train_and_save, "TokenizerTrainOptions"),
+                  (tokenizer_cli.convert_and_save, "FromTiktokenOptions")):
+    assert inspect.signature(fn).parameters["opts"].annotation == cls, fn
+
+
+def test_eval_data_is_the_flag_of_the_run_key_data_source():
+  """`--data X` is `data.source=X` (and `--packing P` `data.packing=P`): the flags of the run config's keys, declared
+  there once, with no eval.* key for the same thing; the flag wins over the key word, and a bad packing is the
+  declaration's one line before any work."""
+  assert {f.name for f in dataclasses.fields(ev.EvalOptions)} & {"data", "packing", "source"} == set()
+  parser = options.build_parser(ev.COMMAND)
+  _, by_flag = options.typed(ev.COMMAND, parser.parse_args(["--data", "docs.jsonl", "--packing", "stream"]))
+  _, by_key = options.typed(ev.COMMAND, parser.parse_args(["data.source=docs.jsonl", "data.packing=stream"]))
+  assert by_flag == by_key == ["data.source=docs.jsonl", "data.packing=stream"]
+  _, both = options.typed(ev.COMMAND, parser.parse_args(["data.source=a.jsonl", "--data", "b.jsonl"]))
+  assert both[-1] == "data.source=b.jsonl"
+  with pytest.raises(ConfigError, match=r"^config key data.packing \(--packing\) must be one of"):
+    options.typed(ev.COMMAND, parser.parse_args(["--packing", "rows"]))
+
+
+def test_a_positional_word_is_its_key():
+  """profile_summary's TRACE_DIR and from-tiktoken's PKL: the one word without "=" sets the key (as its flag does);
+  two such words are one line."""
+  parser = options.build_parser(profile_summary.COMMAND)
+  by_word, _ = options.typed(profile_summary.COMMAND, parser.parse_args(["runs/trace", "--steps", "2"]))
+  by_flag, _ = options.typed(profile_summary.COMMAND, parser.parse_args(["--trace", "runs/trace", "--steps", "2"]))
+  assert by_word == by_flag and by_word["profile_summary"].trace == "runs/trace"
+  with pytest.raises(ConfigError, match="one profile_summary.trace is given without a key, got a b"):
+    options.typed(profile_summary.COMMAND, parser.parse_args(["a", "b"]))
+  command = tokenizer_cli.COMMANDS["from-tiktoken"]
+  sections, _ = options.typed(command, options.build_parser(command).parse_args(["t.pkl", "--out", "d"]))
+  assert (sections["from_tiktoken"].pkl, sections["from_tiktoken"].out) == ("t.pkl", "d")
+
+
+def test_another_spelling_of_a_flag_sets_the_same_key():
+  parser = options.build_parser(convert_hf.COMMAND)
+  by_gguf, _ = options.typed(convert_hf.COMMAND, parser.parse_args(["--gguf", "m.gguf", "--out", "r"]))
+  by_hf_dir, _ = options.typed(convert_hf.COMMAND, parser.parse_args(["--hf-dir", "m.gguf", "--out", "r"]))
+  assert by_gguf == by_hf_dir and by_gguf["convert"].hf_dir == "m.gguf"
 
 
 # A value each kind of option accepts, as typed and as the declaration should read it (independent of the code).
@@ -227,7 +290,22 @@ BAD = [
      "config key lm_eval.bootstrap_iters (--bootstrap-iters) must be >= 0, got -1"),
     ("eval", ["eval.tua=1"], "unknown option eval.tua; the keys of eval are"),
     ("compile", ["--eval", "0"], "config key compile.eval (--eval) must be >= 1, got 0"),
+    ("train", ["train_command.confg=x"],
+     "unknown option train_command.confg; the keys of train_command are train_command.config"),
+    ("convert.hf", ["--dtype", "float64"],
+     "config key convert.dtype (--dtype) must be one of float32|bfloat16|float16, got 'float64'"),
+    ("convert.nanochat", ["--step", "-1"], "config key convert.step (--step) must be >= 0, got -1"),
+    ("data.fineweb", ["--shards", "1"], "config key fineweb.shards (--shards) must be >= 2, got 1"),
+    ("data.acereason", ["--category", "poetry"],
+     "config key acereason.category (--category) must be one of math|code, got 'poetry'"),
+    ("bench.profile_summary", ["--top", "0"], "config key profile_summary.top (--top) must be >= 1, got 0"),
 ]
+# What each command needs besides the bad value (the value is refused before any of it is used).
+REQUIRED = {**{name: ["--checkpoint", "/nonexistent/run"] for name in RUN_COMMANDS},
+            "compile": ["--config", "/nonexistent.yaml"], "train": ["--config", "/nonexistent.yaml"],
+            "convert.hf": ["--hf-dir", "/nonexistent", "--out", "/x"],
+            "convert.nanochat": ["--checkpoint", "/nonexistent", "--out", "/x"], "data.fineweb": ["--out", "/x"],
+            "data.acereason": ["--source", "/nonexistent", "--out", "/x"], "bench.profile_summary": ["/nonexistent"]}
 
 
 @pytest.mark.parametrize("name,argv,message", BAD)
@@ -236,8 +314,7 @@ def test_a_bad_value_is_one_line_from_its_declaration(name, argv, message, capsy
   with pytest.raises(ConfigError) as e:
     options.typed(module.COMMAND, options.build_parser(module.COMMAND).parse_args(argv))
   assert str(e.value).startswith(message), str(e.value)
-  required = ["--checkpoint", "/nonexistent/run"] if name in RUN_COMMANDS else ["--config", "/nonexistent.yaml"]
-  assert module.main(required + argv) == 1        # before any work: the value
+  assert module.main(REQUIRED[name] + argv) == 1        # before any work: the value
   err = capsys.readouterr().err
   assert err.strip().splitlines() == [f"sinkjax.{name}: error: {str(e.value)}"], err
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gzip
 import json
 import pathlib
 import re
 import sys
 
-from sinkjax import cli
+from sinkjax import cli, config, options
 
 CATEGORIES = ("matmuls", "attention", "elementwise", "optimizer", "collectives")
 _COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|nccl|allreduce|"
@@ -153,20 +154,33 @@ def format_summary(s: dict, top: int = 8, per: str = "step") -> str:
   return "\n".join(lines)
 
 
+@dataclasses.dataclass
+class ProfileSummaryOptions:
+  """The profile_summary.* options (`python -m sinkjax.bench.profile_summary TRACE_DIR ...`; the trace is the one word
+  without "=", or --trace; each flag the alias of its key)."""
+  trace: str = config.key("", alias="--trace", metavar="TRACE_DIR", required=True,
+                          help="a jax.profiler.trace log directory (or one *.trace.json.gz)")
+  hlo: list = config.key([], alias="--hlo", nargs="+", metavar="STEP.hlo.txt",
+                         help="compiled program text(s) of the traced step (as_text())")
+  steps: int | None = config.key(None, ">=1", alias="--steps", help="steps in the trace (times are divided by it)")
+  top: int = config.key(8, ">=1", alias="--top", help="ops listed under the table")
+
+
+COMMAND = options.Command(prog="python -m sinkjax.bench.profile_summary", description=__doc__,
+                          sections={"profile_summary": ProfileSummaryOptions}, positional="profile_summary.trace",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def main(argv=None) -> int:
-  p = cli.Parser(prog="python -m sinkjax.bench.profile_summary", description=__doc__,
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("trace", help="a jax.profiler.trace log directory (or one *.trace.json.gz)")
-  p.add_argument("--hlo", nargs="*", default=[], help="compiled program text(s) of the traced step (as_text())")
-  p.add_argument("--steps", type=int, default=None, help="steps in the trace (times are divided by it)")
-  p.add_argument("--top", type=int, default=8)
-  args = p.parse_args(argv)
+  return options.main(COMMAND, argv, lambda sections, _: print_summary(sections["profile_summary"]))
+
+
+def print_summary(opts: ProfileSummaryOptions) -> None:
   try:
-    s = summarize(args.trace, [pathlib.Path(h).read_text() for h in args.hlo], args.steps)
+    s = summarize(opts.trace, [pathlib.Path(h).read_text() for h in opts.hlo], opts.steps)
   except FileNotFoundError as e:
-    p.error(str(e))
-  print(format_summary(s, args.top, "step" if args.steps else "trace"))
-  return 0
+    raise cli.UserError(str(e)) from None
+  print(format_summary(s, opts.top, "step" if opts.steps else "trace"))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sinkjax import checkpoint, deltanet, distributed, lora, paths
+from sinkjax import checkpoint, deltanet, distributed, lora, options, paths
 from sinkjax import config as config_lib
 from sinkjax import run as run_lib
 from sinkjax import sharding as sharding_lib
@@ -800,41 +800,54 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, dtype: s
   return save_hf(model, out_dir, dtype=dtype, tokenizer=tok)
 
 
-def main(argv=None) -> int:
-  parser = cli.Parser(
-      prog="python -m sinkjax.convert.hf",
-      description="Import a Hugging Face checkpoint (Llama 3, Qwen2.5, Qwen3, Qwen3-MoE, GPT-OSS; safetensors) into a "
-                  "sinkjax run directory, or export a run back to a Hugging Face directory.")
-  src = parser.add_mutually_exclusive_group(required=True)
-  src.add_argument("--hf-dir", "--gguf", dest="hf_dir",
-                   help="what to import: a Hugging Face model directory (config.json + *.safetensors), a .gguf file "
-                        "or a directory holding one (dequantized; needs the gguf extra)")
-  src.add_argument("--export", metavar="RUN_DIR", help="run directory to export (LoRA adapters are merged)")
-  parser.add_argument("--out", required=True, help="the run directory (import) or Hugging Face directory (export)")
-  parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                      help="import: model.dtype of the run (default bfloat16); export: tensor dtype (default float32)")
-  parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
-                      help="import: model.param_dtype (stored weights)")
-  parser.add_argument("--step", type=int, default=None, help="export: checkpoint step (default: latest)")
-  parser.add_argument("overrides", nargs="*", metavar="mesh.key=value",
-                      help="import: the mesh to place the model on as it is read (e.g. mesh.data=1 mesh.fsdp=8; "
-                           "FSDP / tensor as in training); default: whole on one device")
-  args = parser.parse_args(argv)
+@dataclasses.dataclass
+class HFConvertOptions:
+  """The convert.* options (`python -m sinkjax.convert.hf`; each flag the alias of its key): --hf-dir imports,
+  --export exports; other section.key=value words are the mesh.* keys an import places the model on."""
+  hf_dir: str = config_lib.key(
+      "", alias="--hf-dir", other_aliases=("--gguf",), metavar="HF_DIR",
+      help="what to import: a Hugging Face model directory (config.json + *.safetensors), a .gguf file or a directory "
+           "holding one (dequantized; needs the gguf extra)")
+  export: str = config_lib.key("", alias="--export", metavar="RUN_DIR",
+                               help="run directory to export (LoRA adapters are merged)")
+  out: str = config_lib.key("", alias="--out", metavar="OUT", required=True,
+                            help="the run directory (import) or Hugging Face directory (export)")
+  dtype: str | None = config_lib.key(
+      None, choices=("float32", "bfloat16", "float16"), alias="--dtype",
+      help="import: model.dtype of the run (default bfloat16); export: tensor dtype (default float32)")
+  param_dtype: str = config_lib.key("float32", choices=("float32", "bfloat16"), alias="--param-dtype",
+                                    help="import: model.param_dtype (stored weights)")
+  step: int | None = config_lib.key(None, ">=0", alias="--step", help="export: checkpoint step (default: latest)")
 
-  def action():
-    if args.hf_dir:
-      distributed.maybe_initialize()    # before anything touches JAX devices (a job of several processes)
-      cfg, info = convert(args.hf_dir, args.out, dtype=args.dtype or "bfloat16", param_dtype=args.param_dtype,
-                          overrides=args.overrides)
-      m = cfg.model
-      if jax.process_index() == 0:
-        print(f"imported {args.hf_dir} -> {args.out}: {m.num_layers} layers, d_model {m.d_model}, "
-              f"{m.num_heads}/{m.num_kv_heads} heads, attention {m.attention}, vocab {m.vocab_size}; {info.summary()}")
-    elif args.overrides:
-      raise ConvertError(f"--export takes no overrides, got {args.overrides[0]!r}")
-    else:
-      print(f"exported {args.export} -> {export(args.export, args.out, dtype=args.dtype or 'float32', step=args.step)}")
-  return cli.run_main("sinkjax.convert.hf", action)
+
+COMMAND = options.Command(
+    prog="python -m sinkjax.convert.hf", sections={"convert": HFConvertOptions}, run_overrides=True,
+    description="Import a Hugging Face checkpoint (Llama 3, Qwen2.5, Qwen3, Qwen3-MoE, GPT-OSS; safetensors) into a "
+                "sinkjax run directory, or export a run back to a Hugging Face directory. Import: section.key=value "
+                "words are the mesh to place the model on as it is read (e.g. mesh.data=1 mesh.fsdp=8; FSDP / tensor "
+                "as in training); default: whole on one device.")
+
+
+def main(argv=None) -> int:
+  return options.main(COMMAND, argv, lambda sections, overrides: run(sections["convert"], overrides))
+
+
+def run(opts: HFConvertOptions, overrides: list[str] | tuple = ()) -> None:
+  """Imports opts.hf_dir (placed on the mesh of the mesh.* `overrides`) or exports opts.export into opts.out."""
+  if bool(opts.hf_dir) == bool(opts.export):
+    raise ConvertError("give one of --hf-dir DIR (import) or --export RUN_DIR (export)")
+  if opts.hf_dir:
+    distributed.maybe_initialize()    # before anything touches JAX devices (a job of several processes)
+    cfg, info = convert(opts.hf_dir, opts.out, dtype=opts.dtype or "bfloat16", param_dtype=opts.param_dtype,
+                        overrides=overrides)
+    m = cfg.model
+    if jax.process_index() == 0:
+      print(f"imported {opts.hf_dir} -> {opts.out}: {m.num_layers} layers, d_model {m.d_model}, "
+            f"{m.num_heads}/{m.num_kv_heads} heads, attention {m.attention}, vocab {m.vocab_size}; {info.summary()}")
+  elif overrides:
+    raise ConvertError(f"--export takes no overrides, got {overrides[0]!r}")
+  else:
+    print(f"exported {opts.export} -> {export(opts.export, opts.out, dtype=opts.dtype or 'float32', step=opts.step)}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from sinkjax import checkpoint, lora, paths
+from sinkjax import checkpoint, lora, options, paths
 from sinkjax import config as config_lib
 from sinkjax import run as run_lib
 from sinkjax.config import Config, DataConfig, ModelConfig
@@ -271,33 +271,47 @@ def export(run_dir, out_dir, *, step: int | None = None):
   return out_dir
 
 
-def main(argv=None) -> int:
-  parser = cli.Parser(
-      prog="python -m sinkjax.convert.nanochat",
-      description="Import a nanochat checkpoint (model_NNNNNN.pt + meta_NNNNNN.json, commit 9d4c9b7 or the later "
-                  "6bb9240 architecture) into a sinkjax run directory, or export a run to nanochat's format.")
-  src = parser.add_mutually_exclusive_group(required=True)
-  src.add_argument("--checkpoint", metavar="DIR", help="nanochat checkpoint directory to import")
-  src.add_argument("--export", metavar="RUN_DIR", help="run directory to export (LoRA adapters are merged)")
-  parser.add_argument("--out", required=True, help="the run directory (import) or nanochat directory (export)")
-  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-  parser.add_argument("--tokenizer", default=None,
-                      help="import: the model's tokenizer as a Hugging Face tokenizer.json (copied into the run); "
-                           "not needed for a 257-token byte vocabulary")
-  parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
-                      help="import: model.dtype (compute) of the run")
-  args = parser.parse_args(argv)
+@dataclasses.dataclass
+class NanochatConvertOptions:
+  """The convert.* options (`python -m sinkjax.convert.nanochat`; each flag the alias of its key): --checkpoint
+  imports, --export exports."""
+  checkpoint: str = config_lib.key("", alias="--checkpoint", metavar="DIR",
+                                   help="nanochat checkpoint directory to import")
+  export: str = config_lib.key("", alias="--export", metavar="RUN_DIR",
+                               help="run directory to export (LoRA adapters are merged)")
+  out: str = config_lib.key("", alias="--out", metavar="OUT", required=True,
+                            help="the run directory (import) or nanochat directory (export)")
+  step: int | None = config_lib.key(None, ">=0", alias="--step", help="checkpoint step (default: the newest)")
+  tokenizer: str | None = config_lib.key(
+      None, alias="--tokenizer",
+      help="import: the model's tokenizer as a Hugging Face tokenizer.json (copied into the run); not needed for a "
+           "257-token byte vocabulary")
+  dtype: str = config_lib.key("bfloat16", choices=("float32", "bfloat16"), alias="--dtype",
+                              help="import: model.dtype (compute) of the run")
 
-  def action():
-    if args.checkpoint:
-      cfg, step = convert(args.checkpoint, args.out, step=args.step, tokenizer=args.tokenizer, dtype=args.dtype)
-      m = cfg.model
-      kind = "6bb9240 (resid/x0 lambdas, windows)" if m.residual_scalars else "9d4c9b7"
-      print(f"imported {args.checkpoint} step {step} -> {args.out}: nanochat {kind}, {m.num_layers} layers, "
-            f"d_model {m.d_model}, {m.num_heads}/{m.num_kv_heads} heads, vocab {m.vocab_size}")
-    else:
-      print(f"exported {args.export} -> {export(args.export, args.out, step=args.step)}")
-  return cli.run_main("sinkjax.convert.nanochat", action)
+
+COMMAND = options.Command(
+    prog="python -m sinkjax.convert.nanochat", sections={"convert": NanochatConvertOptions},
+    description="Import a nanochat checkpoint (model_NNNNNN.pt + meta_NNNNNN.json, commit 9d4c9b7 or the later "
+                "6bb9240 architecture) into a sinkjax run directory, or export a run to nanochat's format.")
+
+
+def main(argv=None) -> int:
+  return options.main(COMMAND, argv, lambda sections, _: run(sections["convert"]))
+
+
+def run(opts: NanochatConvertOptions) -> None:
+  """Imports opts.checkpoint or exports opts.export into opts.out."""
+  if bool(opts.checkpoint) == bool(opts.export):
+    raise ConvertError("give one of --checkpoint DIR (import) or --export RUN_DIR (export)")
+  if opts.checkpoint:
+    cfg, step = convert(opts.checkpoint, opts.out, step=opts.step, tokenizer=opts.tokenizer, dtype=opts.dtype)
+    m = cfg.model
+    kind = "6bb9240 (resid/x0 lambdas, windows)" if m.residual_scalars else "9d4c9b7"
+    print(f"imported {opts.checkpoint} step {step} -> {opts.out}: nanochat {kind}, {m.num_layers} layers, "
+          f"d_model {m.d_model}, {m.num_heads}/{m.num_kv_heads} heads, vocab {m.vocab_size}")
+  else:
+    print(f"exported {opts.export} -> {export(opts.export, opts.out, step=opts.step)}")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,14 @@ our choice is all), `--limit N` the first N records; IN may be local or gs://, O
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import sys
 import tempfile
 
-from sinkjax import cli, paths
+from sinkjax import options, paths
+from sinkjax.config import key
 from sinkjax.data.sources import DataError, expand_files
 
 FIELDS = ("input", "output")
@@ -88,24 +90,30 @@ def convert(source: str, out: str, category: str | None = None, limit: int | Non
   return {"read": read, "written": written}
 
 
+@dataclasses.dataclass
+class AceReasonOptions:
+  """The acereason.* options (`python -m sinkjax.data.acereason`; each flag the alias of its key)."""
+  source: str = key("", alias="--source", metavar="IN", required=True,
+                    help="path / glob of the dataset's .parquet or .jsonl files")
+  out: str = key("", alias="--out", metavar="OUT", required=True, help="the JSONL to write (local or gs://)")
+  category: str | None = key(None, choices=("math", "code"), alias="--category",
+                             help="keep only this category (default: all)")
+  limit: int | None = key(None, ">=1", alias="--limit", metavar="N", help="write at most N examples")
+
+
+COMMAND = options.Command(
+    prog="python -m sinkjax.data.acereason", sections={"acereason": AceReasonOptions},
+    description="Convert nvidia/AceReason-1.1-SFT records (input, output; parquet or JSONL) into sinkjax's SFT JSONL "
+                "(messages: user, assistant).")
+
+
 def main(argv=None) -> int:
-  p = cli.Parser(prog="python -m sinkjax.data.acereason",
-                 description="Convert nvidia/AceReason-1.1-SFT records (input, output; parquet or JSONL) into sinkjax's "
-                             "SFT JSONL (messages: user, assistant).")
-  p.add_argument("--source", required=True, help="path / glob of the dataset's .parquet or .jsonl files")
-  p.add_argument("--out", required=True, help="the JSONL to write (local or gs://)")
-  p.add_argument("--category", default=None, help="keep only this category (math | code); default all")
-  p.add_argument("--limit", type=int, default=None, help="write at most N examples")
-  args = p.parse_args(argv)
-
-  def action() -> int:
-    if args.limit is not None and args.limit < 1:
-      raise cli.UserError(f"--limit must be >= 1, got {args.limit}")
-    n = convert(args.source, args.out, args.category, args.limit)
-    print(f"sinkjax.data.acereason: {n['written']:,} example(s) of {n['read']:,} record(s) read -> {args.out}")
+  def convert_and_print(sections, _) -> int:
+    opts = sections["acereason"]
+    n = convert(opts.source, opts.out, opts.category, opts.limit)
+    print(f"sinkjax.data.acereason: {n['written']:,} example(s) of {n['read']:,} record(s) read -> {opts.out}")
     return 0
-
-  return cli.run_main("sinkjax.data.acereason", action)
+  return options.main(COMMAND, argv, convert_and_print)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ the shards: ceil(characters / 250e6) training shards + 1 validation shard. Given
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import math
 import os
 import pathlib
@@ -36,7 +36,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from sinkjax import cli, paths
+from sinkjax import cli, options, paths
+from sinkjax.config import key
 
 BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 NUM_SHARDS = 1823                    # shard_00000 ... shard_01822 (nanochat's MAX_SHARD = 1822)
@@ -153,47 +154,55 @@ def download(num_shards: int, out: str, base_url: str = BASE_URL, log=print) -> 
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
+@dataclasses.dataclass
+class FineWebOptions:
+  """The fineweb.* options (`python -m sinkjax.data.fineweb`; each flag the alias of its key)."""
+  tokens_for: str = key("", alias="--tokens-for", metavar="CONFIG",
+                        help="a training config: print its parameters, steps, tokens and the shards they need "
+                             "(downloaded too when --out is given); section.key=value words override it")
+  shards: int | None = key(None, ">=2", alias="--shards", metavar="N",
+                           help="shards to download: N - 1 training shards and the validation shard (at most "
+                                f"{NUM_SHARDS})")
+  out: str = key("", alias="--out", help="directory or gs:// / s3:// prefix to download into (validation shard in "
+                                         "OUT/val)")
+  vocab_size: int | None = key(None, ">=1", alias="--vocab-size", metavar="N",
+                               help="vocabulary for the parameter count when the config has none and its tokenizer is "
+                                    f"not there yet (default {DEFAULT_VOCAB:,}, nanochat's)")
+  chars_per_token: float = key(CHARS_PER_TOKEN, ">0", alias="--chars-per-token", metavar="C",
+                               help="characters per token of the tokenizer on FineWeb-Edu (nanochat's)")
+  base_url: str = key(BASE_URL, alias="--base-url", metavar="URL", help="where shard_NNNNN.parquet files are served")
+
+
+COMMAND = options.Command(
+    prog="python -m sinkjax.data.fineweb", sections={"fineweb": FineWebOptions}, run_overrides=True,
+    description="FineWeb-Edu shards (nanochat's copy, karpathy/fineweb-edu-100b-shuffle): the number a config needs "
+                "at its tokens per parameter, and a resumable download to a local directory or a bucket.")
+
+
 def main(argv=None) -> int:
-  p = cli.Parser(prog="python -m sinkjax.data.fineweb",
-                 description="FineWeb-Edu shards (nanochat's copy, karpathy/fineweb-edu-100b-shuffle): the number a "
-                             "config needs at its tokens per parameter, and a resumable download to a local "
-                             "directory or a bucket.")
-  p.add_argument("--tokens-for", metavar="CONFIG", help="a training config: print its parameters, steps, tokens and "
-                                                        "the shards they need (downloaded too when --out is given)")
-  p.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides of --tokens-for's config")
-  p.add_argument("--shards", type=int, help="shards to download: N - 1 training shards and the validation shard")
-  p.add_argument("--out", help="directory or gs:// / s3:// prefix to download into (validation shard in OUT/val)")
-  p.add_argument("--vocab-size", type=int, default=None,
-                 help="vocabulary for the parameter count when the config has none and its tokenizer is not there "
-                      f"yet (default {DEFAULT_VOCAB:,}, nanochat's)")
-  p.add_argument("--chars-per-token", type=float, default=CHARS_PER_TOKEN,
-                 help=f"characters per token of the tokenizer on FineWeb-Edu (default {CHARS_PER_TOKEN}, nanochat's)")
-  p.add_argument("--base-url", default=BASE_URL, help="where shard_NNNNN.parquet files are served")
-  args = p.parse_args(argv)
+  return options.main(COMMAND, argv, lambda sections, overrides: plan_and_download(sections["fineweb"], overrides))
 
-  def action() -> int:
-    if args.overrides and not args.tokens_for:
-      raise cli.UserError(f"overrides {' '.join(args.overrides)} need --tokens-for CONFIG")
-    if not args.tokens_for and (args.shards is None or not args.out):
-      raise cli.UserError("give --tokens-for CONFIG (the shards a config needs) or --shards N --out DIR")
-    if args.chars_per_token <= 0:
-      raise cli.UserError(f"--chars-per-token must be > 0, got {args.chars_per_token}")
-    num = args.shards
-    if args.tokens_for:
-      from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
-      cfg = config_lib.load_config(args.tokens_for, args.overrides)
-      pl = plan(cfg, args.vocab_size, args.chars_per_token)
-      print(f"{args.tokens_for}: {pl['params']:,} parameters (vocabulary {pl['vocab_size']:,}), {pl['steps']:,} steps "
-            f"x {cfg.train.batch_size * cfg.data.seq_len:,} tokens = {pl['tokens']:,} tokens "
-            f"({pl['tokens'] / pl['params']:.2f} per parameter) ~ {pl['chars'] / 1e9:.1f}e9 characters at "
-            f"{args.chars_per_token} per token: {pl['train_shards']} training shard(s) of "
-            f"{CHARS_PER_SHARD / 1e6:.0f}e6 characters + 1 validation shard = --shards {pl['shards']}")
-      num = num or pl["shards"]
-    if args.out:
-      download(num, args.out, args.base_url)
-    return 0
 
-  return cli.run_main("sinkjax.data.fineweb", action)
+def plan_and_download(opts: FineWebOptions, overrides: list[str] | tuple = ()) -> int:
+  """Prints opts.tokens_for's plan (its config with `overrides`) and / or downloads the shards into opts.out."""
+  if overrides and not opts.tokens_for:
+    raise cli.UserError(f"overrides {' '.join(overrides)} need --tokens-for CONFIG")
+  if not opts.tokens_for and (opts.shards is None or not opts.out):
+    raise cli.UserError("give --tokens-for CONFIG (the shards a config needs) or --shards N --out DIR")
+  num = opts.shards
+  if opts.tokens_for:
+    from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel
+    cfg = config_lib.load_config(opts.tokens_for, overrides)
+    pl = plan(cfg, opts.vocab_size, opts.chars_per_token)
+    print(f"{opts.tokens_for}: {pl['params']:,} parameters (vocabulary {pl['vocab_size']:,}), {pl['steps']:,} steps "
+          f"x {cfg.train.batch_size * cfg.data.seq_len:,} tokens = {pl['tokens']:,} tokens "
+          f"({pl['tokens'] / pl['params']:.2f} per parameter) ~ {pl['chars'] / 1e9:.1f}e9 characters at "
+          f"{opts.chars_per_token} per token: {pl['train_shards']} training shard(s) of "
+          f"{CHARS_PER_SHARD / 1e6:.0f}e6 characters + 1 validation shard = --shards {pl['shards']}")
+    num = num or pl["shards"]
+  if opts.out:
+    download(num, opts.out, opts.base_url)
+  return 0
 
 
 if __name__ == "__main__":

@@ -23,14 +23,15 @@ two digits), no normalizer, and nanochat's nine special tokens after the merged 
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import io
 import json
 import pickle
 import sys
 from typing import Iterable, Iterator
 
-from sinkjax import cli, paths
+from sinkjax import cli, options, paths
+from sinkjax.config import key
 
 # nanochat/tokenizer.py (9d4c9b7): every document begins with <|bos|>; the others render conversations.
 SPECIAL_TOKENS = ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
@@ -178,57 +179,76 @@ def _summary(tok) -> str:
           if added else f"{tok.get_vocab_size()} ids")
 
 
+@dataclasses.dataclass
+class TokenizerTrainOptions:
+  """The train.* options of `python -m sinkjax.data.tokenizer train` (each flag the alias of its key)."""
+  source: str = key("", alias="--source", metavar="PATH_OR_GLOB", required=True,
+                    help="documents as data.source: .txt/.jsonl/.parquet path, directory or glob (local or gs://), "
+                         "'default' or tfds:NAME")
+  vocab_size: int = key(65536, ">=1", alias="--vocab-size", metavar="N",
+                        help="ids in all, the 9 special tokens included (nanochat's)")
+  out: str = key("", alias="--out", metavar="DIR", required=True, help="directory for tokenizer.json")
+  max_chars: int = key(MAX_CHARS, ">=1", alias="--max-chars", metavar="N",
+                       help="character budget: stop after the document that passes it")
+  doc_cap: int = key(DOC_CAP, ">=1", alias="--doc-cap", metavar="N", help="characters kept of each document")
+  text_field: str = key("text", alias="--text-field", metavar="F",
+                        help="the text column / key of .parquet / .jsonl files")
+  val_fraction: float = key(0.02, "[0,1)", alias="--val-fraction", metavar="F",
+                            help="documents left out as the trainer's validation split (data.val_fraction; 0: none)")
+
+
+@dataclasses.dataclass
+class FromTiktokenOptions:
+  """The from_tiktoken.* options of `python -m sinkjax.data.tokenizer from-tiktoken PKL --out DIR` (PKL: the one word
+  without "=", or --pkl)."""
+  pkl: str = key("", alias="--pkl", metavar="PKL", required=True, help="tokenizer.pkl, or the directory holding it")
+  out: str = key("", alias="--out", metavar="DIR", required=True, help="directory for tokenizer.json")
+
+
+PROG = "python -m sinkjax.data.tokenizer"
+COMMANDS = {
+    "train": options.Command(
+        prog=f"{PROG} train", sections={"train": TokenizerTrainOptions},
+        description="train a BPE on documents (nanochat's split, specials and character budget)"),
+    "from-tiktoken": options.Command(
+        prog=f"{PROG} from-tiktoken", sections={"from_tiktoken": FromTiktokenOptions}, positional="from_tiktoken.pkl",
+        description="nanochat's tokenizer.pkl (pickled tiktoken Encoding) as tokenizer.json"),
+}
+
+
 def main(argv=None) -> int:
-  prog = "python -m sinkjax.data.tokenizer"
-  parser = cli.Parser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-                      epilog="commands:\n  train --source PATH_OR_GLOB --vocab-size 65536 --out DIR [--max-chars N] "
-                             "[--doc-cap N] [--text-field F] [--val-fraction F]\n  from-tiktoken tokenizer.pkl --out "
-                             "DIR\n(each with --help)", formatter_class=argparse.RawDescriptionHelpFormatter)
-  sub = parser.add_subparsers(dest="command", required=True, parser_class=cli.Parser)
-  tr = sub.add_parser("train", help="train a BPE on documents (nanochat's split, specials and character budget)")
-  tr.add_argument("--source", required=True, help="documents as data.source: .txt/.jsonl/.parquet path, directory or "
-                                                   "glob (local or gs://), 'default' or tfds:NAME")
-  tr.add_argument("--vocab-size", type=int, default=65536, help="ids in all, the 9 special tokens included "
-                                                                 "(default 65536, nanochat's)")
-  tr.add_argument("--out", required=True, help="directory for tokenizer.json")
-  tr.add_argument("--max-chars", type=int, default=MAX_CHARS,
-                  help=f"character budget: stop after the document that passes it (default {MAX_CHARS:,})")
-  tr.add_argument("--doc-cap", type=int, default=DOC_CAP, help=f"characters kept of each document (default {DOC_CAP:,})")
-  tr.add_argument("--text-field", default="text", help="the text column / key of .parquet / .jsonl files")
-  tr.add_argument("--val-fraction", type=float, default=0.02,
-                  help="documents left out as the trainer's validation split (data.val_fraction; default 0.02)")
-  tt = sub.add_parser("from-tiktoken", help="nanochat's tokenizer.pkl (pickled tiktoken Encoding) as tokenizer.json")
-  tt.add_argument("pkl", metavar="PKL", help="tokenizer.pkl, or the directory holding it")
-  tt.add_argument("--out", required=True, help="directory for tokenizer.json")
-  args = parser.parse_args(argv)
+  return options.main_of(PROG, __doc__.split("\n\n")[0].split(": ", 1)[1], COMMANDS, argv, {
+      "train": lambda sections, _: train_and_save(sections["train"]),
+      "from-tiktoken": lambda sections, _: convert_and_save(sections["from_tiktoken"])})
 
-  def action():
-    if args.command == "train":
-      if args.max_chars < 1 or args.doc_cap < 1:
-        raise cli.UserError("--max-chars and --doc-cap must be positive")
-      from sinkjax.config import DataConfig  # pylint: disable=import-outside-toplevel
-      from sinkjax.data import sources  # pylint: disable=import-outside-toplevel
-      try:
-        src = sources.build_source(DataConfig(source=args.source, text_field=args.text_field,
-                                              val_fraction=args.val_fraction), "train")
-      except sources.DataError as e:   # its message names the config keys these flags set
-        raise cli.UserError(str(e).replace("data.source", "--source").replace("data.val_fraction", "--val-fraction")
-                            .replace("data.text_field", "--text-field")) from None
-      docs = (d for i in range(len(src)) for d in src[i])
-      counted = {"docs": 0, "chars": 0}
 
-      def counting(stream):
-        for d in stream:
-          counted["docs"] += 1
-          counted["chars"] += len(d)
-          yield d
-      tok = train(counting(budgeted(docs, args.max_chars, args.doc_cap)), args.vocab_size,
-                  progress=sys.stderr.isatty())
-      print(f"trained on {counted['docs']:,} documents, {counted['chars']:,} characters of {args.source}")
-    else:
-      tok = from_tiktoken(read_tiktoken(args.pkl))
-    print(f"wrote {save(tok, args.out)}: {_summary(tok)}")
-  return cli.run_main(prog, action)
+def train_and_save(opts: TokenizerTrainOptions) -> None:
+  """Trains on opts.source's training split (nanochat's budget) and writes opts.out/tokenizer.json."""
+  from sinkjax.config import DataConfig  # pylint: disable=import-outside-toplevel
+  from sinkjax.data import sources  # pylint: disable=import-outside-toplevel
+  try:
+    src = sources.build_source(DataConfig(source=opts.source, text_field=opts.text_field,
+                                          val_fraction=opts.val_fraction), "train")
+  except sources.DataError as e:   # its message names the config keys these flags set
+    raise cli.UserError(str(e).replace("data.source", "--source").replace("data.val_fraction", "--val-fraction")
+                        .replace("data.text_field", "--text-field")) from None
+  docs = (d for i in range(len(src)) for d in src[i])
+  counted = {"docs": 0, "chars": 0}
+
+  def counting(stream):
+    for d in stream:
+      counted["docs"] += 1
+      counted["chars"] += len(d)
+      yield d
+  tok = train(counting(budgeted(docs, opts.max_chars, opts.doc_cap)), opts.vocab_size, progress=sys.stderr.isatty())
+  print(f"trained on {counted['docs']:,} documents, {counted['chars']:,} characters of {opts.source}")
+  print(f"wrote {save(tok, opts.out)}: {_summary(tok)}")
+
+
+def convert_and_save(opts: FromTiktokenOptions) -> None:
+  """opts.pkl (nanochat's tokenizer.pkl) as opts.out/tokenizer.json."""
+  tok = from_tiktoken(read_tiktoken(opts.pkl))
+  print(f"wrote {save(tok, opts.out)}: {_summary(tok)}")
 
 
 if __name__ == "__main__":
