@@ -29,7 +29,7 @@ from sinkjax.convert import hf as convert_hf
 from sinkjax.convert import nanochat as convert_nanochat
 from sinkjax.data import acereason, fineweb
 from sinkjax.data import tokenizer as tokenizer_cli
-from sinkjax.experiments import paper_report, passkey
+from sinkjax.experiments import paper_report, passkey, study
 
 ROOT = pathlib.Path(sinkjax.__file__).parent
 
@@ -48,7 +48,8 @@ COMMANDS = {"eval": ev, "generate": gen, "lm_eval": lm_eval, "compile": compile_
             "data.fineweb": fineweb, "data.acereason": acereason,
             "data.tokenizer train": _subcommand(tokenizer_cli, "train"),
             "data.tokenizer from-tiktoken": _subcommand(tokenizer_cli, "from-tiktoken"),
-            "experiments.passkey": passkey, "experiments.paper_report": paper_report}
+            "experiments.passkey": passkey, "experiments.paper_report": paper_report,
+            "experiments.study": study}
 RUN_COMMANDS = {k: COMMANDS[k] for k in ("eval", "generate", "lm_eval")}     # those that take --checkpoint RUN_DIR
 
 # Modules whose functions below main still take the parser's namespace (none now). The test fails when one of them

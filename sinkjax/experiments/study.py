@@ -8,21 +8,28 @@ that makes the runs and writes the report; each run records the commit and confi
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 
-from sinkjax import cli
+from sinkjax import cli, options
+from sinkjax.config import key
 from sinkjax.experiments import runner
 
 
-def build_parser() -> cli.Parser:
-  p = cli.Parser(prog="python -m sinkjax.experiments.study", description=__doc__.split("\n\n")[0])
-  p.add_argument("file", help="the study file (configs/studies/*.yaml)")
-  p.add_argument("overrides", nargs="*", metavar="key=value",
-                 help="a config key of every run, study.KEY, or axes.KEY=[v1,v2] (an axis)")
-  p.add_argument("--dry-run", action="store_true", help="list the grid and what is done, run nothing")
-  p.add_argument("--report-only", action="store_true", help="run nothing: the report of the runs finished so far")
-  return p
+@dataclasses.dataclass
+class StudyCommandOptions:
+  """The command's own options; every other `key=value` word is a key of the study file (`runner.load_plan`)."""
+  file: str | None = key(None, alias="--file", metavar="FILE", required=True,
+                         help="the study file (configs/studies/*.yaml); also the one word without '='")
+  dry_run: bool = key(False, alias="--dry-run", help="list the grid and what is done, run nothing")
+  report_only: bool = key(False, alias="--report-only", help="run nothing: the report of the runs finished so far")
+
+
+COMMAND = options.Command(
+    prog="python -m sinkjax.experiments.study", description=__doc__.split("\n\n")[0],
+    sections={"study_command": StudyCommandOptions}, run_overrides=True, options_file=None,
+    positional="study_command.file")
 
 
 # kind -> the module whose run_plan(plan, dry_run=, report_only=) makes its runs and calls its report (imported when
@@ -43,11 +50,13 @@ def run(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) 
 def main(argv=None) -> int:
   cli.require_extra("sinkjax.experiments.study")
   argv = sys.argv[1:] if argv is None else list(argv)
-  args = build_parser().parse_args(argv)
   command = "python -m sinkjax.experiments.study " + " ".join(argv)
-  return cli.run_main("sinkjax.experiments.study", lambda: run(
-      runner.load_plan(args.file, args.overrides, command=command), dry_run=args.dry_run,
-      report_only=args.report_only))
+
+  def go(sections, overrides):
+    opts = sections["study_command"]
+    return run(runner.load_plan(opts.file, overrides, command=command), dry_run=opts.dry_run,
+               report_only=opts.report_only)
+  return options.main(COMMAND, argv, go)
 
 
 if __name__ == "__main__":
