@@ -234,9 +234,6 @@ def _first_token(runs) -> dict:
   return out
 
 
-_p = stats._p  # pylint: disable=protected-access  # p-values as the tests' sentences print them
-
-
 def mean_std(s: dict | None, nd: int = 4) -> str:
   """A `seed_stats` as "mean ± std" ("—": none; no std for one seed)."""
   if not s:
@@ -250,8 +247,8 @@ def effect_cells(e: dict, nd: int) -> list[str]:
   t = e["t"]
   reading = e["reading"] if e["detected"] else f"not detected (detectable: ±{e['detectable']:.{nd}f})"
   return [", ".join(stats.fmt(x, nd) for x in e["diffs"]), stats.fmt(e["mean"], nd),
-          f"{stats.fmt(t['low'], nd)} … {stats.fmt(t['high'], nd)}", _p(t["p"]), _p(e["permutation"]["p"]),
-          _p(e["sign_test"]["p_two_sided"]), reading]
+          f"{stats.fmt(t['low'], nd)} … {stats.fmt(t['high'], nd)}", stats.fmt_p(t["p"]),
+          stats.fmt_p(e["permutation"]["p"]), stats.fmt_p(e["sign_test"]["p_two_sided"]), reading]
 
 
 EFFECT_HEADER = ("per seed | mean | 95 % t-interval | paired t p | permutation p | sign test p | reading |",
@@ -286,7 +283,6 @@ def table1_lines(gs: dict) -> list[str]:
     lines.append(f"| {v} | {mean_std(t.get('base'))} | {mean_std(t.get('aux'))} | {c[0]} | {c[1]} | {c[2]} | {c[3]} | {c[4]} | "
                  f"{imb or '—'} |")
   return lines
-
 
 
 def table1_cells(runs) -> dict:
@@ -391,7 +387,7 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
             "| comparison | difference of means | 95 % interval | Welch df | p |", "|---|---:|---|---:|---:|"]
   for k, w in gs["variants_base_bpb"].items():
     lines.append(f"| {k}, val BPB | {w['diff']:+.4f} | {w['low']:+.4f} … {w['high']:+.4f} | {w['df']:.1f} | "
-                 f"{_p(w['p'])} |")
+                 f"{stats.fmt_p(w['p'])} |")
   lines += [""]
   lines += value_sections(gs)
   lines += ["", "## First-token attention and sink ratio (ranges over every layer of every run of a variant)", "",
@@ -581,7 +577,7 @@ def drift_lines(effects: list[dict]) -> list[str]:
     t = e["t"]
     lines.append(f"| λ = {e['lambda']:g} − {e['control']:g}, {e['quantity']} | "
                  f"{', '.join(stats.fmt(x, nd) for x in e['diffs'])} | {stats.fmt(e['mean'], nd)} | "
-                 f"{stats.fmt(t['low'], nd)} … {stats.fmt(t['high'], nd)} | {_p(t['p'])} | {e['reading']} |")
+                 f"{stats.fmt(t['low'], nd)} … {stats.fmt(t['high'], nd)} | {stats.fmt_p(t['p'])} | {e['reading']} |")
   return lines
 
 

@@ -163,7 +163,8 @@ def fmt(x: float, nd: int) -> str:
   return f"{x:+.{nd}f}" if x == 0 or abs(x) >= 0.5 * 10 ** -nd else f"{x:+.1e}"
 
 
-def _p(x: float) -> str:
+def fmt_p(x: float) -> str:
+  """A p-value as the tests' sentences and tables print it."""
   return f"{x:.2g}" if x >= 0.001 else f"{x:.1e}"
 
 
@@ -187,11 +188,11 @@ def paired_effect(diffs, *, what: str, nd: int = 4) -> dict:
   detected = t["p"] < ALPHA
   out = {"what": what, "diffs": d, "n": n, "mean": t["mean"], "t": t, "permutation": perm, "sign_test": st,
          "detectable": mde, "detected": bool(detected)}
-  rank_free = (f"exact permutation p = {_p(perm['p'])}, sign test p = {_p(st['p_two_sided'])}"
-               f" (the least {n} seeds allow: {_p(perm['p_min'])})")
+  rank_free = (f"exact permutation p = {fmt_p(perm['p'])}, sign test p = {fmt_p(st['p_two_sided'])}"
+               f" (the least {n} seeds allow: {fmt_p(perm['p_min'])})")
   body = (f"{what}: {fmt(t['mean'], nd)} on average (per seed {', '.join(fmt(x, nd) for x in d)}; "
           f"{_sign_words(d, st)}); 95 % t-interval {fmt(t['low'], nd)} … {fmt(t['high'], nd)} "
-          f"(t_{t['df']} = {t['t']:+.2f}, p = {_p(t['p'])}); {rank_free}")
+          f"(t_{t['df']} = {t['t']:+.2f}, p = {fmt_p(t['p'])}); {rank_free}")
   if detected:
     out["reading"] = "detected (paired t)"
     claim = "detected by the paired t-test, whose noise is these differences' own SD"
@@ -216,7 +217,7 @@ def drift(diffs, *, what: str, nd: int = 4) -> dict:
   out["reading"] = "drift detected (paired t)" if seen else "no drift detected"
   out["sentence"] = (f"{what} (drift control): {fmt(t['mean'], nd)} on average (per seed "
                      f"{', '.join(fmt(x, nd) for x in d)}; {_sign_words(d, st)}); 95 % t-interval "
-                     f"{fmt(t['low'], nd)} … {fmt(t['high'], nd)} (t_{t['df']} = {t['t']:+.2f}, p = {_p(t['p'])}): "
+                     f"{fmt(t['low'], nd)} … {fmt(t['high'], nd)} (t_{t['df']} = {t['t']:+.2f}, p = {fmt_p(t['p'])}): "
                      + ("the arms drift apart by more than chance; effects against the same control carry it."
                         if seen else "no drift detected at this n."))
   return out
