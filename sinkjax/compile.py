@@ -415,7 +415,7 @@ def _nbytes(type_text: str, space: int | None = 0) -> int:
 
 
 @dataclasses.dataclass
-class _Instruction:
+class Instruction:
   name: str
   type: str
   opcode: str
@@ -430,8 +430,9 @@ class _Instruction:
     return re.findall(rf"(?:{key}){_CALLEE}", self.attrs)
 
 
-def _parse_hlo(text: str) -> tuple[dict, str]:
-  """({computation: {instruction name: _Instruction}} in program order, the entry computation) of HLO text."""
+def parse_hlo(text: str) -> tuple[dict, str]:
+  """({computation: {instruction name: Instruction}} in program order, the entry computation) of HLO text (the one
+  parser of HLO text: `hlo_costs` here, `bench.profile_summary` for its categories)."""
   comps, entry, current = {}, None, None
   for line in text.splitlines():
     m = _COMPUTATION.match(line)
@@ -448,7 +449,7 @@ def _parse_hlo(text: str) -> tuple[dict, str]:
     if op:
       k = j + op.end() - 1
       end = _close(line, k)
-      current[m.group(1)] = _Instruction(m.group(1), line[i:j], op.group(1), line[k + 1:end - 1], line[end:])
+      current[m.group(1)] = Instruction(m.group(1), line[i:j], op.group(1), line[k + 1:end - 1], line[end:])
   return comps, entry
 
 
@@ -456,7 +457,7 @@ class _HloCosts:
   """The walk behind `hlo_costs`."""
 
   def __init__(self, text: str):
-    self.comps, self.entry = _parse_hlo(text)
+    self.comps, self.entry = parse_hlo(text)
     self.fused = {c for comp in self.comps.values() for i in comp.values() if i.opcode in ("fusion", "fusion-start")
                   for c in i.callees("calls")}
     self.out = dict(flops=0.0, recompute_flops=0.0, transcendentals=0.0, hbm_bytes=0.0, host_bytes=0.0,
@@ -474,7 +475,7 @@ class _HloCosts:
     arrays = _arrays(self.type_of(comp, name))
     return arrays[0][1] if len(arrays) == 1 else None
 
-  def trips(self, comp: str, loop: _Instruction) -> int | None:
+  def trips(self, comp: str, loop: Instruction) -> int | None:
     """Trips of a while loop: its condition compares the counter with one integer constant N (`i < N`, how lax.scan
     and fori_loop lower), the counter starting at the loop's initial tuple element (a constant, else 0) and growing
     by its body's step (`step`)."""
@@ -495,7 +496,7 @@ class _HloCosts:
         start = int(first.args)
     return -(-(values[0] - start) // self.step(loop, counter))
 
-  def step(self, loop: _Instruction, counter: int | None) -> int:
+  def step(self, loop: Instruction, counter: int | None) -> int:
     """What a loop's body adds to its counter (tuple element `counter`) per trip: the constant of `add(counter, k)`
     at that place of the body's root tuple (XLA:TPU's bidirectional windowed einsums count by 2), else 1."""
     body = self.comps.get(re.search(r"body" + _CALLEE, loop.attrs).group(1), {})
@@ -511,7 +512,7 @@ class _HloCosts:
         return int(c.args)
     return 1
 
-  def flops(self, comp: str, ins: _Instruction) -> int:
+  def flops(self, comp: str, ins: Instruction) -> int:
     if ins.opcode == "dot" or (ins.opcode == "custom-call" and _CUBLAS.search(ins.attrs)):   # XLA:GPU's matmuls
       lhs = self.dims(comp, ins.operands[0])                  # (a cuBLAS call has the dot's dimensions in its config)
       dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}|"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
@@ -526,7 +527,7 @@ class _HloCosts:
       return self.fmha_flops(comp, ins)
     return 0
 
-  def fmha_flops(self, comp: str, ins: _Instruction) -> int:
+  def fmha_flops(self, comp: str, ins: Instruction) -> int:
     """cuDNN's fused attention (sinkjax's `cudnn` backend, jax.nn's cudnn implementation): 2 matmuls forward (QK^T,
     PV), 5 backward (QK^T again, dO V^T, P^T dO, dS K, dS^T Q), 2 FLOPs per multiply-add over the visible (query,
     key) pairs of its [B, N, T, S] logits (causal: top-left aligned, sum over t of min(t + 1, S)). Packed documents
@@ -542,7 +543,7 @@ class _HloCosts:
     matmuls = 5 if "Backward" in _CUDNN_FMHA.search(ins.attrs).group(0) else 2
     return 2 * matmuls * B * N * pairs * q[-1]
 
-  def conv_flops(self, comp: str, ins: _Instruction) -> int:
+  def conv_flops(self, comp: str, ins: Instruction) -> int:
     """2 x output elements x kernel input features x the kernel taps that land inside the unpadded input (XLA:TPU
     writes matmuls, batched ones too, as convolutions)."""
     labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
@@ -584,7 +585,7 @@ class _HloCosts:
     self._param_reads[body_name] = out = {k: sum(v) for k, v in uses.items() if None not in v}
     return out
 
-  def traffic(self, comp: str, ins: _Instruction, space: int) -> int:
+  def traffic(self, comp: str, ins: Instruction, space: int) -> int:
     """Bytes an unfused instruction reads and writes in memory space `space` (0: HBM, 5: host): its operands and
     outputs there; of a fusion's operand that the fusion only slices, the slices; a fusion that updates a slice in
     place writes the update. An async start (copy-start, slice-start, all-gather-start, ...) holds its operands in
@@ -624,7 +625,7 @@ class _HloCosts:
     operands = [_nbytes(t, space) for t in operand_types]
     return written + sum(min(reads.get(k, n), n) for k, n in enumerate(operands))
 
-  def collective(self, comp: str, ins: _Instruction, mult: float):
+  def collective(self, comp: str, ins: Instruction, mult: float):
     kind = next((k for k in COLLECTIVES if ins.opcode.startswith(k)), None)
     if kind is None or ins.opcode.endswith("-done"):
       return 0

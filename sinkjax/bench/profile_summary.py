@@ -30,7 +30,7 @@ import pathlib
 import re
 import sys
 
-from sinkjax import cli, config, options
+from sinkjax import cli, compile, config, options
 
 CATEGORIES = ("matmuls", "attention", "elementwise", "optimizer", "collectives")
 _COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|nccl|allreduce|"
@@ -39,34 +39,26 @@ _ATTENTION = re.compile(r"sinkjax_attention|sinkjax_flash|cudnn\$fmha|fmha|flash
 _MATMUL = re.compile(r"gemm|cublas|nvjet|xmma|cutlass|matmul|\bdot\b|dot\.|dot_general|convolution", re.I)
 _CONTAINERS = ("while", "conditional", "call")
 _CONTAINER = re.compile(r"^(while|conditional|call)(\.\d+)?$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
-_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-
 
 def parse_hlo(text: str) -> dict:
-  """{instruction name: category hint} of an HLO module's text: for each instruction its opcode, custom-call target,
-  op_name metadata and, for fusions and calls, whether the called computation holds a dot."""
-  comps, comp_has_dot, instrs, comp = {}, collections.defaultdict(bool), {}, None
-  for line in text.splitlines():
-    m = _COMP.match(line)
-    if m and "=" not in line.split("{")[0]:
-      comp = m.group(1)
-      continue
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    name, opcode, rest = m.groups()
-    target = re.search(r'custom_call_target="([^"]+)"', rest)
-    op_name = re.search(r'op_name="([^"]*)"', rest)
-    calls = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", rest)
-    instrs[name] = dict(opcode=opcode, target=target.group(1) if target else "",
-                        op_name=op_name.group(1) if op_name else "", calls=calls)
-    if comp and (opcode in ("dot", "convolution") or (target and _MATMUL.search(target.group(1)))):
-      comp_has_dot[comp] = True
-    comps.setdefault(comp, []).append(name)
-  for info in instrs.values():
-    info["has_dot"] = any(comp_has_dot[c] for c in info["calls"])
-  return instrs
+  """{instruction name: category hint} of an HLO module's text (`compile.parse_hlo`): for each instruction its opcode,
+  custom-call target, op_name metadata and, for fusions and calls, whether the called computation holds a dot."""
+  comps, _ = compile.parse_hlo(text)
+  target = {c: {n: _attr("custom_call_target", i.attrs) for n, i in body.items()} for c, body in comps.items()}
+  has_dot = {c: any(i.opcode in ("dot", "convolution") or (target[c][n] and _MATMUL.search(target[c][n]))
+                    for n, i in body.items()) for c, body in comps.items()}
+  out = {}
+  for c, body in comps.items():
+    for name, i in body.items():
+      calls = i.callees("calls|to_apply|body|condition")
+      out[name] = dict(opcode=i.opcode, target=target[c][name], op_name=_attr("op_name", i.attrs), calls=calls,
+                       has_dot=any(has_dot.get(callee, False) for callee in calls))
+  return out
+
+
+def _attr(name: str, attrs: str) -> str:
+  m = re.search(name + r'="([^"]*)"', attrs)
+  return m.group(1) if m else ""
 
 
 def categorize(name: str, info: dict | None = None) -> str:
