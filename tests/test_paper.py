@@ -155,6 +155,18 @@ def test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs(tmp_p
   p = run_study("paper_smoke", *argv, "axes.train.seed=[0,1]", "--report-only", capsys=capsys)
   assert p.returncode == 0 and "sinkjax.train" not in p.stdout and not (tmp_path / "runs" / "sink_base_s1").exists()
   assert "Finished runs: 2 of 4" in (tmp_path / "results.md").read_text()
+  # A dose study in another study.out stands on the grid's results.json, written at this checkout's commit: its
+  # lambda 0 run is the grid's sink_base_s0 (reused, not retrained), lambda 1e-2 is trained.
+  dose = tmp_path / "dose"
+  p = run_study("paper_smoke", "study.kind=dose", "axes.model.attention=[sink]", "axes.train.seed=[0]",
+                "axes.loss.aux_weight=[0, 1e-2]", f"study.out={dose}", f"study.reuse={tmp_path / 'results.json'}",
+                capsys=capsys)
+  assert p.returncode == 0, p.stderr
+  assert "[1/2] sink_base_s0: reused from" in p.stdout and "[2/2] sink_lam0.01_s0 (lambda 0.01): trained" in p.stdout
+  d = json.loads((dose / "dose.json").read_text())
+  assert d["reuse"]["reused"] and [r["name"] for r in d["runs"]] == ["sink_base_s0", "sink_lam0.01_s0"]
+  assert d["runs"][0]["val_bpb"] == base and d["runs"][0]["source"].startswith("committed main grid")
+  assert not (dose / "runs" / "sink_base_s0").exists() and d["commit"] == res["commit"]
 
 
 @pytest.mark.slow
