@@ -52,11 +52,6 @@ def aux_term(record, lam: float) -> float:
   return lam * len(record["importance"][0]) * float((cv ** 2).sum())
 
 
-def _curve_at(curve, step):
-  d = {int(s): y for s, y in curve}
-  return d.get(step)
-
-
 def seed_stats(xs) -> dict:
   """mean, sample std (ddof 1; None for one value), min, max, n and the values."""
   a = np.asarray(xs, np.float64)
@@ -98,21 +93,14 @@ def grid_stats(grid: dict) -> dict:
   """Every test of the main grid: aux - base per variant (BPB and final imbalance, paired by seed), the variants'
   base BPB against vanilla (Welch, unpaired), and the power of the design."""
   runs = grid["runs"]
-  diff = {}
-  for v in VARIANTS:
-    for key in ("val_bpb", "head_imbalance"):
-      diff[v, key] = stats.paired(_by(runs, v, "aux", key), _by(runs, v, "base", key))
-  effects = {}
-  for v in VARIANTS:
-    effects[f"{v} BPB"] = stats.paired_effect(diff[v, "val_bpb"][1], what=f"{v}, val BPB aux − base")
-  for v in VARIANTS:
-    effects[f"{v} imbalance"] = stats.paired_effect(diff[v, "head_imbalance"][1], nd=3,
-                                                    what=f"{v}, final head imbalance aux − base")
-  variants = {}
-  for v in ("sink", "gated"):
-    w = stats.welch(list(_by(runs, v, "base", "val_bpb").values()), list(_by(runs, "vanilla", "base",
-                                                                              "val_bpb").values()))
-    variants[f"{v} − vanilla"] = w
+  diff = {(v, key): stats.paired(_by(runs, v, "aux", key), _by(runs, v, "base", key))
+          for v in VARIANTS for key in ("val_bpb", "head_imbalance")}
+  effects = {f"{v} {name}": stats.paired_effect(diff[v, key][1], nd=nd, what=f"{v}, {what} aux − base")
+             for key, name, what, nd in (("val_bpb", "BPB", "val BPB", 4),
+                                         ("head_imbalance", "imbalance", "final head imbalance", 3))
+             for v in VARIANTS}
+  base_bpb = lambda v: list(_by(runs, v, "base", "val_bpb").values())
+  variants = {f"{v} − vanilla": stats.welch(base_bpb(v), base_bpb("vanilla")) for v in ("sink", "gated")}
   return {"effects": effects, "variants_base_bpb": variants,
           "power": power_figures([diff[v, "val_bpb"][1] for v in VARIANTS], n=len(diff["gated", "val_bpb"][1])),
           "finetune": finetune_summary(grid.get("finetune")), "table1": table1_cells(runs),
@@ -202,8 +190,7 @@ def _curves(runs) -> dict:
     for loss in ("base", "aux"):
       rs = sorted((r for r in runs if r["variant"] == v and r["loss"] == loss), key=lambda r: r["seed"])
       out[f"{v} {loss}"] = {
-          "step1": [_curve_at(r["imbalance_curve"], 1) for r in rs],
-          "step20": [_curve_at(r["imbalance_curve"], 20) for r in rs],
+          **{f"step{t}": [{int(s): y for s, y in r["imbalance_curve"]}.get(t) for r in rs] for t in (1, 20)},
           "max": [max(y for _, y in r["imbalance_curve"]) for r in rs],
           "min_after_step1": [min(y for s, y in r["imbalance_curve"] if s > 1) for r in rs],
           "final": [r["imbalance_curve"][-1][1] for r in rs], "seeds": [r["seed"] for r in rs]}
@@ -241,24 +228,33 @@ def mean_std(s: dict | None, nd: int = 4) -> str:
   return f"{s['mean']:.{nd}f}" + (f" ± {s['std']:.{nd}f}" if s["std"] is not None else "")
 
 
+def table(cols, rows, align: str = "") -> list[str]:
+  """A markdown table: the header `cols`, its separator (`align`: "l" / "r" a column, default left) and one line per
+  row (a list of cells, or a line as it is)."""
+  line = lambda cells: cells if isinstance(cells, str) else "| " + " | ".join(map(str, cells)) + " |"
+  return [line(cols), "|" + "".join("---:|" if a == "r" else "---|" for a in align.ljust(len(cols), "l")),
+          *map(line, rows)]
+
+
 def effect_cells(e: dict, nd: int) -> list[str]:
-  """The cells every effect row shows: per seed, mean, 95 % t-interval, paired t p, exact permutation p, sign
-  test p, and the reading (with the smallest detectable effect when not detected)."""
+  """The cells an effect row shows: per seed, mean, 95 % t-interval, paired t p, and for a paired effect (not a
+  drift control) the exact permutation p and sign test p; then the reading (a paired effect's with the smallest
+  detectable effect when not detected)."""
   t = e["t"]
+  cells = [", ".join(stats.fmt(x, nd) for x in e["diffs"]), stats.fmt(e["mean"], nd),
+           f"{stats.fmt(t['low'], nd)} … {stats.fmt(t['high'], nd)}", stats.fmt_p(t["p"])]
+  if "permutation" not in e:                              # `stats.drift`'s: the t-test alone
+    return cells + [e["reading"]]
   reading = e["reading"] if e["detected"] else f"not detected (detectable: ±{e['detectable']:.{nd}f})"
-  return [", ".join(stats.fmt(x, nd) for x in e["diffs"]), stats.fmt(e["mean"], nd),
-          f"{stats.fmt(t['low'], nd)} … {stats.fmt(t['high'], nd)}", stats.fmt_p(t["p"]),
-          stats.fmt_p(e["permutation"]["p"]), stats.fmt_p(e["sign_test"]["p_two_sided"]), reading]
+  return cells + [stats.fmt_p(e["permutation"]["p"]), stats.fmt_p(e["sign_test"]["p_two_sided"]), reading]
 
 
-EFFECT_HEADER = ("per seed | mean | 95 % t-interval | paired t p | permutation p | sign test p | reading |",
-                 "---|---:|---|---:|---:|---:|---|")
-
-
-def effects_table(rows, head: str = "effect") -> list[str]:
-  """One row per (label, effect, decimals): `effect_cells` under EFFECT_HEADER (stats.md, dose.md)."""
-  return [f"| {head} | {EFFECT_HEADER[0]}", f"|---|{EFFECT_HEADER[1]}",
-          *(f"| {label} | " + " | ".join(effect_cells(e, nd)) + " |" for label, e, nd in rows)]
+def effects_table(rows, head: str = "effect", drift: bool = False) -> list[str]:
+  """One row per (label, effect, decimals): `effect_cells` (stats.md, dose.md); `drift`: drift controls'."""
+  cols = ["per seed", "mean", "95 % t-interval", "paired t p", *([] if drift else ["permutation p", "sign test p"]),
+          "reading"]
+  return table([head, *cols], ([label, *effect_cells(e, nd)] for label, e, nd in rows),
+               "llrlr" if drift else "llrlrrr")
 
 
 def power_lines(pw: dict, what: str, unit: str = "BPB", nd: int = 4) -> list[str]:
@@ -274,15 +270,14 @@ def table1_lines(gs: dict) -> list[str]:
   val BPB mean ± std of base and base + aux over seeds, the paired aux - base differences with their tests
   (gs["effects"]["VARIANT BPB"]; "—" where fewer than two seeds pair) and the final head imbalance base → aux per
   seed. gs["table1"] is `table1_cells`'s."""
-  lines = ["| attention | base | base + aux | aux − base, per seed | mean | 95 % t-interval | paired t p | "
-           "permutation p | head imbalance base → aux, per seed |", "|---|---|---|---|---:|---|---:|---:|---|"]
+  rows = []
   for v, t in gs["table1"].items():
     e = gs["effects"].get(f"{v} BPB")
-    c = effect_cells(e, 4) if e is not None else ["—"] * 5
     imb = ", ".join(f"{a:.3f} → {b:.3f}" for a, b in zip(*(t.get(k, {}).get("head_imbalance", []) for k in LOSSES)))
-    lines.append(f"| {v} | {mean_std(t.get('base'))} | {mean_std(t.get('aux'))} | {c[0]} | {c[1]} | {c[2]} | {c[3]} | {c[4]} | "
-                 f"{imb or '—'} |")
-  return lines
+    rows.append([v, mean_std(t.get("base")), mean_std(t.get("aux")),
+                 *(effect_cells(e, 4)[:5] if e is not None else ["—"] * 5), imb or "—"])
+  return table(["attention", "base", "base + aux", "aux − base, per seed", "mean", "95 % t-interval", "paired t p",
+                "permutation p", "head imbalance base → aux, per seed"], rows, "llllrlrr")
 
 
 def table1_cells(runs) -> dict:
@@ -304,18 +299,16 @@ def table1_effects(runs) -> dict:
 
 def value_sections(gs: dict) -> list[str]:
   """value_norm_ratio and value zeroing (both definitions, on the same window) of the grid report."""
-  lines = []
-  lines += ["## value_norm_ratio (‖v₀‖ / mean ‖v‖ of the other tokens; < 1: the first token's value is smaller)", "",
-            "| run | per layer (mean over heads and seeds) | range over layers and seeds |", "|---|---|---|"]
-  for k, r in gs["value_norm_ratio"].items():
-    lines.append(f"| {k} | {' '.join(f'{x:.3f}' for x in r['per_layer'])} | {r['min']:.3f}–{r['max']:.3f} |")
-  lines += ["", "## Value zeroing, all heads − none (BPB), per variant over both losses and three seeds", "",
-            "| variant | teacher-forced, targets 0–255 | after prefill, targets 64–255 | "
-            "teacher-forced, targets 64–255 |", "|---|---|---|---|"]
-  for v, row in gs["value_zeroing"].items():
-    cell = lambda d: f"{d['mean']:+.4f} ({d['min']:+.4f} … {d['max']:+.4f})" if d else "not scored (see below)"
-    lines.append(f"| {v} | {cell(row.get('teacher_forced'))} | {cell(row.get('after_prefill'))} | "
-                 f"{cell(row.get('teacher_forced_window'))} |")
+  cell = lambda d: f"{d['mean']:+.4f} ({d['min']:+.4f} … {d['max']:+.4f})" if d else "not scored (see below)"
+  lines = ["## value_norm_ratio (‖v₀‖ / mean ‖v‖ of the other tokens; < 1: the first token's value is smaller)", "",
+           *table(["run", "per layer (mean over heads and seeds)", "range over layers and seeds"],
+                  ([k, " ".join(f"{x:.3f}" for x in r["per_layer"]), f"{r['min']:.3f}–{r['max']:.3f}"]
+                   for k, r in gs["value_norm_ratio"].items())),
+           "", "## Value zeroing, all heads − none (BPB), per variant over both losses and three seeds", "",
+           *table(["variant", "teacher-forced, targets 0–255", "after prefill, targets 64–255",
+                   "teacher-forced, targets 64–255"],
+                  ([v, *(cell(row.get(d)) for d in ("teacher_forced", "after_prefill", "teacher_forced_window"))]
+                   for v, row in gs["value_zeroing"].items()))]
   if gs.get("repro"):
     same = all(r["val_bpb_diff"] == 0 and r["importance_max_abs_diff"] < 1e-6 for r in gs["repro"])
     lines += ["", "### Retrained main-grid runs, scored both ways on the same window", "",
@@ -323,13 +316,12 @@ def value_sections(gs: dict) -> list[str]:
               ("They are the committed models (val BPB and importances equal), so these scores re-score them."
                if same else "They are not the committed models (val BPB or importances differ), so they do not "
                "re-score those: they are fresh runs of the same configs, on which the two definitions are compared."),
-              "",
-              "| run | val BPB committed → retrained | max abs importance difference | after prefill, committed |",
-              "|---|---|---:|---:|"]
-    for r in gs["repro"]:
-      lines.append(f"| {r['name']} | {r['committed_val_bpb']:.6f} → {r['val_bpb']:.6f} | "
-                   f"{r['importance_max_abs_diff']:.1e} | {r['committed_after_prefill_all_minus_none']:+.4f} |")
-    lines += ["", *window_lines([r for r in gs["repro"] if "tf_window" in r])]
+              "", *table(["run", "val BPB committed → retrained", "max abs importance difference",
+                          "after prefill, committed"],
+                         ([r["name"], f"{r['committed_val_bpb']:.6f} → {r['val_bpb']:.6f}",
+                           f"{r['importance_max_abs_diff']:.1e}", f"{r['committed_after_prefill_all_minus_none']:+.4f}"]
+                          for r in gs["repro"]), "llrr"),
+              "", *window_lines([r for r in gs["repro"] if "tf_window" in r])]
   if gs.get("window_dose"):
     lines += ["", "### Dose-study runs, scored both ways on the same window", "", *window_lines(gs["window_dose"])]
   rows = [r for r in gs.get("repro", []) + gs.get("window_dose", []) if "tf_window" in r]
@@ -347,23 +339,20 @@ def finetune_lines(ft: dict | None, variant: str = "gated") -> list[str]:
   without study.finetune."""
   if not ft:
     return []
-  modes = list(ft["modes"])
-  lines = ["", f"## Fine-tuning, {variant} ({ft['base_run']}, one seed, 100 steps)", "",
-            "| mode | val BPB | imbalance | shared (top-1 per layer) before → after | routed before → after | "
-            "routed CV after |", "|---|---:|---:|---|---|---:|",
-            f"| before | {ft['before']['val_bpb']:.4f} | {ft['before']['head_imbalance']:.3f} | | | |"]
-  for m in modes:
-    r = ft["modes"][m]
-    lines.append(f"| {m} | {r['val_bpb']:.4f} | {r['head_imbalance']:.3f} | {r['shared_before']:.3f} → "
-                 f"{r['shared_after']:.3f} | {r['routed_before']:.3f} → {r['routed_after']:.3f} | "
-                 f"{r['routed_cv_after']:.3f} |")
-  lines += ["", f"Every head with importance > {DOMINANT} before fine-tuning (shared = the layer's top-1, what eq. 8 "
-            "with m = 1 protects):", "", "| layer | head | role | before | " + " | ".join(modes) + " |",
-            "|---|---|---|---:|" + "---:|" * len(modes)]
-  for h in ft["dominant_heads"]:
-    lines.append(f"| {h['layer']} | {h['head']} | {'shared' if h['shared'] else 'routed'} | {h['before']:.3f} | "
-                 + " | ".join(f"{h[m]:.3f}" for m in modes) + " |")
-  return lines
+  modes, b = ft["modes"], ft["before"]
+  return ["", f"## Fine-tuning, {variant} ({ft['base_run']}, one seed, 100 steps)", "",
+          *table(["mode", "val BPB", "imbalance", "shared (top-1 per layer) before → after", "routed before → after",
+                  "routed CV after"],
+                 [f"| before | {b['val_bpb']:.4f} | {b['head_imbalance']:.3f} | | | |",
+                  *([m, f"{r['val_bpb']:.4f}", f"{r['head_imbalance']:.3f}",
+                     f"{r['shared_before']:.3f} → {r['shared_after']:.3f}",
+                     f"{r['routed_before']:.3f} → {r['routed_after']:.3f}", f"{r['routed_cv_after']:.3f}"]
+                    for m, r in modes.items())], "lrrllr"),
+          "", f"Every head with importance > {DOMINANT} before fine-tuning (shared = the layer's top-1, what eq. 8 with "
+          "m = 1 protects):", "",
+          *table(["layer", "head", "role", "before", *modes],
+                 ([h["layer"], h["head"], "shared" if h["shared"] else "routed",
+                   *(f"{h[k]:.3f}" for k in ("before", *modes))] for h in ft["dominant_heads"]), "lllr" + "r" * len(modes))]
 
 
 def grid_markdown(gs: dict, grid_path: str) -> str:
@@ -381,30 +370,25 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
       "apart.", "",
       "## Table 1 analogue with its tests", "", *table1_lines(gs), "", "## Effects", "",
       *effects_table([(e["what"], e, 3 if ("imbalance" in k or "head" in k) else 4)
-                      for k, e in gs["effects"].items()]), ""]
-  lines += [f"- {e['sentence']}" for e in gs["effects"].values()] + [""]
-  lines += ["## Variants against vanilla, base runs (Welch's t, unpaired)", "",
-            "| comparison | difference of means | 95 % interval | Welch df | p |", "|---|---:|---|---:|---:|"]
-  for k, w in gs["variants_base_bpb"].items():
-    lines.append(f"| {k}, val BPB | {w['diff']:+.4f} | {w['low']:+.4f} … {w['high']:+.4f} | {w['df']:.1f} | "
-                 f"{stats.fmt_p(w['p'])} |")
-  lines += [""]
-  lines += value_sections(gs)
-  lines += ["", "## First-token attention and sink ratio (ranges over every layer of every run of a variant)", "",
-            "| variant | F-Attn per layer | α per layer (mean over heads) | largest α of any head | sink-logit weight "
-            "per layer |", "|---|---|---|---|---|"]
-  for v, r in gs["first_token"].items():
-    sl = f"{r['sink_logit_min']:.3f}–{r['sink_logit_max']:.3f}" if "sink_logit_min" in r else "-"
-    lines.append(f"| {v} | {r['f_attn_min']:.3f}–{r['f_attn_max']:.3f} | {r['alpha_layer_min']:.3f}–"
-                 f"{r['alpha_layer_max']:.3f} | {r['alpha_head_max']:.3f} | {sl} |")
-  lines += ["", "## Imbalance curves (training batches, logged every 10 steps), per seed", "",
-            "| run | step 1 | step 20 | max | final |", "|---|---|---|---|---|"]
-  for k, r in c.items():
-    if "steps" in r:
-      continue
-    f = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
-    lines.append(f"| {k} | {f(r['step1'])} | {f(r['step20'])} | {f(r['max'])} | {f(r['final'])} |")
-  lines += finetune_lines(gs.get("finetune"))
+                      for k, e in gs["effects"].items()]), "",
+      *(f"- {e['sentence']}" for e in gs["effects"].values()), "",
+      "## Variants against vanilla, base runs (Welch's t, unpaired)", "",
+      *table(["comparison", "difference of means", "95 % interval", "Welch df", "p"],
+             ([f"{k}, val BPB", f"{w['diff']:+.4f}", f"{w['low']:+.4f} … {w['high']:+.4f}", f"{w['df']:.1f}",
+               stats.fmt_p(w["p"])] for k, w in gs["variants_base_bpb"].items()), "lrlrr"), "",
+      *value_sections(gs),
+      "", "## First-token attention and sink ratio (ranges over every layer of every run of a variant)", "",
+      *table(["variant", "F-Attn per layer", "α per layer (mean over heads)", "largest α of any head",
+              "sink-logit weight per layer"],
+             ([v, *(f"{r[k + '_min']:.3f}–{r[k + '_max']:.3f}" for k in ("f_attn", "alpha_layer")),
+               f"{r['alpha_head_max']:.3f}",
+               f"{r['sink_logit_min']:.3f}–{r['sink_logit_max']:.3f}" if "sink_logit_min" in r else "-"]
+              for v, r in gs["first_token"].items())),
+      "", "## Imbalance curves (training batches, logged every 10 steps), per seed", "",
+      *table(["run", "step 1", "step 20", "max", "final"],
+             ([k, *(", ".join(f"{x:.3f}" for x in r[q]) for q in ("step1", "step20", "max", "final"))]
+              for k, r in c.items() if "steps" not in r)),
+      *finetune_lines(gs.get("finetune"))]
   lines += ["", "## Imbalance curves: the mean aux curve against the base runs", "",
             "At the steps all six runs of a variant logged:", ""]
   for v in VARIANTS:
@@ -454,12 +438,10 @@ def _vz_both(ev: dict) -> dict:
 
 
 def window_lines(rows: list[dict]) -> list[str]:
-  lines = ["| run | teacher-forced, targets 0–255 | teacher-forced, targets 64–255 | after prefill, targets 64–255 | "
-           "none: teacher-forced − after prefill (64–255) |", "|---|---:|---:|---:|---:|"]
-  for r in rows:
-    lines.append(f"| {r['name']} | {r['tf_whole']:+.4f} | {r['tf_window']:+.4f} | {r['ap_window']:+.4f} | "
-                 f"{r['none_gap']:+.1e} |")
-  return lines
+  return table(["run", "teacher-forced, targets 0–255", "teacher-forced, targets 64–255", "after prefill, targets "
+                "64–255", "none: teacher-forced − after prefill (64–255)"],
+               ([r["name"], *(f"{r[k]:+.4f}" for k in ("tf_whole", "tf_window", "ap_window")), f"{r['none_gap']:+.1e}"]
+                for r in rows), "lrrrr")
 
 
 # --------------------------------------------------------------------------------------------------- dose study
@@ -564,21 +546,10 @@ def _rank_diffs(runs, variant, lam, control=0.0) -> tuple[list[float], list[floa
           [float((treat[s][:, 1:] - base[s][:, 1:]).mean()) for s in seeds])
 
 
-def dose_effects_lines(effects: list[dict], control_label: str = "paired with") -> list[str]:
+def dose_effects_lines(effects: list[dict], head: str = "effect (paired with)", drift: bool = False) -> list[str]:
   """One row per lambda and quantity (RESULTS.md copies these tables)."""
   return effects_table([(f"λ = {e['lambda']:g} − {e['control']:g}, {e['quantity']}", e,
-                         4 if e["quantity"] == "val BPB" else 3) for e in effects], f"effect ({control_label})")
-
-
-def drift_lines(effects: list[dict]) -> list[str]:
-  lines = ["| drift control | per seed | mean | 95 % t-interval | paired t p | reading |", "|---|---|---:|---|---:|---|"]
-  for e in effects:
-    nd = 4 if e["quantity"] == "val BPB" else 3
-    t = e["t"]
-    lines.append(f"| λ = {e['lambda']:g} − {e['control']:g}, {e['quantity']} | "
-                 f"{', '.join(stats.fmt(x, nd) for x in e['diffs'])} | {stats.fmt(e['mean'], nd)} | "
-                 f"{stats.fmt(t['low'], nd)} … {stats.fmt(t['high'], nd)} | {stats.fmt_p(t['p'])} | {e['reading']} |")
-  return lines
+                         4 if e["quantity"] == "val BPB" else 3) for e in effects], head, drift)
 
 
 def dose_markdown(dose: dict, ds: dict, dose_path: str) -> str:
@@ -590,21 +561,19 @@ def dose_markdown(dose: dict, ds: dict, dose_path: str) -> str:
            f"Commits: {commits}.", ""]
   if ds["power"]["bpb"]:
     lines += power_lines(ds["power"]["bpb"], "BPB, dose arms and the main grid's arms")
-  lines += ["| λ | val BPB per seed | mean ± std | final head imbalance per seed | mean | aux term at the end "
-            "(held-out) | mean importance | strongest / others (mean over layers) |",
-            "|---|---|---|---|---|---|---|---|"]
-  for lam, r in ds["per_lambda"].items():
-    b, i = r["val_bpb"], r["head_imbalance"]
-    ranks = np.array(r["importance_by_rank"]).mean(0)
-    lines.append(f"| {lam} | {', '.join(f'{x:.4f}' for x in b)} | {mean_std(seed_stats(b))} | "
-                 f"{', '.join(f'{x:.3f}' for x in i)} | {np.mean(i):.3f} | {np.mean(r['aux_term']):.1e} | "
-                 f"{np.mean(r['mean_importance']):.3f} | {ranks[0]:.3f} / {ranks[1:].mean():.3f} |")
+  ranks = {lam: np.array(r["importance_by_rank"]).mean(0) for lam, r in ds["per_lambda"].items()}
+  lines += table(["λ", "val BPB per seed", "mean ± std", "final head imbalance per seed", "mean",
+                  "aux term at the end (held-out)", "mean importance", "strongest / others (mean over layers)"],
+                 ([lam, ", ".join(f"{x:.4f}" for x in r["val_bpb"]), mean_std(seed_stats(r["val_bpb"])),
+                   ", ".join(f"{x:.3f}" for x in r["head_imbalance"]), f"{np.mean(r['head_imbalance']):.3f}",
+                   f"{np.mean(r['aux_term']):.1e}", f"{np.mean(r['mean_importance']):.3f}",
+                   f"{ranks[lam][0]:.3f} / {ranks[lam][1:].mean():.3f}"] for lam, r in ds["per_lambda"].items()))
   lines += ["", "## Tests (paired with λ = 0, per seed)", "", *dose_effects_lines(ds["effects"]), ""]
   if ds["drift"]:
-    lines += ["## Drift: the null arm (λ = 1e-8, a different commit from λ = 0)", "", *drift_lines(ds["drift"]), ""]
+    lines += ["## Drift: the null arm (λ = 1e-8, a different commit from λ = 0)", "", *dose_effects_lines(ds["drift"], "drift control", drift=True), ""]
   if ds["same_commit"]:
     lines += ["## The same commit: against λ = 1e-8", "",
-              *dose_effects_lines(ds["same_commit"], "paired with λ = 1e-8, same commit"), ""]
+              *dose_effects_lines(ds["same_commit"], "effect (paired with λ = 1e-8, same commit)"), ""]
   if ds["all_doses_bpb"]:
     a = ds["all_doses_bpb"]
     lines += [f"BPB: {a['positive']} of the {a['n']} dose differences against λ = 0 are positive. "
@@ -645,10 +614,6 @@ TABLE1_COLUMNS = (
 )
 
 
-def _read_text(path: str) -> str:
-  return paths.as_path(path).read_text()
-
-
 def find_runs(patterns: list[str]) -> list[str]:
   """The run directories (holding config.yaml) that the local or remote globs match, sorted."""
   runs = []
@@ -663,18 +628,18 @@ def find_runs(patterns: list[str]) -> list[str]:
 def read_run(run: str) -> dict:
   """What Table 1 and Figs. 5 / 8 need of one run directory."""
   from sinkjax.run import read_metrics  # pylint: disable=import-outside-toplevel
-  cfg = yaml.safe_load(_read_text(f"{run}/config.yaml")) or {}
+  cfg = yaml.safe_load(paths.as_path(f"{run}/config.yaml").read_text()) or {}
   model, loss = cfg.get("model") or {}, cfg.get("loss") or {}
   metrics = read_metrics(f"{run}/metrics.jsonl") if paths.as_path(f"{run}/metrics.jsonl").is_file() else []
   report = f"{run}/eval/report.json"
   bpb, bpb_from = None, None
   if paths.as_path(report).is_file():
-    bpb, bpb_from = json.loads(_read_text(report))["val_bpb"], "eval/report.json"
+    bpb, bpb_from = json.loads(paths.as_path(report).read_text())["val_bpb"], "eval/report.json"
   elif any("val_bpb" in r for r in metrics):
     bpb, bpb_from = [r["val_bpb"] for r in metrics if "val_bpb" in r][-1], "metrics.jsonl"
   tasks = {}
   for f in sorted(paths.expand_glob(f"{run}/lm_eval/**/results_*.json"), key=lambda f: f.rsplit("/", 1)[-1]):
-    tasks.update(json.loads(_read_text(f)).get("results") or {})      # file names carry the date: later wins
+    tasks.update(json.loads(paths.as_path(f).read_text()).get("results") or {})   # names carry the date: later wins
   scores = {}
   for col, task, keys in TABLE1_COLUMNS:
     got = [tasks[task][k] for k in keys if k in tasks.get(task, {})]
@@ -719,23 +684,21 @@ def runs_table(runs: list[dict]) -> list[dict]:
 def runs_markdown(rows: list[dict]) -> str:
   """Table 1 as the paper lays it out (a size heading row, then attention / loss / BPB / ten columns / Average)."""
   cols = [c for c, _, _ in TABLE1_COLUMNS]
-  lines = ["| Attention | Training loss | Validation BPB (↓) | " + " | ".join(cols) + " | Average |",
-           "|---|---|---:|" + "---:|" * (len(cols) + 1)]
-  size = None
+  fmt = lambda x, nd=2: "—" if x is None else f"{x:.{nd}f}"
+  lines, size = [], None
   for row in rows:
     if row["size"] != size:
       size = row["size"]
       lines.append(f"| *{size}* |" + " |" * (len(cols) + 3))
-    fmt = lambda x, nd=2: "—" if x is None else f"{x:.{nd}f}"
-    avg = fmt(row["average"])
-    if row["delta"] is not None:
-      avg += f" {'↑' if row['delta'] >= 0 else '↓'} {abs(row['delta']):.2f}"
+    avg = fmt(row["average"]) + ("" if row["delta"] is None else
+                                 f" {'↑' if row['delta'] >= 0 else '↓'} {abs(row['delta']):.2f}")
     n = f" ({len(row['runs'])} runs)" if len(row["runs"]) > 1 else ""
     att = row["attention"].capitalize() if row["loss"] == "base" or not any(
         r["loss"] == "base" and r["attention"] == row["attention"] and r["size"] == size for r in rows) else ""
-    lines.append(f"| {att} | {'base' if row['loss'] == 'base' else 'base+aux'}{n} | {fmt(row['val_bpb'], 4)} | "
-                 + " | ".join(fmt(row["columns"][c]) for c in cols) + f" | {avg} |")
-  return "\n".join(lines) + "\n"
+    lines.append([att, ("base" if row["loss"] == "base" else "base+aux") + n, fmt(row["val_bpb"], 4),
+                  *(fmt(row["columns"][c]) for c in cols), avg])
+  return "\n".join(table(["Attention", "Training loss", "Validation BPB (↓)", *cols, "Average"], lines,
+                         "llr" + "r" * len(cols) + "r")) + "\n"
 
 
 def runs_report(patterns: list[str], out: str | None) -> str:
