@@ -279,3 +279,29 @@ def test_dose_dry_run_marks_the_reused_runs(tmp_path, capsys):
   lines = [l for l in res.stdout.splitlines() if l.startswith("[")]
   assert res.returncode == 0 and len(lines) == 3 and all("gated" in l for l in lines)
   assert "reused" in lines[0] and "reused" in lines[1] and "to do" in lines[2] and "gated_lam0.01_s0" in lines[2]
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+RESULTS = paper_report.REPO / "docs" / "results"
+
+
+@pytest.mark.parametrize("grid,dose", [("paper_cpu", "paper_cpu_dose"), ("paper_cpu_r2", None)])
+def test_report_write_regenerates_the_committed_reports(grid, dose, tmp_path, capsys):
+  """`paper_report --write` on copies of a committed grid (and dose study) writes the committed stats.md / .json
+  (and dose.md / dose_stats.json) again, its default options as docs/RESULTS.md gives the commands: the main grid's
+  retrains (paper_cpu_repro) only beside the main grid (another --grid's runs of the same names are other runs)."""
+  copies = {}
+  for name, f in ((grid, "results.json"), (dose, "dose.json")):
+    if name:
+      copies[name] = tmp_path / name / f
+      copies[name].parent.mkdir()
+      copies[name].write_bytes((RESULTS / name / f).read_bytes())
+  argv = ["--grid", copies[grid], "--dose", copies[dose] if dose else "none", "--write"]
+  if grid == "paper_cpu":
+    argv += ["--repro", paper_report.REPRO]                 # the default beside docs/results/paper_cpu/results.json
+  assert call_main(paper_report.main, argv, capsys).returncode == 0
+  for name, files in ((grid, ("stats.md", "stats.json")), (dose, ("dose.md", "dose_stats.json"))):
+    for f in files if name else ():
+      got = (tmp_path / name / f).read_text().replace(str(tmp_path), "docs/results")
+      assert got == (RESULTS / name / f).read_text(), f"{name}/{f}"

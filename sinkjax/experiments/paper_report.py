@@ -731,7 +731,8 @@ class ReportOptions:
   out: str = key("", alias="--out", help="with --runs: where table1.md / .json and the figures go")
   grid: str = key(str(GRID), alias="--grid", help="the main grid's results.json")
   dose: str = key(str(DOSE), alias="--dose", help="the dose study's dose.json ('none': skip)")
-  repro: str = key(str(REPRO), alias="--repro", help="retrained main-grid runs (raw/NAME/paper_eval.json)")
+  repro: str = key("", alias="--repro", help="retrains of the --grid's runs (raw/NAME/paper_eval.json; 'none': "
+                   "skip); default: docs/results/paper_cpu_repro, the default grid's, with the default --grid only")
   write: bool = key(False, alias="--write", help="write stats.md / stats.json (and the dose report) next to the inputs")
 
 
@@ -739,7 +740,8 @@ COMMAND = options.Command(prog="python -m sinkjax.experiments.paper_report", des
                           sections={"report": ReportOptions})
 
 
-def stats_report(grid_path: pathlib.Path, dose_path: pathlib.Path | None, repro: pathlib.Path, write: bool) -> None:
+def stats_report(grid_path: pathlib.Path, dose_path: pathlib.Path | None, repro: pathlib.Path | None,
+                 write: bool) -> None:
   """Prints every test of the main grid (and of the dose study, given one); with `write`, writes stats.md /
   stats.json next to the grid's results.json and dose.md, dose_stats.json and the dose figures next to dose.json."""
   if not grid_path.is_file():
@@ -747,7 +749,7 @@ def stats_report(grid_path: pathlib.Path, dose_path: pathlib.Path | None, repro:
   grid = json.loads(grid_path.read_text())
   dose = json.loads(dose_path.read_text()) if dose_path is not None and dose_path.is_file() else None
   gs = grid_stats(grid)
-  gs["repro"] = repro_runs(repro, grid)
+  gs["repro"] = repro_runs(repro, grid) if repro is not None else []
   gs["window_dose"] = [{"name": f"{r['variant']}_{r['loss']}_s{r['seed']}", **_vz_both(r)} for r in
                        (dose or {}).get("runs", []) if "value_zeroing_teacher_forced_window" in r]
   rel = lambda q: str(q.resolve().relative_to(REPO)) if q.resolve().is_relative_to(REPO) else str(q)
@@ -779,9 +781,11 @@ def stats_report(grid_path: pathlib.Path, dose_path: pathlib.Path | None, repro:
 def report(o: ReportOptions) -> None:
   if o.runs:
     runs_report(o.runs, o.out or None)
-  else:
-    stats_report(pathlib.Path(o.grid), None if o.dose == "none" else pathlib.Path(o.dose), pathlib.Path(o.repro),
-                 o.write)
+    return
+  # paper_cpu_repro retrains the committed main grid's runs: paired by name with another grid's, they would not compare
+  repro = o.repro or ("none" if pathlib.Path(o.grid).resolve() != GRID.resolve() else str(REPRO))
+  stats_report(pathlib.Path(o.grid), None if o.dose == "none" else pathlib.Path(o.dose),
+               None if repro == "none" else pathlib.Path(repro), o.write)
 
 
 def main(argv=None) -> int:
