@@ -27,7 +27,7 @@ from sinkjax import paths
 from sinkjax.cli import UserError
 from sinkjax.experiments import runner
 from sinkjax.experiments.paper_report import (LOSSES, VARIANTS, finetune_lines, finetune_summary, mean_std, seed_stats,
-                                              table1, table1_cells, table1_effects, table1_lines)
+                                              table, table1, table1_cells, table1_effects, table1_lines)
 from sinkjax.experiments.runner import StudyError, git_commit, one_commit, read_json, write_json
 
 TAU = 0.75                                     # [Sink-MoE] App. A: selective zeroing of heads with alpha > tau
@@ -96,12 +96,6 @@ def run_config(plan: runner.Plan, spec: RunSpec, run_dir, *, extra=()):
 # ------------------------------------------------------------------------------------------------ training
 
 RAW_FILES = ("done.json", "paper_eval.json", "metrics.jsonl", "config.yaml")   # what a run keeps in OUT/raw/NAME
-
-
-def grid_study(out: pathlib.Path) -> runner.Study:
-  """The runner of OUT's grid: run NAME in OUT/runs/NAME, finished once paper_eval.json is written (done.json, the
-  training record, carries the commit), its raw files kept in OUT/raw/NAME."""
-  return runner.Study(out, record="paper_eval.json", raw=out / "raw", raw_files=RAW_FILES, stamp=False)
 
 
 def train_run(cfg, run_dir: pathlib.Path, commit: dict | None = None) -> tuple[dict, bool]:
@@ -187,30 +181,9 @@ def value_zeroing_table(records: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------------ outputs
 
-def value_zeroing_markdown(rows: list[dict]) -> list[str]:
-  lines = ["| attention | loss | definition | BPB none | BPB all heads | BPB alpha > τ | heads with alpha > τ |",
-           "|---|---|---|---|---|---|---|"]
-  for r in rows:
-    for defn, name in (("teacher_forced", "teacher-forced"), ("after_prefill", "after prefill (paper)")):
-      lines.append(f"| {r['variant']} | {r['loss']} | {name} | {mean_std(r[f'{defn}.bpb_none'])} | "
-                   f"{mean_std(r[f'{defn}.bpb_all'])} | {mean_std(r[f'{defn}.bpb_selected'])} | "
-                   f"{mean_std(r[f'{defn}.num_heads_selected'], 1)} |")
-  return lines
-
-
-def attention_markdown(records: list[dict]) -> list[str]:
-  lines = ["| attention | loss | F-Attn per layer (mean over heads and seeds) | mean alpha per layer | "
-           "sink-logit weight per layer |", "|---|---|---|---|---|"]
-  for (v, loss), rs in arms(records).items():
-    fmt = lambda a: " ".join(f"{x:.3f}" for x in np.mean(a, 0))
-    sink = fmt([r["sink_logit_attention"] for r in rs]) if rs[0]["sink_logit_attention"] is not None else "-"
-    lines.append(f"| {v} | {loss} | {fmt([r['first_token_attention'] for r in rs])} | "
-                 f"{fmt(np.mean([r['sink_ratio_alpha'] for r in rs], -1))} | {sink} |")
-  return lines
-
-
 def results_markdown(res: dict) -> str:
   m, sc = res["machine"], res["scale"]
+  mean = lambda a: " ".join(f"{x:.3f}" for x in np.mean(a, 0))          # per layer, over seeds
   lines = [
       "# [Sink-MoE] from scratch: base vs base + aux, with seeds", "",
       f"Command: `{res['command']}`", "",
@@ -233,7 +206,13 @@ def results_markdown(res: dict) -> str:
       "[Sink-MoE] Table 1 reports aux − base of −0.0007 to −0.0055 BPB.", "",
       "![table 1](table1_bpb.png)", "", "## Fig. 5 analogue: head imbalance during training", "",
       "![imbalance](imbalance_curves.png)", "",
-      "## First-token attention and sink ratio", "", *attention_markdown(res["runs"]), "",
+      "## First-token attention and sink ratio", "",
+      *table(["attention", "loss", "F-Attn per layer (mean over heads and seeds)", "mean alpha per layer",
+              "sink-logit weight per layer"],
+             ([v, loss, mean([r["first_token_attention"] for r in rs]),
+               mean(np.mean([r["sink_ratio_alpha"] for r in rs], -1)),
+               mean([r["sink_logit_attention"] for r in rs]) if rs[0]["sink_logit_attention"] is not None else "-"]
+              for (v, loss), rs in arms(res["runs"]).items())), "",
       "![first token](first_token_attention.png)", "",
       f"## Value zeroing ([Sink-MoE] App. A, τ = {TAU})", "",
       "Teacher-forced: the first token's value is zeroed inside one forward pass over the whole row, so every query "
@@ -241,7 +220,13 @@ def results_markdown(res: dict) -> str:
       f"{res['scale']['prompt_len']} tokens of a row are prefilled into the KV cache with their values intact, the "
       "first token's value is then zeroed in the cache, and the rest of the row is decoded token by token against "
       "it; BPB over those continuation tokens (the `none` column uses the same tokens).", "",
-      *value_zeroing_markdown(res["value_zeroing"]), "", "![value zeroing](value_zeroing.png)", "",
+      *table(["attention", "loss", "definition", "BPB none", "BPB all heads", "BPB alpha > τ",
+              "heads with alpha > τ"],
+             ([r["variant"], r["loss"], name, *(mean_std(r[f"{defn}.{k}"]) for k in ("bpb_none", "bpb_all",
+                                                                                       "bpb_selected")),
+               mean_std(r[f"{defn}.num_heads_selected"], 1)] for r in res["value_zeroing"]
+              for defn, name in (("teacher_forced", "teacher-forced"), ("after_prefill", "after prefill (paper)")))),
+      "", "![value zeroing](value_zeroing.png)", "",
       "## Head importance", "", "![importance](importance.png)", ""]
   if res.get("finetune"):
     lines += ["## Fine-tuning: eq. 7 vs eq. 8 ([Sink-MoE] App. D, head pinning)", "",
@@ -296,7 +281,8 @@ def head_roles(before, after, m: int = FINETUNE_SHARED) -> dict:
   routed = lambda x: x[~shared].reshape(x.shape[0], -1)
   cv = lambda x: float(np.mean(x.std(-1) / np.maximum(x.mean(-1), 1e-12)))
   changed = [l for l in range(b.shape[0]) if set(top_b[l]) != set(top_a[l])]
-  return {"shared_heads": top_b.tolist(), "shared_before": float(b[shared].mean()), "shared_after": float(a[shared].mean()),
+  return {"shared_heads": top_b.tolist(), "shared_before": float(b[shared].mean()),
+          "shared_after": float(a[shared].mean()),
           "routed_before": float(routed(b).mean()), "routed_after": float(routed(a).mean()),
           "routed_cv_before": cv(routed(b)), "routed_cv_after": cv(routed(a)),
           "imbalance_before": cv(b), "imbalance_after": cv(a),
@@ -330,7 +316,7 @@ def run_finetune(plan: runner.Plan, specs: list[RunSpec], root: pathlib.Path, co
   return out
 
 
-# ------------------------------------------------------------------------------------------------------ driver
+# ----------------------------------------------------------------------------------------------------- results
 
 def scale_record(plan: runner.Plan) -> dict:
   """What results.json / dose.json record of the study's scale: its name, overrides, evaluation sizes and note (the
@@ -378,12 +364,6 @@ def collect(out: pathlib.Path, specs: list[RunSpec]) -> list[dict]:
   return sorted(records, key=lambda r: (order[r["attention"]], r["variant"], list(LOSSES).index(r["loss"]), r["seed"]))
 
 
-def machine_info() -> dict:
-  return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
-          "backend": jax.default_backend(), "devices": ", ".join(sorted({d.device_kind for d in jax.devices()})),
-          "load_start": [round(x, 2) for x in os.getloadavg()]}
-
-
 def write_results(out: pathlib.Path, plan: runner.Plan, specs, machine: dict, ft: dict | None) -> dict:
   """results.json, results.md and the figures from every finished run in OUT."""
   records = collect(out, specs)
@@ -393,7 +373,8 @@ def write_results(out: pathlib.Path, plan: runner.Plan, specs, machine: dict, ft
   recipe = config_lib.to_dict(run_config(plan, specs[0], "RUN_DIR"))
   machine = {**machine, "load_end": [round(x, 2) for x in os.getloadavg()]}
   res = {"command": plan.command, "scale": scale_record(plan), "commit": commit, "recipe": recipe, "machine": machine,
-         "seeds": sorted({s.seed for s in specs}), "variants": list(dict.fromkeys(s.variant for s in specs)), "grid_size": len(specs), "runs": records,
+         "seeds": sorted({s.seed for s in specs}), "variants": list(dict.fromkeys(s.variant for s in specs)),
+         "grid_size": len(specs), "runs": records,
          "table1": table1(records), "value_zeroing": value_zeroing_table(records), "finetune": ft}
   curves = {k: [r["imbalance_curve"] for r in rs] for k, rs in arms(records).items()}
   from sinkjax import plots  # lazy: matplotlib, slow to import and the train extra's
@@ -408,49 +389,6 @@ def write_results(out: pathlib.Path, plan: runner.Plan, specs, machine: dict, ft
   res["figures"] = [p.name for p in figures]
   write_json(out / "results.json", res)
   (out / "results.md").write_text(results_markdown(res))
-  return res
-
-
-def paper_run(plan: runner.Plan, spec: RunSpec, commit: dict | None = None) -> runner.Run:
-  """One run of a study for the runner: trains it (unless done.json says it finished; done.json records `commit`)
-  and evaluates it (`evaluate_run`, the record the runner writes to paper_eval.json)."""
-  def do(run_dir):
-    try:
-      _, trained = train_run(run_config(plan, spec, run_dir), run_dir, commit)
-      rec = evaluate_run(run_dir, plan.study)
-    except UserError as e:              # a bad config, data or checkpoint, a failed run: which run it was
-      raise StudyError(f"run {spec.name}: {e}") from e
-    return rec, "trained + evaluated" if trained else "evaluated (trained before)"
-  return runner.Run(spec.name, do, spec.overrides)
-
-
-def _progress(res: runner.Result, i: int, n: int, t_start: float, label: str = "") -> None:
-  head = f"[{i}/{n}] {res.run.name}{label}: {res.what}"
-  if res.record is None:
-    print(head, flush=True)
-    return
-  print(f"{head}; val_bpb {res.record['val_bpb']:.4f}, head imbalance {res.record['head_imbalance']:.3f} "
-        f"({res.seconds:.0f} s; study {time.perf_counter() - t_start:.0f} s)", flush=True)
-
-
-def run_study(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, report_only: bool = False,
-              sync=lambda: 0) -> dict:
-  """Trains and evaluates every run of the grid not yet done (a progress line each), then writes the results;
-  `sync` (a bucket mirror's) runs after each run."""
-  machine = machine_info()
-  t_start = time.perf_counter()
-  study = grid_study(out)
-
-  def done(i, n, res):
-    _progress(res, i, n, t_start)
-    sync()
-  study.walk([] if report_only else [paper_run(plan, s, study.commit) for s in specs], done)
-  finetune = plan.study.finetune and not report_only
-  ft = run_finetune(plan, specs, out, study.commit) if finetune else read_json(out / "finetune.json")
-  if finetune:
-    write_json(out / "finetune.json", ft)
-  res = write_results(out, plan, specs, machine, ft)
-  sync()
   return res
 
 
@@ -493,8 +431,10 @@ def reusable_records(path, plan: runner.Plan) -> tuple[dict, dict]:
   return {(r["variant"], r["loss"], r["seed"]): r for r in committed["runs"]}, {**why, "reused": True}
 
 
-def dose_records(out: pathlib.Path, specs: list[RunSpec], reuse: dict) -> list[dict]:
-  """Every run of the dose grid that is finished: from OUT/runs when evaluated there, else the committed record."""
+def write_dose(out: pathlib.Path, plan: runner.Plan, specs: list[RunSpec], machine: dict, reuse: dict,
+               why: dict) -> dict:
+  """dose.json: every finished run of the dose grid, from OUT/runs when evaluated there, else the committed main
+  grid's record (`reusable_records`); its statistics, dose.md and figures are `paper_report`'s."""
   records = []
   for spec in specs:
     if (r := run_record(spec, out / "runs" / spec.name)) is not None:
@@ -502,32 +442,68 @@ def dose_records(out: pathlib.Path, specs: list[RunSpec], reuse: dict) -> list[d
     elif (spec.variant, spec.loss, spec.seed) in reuse:
       r = dict(reuse[spec.variant, spec.loss, spec.seed])
       records.append({**r, "lambda": spec.lam, "source": f"committed main grid ({r.pop('run_dir', '')})"})
-  return records
-
-
-def run_dose(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, report_only: bool = False) -> dict:
-  """Trains and evaluates the dose grid's runs that neither OUT/runs nor the reusable committed study
-  (study.reuse) hold, then writes dose.json (its statistics, dose.md and figures are `paper_report`'s)."""
-  reuse, why = reusable_records(plan.study.reuse, plan)
-  print(f"reuse of {plan.study.reuse}: {why.get('reused')} {why.get('reason', '')}", flush=True)
-  t_start = time.perf_counter()
-  study = grid_study(out)
-  for i, spec in enumerate([] if report_only else specs, 1):
-    if study.state(spec.name) != "done" and (spec.variant, spec.loss, spec.seed) in reuse:
-      print(f"[{i}/{len(specs)}] {spec.name}: reused from {plan.study.reuse}", flush=True)
-      continue
-    res = study.walk_one(paper_run(plan, spec, study.commit))
-    _progress(res, i, len(specs), t_start, f" (lambda {spec.lam:g})")
-  records = dose_records(out, specs, reuse)
   if not records:
     raise StudyError(f"no finished dose runs in {out}/runs and nothing reusable")
   res = {"command": plan.command, "scale": scale_record(plan), "lambdas": sorted({s.lam for s in specs}),
          "seeds": sorted({s.seed for s in specs}), "variants": list(dict.fromkeys(s.variant for s in specs)),
-         "grid_size": len(specs), "reuse": why, "commit": one_commit(records), "machine": machine_info(),
-         "runs": records}
+         "grid_size": len(specs), "reuse": why, "commit": one_commit(records), "machine": machine, "runs": records}
   write_json(out / "dose.json", res)
   print(f"wrote {out / 'dose.json'} ({len(records)} finished runs of {len(specs)}); statistics, dose.md and "
         f"figures: python -m sinkjax.experiments.paper_report --dose {out / 'dose.json'} --write", flush=True)
+  return res
+
+
+# ------------------------------------------------------------------------------------------------ the runs
+
+def paper_run(plan: runner.Plan, spec: RunSpec, commit: dict | None = None) -> runner.Run:
+  """One run of a study for the runner: trains it (unless done.json says it finished; done.json records `commit`)
+  and evaluates it (`evaluate_run`, the record the runner writes to paper_eval.json)."""
+  def do(run_dir):
+    try:
+      _, trained = train_run(run_config(plan, spec, run_dir), run_dir, commit)
+      rec = evaluate_run(run_dir, plan.study)
+    except UserError as e:              # a bad config, data or checkpoint, a failed run: which run it was
+      raise StudyError(f"run {spec.name}: {e}") from e
+    return rec, "trained + evaluated" if trained else "evaluated (trained before)"
+  return runner.Run(spec.name, do, spec.overrides)
+
+
+def run_study(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, report_only: bool = False,
+              sync=lambda: 0) -> dict:
+  """Trains and evaluates every run of the grid not yet done (a progress line each; a dose study's runs that the
+  main grid at study.reuse holds are not retrained), then writes the results: results.json, results.md and the
+  figures (with study.finetune also finetune.json), or a dose study's dose.json; `sync` (a bucket mirror's) runs
+  after each run."""
+  machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
+             "backend": jax.default_backend(), "devices": ", ".join(sorted({d.device_kind for d in jax.devices()})),
+             "load_start": [round(x, 2) for x in os.getloadavg()]}
+  t_start, dose = time.perf_counter(), plan.study.kind == "dose"
+  reuse, why = reusable_records(plan.study.reuse, plan) if dose else ({}, {})
+  if dose:
+    print(f"reuse of {plan.study.reuse}: {why.get('reused')} {why.get('reason', '')}", flush=True)
+  # run NAME in OUT/runs/NAME, finished once paper_eval.json is written (done.json, the training record, carries the
+  # commit), its raw files kept in OUT/raw/NAME
+  study = runner.Study(out, record="paper_eval.json", raw=out / "raw", raw_files=RAW_FILES, stamp=False)
+  for i, spec in enumerate([] if report_only else specs, 1):
+    head = f"[{i}/{len(specs)}] {spec.name}"
+    if (spec.variant, spec.loss, spec.seed) in reuse and study.state(spec.name) != "done":
+      print(f"{head}: reused from {plan.study.reuse}", flush=True)
+      continue
+    res = study.walk_one(paper_run(plan, spec, study.commit))
+    rec = res.record
+    print(f"{head}{f' (lambda {spec.lam:g})' if dose else ''}: {res.what}" + ("" if rec is None else
+          f"; val_bpb {rec['val_bpb']:.4f}, head imbalance {rec['head_imbalance']:.3f} ({res.seconds:.0f} s; "
+          f"study {time.perf_counter() - t_start:.0f} s)"), flush=True)
+    sync()
+  if dose:
+    res = write_dose(out, plan, specs, machine, reuse, why)
+  else:
+    finetune = plan.study.finetune and not report_only
+    ft = run_finetune(plan, specs, out, study.commit) if finetune else read_json(out / "finetune.json")
+    if finetune:
+      write_json(out / "finetune.json", ft)
+    res = write_results(out, plan, specs, machine, ft)
+  sync()
   return res
 
 
@@ -563,11 +539,8 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
     _lock(local, plan)
   except OSError as e:
     raise StudyError(f"study.out {local}: {e.strerror or e}") from None
-  if plan.study.kind == "dose":
-    run_dose(plan, specs, local, report_only=report_only)
-    mirror.sync()
-    return
   res = run_study(plan, specs, local, report_only=report_only, sync=mirror.sync)
-  url = plan.study.out.rstrip("/")
-  print(f"wrote {url}/results.json, {url}/results.md and {len(res['figures'])} figures "
-        f"({len(res['runs'])} finished runs)")
+  if plan.study.kind == "paper":
+    url = plan.study.out.rstrip("/")
+    print(f"wrote {url}/results.json, {url}/results.md and {len(res['figures'])} figures "
+          f"({len(res['runs'])} finished runs)")

@@ -281,8 +281,8 @@ def table1_lines(gs: dict) -> list[str]:
 
 
 def table1_cells(runs) -> dict:
-  """`table1` as Table 1's rendering reads it: per variant (or arm of a study with more axes, in the runs' order) and loss, the val BPB's mean ±
-  std over seeds and values, and the final head imbalance per seed."""
+  """`table1` as Table 1's rendering reads it: per variant (or arm of a study with more axes, in the runs' order)
+  and loss, the val BPB's mean ± std over seeds and values, and the final head imbalance per seed."""
   t1 = table1(runs)
   return {v: {loss: {"mean": r["val_bpb"]["mean"], "std": r["val_bpb"]["std"], "val_bpb": r["val_bpb"]["values"],
                      "head_imbalance": r["head_imbalance"]["values"], "seeds": r["seeds"]}
@@ -348,11 +348,12 @@ def finetune_lines(ft: dict | None, variant: str = "gated") -> list[str]:
                      f"{r['shared_before']:.3f} → {r['shared_after']:.3f}",
                      f"{r['routed_before']:.3f} → {r['routed_after']:.3f}", f"{r['routed_cv_after']:.3f}"]
                     for m, r in modes.items())], "lrrllr"),
-          "", f"Every head with importance > {DOMINANT} before fine-tuning (shared = the layer's top-1, what eq. 8 with "
-          "m = 1 protects):", "",
+          "", f"Every head with importance > {DOMINANT} before fine-tuning (shared = the layer's top-1, what eq. 8 "
+          "with m = 1 protects):", "",
           *table(["layer", "head", "role", "before", *modes],
                  ([h["layer"], h["head"], "shared" if h["shared"] else "routed",
-                   *(f"{h[k]:.3f}" for k in ("before", *modes))] for h in ft["dominant_heads"]), "lllr" + "r" * len(modes))]
+                   *(f"{h[k]:.3f}" for k in ("before", *modes))] for h in ft["dominant_heads"]),
+                 "lllr" + "r" * len(modes))]
 
 
 def grid_markdown(gs: dict, grid_path: str) -> str:
@@ -406,8 +407,8 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
 # ------------------------------------------------------------------------------- value zeroing on one window
 
 def repro_runs(repro_dir: pathlib.Path, grid: dict) -> list[dict]:
-  """Main-grid runs retrained, their raw files in repro_dir/raw/NAME (done.json + paper_eval.json) with the committed record of
-  the same name: whether the retrained model is the committed one (val BPB and importances equal) and its value
+  """Main-grid runs retrained, their raw files in repro_dir/raw/NAME (done.json + paper_eval.json) with the
+  committed record of the same name: whether the retrained model is the committed one (val BPB and importances equal) and its value
   zeroing scored both ways."""
   committed = {f"{r['variant']}_{r['loss']}_s{r['seed']}": r for r in grid["runs"]}
   out = []
@@ -570,7 +571,8 @@ def dose_markdown(dose: dict, ds: dict, dose_path: str) -> str:
                    f"{ranks[lam][0]:.3f} / {ranks[lam][1:].mean():.3f}"] for lam, r in ds["per_lambda"].items()))
   lines += ["", "## Tests (paired with λ = 0, per seed)", "", *dose_effects_lines(ds["effects"]), ""]
   if ds["drift"]:
-    lines += ["## Drift: the null arm (λ = 1e-8, a different commit from λ = 0)", "", *dose_effects_lines(ds["drift"], "drift control", drift=True), ""]
+    lines += ["## Drift: the null arm (λ = 1e-8, a different commit from λ = 0)", "",
+              *dose_effects_lines(ds["drift"], "drift control", drift=True), ""]
   if ds["same_commit"]:
     lines += ["## The same commit: against λ = 1e-8", "",
               *dose_effects_lines(ds["same_commit"], "effect (paired with λ = 1e-8, same commit)"), ""]
