@@ -114,13 +114,15 @@ def test_grid_errors_are_one_line(capsys):
 
 
 def test_report_only_is_table1_of_the_finished_runs(gcs, tmp_path):
-  """--report-only launches nothing: Table 1 of the runs in OUT/runs (`paper_report.runs_report`), one line when
-  there are none."""
+  """--report-only launches nothing: Table 1 and Figs. 5 / 8 of the runs in OUT/runs, in OUT/report
+  (`paper_report.runs_report`); one line when there are none."""
   r = _paper(gcs, "study.out=gs://bucket", "--report-only")
   assert r.returncode == 1 and "matches no run directory" in r.stderr, r.stderr
   gcs.upload("bucket", "runs/d20_sink_base/config.yaml", b"model: {attention: sink, num_layers: 20}\n")
   r = _paper(gcs, "study.out=gs://bucket", "--report-only")
   assert r.returncode == 0 and "| Sink | base |" in r.stdout, r.stderr
+  assert "| Sink | base |" in gcs.read("bucket", "report/table1.md").decode()
+  assert {"report/table1.json", "report/fig5_imbalance.png", "report/fig8_loss_bpb.png"} <= set(gcs.objects())
 
 
 def test_grid_launches_through_tpu_vm_sh_and_resumes_where_the_bucket_says(gcs, tmp_path):

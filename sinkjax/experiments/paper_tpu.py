@@ -14,7 +14,7 @@ Resumable: each run's state is read from the bucket (its config.yaml's train.ste
 lists there): a finished run is skipped, an unfinished one launched again (the trainer resumes it). A launch that ends
 with the run unfinished stops the grid with one line; rerunning the command continues it. Before the first launch the
 data is checked against what the largest run reads (`sinkjax.data.fineweb.plan`). --report-only: Table 1 and Figs. 5
-/ 8 of the finished runs (`paper_report.runs_report`). docs/SCALING.md describes the whole path.
+/ 8 of the finished runs, written to OUT/report (`paper_report.runs_report`). docs/SCALING.md describes the whole path.
 """
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def run_plan(plan, *, dry_run: bool = False, report_only: bool = False) -> None:
   if not out.startswith("gs://"):
     raise StudyError(f"the tpu study needs study.out=gs://BUCKET (the workers share nothing but the bucket), got {out!r}")
   if report_only:
-    runs_report([f"{out}/runs/d*"], None)
+    runs_report([f"{out}/runs/d*"], f"{out}/report")
     return
   if not data.startswith("gs://"):
     raise StudyError(f"tpu.data must be in the bucket (gs://...), got {data!r}")
@@ -245,4 +245,5 @@ def run_grid(runs: list[TpuRun], bucket: Bucket, o: TpuOptions, *, dry_run: bool
                        "rerun the same command to continue the grid")
     print(f"[{i}/{len(runs)}] {run.name}: finished at step {after.latest}", flush=True)
   if not dry_run:
-    print("every run finished; Table 1 and Figs. 5 / 8: the same command with --report-only", flush=True)
+    print(f"every run finished; Table 1 and Figs. 5 / 8 in {out}/report: the same command with --report-only",
+          flush=True)
