@@ -32,18 +32,16 @@ VARIANTS = choices.PAPER_VARIANTS
 LOSSES = {"base": 0.0, "aux": 1e-4}   # loss label -> loss.aux_weight: the paper's lambda from scratch (eq. 7)
 
 
-def _by(records, variant, loss_or_lambda, key):
-  """{seed: key} of the records of one variant and loss label ("base" / "aux") or lambda (a float)."""
-  out = {}
-  for r in records:
-    if r["variant"] != variant:
-      continue
-    if isinstance(loss_or_lambda, str) and r["loss"] != loss_or_lambda:
-      continue
-    if not isinstance(loss_or_lambda, str) and float(r["lambda"]) != float(loss_or_lambda):
-      continue
-    out[r["seed"]] = key(r) if callable(key) else r[key]
-  return out
+def _by(records, variant, loss_or_lambda, key) -> dict:
+  """{seed: record[key]} of the records of one variant and loss label ("base" / "aux") or lambda (a float)."""
+  arm = ((lambda r: r["loss"] == loss_or_lambda) if isinstance(loss_or_lambda, str) else
+         (lambda r: float(r["lambda"]) == float(loss_or_lambda)))
+  return {r["seed"]: r[key] for r in records if r["variant"] == variant and arm(r)}
+
+
+def _paired(records, variant, treated, control, key: str = "val_bpb") -> tuple[list[int], list[float]]:
+  """(seeds, treated - control per seed) of one variant's `key` (`stats.paired`; arms as `_by` names them)."""
+  return stats.paired(_by(records, variant, treated, key), _by(records, variant, control, key))
 
 
 def aux_term(record, lam: float) -> float:
@@ -93,7 +91,7 @@ def grid_stats(grid: dict) -> dict:
   """Every test of the main grid: aux - base per variant (BPB and final imbalance, paired by seed), the variants'
   base BPB against vanilla (Welch, unpaired), and the power of the design."""
   runs = grid["runs"]
-  diff = {(v, key): stats.paired(_by(runs, v, "aux", key), _by(runs, v, "base", key))
+  diff = {(v, key): _paired(runs, v, "aux", "base", key)
           for v in VARIANTS for key in ("val_bpb", "head_imbalance")}
   effects = {f"{v} {name}": stats.paired_effect(diff[v, key][1], nd=nd, what=f"{v}, {what} aux − base")
              for key, name, what, nd in (("val_bpb", "BPB", "val BPB", 4),
@@ -177,10 +175,8 @@ def _value_zeroing(runs) -> dict:
 
 
 def _timing(runs) -> dict:
-  t = [r["train_seconds"] for r in runs]
-  e = [r["eval_seconds"] for r in runs]
-  return {"train_seconds_min": float(min(t)), "train_seconds_max": float(max(t)), "eval_seconds_min": float(min(e)),
-          "eval_seconds_max": float(max(e)), "n": len(t)}
+  return {**{f"{k}_{f.__name__}": float(f(r[k] for r in runs)) for k in ("train_seconds", "eval_seconds")
+             for f in (min, max)}, "n": len(runs)}
 
 
 def _curves(runs) -> dict:
@@ -291,8 +287,7 @@ def table1_cells(runs) -> dict:
 
 def table1_effects(runs) -> dict:
   """{"VARIANT BPB": the paired aux - base effect's tests} of each variant with at least two paired seeds."""
-  diffs = {v: stats.paired(_by(runs, v, "aux", "val_bpb"), _by(runs, v, "base", "val_bpb"))[1]
-           for v in dict.fromkeys(r["variant"] for r in runs)}
+  diffs = {v: _paired(runs, v, "aux", "base")[1] for v in dict.fromkeys(r["variant"] for r in runs)}
   return {f"{v} BPB": stats.paired_effect(d, what=f"{v}, val BPB aux − base") for v, d in diffs.items()
           if len(d) >= 2}
 
@@ -473,7 +468,7 @@ def _dose_effects(runs, variant, lam, control, drift=False) -> list[dict]:
   layer and of the others."""
   out = []
   for key, name, nd in QUANTITIES:
-    _, d = stats.paired(_by(runs, variant, lam, key), _by(runs, variant, control, key))
+    _, d = _paired(runs, variant, lam, control, key)
     out.append(_effect(d, name, lam, control, nd, variant, drift))
   top, rest = _rank_diffs(runs, variant, lam, control)
   out.append(_effect(top, "strongest head per layer", lam, control, 3, variant, drift))
@@ -497,11 +492,9 @@ def dose_stats(dose: dict, grid: dict | None) -> dict:
   commits = {k: v.pop() for k, v in commits.items()}
   per_lambda = {}
   for lam in lambdas:
-    bpb, imb = _by(runs, variant, lam, "val_bpb"), _by(runs, variant, lam, "head_imbalance")
-    seeds = sorted(bpb)
     rs = sorted((r for r in runs if float(r["lambda"]) == lam), key=lambda r: r["seed"])
     per_lambda[lam] = {
-        "seeds": seeds, "val_bpb": [bpb[s] for s in seeds], "head_imbalance": [imb[s] for s in seeds],
+        "seeds": [r["seed"] for r in rs], **{k: [r[k] for r in rs] for k in ("val_bpb", "head_imbalance")},
         "aux_term": [aux_term(r, lam) for r in rs],
         "final_train_loss": [r.get("final_train_loss") for r in rs],
         "train_seconds": [r.get("train_seconds") for r in rs],
@@ -515,8 +508,7 @@ def dose_stats(dose: dict, grid: dict | None) -> dict:
     drift = _dose_effects(runs, variant, NULL_LAMBDA, 0.0, drift=True)
     same_commit = [e for lam in doses if commits[f"{lam:g}"] == commits[f"{NULL_LAMBDA:g}"]
                    for e in _dose_effects(runs, variant, lam, NULL_LAMBDA)[:2]]
-  bpb = {lam: dict(zip(*stats.paired(_by(runs, variant, lam, "val_bpb"), _by(runs, variant, 0.0, "val_bpb"))))
-         for lam in doses}
+  bpb = {lam: dict(zip(*_paired(runs, variant, lam, 0.0))) for lam in doses}
   seeds = sorted(set.intersection(*(set(v) for v in bpb.values()))) if bpb else []
   every = [bpb[lam][s] for lam in doses for s in seeds]
   pooled = {"doses": [f"{lam:g}" for lam in doses], "positive": sum(x > 0 for x in every), "n": len(every),
@@ -525,8 +517,7 @@ def dose_stats(dose: dict, grid: dict | None) -> dict:
                                                       "per seed")} if len(seeds) > 1 else None
   groups = [e["diffs"] for e in effects + drift if e["quantity"] == "val BPB"]
   if grid is not None:
-    groups += [stats.paired(_by(grid["runs"], v, "aux", "val_bpb"), _by(grid["runs"], v, "base", "val_bpb"))[1]
-               for v in ("vanilla", "sink")]
+    groups += [_paired(grid["runs"], v, "aux", "base")[1] for v in ("vanilla", "sink")]
   n = len(seeds) or 1
   power = {"bpb": power_figures(groups, n) if n > 1 else None,
            "imbalance": power_figures([e["diffs"] for e in effects + drift if e["quantity"] == "final head "
