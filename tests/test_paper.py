@@ -286,7 +286,7 @@ def test_dose_dry_run_marks_the_reused_runs(tmp_path, capsys):
 RESULTS = paper_report.REPO / "docs" / "results"
 
 
-@pytest.mark.parametrize("grid,dose", [("paper_cpu", "paper_cpu_dose"), ("paper_cpu_r2", None)])
+@pytest.mark.parametrize("grid,dose", [("paper_cpu", "paper_cpu_dose"), ("paper_cpu_r2", "paper_cpu_r2_dose")])
 def test_report_write_regenerates_the_committed_reports(grid, dose, tmp_path, capsys):
   """`paper_report --write` on copies of a committed grid (and dose study) writes the committed stats.md / .json
   (and dose.md / dose_stats.json) again, its default options as docs/RESULTS.md gives the commands: the main grid's
