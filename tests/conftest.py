@@ -42,6 +42,21 @@ def pytest_configure(config):
     jax.config.update(name, value)
 
 
+# The files whose tests take longest, longest first (CPU-seconds of a default run on 2 cores, docs/PERF.md "The test
+# suite"). `--dist loadfile` hands each worker one file at a time in collection order (`--no-loadscope-reorder`;
+# xdist's own reorder counts tests, not seconds, and sent test_real_model's ten long tests last): starting with these
+# keeps a long file from running alone at the end while the other worker idles.
+LONGEST_FIRST = ("test_train", "test_real_model", "test_generate", "test_kernels", "test_cache_policy", "test_eval",
+                 "test_multihost", "test_scale", "test_lm_eval", "test_finetune", "test_pallas_tpu", "test_paper",
+                 "test_trigger", "test_qwen3_next", "test_nanochat", "test_analysis", "test_deltanet")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  position = {id(item): i for i, item in enumerate(items)}
+  items.sort(key=lambda item: (rank.get(item.path.stem, len(rank)), position[id(item)]))
+
+
 @pytest.fixture(scope="session")
 def compile_cache():
   """The run's compilation cache settings, as environment variables for a command (already in os.environ)."""
