@@ -45,7 +45,7 @@ RAW_FILES = ("record.json", "metrics.jsonl", "config.yaml")
 STUDY_FILE = runner.REPO / "configs" / "studies" / "heads_pinning.yaml"
 BOOTSTRAP = 10000
 
-_read, _write, _log, _commit = runner.read_json, runner.write_json, heads_real._log, heads_real._commit  # pylint: disable=protected-access
+_read, _write, _log, _commit = runner.read_json, runner.write_json, heads_real.log, heads_real.commit
 
 
 def run_name(arm: str, seed: int, kind: str = "lora") -> str:
@@ -161,7 +161,7 @@ def shared_heads(run: str, corpus: dict, out: pathlib.Path) -> dict:
     from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
     t0 = time.perf_counter()
     model, cfg, tok, _ = load_run(run, overrides=["model.dtype=float32"])
-    batches, ndocs = heads_real._batches(cfg, tok, corpus["analysis"]["path"], heads_real.ANALYSIS_SEQ, 8,  # pylint: disable=protected-access
+    batches, ndocs = heads_real.doc_batches(cfg, tok, corpus["analysis"]["path"], heads_real.ANALYSIS_SEQ, 8,
                                          max_docs=SHARED_DOCS)
     lm = eval_lib.language_model_metrics(model, batches)
     rec = {"importance": lm["importance"], "documents": ndocs, "seq_len": heads_real.ANALYSIS_SEQ,

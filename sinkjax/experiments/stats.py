@@ -1,23 +1,9 @@
-"""Small-n statistics for the seed studies: paired differences with a t-interval, exact rank-free tests, Welch's t
-for unpaired arms, and the smallest effect a design could detect.
-
-A study here has n = 3 seeds per arm. An effect is a per-seed paired difference d_s = x(treated, s) - x(control, s)
-(a seed fixes the init and the data order of both runs, so the noise they share cancels). Every effect is read with:
-
-- **Paired t** (`t_interval`): mean(d) with its two-sided 95 % interval mean ± t_{n-1} · sd(d)/sqrt(n), t critical
-  values for the actual n (t_2 = 4.30 at n = 3, not 2), and the t-test's p. The noise is the SD of the effect's own
-  differences: no other arm stands in for it.
-- **Exact permutation test** (`permutation_test`): all 2^n sign flips of the differences; p = the share whose |mean|
-  reaches the observed one. Its least two-sided p is 2 / 2^n: 0.25 at n = 3, so three seeds can never reach 0.05 by
-  it (n = 6 is the least that can: 0.031).
-- **Exact sign test** (`sign_test`): k of n positive against Binomial(n, 1/2); the same least p, 2 · 0.5^n.
-- **Power** (`detectable_effect`, `t_power`): the smallest true mean difference that the paired t-test at two-sided 0.05
-  detects with probability 0.8, from the observed SD and n (the noncentral t), printed beside every "not detected";
-  `seeds_needed` inverts it.
-
-Arms that are not paired (different seeds, a different commit) get `welch`. A *null arm* (a change too small to act,
-or none) is a control for **drift**: its mean difference is reported as drift (`drift`), never used as the noise of
-another arm. `paired_effect` turns these into a reading whose wording claims no more than they allow.
+"""Small-n statistics for the seed studies (n = 3 seeds per arm): paired differences d_s = x(treated, s) -
+x(control, s) read with a t-interval (`t_interval`), exact sign-flip and sign tests (`permutation_test`,
+`sign_test`: their least two-sided p at n = 3 is 0.25) and the smallest effect the design could detect
+(`detectable_effect`); Welch's t for unpaired arms; a null arm read as drift (`drift`), never as another arm's
+noise. `paired_effect` turns these into a sentence that claims no more than they allow (docs/RESULTS.md, "What
+each number is").
 """
 from __future__ import annotations
 

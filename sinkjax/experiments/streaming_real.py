@@ -97,12 +97,12 @@ def _nll_list(nll) -> list[float]:
 
 
 def measure_importance(model, cfg, tok, work: pathlib.Path) -> dict:
-  from sinkjax.experiments.heads_real import _batches  # pylint: disable=import-outside-toplevel
+  from sinkjax.experiments.heads_real import doc_batches  # pylint: disable=import-outside-toplevel
   from sinkjax.run import head_importance_of  # pylint: disable=import-outside-toplevel
   docs = importance_documents()[:IMPORTANCE_DOCS]
   src = work / "importance_docs.jsonl"
   src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-  batches, n_docs = _batches(cfg, tok, str(src), IMPORTANCE_SEQ, 8)
+  batches, n_docs = doc_batches(cfg, tok, str(src), IMPORTANCE_SEQ, 8)
   imp = head_importance_of(model, batches)
   tokens = int(sum(int((b["segment_ids"] != 0).sum()) for b in batches))
   return {"importance": np.asarray(imp).round(6).tolist(), "documents": n_docs, "rows": 8 * len(batches),
