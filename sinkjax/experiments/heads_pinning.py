@@ -33,9 +33,7 @@ SEEDS = (0, 1, 2)
 EVAL_STEPS = (30, 100)                      # besides step 0 and the end
 DOC_TOKENS = 208                            # a held-out document's first DOC_TOKENS + 1 tokens are scored
 SHARED_DOCS = 128
-NULL_WEIGHTS = (("lambda 0", 0.0), ("lambda 0, again", 0.0), ("lambda 1e-30", 1e-30), ("lambda 1e-8", 1e-8))
 PLAN_ARMS = ("eq7", "eq8", "base")           # within a seed: the paper's contrast first
-NULL_STEPS = 5
 METRICS = (("val_loss", "held-out loss (nats/token)"), ("imbalance", "head imbalance (eq. 6)"),
            ("shared_importance", "shared heads' importance"), ("routed_importance", "routed heads' importance"),
            ("routed_cv", "routed heads' CV"), ("mean_importance", "mean importance"))
@@ -264,29 +262,21 @@ def raw_files(steps: int) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------------------------------------- the null arm
 
-NULL_MODEL = ("model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=2",
-              "model.head_dim=16", "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=16")
-NULL_SETUPS = (("adamw", "vanilla"), ("adamw", "gated"), ("muon", "vanilla"), ("muon", "gated"))
-
-
-def null_check(steps: int = NULL_STEPS) -> dict:
-  """The null arm, on configs/tiny.yaml shrunk to NULL_MODEL (byte tokenizer, its default corpus, float32 on this
-  CPU): for each optimizer / attention of NULL_SETUPS, `steps` train steps from one init (seed 0) on one batch at each
-  λ of NULL_WEIGHTS (0 twice, 1e-30, 1e-8; the aux term traced in all, loss.aux_term), each compared with the first
-  λ = 0 run over every parameter after step 1 and after the last step: bit-identical or not, the largest absolute
-  difference, the elements that differ, and which parameters differ after step 1."""
+def null_check(plan: runner.Plan) -> dict:
+  """The null arm (configs/studies/heads_pinning_null.yaml: a tiny model, float32 on this CPU): each run of the
+  file's grid (optimizer x attention x λ, the aux term traced in all) trains train.steps steps from one init (seed 0)
+  on one batch and is compared with the first run of its optimizer and attention (λ 0) over every parameter after
+  step 1 and after the last step: bit-identical or not, the largest absolute difference, the elements that differ,
+  and which parameters differ after step 1."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from sinkjax import optim  # pylint: disable=import-outside-toplevel
-  from sinkjax.config import load_config  # pylint: disable=import-outside-toplevel
   from sinkjax.data import build_tokenizer, make_train_iterator  # pylint: disable=import-outside-toplevel
   from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
   from sinkjax.step import TRAIN_FEATURES, make_train_step  # pylint: disable=import-outside-toplevel
-  tiny = str(runner.REPO / "configs" / "tiny.yaml")
 
-  def params_after(ov):
-    cfg = load_config(tiny, list(NULL_MODEL) + ov)
+  def params_after(cfg):
     tok = build_tokenizer(cfg.data)
     cfg.model.vocab_size = tok.vocab_size
     graphdef, params, rest = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
@@ -298,7 +288,7 @@ def null_check(steps: int = NULL_STEPS) -> dict:
     it.close()
     step = jax.jit(make_train_step(cfg, graphdef, rest, tx))
     out = []
-    for _ in range(steps):
+    for _ in range(cfg.train.steps):
       state, _ = step(state, batch)
       out.append({jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(
           state["params"])})
@@ -311,22 +301,23 @@ def null_check(steps: int = NULL_STEPS) -> dict:
             "elements_differing": int(sum((v > 0).sum() for v in d.values())),
             "elements": int(sum(v.size for v in d.values()))}
 
-  rows = []
-  for opt, attention in NULL_SETUPS:
-    ref = None
-    for label, lam in NULL_WEIGHTS:
-      first, last = params_after([f"train.optimizer={opt}", f"model.attention={attention}",
-                                  f"loss.aux_weight={lam!r}", "loss.aux_term=true"])
-      if ref is None:
-        ref = (first, last)
-      c1, cn = compare(ref[0], first), compare(ref[1], last)
-      moved = sorted(k for k in first if not np.array_equal(ref[0][k], first[k]))
-      rows.append({"optimizer": opt, "attention": attention, "label": label, "aux_weight": lam,
-                   "after_step_1": c1, f"after_step_{steps}": cn, "differ_after_step_1": moved})
-      _log(f"null check {opt}/{attention} {label}: step 1 {c1['max_abs_diff']:.3g}, step {steps} "
-           f"{cn['max_abs_diff']:.3g}")
-  return {"what": f"configs/tiny.yaml with {' '.join(NULL_MODEL)}, seed 0, one batch repeated for {steps} steps, "
-                  "float32 on the CPU; every parameter compared with the first lambda = 0 run of its setup",
+  rows, refs = [], {}
+  for run in plan.runs():
+    cfg = plan.config(run, "RUN_DIR")
+    setup, lam, steps = (cfg.train.optimizer, cfg.model.attention), cfg.loss.aux_weight, cfg.train.steps
+    first, last = params_after(cfg)
+    ref = refs.setdefault(setup, (first, last))
+    c1, cn = compare(ref[0], first), compare(ref[1], last)
+    again = any(r["aux_weight"] == lam and (r["optimizer"], r["attention"]) == setup for r in rows)
+    label = f"lambda {lam:g}".replace("e-0", "e-") + (", again" if again else "")
+    rows.append({"optimizer": setup[0], "attention": setup[1], "label": label, "aux_weight": lam,
+                 "after_step_1": c1, f"after_step_{steps}": cn,
+                 "differ_after_step_1": sorted(k for k in first if not np.array_equal(ref[0][k], first[k]))})
+    _log(f"null check {'/'.join(setup)} {label}: step 1 {c1['max_abs_diff']:.3g}, step {steps} "
+         f"{cn['max_abs_diff']:.3g}")
+  recipe = pathlib.Path(plan.recipe).resolve().relative_to(runner.REPO)
+  return {"what": f"{recipe} with {' '.join(plan.overrides)}, seed 0, one batch repeated for {steps} steps, float32 "
+                  "on the CPU; every parameter compared with the first lambda = 0 run of its setup",
           "steps": steps, "runs": rows, **_commit()}
 
 
@@ -459,15 +450,14 @@ def report(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
 
 # ------------------------------------------------------------------------------------------------------ driver
 
-def null_study(results: pathlib.Path, dry_run: bool, report_only: bool) -> None:
+def null_study(plan: runner.Plan, dry_run: bool, report_only: bool) -> None:
   """A kind-pinning_null study (configs/studies/heads_pinning_null.yaml): `null_check`, written to RESULTS/null.json."""
-  done = (results / "null.json").is_file()
+  path = plan.results() / "null.json"
   if dry_run or report_only:
-    print(f"{results / 'null.json'}: {'done' if done else 'to do'}")
+    print(f"{path}: {'done' if path.is_file() else 'to do'} ({len(plan.runs())} runs)")
     return
-  results.mkdir(parents=True, exist_ok=True)
-  _write(results / "null.json", null_check())
-  _log(f"wrote {results / 'null.json'}")
+  _write(path, null_check(plan))
+  _log(f"wrote {path}")
 
 
 def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
@@ -476,7 +466,7 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
   st = plan.study
   out, results = pathlib.Path(st.out), plan.results()
   if st.kind == "pinning_null":
-    return null_study(results, dry_run, report_only)
+    return null_study(plan, dry_run, report_only)
   if set(plan.axes) - {"train.seed"}:
     raise StudyError(f"{plan.path}: the pinning study's one axis is train.seed (its arms are heads_pinning.ARMS), "
                      f"got {', '.join(plan.axes)}")

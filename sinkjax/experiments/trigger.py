@@ -31,6 +31,7 @@ from sinkjax.experiments.runner import StudyError
 from sinkjax.kernels import attention_weights
 
 VARIANTS = ("softmax", "relu", "sink", "gated")
+OWN = {"sink": ("sink", "sink_attention"), "gated": ("gate", "gate"), "relu": ("mass", "attention_mass")}  # table, record
 BOS, TRIG, OTHER = 0, 1, 2                   # indicator coordinates (paper's 1, 2, 3)
 
 
@@ -40,13 +41,11 @@ def task_targets(x):
   """Targets of [SinkNecessary] §3.2 for inputs x [..., T, d]: zero except at the trigger, where it is the mean of the
   non-BOS tokens up to and including the trigger. The trigger is read from coordinate 2 (index 1)."""
   x = jnp.asarray(x)
-  T = x.shape[-2]
   is_trig = x[..., TRIG] > 0.5                                            # [..., T]
   non_bos = (x[..., BOS] < 0.5)[..., None]
   csum = jnp.cumsum(jnp.where(non_bos, x, 0.0), axis=-2)                  # sum of non-BOS tokens up to t
   count = jnp.cumsum(non_bos.astype(x.dtype), axis=-2)                    # number of them
   mean = csum / jnp.maximum(count, 1.0)
-  del T
   return jnp.where(is_trig[..., None], mean, 0.0)
 
 
@@ -255,7 +254,7 @@ def value_norms(params, x, variant: str, impl: str = "reference") -> dict[str, A
 
 
 def evaluate(params, variant: str, x, y, tpos, impl: str = "reference") -> dict[str, Any]:
-  """Loss, zero-prediction baseline and attention statistics on evaluation data (see module docstring)."""
+  """Loss, zero-prediction baseline and attention statistics on evaluation data (docs/TRIGGER.md, "Metrics")."""
   pred, maps = forward_maps(params, x, variant, impl)
   attn, gate = maps["attn"], maps["gate"]                                  # [L,B,H,T,T], [L,B,T,H]
   B, T = x.shape[:2]
@@ -280,28 +279,15 @@ def evaluate(params, variant: str, x, y, tpos, impl: str = "reference") -> dict[
       "bos_attention_trigger_per_head": np.asarray(bos_tr).tolist(),
   }
   rec.update(value_norms(params, x, variant, impl))
-  mass = jnp.swapaxes(attn.sum(-1), 2, 3)                                  # [L,B,T,H]: total weight on real keys
+  # the variant's own weight beside the BOS key's: the sink logit's mass sigma(sink - LSE), the gate, the ReLU mass
+  own = {"sink": 1.0 - gate, "gated": gate, "relu": jnp.swapaxes(attn.sum(-1), 2, 3)}       # [L,B,T,H]
+  if variant in own:                     # the means, then the per-head lists (the committed records' key order)
+    v = {f"{OWN[variant][1]}_{where}": per_head(own[variant], m) for where, m in (("nontrigger", nontrig),
+                                                                                 ("trigger", trig))}
+    rec.update({k: float(h.mean()) for k, h in v.items()})
+    rec.update({f"{k}_per_head": np.asarray(h).tolist() for k, h in v.items()})
   if variant == "sink":
-    sink_mass = 1.0 - gate                                                 # sigma(sink - LSE)
-    rec.update({
-        "sink_attention_nontrigger": float(per_head(sink_mass, nontrig).mean()),
-        "sink_attention_trigger": float(per_head(sink_mass, trig).mean()),
-        "sink_attention_nontrigger_per_head": np.asarray(per_head(sink_mass, nontrig)).tolist(),
-        "sink_attention_trigger_per_head": np.asarray(per_head(sink_mass, trig)).tolist(),
-        "sink_logits": [np.asarray(p["sink"]).tolist() for p in params],
-    })
-  elif variant == "gated":
-    rec.update({
-        "gate_nontrigger": float(per_head(gate, nontrig).mean()),
-        "gate_trigger": float(per_head(gate, trig).mean()),
-        "gate_nontrigger_per_head": np.asarray(per_head(gate, nontrig)).tolist(),
-        "gate_trigger_per_head": np.asarray(per_head(gate, trig)).tolist(),
-    })
-  elif variant == "relu":
-    rec.update({
-        "attention_mass_nontrigger": float(per_head(mass, nontrig).mean()),
-        "attention_mass_trigger": float(per_head(mass, trig).mean()),
-    })
+    rec["sink_logits"] = [np.asarray(p["sink"]).tolist() for p in params]
   return rec
 
 
@@ -321,13 +307,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
           f"{'final_loss':>10s} {'baseline':>9s} {'BOS@non-trig':>12s} {'BOS@trigger':>11s}  extra")
   lines = [head, "-" * len(head)]
   for r in records:
-    extra = ""
-    if r["variant"] == "sink":
-      extra = f"sink@non-trig={r['sink_attention_nontrigger']:.3f} sink@trig={r['sink_attention_trigger']:.3f}"
-    elif r["variant"] == "gated":
-      extra = f"gate@non-trig={r['gate_nontrigger']:.3f} gate@trig={r['gate_trigger']:.3f}"
-    elif r["variant"] == "relu":
-      extra = f"mass@non-trig={r['attention_mass_nontrigger']:.3f} mass@trig={r['attention_mass_trigger']:.3f}"
+    short, name = OWN.get(r["variant"], ("", ""))
+    extra = f"{short}@non-trig={r[name + '_nontrigger']:.3f} {short}@trig={r[name + '_trigger']:.3f}" if name else ""
     lines.append(f"{r['variant']:8s} {r['layers']:2d} {r['heads']:2d} {r['steps']:6d} "
                  f"{'yes' if r['converged'] else 'no':>4s} {'yes' if r['solved'] else 'no':>6s} "
                  f"{r['heldout_max_abs_error']:8.2e} {r['final_loss']:10.2e} {r['baseline_loss']:9.2e} "
