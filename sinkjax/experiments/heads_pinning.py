@@ -37,8 +37,6 @@ PLAN_ARMS = ("eq7", "eq8", "base")           # within a seed: the paper's contra
 METRICS = (("val_loss", "held-out loss (nats/token)"), ("imbalance", "head imbalance (eq. 6)"),
            ("shared_importance", "shared heads' importance"), ("routed_importance", "routed heads' importance"),
            ("routed_cv", "routed heads' CV"), ("mean_importance", "mean importance"))
-DOC_KEYS = ("tokens", "nll_sum", "val_loss", "imbalance", "shared_importance", "routed_importance", "routed_cv",
-            "mean_importance")
 RAW_FILES = ("record.json", "metrics.jsonl", "config.yaml")
 STUDY_FILE = runner.REPO / "configs" / "studies" / "heads_pinning.yaml"
 BOOTSTRAP = 10000
@@ -71,8 +69,8 @@ def role_metrics(imp, shared_imp, m: int = 2) -> dict:
   np.put_along_axis(shared, np.argsort(-s, -1)[:, :m], True, -1)
   routed = a[~shared].reshape(a.shape[0], -1)
   cv = lambda x: float(np.mean(x.std(-1) / np.maximum(x.mean(-1), 1e-12)))
-  return {"shared_importance": float(a[shared].mean()), "routed_importance": float(routed.mean()),
-          "routed_cv": cv(routed), "mean_importance": float(a.mean()), "imbalance": cv(a)}
+  return {"imbalance": cv(a), "shared_importance": float(a[shared].mean()), "routed_importance": float(routed.mean()),
+          "routed_cv": cv(routed), "mean_importance": float(a.mean())}        # the order of doc_eval's records
 
 
 def doc_rows(tok, path, T: int = DOC_TOKENS) -> tuple[dict, int]:
@@ -123,17 +121,11 @@ def doc_eval(model, rows: dict, shared_imp, m: int = 2, chunk: int = 8) -> dict:
   from flax import nnx  # pylint: disable=import-outside-toplevel
   graphdef, state = nnx.split(model)
   nll_sum, imp = jax.device_get(_doc_fn(graphdef, chunk)(state, {k: jnp.asarray(v) for k, v in rows.items()}))
-  tokens = rows["loss_mask"].sum(-1)
-  out = {k: [] for k in DOC_KEYS}
-  for i in range(len(tokens)):
-    r = role_metrics(imp[i], shared_imp, m)
-    out["tokens"].append(int(tokens[i]))
-    out["nll_sum"].append(float(nll_sum[i]))
-    out["val_loss"].append(float(nll_sum[i]) / max(float(tokens[i]), 1.0))
-    for k in ("imbalance", "shared_importance", "routed_importance", "routed_cv", "mean_importance"):
-      out[k].append(r[k])
-  out["importance"] = np.asarray(imp, np.float64).mean(0).tolist()
-  return out
+  tokens, nll_sum = rows["loss_mask"].sum(-1).astype(np.float64), np.asarray(nll_sum, np.float64)
+  roles = [role_metrics(x, shared_imp, m) for x in imp]
+  return {"tokens": tokens.astype(int).tolist(), "nll_sum": nll_sum.tolist(),
+          "val_loss": (nll_sum / np.maximum(tokens, 1.0)).tolist(), **{k: [r[k] for r in roles] for k in roles[0]},
+          "importance": np.asarray(imp, np.float64).mean(0).tolist()}
 
 
 def eval_checkpoint(run_dir, step: int | None, corpus: dict, shared_imp) -> dict:
@@ -364,11 +356,8 @@ def summarize(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
            "what": f"{ARM_TITLES[treated]} − {ARM_TITLES[control]}, {what}", "seeds": ss,
            "mean": float(np.mean(per_seed)), "per_seed": per_seed, "documents": int(per_doc.size),
            **doc_test(per_doc)}
-      if len(ss) >= 2:
-        t = stats.t_interval(per_seed)
-        e.update({"t_low": t["low"], "t_high": t["high"], "t": t["t"], "p_t": t["p"]})
-      else:
-        e.update({"t_low": None, "t_high": None, "t": None, "p_t": None})
+      t = stats.t_interval(per_seed) if len(ss) >= 2 else {}        # one seed: no t
+      e.update({"t_low": t.get("low"), "t_high": t.get("high"), "t": t.get("t"), "p_t": t.get("p")})
       effects.append(e)
   for col in ("p_t", "p_doc"):
     adj = holm([e[col] for e in effects])

@@ -173,23 +173,13 @@ def corpus_chunks(total: int, chunk: int, rng: np.random.Generator) -> list[str]
 # ----------------------------------------------------------------------------------------------------------- probe
 
 
-def cache_modes(sink_size: int, window: int, policies) -> list[tuple[str, dict, np.ndarray | None]]:
-  """(name, cache arguments of `streaming_scores` without capacity, [L][Hkv] map or None) of every mode probed."""
-  modes = [("full cache", {}, None), (f"sinks + window (S={sink_size}, W={window})",
-                                      dict(sink_size=sink_size, window=window), None)]
-  modes += [(f"hybrid {label}", dict(sink_size=sink_size, window=window, full_heads=cache_policy.as_tuple(full)),
-             full) for label, full in policies]
-  return modes
-
-
-def _mode_cache(kw: dict, total: int) -> dict:
-  """`streaming_scores` arguments: a full cache of `total` slots, a streaming one of W, or a hybrid (full heads
-  `total`, streaming heads W)."""
-  if not kw:
-    return dict(capacity=total)
-  if "full_heads" not in kw:
-    return dict(capacity=kw["window"], sink_size=kw["sink_size"])
-  return dict(capacity=total, **kw)
+def cache_modes(sink_size: int, window: int, policies, total: int) -> list[tuple[str, dict, np.ndarray | None]]:
+  """(name, `streaming_scores` cache arguments, [L][Hkv] map or None) of every mode probed on `total` tokens: the
+  full cache, sinks + window (every head streaming), and each hybrid of `policies` (full heads `total` slots)."""
+  modes = [("full cache", dict(capacity=total), None),
+           (f"sinks + window (S={sink_size}, W={window})", dict(capacity=window, sink_size=sink_size), None)]
+  return modes + [(f"hybrid {label}", dict(capacity=total, sink_size=sink_size, window=window,
+                                           full_heads=cache_policy.as_tuple(full)), full) for label, full in policies]
 
 
 def key_outcomes(hit: np.ndarray, answer_len: int) -> tuple[list[bool], list[int]]:
@@ -208,11 +198,10 @@ def probe(model, tokenizer, *, lengths, depths, samples: int, sink_size: int, wi
     batches = [passkey_batch(tokenizer, length, d, samples, seed) for d in depths]
     ids = np.concatenate([b.ids for b in batches])
     answer = batches[0].answer_len
-    for name, kw, full in cache_modes(sink_size, window, policies):
-      cache_kw = _mode_cache(kw, ids.shape[1])
+    for name, cache_kw, full in cache_modes(sink_size, window, policies, ids.shape[1]):
       _, hit = streaming_scores(model, ids, **cache_kw)
       right, digits = key_outcomes(hit, answer)
-      n_full = every if not kw else (0 if full is None else int(np.sum(full)))
+      n_full = every if name == "full cache" else (0 if full is None else int(np.sum(full)))
       for i, b in enumerate(batches):
         cell = slice(i * samples, (i + 1) * samples)
         records.append(dict(mode=name, context=b.context, depth=b.depth, accuracy=float(np.mean(right[cell])),

@@ -190,8 +190,7 @@ def train(variant: str, layers: int, heads: int, *, lr: float, max_steps: int, s
           init_std: float = 0.02, progress: bool = True, bos: bool = True):
   """Train one model; returns (params, info) with info = steps, converged, last batch loss / max error, time."""
   from tqdm import tqdm  # lazy: --help stays light
-  key = jax.random.key(seed)
-  k_init, k_data = jax.random.split(key)
+  k_init, k_data = jax.random.split(jax.random.key(seed))
   params = init_params(k_init, variant, layers, heads, dim, init_std)
   opt = optax.adam(lr, b1=0.9, b2=0.95)
   opt_state = opt.init(params)
@@ -206,11 +205,9 @@ def train(variant: str, layers: int, heads: int, *, lr: float, max_steps: int, s
   bar = tqdm(desc=f"{variant:7s} {layers}L x {heads}H (until max_err < {stop_linf:g}, cap {max_steps})", unit="step",
              disable=not progress, dynamic_ncols=True, file=sys.stderr)
   steps_done, loss, linf = 0, float("nan"), float("nan")
-  i = 0
   while steps_done < max_steps and not bool(done):
     params, opt_state, done, n, losses, linfs = run(params, opt_state, done, n, jnp.int32(max_steps),
-                                                    jax.random.fold_in(k_data, i))
-    i += 1
+                                                    jax.random.fold_in(k_data, len(curve)))   # a key per chunk
     new_steps = int(n)
     last = max(new_steps - steps_done - 1, 0)
     loss, linf = float(losses[last]), float(linfs[last])
