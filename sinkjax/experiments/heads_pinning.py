@@ -235,10 +235,6 @@ def finetune(plan: runner.Plan, arm: str, seed: int, corpus: dict, steps: int, s
         raise StudyError(f"{run_dir}: checkpoint of step {s} missing (restored {ev['step']}); rerun the study")
       _write(run_dir / f"nll_step{s}.json", ev)
       evals[s] = ev
-    ckpts = run_dir / "checkpoints"
-    for p in ckpts.iterdir() if ckpts.is_dir() else ():
-      if p.name.isdigit() and int(p.name) not in evals:
-        shutil.rmtree(p)
     end = evals[steps]
     return {"name": run_dir.name, "arm": arm, "kind": kind, "seed": seed, "aux_weight": lam, "num_shared_heads": m,
             "lora_rank": cfg.lora.rank, "adamw_lr": cfg.train.adamw_lr, "steps": summary["steps"], "final_loss": summary["final_loss"],

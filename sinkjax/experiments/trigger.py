@@ -50,13 +50,9 @@ def task_targets(x):
 
 
 def make_batch(key, batch: int, seq_len: int, dim: int, trigger_pos: int | None = None, bos: bool = True):
-  """(x [B,T,d], y [B,T,d], trigger index [B], 0-indexed) for the task of [SinkNecessary] §3.2.
-
-  trigger_pos: fixed 0-indexed trigger position (1..T-1); None samples it uniformly from {1, ..., T-1}, i.e. the
-  paper's {2, ..., T} 1-indexed.
-  bos=False is an ablation beyond the paper: position 1 is then an ordinary non-trigger token (coordinate 3 and
-  content), there is no BOS anywhere, and the target at the trigger is the mean of all tokens up to it.
-  """
+  """(x [B,T,d], y [B,T,d], trigger index [B]) for the task of [SinkNecessary] §3.2, the trigger at `trigger_pos`
+  (0-indexed, 1..T-1) or uniform on {1, ..., T-1} (the paper's {2, ..., T}); bos=False: position 0 is an ordinary
+  token (the no-BOS ablation of docs/TRIGGER.md)."""
   k_pos, k_content = jax.random.split(key)
   if trigger_pos is None:
     tpos = jax.random.randint(k_pos, (batch,), 1, seq_len)
@@ -119,13 +115,9 @@ def _layer(p, h, bos, variant: str, impl: str, want_maps: bool):
 
 
 def forward(params, x, variant: str, impl: str = "reference", return_maps: bool = False):
-  """Prediction h_L - x [B,T,d]; with return_maps also per-layer maps {'attn': [L,B,H,T,T], 'gate': [L,B,T,H]}.
-
-  'attn' holds the attention weights (softmax probabilities; for sink attention with the sink in the denominator,
-  so rows sum to 1 - sink mass; for ReLU the unnormalized ReLU weights). 'gate' is what the attention function
-  returns: 1 - A_BOS (softmax), non-BOS ReLU mass (relu), sigma(LSE - sink) = mass on real keys (sink), the
-  sigmoid output gate (gated).
-  """
+  """Prediction h_L - x [B,T,d]; with return_maps also per-layer maps {'attn': [L,B,H,T,T], 'gate': [L,B,T,H]}:
+  the attention weights (sink: rows sum to 1 - sink mass; relu: the unnormalized ReLU weights) and the gate the
+  attention function returns (1 - A_BOS, the non-BOS ReLU mass, sigma(LSE - sink), the sigmoid output gate)."""
   h = x
   bos = x[..., BOS] > 0.5                      # BOS flags from the input (ReLU attention's divisor skips them)
   all_maps = []
