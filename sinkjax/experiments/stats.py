@@ -162,6 +162,14 @@ def _sign_words(d: list[float], st: dict) -> str:
   return f"{st['positive']} of {n} seeds higher, {n - st['positive']} lower or equal"
 
 
+def _t_words(d: list[float], t: dict, st: dict, nd: int) -> str:
+  """The mean, the per-seed differences, their signs and the t-interval, as the sentences of `paired_effect` and
+  `drift` say them."""
+  return (f"{fmt(t['mean'], nd)} on average (per seed {', '.join(fmt(x, nd) for x in d)}; {_sign_words(d, st)}); "
+          f"95 % t-interval {fmt(t['low'], nd)} … {fmt(t['high'], nd)} (t_{t['df']} = {t['t']:+.2f}, "
+          f"p = {fmt_p(t['p'])})")
+
+
 def paired_effect(diffs, *, what: str, nd: int = 4) -> dict:
   """Every test of one paired effect and a sentence that claims no more than they allow. Detected = the paired
   t-test's two-sided p < ALPHA (the t-interval excludes 0); the permutation and sign tests are stated beside it with
@@ -176,9 +184,7 @@ def paired_effect(diffs, *, what: str, nd: int = 4) -> dict:
          "detectable": mde, "detected": bool(detected)}
   rank_free = (f"exact permutation p = {fmt_p(perm['p'])}, sign test p = {fmt_p(st['p_two_sided'])}"
                f" (the least {n} seeds allow: {fmt_p(perm['p_min'])})")
-  body = (f"{what}: {fmt(t['mean'], nd)} on average (per seed {', '.join(fmt(x, nd) for x in d)}; "
-          f"{_sign_words(d, st)}); 95 % t-interval {fmt(t['low'], nd)} … {fmt(t['high'], nd)} "
-          f"(t_{t['df']} = {t['t']:+.2f}, p = {fmt_p(t['p'])}); {rank_free}")
+  body = f"{what}: {_t_words(d, t, st, nd)}; {rank_free}"
   if detected:
     out["reading"] = "detected (paired t)"
     claim = "detected by the paired t-test, whose noise is these differences' own SD"
@@ -201,9 +207,7 @@ def drift(diffs, *, what: str, nd: int = 4) -> dict:
   out = {"what": what, "diffs": d, "n": len(d), "mean": t["mean"], "t": t, "sign_test": st}
   seen = t["p"] < ALPHA
   out["reading"] = "drift detected (paired t)" if seen else "no drift detected"
-  out["sentence"] = (f"{what} (drift control): {fmt(t['mean'], nd)} on average (per seed "
-                     f"{', '.join(fmt(x, nd) for x in d)}; {_sign_words(d, st)}); 95 % t-interval "
-                     f"{fmt(t['low'], nd)} … {fmt(t['high'], nd)} (t_{t['df']} = {t['t']:+.2f}, p = {fmt_p(t['p'])}): "
-                     + ("the arms drift apart by more than chance; effects against the same control carry it."
-                        if seen else "no drift detected at this n."))
+  out["sentence"] = f"{what} (drift control): {_t_words(d, t, st, nd)}: " + (
+      "the arms drift apart by more than chance; effects against the same control carry it." if seen
+      else "no drift detected at this n.")
   return out
