@@ -244,10 +244,6 @@ def finetune(plan: runner.Plan, arm: str, seed: int, corpus: dict, steps: int, s
   return runner.Run(run_name(arm, seed, kind), do, tuple(overrides))
 
 
-def raw_files(steps: int) -> tuple[str, ...]:
-  return RAW_FILES + tuple(f"nll_step{s}.json" for s in _eval_steps(steps))
-
-
 # ---------------------------------------------------------------------------------------------- the null arm
 
 def null_check(plan: runner.Plan) -> dict:
@@ -484,7 +480,8 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
   sh = shared_heads(st.run, corpus, out)
   step0(st.run, corpus, out, sh["importance"])
   runner.copy_files(out, results, ("shared_heads.json", "nll_step0.json", "corpus.json"))
-  study = runner.Study(out, record="record.json", raw=results / "raw", raw_files=raw_files(steps), commit=c)
+  study = runner.Study(out, record="record.json", raw=results / "raw", commit=c,
+                      raw_files=RAW_FILES + tuple(f"nll_step{s}.json" for s in _eval_steps(steps)))
 
   def done(i, n, res):
     if res.record is None:
