@@ -31,7 +31,8 @@ from sinkjax.experiments.runner import StudyError
 from sinkjax.kernels import attention_weights
 
 VARIANTS = ("softmax", "relu", "sink", "gated")
-OWN = {"sink": ("sink", "sink_attention"), "gated": ("gate", "gate"), "relu": ("mass", "attention_mass")}  # table, record
+# the variant's own weight: its name in table.txt and in the records
+OWN = {"sink": ("sink", "sink_attention"), "gated": ("gate", "gate"), "relu": ("mass", "attention_mass")}
 BOS, TRIG, OTHER = 0, 1, 2                   # indicator coordinates (paper's 1, 2, 3)
 
 
