@@ -159,7 +159,7 @@ def as_tuple(full: np.ndarray) -> tuple:
 
 @dataclasses.dataclass
 class CacheOptions:
-  """The cache.* options: the head policy of `sinkjax.generate` and `sinkjax.experiments.passkey` (each flag the
+  """The cache.* options: the head policy of `sinkjax.generate` and the passkey study files (each flag the
   alias of its key: `--full-heads 0.5` = `cache.full_heads=0.5`)."""
   full_heads: str | None = key(None, alias="--full-heads", metavar="F[,F...]",
                                help="per-head cache: keep a full cache for a fraction F in [0, 1] (or an integer count "

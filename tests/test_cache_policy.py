@@ -403,17 +403,26 @@ def test_passkey_training_mix(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--checkpoint", "{run}", "--lengths", "50"], "cannot hold the needle"),
-    (["--checkpoint", "{run}", "--depths", "0,1.5"], "--depths: 1.5 is out of range"),
-    (["--checkpoint", "{run}", "--window", "4", "--sink-size", "4"], "0 <= --sink-size < --window"),
-    (["--lengths", "128"], "give --checkpoint"),
-    (["--make-data", "{tmp}/d.jsonl", "--max-len", "20"], "--max-len must be >="),
+    (["study.run={run}", "axes.length=[50]"], "cannot hold the needle"),
+    (["study.run={run}", "axes.depth=[0,1.5]"], "axis depth must list floats in [0, 1]"),
+    (["study.run={run}", "passkey.window=4", "passkey.sink_size=4"], "passkey.sink_size must be < passkey.window"),
+    (["study.run="], "give study.run=RUN_DIR"),
 ])
-def test_passkey_cli_errors(argv, message, run_dir, tmp_path, capsys):
-  from sinkjax.experiments import passkey
-  argv = [a.replace("{run}", str(run_dir)).replace("{tmp}", str(tmp_path)) for a in argv]
-  code, _, err = run_cli(passkey.main, argv, capsys)
+def test_passkey_study_errors(argv, message, run_dir, tmp_path, capsys):
+  from sinkjax.experiments import passkey, study
+  argv = [str(passkey.STUDY_FILE), "cache.full_heads=null", "cache.full_heads_random=null", f"study.out={tmp_path}",
+          *(a.replace("{run}", str(run_dir)) for a in argv)]
+  code, _, err = run_cli(study.main, argv, capsys)
   assert code != 0 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_passkey_make_data_errors(tmp_path, capsys):
+  from sinkjax.experiments import passkey
+  code, _, err = run_cli(passkey.main, ["--make-data", tmp_path / "d.jsonl", "--max-len", "20"], capsys)
+  assert code != 0 and len(err.strip().splitlines()) == 1 and "--max-len must be >=" in err, err
+  with pytest.raises(SystemExit) as e:
+    passkey.main(["--docs", "5"])
+  assert e.value.code == 2 and "the following arguments are required: --make-data" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -422,9 +431,11 @@ def test_passkey_probe_end_to_end(run_dir, tmp_path, capsys):
   `Generator.generate` for the hybrid mode."""
   from sinkjax.run import load_run
   from sinkjax.experiments import passkey
-  code, out, err = run_cli(passkey.main, ["--checkpoint", run_dir, "--lengths", "120", "--depths", "0,1",
-                                          "--samples", 3, "--window", 16, "--sink-size", 2, "--full-heads", 0.5,
-                                          "--out", tmp_path], capsys)
+  from sinkjax.experiments import study
+  code, out, err = run_cli(study.main, [passkey.STUDY_FILE, f"study.run={run_dir}", "axes.length=[120]",
+                                        "axes.depth=[0,1]", "passkey.samples=3", "passkey.window=16",
+                                        "passkey.sink_size=2", "cache.full_heads=0.5", "cache.full_heads_random=null",
+                                        f"study.out={tmp_path}"], capsys)
   assert code == 0, err
   records = json.loads((tmp_path / "results.json").read_text())
   assert {r["mode"] for r in records} == {"full cache", "sinks + window (S=2, W=16)", "hybrid F=0.5 by importance"}

@@ -179,11 +179,29 @@ def test_full_study_file_is_the_lora_one_on_every_weight(tmp_path):
 def test_null_arm_is_a_study_file(tmp_path, monkeypatch, capsys):
   """heads_pinning_null.yaml (kind pinning_null) runs `null_check` and writes study.results/null.json, as the
   former `--only null` did (docs/results/null_arm/null.json)."""
-  monkeypatch.setattr(hp, "null_check", lambda: {"runs": [], "what": "stand-in"})
+  grids = []
+  monkeypatch.setattr(hp, "null_check", lambda plan: grids.append(plan.runs()) or {"runs": [], "what": "stand-in"})
   path = runner.REPO / "configs" / "studies" / "heads_pinning_null.yaml"
   args = [str(path), f"study.out={tmp_path}"]
   assert study.main([*args, "--dry-run"]) == 0 and "to do" in capsys.readouterr().out
   assert study.main(args) == 0
   assert json.loads((tmp_path / "results" / "null.json").read_text()) == {"runs": [], "what": "stand-in"}
+  assert len(grids[0]) == 16 and grids[0][:2] == [{"train.optimizer": "adamw", "model.attention": "vanilla",
+                                                   "loss.aux_weight": 0.0}] * 2
   assert study.main([*args, "--dry-run"]) == 0 and "done" in capsys.readouterr().out
 
+
+def test_null_check_compares_each_weight_with_the_first_zero():
+  """The null arm on one optimizer and attention for two steps: the file's four weights in order, labelled as the
+  committed null.json labels them; λ 0 again is bit-identical to the first λ 0, and every run is compared over the
+  same elements."""
+  path = runner.REPO / "configs" / "studies" / "heads_pinning_null.yaml"
+  plan = runner.load_plan(path, ["axes.train.optimizer=[adamw]", "axes.model.attention=[vanilla]", "train.steps=2"])
+  rec = hp.null_check(plan)
+  assert rec["steps"] == 2 and [r["label"] for r in rec["runs"]] == [
+      "lambda 0", "lambda 0, again", "lambda 1e-30", "lambda 1e-8"]
+  committed = json.loads((runner.REPO / "docs" / "results" / "null_arm" / "null.json").read_text())
+  assert [r["label"] for r in committed["runs"][:4]] == [r["label"] for r in rec["runs"]]
+  for r in rec["runs"][:2]:
+    assert r["after_step_1"]["bit_identical"] and r["after_step_2"]["bit_identical"] and not r["differ_after_step_1"]
+  assert len({r["after_step_2"]["elements"] for r in rec["runs"]}) == 1

@@ -69,28 +69,16 @@ def test_the_study_file_spells_the_probe():
     runner.load_plan(passkey.STUDY_FILE, ["passkey.full_heads=0.5"]).options(passkey.SECTIONS)
 
 
-def test_the_flags_spell_the_study_files_keys(monkeypatch):
-  """`python -m sinkjax.experiments.passkey --checkpoint R ...` with the flags that spell passkey_tiny.yaml probes
-  what the study file does: the same run, lengths, depths and typed passkey / cache sections."""
-  from sinkjax import cache_policy
-  from sinkjax.experiments import runner
-  calls = []
-  monkeypatch.setattr(passkey, "run_study", lambda *a, **kw: calls.append((a, kw)))
-  assert passkey.main(["--checkpoint", "R", "--lengths", "256,512", "--depths", "0,0.25,0.5,0.75,1", "--samples",
-                       "8", "--full-heads", "0.25,0.5", "--full-heads-random", "0,1,2,3,4"]) == 0
-  passkey.run_plan(runner.load_plan(passkey.STUDY_FILE, ["study.run=R"]))
-  assert len(calls) == 2 and calls[0] == calls[1], calls
-  (run, lengths, depths, opts, cache), kw = calls[0]
-  assert (run, lengths, depths, kw) == ("R", [256, 512], [0.0, 0.25, 0.5, 0.75, 1.0], {"out": None})
-  assert opts == passkey.PasskeyOptions(samples=8, sink_size=4, window=64, seed=0)
-  assert cache == cache_policy.CacheOptions(full_heads="0.25,0.5", full_heads_random="0,1,2,3,4")
-
-
-def test_a_bad_flag_value_is_one_line_naming_its_key(capsys):
-  assert passkey.main(["--checkpoint", "R", "--window", "0"]) == 1
+def test_a_bad_study_value_is_one_line_naming_its_key(capsys):
+  from sinkjax.experiments import study
+  path = str(passkey.STUDY_FILE)
+  assert study.main([path, "passkey.window=0"]) == 1
   assert capsys.readouterr().err.strip().splitlines() == [
-      "sinkjax.experiments.passkey: error: config key passkey.window (--window) must be >= 1, got 0"]
-  assert passkey.main(["--checkpoint", "R", "--full-heads-gqa", "max"]) == 1
+      f"sinkjax.experiments.study: error: config key passkey.window must be >= 1, got 0 (in {path})"]
+  assert study.main([path, "cache.full_heads_gqa=max"]) == 1
   assert capsys.readouterr().err.strip().splitlines() == [
-      "sinkjax.experiments.passkey: error: config key cache.full_heads_gqa (--full-heads-gqa) must be one of "
-      "any|mean, got 'max'"]
+      "sinkjax.experiments.study: error: config key cache.full_heads_gqa (--full-heads-gqa) must be one of "
+      f"any|mean, got 'max' (in {path})"]
+  assert study.main([path, "axes.depth=[0,1.5]"]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "axis depth must list floats in [0, 1], got [0, 1.5]" in err[0], err

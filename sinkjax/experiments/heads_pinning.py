@@ -33,19 +33,15 @@ SEEDS = (0, 1, 2)
 EVAL_STEPS = (30, 100)                      # besides step 0 and the end
 DOC_TOKENS = 208                            # a held-out document's first DOC_TOKENS + 1 tokens are scored
 SHARED_DOCS = 128
-NULL_WEIGHTS = (("lambda 0", 0.0), ("lambda 0, again", 0.0), ("lambda 1e-30", 1e-30), ("lambda 1e-8", 1e-8))
 PLAN_ARMS = ("eq7", "eq8", "base")           # within a seed: the paper's contrast first
-NULL_STEPS = 5
 METRICS = (("val_loss", "held-out loss (nats/token)"), ("imbalance", "head imbalance (eq. 6)"),
            ("shared_importance", "shared heads' importance"), ("routed_importance", "routed heads' importance"),
            ("routed_cv", "routed heads' CV"), ("mean_importance", "mean importance"))
-DOC_KEYS = ("tokens", "nll_sum", "val_loss", "imbalance", "shared_importance", "routed_importance", "routed_cv",
-            "mean_importance")
 RAW_FILES = ("record.json", "metrics.jsonl", "config.yaml")
 STUDY_FILE = runner.REPO / "configs" / "studies" / "heads_pinning.yaml"
 BOOTSTRAP = 10000
 
-_read, _write, _log, _commit = runner.read_json, runner.write_json, heads_real._log, heads_real._commit  # pylint: disable=protected-access
+_read, _write, _log, _commit = runner.read_json, runner.write_json, heads_real.log, heads_real.commit
 
 
 def run_name(arm: str, seed: int, kind: str = "lora") -> str:
@@ -73,8 +69,8 @@ def role_metrics(imp, shared_imp, m: int = 2) -> dict:
   np.put_along_axis(shared, np.argsort(-s, -1)[:, :m], True, -1)
   routed = a[~shared].reshape(a.shape[0], -1)
   cv = lambda x: float(np.mean(x.std(-1) / np.maximum(x.mean(-1), 1e-12)))
-  return {"shared_importance": float(a[shared].mean()), "routed_importance": float(routed.mean()),
-          "routed_cv": cv(routed), "mean_importance": float(a.mean()), "imbalance": cv(a)}
+  return {"imbalance": cv(a), "shared_importance": float(a[shared].mean()), "routed_importance": float(routed.mean()),
+          "routed_cv": cv(routed), "mean_importance": float(a.mean())}        # the order of doc_eval's records
 
 
 def doc_rows(tok, path, T: int = DOC_TOKENS) -> tuple[dict, int]:
@@ -125,17 +121,11 @@ def doc_eval(model, rows: dict, shared_imp, m: int = 2, chunk: int = 8) -> dict:
   from flax import nnx  # pylint: disable=import-outside-toplevel
   graphdef, state = nnx.split(model)
   nll_sum, imp = jax.device_get(_doc_fn(graphdef, chunk)(state, {k: jnp.asarray(v) for k, v in rows.items()}))
-  tokens = rows["loss_mask"].sum(-1)
-  out = {k: [] for k in DOC_KEYS}
-  for i in range(len(tokens)):
-    r = role_metrics(imp[i], shared_imp, m)
-    out["tokens"].append(int(tokens[i]))
-    out["nll_sum"].append(float(nll_sum[i]))
-    out["val_loss"].append(float(nll_sum[i]) / max(float(tokens[i]), 1.0))
-    for k in ("imbalance", "shared_importance", "routed_importance", "routed_cv", "mean_importance"):
-      out[k].append(r[k])
-  out["importance"] = np.asarray(imp, np.float64).mean(0).tolist()
-  return out
+  tokens, nll_sum = rows["loss_mask"].sum(-1).astype(np.float64), np.asarray(nll_sum, np.float64)
+  roles = [role_metrics(x, shared_imp, m) for x in imp]
+  return {"tokens": tokens.astype(int).tolist(), "nll_sum": nll_sum.tolist(),
+          "val_loss": (nll_sum / np.maximum(tokens, 1.0)).tolist(), **{k: [r[k] for r in roles] for k in roles[0]},
+          "importance": np.asarray(imp, np.float64).mean(0).tolist()}
 
 
 def eval_checkpoint(run_dir, step: int | None, corpus: dict, shared_imp) -> dict:
@@ -161,7 +151,7 @@ def shared_heads(run: str, corpus: dict, out: pathlib.Path) -> dict:
     from sinkjax.run import load_run  # pylint: disable=import-outside-toplevel
     t0 = time.perf_counter()
     model, cfg, tok, _ = load_run(run, overrides=["model.dtype=float32"])
-    batches, ndocs = heads_real._batches(cfg, tok, corpus["analysis"]["path"], heads_real.ANALYSIS_SEQ, 8,  # pylint: disable=protected-access
+    batches, ndocs = heads_real.doc_batches(cfg, tok, corpus["analysis"]["path"], heads_real.ANALYSIS_SEQ, 8,
                                          max_docs=SHARED_DOCS)
     lm = eval_lib.language_model_metrics(model, batches)
     rec = {"importance": lm["importance"], "documents": ndocs, "seq_len": heads_real.ANALYSIS_SEQ,
@@ -245,10 +235,6 @@ def finetune(plan: runner.Plan, arm: str, seed: int, corpus: dict, steps: int, s
         raise StudyError(f"{run_dir}: checkpoint of step {s} missing (restored {ev['step']}); rerun the study")
       _write(run_dir / f"nll_step{s}.json", ev)
       evals[s] = ev
-    ckpts = run_dir / "checkpoints"
-    for p in ckpts.iterdir() if ckpts.is_dir() else ():
-      if p.name.isdigit() and int(p.name) not in evals:
-        shutil.rmtree(p)
     end = evals[steps]
     return {"name": run_dir.name, "arm": arm, "kind": kind, "seed": seed, "aux_weight": lam, "num_shared_heads": m,
             "lora_rank": cfg.lora.rank, "adamw_lr": cfg.train.adamw_lr, "steps": summary["steps"], "final_loss": summary["final_loss"],
@@ -258,35 +244,23 @@ def finetune(plan: runner.Plan, arm: str, seed: int, corpus: dict, steps: int, s
   return runner.Run(run_name(arm, seed, kind), do, tuple(overrides))
 
 
-def raw_files(steps: int) -> tuple[str, ...]:
-  return RAW_FILES + tuple(f"nll_step{s}.json" for s in _eval_steps(steps))
-
-
 # ---------------------------------------------------------------------------------------------- the null arm
 
-NULL_MODEL = ("model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=2",
-              "model.head_dim=16", "data.seq_len=32", "model.max_seq_len=32", "train.batch_size=16")
-NULL_SETUPS = (("adamw", "vanilla"), ("adamw", "gated"), ("muon", "vanilla"), ("muon", "gated"))
-
-
-def null_check(steps: int = NULL_STEPS) -> dict:
-  """The null arm, on configs/tiny.yaml shrunk to NULL_MODEL (byte tokenizer, its default corpus, float32 on this
-  CPU): for each optimizer / attention of NULL_SETUPS, `steps` train steps from one init (seed 0) on one batch at each
-  λ of NULL_WEIGHTS (0 twice, 1e-30, 1e-8; the aux term traced in all, loss.aux_term), each compared with the first
-  λ = 0 run over every parameter after step 1 and after the last step: bit-identical or not, the largest absolute
-  difference, the elements that differ, and which parameters differ after step 1."""
+def null_check(plan: runner.Plan) -> dict:
+  """The null arm (configs/studies/heads_pinning_null.yaml: a tiny model, float32 on this CPU): each run of the
+  file's grid (optimizer x attention x λ, the aux term traced in all) trains train.steps steps from one init (seed 0)
+  on one batch and is compared with the first run of its optimizer and attention (λ 0) over every parameter after
+  step 1 and after the last step: bit-identical or not, the largest absolute difference, the elements that differ,
+  and which parameters differ after step 1."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from sinkjax import optim  # pylint: disable=import-outside-toplevel
-  from sinkjax.config import load_config  # pylint: disable=import-outside-toplevel
   from sinkjax.data import build_tokenizer, make_train_iterator  # pylint: disable=import-outside-toplevel
   from sinkjax.model import Transformer  # pylint: disable=import-outside-toplevel
   from sinkjax.step import TRAIN_FEATURES, make_train_step  # pylint: disable=import-outside-toplevel
-  tiny = str(runner.REPO / "configs" / "tiny.yaml")
 
-  def params_after(ov):
-    cfg = load_config(tiny, list(NULL_MODEL) + ov)
+  def params_after(cfg):
     tok = build_tokenizer(cfg.data)
     cfg.model.vocab_size = tok.vocab_size
     graphdef, params, rest = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
@@ -298,7 +272,7 @@ def null_check(steps: int = NULL_STEPS) -> dict:
     it.close()
     step = jax.jit(make_train_step(cfg, graphdef, rest, tx))
     out = []
-    for _ in range(steps):
+    for _ in range(cfg.train.steps):
       state, _ = step(state, batch)
       out.append({jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(
           state["params"])})
@@ -311,22 +285,23 @@ def null_check(steps: int = NULL_STEPS) -> dict:
             "elements_differing": int(sum((v > 0).sum() for v in d.values())),
             "elements": int(sum(v.size for v in d.values()))}
 
-  rows = []
-  for opt, attention in NULL_SETUPS:
-    ref = None
-    for label, lam in NULL_WEIGHTS:
-      first, last = params_after([f"train.optimizer={opt}", f"model.attention={attention}",
-                                  f"loss.aux_weight={lam!r}", "loss.aux_term=true"])
-      if ref is None:
-        ref = (first, last)
-      c1, cn = compare(ref[0], first), compare(ref[1], last)
-      moved = sorted(k for k in first if not np.array_equal(ref[0][k], first[k]))
-      rows.append({"optimizer": opt, "attention": attention, "label": label, "aux_weight": lam,
-                   "after_step_1": c1, f"after_step_{steps}": cn, "differ_after_step_1": moved})
-      _log(f"null check {opt}/{attention} {label}: step 1 {c1['max_abs_diff']:.3g}, step {steps} "
-           f"{cn['max_abs_diff']:.3g}")
-  return {"what": f"configs/tiny.yaml with {' '.join(NULL_MODEL)}, seed 0, one batch repeated for {steps} steps, "
-                  "float32 on the CPU; every parameter compared with the first lambda = 0 run of its setup",
+  rows, refs = [], {}
+  for run in plan.runs():
+    cfg = plan.config(run, "RUN_DIR")
+    setup, lam, steps = (cfg.train.optimizer, cfg.model.attention), cfg.loss.aux_weight, cfg.train.steps
+    first, last = params_after(cfg)
+    ref = refs.setdefault(setup, (first, last))
+    c1, cn = compare(ref[0], first), compare(ref[1], last)
+    again = any(r["aux_weight"] == lam and (r["optimizer"], r["attention"]) == setup for r in rows)
+    label = f"lambda {lam:g}".replace("e-0", "e-") + (", again" if again else "")
+    rows.append({"optimizer": setup[0], "attention": setup[1], "label": label, "aux_weight": lam,
+                 "after_step_1": c1, f"after_step_{steps}": cn,
+                 "differ_after_step_1": sorted(k for k in first if not np.array_equal(ref[0][k], first[k]))})
+    _log(f"null check {'/'.join(setup)} {label}: step 1 {c1['max_abs_diff']:.3g}, step {steps} "
+         f"{cn['max_abs_diff']:.3g}")
+  recipe = pathlib.Path(plan.recipe).resolve().relative_to(runner.REPO)
+  return {"what": f"{recipe} with {' '.join(plan.overrides)}, seed 0, one batch repeated for {steps} steps, float32 "
+                  "on the CPU; every parameter compared with the first lambda = 0 run of its setup",
           "steps": steps, "runs": rows, **_commit()}
 
 
@@ -373,11 +348,8 @@ def summarize(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
            "what": f"{ARM_TITLES[treated]} − {ARM_TITLES[control]}, {what}", "seeds": ss,
            "mean": float(np.mean(per_seed)), "per_seed": per_seed, "documents": int(per_doc.size),
            **doc_test(per_doc)}
-      if len(ss) >= 2:
-        t = stats.t_interval(per_seed)
-        e.update({"t_low": t["low"], "t_high": t["high"], "t": t["t"], "p_t": t["p"]})
-      else:
-        e.update({"t_low": None, "t_high": None, "t": None, "p_t": None})
+      t = stats.t_interval(per_seed) if len(ss) >= 2 else {}        # one seed: no t
+      e.update({"t_low": t.get("low"), "t_high": t.get("high"), "t": t.get("t"), "p_t": t.get("p")})
       effects.append(e)
   for col in ("p_t", "p_doc"):
     adj = holm([e[col] for e in effects])
@@ -459,15 +431,14 @@ def report(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
 
 # ------------------------------------------------------------------------------------------------------ driver
 
-def null_study(results: pathlib.Path, dry_run: bool, report_only: bool) -> None:
+def null_study(plan: runner.Plan, dry_run: bool, report_only: bool) -> None:
   """A kind-pinning_null study (configs/studies/heads_pinning_null.yaml): `null_check`, written to RESULTS/null.json."""
-  done = (results / "null.json").is_file()
+  path = plan.results() / "null.json"
   if dry_run or report_only:
-    print(f"{results / 'null.json'}: {'done' if done else 'to do'}")
+    print(f"{path}: {'done' if path.is_file() else 'to do'} ({len(plan.runs())} runs)")
     return
-  results.mkdir(parents=True, exist_ok=True)
-  _write(results / "null.json", null_check())
-  _log(f"wrote {results / 'null.json'}")
+  _write(path, null_check(plan))
+  _log(f"wrote {path}")
 
 
 def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
@@ -476,7 +447,7 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
   st = plan.study
   out, results = pathlib.Path(st.out), plan.results()
   if st.kind == "pinning_null":
-    return null_study(results, dry_run, report_only)
+    return null_study(plan, dry_run, report_only)
   if set(plan.axes) - {"train.seed"}:
     raise StudyError(f"{plan.path}: the pinning study's one axis is train.seed (its arms are heads_pinning.ARMS), "
                      f"got {', '.join(plan.axes)}")
@@ -509,7 +480,8 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
   sh = shared_heads(st.run, corpus, out)
   step0(st.run, corpus, out, sh["importance"])
   runner.copy_files(out, results, ("shared_heads.json", "nll_step0.json", "corpus.json"))
-  study = runner.Study(out, record="record.json", raw=results / "raw", raw_files=raw_files(steps), commit=c)
+  study = runner.Study(out, record="record.json", raw=results / "raw", commit=c,
+                      raw_files=RAW_FILES + tuple(f"nll_step{s}.json" for s in _eval_steps(steps)))
 
   def done(i, n, res):
     if res.record is None:

@@ -11,6 +11,7 @@ module at commit 9125455.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -21,7 +22,6 @@ import time
 from sinkjax.experiments import runner
 from sinkjax.experiments.runner import StudyError
 
-CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "finetune_smollm2.yaml"
 ANALYSIS_DOCS, HELDOUT_DOCS = 512, 64
 ANALYSIS_SEQ = 256
 RANDOM_SEEDS = (0,)
@@ -81,7 +81,8 @@ def prose_documents(texts) -> list[str]:
 
 
 def english_documents() -> list[str]:
-  """The corpus's documents, deduplicated, in a fixed order (see the module docstring)."""
+  """The corpus's documents: the prose of the help topics (in key order) and of the standard library's docstrings,
+  each cut near 600 characters, deduplicated."""
   from pydoc_data.topics import topics   # pylint: disable=import-outside-toplevel
   return prose_documents([*(topics[k] for k in sorted(topics)), *stdlib_docstrings()])
 
@@ -109,7 +110,7 @@ def english_corpus(out: pathlib.Path) -> dict:
 _read, _write = runner.read_json, runner.write_json
 
 
-def _batches(cfg, tok, source: str, seq_len: int, batch_size: int, max_docs: int | None = None):
+def doc_batches(cfg, tok, source: str, seq_len: int, batch_size: int, max_docs: int | None = None):
   import dataclasses  # pylint: disable=import-outside-toplevel
   from sinkjax.data import make_eval_batches  # pylint: disable=import-outside-toplevel
   data = dataclasses.replace(cfg.data, source=source, seq_len=seq_len, packing="document", format="text")
@@ -119,18 +120,12 @@ def _batches(cfg, tok, source: str, seq_len: int, batch_size: int, max_docs: int
   return batches, counts["documents"]
 
 
-_COMMIT: dict = {}
+# The commit of the code this process runs: HEAD when the study started (the shared checkout's HEAD may move while a
+# long study runs; the code loaded at the start is what made every record).
+commit = functools.cache(runner.git_commit)
 
 
-def _commit() -> dict:
-  """The commit of the code this process runs: HEAD when the study started (the shared checkout's HEAD may move while
-  a long study runs; the code loaded at the start is what made every record)."""
-  if not _COMMIT:
-    _COMMIT.update(runner.git_commit())
-  return dict(_COMMIT)
-
-
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
@@ -148,24 +143,24 @@ def analyse(run: str, corpus: dict, out: pathlib.Path, seeds=RANDOM_SEEDS) -> di
   t0 = time.perf_counter()
   # the layers as one scan: the same numbers, a compile that does not grow with depth (sinkjax.eval does the same)
   model, cfg, tok, _ = load_run(run, overrides=["model.dtype=float32", "model.scan_layers=true"])
-  batches, ndocs = _batches(cfg, tok, corpus["analysis"]["path"], ANALYSIS_SEQ, 8)
-  _log(f"analysis: {ndocs} documents in {len(batches)} batches of 8 x {ANALYSIS_SEQ}")
+  batches, ndocs = doc_batches(cfg, tok, corpus["analysis"]["path"], ANALYSIS_SEQ, 8)
+  log(f"analysis: {ndocs} documents in {len(batches)} batches of 8 x {ANALYSIS_SEQ}")
   lm = eval_lib.language_model_metrics(model, batches)
-  _log(f"pretrained: imbalance {lm['head_imbalance']:.4f}, val_bpb {lm['val_bpb']:.4f}")
+  log(f"pretrained: imbalance {lm['head_imbalance']:.4f}, val_bpb {lm['val_bpb']:.4f}")
   diag = eval_lib.sink_diagnostics(model, batches[:4])
   rand = []
   for seed in seeds:
     r = eval_lib.language_model_metrics(Transformer(cfg.model, rngs=nnx.Rngs(seed)), batches)
     rand.append({"seed": seed, "importance": r["importance"], "head_imbalance": r["head_imbalance"],
                  "cv_per_layer": r["cv_per_layer"]})
-    _log(f"random init {seed}: imbalance {r['head_imbalance']:.4f}")
+    log(f"random init {seed}: imbalance {r['head_imbalance']:.4f}")
   rec = {"run": str(run), "documents": ndocs, "rows": int(sum(len(b["inputs"]) for b in batches)),
          "seq_len": ANALYSIS_SEQ, "eval_tokens": lm["eval_tokens"], "val_bpb": lm["val_bpb"],
          "val_loss": lm["val_loss"], "importance": lm["importance"], "head_imbalance": lm["head_imbalance"],
          "cv_per_layer": lm["cv_per_layer"], "diagnostic_rows": int(sum(len(b["inputs"]) for b in batches[:4])),
          "first_token_attention_per_head": diag["first_token_attention_per_head"],
          "first_token_value_norm": diag["first_token_value_norm"], "other_value_norm": diag["other_value_norm"],
-         "random_init": rand, "seconds": time.perf_counter() - t0, **_commit()}
+         "random_init": rand, "seconds": time.perf_counter() - t0, **commit()}
   _write(out / "analysis.json", rec)
   return rec
 
@@ -192,14 +187,14 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
     if not pathlib.Path(plan.study.run, "config.yaml").is_file():
       raise StudyError(f"study.run {plan.study.run!r} is not a run directory; import the model first (docs/CONVERT.md)")
     import sinkjax.eval, sinkjax.run  # pylint: disable=import-outside-toplevel,unused-import,redefined-outer-name
-    _commit()                     # the code is loaded: the commit that made every record of this process
+    commit()                      # the code is loaded: the commit that made every record of this process
     corpus = english_corpus(out / "corpus")
     _write(out / "corpus.json", corpus)
-    _log("corpus: " + ", ".join(f"{n} {c['documents']}" for n, c in corpus.items()))
+    log("corpus: " + ", ".join(f"{n} {c['documents']}" for n, c in corpus.items()))
     analyse(plan.study.run, corpus, out, seeds)
   elif rec is None:
     raise StudyError(f"{out} holds no analysis.json; run the study first")
   runner.copy_files(out, results, ("analysis.json", "corpus.json"))
   from sinkjax import plots  # pylint: disable=import-outside-toplevel
   figure = plots.plot_head_analysis(_read(out / "analysis.json"), results / "analysis.png")
-  _log(f"wrote {figure} (Fig. 4: importance of the pretrained model and of a random init)")
+  log(f"wrote {figure} (Fig. 4: importance of the pretrained model and of a random init)")

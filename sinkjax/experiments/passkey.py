@@ -1,9 +1,8 @@
 """Passkey retrieval: a number hidden at a chosen depth of filler text, asked for at the end, scored under each KV
 cache (full, sinks + window, per-head hybrids by importance or at random).
 
-    python -m sinkjax.experiments.passkey --checkpoint RUN_DIR [--lengths 128,256,512] [--full-heads 0.25,0.5 ...]
-    python -m sinkjax.experiments.passkey --make-data OUT.jsonl [--docs 20000] [--max-len 512]
     python -m sinkjax.experiments.study configs/studies/passkey_tiny.yaml [study.run=RUN_DIR] [cache.full_heads=0.5]
+    python -m sinkjax.experiments.passkey --make-data OUT.jsonl [--docs 20000] [--max-len 512]   # a training mix
 
 The probe, its exact greedy scoring by teacher forcing, the files and the training data: docs/STREAMING.md,
 "Passkey retrieval by cache".
@@ -44,21 +43,36 @@ STUDY_FILE = runner.REPO / "configs" / "studies" / "passkey_tiny.yaml"
 
 @dataclasses.dataclass
 class PasskeyOptions:
-  """The `passkey:` section of a kind-passkey study file (each flag the alias of its key: `--window 64` =
-  `passkey.window=64`). The hybrid caches' head policy is not here: it is the `cache:` section (`SECTIONS`)."""
-  samples: int = key(8, ">=1", alias="--samples", help="keys per length and depth")
-  sink_size: int = key(4, ">=0", alias="--sink-size", help="sinks of streaming heads")
-  window: int = key(64, ">=1", alias="--window", help="slots of streaming heads, sinks included")
-  seed: int = key(0, ">=0", alias="--seed", help="the keys drawn (probe) / the documents (--make-data)")
+  """The `passkey:` section of a kind-passkey study file. The hybrid caches' head policy is its `cache:` section."""
+  samples: int = key(8, ">=1")            # keys per length and depth
+  sink_size: int = key(4, ">=0")          # sinks of streaming heads
+  window: int = key(64, ">=1")            # slots of streaming heads, sinks included
+  seed: int = key(0, ">=0")               # the keys drawn
 
 
-# The sections of a kind-passkey study file besides study: and axes:, and of the probe's flags: its own keys and the
-# per-head cache policy of `sinkjax.generate` (cache.full_heads, ...), declared once in `sinkjax.cache_policy`.
+# The sections of a kind-passkey study file besides study: and axes:: its own keys and the per-head cache policy of
+# `sinkjax.generate` (cache.full_heads, ...), declared once in `sinkjax.cache_policy`.
 SECTIONS = {"passkey": PasskeyOptions, "cache": cache_policy.CacheOptions}
 
 
+@dataclasses.dataclass
+class MakeDataOptions:
+  """The options of `python -m sinkjax.experiments.passkey`: the training mix it writes."""
+  out: str = key("", alias="--make-data", metavar="OUT.jsonl", required=True,
+                 help="the training JSONL to write (field text; train on it with data.source=OUT.jsonl)")
+  docs: int = key(20000, ">=1", alias="--docs", help="passkey documents")
+  max_len: int = key(512, ">=1", alias="--max-len", help="longest passkey document in bytes")
+  text_fraction: float = key(0.3, "[0,1)", alias="--text-fraction", help="share of the bytes that are corpus text")
+  seed: int = key(0, ">=0", alias="--seed", help="the documents drawn")
+
+
+COMMAND = options.Command(prog="python -m sinkjax.experiments.passkey", description="A training mix for the passkey "
+                          "probe (the probe: python -m sinkjax.experiments.study configs/studies/passkey_tiny.yaml).",
+                          sections={"make_data": MakeDataOptions})
+
+
 class PasskeyError(UserError):
-  """A bad command line (the message says what to change)."""
+  """A bad study file or command line (the message says what to change)."""
 
 
 # ----------------------------------------------------------------------------------------------------- samples
@@ -99,7 +113,7 @@ def passkey_batch(tokenizer, length: int, depth: float, samples: int, seed: int)
   sentence = [tokenizer.encode(s) for s in FILLER]
   fixed = 1 + len(tokenizer.encode(NEEDLE.format(key="0" * KEY_DIGITS))) + len(tokenizer.encode(QUESTION))
   if length < fixed:
-    raise PasskeyError(f"--lengths: {length} tokens cannot hold the needle and the question ({fixed} tokens)")
+    raise PasskeyError(f"axes.length: {length} tokens cannot hold the needle and the question ({fixed} tokens)")
   n, used = 0, fixed
   while used + len(sentence[n % len(FILLER)]) <= length:
     used += len(sentence[n % len(FILLER)])
@@ -156,32 +170,16 @@ def corpus_chunks(total: int, chunk: int, rng: np.random.Generator) -> list[str]
   return out
 
 
-def write_training_data(path: str, docs: int, max_len: int, text_fraction: float, seed: int) -> int:
-  lines = [json.dumps({"text": t}) for t in training_documents(docs, max_len, text_fraction, seed)]
-  pathlib.Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
-  return len(lines)
-
-
 # ----------------------------------------------------------------------------------------------------------- probe
 
 
-def cache_modes(sink_size: int, window: int, policies) -> list[tuple[str, dict, np.ndarray | None]]:
-  """(name, cache arguments of `streaming_scores` without capacity, [L][Hkv] map or None) of every mode probed."""
-  modes = [("full cache", {}, None), (f"sinks + window (S={sink_size}, W={window})",
-                                      dict(sink_size=sink_size, window=window), None)]
-  modes += [(f"hybrid {label}", dict(sink_size=sink_size, window=window, full_heads=cache_policy.as_tuple(full)),
-             full) for label, full in policies]
-  return modes
-
-
-def _mode_cache(kw: dict, total: int) -> dict:
-  """`streaming_scores` arguments: a full cache of `total` slots, a streaming one of W, or a hybrid (full heads
-  `total`, streaming heads W)."""
-  if not kw:
-    return dict(capacity=total)
-  if "full_heads" not in kw:
-    return dict(capacity=kw["window"], sink_size=kw["sink_size"])
-  return dict(capacity=total, **kw)
+def cache_modes(sink_size: int, window: int, policies, total: int) -> list[tuple[str, dict, np.ndarray | None]]:
+  """(name, `streaming_scores` cache arguments, [L][Hkv] map or None) of every mode probed on `total` tokens: the
+  full cache, sinks + window (every head streaming), and each hybrid of `policies` (full heads `total` slots)."""
+  modes = [("full cache", dict(capacity=total), None),
+           (f"sinks + window (S={sink_size}, W={window})", dict(capacity=window, sink_size=sink_size), None)]
+  return modes + [(f"hybrid {label}", dict(capacity=total, sink_size=sink_size, window=window,
+                                           full_heads=cache_policy.as_tuple(full)), full) for label, full in policies]
 
 
 def key_outcomes(hit: np.ndarray, answer_len: int) -> tuple[list[bool], list[int]]:
@@ -200,11 +198,10 @@ def probe(model, tokenizer, *, lengths, depths, samples: int, sink_size: int, wi
     batches = [passkey_batch(tokenizer, length, d, samples, seed) for d in depths]
     ids = np.concatenate([b.ids for b in batches])
     answer = batches[0].answer_len
-    for name, kw, full in cache_modes(sink_size, window, policies):
-      cache_kw = _mode_cache(kw, ids.shape[1])
+    for name, cache_kw, full in cache_modes(sink_size, window, policies, ids.shape[1]):
       _, hit = streaming_scores(model, ids, **cache_kw)
       right, digits = key_outcomes(hit, answer)
-      n_full = every if not kw else (0 if full is None else int(np.sum(full)))
+      n_full = every if name == "full cache" else (0 if full is None else int(np.sum(full)))
       for i, b in enumerate(batches):
         cell = slice(i * samples, (i + 1) * samples)
         records.append(dict(mode=name, context=b.context, depth=b.depth, accuracy=float(np.mean(right[cell])),
@@ -233,67 +230,60 @@ def format_results(records: list[dict]) -> str:
   return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------------- command line
+# ---------------------------------------------------------------------------------------------------- the commands
 
 
-@dataclasses.dataclass
-class ProbeOptions:
-  """The probe command's own options (`python -m sinkjax.experiments.passkey`; in a study file: study.run, study.out
-  and `axes: length, depth`)."""
-  checkpoint: str | None = key(None, alias="--checkpoint", metavar="RUN_DIR", help="run directory of a training run")
-  lengths: str = key("128,256,512", alias="--lengths", metavar="N[,N...]", help="prompt lengths in tokens")
-  depths: str = key("0,0.25,0.5,0.75,1", alias="--depths", metavar="D[,D...]", help="needle depths in [0, 1]")
-  out: str | None = key(None, alias="--out", metavar="DIR",
-                        help="where results.json and results.md go (default RUN_DIR/passkey)")
+def make_data(opts: MakeDataOptions) -> None:
+  """--make-data: `opts.docs` passkey documents (random key and depth, up to `opts.max_len` bytes) mixed with chunks
+  of the embedded corpus's training split (its validation files stay held out), `opts.text_fraction` of the bytes."""
+  shortest = len(passkey_text("0" * KEY_DIGITS, 0, 0.0)[0]) + KEY_DIGITS + 1
+  if opts.max_len < shortest:
+    raise PasskeyError(f"--max-len must be >= {shortest} (a needle and the question)")
+  lines = [json.dumps({"text": t}) for t in training_documents(opts.docs, opts.max_len, opts.text_fraction, opts.seed)]
+  pathlib.Path(opts.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+  print(f"wrote {len(lines)} documents ({opts.docs} passkey) to {opts.out}")
 
 
-@dataclasses.dataclass
-class MakeDataOptions:
-  """--make-data: a training mix of passkey documents and corpus text instead of a probe."""
-  make_data: str | None = key(None, alias="--make-data", metavar="OUT.jsonl",
-                              help="write a training mix instead of probing")
-  docs: int = key(20000, ">=1", alias="--docs", help="--make-data: passkey documents")
-  max_len: int = key(512, ">=1", alias="--max-len", help="--make-data: longest passkey document in bytes")
-  text_fraction: float = key(0.3, "[0,1)", alias="--text-fraction", help="--make-data: share of corpus text bytes")
-
-
-COMMAND = options.Command(
-    prog="python -m sinkjax.experiments.passkey", description=__doc__.split("\n\n")[0],
-    sections={"probe": ProbeOptions, **SECTIONS, "mix": MakeDataOptions})
-
-
-def _numbers(text: str, kind, flag: str, ok) -> list:
+def _axis(plan: runner.Plan, name: str, default: list, kind, ok) -> list:
+  values = plan.axes.get(name, default)
   try:
-    values = [kind(x) for x in text.split(",")]
-  except ValueError:
-    raise PasskeyError(f"{flag} takes comma-separated numbers, got {text!r}") from None
-  bad = [v for v in values if not ok(v)]
-  if bad:
-    raise PasskeyError(f"{flag}: {bad[0]} is out of range")
+    values = [kind(v) for v in values]
+  except (TypeError, ValueError):
+    values = [None]
+  if not all(v is not None and ok(v) for v in values):
+    raise PasskeyError(f"{plan.path}: axis {name} must list {kind.__name__}s "
+                       + ("of at least 1 token" if kind is int else "in [0, 1]") + f", got {plan.axes[name]}")
   return values
 
 
-def make_data(path: str, docs: int, max_len: int, text_fraction: float, seed: int) -> None:
-  shortest = len(passkey_text("0" * KEY_DIGITS, 0, 0.0)[0]) + KEY_DIGITS + 1
-  if max_len < shortest:
-    raise PasskeyError(f"--max-len must be >= {shortest} (a needle and the question)")
-  n = write_training_data(path, docs, max_len, text_fraction, seed)
-  print(f"wrote {n} documents ({docs} passkey) to {path}")
-
-
-def run_probe(checkpoint: str, *, lengths, depths, samples: int, sink_size: int, window: int, seed: int,
-              policies=(), out: str | None = None) -> None:
-  """The probe of one run (`probe`) at every length and depth, for every cache mode; results.json / results.md in
-  `out` (default RUN_DIR/passkey). `policies`: (label, [L][Hkv] map) of the hybrid caches (`sinkjax.cache_policy`)."""
+def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
+  """A kind-passkey study file, run (`sinkjax.experiments.study`): the probe of study.run at every length x depth of
+  its axes for every cache mode (the full cache, sinks + window, and the hybrids its `cache:` policy asks for), then
+  results.json (a record per mode, length and depth, with every key's outcome) and results.md in study.out."""
+  sections = plan.options(SECTIONS)
+  opts, cache = sections["passkey"], sections["cache"]
+  for axis in set(plan.axes) - {"length", "depth"}:
+    raise PasskeyError(f"{plan.path}: the passkey study's axes are length and depth, got {axis}")
+  lengths = _axis(plan, "length", [128, 256, 512], int, lambda v: v >= 1)
+  depths = _axis(plan, "depth", [0, 0.25, 0.5, 0.75, 1], float, lambda v: 0 <= v <= 1)
+  run = plan.study.run
+  if dry_run or report_only:
+    print(f"{run}: lengths {lengths} x depths {depths}, {opts.samples} keys each"
+          + (" (the probe writes its report as it runs)" if report_only else ""))
+    return
+  if not run:
+    raise PasskeyError("give study.run=RUN_DIR (the run probed)")
+  if opts.sink_size >= opts.window:
+    raise PasskeyError("passkey.sink_size must be < passkey.window")
+  cache_policy.check(cache)
+  policies = cache_policy.policies_from(cache, read_run_config(run).model, run) if cache_policy.wanted(cache) else []
   logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
-  if not 0 <= sink_size < window:
-    raise PasskeyError("0 <= --sink-size < --window (passkey.sink_size < passkey.window)")
-  model, _, tok, _ = load_run(checkpoint)
+  model, _, tok, _ = load_run(run)
   for label, full in policies:
     print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
-  records = probe(model, tok, lengths=lengths, depths=depths, samples=samples, sink_size=sink_size, window=window,
-                  policies=policies, seed=seed)
-  out = paths.as_path(out or f"{str(checkpoint).rstrip('/')}/passkey", "--out")
+  records = probe(model, tok, lengths=lengths, depths=depths, samples=opts.samples, sink_size=opts.sink_size,
+                  window=opts.window, policies=policies, seed=opts.seed)
+  out = paths.as_path(plan.study.out or f"{run.rstrip('/')}/passkey", "study.out")
   out.mkdir(parents=True, exist_ok=True)
   table = format_results(records)
   (out / "results.json").write_text(json.dumps(records, indent=1))
@@ -301,45 +291,8 @@ def run_probe(checkpoint: str, *, lengths, depths, samples: int, sink_size: int,
   print(table)
 
 
-def run_study(run: str, lengths, depths, opts: PasskeyOptions, cache: cache_policy.CacheOptions,
-              out: str | None = None) -> None:
-  """The probe of `run` at every length x depth for every cache mode: the full cache, sinks + window, and the
-  hybrid caches that the head policy `cache` asks for (none when it asks for none)."""
-  if not run:
-    raise PasskeyError("give --checkpoint RUN_DIR (study.run) (or --make-data OUT.jsonl)")
-  cache_policy.check(cache)
-  policies = cache_policy.policies_from(cache, read_run_config(run).model, run) if cache_policy.wanted(cache) else []
-  run_probe(run, lengths=lengths, depths=depths, samples=opts.samples, sink_size=opts.sink_size, window=opts.window,
-            seed=opts.seed, policies=policies, out=out)
-
-
-def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
-  """A kind-passkey study file, run (`sinkjax.experiments.study`): the probe of study.run at every length x depth of
-  its axes, for every cache mode."""
-  sections = plan.options(SECTIONS)
-  for axis in set(plan.axes) - {"length", "depth"}:
-    raise PasskeyError(f"{plan.path}: the passkey study's axes are length and depth, got {axis}")
-  lengths, depths = plan.axes.get("length", [128, 256, 512]), plan.axes.get("depth", [0, 0.25, 0.5, 0.75, 1])
-  if dry_run or report_only:
-    print(f"{plan.study.run}: lengths {lengths} x depths {depths}, {sections['passkey'].samples} keys each"
-          + (" (the probe writes its report as it runs)" if report_only else ""))
-    return
-  run_study(plan.study.run, [int(x) for x in lengths], [float(x) for x in depths], sections["passkey"],
-            sections["cache"], out=plan.study.out or None)
-
-
-def run(sections: dict) -> None:
-  """The command from its typed sections: --make-data's training mix, else the probe of --checkpoint."""
-  probe_, opts, cache, data = (sections[name] for name in COMMAND.sections)
-  if data.make_data is not None:
-    return make_data(data.make_data, data.docs, data.max_len, data.text_fraction, opts.seed)
-  lengths = _numbers(probe_.lengths, int, "--lengths", lambda v: v >= 1)
-  depths = _numbers(probe_.depths, float, "--depths", lambda v: 0 <= v <= 1)
-  return run_study(probe_.checkpoint, lengths, depths, opts, cache, out=probe_.out)
-
-
 def main(argv=None) -> int:
-  return options.main(COMMAND, argv, lambda sections, _: run(sections))
+  return options.main(COMMAND, argv, lambda sections, _: make_data(sections["make_data"]))
 
 
 if __name__ == "__main__":

@@ -1,23 +1,9 @@
-"""Small-n statistics for the seed studies: paired differences with a t-interval, exact rank-free tests, Welch's t
-for unpaired arms, and the smallest effect a design could detect.
-
-A study here has n = 3 seeds per arm. An effect is a per-seed paired difference d_s = x(treated, s) - x(control, s)
-(a seed fixes the init and the data order of both runs, so the noise they share cancels). Every effect is read with:
-
-- **Paired t** (`t_interval`): mean(d) with its two-sided 95 % interval mean ± t_{n-1} · sd(d)/sqrt(n), t critical
-  values for the actual n (t_2 = 4.30 at n = 3, not 2), and the t-test's p. The noise is the SD of the effect's own
-  differences: no other arm stands in for it.
-- **Exact permutation test** (`permutation_test`): all 2^n sign flips of the differences; p = the share whose |mean|
-  reaches the observed one. Its least two-sided p is 2 / 2^n: 0.25 at n = 3, so three seeds can never reach 0.05 by
-  it (n = 6 is the least that can: 0.031).
-- **Exact sign test** (`sign_test`): k of n positive against Binomial(n, 1/2); the same least p, 2 · 0.5^n.
-- **Power** (`detectable_effect`, `t_power`): the smallest true mean difference that the paired t-test at two-sided 0.05
-  detects with probability 0.8, from the observed SD and n (the noncentral t), printed beside every "not detected";
-  `seeds_needed` inverts it.
-
-Arms that are not paired (different seeds, a different commit) get `welch`. A *null arm* (a change too small to act,
-or none) is a control for **drift**: its mean difference is reported as drift (`drift`), never used as the noise of
-another arm. `paired_effect` turns these into a reading whose wording claims no more than they allow.
+"""Small-n statistics for the seed studies (n = 3 seeds per arm): paired differences d_s = x(treated, s) -
+x(control, s) read with a t-interval (`t_interval`), exact sign-flip and sign tests (`permutation_test`,
+`sign_test`: their least two-sided p at n = 3 is 0.25) and the smallest effect the design could detect
+(`detectable_effect`); Welch's t for unpaired arms; a null arm read as drift (`drift`), never as another arm's
+noise. `paired_effect` turns these into a sentence that claims no more than they allow (docs/RESULTS.md, "What
+each number is").
 """
 from __future__ import annotations
 
@@ -176,6 +162,14 @@ def _sign_words(d: list[float], st: dict) -> str:
   return f"{st['positive']} of {n} seeds higher, {n - st['positive']} lower or equal"
 
 
+def _t_words(d: list[float], t: dict, st: dict, nd: int) -> str:
+  """The mean, the per-seed differences, their signs and the t-interval, as the sentences of `paired_effect` and
+  `drift` say them."""
+  return (f"{fmt(t['mean'], nd)} on average (per seed {', '.join(fmt(x, nd) for x in d)}; {_sign_words(d, st)}); "
+          f"95 % t-interval {fmt(t['low'], nd)} … {fmt(t['high'], nd)} (t_{t['df']} = {t['t']:+.2f}, "
+          f"p = {fmt_p(t['p'])})")
+
+
 def paired_effect(diffs, *, what: str, nd: int = 4) -> dict:
   """Every test of one paired effect and a sentence that claims no more than they allow. Detected = the paired
   t-test's two-sided p < ALPHA (the t-interval excludes 0); the permutation and sign tests are stated beside it with
@@ -190,9 +184,7 @@ def paired_effect(diffs, *, what: str, nd: int = 4) -> dict:
          "detectable": mde, "detected": bool(detected)}
   rank_free = (f"exact permutation p = {fmt_p(perm['p'])}, sign test p = {fmt_p(st['p_two_sided'])}"
                f" (the least {n} seeds allow: {fmt_p(perm['p_min'])})")
-  body = (f"{what}: {fmt(t['mean'], nd)} on average (per seed {', '.join(fmt(x, nd) for x in d)}; "
-          f"{_sign_words(d, st)}); 95 % t-interval {fmt(t['low'], nd)} … {fmt(t['high'], nd)} "
-          f"(t_{t['df']} = {t['t']:+.2f}, p = {fmt_p(t['p'])}); {rank_free}")
+  body = f"{what}: {_t_words(d, t, st, nd)}; {rank_free}"
   if detected:
     out["reading"] = "detected (paired t)"
     claim = "detected by the paired t-test, whose noise is these differences' own SD"
@@ -215,9 +207,7 @@ def drift(diffs, *, what: str, nd: int = 4) -> dict:
   out = {"what": what, "diffs": d, "n": len(d), "mean": t["mean"], "t": t, "sign_test": st}
   seen = t["p"] < ALPHA
   out["reading"] = "drift detected (paired t)" if seen else "no drift detected"
-  out["sentence"] = (f"{what} (drift control): {fmt(t['mean'], nd)} on average (per seed "
-                     f"{', '.join(fmt(x, nd) for x in d)}; {_sign_words(d, st)}); 95 % t-interval "
-                     f"{fmt(t['low'], nd)} … {fmt(t['high'], nd)} (t_{t['df']} = {t['t']:+.2f}, p = {fmt_p(t['p'])}): "
-                     + ("the arms drift apart by more than chance; effects against the same control carry it."
-                        if seen else "no drift detected at this n."))
+  out["sentence"] = f"{what} (drift control): {_t_words(d, t, st, nd)}: " + (
+      "the arms drift apart by more than chance; effects against the same control carry it." if seen
+      else "no drift detected at this n.")
   return out

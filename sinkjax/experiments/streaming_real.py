@@ -89,20 +89,13 @@ def plan(random_maps, scope: str = "global") -> list[str]:
   return names + hybrids + ["full", "check"]
 
 
-_write = runner.write_json
-
-
-def _nll_list(nll) -> list[float]:
-  return [float(f"{x:.7g}") for x in np.asarray(nll, np.float64)]
-
-
 def measure_importance(model, cfg, tok, work: pathlib.Path) -> dict:
-  from sinkjax.experiments.heads_real import _batches  # pylint: disable=import-outside-toplevel
+  from sinkjax.experiments.heads_real import doc_batches  # pylint: disable=import-outside-toplevel
   from sinkjax.run import head_importance_of  # pylint: disable=import-outside-toplevel
   docs = importance_documents()[:IMPORTANCE_DOCS]
   src = work / "importance_docs.jsonl"
   src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-  batches, n_docs = _batches(cfg, tok, str(src), IMPORTANCE_SEQ, 8)
+  batches, n_docs = doc_batches(cfg, tok, str(src), IMPORTANCE_SEQ, 8)
   imp = head_importance_of(model, batches)
   tokens = int(sum(int((b["segment_ids"] != 0).sum()) for b in batches))
   return {"importance": np.asarray(imp).round(6).tolist(), "documents": n_docs, "rows": 8 * len(batches),
@@ -136,7 +129,8 @@ def score_run(name: str, model, ids, importance, opts: StreamingOptions) -> dict
                map=np.asarray(full).astype(int).tolist())
   t0 = time.perf_counter()
   nll = streaming_nll(model, ids, chunk=opts.chunk, **kw)
-  rec.update(seconds=round(time.perf_counter() - t0, 1), chunk=opts.chunk, tokens=N, nll=_nll_list(nll),
+  rec.update(seconds=round(time.perf_counter() - t0, 1), chunk=opts.chunk, tokens=N,
+             nll=[float(f"{x:.7g}") for x in np.asarray(nll, np.float64)],
              kv_bytes=kv_bytes(cfg, **kw))
   return rec
 
@@ -201,10 +195,7 @@ def study(checkpoint: str, out: pathlib.Path, opts: StreamingOptions, random_map
 # ---------------------------------------------------------------------------------------------------------- report
 
 def load(out: pathlib.Path) -> dict:
-  runs = {}
-  for p in sorted(out.glob("*.json")):
-    if p.name != "results.json":
-      runs[p.stem] = json.loads(p.read_text())
+  runs = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.name != "results.json"}
   scored = [r for r in runs.values() if "nll" in r]
   if len({r["meta"]["ids_sha256"] for r in scored}) > 1:
     raise StudyError(f"{out}: runs over different token sequences; give each study its own study.out")
@@ -254,6 +245,7 @@ def summary(runs: dict) -> dict:
 
 
 def _label(row) -> str:
+  """A cache's name in the table and the figure, from its raw run file or its summary row."""
   if row["kind"] == "full":
     return "full cache"
   if row["kind"] == "window":
@@ -270,7 +262,7 @@ def figure(runs: dict, path: pathlib.Path) -> None:
   from sinkjax import plots  # pylint: disable=import-outside-toplevel
   order = ["full", *[f"{k}_w{w}" for w in WINDOWS for k in ("window", f"sinks{SINKS}")],
            f"hybrid_importance_w{HYBRID_WINDOW}"]
-  lines = [(_label(summary({n: runs[n]})["rows"][0]), runs[n]["nll"]) for n in order if n in runs]
+  lines = [(_label(runs[n]), runs[n]["nll"]) for n in order if n in runs]
   randoms = [r["nll"] for r in runs.values() if r.get("map_source", "").startswith("random")]
   plots.plot_streaming(lines, randoms, path, window=CURVE,
                        title="SmolLM2-135M-Instruct, streaming perplexity on Python's help topics (float32)")
@@ -292,7 +284,7 @@ def report(out: pathlib.Path) -> dict:
               f"{h['p_rank']:.3f} were it one more random map). {h['effect']['sentence']}",
               f"512-token blocks won by the importance map, per random map: {h['blocks_won']} of {h['blocks']}."]
   (out / "results.md").write_text("\n".join(lines) + "\n")
-  _write(out / "results.json", s)
+  runner.write_json(out / "results.json", s)
   figure(runs, out / "streaming_real.png")
   print("\n".join(lines))
   return s

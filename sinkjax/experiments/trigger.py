@@ -31,6 +31,8 @@ from sinkjax.experiments.runner import StudyError
 from sinkjax.kernels import attention_weights
 
 VARIANTS = ("softmax", "relu", "sink", "gated")
+# the variant's own weight: its name in table.txt and in the records
+OWN = {"sink": ("sink", "sink_attention"), "gated": ("gate", "gate"), "relu": ("mass", "attention_mass")}
 BOS, TRIG, OTHER = 0, 1, 2                   # indicator coordinates (paper's 1, 2, 3)
 
 
@@ -40,24 +42,18 @@ def task_targets(x):
   """Targets of [SinkNecessary] §3.2 for inputs x [..., T, d]: zero except at the trigger, where it is the mean of the
   non-BOS tokens up to and including the trigger. The trigger is read from coordinate 2 (index 1)."""
   x = jnp.asarray(x)
-  T = x.shape[-2]
   is_trig = x[..., TRIG] > 0.5                                            # [..., T]
   non_bos = (x[..., BOS] < 0.5)[..., None]
   csum = jnp.cumsum(jnp.where(non_bos, x, 0.0), axis=-2)                  # sum of non-BOS tokens up to t
   count = jnp.cumsum(non_bos.astype(x.dtype), axis=-2)                    # number of them
   mean = csum / jnp.maximum(count, 1.0)
-  del T
   return jnp.where(is_trig[..., None], mean, 0.0)
 
 
 def make_batch(key, batch: int, seq_len: int, dim: int, trigger_pos: int | None = None, bos: bool = True):
-  """(x [B,T,d], y [B,T,d], trigger index [B], 0-indexed) for the task of [SinkNecessary] §3.2.
-
-  trigger_pos: fixed 0-indexed trigger position (1..T-1); None samples it uniformly from {1, ..., T-1}, i.e. the
-  paper's {2, ..., T} 1-indexed.
-  bos=False is an ablation beyond the paper: position 1 is then an ordinary non-trigger token (coordinate 3 and
-  content), there is no BOS anywhere, and the target at the trigger is the mean of all tokens up to it.
-  """
+  """(x [B,T,d], y [B,T,d], trigger index [B]) for the task of [SinkNecessary] §3.2, the trigger at `trigger_pos`
+  (0-indexed, 1..T-1) or uniform on {1, ..., T-1} (the paper's {2, ..., T}); bos=False: position 0 is an ordinary
+  token (the no-BOS ablation of docs/TRIGGER.md)."""
   k_pos, k_content = jax.random.split(key)
   if trigger_pos is None:
     tpos = jax.random.randint(k_pos, (batch,), 1, seq_len)
@@ -120,13 +116,9 @@ def _layer(p, h, bos, variant: str, impl: str, want_maps: bool):
 
 
 def forward(params, x, variant: str, impl: str = "reference", return_maps: bool = False):
-  """Prediction h_L - x [B,T,d]; with return_maps also per-layer maps {'attn': [L,B,H,T,T], 'gate': [L,B,T,H]}.
-
-  'attn' holds the attention weights (softmax probabilities; for sink attention with the sink in the denominator,
-  so rows sum to 1 - sink mass; for ReLU the unnormalized ReLU weights). 'gate' is what the attention function
-  returns: 1 - A_BOS (softmax), non-BOS ReLU mass (relu), sigma(LSE - sink) = mass on real keys (sink), the
-  sigmoid output gate (gated).
-  """
+  """Prediction h_L - x [B,T,d]; with return_maps also per-layer maps {'attn': [L,B,H,T,T], 'gate': [L,B,T,H]}:
+  the attention weights (sink: rows sum to 1 - sink mass; relu: the unnormalized ReLU weights) and the gate the
+  attention function returns (1 - A_BOS, the non-BOS ReLU mass, sigma(LSE - sink), the sigmoid output gate)."""
   h = x
   bos = x[..., BOS] > 0.5                      # BOS flags from the input (ReLU attention's divisor skips them)
   all_maps = []
@@ -191,8 +183,7 @@ def train(variant: str, layers: int, heads: int, *, lr: float, max_steps: int, s
           init_std: float = 0.02, progress: bool = True, bos: bool = True):
   """Train one model; returns (params, info) with info = steps, converged, last batch loss / max error, time."""
   from tqdm import tqdm  # lazy: --help stays light
-  key = jax.random.key(seed)
-  k_init, k_data = jax.random.split(key)
+  k_init, k_data = jax.random.split(jax.random.key(seed))
   params = init_params(k_init, variant, layers, heads, dim, init_std)
   opt = optax.adam(lr, b1=0.9, b2=0.95)
   opt_state = opt.init(params)
@@ -207,11 +198,9 @@ def train(variant: str, layers: int, heads: int, *, lr: float, max_steps: int, s
   bar = tqdm(desc=f"{variant:7s} {layers}L x {heads}H (until max_err < {stop_linf:g}, cap {max_steps})", unit="step",
              disable=not progress, dynamic_ncols=True, file=sys.stderr)
   steps_done, loss, linf = 0, float("nan"), float("nan")
-  i = 0
   while steps_done < max_steps and not bool(done):
     params, opt_state, done, n, losses, linfs = run(params, opt_state, done, n, jnp.int32(max_steps),
-                                                    jax.random.fold_in(k_data, i))
-    i += 1
+                                                    jax.random.fold_in(k_data, len(curve)))   # a key per chunk
     new_steps = int(n)
     last = max(new_steps - steps_done - 1, 0)
     loss, linf = float(losses[last]), float(linfs[last])
@@ -255,7 +244,7 @@ def value_norms(params, x, variant: str, impl: str = "reference") -> dict[str, A
 
 
 def evaluate(params, variant: str, x, y, tpos, impl: str = "reference") -> dict[str, Any]:
-  """Loss, zero-prediction baseline and attention statistics on evaluation data (see module docstring)."""
+  """Loss, zero-prediction baseline and attention statistics on evaluation data (docs/TRIGGER.md, "Metrics")."""
   pred, maps = forward_maps(params, x, variant, impl)
   attn, gate = maps["attn"], maps["gate"]                                  # [L,B,H,T,T], [L,B,T,H]
   B, T = x.shape[:2]
@@ -280,28 +269,15 @@ def evaluate(params, variant: str, x, y, tpos, impl: str = "reference") -> dict[
       "bos_attention_trigger_per_head": np.asarray(bos_tr).tolist(),
   }
   rec.update(value_norms(params, x, variant, impl))
-  mass = jnp.swapaxes(attn.sum(-1), 2, 3)                                  # [L,B,T,H]: total weight on real keys
+  # the variant's own weight beside the BOS key's: the sink logit's mass sigma(sink - LSE), the gate, the ReLU mass
+  own = {"sink": 1.0 - gate, "gated": gate, "relu": jnp.swapaxes(attn.sum(-1), 2, 3)}       # [L,B,T,H]
+  if variant in own:                     # the means, then the per-head lists (the committed records' key order)
+    v = {f"{OWN[variant][1]}_{where}": per_head(own[variant], m) for where, m in (("nontrigger", nontrig),
+                                                                                 ("trigger", trig))}
+    rec.update({k: float(h.mean()) for k, h in v.items()})
+    rec.update({f"{k}_per_head": np.asarray(h).tolist() for k, h in v.items()})
   if variant == "sink":
-    sink_mass = 1.0 - gate                                                 # sigma(sink - LSE)
-    rec.update({
-        "sink_attention_nontrigger": float(per_head(sink_mass, nontrig).mean()),
-        "sink_attention_trigger": float(per_head(sink_mass, trig).mean()),
-        "sink_attention_nontrigger_per_head": np.asarray(per_head(sink_mass, nontrig)).tolist(),
-        "sink_attention_trigger_per_head": np.asarray(per_head(sink_mass, trig)).tolist(),
-        "sink_logits": [np.asarray(p["sink"]).tolist() for p in params],
-    })
-  elif variant == "gated":
-    rec.update({
-        "gate_nontrigger": float(per_head(gate, nontrig).mean()),
-        "gate_trigger": float(per_head(gate, trig).mean()),
-        "gate_nontrigger_per_head": np.asarray(per_head(gate, nontrig)).tolist(),
-        "gate_trigger_per_head": np.asarray(per_head(gate, trig)).tolist(),
-    })
-  elif variant == "relu":
-    rec.update({
-        "attention_mass_nontrigger": float(per_head(mass, nontrig).mean()),
-        "attention_mass_trigger": float(per_head(mass, trig).mean()),
-    })
+    rec["sink_logits"] = [np.asarray(p["sink"]).tolist() for p in params]
   return rec
 
 
@@ -321,13 +297,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
           f"{'final_loss':>10s} {'baseline':>9s} {'BOS@non-trig':>12s} {'BOS@trigger':>11s}  extra")
   lines = [head, "-" * len(head)]
   for r in records:
-    extra = ""
-    if r["variant"] == "sink":
-      extra = f"sink@non-trig={r['sink_attention_nontrigger']:.3f} sink@trig={r['sink_attention_trigger']:.3f}"
-    elif r["variant"] == "gated":
-      extra = f"gate@non-trig={r['gate_nontrigger']:.3f} gate@trig={r['gate_trigger']:.3f}"
-    elif r["variant"] == "relu":
-      extra = f"mass@non-trig={r['attention_mass_nontrigger']:.3f} mass@trig={r['attention_mass_trigger']:.3f}"
+    short, name = OWN.get(r["variant"], ("", ""))
+    extra = f"{short}@non-trig={r[name + '_nontrigger']:.3f} {short}@trig={r[name + '_trigger']:.3f}" if name else ""
     lines.append(f"{r['variant']:8s} {r['layers']:2d} {r['heads']:2d} {r['steps']:6d} "
                  f"{'yes' if r['converged'] else 'no':>4s} {'yes' if r['solved'] else 'no':>6s} "
                  f"{r['heldout_max_abs_error']:8.2e} {r['final_loss']:10.2e} {r['baseline_loss']:9.2e} "
