@@ -390,7 +390,7 @@ def plot_dose(dose: dict, ds: dict, out_dir) -> list[pathlib.Path]:
   """dose_imbalance.png (imbalance during training per lambda, final val BPB per seed, BPB(lambda) - BPB(0) per seed
   with its 95 % t-interval) and dose_importance.png (held-out importance by head rank), from dose.json's runs and
   `paper_report.dose_stats`."""
-  from sinkjax.experiments import stats  # pylint: disable=import-outside-toplevel
+  from sinkjax import stats  # pylint: disable=import-outside-toplevel
   runs = dose["runs"]
   lambdas = ds["lambdas"]
   colors = plt.cm.viridis(np.linspace(0, 0.9, len(lambdas)))

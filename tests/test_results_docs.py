@@ -1,6 +1,6 @@
 """The numbers and test statistics docs/RESULTS.md, STREAMING.md and TRIGGER.md quote, recomputed from the committed
 raw files under docs/results/ with numpy and scipy (ttest_rel, permutation_test, binomtest, ttest_ind with
-equal_var=False, the noncentral t), not through `sinkjax.experiments.stats` / `paper_report`, which made them: a doc
+equal_var=False, the noncentral t), not through `sinkjax.stats` / `paper_report`, which made them: a doc
 number that drifts from its source, or a source that changes under a doc, fails here. No training, no model."""
 import json
 import math

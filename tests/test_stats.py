@@ -1,4 +1,4 @@
-"""`sinkjax.experiments.stats` against independent computations: scipy's t-test, permutation test, binomial test and
+"""`sinkjax.stats` against independent computations: scipy's t-test, permutation test, binomial test and
 Welch test, a Monte Carlo of the power, and hand-computed values; the readings' wording against what the tests
 allow."""
 import itertools
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from sinkjax.experiments import stats
+from sinkjax import stats
 
 DIFFS = [[-0.145, -0.160, -0.013], [-0.281, -0.266, -0.132], [0.0097, 0.0061, 0.0071], [0.3, -0.1, 0.2, 0.05],
          [1.0, 2.0, -0.5, 3.0, 0.25, 1.5]]

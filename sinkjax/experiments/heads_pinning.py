@@ -23,7 +23,8 @@ import time
 
 import numpy as np
 
-from sinkjax.experiments import heads_real, runner, stats
+from sinkjax import stats
+from sinkjax.experiments import heads_real, runner
 from sinkjax.experiments.runner import StudyError, one_commit
 
 ARMS = {"base": (0.0, 0), "eq7": (1e-2, 0), "eq8": (1e-2, 2)}     # name -> (lambda, m): base loss, eq. 7, eq. 8

@@ -22,9 +22,9 @@ import time
 
 import numpy as np
 
-from sinkjax import cache_policy
+from sinkjax import cache_policy, stats
 from sinkjax.config import key
-from sinkjax.experiments import runner, stats
+from sinkjax.experiments import runner
 from sinkjax.experiments.runner import StudyError
 
 SINKS = 4
