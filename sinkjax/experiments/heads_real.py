@@ -19,6 +19,7 @@ import pathlib
 import sysconfig
 import time
 
+from sinkjax import paths
 from sinkjax.experiments import runner
 from sinkjax.experiments.runner import StudyError
 
@@ -99,9 +100,7 @@ def english_corpus(out: pathlib.Path) -> dict:
     parts = {"analysis": docs[:ANALYSIS_DOCS], "heldout": docs[ANALYSIS_DOCS:ANALYSIS_DOCS + HELDOUT_DOCS],
              "train": docs[ANALYSIS_DOCS + HELDOUT_DOCS:]}
     for n, d in parts.items():
-      tmp = files[n].with_suffix(".tmp")
-      tmp.write_text("".join(json.dumps({"text": t}) + "\n" for t in d))
-      os.replace(tmp, files[n])
+      paths.write_atomic(files[n], "".join(json.dumps({"text": t}) + "\n" for t in d))
   return {n: {"path": str(f), "documents": sum(1 for _ in f.open())} for n, f in files.items()}
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import yaml
 
 from sinkjax import config as config_lib
+from sinkjax import paths
 from sinkjax import options as options_lib
 from sinkjax.cli import UserError
 from sinkjax.config import key
@@ -37,12 +38,10 @@ def read_json(path) -> Any:
 
 
 def write_json(path, obj) -> None:
-  """Writes `obj` as indented JSON through a temporary file, so a reader never sees half a record."""
+  """Writes `obj` as indented JSON through a temporary file (`paths.write_atomic`): a reader never sees half a record."""
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(obj, indent=1))
-  os.replace(tmp, path)
+  paths.write_atomic(path, json.dumps(obj, indent=1))
 
 
 def git_commit() -> dict:
