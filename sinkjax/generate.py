@@ -63,7 +63,6 @@ from sinkjax import cli
 if __name__ == "__main__":
   cli.require_extra("sinkjax.generate")   # before the imports below: without the train extra, one line naming it
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -539,7 +538,7 @@ class GenerateOptions:
 COMMAND = options.Command(
     prog="python -m sinkjax.generate", description=__doc__.split("\n\n")[0],
     sections={"generate": GenerateOptions, "cache": cache_policy.CacheOptions}, run_overrides=True,
-    formatter_class=argparse.RawDescriptionHelpFormatter)
+    raw_description=True)
 
 
 def _validate(opts: GenerateOptions, cache: cache_policy.CacheOptions) -> None:

@@ -36,7 +36,7 @@ class Command:
   description: str
   sections: dict
   run_overrides: bool = False
-  formatter_class: type = argparse.HelpFormatter
+  raw_description: bool = False          # the description printed as written (its own line breaks), not re-wrapped
   options_file: str | None = "--config"   # the flag of a YAML file of option sections (None: a command whose
                                           # --config is a run's config, sinkjax.compile, has none)
   positional: str | None = None           # the key ("section.key") a word without "=" sets: the one operand a command
@@ -111,10 +111,14 @@ def add_flags(parser: argparse.ArgumentParser, section: str, cls) -> None:
       parser.add_argument(*alias, metavar=metavar, **common)
 
 
+def _formatter(command: Command) -> type:
+  return argparse.RawDescriptionHelpFormatter if command.raw_description else argparse.HelpFormatter
+
+
 def build_parser(command: Command) -> cli.Parser:
   """The argparse parser of `command`: --config, the flags of every section (`add_flags`) and the section.key=value
   words. Values stay strings here; `typed` checks them."""
-  p = cli.Parser(prog=command.prog, description=command.description, formatter_class=command.formatter_class)
+  p = cli.Parser(prog=command.prog, description=command.description, formatter_class=_formatter(command))
   _add_options(p, command)
   return p
 
@@ -254,7 +258,7 @@ def main_of(prog: str, description: str, commands: dict, argv, fns: dict, extra_
   parsers = {}
   for name, command in commands.items():
     parsers[name] = sub.add_parser(name, prog=command.prog, help=command.description,
-                                   description=command.description, formatter_class=command.formatter_class)
+                                   description=command.description, formatter_class=_formatter(command))
     _add_options(parsers[name], command)
   parser.epilog = "commands (each with --help):\n" + "".join(  # every subcommand's flags on the command's --help
       "  " + p.format_usage().removeprefix("usage: ") for p in parsers.values())

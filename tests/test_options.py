@@ -162,6 +162,19 @@ def test_no_parser_namespace_below_a_main():
   assert stale == [], f"converted now, take them off NOT_CONVERTED: {stale}"
 
 
+def test_argparse_is_imported_by_the_options_machinery_alone():
+  """Commands declare their options (`options.Command`); only cli.py and options.py build parsers, so only they
+  import argparse (function-level imports included)."""
+  importers = set()
+  for path in ROOT.rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module] if isinstance(node, ast.ImportFrom) else [])
+      if "argparse" in names:
+        importers.add(str(path.relative_to(ROOT)))
+  assert importers == {"cli.py", "options.py"}
+
+
 def test_library_functions_take_the_typed_sections():
   """The converted commands' library functions name their typed sections (not a namespace)."""
   import inspect

@@ -20,7 +20,6 @@ The last column is each row's time over the first backend's in --impls at the sa
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -68,7 +67,7 @@ class AttentionBenchOptions:
 
 COMMAND = options.Command(prog="python -m sinkjax.bench.attention", description=__doc__,
                           sections={"bench_attention": AttentionBenchOptions},
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+                          raw_description=True)
 
 
 def block_sizes(opts: AttentionBenchOptions) -> BlockSizes:

@@ -19,7 +19,6 @@ table row per (case, backend); exit status 1 if any error exceeds the tolerance 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
@@ -158,7 +157,7 @@ class KernelCheckOptions:
 
 COMMAND = options.Command(prog="python -m sinkjax.bench.kernel_check", description=__doc__,
                           sections={"bench_kernel_check": KernelCheckOptions},
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+                          raw_description=True)
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,6 @@ calls (XLA:CPU traces them around their bodies' ops) are left out, their bodies'
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import gzip
@@ -160,7 +159,7 @@ class ProfileSummaryOptions:
 
 COMMAND = options.Command(prog="python -m sinkjax.bench.profile_summary", description=__doc__,
                           sections={"profile_summary": ProfileSummaryOptions}, positional="profile_summary.trace",
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+                          raw_description=True)
 
 
 def main(argv=None) -> int:

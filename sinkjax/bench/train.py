@@ -40,7 +40,6 @@ from sinkjax import cli
 if __name__ == "__main__":
   cli.require_extra("sinkjax.bench.train")   # before the imports below, which need the train extra
 
-import argparse
 import dataclasses
 import os
 import pathlib
@@ -269,7 +268,7 @@ class TrainBenchOptions:
 
 COMMAND = options.Command(prog="python -m sinkjax.bench.train", description=__doc__,
                           sections={"bench_train": TrainBenchOptions}, options_file=None,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+                          raw_description=True)
 
 
 def with_preset(opts: TrainBenchOptions) -> TrainBenchOptions:

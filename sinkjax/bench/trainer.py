@@ -35,7 +35,6 @@ from sinkjax import cli
 if __name__ == "__main__":
   cli.require_extra("sinkjax.bench.trainer")   # before the imports below, which need the train extra
 
-import argparse
 import dataclasses
 import pathlib
 import statistics
@@ -260,7 +259,7 @@ class TrainerBenchOptions:
 
 COMMAND = options.Command(prog="python -m sinkjax.bench.trainer", description=__doc__,
                           sections={"bench_trainer": TrainerBenchOptions}, run_overrides=True, options_file=None,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+                          raw_description=True)
 
 
 def main(argv=None) -> int:
