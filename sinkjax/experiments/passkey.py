@@ -201,7 +201,7 @@ def probe(model, tokenizer, *, lengths, depths, samples: int, sink_size: int, wi
     for name, cache_kw, full in cache_modes(sink_size, window, policies, ids.shape[1]):
       _, hit = streaming_scores(model, ids, **cache_kw)
       right, digits = key_outcomes(hit, answer)
-      n_full = every if name == "full cache" else (0 if full is None else int(np.sum(full)))
+      n_full = every if "sink_size" not in cache_kw else (0 if full is None else int(np.sum(full)))   # full: no sinks
       for i, b in enumerate(batches):
         cell = slice(i * samples, (i + 1) * samples)
         records.append(dict(mode=name, context=b.context, depth=b.depth, accuracy=float(np.mean(right[cell])),
