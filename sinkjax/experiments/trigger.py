@@ -270,10 +270,12 @@ def evaluate(params, variant: str, x, y, tpos, impl: str = "reference") -> dict[
   }
   rec.update(value_norms(params, x, variant, impl))
   # the variant's own weight beside the BOS key's: the sink logit's mass sigma(sink - LSE), the gate, the ReLU mass
-  own = {"sink": 1.0 - gate, "gated": gate, "relu": jnp.swapaxes(attn.sum(-1), 2, 3)}       # [L,B,T,H]
-  if variant in own:                     # the means, then the per-head lists (the committed records' key order)
-    v = {f"{OWN[variant][1]}_{where}": per_head(own[variant], m) for where, m in (("nontrigger", nontrig),
-                                                                                 ("trigger", trig))}
+  own = {"sink": lambda: 1.0 - gate, "gated": lambda: gate,
+         "relu": lambda: jnp.swapaxes(attn.sum(-1), 2, 3)}.get(variant)                 # [L,B,T,H], only this one
+  if own is not None:                    # the means, then the per-head lists (the committed records' key order)
+    weight = own()
+    v = {f"{OWN[variant][1]}_{where}": per_head(weight, m) for where, m in (("nontrigger", nontrig),
+                                                                            ("trigger", trig))}
     rec.update({k: float(h.mean()) for k, h in v.items()})
     rec.update({f"{k}_per_head": np.asarray(h).tolist() for k, h in v.items()})
   if variant == "sink":
