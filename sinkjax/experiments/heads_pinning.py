@@ -300,7 +300,8 @@ def null_check(plan: runner.Plan) -> dict:
                  "differ_after_step_1": sorted(k for k in first if not np.array_equal(ref[0][k], first[k]))})
     _log(f"null check {'/'.join(setup)} {label}: step 1 {c1['max_abs_diff']:.3g}, step {steps} "
          f"{cn['max_abs_diff']:.3g}")
-  recipe = pathlib.Path(plan.recipe).resolve().relative_to(runner.REPO)
+  recipe = pathlib.Path(plan.recipe).resolve()
+  recipe = recipe.relative_to(runner.REPO) if recipe.is_relative_to(runner.REPO) else recipe   # a base elsewhere
   return {"what": f"{recipe} with {' '.join(plan.overrides)}, seed 0, one batch repeated for {steps} steps, float32 "
                   "on the CPU; every parameter compared with the first lambda = 0 run of its setup",
           "steps": steps, "runs": rows, **_commit()}
