@@ -32,9 +32,22 @@ from sinkjax.cli import UserError
 SPLITS = ("gsm8k", "math", "olympiadbench", "omnimath")     # ProcessBench's
 GROUP = "processbench"
 DATASET = "Qwen/ProcessBench"
-# The downstream columns of the paper's Table 1 ([Sink-MoE] §5.1), as lm-eval task names.
-PAPER_TASKS = ("mmlu", "gsm8k", "humaneval", "arc_easy", "arc_challenge", "hellaswag", "piqa", "openbookqa", "boolq",
-               "winogrande")
+# The downstream columns of the paper's Table 1 ([Sink-MoE] §5.1): (column, lm-eval task, metric keys of lm-eval's
+# results_*.json in order of preference). The paper states neither metric nor shots (docs/EVAL.md); ours: acc for the
+# multiple-choice tasks, GSM8K's strict-match exact match, HumanEval's greedy pass@1.
+TABLE1_COLUMNS = (
+    ("MMLU", "mmlu", ("acc,none",)),
+    ("GSM8K", "gsm8k", ("exact_match,strict-match", "exact_match,flexible-extract")),
+    ("HumanEval", "humaneval", ("pass@1,create_test", "pass@1,none")),
+    ("ARC-E", "arc_easy", ("acc,none",)),
+    ("ARC-C", "arc_challenge", ("acc,none",)),
+    ("HellaSwag", "hellaswag", ("acc,none",)),
+    ("PIQA", "piqa", ("acc,none",)),
+    ("OpenBookQA", "openbookqa", ("acc,none",)),
+    ("BoolQ", "boolq", ("acc,none",)),
+    ("Winogrande", "winogrande", ("acc,none",)),
+)
+PAPER_TASKS = tuple(task for _, task, _ in TABLE1_COLUMNS)
 # [Sink-MoE] Table 2's fine-tuning benchmarks (§5.3) as lm-eval 0.4.x names: ARC (the Challenge set: our reading), MuSR
 # (the Open LLM Leaderboard's three), GSM8K, MATH-500, Competition-Math (MATH's 5,000 test problems, minerva_math's 7
 # subjects), ProcessBench (ours: sinkjax.lm_eval_tasks), and LongBench's HotpotQA, Qasper, TriviaQA, NarrativeQA,

@@ -144,6 +144,44 @@ def pooled_sd(groups) -> tuple[float, int]:
   return math.sqrt(sum(float(((g - g.mean()) ** 2).sum()) for g in groups) / df), df
 
 
+def seed_stats(xs) -> dict:
+  """mean, sample std (ddof 1; None for one value), min, max, n and the values."""
+  a = np.asarray(xs, np.float64)
+  return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else None, "min": float(a.min()),
+          "max": float(a.max()), "n": int(a.size), "values": a.tolist()}
+
+
+def mean_std(s: dict | None, nd: int = 4) -> str:
+  """A `seed_stats` as "mean ± std" ("—": none; no std for one value)."""
+  if not s:
+    return "—"
+  return f"{s['mean']:.{nd}f}" + (f" ± {s['std']:.{nd}f}" if s["std"] is not None else "")
+
+
+def bootstrap_flip(d, resamples: int = 10000) -> dict:
+  """Over many paired differences (documents): the 95 % percentile bootstrap interval of their mean ("low", "high")
+  and the sign-flip permutation p ("p"), each from `resamples` random draws (seed 0)."""
+  d = np.asarray(d, np.float64)
+  if np.all(d == d[0]):
+    return {"low": float(d[0]), "high": float(d[0]), "p": 1.0 if d[0] == 0 else 0.0}
+  ci = sps.bootstrap((d,), np.mean, n_resamples=resamples, method="percentile",
+                     rng=np.random.default_rng(0)).confidence_interval
+  p = sps.permutation_test((d,), np.mean, permutation_type="samples", n_resamples=resamples,
+                           rng=np.random.default_rng(0)).pvalue
+  return {"low": float(ci.low), "high": float(ci.high), "p": float(p)}
+
+
+def holm(pvalues) -> list:
+  """Holm's step-down adjusted p-values (None stays None): sorted ascending, p_(i) · (n − i + 1), made monotone,
+  capped at 1."""
+  idx = [i for i, p in enumerate(pvalues) if p is not None]
+  out, run = list(pvalues), 0.0
+  for k, i in enumerate(sorted(idx, key=lambda i: pvalues[i])):
+    run = max(run, min(1.0, pvalues[i] * (len(idx) - k)))
+    out[i] = run
+  return out
+
+
 def fmt(x: float, nd: int) -> str:
   """Signed, nd decimals; scientific when that would print a nonzero value as 0."""
   return f"{x:+.{nd}f}" if x == 0 or abs(x) >= 0.5 * 10 ** -nd else f"{x:+.1e}"

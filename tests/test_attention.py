@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sinkjax import balance
 from sinkjax.attention import gated_attention, sink_attention, vanilla_attention
 from sinkjax.balance import aux_loss, head_imbalance, head_importance
 
@@ -224,3 +225,15 @@ def test_segment_first_gather_gradient_matches_scatter():
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(_take_segment_first(x, first, last)),
                                 np.asarray(jnp.take_along_axis(x, first[:, :, None, None], axis=1)))
+
+
+def test_head_roles_by_hand():
+  shared_from = np.array([[0.9, 0.1, 0.5], [0.2, 0.3, 0.8]])          # top-2 per layer: {0, 2}, {2, 1}
+  after = np.array([[0.6, 0.2, 0.4], [0.1, 0.5, 0.7]])
+  r = balance.head_roles(after, shared_from, m=2)
+  assert r["shared_importance"] == pytest.approx(np.mean([0.6, 0.4, 0.5, 0.7]))
+  assert r["routed_importance"] == pytest.approx(np.mean([0.2, 0.1]))
+  assert r["routed_cv"] == pytest.approx(0.0)                          # one routed head per layer
+  cv = lambda x: np.std(x) / np.mean(x)
+  assert r["imbalance"] == pytest.approx((cv(after[0]) + cv(after[1])) / 2)
+  assert r["mean_importance"] == pytest.approx(after.mean())

@@ -372,6 +372,7 @@ def test_cli_errors_are_one_line(argv, message, run_dir, tmp_path, capsys):
 
 
 def test_passkey_samples_hide_the_key_at_the_depth():
+  from sinkjax.data.passkey import QUESTION
   from sinkjax.data.tokenizers import ByteTokenizer
   from sinkjax.experiments import passkey
   tok = ByteTokenizer()
@@ -383,7 +384,7 @@ def test_passkey_samples_hide_the_key_at_the_depth():
       text = tok.decode(row)
       key = text[-5:]
       prompt = text[:-5]
-      assert prompt.endswith(passkey.QUESTION) and f"The pass key is #{key}. Remember it. #{key} is" in prompt
+      assert prompt.endswith(QUESTION) and f"The pass key is #{key}. Remember it. #{key} is" in prompt
       before = prompt[:prompt.index("The pass key is")].count(". ")
       total = prompt.count(". ") - 3                      # all sentences but the needle's two and the question's
       assert before == round(depth * total)
@@ -391,7 +392,7 @@ def test_passkey_samples_hide_the_key_at_the_depth():
 
 
 def test_passkey_training_mix(tmp_path):
-  from sinkjax.experiments import passkey
+  from sinkjax.data import passkey
   docs = passkey.training_documents(50, 256, 0.5, seed=0)
   keyed = [d for d in docs if d.endswith(".") and passkey.QUESTION in d]
   assert len(keyed) == 50 and all(len(d) <= 256 for d in keyed)
@@ -417,12 +418,13 @@ def test_passkey_study_errors(argv, message, run_dir, tmp_path, capsys):
 
 
 def test_passkey_make_data_errors(tmp_path, capsys):
-  from sinkjax.experiments import passkey
-  code, _, err = run_cli(passkey.main, ["--make-data", tmp_path / "d.jsonl", "--max-len", "20"], capsys)
+  from sinkjax.data import passkey
+  code, _, err = run_cli(passkey.main, ["--out", tmp_path / "d.jsonl", "--max-len", "20"], capsys)
   assert code != 0 and len(err.strip().splitlines()) == 1 and "--max-len must be >=" in err, err
+  assert not (tmp_path / "d.jsonl").exists()
   with pytest.raises(SystemExit) as e:
     passkey.main(["--docs", "5"])
-  assert e.value.code == 2 and "the following arguments are required: --make-data" in capsys.readouterr().err
+  assert e.value.code == 2 and "the following arguments are required: --out" in capsys.readouterr().err
 
 
 @pytest.mark.slow

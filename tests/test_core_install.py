@@ -39,8 +39,7 @@ def test_the_extra_the_commands_check_is_pyprojects():
 
 
 @pytest.mark.parametrize("module", ["sinkjax.train", "sinkjax.eval", "sinkjax.generate", "sinkjax.convert.hf",
-                                    "sinkjax.convert.nanochat", "sinkjax.experiments.passkey",
-                                    "sinkjax.experiments.study",
+                                    "sinkjax.convert.nanochat", "sinkjax.experiments.study",
                                     "sinkjax.bench.data", "sinkjax.bench.train"])
 def test_a_command_without_the_train_extra_names_it_in_one_line(module):
   """`python -m MODULE` with grain hidden (as an install without the extra lacks it): status 1 and one line."""

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from scipy import stats as sps
 
+from sinkjax import stats
 from sinkjax.config import load_config
 from sinkjax.data import build_tokenizer
 from sinkjax.experiments import heads_pinning as hp
@@ -54,12 +55,6 @@ def test_doc_eval_is_each_document_alone(tmp_path):
     assert ev["shared_importance"][i] == pytest.approx(imp[:, 2].mean(), rel=1e-5)
     assert ev["routed_importance"][i] == pytest.approx(routed.mean(), rel=1e-5)
     assert ev["routed_cv"][i] == pytest.approx(np.mean(routed.std(-1) / routed.mean(-1)), rel=1e-4, abs=1e-7)
-
-
-def test_holm_by_hand():
-  # sorted 0.01, 0.02, 0.04, 0.5 -> x4, x3, x2, x1 = 0.04, 0.06, 0.08, 0.5 (monotone); None stays None
-  assert hp.holm([0.04, None, 0.01, 0.5, 0.02]) == pytest.approx([0.08, None, 0.04, 0.5, 0.06])
-  assert hp.holm([0.3, 0.3]) == [0.6, 0.6] and hp.holm([0.9, 0.8]) == [1.0, 1.0]
 
 
 def _fake_results(root, seeds=(0, 1, 2), docs=20, steps=40):
@@ -107,7 +102,7 @@ def test_report_statistics(tmp_path):
     width = boot[1] - boot[0]
     assert abs(e["doc_low"] - boot[0]) < 0.1 * width and abs(e["doc_high"] - boot[1]) < 0.1 * width
   ps = [e["p_t"] for e in s["effects"]]
-  assert [e["p_t_holm"] for e in s["effects"]] == pytest.approx(hp.holm(ps))
+  assert [e["p_t_holm"] for e in s["effects"]] == pytest.approx(stats.holm(ps))
   md = hp.markdown(s)
   assert "| eq. 8 − eq. 7, held-out loss (nats/token) |" in md and "| base@40 | 3 |" in md
 

@@ -1,11 +1,7 @@
-"""The real-model studies' pieces that need no model: the offline English corpus (heads_real) and the head-role metrics
-of the pinning study (heads_pinning) against a hand computation."""
+"""The real-model studies' pieces that need no model: the offline English corpus (heads_real)."""
 import json
 
-import numpy as np
-import pytest
-
-from sinkjax.experiments import heads_pinning, heads_real
+from sinkjax.experiments import heads_real
 
 
 def test_corpus_is_english_prose_split_without_overlap(tmp_path):
@@ -21,13 +17,3 @@ def test_corpus_is_english_prose_split_without_overlap(tmp_path):
   assert heads_real.english_corpus(tmp_path) == corpus
 
 
-def test_role_metrics_by_hand():
-  shared_from = np.array([[0.9, 0.1, 0.5], [0.2, 0.3, 0.8]])          # top-2 per layer: {0, 2}, {2, 1}
-  after = np.array([[0.6, 0.2, 0.4], [0.1, 0.5, 0.7]])
-  r = heads_pinning.role_metrics(after, shared_from, m=2)
-  assert r["shared_importance"] == pytest.approx(np.mean([0.6, 0.4, 0.5, 0.7]))
-  assert r["routed_importance"] == pytest.approx(np.mean([0.2, 0.1]))
-  assert r["routed_cv"] == pytest.approx(0.0)                          # one routed head per layer
-  cv = lambda x: np.std(x) / np.mean(x)
-  assert r["imbalance"] == pytest.approx((cv(after[0]) + cv(after[1])) / 2)
-  assert r["mean_importance"] == pytest.approx(after.mean())

@@ -28,6 +28,7 @@ from sinkjax.cli import ConfigError
 from sinkjax.convert import hf as convert_hf
 from sinkjax.convert import nanochat as convert_nanochat
 from sinkjax.data import acereason, fineweb
+from sinkjax.data import passkey as passkey_data
 from sinkjax.data import tokenizer as tokenizer_cli
 from sinkjax.experiments import paper_report, passkey, study
 
@@ -45,10 +46,10 @@ COMMANDS = {"eval": ev, "generate": gen, "lm_eval": lm_eval, "compile": compile_
             "bench.attention": bench_attention, "bench.data": bench_data, "bench.train": bench_train,
             "bench.trainer": bench_trainer, "bench.kernel_check": kernel_check,
             "bench.profile_summary": profile_summary, "convert.hf": convert_hf, "convert.nanochat": convert_nanochat,
-            "data.fineweb": fineweb, "data.acereason": acereason,
+            "data.fineweb": fineweb, "data.acereason": acereason, "data.passkey": passkey_data,
             "data.tokenizer train": _subcommand(tokenizer_cli, "train"),
             "data.tokenizer from-tiktoken": _subcommand(tokenizer_cli, "from-tiktoken"),
-            "experiments.passkey": passkey, "experiments.paper_report": paper_report,
+            "experiments.paper_report": paper_report,
             "experiments.study": study}
 RUN_COMMANDS = {k: COMMANDS[k] for k in ("eval", "generate", "lm_eval")}     # those that take --checkpoint RUN_DIR
 

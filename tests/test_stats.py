@@ -117,3 +117,9 @@ def test_readings_claim_no_more_than_the_tests():
   d = stats.drift([0.0084, 0.002, 0.0026], what="null")
   assert "drift control" in d["sentence"] and d["reading"] == "no drift detected"
   assert stats.fmt(-2.3e-4, 3) == "-2.3e-04" and stats.fmt(0.0123, 3) == "+0.012"
+
+
+def test_holm_by_hand():
+  # sorted 0.01, 0.02, 0.04, 0.5 -> x4, x3, x2, x1 = 0.04, 0.06, 0.08, 0.5 (monotone); None stays None
+  assert stats.holm([0.04, None, 0.01, 0.5, 0.02]) == pytest.approx([0.08, None, 0.04, 0.5, 0.06])
+  assert stats.holm([0.3, 0.3]) == [0.6, 0.6] and stats.holm([0.9, 0.8]) == [1.0, 1.0]

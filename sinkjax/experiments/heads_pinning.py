@@ -23,9 +23,10 @@ import time
 
 import numpy as np
 
-from sinkjax import stats
+from sinkjax import balance, stats
 from sinkjax.experiments import heads_real, runner
 from sinkjax.experiments.runner import StudyError, one_commit
+from sinkjax.markdown import table
 
 ARMS = {"base": (0.0, 0), "eq7": (1e-2, 0), "eq8": (1e-2, 2)}     # name -> (lambda, m): base loss, eq. 7, eq. 8
 ARM_TITLES = {"base": "base", "eq7": "eq. 7", "eq8": "eq. 8"}
@@ -40,7 +41,6 @@ METRICS = (("val_loss", "held-out loss (nats/token)"), ("imbalance", "head imbal
            ("routed_cv", "routed heads' CV"), ("mean_importance", "mean importance"))
 RAW_FILES = ("record.json", "metrics.jsonl", "config.yaml")
 STUDY_FILE = runner.REPO / "configs" / "studies" / "heads_pinning.yaml"
-BOOTSTRAP = 10000
 
 _read, _write, _log, _commit = runner.read_json, runner.write_json, heads_real.log, heads_real.commit
 
@@ -60,19 +60,6 @@ def run_order(seeds=SEEDS) -> list[tuple[str, int]]:
 
 
 # ------------------------------------------------------------------------------------------------ the documents
-
-def role_metrics(imp, shared_imp, m: int = 2) -> dict:
-  """Importance [L, H] of the shared heads (top-m per layer of `shared_imp`, the pretrained importance eq. 8 fixed) in
-  `imp` and of the routed rest, and the routed heads' CV (eq. 8's target); plus the overall imbalance (eq. 6)
-  and mean importance."""
-  a, s = np.asarray(imp, np.float64), np.asarray(shared_imp, np.float64)
-  shared = np.zeros(s.shape, bool)
-  np.put_along_axis(shared, np.argsort(-s, -1)[:, :m], True, -1)
-  routed = a[~shared].reshape(a.shape[0], -1)
-  cv = lambda x: float(np.mean(x.std(-1) / np.maximum(x.mean(-1), 1e-12)))
-  return {"imbalance": cv(a), "shared_importance": float(a[shared].mean()), "routed_importance": float(routed.mean()),
-          "routed_cv": cv(routed), "mean_importance": float(a.mean())}        # the order of doc_eval's records
-
 
 def doc_rows(tok, path, T: int = DOC_TOKENS) -> tuple[dict, int]:
   """One row per document of the JSONL file: its first T + 1 tokens (no BOS: as the training rows), padding after;
@@ -114,7 +101,7 @@ def _doc_fn(graphdef, chunk: int):
 
 def doc_eval(model, rows: dict, shared_imp, m: int = 2, chunk: int = 8) -> dict:
   """Per document (one row each): summed and mean NLL of its targets, and role metrics of its own importance
-  (`role_metrics` with the shared set = top-m of `shared_imp` per layer); plus `importance`, the mean over
+  (`balance.head_roles` with the shared set = top-m of `shared_imp` per layer); plus `importance`, the mean over
   documents of their importances [L, H]. Each row is its own forward pass (a vmap over rows in chunks of `chunk`), so
   a document's importance is its own."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -123,7 +110,7 @@ def doc_eval(model, rows: dict, shared_imp, m: int = 2, chunk: int = 8) -> dict:
   graphdef, state = nnx.split(model)
   nll_sum, imp = jax.device_get(_doc_fn(graphdef, chunk)(state, {k: jnp.asarray(v) for k, v in rows.items()}))
   tokens, nll_sum = rows["loss_mask"].sum(-1).astype(np.float64), np.asarray(nll_sum, np.float64)
-  roles = [role_metrics(x, shared_imp, m) for x in imp]
+  roles = [balance.head_roles(x, shared_imp, m) for x in imp]
   return {"tokens": tokens.astype(int).tolist(), "nll_sum": nll_sum.tolist(),
           "val_loss": (nll_sum / np.maximum(tokens, 1.0)).tolist(), **{k: [r[k] for r in roles] for k in roles[0]},
           "importance": np.asarray(imp, np.float64).mean(0).tolist()}
@@ -346,15 +333,15 @@ def summarize(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
     for key, what in METRICS:
       per_seed = [float(np.mean(a[s][key]) - np.mean(b[s][key])) for s in ss]
       per_doc = np.mean([np.asarray(a[s][key]) - np.asarray(b[s][key]) for s in ss], axis=0)
+      docs, t = stats.bootstrap_flip(per_doc), stats.t_interval(per_seed) if len(ss) >= 2 else {}  # 1 seed: no t
       e = {"contrast": f"{treated}-{control}", "metric": key,
            "what": f"{ARM_TITLES[treated]} − {ARM_TITLES[control]}, {what}", "seeds": ss,
            "mean": float(np.mean(per_seed)), "per_seed": per_seed, "documents": int(per_doc.size),
-           **doc_test(per_doc)}
-      t = stats.t_interval(per_seed) if len(ss) >= 2 else {}        # one seed: no t
+           "doc_low": docs["low"], "doc_high": docs["high"], "p_doc": docs["p"]}
       e.update({"t_low": t.get("low"), "t_high": t.get("high"), "t": t.get("t"), "p_t": t.get("p")})
       effects.append(e)
   for col in ("p_t", "p_doc"):
-    adj = holm([e[col] for e in effects])
+    adj = stats.holm([e[col] for e in effects])
     for e, p in zip(effects, adj):
       e[col + "_holm"] = p
   times = [r["train_seconds"] for r in recs.values()]
@@ -363,32 +350,6 @@ def summarize(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
           "dropped_interrupted": sorted(r["name"] for r in recs.values() if r.get("dropped_interrupted")),
           "documents": s0["documents"], "shared_heads_documents": shared["documents"], "curve": curve,
           "effects": effects}
-
-
-def doc_test(per_doc) -> dict:
-  """Over documents: the 95 % bootstrap interval (percentile, BOOTSTRAP resamples, seed 0) of the mean per-document
-  difference and the paired sign-flip permutation p (BOOTSTRAP random flips, seed 0; scipy.stats)."""
-  from scipy import stats as sps  # pylint: disable=import-outside-toplevel
-  d = np.asarray(per_doc, np.float64)
-  if np.all(d == d[0]):
-    return {"doc_low": float(d[0]), "doc_high": float(d[0]), "p_doc": 1.0 if d[0] == 0 else 0.0}
-  ci = sps.bootstrap((d,), np.mean, n_resamples=BOOTSTRAP, method="percentile",
-                     rng=np.random.default_rng(0)).confidence_interval
-  p = sps.permutation_test((d,), np.mean, permutation_type="samples", n_resamples=BOOTSTRAP,
-                           rng=np.random.default_rng(0)).pvalue
-  return {"doc_low": float(ci.low), "doc_high": float(ci.high), "p_doc": float(p)}
-
-
-def holm(pvalues) -> list:
-  """Holm's step-down adjusted p-values (None stays None): sorted ascending, p_(i) · (n − i + 1), made monotone,
-  capped at 1."""
-  idx = [i for i, p in enumerate(pvalues) if p is not None]
-  order = sorted(idx, key=lambda i: pvalues[i])
-  out, run = list(pvalues), 0.0
-  for k, i in enumerate(order):
-    run = max(run, min(1.0, pvalues[i] * (len(order) - k)))
-    out[i] = run
-  return out
 
 
 def _f(x, nd=4) -> str:
@@ -410,17 +371,14 @@ def markdown(summary: dict) -> str:
            "## Effects at the end step", "",
            "Per seed: the mean over documents; t over seeds (t_{n-1}). Per document: the difference averaged over "
            "seeds, 95 % bootstrap interval and sign-flip permutation p. Holm across the table, per column.", "",
-           "| effect | mean | 95 % t-interval (seeds) | p (t) | Holm | 95 % bootstrap (documents) | p (documents) | "
-           "Holm |", "|---|---|---|---|---|---|---|---|"]
-  for e in summary["effects"]:
-    ti = "—" if e["t_low"] is None else f"[{_f(e['t_low'])}, {_f(e['t_high'])}]"
-    lines.append(f"| {e['what']} | {_f(e['mean'])} | {ti} | {_pf(e['p_t'])} | {_pf(e['p_t_holm'])} | "
-                 f"[{_f(e['doc_low'])}, {_f(e['doc_high'])}] | {_pf(e['p_doc'])} | {_pf(e['p_doc_holm'])} |")
-  lines += ["", "## The curve (mean over seeds of each run's mean over documents)", "",
-            "| arm @ step | seeds | " + " | ".join(w for _, w in METRICS) + " |",
-            "|---|---|" + "---|" * len(METRICS)]
-  for k, row in summary["curve"].items():
-    lines.append(f"| {k} | {row['seeds']} | " + " | ".join(f"{row[m]:.4f}" for m, _ in METRICS) + " |")
+           *table(["effect", "mean", "95 % t-interval (seeds)", "p (t)", "Holm", "95 % bootstrap (documents)",
+                   "p (documents)", "Holm"],
+                  ([e["what"], _f(e["mean"]), "—" if e["t_low"] is None else f"[{_f(e['t_low'])}, {_f(e['t_high'])}]",
+                    _pf(e["p_t"]), _pf(e["p_t_holm"]), f"[{_f(e['doc_low'])}, {_f(e['doc_high'])}]", _pf(e["p_doc"]),
+                    _pf(e["p_doc_holm"])] for e in summary["effects"])),
+           "", "## The curve (mean over seeds of each run's mean over documents)", "",
+           *table(["arm @ step", "seeds", *(w for _, w in METRICS)],
+                  ([k, row["seeds"], *(f"{row[m]:.4f}" for m, _ in METRICS)] for k, row in summary["curve"].items()))]
   return "\n".join(lines) + "\n"
 
 

@@ -22,13 +22,15 @@ import time
 import jax
 import numpy as np
 
+from sinkjax import balance, paths
 from sinkjax import config as config_lib
-from sinkjax import paths
 from sinkjax.cli import UserError
 from sinkjax.experiments import runner
-from sinkjax.experiments.paper_report import (LOSSES, VARIANTS, finetune_lines, finetune_summary, mean_std, seed_stats,
-                                              table, table1, table1_cells, table1_effects, table1_lines)
+from sinkjax.experiments.paper_report import (LOSSES, VARIANTS, finetune_lines, finetune_summary, table1, table1_cells,
+                                              table1_effects, table1_lines)
 from sinkjax.experiments.runner import StudyError, git_commit, one_commit, read_json, write_json
+from sinkjax.markdown import table
+from sinkjax.stats import mean_std, seed_stats
 
 TAU = 0.75                                     # [Sink-MoE] App. A: selective zeroing of heads with alpha > tau
 STUDIES = runner.REPO / "configs" / "studies"
@@ -271,22 +273,15 @@ def finetune_run(plan: runner.Plan, base_dir: pathlib.Path, spec: RunSpec, mode:
 
 
 def head_roles(before, after, m: int = FINETUNE_SHARED) -> dict:
-  """How the heads' roles moved from `before` to `after` [L,H]: the top-m heads per layer before ("shared") and the
-  rest ("routed"): their mean importance before / after, the routed heads' CV (eq. 8's target), and the layers whose
-  top-m set changed (a head lost its role)."""
-  b, a = np.asarray(before, np.float64), np.asarray(after, np.float64)
-  top_b, top_a = np.argsort(-b, -1)[:, :m], np.argsort(-a, -1)[:, :m]
-  shared = np.zeros(b.shape, bool)
-  np.put_along_axis(shared, top_b, True, -1)
-  routed = lambda x: x[~shared].reshape(x.shape[0], -1)
-  cv = lambda x: float(np.mean(x.std(-1) / np.maximum(x.mean(-1), 1e-12)))
-  changed = [l for l in range(b.shape[0]) if set(top_b[l]) != set(top_a[l])]
-  return {"shared_heads": top_b.tolist(), "shared_before": float(b[shared].mean()),
-          "shared_after": float(a[shared].mean()),
-          "routed_before": float(routed(b).mean()), "routed_after": float(routed(a).mean()),
-          "routed_cv_before": cv(routed(b)), "routed_cv_after": cv(routed(a)),
-          "imbalance_before": cv(b), "imbalance_after": cv(a),
-          "layers_top_changed": changed, "top_heads_after": top_a.tolist()}
+  """How the heads' roles moved from `before` to `after` [L,H] (`balance.head_roles`, the shared heads the top-m per
+  layer before): their importance before / after, the routed heads' CV, and the layers whose top-m set changed."""
+  top_b, top_a = (np.argsort(-np.asarray(x, np.float64), -1)[:, :m] for x in (before, after))
+  b, a = (balance.head_roles(x, before, m) for x in (before, after))
+  changed = [l for l in range(len(top_b)) if set(top_b[l]) != set(top_a[l])]
+  return {"shared_heads": top_b.tolist(), "shared_before": b["shared_importance"], "shared_after": a["shared_importance"],
+          "routed_before": b["routed_importance"], "routed_after": a["routed_importance"],
+          "routed_cv_before": b["routed_cv"], "routed_cv_after": a["routed_cv"], "imbalance_before": b["imbalance"],
+          "imbalance_after": a["imbalance"], "layers_top_changed": changed, "top_heads_after": top_a.tolist()}
 
 
 def run_finetune(plan: runner.Plan, specs: list[RunSpec], root: pathlib.Path, commit: dict | None = None) -> dict:

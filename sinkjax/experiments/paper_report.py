@@ -22,6 +22,9 @@ from sinkjax import choices, options, paths, stats
 from sinkjax.cli import UserError
 from sinkjax.config import key
 from sinkjax.experiments import runner
+from sinkjax.lm_eval_tasks import TABLE1_COLUMNS
+from sinkjax.markdown import table
+from sinkjax.stats import mean_std, seed_stats
 
 REPO = runner.REPO
 GRID = REPO / "docs" / "results" / "paper_cpu" / "results.json"
@@ -48,13 +51,6 @@ def aux_term(record, lam: float) -> float:
   """lambda * sum_l H * CV(Imp[l,:])^2 (eq. 7) at the run's held-out importances (cv_per_layer)."""
   cv = np.asarray(record["cv_per_layer"], np.float64)
   return lam * len(record["importance"][0]) * float((cv ** 2).sum())
-
-
-def seed_stats(xs) -> dict:
-  """mean, sample std (ddof 1; None for one value), min, max, n and the values."""
-  a = np.asarray(xs, np.float64)
-  return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else None, "min": float(a.min()),
-          "max": float(a.max()), "n": int(a.size), "values": a.tolist()}
 
 
 def table1(records: list[dict]) -> dict:
@@ -215,21 +211,6 @@ def _first_token(runs) -> dict:
       sl = np.array([r["sink_logit_attention"] for r in rs])
       out[v].update(sink_logit_min=float(sl.min()), sink_logit_max=float(sl.max()))
   return out
-
-
-def mean_std(s: dict | None, nd: int = 4) -> str:
-  """A `seed_stats` as "mean ± std" ("—": none; no std for one seed)."""
-  if not s:
-    return "—"
-  return f"{s['mean']:.{nd}f}" + (f" ± {s['std']:.{nd}f}" if s["std"] is not None else "")
-
-
-def table(cols, rows, align: str = "") -> list[str]:
-  """A markdown table: the header `cols`, its separator (`align`: "l" / "r" a column, default left) and one line per
-  row (a list of cells, or a line as it is)."""
-  line = lambda cells: cells if isinstance(cells, str) else "| " + " | ".join(map(str, cells)) + " |"
-  return [line(cols), "|" + "".join("---:|" if a == "r" else "---|" for a in align.ljust(len(cols), "l")),
-          *map(line, rows)]
 
 
 def effect_cells(e: dict, nd: int) -> list[str]:
@@ -590,23 +571,6 @@ def _jsonable(x):
 
 
 # ------------------------------------------------------------------------------------------- run directories
-
-# Table 1's downstream columns: (column, lm-eval task, metric keys of results_*.json in order of preference). The paper
-# states neither metric nor shots (docs/EVAL.md); ours: acc for the multiple-choice tasks, GSM8K's strict-match exact
-# match, HumanEval's greedy pass@1.
-TABLE1_COLUMNS = (
-    ("MMLU", "mmlu", ("acc,none",)),
-    ("GSM8K", "gsm8k", ("exact_match,strict-match", "exact_match,flexible-extract")),
-    ("HumanEval", "humaneval", ("pass@1,create_test", "pass@1,none")),
-    ("ARC-E", "arc_easy", ("acc,none",)),
-    ("ARC-C", "arc_challenge", ("acc,none",)),
-    ("HellaSwag", "hellaswag", ("acc,none",)),
-    ("PIQA", "piqa", ("acc,none",)),
-    ("OpenBookQA", "openbookqa", ("acc,none",)),
-    ("BoolQ", "boolq", ("acc,none",)),
-    ("Winogrande", "winogrande", ("acc,none",)),
-)
-
 
 def find_runs(patterns: list[str]) -> list[str]:
   """The run directories (holding config.yaml) that the local or remote globs match, sorted."""

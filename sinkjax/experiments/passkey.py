@@ -2,42 +2,28 @@
 cache (full, sinks + window, per-head hybrids by importance or at random).
 
     python -m sinkjax.experiments.study configs/studies/passkey_tiny.yaml [study.run=RUN_DIR] [cache.full_heads=0.5]
-    python -m sinkjax.experiments.passkey --make-data OUT.jsonl [--docs 20000] [--max-len 512]   # a training mix
 
-The probe, its exact greedy scoring by teacher forcing, the files and the training data: docs/STREAMING.md,
-"Passkey retrieval by cache".
+The texts and the training mix are `sinkjax.data.passkey`'s. The probe, its exact greedy scoring by teacher forcing,
+the files and the training data: docs/STREAMING.md, "Passkey retrieval by cache".
 """
 from __future__ import annotations
-
-from sinkjax import cli
-
-if __name__ == "__main__":
-  cli.require_extra("sinkjax.experiments.passkey")   # before the imports below, which need the train extra
 
 import dataclasses
 import json
 import logging
-import pathlib
 import sys
 
 import numpy as np
 
-from sinkjax import cache_policy, options, paths
+from sinkjax import cache_policy, paths
 from sinkjax.cli import UserError
 from sinkjax.config import key
+from sinkjax.data.passkey import FILLER, KEY_DIGITS, NEEDLE, QUESTION, random_key
 from sinkjax.experiments import runner
-from sinkjax.data.sources import DefaultSource
 from sinkjax.generate import kv_bytes, streaming_scores
+from sinkjax.markdown import table
 from sinkjax.run import load_run, read_run_config
 
-FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ", "Here we go. ",
-          "There and back again. ")
-# The key is marked with "#" so that a byte-level model finds it by the previous token alone (one-token induction):
-# a tiny model trained for minutes on a CPU did not learn to match the classic "...pass key is " context (with
-# "The sky is" in the filler it must look five bytes back) within 500 steps; with the marker it does.
-NEEDLE = "The pass key is #{key}. Remember it. #{key} is the pass key. "
-QUESTION = "What is the pass key? The pass key is #"
-KEY_DIGITS = 5
 STUDY_FILE = runner.REPO / "configs" / "studies" / "passkey_tiny.yaml"
 
 
@@ -55,38 +41,11 @@ class PasskeyOptions:
 SECTIONS = {"passkey": PasskeyOptions, "cache": cache_policy.CacheOptions}
 
 
-@dataclasses.dataclass
-class MakeDataOptions:
-  """The options of `python -m sinkjax.experiments.passkey`: the training mix it writes."""
-  out: str = key("", alias="--make-data", metavar="OUT.jsonl", required=True,
-                 help="the training JSONL to write (field text; train on it with data.source=OUT.jsonl)")
-  docs: int = key(20000, ">=1", alias="--docs", help="passkey documents")
-  max_len: int = key(512, ">=1", alias="--max-len", help="longest passkey document in bytes")
-  text_fraction: float = key(0.3, "[0,1)", alias="--text-fraction", help="share of the bytes that are corpus text")
-  seed: int = key(0, ">=0", alias="--seed", help="the documents drawn")
-
-
-COMMAND = options.Command(prog="python -m sinkjax.experiments.passkey", description="A training mix for the passkey "
-                          "probe (the probe: python -m sinkjax.experiments.study configs/studies/passkey_tiny.yaml).",
-                          sections={"make_data": MakeDataOptions})
-
-
 class PasskeyError(UserError):
-  """A bad study file or command line (the message says what to change)."""
+  """A bad study file (the message says what to change)."""
 
 
 # ----------------------------------------------------------------------------------------------------- samples
-
-
-def random_key(rng: np.random.Generator) -> str:
-  return str(rng.integers(10 ** (KEY_DIGITS - 1), 10 ** KEY_DIGITS))
-
-
-def passkey_text(key: str, num_sentences: int, depth: float) -> tuple[str, str]:
-  """(prompt, answer) with `num_sentences` filler sentences and the needle after round(depth * num_sentences)."""
-  before = round(depth * num_sentences)
-  filler = [FILLER[i % len(FILLER)] for i in range(num_sentences)]
-  return "".join(filler[:before]) + NEEDLE.format(key=key) + "".join(filler[before:]) + QUESTION, key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,41 +94,6 @@ def passkey_batch(tokenizer, length: int, depth: float, samples: int, seed: int)
   return PasskeyBatch(np.asarray(rows, np.int32), answer_len, depth, tuple(keys))
 
 
-# -------------------------------------------------------------------------------------------------- training data
-
-
-def training_documents(docs: int, max_len: int, text_fraction: float, seed: int) -> list[str]:
-  """`docs` passkey documents (prompt + key + "."), lengths spread up to `max_len` bytes, shuffled together with
-  chunks of the embedded corpus's training split adding up to `text_fraction` of all bytes."""
-  rng = np.random.default_rng(seed)
-  bare = len(passkey_text("0" * KEY_DIGITS, 0, 0.0)[0]) + KEY_DIGITS + 1
-  per_sentence = np.mean([len(s) for s in FILLER])
-  most = max(0, int((max_len - bare) / per_sentence))
-  out = []
-  for _ in range(docs):
-    prompt, key = passkey_text(random_key(rng), int(rng.integers(0, most + 1)), float(rng.random()))
-    out.append(prompt + key + ".")
-  key_bytes = sum(len(d) for d in out)
-  want = key_bytes * text_fraction / (1 - text_fraction) if text_fraction < 1 else 0
-  out += corpus_chunks(int(want), max_len, rng)
-  rng.shuffle(out)
-  return out
-
-
-def corpus_chunks(total: int, chunk: int, rng: np.random.Generator) -> list[str]:
-  """About `total` characters of the embedded corpus's training split, in random chunks of `chunk` characters."""
-  src = DefaultSource("train", 0.02)
-  out, got = [], 0
-  while got < total:
-    text = src[int(rng.integers(len(src)))][0]
-    if len(text) <= chunk:
-      continue
-    start = int(rng.integers(len(text) - chunk))
-    out.append(text[start:start + chunk])
-    got += chunk
-  return out
-
-
 # ----------------------------------------------------------------------------------------------------------- probe
 
 
@@ -215,33 +139,19 @@ def probe(model, tokenizer, *, lengths, depths, samples: int, sink_size: int, wi
 def format_results(records: list[dict]) -> str:
   """One markdown table: a row per mode and context length, a column per depth (whole-key accuracy), the mean, and
   the mean per-digit accuracy (the share of key tokens that are the greedy choice given the right ones before)."""
-  depths = sorted({r["depth"] for r in records})
-  lines = ["| mode | full heads | context | " + " | ".join(f"depth {d:g}" for d in depths)
-           + " | mean | digits right | KV bytes |",
-           "|---|---:|---:|" + "---:|" * len(depths) + "---:|---:|---:|"]
-  keys = list(dict.fromkeys((r["mode"], r["context"]) for r in records))
-  for mode, context in keys:
-    rows = {r["depth"]: r for r in records if r["mode"] == mode and r["context"] == context}
-    acc = [rows[d]["accuracy"] for d in depths]
-    r = rows[depths[0]]
-    digits = np.mean([rows[d].get("digit_accuracy", np.nan) for d in depths])
-    lines.append(f"| {mode} | {r['full_heads']}/{r['heads']} | {context} | " + " | ".join(f"{a:.2f}" for a in acc)
-                 + f" | {np.mean(acc):.2f} | {digits:.2f} | {r['kv_bytes']:,} |")
+  depths, rows = sorted({r["depth"] for r in records}), []
+  for mode, context in dict.fromkeys((r["mode"], r["context"]) for r in records):
+    cell = {r["depth"]: r for r in records if r["mode"] == mode and r["context"] == context}
+    acc, r = [cell[d]["accuracy"] for d in depths], cell[depths[0]]
+    digits = np.mean([cell[d].get("digit_accuracy", np.nan) for d in depths])
+    rows.append([mode, f"{r['full_heads']}/{r['heads']}", context, *(f"{a:.2f}" for a in acc), f"{np.mean(acc):.2f}",
+                 f"{digits:.2f}", f"{r['kv_bytes']:,}"])
+  lines = table(["mode", "full heads", "context", *(f"depth {d:g}" for d in depths), "mean", "digits right",
+                 "KV bytes"], rows, "lrr" + "r" * (len(depths) + 3))
   return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------------- the commands
-
-
-def make_data(opts: MakeDataOptions) -> None:
-  """--make-data: `opts.docs` passkey documents (random key and depth, up to `opts.max_len` bytes) mixed with chunks
-  of the embedded corpus's training split (its validation files stay held out), `opts.text_fraction` of the bytes."""
-  shortest = len(passkey_text("0" * KEY_DIGITS, 0, 0.0)[0]) + KEY_DIGITS + 1
-  if opts.max_len < shortest:
-    raise PasskeyError(f"--max-len must be >= {shortest} (a needle and the question)")
-  lines = [json.dumps({"text": t}) for t in training_documents(opts.docs, opts.max_len, opts.text_fraction, opts.seed)]
-  pathlib.Path(opts.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
-  print(f"wrote {len(lines)} documents ({opts.docs} passkey) to {opts.out}")
+# ------------------------------------------------------------------------------------------------------ the study
 
 
 def _axis(plan: runner.Plan, name: str, default: list, kind, ok) -> list:
@@ -290,10 +200,3 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
   (out / "results.md").write_text(table + "\n")
   print(table)
 
-
-def main(argv=None) -> int:
-  return options.main(COMMAND, argv, lambda sections, _: make_data(sections["make_data"]))
-
-
-if __name__ == "__main__":
-  sys.exit(main())

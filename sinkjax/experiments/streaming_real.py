@@ -26,6 +26,7 @@ from sinkjax import cache_policy, stats
 from sinkjax.config import key
 from sinkjax.experiments import runner
 from sinkjax.experiments.runner import StudyError
+from sinkjax.markdown import table
 
 SINKS = 4
 WINDOWS = (256, 1024)
@@ -271,13 +272,11 @@ def figure(runs: dict, path: pathlib.Path) -> None:
 def report(out: pathlib.Path) -> dict:
   runs = load(out)
   s = summary(runs)
-  lines = ["| cache | full KV heads | PPL | PPL (first W) | PPL (after W) | KV cache bytes | seconds |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
-  for r in sorted(s["rows"], key=lambda r: (r["kind"] != "full", r["kind"] == "hybrid", r["window"] or 0,
-                                            r["kind"], r["name"])):
-    heads = "90/90" if r["kind"] == "full" else ("0/90" if r["full_heads"] is None else f"{r['full_heads']}/90")
-    lines.append(f"| {_label(r)} | {heads} | {r['ppl']:.3f} | {r['ppl_first']:.3f} | {r['ppl_after']:.3f} | "
-                 f"{r['kv_bytes']:,} | {r['seconds']:.0f} |")
+  order = lambda r: (r["kind"] != "full", r["kind"] == "hybrid", r["window"] or 0, r["kind"], r["name"])
+  heads = lambda r: "90/90" if r["kind"] == "full" else f"{r['full_heads'] or 0}/90"
+  lines = table(["cache", "full KV heads", "PPL", "PPL (first W)", "PPL (after W)", "KV cache bytes", "seconds"],
+                ([_label(r), heads(r), f"{r['ppl']:.3f}", f"{r['ppl_first']:.3f}", f"{r['ppl_after']:.3f}",
+                  f"{r['kv_bytes']:,}", f"{r['seconds']:.0f}"] for r in sorted(s["rows"], key=order)), "lrrrrrr")
   if "hybrid" in s:
     h = s["hybrid"]
     lines += ["", f"Importance map: rank {h['rank']} of {h['maps']} maps (p = {h['rank']}/{h['maps']} = "
