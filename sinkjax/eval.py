@@ -75,6 +75,7 @@ from sinkjax.cache import KVCache
 from sinkjax.cli import UserError
 from sinkjax.config import key
 from sinkjax.data import FEATURES, make_eval_batches, to_global_batch
+from sinkjax.markdown import table
 from sinkjax.model import forward_with_importance, padded_vocab
 from sinkjax.run import asks_for_mesh, load_run, read_metrics
 
@@ -429,25 +430,24 @@ def markdown(report: dict, figures: list[pathlib.Path]) -> str:
       + f"{r['eval_tokens']:,} tokens, {r['eval_bytes']:,} bytes of `{r['data_source']}`"
       f" ({r.get('split', 'val')} split, {r.get('packing', 'document')} packing).",
       "",
-      "| metric | value |", "|---|---|",
-      f"| val BPB | {r['val_bpb']:.4f} |",
-      f"| val loss (nats/token) | {r['val_loss']:.4f} |",
-      f"| head imbalance (eq. 6) | {r['head_imbalance']:.4f} |",
-      f"| first-token attention, mean over layers | {np.mean(r['first_token_attention']):.3f} |",
-      f"| M-Act (mean over layers of max abs hidden) | {r['m_act']:.1f} |",
-      f"| value zeroing: BPB none / all heads / alpha > {vz['tau']} ({vz['num_heads_selected']} of "
-      f"{vz['num_heads']} heads) | {vz['bpb_none']:.4f} / {vz['bpb_all']:.4f} / {vz['bpb_selected']:.4f} |",
+      *table(["metric", "value"], [
+          ["val BPB", f"{r['val_bpb']:.4f}"], ["val loss (nats/token)", f"{r['val_loss']:.4f}"],
+          ["head imbalance (eq. 6)", f"{r['head_imbalance']:.4f}"],
+          ["first-token attention, mean over layers", f"{np.mean(r['first_token_attention']):.3f}"],
+          ["M-Act (mean over layers of max abs hidden)", f"{r['m_act']:.1f}"],
+          [f"value zeroing: BPB none / all heads / alpha > {vz['tau']} ({vz['num_heads_selected']} of "
+           f"{vz['num_heads']} heads)", f"{vz['bpb_none']:.4f} / {vz['bpb_all']:.4f} / {vz['bpb_selected']:.4f}"]]),
   ]
-  lines += ["", "Per layer:", "",
-            "| layer | first-token attn | sink logit | CV(Imp) | value norm first / other | gate mean | "
-            f"gate < {r['gate_sparsity_threshold']} | max abs h |",
-            "|---|---|---|---|---|---|---|---|"]
   sink = r["sink_logit_attention"]
   layers = r.get("layers_with_heads") or list(range(len(r["importance"])))
-  for l in range(len(r["importance"])):
-    lines.append(f"| {layers[l]} | {r['first_token_attention'][l]:.3f} | {_fmt(sink[l] if sink else None)} | "
-                 f"{r['cv_per_layer'][l]:.3f} | {r['first_token_value_norm'][l]:.2f} / {r['other_value_norm'][l]:.2f}"
-                 f" | {r['gate_mean'][l]:.3f} | {r['gate_sparsity'][l]:.3f} | {r['max_activation'][l]:.1f} |")
+  lines += ["", "Per layer:", "",
+            *table(["layer", "first-token attn", "sink logit", "CV(Imp)", "value norm first / other", "gate mean",
+                    f"gate < {r['gate_sparsity_threshold']}", "max abs h"],
+                   ([layers[l], f"{r['first_token_attention'][l]:.3f}", _fmt(sink[l] if sink else None),
+                     f"{r['cv_per_layer'][l]:.3f}",
+                     f"{r['first_token_value_norm'][l]:.2f} / {r['other_value_norm'][l]:.2f}",
+                     f"{r['gate_mean'][l]:.3f}", f"{r['gate_sparsity'][l]:.3f}", f"{r['max_activation'][l]:.1f}"]
+                    for l in range(len(r["importance"]))))]
   lines += ["", "Definitions are in `report.json` under `definitions`.", ""]
   for p in figures:
     lines += [f"![{p.stem}]({p.name})", ""]

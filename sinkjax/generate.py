@@ -81,6 +81,7 @@ from sinkjax import sharding as sharding_lib
 from sinkjax.cache import KVCache, make_cache, shard_cache
 from sinkjax.cli import UserError
 from sinkjax.config import key
+from sinkjax.markdown import table
 from sinkjax.run import asks_for_mesh, load_run
 
 
@@ -481,13 +482,11 @@ def perplexity_table(model, ids, *, sink_size: int, window: int, policies=(), ch
 
 def format_table(rows: list[dict], window: int) -> str:
   extra = f" (+{rows[0]['learned_sinks']} learned sink tokens)" if rows and rows[0]["learned_sinks"] else ""
-  lines = [f"| mode | full heads | tokens | PPL | PPL (first {window}) | PPL (after {window}) | peak cache{extra} | "
-           "KV cache bytes |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-  for r in rows:
-    lines.append(f"| {r['mode']} | {r['full_heads']}/{r['heads']} | {r['tokens']} | {r['ppl']:.3f} | "
-                 f"{r['ppl_first_window']:.3f} | {r['ppl_beyond_window']:.3f} | {r['peak_cache']} | "
-                 f"{r['kv_bytes']:,} |")
-  return "\n".join(lines)
+  return "\n".join(table(
+      ["mode", "full heads", "tokens", "PPL", f"PPL (first {window})", f"PPL (after {window})", f"peak cache{extra}",
+       "KV cache bytes"],
+      ([r["mode"], f"{r['full_heads']}/{r['heads']}", r["tokens"], f"{r['ppl']:.3f}", f"{r['ppl_first_window']:.3f}",
+        f"{r['ppl_beyond_window']:.3f}", r["peak_cache"], f"{r['kv_bytes']:,}"] for r in rows), "lrrrrrrr"))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import time
 from sinkjax import options
 from sinkjax.config import DataConfig, key
 from sinkjax.data import build_tokenizer, make_train_iterator
+from sinkjax.markdown import table
 
 
 def measure(cfg: DataConfig, batch_size: int, seconds: float, warmup: int = 3) -> dict:
@@ -76,11 +77,11 @@ def print_table(opts: DataBenchOptions) -> None:
         f"prefetch={opts.prefetch}; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}")
   print()
-  print("| seq_len | batch | workers | first batch (s) | batches | batches/s | tokens/s | loss-mask fraction |")
-  print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-  for r in rows:
-    print(f"| {r['seq_len']} | {r['batch']} | {r['workers']} | {r['first_s']:.2f} | {r['batches']} | "
-          f"{r['batches_per_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['loss_frac']:.4f} |")
+  print("\n".join(table(["seq_len", "batch", "workers", "first batch (s)", "batches", "batches/s", "tokens/s",
+                         "loss-mask fraction"],
+                        ([r["seq_len"], r["batch"], r["workers"], f"{r['first_s']:.2f}", r["batches"],
+                          f"{r['batches_per_s']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['loss_frac']:.4f}"]
+                         for r in rows), "r" * 8)))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import re
 import sys
 
 from sinkjax import cli, compile, config, options
+from sinkjax.markdown import table
 
 CATEGORIES = ("matmuls", "attention", "elementwise", "optimizer", "collectives")
 _COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|nccl|allreduce|"
@@ -135,10 +136,9 @@ def summarize(trace_path, hlo_texts=(), steps: int | None = None) -> dict:
 
 def format_summary(s: dict, top: int = 8, per: str = "step") -> str:
   total = s["total_us"] or 1.0
-  lines = [f"| category | ms / {per} | share |", "|---|---:|---:|"]
-  for c in CATEGORIES:
-    lines.append(f"| {c} | {s['by_category'][c] / 1e3:.3f} | {s['by_category'][c] / total:.1%} |")
-  lines.append(f"| total (device busy) | {s['total_us'] / 1e3:.3f} | |")
+  lines = table(["category", f"ms / {per}", "share"],
+                [*([c, f"{s['by_category'][c] / 1e3:.3f}", f"{s['by_category'][c] / total:.1%}"] for c in CATEGORIES),
+                 f"| total (device busy) | {s['total_us'] / 1e3:.3f} | |"], "lrr")
   lines.append(f"\n{s['events']} device events, classified by {'the HLO' if s['classified_by_hlo'] else 'name'}; "
                f"top {top} ops:")
   lines += [f"  {t / 1e3:9.3f} ms  {c:<12} {n[:90]}" for n, c, t in s["top"][:top]]

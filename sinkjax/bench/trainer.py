@@ -47,6 +47,7 @@ import numpy as np
 
 from sinkjax import options
 from sinkjax.config import key
+from sinkjax.markdown import table
 
 _ROWS = ("data", "step, packed", "step, 1 segment", "step, batch re-sent", "step, batches on device", "trainer.step",
          "train loop", "bench.train")
@@ -205,12 +206,10 @@ def measure(opts: TrainerBenchOptions, overrides: list[str] | tuple = ()) -> Non
     finally:
       log.close()
     peak = compile_lib.CHIPS[chip].peak_flops * len(devices) if chip else None
-    print(f"\n| row | ms / step | tokens/s | MFU (6N + attention{', ' + chip + ' peak' if chip else ''}) |")
-    print("|---|---:|---:|---:|")
-    for name in opts.rows:
-      t = res[name]
-      mfu = f"{model_flops / t / peak:.1%}" if peak and name != "data" else "-"
-      print(f"| {name} | {t * 1e3:.2f} | {B * T / t:,.0f} | {mfu} |")
+    mfu = lambda name: f"{model_flops / res[name] / peak:.1%}" if peak and name != "data" else "-"
+    print("", *table(["row", "ms / step", "tokens/s", f"MFU (6N + attention{', ' + chip + ' peak' if chip else ''})"],
+                     ([name, f"{res[name] * 1e3:.2f}", f"{B * T / res[name]:,.0f}", mfu(name)] for name in opts.rows),
+                     "lrrr"), sep="\n")
     step = res.get("step, packed") or res.get("trainer.step") or res.get("train loop")
     if est is not None and step:
       terms = est["estimated_seconds_by_term"]
