@@ -27,6 +27,7 @@ import time
 from sinkjax import cli, options
 from sinkjax.cli import UserError
 from sinkjax.config import key
+from sinkjax.markdown import row, table
 
 # Compile-only TPU devices need libtpu's plugin, which takes a lock file per host; other JAX processes on this host
 # (a training run that touched the plugin while choosing its backend) would hold it. Compiling needs no exclusive chip.
@@ -979,8 +980,9 @@ def search(cfg_path: str, overrides: list, topo: Topology, policies=SEARCH_POLIC
   return {"candidates": candidates, "picked": min(fits, key=lambda r: r["estimated_step_seconds"]) if fits else None}
 
 
-SEARCH_HEADER = ("| remat_policy | grad_accum | rows / chip | GiB / chip | fits | FLOPs / chip | recomputed | HBM GB "
-                 "| ICI GB | est. step s | bound | MFU <= |\n|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|")
+SEARCH_HEADER = "\n".join(table(["remat_policy", "grad_accum", "rows / chip", "GiB / chip", "fits", "FLOPs / chip",
+                                 "recomputed", "HBM GB", "ICI GB", "est. step s", "bound", "MFU <="], (),
+                                "lrrrlrrrrrlr"))
 
 
 def print_search(result: dict) -> None:
@@ -992,15 +994,14 @@ def print_search(result: dict) -> None:
 
 def print_search_row(r: dict, picked: bool = False) -> None:
   picked = (" " + " ".join(r["varied"]) if r.get("varied") else "") + (" **picked**" if picked else "")
-  if "flops_per_step" not in r:
-    print(f"| {r['remat_policy']}{picked} | {r['grad_accum']} | {r['rows_per_chip']} | "
-          f"{_gib(r['per_chip_bytes']['total'])} | no | | | | | | | |", flush=True)
+  head = [f"{r['remat_policy']}{picked}", r["grad_accum"], r["rows_per_chip"], _gib(r["per_chip_bytes"]["total"])]
+  if "flops_per_step" not in r:                        # did not fit: no cost figures
+    print(row(head + ["no"]) + " |" * 7, flush=True)
     return
-  print(f"| {r['remat_policy']}{picked} | {r['grad_accum']} | {r['rows_per_chip']} | "
-        f"{_gib(r['per_chip_bytes']['total'])} | {'yes' if r['fits'] else 'no'} | {r['flops_per_step']:.3e} | "
-        f"{r['recompute_flops_per_step']:.3e} | {r['hbm_bytes_per_step'] / 1e9:.1f} | "
-        f"{r['ici_bytes_per_step'] / 1e9:.2f} | {r['estimated_step_seconds']:.3g} | {r['estimated_bound']} | "
-        f"{100 * r['estimated_mfu']:.0f}% |", flush=True)
+  print(row(head + ["yes" if r["fits"] else "no", f"{r['flops_per_step']:.3e}", f"{r['recompute_flops_per_step']:.3e}",
+                    f"{r['hbm_bytes_per_step'] / 1e9:.1f}", f"{r['ici_bytes_per_step'] / 1e9:.2f}",
+                    f"{r['estimated_step_seconds']:.3g}", r["estimated_bound"], f"{100 * r['estimated_mfu']:.0f}%"]),
+        flush=True)
 
 
 def _gib(b) -> str:
@@ -1049,8 +1050,9 @@ def print_report(config: str, r: dict, top: int = 12) -> None:
   print_breakdown(r, top)
 
 
-TABLE_HEADER = ("| config (overrides) | slice | mesh | tokens / chip / micro-step | GiB per chip (args + temps) "
-                "| HBM GiB | fits | attention | compile s |\n|---|---|---|---:|---:|---:|---|---|---:|")
+TABLE_HEADER = "\n".join(table(["config (overrides)", "slice", "mesh", "tokens / chip / micro-step",
+                                "GiB per chip (args + temps)", "HBM GiB", "fits", "attention", "compile s"], (),
+                               "lllrrrllr"))
 
 
 def markdown_row(r: dict) -> str:
@@ -1059,9 +1061,9 @@ def markdown_row(r: dict) -> str:
   parts = f" ({_gib(b['arguments'])} + {_gib(b['temporaries'])})" if "arguments" in b else " (compiler's count)"
   mesh = "x".join(str(v) for v in r["mesh"].values())
   name = r.get("config", "?") + (" " + " ".join(r["overrides"]) if r.get("overrides") else "")
-  return (f"| `{name}` | {r['topology']}{' x' + str(r['slices']) if r['slices'] > 1 else ''} | {mesh} | "
-          f"{r['tokens_per_chip_per_micro_step']:,} | {_gib(b['total'])}{parts} | {_gib(r['hbm_per_chip_bytes'])} | "
-          f"{'yes' if r['fits'] else 'no'} | {r['attention_kernel']} | {r['compile_seconds']:.0f} |")
+  return row([f"`{name}`", r["topology"] + (f" x{r['slices']}" if r["slices"] > 1 else ""), mesh,
+              f"{r['tokens_per_chip_per_micro_step']:,}", f"{_gib(b['total'])}{parts}", _gib(r["hbm_per_chip_bytes"]),
+              "yes" if r["fits"] else "no", r["attention_kernel"], f"{r['compile_seconds']:.0f}"])
 
 
 def _vocab(cfg) -> None:

@@ -31,6 +31,7 @@ from sinkjax.attention import sink_attention
 from sinkjax.balance import aux_loss, head_importance
 from sinkjax.config import key
 from sinkjax.kernels import flash_attention
+from sinkjax.markdown import row, table
 
 TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 2e-4}
 
@@ -174,8 +175,7 @@ def run(opts: KernelCheckOptions) -> int:
   print(f"# kernel check: B={opts.batch} T={opts.seq} D={opts.head_dim} {dtype_name}, causal, loss through out and "
         f"LSE (g != 0; out cotangent 0 on every 7th row), errors relative to the reference's largest value, tolerance "
         f"{tol:g}; {jax.devices()[0].device_kind}")
-  print("| case | backend | out | lse/gate | dq | dk | dv | dsink | ok |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("\n".join(table(["case", "backend", "out", "lse/gate", "dq", "dk", "dv", "dsink", "ok"])))
   failed = 0
   for name, Hq, Hkv, seg_kind in cases:
     for impl in impls:
@@ -183,14 +183,14 @@ def run(opts: KernelCheckOptions) -> int:
         errs = check_case(name, Hq, Hkv, seg_kind, impl, B=opts.batch, T=opts.seq, D=opts.head_dim, dtype=dtype)
       except Exception as e:  # pylint: disable=broad-except   # one failing backend must not hide the others
         failed += 1
-        print(f"| {name} | {impl} | error: {' '.join(str(e).split())[:160]} ||||||| no |", flush=True)
+        print(row([name, impl, f"error: {' '.join(str(e).split())[:160]}", *[""] * 5, "no"]), flush=True)
         continue
       ok = all(x <= tol for x in errs.values())
       failed += not ok
       cells = [f"{errs.get(n, float('nan')):.1e}" if n in errs else "-" for n in ("out",)] + \
           [f"{errs[n]:.1e}" for n in errs if n in ("lse", "gate")] + \
           [f"{errs[n]:.1e}" if n in errs else "-" for n in ("dq", "dk", "dv", "dsink")]
-      print(f"| {name} | {impl} | " + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |", flush=True)
+      print(row([name, impl, *cells, "yes" if ok else "NO"]), flush=True)
   if "cudnn" in impls:
     try:
       e0, e1, moved = check_o_through_d(B=opts.batch, T=opts.seq, H=4, D=opts.head_dim)

@@ -54,6 +54,7 @@ from flax import nnx
 
 from sinkjax import choices, optim, options
 from sinkjax.config import key, load_config
+from sinkjax.markdown import row, table
 from sinkjax.model import Transformer, count_params
 from sinkjax.step import make_train_step
 
@@ -327,21 +328,19 @@ def print_tables(opts: TrainBenchOptions, base, ov, rows, res, rounds, params, m
         f"{jax.device_count()} {jax.default_backend()} device(s); {opts.dtype} {mm_n}^2 jnp matmul: {peak / 1e9:.1f} "
         f"GFLOP/s "
         f"(median of {opts.repeats} rounds)")
-  print("\n| variant | optimizer | params | step, aux off (ms) | step, aux on (ms) | aux overhead (wall) | "
-        "aux overhead (CPU time) | tokens/s (aux on) | GFLOP/s | of matmul rate |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("", *table(["variant", "optimizer", "params", "step, aux off (ms)", "step, aux on (ms)", "aux overhead (wall)",
+                    "aux overhead (CPU time)", "tokens/s (aux on)", "GFLOP/s", "of matmul rate"]), sep="\n")
   for variant, opt_name in rows:
     (off, cpu_off), (on, cpu_on) = res[(variant, opt_name, 0.0)], res[(variant, opt_name, 1e-4)]
     n = params[(variant, opt_name)]
     flops = flops_per_token(n, base) * tokens / on
-    print(f"| {variant} | {opt_name} | {n:,} | {off * 1e3:.1f} | {on * 1e3:.1f} | {(on / off - 1) * 100:+.1f} % | "
-          f"{(cpu_on / cpu_off - 1) * 100:+.1f} % | {tokens / on:,.0f} | {flops / 1e9:.1f} | {flops / peak:.0%} |")
+    print(row([variant, opt_name, f"{n:,}", f"{off * 1e3:.1f}", f"{on * 1e3:.1f}", f"{(on / off - 1) * 100:+.1f} %",
+               f"{(cpu_on / cpu_off - 1) * 100:+.1f} %", f"{tokens / on:,.0f}", f"{flops / 1e9:.1f}", f"{flops / peak:.0%}"]))
 
   print(f"\nPeers, float32, same shapes and batch, timed in the same rounds: nanochat: {nanochat_note}; "
         f"HF Llama: {torch_note}")
-  print("\n| implementation | params | step (ms) | CPU s / step | tokens/s | vs nanochat (per-round: median, min-max) "
-        "| GFLOP/s | of matmul rate |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("", *table(["implementation", "params", "step (ms)", "CPU s / step", "tokens/s",
+                    "vs nanochat (per-round: median, min-max)", "GFLOP/s", "of matmul rate"]), sep="\n")
   peers = [("sinkjax vanilla, AdamW, aux off", ("vanilla", "adamw", 0.0), params[("vanilla", "adamw")]),
            ("sinkjax sink, AdamW, aux on", ("sink", "adamw", 1e-4), params[("sink", "adamw")]),
            ("sinkjax vanilla, Muon, aux off", ("vanilla", "muon", 0.0), params.get(("vanilla", "muon")))]
@@ -349,17 +348,17 @@ def print_tables(opts: TrainBenchOptions, base, ov, rows, res, rounds, params, m
     peers.append(("nanochat GPT (PyTorch eager), torch AdamW", "nanochat", params["nanochat"]))
   if "torch" in res:
     peers.append(("HF LlamaForCausalLM, torch AdamW", "torch", params["torch"]))
-  for label, row, n in peers:
-    if row not in res:
+  for label, arm, n in peers:
+    if arm not in res:
       continue
-    t, c = res[row]
+    t, c = res[arm]
     flops = flops_per_token(n, base) * tokens / t
     ratio = "-"
     if "nanochat" in res:
-      mid, lo, hi = paired_ratio(rounds["nanochat"], rounds[row])
+      mid, lo, hi = paired_ratio(rounds["nanochat"], rounds[arm])
       ratio = f"{mid:.2f}x ({lo:.2f}-{hi:.2f})"
-    print(f"| {label} | {n:,} | {t * 1e3:.1f} | {c:.2f} | {tokens / t:,.0f} | {ratio} | {flops / 1e9:.1f} | "
-          f"{flops / peak:.0%} |")
+    print(row([label, f"{n:,}", f"{t * 1e3:.1f}", f"{c:.2f}", f"{tokens / t:,.0f}", ratio, f"{flops / 1e9:.1f}",
+               f"{flops / peak:.0%}"]))
 
   if ("vanilla", "muon", 0.0) in res:
     muon_t, adamw_t = res[("vanilla", "muon", 0.0)][0], res[("vanilla", "adamw", 0.0)][0]
