@@ -200,3 +200,13 @@ def test_null_check_compares_each_weight_with_the_first_zero():
   for r in rec["runs"][:2]:
     assert r["after_step_1"]["bit_identical"] and r["after_step_2"]["bit_identical"] and not r["differ_after_step_1"]
   assert len({r["after_step_2"]["elements"] for r in rec["runs"]}) == 1
+
+
+@pytest.mark.parametrize("results,kind", [("heads_pinning", "lora"), ("heads_pinning_full", "full")])
+def test_committed_reports_are_what_the_report_makes_of_their_raw_files(results, kind):
+  """docs/results/heads_pinning*/results.md and .json are `--report-only`'s output on the committed raw files (the
+  numbers in them are checked against independent computations in test_heads_real_docs)."""
+  path = runner.REPO / "docs" / "results" / results
+  summary = hp.summarize(path, kind=kind)
+  assert hp.markdown(summary) == (path / "results.md").read_text()
+  assert json.loads(json.dumps(summary)) == json.loads((path / "results.json").read_text())
