@@ -82,3 +82,21 @@ def test_a_bad_study_value_is_one_line_naming_its_key(capsys):
   assert study.main([path, "axes.depth=[0,1.5]"]) == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "axis depth must list floats in [0, 1], got [0, 1.5]" in err[0], err
+
+
+@pytest.mark.parametrize("name", ["results", "results_all_but_l0h3", "results_only_l0h3", "results_random_with_l0h3"])
+def test_committed_tables_are_their_records(name):
+  """docs/results/passkey_tiny's tables are `format_results` of the committed records: a row per mode and context,
+  a column per depth (whole-key accuracy), the mean, the digits right and the KV bytes, each cell read back here."""
+  import json
+  root = passkey.runner.REPO / "docs" / "results" / "passkey_tiny"
+  records = json.loads((root / f"{name}.json").read_text())
+  md = (root / f"{name}.md").read_text()
+  assert passkey.format_results(records) + "\n" == md
+  for line in md.splitlines()[2:]:
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    rows = [r for r in records if r["mode"] == cells[0] and r["context"] == int(cells[2])]
+    depths = sorted({r["depth"] for r in records})
+    acc = [next(r["accuracy"] for r in rows if r["depth"] == d) for d in depths]
+    assert cells[3:3 + len(depths)] == [f"{a:.2f}" for a in acc] and cells[-3] == f"{np.mean(acc):.2f}"
+    assert cells[1] == f"{rows[0]['full_heads']}/{rows[0]['heads']}" and cells[-1] == f"{rows[0]['kv_bytes']:,}"
