@@ -24,7 +24,6 @@ from sinkjax.config import key
 from sinkjax.experiments import runner
 from sinkjax.lm_eval_tasks import TABLE1_COLUMNS
 from sinkjax.markdown import table
-from sinkjax.stats import mean_std, seed_stats
 
 REPO = runner.REPO
 GRID = REPO / "docs" / "results" / "paper_cpu" / "results.json"
@@ -55,7 +54,7 @@ def aux_term(record, lam: float) -> float:
 
 def table1(records: list[dict]) -> dict:
   """[Sink-MoE] Table 1 from run records ({variant, loss: "base" | "aux", seed, val_bpb, head_imbalance}): per
-  variant, val BPB and final head imbalance of base and aux over seeds (`seed_stats`), and the paired per-seed
+  variant, val BPB and final head imbalance of base and aux over seeds (`stats.seed_stats`), and the paired per-seed
   difference aux - base (seeds where both finished). The one computation behind paper.py's results.json and this
   report's stats.json."""
   out = {}
@@ -65,15 +64,15 @@ def table1(records: list[dict]) -> dict:
     for loss in ("base", "aux"):
       rs = sorted((r for (l, _), r in by.items() if l == loss), key=lambda r: r["seed"])
       if rs:
-        row[loss] = {"seeds": [r["seed"] for r in rs], "val_bpb": seed_stats([r["val_bpb"] for r in rs]),
-                     "head_imbalance": seed_stats([r["head_imbalance"] for r in rs])}
+        row[loss] = {"seeds": [r["seed"] for r in rs], "val_bpb": stats.seed_stats([r["val_bpb"] for r in rs]),
+                     "head_imbalance": stats.seed_stats([r["head_imbalance"] for r in rs])}
     paired = sorted(s for (l, s) in by if l == "aux" and ("base", s) in by)
     if paired:
       row["aux_minus_base"] = {
           "seeds": paired,
-          "val_bpb": seed_stats([by["aux", s]["val_bpb"] - by["base", s]["val_bpb"] for s in paired]),
-          "head_imbalance": seed_stats([by["aux", s]["head_imbalance"] - by["base", s]["head_imbalance"]
-                                        for s in paired])}
+          "val_bpb": stats.seed_stats([by["aux", s]["val_bpb"] - by["base", s]["val_bpb"] for s in paired]),
+          "head_imbalance": stats.seed_stats([by["aux", s]["head_imbalance"] - by["base", s]["head_imbalance"]
+                                              for s in paired])}
     out[v] = row
   return out
 
@@ -251,7 +250,7 @@ def table1_lines(gs: dict) -> list[str]:
   for v, t in gs["table1"].items():
     e = gs["effects"].get(f"{v} BPB")
     imb = ", ".join(f"{a:.3f} → {b:.3f}" for a, b in zip(*(t.get(k, {}).get("head_imbalance", []) for k in LOSSES)))
-    rows.append([v, mean_std(t.get("base")), mean_std(t.get("aux")),
+    rows.append([v, stats.mean_std(t.get("base")), stats.mean_std(t.get("aux")),
                  *(effect_cells(e, 4)[:5] if e is not None else ["—"] * 5), imb or "—"])
   return table(["attention", "base", "base + aux", "aux − base, per seed", "mean", "95 % t-interval", "paired t p",
                 "permutation p", "head imbalance base → aux, per seed"], rows, "llllrlrr")
@@ -538,8 +537,9 @@ def dose_markdown(dose: dict, ds: dict, dose_path: str, grid_path: str) -> str:
   ranks = {lam: np.array(r["importance_by_rank"]).mean(0) for lam, r in ds["per_lambda"].items()}
   lines += table(["λ", "val BPB per seed", "mean ± std", "final head imbalance per seed", "mean",
                   "aux term at the end (held-out)", "mean importance", "strongest / others (mean over layers)"],
-                 ([lam, ", ".join(f"{x:.4f}" for x in r["val_bpb"]), mean_std(seed_stats(r["val_bpb"])),
-                   ", ".join(f"{x:.3f}" for x in r["head_imbalance"]), f"{np.mean(r['head_imbalance']):.3f}",
+                 ([lam, ", ".join(f"{x:.4f}" for x in r["val_bpb"]),
+                   stats.mean_std(stats.seed_stats(r["val_bpb"])), ", ".join(f"{x:.3f}" for x in r["head_imbalance"]),
+                   f"{np.mean(r['head_imbalance']):.3f}",
                    f"{np.mean(r['aux_term']):.1e}", f"{np.mean(r['mean_importance']):.3f}",
                    f"{ranks[lam][0]:.3f} / {ranks[lam][1:].mean():.3f}"] for lam, r in ds["per_lambda"].items()))
   lines += ["", "## Tests (paired with λ = 0, per seed)", "", *dose_effects_lines(ds["effects"]), ""]
