@@ -145,7 +145,7 @@ def test_hbm_bytes_are_within_1_5x_of_the_hand_count(gather):
 
 def test_recorded_d20_step_is_within_1_5x_of_its_hand_count_and_fits():
   """Issue 49's bar on the full d20 program as recorded by `python -m sinkjax.compile --config
-  configs/paper/d20_sink_aux.yaml --topology v5e:4x8 model.vocab_size=65536 --json` (docs/TPU.md, 'Cuts since'):
+  configs/paper/d20_sink_aux.yaml --topology v5e:4x8 model.vocab_size=65536 --json` (docs/TPU.md, 'Where the HBM bytes go'):
   HBM bytes per chip and step within 1.5x of `hand_count` at 20 layers, estimated MFU >= 45 %, fitting 16 GiB."""
   import json  # pylint: disable=import-outside-toplevel
   rep = json.loads((ROOT / "docs" / "results" / "tpu_compile" / "kernel_ids_ns" / "d20_sink_aux_v5e-32.json")
