@@ -89,7 +89,7 @@ def test_pallas_gpu_kernel_compiles_with_triton_for_h100():
 def test_triton_kernels_costs_are_counted_on_h100():
   """Flash attention forward + backward compiled for one compile-only H100 (bf16, causal, T = S = 1024, D 128): the
   Triton calls carry their pl.CostEstimate in their names (Pallas's Triton lowering drops the estimate itself), so
-  `compile.hlo_costs` counts the kernels' FLOPs: within 10 % of the hand count of the default tiles (forward 128 x 64:
+  `hlo.hlo_costs` counts the kernels' FLOPs: within 10 % of the hand count of the default tiles (forward 128 x 64:
   2 matmuls per causally visible tile; backward 64 x 64: 3 in the dq pass, 4 in the dk/dv pass)."""
   devices = compile_lib.gpu_devices(compile_lib.parse_topology("h100:1"))
   mesh = Mesh(np.array(devices).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
