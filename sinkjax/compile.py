@@ -24,8 +24,8 @@ import os
 import re
 import sys
 import time
-from sinkjax import cli, hlo, options
-from sinkjax.cli import UserError
+from sinkjax import errors, hlo, options
+from sinkjax.errors import UserError
 from sinkjax.config import key
 from sinkjax.markdown import row, table
 
@@ -590,7 +590,7 @@ COMMAND = options.Command(
 
 
 def main(argv=None) -> int:
-  cli.require_extra("sinkjax.compile")   # it builds the trainer's step (sinkjax.train): the train extra
+  errors.require_extra("sinkjax.compile")   # it builds the trainer's step (sinkjax.train): the train extra
 
   def compile_or_table(sections, overrides) -> int:
     opts = sections["compile"]

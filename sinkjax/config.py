@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from sinkjax import choices, kinds, paths   # kinds: the registry alone (no kind, no jax; sinkjax/kinds/__init__.py)
-from sinkjax.cli import ConfigError  # noqa: F401  (re-exported: sinkjax.config.ConfigError)
+from sinkjax.errors import ConfigError  # noqa: F401  (re-exported: sinkjax.config.ConfigError)
 
 
 # pylint: disable-next=redefined-builtin

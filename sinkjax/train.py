@@ -18,10 +18,10 @@ loss.png, head_imbalance.png, importance.png. Only process 0 writes logs.
 """
 from __future__ import annotations
 
-from sinkjax import cli
+from sinkjax import errors
 
 if __name__ == "__main__":
-  cli.require_extra("sinkjax.train")    # before the imports below: without the train extra, one line naming it
+  errors.require_extra("sinkjax.train")    # before the imports below: without the train extra, one line naming it
 
 import copy
 import dataclasses
@@ -41,7 +41,7 @@ from sinkjax import config as config_lib
 from sinkjax import run as run_lib
 from sinkjax import sharding as sharding_lib
 from sinkjax.cache import make_cache
-from sinkjax.cli import Interrupted, UserError
+from sinkjax.errors import Interrupted, UserError
 from sinkjax.config import Config, ConfigError, key
 from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator, sft, to_global_batch
 from sinkjax.metrics import MetricsLogger, Profiler

@@ -4,7 +4,7 @@ taken from the model's own teacher-forced forward pass (no cache)."""
 import numpy as np
 import pytest
 
-from sinkjax.cli import ConfigError
+from sinkjax.errors import ConfigError
 from sinkjax.data.tokenizers import ByteTokenizer
 from sinkjax.experiments import passkey
 from tests.test_generate import random_model

@@ -23,7 +23,7 @@ from sinkjax import balance, optim
 from sinkjax import train as train_lib
 from sinkjax.config import ConfigError, load_config
 from sinkjax.data import build_tokenizer, make_train_iterator
-from sinkjax.cli import Interrupted
+from sinkjax.errors import Interrupted
 from sinkjax.model import Transformer
 from sinkjax.run import read_metrics
 from sinkjax.step import TRAIN_FEATURES, make_train_step

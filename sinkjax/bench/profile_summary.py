@@ -29,7 +29,7 @@ import pathlib
 import re
 import sys
 
-from sinkjax import cli, config, hlo, options
+from sinkjax import config, errors, hlo, options
 from sinkjax.markdown import table
 
 CATEGORIES = ("matmuls", "attention", "elementwise", "optimizer", "collectives")
@@ -170,7 +170,7 @@ def print_summary(opts: ProfileSummaryOptions) -> None:
   try:
     s = summarize(opts.trace, [pathlib.Path(h).read_text() for h in opts.hlo], opts.steps)
   except FileNotFoundError as e:
-    raise cli.UserError(str(e)) from None
+    raise errors.UserError(str(e)) from None
   print(format_summary(s, opts.top, "step" if opts.steps else "trace"))
 
 

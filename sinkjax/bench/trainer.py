@@ -30,10 +30,10 @@ attention's FLOPs out there.
 """
 from __future__ import annotations
 
-from sinkjax import cli
+from sinkjax import errors
 
 if __name__ == "__main__":
-  cli.require_extra("sinkjax.bench.trainer")   # before the imports below, which need the train extra
+  errors.require_extra("sinkjax.bench.trainer")   # before the imports below, which need the train extra
 
 import dataclasses
 import pathlib

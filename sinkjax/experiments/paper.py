@@ -24,7 +24,7 @@ import numpy as np
 
 from sinkjax import balance, paths
 from sinkjax import config as config_lib
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.experiments import runner
 from sinkjax.experiments.paper_report import (LOSSES, VARIANTS, finetune_lines, finetune_summary, table1, table1_cells,
                                               table1_effects, table1_lines)

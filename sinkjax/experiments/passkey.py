@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from sinkjax import cache_policy, paths
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.config import key
 from sinkjax.data.passkey import FILLER, KEY_DIGITS, NEEDLE, QUESTION, random_key
 from sinkjax.experiments import runner

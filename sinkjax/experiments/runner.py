@@ -19,7 +19,7 @@ import yaml
 from sinkjax import config as config_lib
 from sinkjax import paths
 from sinkjax import options as options_lib
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.config import key
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 import sys
 
-from sinkjax import cli, options
+from sinkjax import errors, options
 from sinkjax.config import key
 from sinkjax.experiments import runner
 
@@ -48,7 +48,7 @@ def run(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) 
 
 
 def main(argv=None) -> int:
-  cli.require_extra("sinkjax.experiments.study")
+  errors.require_extra("sinkjax.experiments.study")
   argv = sys.argv[1:] if argv is None else list(argv)
   command = "python -m sinkjax.experiments.study " + " ".join(argv)
 
