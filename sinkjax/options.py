@@ -220,9 +220,11 @@ def fill(classes: dict, given: list[tuple[str, object]]) -> dict:
   sections = {name: cls() for name, cls in classes.items()}
   for name, value in given:
     if name not in fields:
-      section = name.split(".")[0]
+      section, _, leaf = name.partition(".")
+      new = config.renamed(classes[section], leaf) if section in classes else None
       keys = [k for k in fields if k.startswith(section + ".")]
-      raise ConfigError(f"unknown option {name}; the keys of {section} are {', '.join(keys)}")
+      raise ConfigError(f"unknown option {name}; " + (f"it is {section}.{new} now" if new else
+                                                      f"the keys of {section} are {', '.join(keys)}"))
     section, f, hint = fields[name]
     setattr(sections[section], f.name, _coerce(section, f, hint, value))
   return sections
