@@ -1,7 +1,7 @@
 """Does a config fit a TPU slice? `python -m sinkjax.compile --config CONFIG --topology TOPO [key=value ...]
 [--json FILE]`.
 
-Compiles the training step `sinkjax.train` would run (the same `train.Program`: state shapes, shardings,
+Compiles the training step `sinkjax.train` would run (the same `train.JittedSteps`: state shapes, shardings,
 micro-batching, optimizer, donation) and its eval step with the real XLA:TPU and Mosaic compilers, for compile-only
 devices of TOPO (libtpu, the `tpu` extra, runs on any host: no TPU needed), and prints per-chip memory against the
 chip's HBM. TOPO is a JAX topology name (`v5e:4x8`, `v4:2x2x4`, `v5p:2x4x4`, `v6e:2x4`) or a Cloud TPU accelerator
@@ -220,11 +220,11 @@ def compile_config(cfg, topo: Topology, *, eval_step: bool = True, decode: tuple
   text there (gzipped when it ends in .gz)."""
   from sinkjax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
   from sinkjax.kernels import default_impl  # pylint: disable=import-outside-toplevel
-  from sinkjax.train import Program  # pylint: disable=import-outside-toplevel
+  from sinkjax.train import JittedSteps  # pylint: disable=import-outside-toplevel
   if devices is None:
     devices = gpu_devices(topo) if topo.platform == "gpu" else tpu_devices(topo)
   mesh = sharding_lib.make_mesh(cfg.mesh, devices)
-  program = Program(cfg, mesh)
+  program = JittedSteps(cfg, mesh)
   impl = cfg.model.attn_impl if cfg.model.attn_impl != "auto" else default_impl(sharding_lib.mesh_platform(mesh))
   rows_per_chip = program.micro // sharding_lib.batch_shards(mesh)
   report = {

@@ -101,7 +101,7 @@ class TrainedParams:
     return tuple(nnx.split_state(full, self.filter, ...)) if self.cfg.lora.rank else (full, rest_shapes)
 
 
-class Program:
+class JittedSteps:
   """The jitted train and eval steps of a config on a mesh, with the state's shapes and shardings: the part of a run
   that is compiled. `Trainer` runs it; `sinkjax.compile` lowers and compiles the same object for the devices of a
   TPU slice or GPU node that need not be present (compile-only devices), so what it reports is what training runs.
@@ -187,7 +187,7 @@ class Program:
                                                                                                        jnp.int32)))
 
 
-class Trainer(Program):
+class Trainer(JittedSteps):
   """Everything one training invocation holds, built in the order that lets bad settings fail before anything is
   written: config and tokenizer, mesh, the program (model and optimizer shapes, jitted steps), data, run directory,
   then the state (restored from RUN_DIR/checkpoints, or initialized, from train.init_from when fine-tuning)."""
