@@ -76,8 +76,9 @@ def test_plain_and_fallback_routes_against_float64():
 
 
 def test_lse_cotangent_reaches_q_and_k_only_through_the_fold(monkeypatch):
-  """A loss of the LSE alone (dout = 0) gives the reference's dq, dk and dv = 0; without the fold (O' = O) the
-  backward, which reads O only through D, would return zero dq and dk."""
+  """A loss of the LSE alone (dout = 0) gives the reference's dq, dk and dv = 0 (to the fold's substitute direction,
+  2^-40 of the cotangent: `fold`); without the fold (O' = O) the backward, which reads O only through D, would return
+  zero dq and dk."""
   q, k, v, _, u = make_inputs(T=32)
   seg = packed_segments(2, 32)
 
@@ -90,7 +91,7 @@ def test_lse_cotangent_reaches_q_and_k_only_through_the_fold(monkeypatch):
   ref, got = grads("reference"), grads("mosaic_gpu")
   for name, a, b in zip(("dq", "dk", "dv"), got, ref):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * float(jnp.abs(b).max()) + 1e-7, err_msg=name)
-  assert float(jnp.abs(got[0]).max()) > 0 and float(jnp.abs(got[2]).max()) == 0.0
+  assert float(jnp.abs(got[0]).max()) > 0 and float(jnp.abs(got[2]).max()) < 2.0 ** -30
   from sinkjax.kernels import fold  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(fold, "fold_lse_cotangent", lambda out, dout, g, dtype=None: (out, dout))
   unfolded = grads("mosaic_gpu")
