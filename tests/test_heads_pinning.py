@@ -242,8 +242,9 @@ def test_null_arm_is_a_study_file(tmp_path, monkeypatch, capsys):
 
 def test_null_check_compares_each_weight_with_the_first_zero():
   """The null arm on one optimizer and attention for two steps: the file's four weights in order, labelled as the
-  committed null.json labels them; λ 0 again is bit-identical to the first λ 0, and every run is compared over the
-  same elements."""
+  committed null.json labels them; every λ runs the program of the first λ 0 (constants apart: a step that built
+  the aux term only for λ > 0 fails here); λ 0 again is bit-identical to the first λ 0, and every run is compared
+  over the same elements."""
   path = runner.REPO / "configs" / "studies" / "heads_pinning_null.yaml"
   plan = runner.load_plan(path, ["axes.train.optimizer=[adamw]", "axes.model.attention=[vanilla]", "train.steps=2"])
   rec = hp.null_check(plan)
@@ -251,9 +252,18 @@ def test_null_check_compares_each_weight_with_the_first_zero():
       "lambda 0", "lambda 0, again", "lambda 1e-30", "lambda 1e-8"]
   committed = json.loads((runner.REPO / "docs" / "results" / "null_arm" / "null.json").read_text())
   assert [r["label"] for r in committed["runs"][:4]] == [r["label"] for r in rec["runs"]]
+  assert all(r["same_program"] for r in rec["runs"])
   for r in rec["runs"][:2]:
     assert r["after_step_1"]["bit_identical"] and r["after_step_2"]["bit_identical"] and not r["differ_after_step_1"]
   assert len({r["after_step_2"]["elements"] for r in rec["runs"]}) == 1
+
+
+def test_same_program_masks_constants_only():
+  """Lowered text: a changed constant is the same program, a dropped or changed operation is not."""
+  a = "%0 = stablehlo.constant dense<0.000000e+00> : tensor<f32>\n%1 = stablehlo.multiply %0, %arg0 : tensor<f32>"
+  assert hp.same_program(a, a.replace("0.000000e+00", "9.99999993E-9"))
+  assert not hp.same_program(a, a.replace("multiply", "add"))
+  assert not hp.same_program(a, a.splitlines()[0])
 
 
 @pytest.mark.parametrize("results,kind", [("heads_pinning", "lora"), ("heads_pinning_full", "full")])

@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import pathlib
+import re
 import shutil
 import time
 
@@ -242,12 +243,19 @@ def finetune(plan: runner.Plan, arm: str, seed: int, corpus: dict, steps: int, s
 
 # ---------------------------------------------------------------------------------------------- the null arm
 
+def same_program(a: str, b: str) -> bool:
+  """Two lowered programs (StableHLO text) are one program apart from their constants' values: line for line equal
+  once every `dense<...>` literal is masked. A λ = 0 step that left the aux term out lowers fewer lines."""
+  mask = lambda text: [re.sub(r"dense<[^>]*>", "dense<_>", line) for line in text.splitlines()]   # noqa: E731
+  return mask(a) == mask(b)
+
+
 def null_check(plan: runner.Plan) -> dict:
   """The null arm (configs/studies/heads_pinning_null.yaml: a tiny model, float32 on this CPU): each run of the
   file's grid (optimizer x attention x λ, the aux term traced in all) trains train.steps steps from one init (seed 0)
-  on one batch and is compared with the first run of its optimizer and attention (λ 0) over every parameter after
-  step 1 and after the last step: bit-identical or not, the largest absolute difference, the elements that differ,
-  and which parameters differ after step 1."""
+  on one batch and is compared with the first run of its optimizer and attention (λ 0): its train step's lowered
+  program (`same_program`), and every parameter after step 1 and after the last step: bit-identical or not, the
+  largest absolute difference, the elements that differ, and which parameters differ after step 1."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
@@ -267,12 +275,13 @@ def null_check(plan: runner.Plan) -> dict:
     batch = {k: v for k, v in next(it).items() if k in TRAIN_FEATURES}
     it.close()
     step = jax.jit(make_train_step(cfg, graphdef, rest, tx))
+    program = step.lower(state, batch).as_text()
     out = []
     for _ in range(cfg.train.steps):
       state, _ = step(state, batch)
       out.append({jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(
           state["params"])})
-    return out[0], out[-1]
+    return out[0], out[-1], program
 
   def compare(a, b):
     d = {k: np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)) for k in a}
@@ -285,13 +294,13 @@ def null_check(plan: runner.Plan) -> dict:
   for run in plan.runs():
     cfg = plan.config(run, "RUN_DIR")
     setup, lam, steps = (cfg.train.optimizer, cfg.model.attention), cfg.loss.aux_weight, cfg.train.steps
-    first, last = params_after(cfg)
-    ref = refs.setdefault(setup, (first, last))
+    first, last, program = params_after(cfg)
+    ref = refs.setdefault(setup, (first, last, program))
     c1, cn = compare(ref[0], first), compare(ref[1], last)
     again = any(r["aux_weight"] == lam and (r["optimizer"], r["attention"]) == setup for r in rows)
     label = f"lambda {lam:g}".replace("e-0", "e-") + (", again" if again else "")
     rows.append({"optimizer": setup[0], "attention": setup[1], "label": label, "aux_weight": lam,
-                 "after_step_1": c1, f"after_step_{steps}": cn,
+                 "same_program": same_program(ref[2], program), "after_step_1": c1, f"after_step_{steps}": cn,
                  "differ_after_step_1": sorted(k for k in first if not np.array_equal(ref[0][k], first[k]))})
     _log(f"null check {'/'.join(setup)} {label}: step 1 {c1['max_abs_diff']:.3g}, step {steps} "
          f"{cn['max_abs_diff']:.3g}")
