@@ -1,5 +1,5 @@
-"""[Sink-MoE] App. D (head pinning) on SmolLM2-135M at the paper's budget, with per-document held-out losses; study
-files of kind pinning (heads_pinning.yaml: LoRA; heads_pinning_full.yaml: every weight) and pinning_null.
+"""[Sink-MoE] App. D (head pinning) on SmolLM2-135M at one epoch of this corpus, with per-document held-out losses;
+study files of kind pinning (heads_pinning.yaml: LoRA; heads_pinning_full.yaml: every weight) and pinning_null.
 
     python -m sinkjax.experiments.study configs/studies/heads_pinning.yaml [study.run=RUN] [study.results=DIR]
         [axes.train.seed=[0,1]] [study.allow_dirty=true] [--report-only]
@@ -7,10 +7,10 @@ files of kind pinning (heads_pinning.yaml: LoRA; heads_pinning_full.yaml: every 
 
 Resumable, in order: eq. 8's shared heads fixed up front (`shared_heads`), the pretrained model on every held-out
 document (`step0`), then per seed the arms eq. 7, eq. 8 and base (`ARMS`) for one epoch, each evaluated per document
-(`doc_eval`) at `EVAL_STEPS` and its end; the report tests every contrast over seeds (paired t) and over documents
-(bootstrap, sign-flip permutation), with Holm's correction per column. A dirty checkout is refused unless
-study.allow_dirty; an interrupted run is dropped and made again from step 0. The setup and the readings:
-docs/RESULTS.md, "App. D at the paper's budget".
+(`doc_eval`) at `EVAL_STEPS` and its end; the report tests every contrast over seeds (paired t), over documents
+(bootstrap, sign-flip permutation) and over both (`stats.crossed`), with Holm's correction per column over `FAMILY`,
+and draws the figures (`FIGURES`). A dirty checkout is refused unless study.allow_dirty; an interrupted run is dropped
+and made again from step 0. The setup and the readings: docs/RESULTS.md, "App. D at one epoch of this corpus".
 """
 from __future__ import annotations
 
