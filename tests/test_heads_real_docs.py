@@ -343,17 +343,46 @@ def _check_curve(first: str, root: pathlib.Path, kind: str):
       assert cell == f"{np.mean([np.mean(f[KEYS[col]]) for f in files]):.4f}", (row[0], col)
 
 
-@pytest.mark.skipif(not (ROOT / "docs" / "results" / "null_arm" / "null.json").is_file(), reason="no null.json")
-def test_null_check_quoted():
-  """The null-arm check's figures quoted in RESULTS.md, from docs/results/null_arm/null.json."""
-  rec = json.loads((ROOT / "docs" / "results" / "null_arm" / "null.json").read_text())
-  assert not rec["dirty"] and f"`{rec['commit']}`" in DOC
+NULLS = [ROOT / "docs" / "results" / d / "null.json" for d in ("null_arm", "null_arm_lambda1e-4")]
+
+
+@pytest.mark.parametrize("path", NULLS, ids=["null_arm", "lambda1e-4"])
+def test_null_check_quoted(path):
+  """The null-arm checks' tables in RESULTS.md, from their null.json files: every row, the commit (clean), λ = 0
+  again bit-identical; where the file records it, every run the same program as its setup's first λ = 0."""
+  if not path.is_file():
+    pytest.skip(f"no {path}")
+  rec = json.loads(path.read_text())
+  assert not rec["dirty"] and f"`{rec['commit']}`" in DOC and f"`docs/results/{path.parent.name}/null.json`" in DOC
   cell = lambda c: "bit-identical" if c["bit_identical"] else f"{c['max_abs_diff']:.2g}"
   for r in rec["runs"]:
     last, first = r[f"after_step_{rec['steps']}"], r["after_step_1"]
     assert (f"| {r['optimizer']} | {r['attention']} | {r['label']} | {cell(last)} | {cell(first)} | "
             f"{last['elements_differing']:,} of {last['elements']:,} |") in DOC, r
+    assert r.get("same_program", True), r
   assert all(r[f"after_step_{rec['steps']}"]["bit_identical"] for r in rec["runs"] if r["aux_weight"] == 0)
+
+
+def test_null_arm_prose():
+  """The first-step differences quoted in the null arm's prose (AdamW and Muon at λ = 1e-30, Muon at 1e-8 and 1e-4)
+  are those of the two null.json files."""
+  if not all(p.is_file() for p in NULLS):
+    pytest.skip("no null.json")
+  runs = {(r["optimizer"], r["attention"], r["aux_weight"]): r for p in NULLS
+          for r in json.loads(p.read_text())["runs"]}
+  step1 = lambda o, a, lam: runs[o, a, lam]["after_step_1"]["max_abs_diff"]    # noqa: E731
+  assert (f"differ by {step1('adamw', 'vanilla', 1e-30):.1e} (vanilla) and {step1('adamw', 'gated', 1e-30):.1e} "
+          "(gated)") in PROSE
+  assert (f"its first-step difference, {step1('muon', 'vanilla', 1e-30):.1e} vanilla and "
+          f"{step1('muon', 'gated', 1e-30):.1e} gated,") in PROSE
+  assert f"at λ = 1e-30 the first step moves by {step1('muon', 'vanilla', 1e-30):.1e} / " \
+         f"{step1('muon', 'gated', 1e-30):.1e}" in PROSE
+  assert "4e-9" not in PROSE and "~1e-23" not in PROSE
+  m4 = max(step1("muon", a, 1e-4) for a in ("vanilla", "sink", "gated"))
+  m8 = max(step1("muon", a, 1e-8) for a in ("vanilla", "gated"))
+  assert f"by up to {m4:.2f} at λ = 1e-4 and {m8:.2f} at λ = 1e-8 against λ = 0" in PROSE
+  assert (f"by up to {step1('muon', 'vanilla', 1e-4):.2f} for vanilla and {step1('muon', 'sink', 1e-4):.2f} for sink "
+          "against λ = 0") in PROSE
 
 
 def _signed(x: float, nd: int = 4) -> str:
