@@ -507,3 +507,14 @@ def test_pinning_figures_are_linked(root):
   """Both figures of each pinning study are in its directory and linked from RESULTS.md."""
   for name in ("pinning_importance.png", "pinning_curve.png"):
     assert (root / name).is_file() and f"](results/{root.name}/{name})" in PROSE, name
+
+
+@epoch
+def test_epoch_three_tests_agree():
+  """"The three tests agree": in the LoRA effects table every effect is detected (p < 0.05) by the t over seeds, the
+  documents and the crossed test alike, and the one not detected (eq. 8 − base, shared heads) by none."""
+  rows = _table("| effect | mean |")
+  for row in rows:
+    detected = {float(row[i]) < 0.05 for i in (3, 6, 10)}
+    assert detected == {row[0] != "eq. 8 − base, shared heads' importance"}, row
+  assert "detect the same effects: all but eq. 8 − base on the shared heads" in PROSE
