@@ -103,13 +103,15 @@ def plot_importance_heatmap(imp_lh, path, title: str = "head importance", layers
 # Evaluation figures (sinkjax.eval): attention sink diagnostics of one checkpoint
 # ---------------------------------------------------------------------------------------------------------------
 
-def _save(fig, path, dpi: int = 110):
-  """Writes `fig` as PNG to a local path or an object-store URL (`sinkjax.paths`) and returns the path."""
+def _save(fig, path, dpi: int = 110, tight_layout: bool = True):
+  """Writes `fig` as PNG to a local path or an object-store URL (`sinkjax.paths`) and returns the path. A figure laid
+  out by its own colorbar axes (tight_layout=False) is cropped to what it draws instead."""
   path = paths_lib.as_path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  fig.tight_layout()
+  if tight_layout:
+    fig.tight_layout()
   with path.open("wb") as f:
-    fig.savefig(f, dpi=dpi, format="png")
+    fig.savefig(f, dpi=dpi, format="png", bbox_inches=None if tight_layout else "tight")
   plt.close(fig)
   return path
 
@@ -637,8 +639,8 @@ def plot_pinning(summary: dict, importance_path, curve_path, *, arms: dict, metr
   fig.suptitle(f"Head importance on SmolLM2-135M, {how}, one epoch ({summary['steps']} steps): mean over "
                f"{summary['documents']} held-out documents and {n_seeds} seed{'s' if n_seeds > 1 else ''} per arm\n"
                f"black boxes: eq. 8's shared heads (the top {summary['num_shared_heads']} per layer of the pretrained "
-               "model)", fontsize=12)
-  out = [_save_unsized(fig, importance_path)]
+               f"model); runs of commit {summary['commit']}", fontsize=12)
+  out = [_save(fig, importance_path, tight_layout=False)]
 
   steps = sorted({int(k.split("@")[1]) for k in summary["curve"]})
   cols = 3
@@ -660,16 +662,8 @@ def plot_pinning(summary: dict, importance_path, curve_path, *, arms: dict, metr
     ax.axis("off")
   axes.flat[0].legend(fontsize=9)
   fig.suptitle(f"{how}: the arms on the held-out documents at steps {', '.join(map(str, steps))} (line: mean over "
-               f"seeds; points: each seed, spread sideways; step 0 is the pretrained model)", fontsize=11)
+               f"seeds; points: each seed, spread sideways; step 0 is the pretrained model); runs of commit "
+               f"{summary['commit']}", fontsize=11)
   out.append(_save(fig, curve_path))
   return out
 
-
-def _save_unsized(fig, path, dpi: int = 110) -> pathlib.Path:
-  """`_save` for a figure laid out by its colorbars (tight_layout would fight them)."""
-  path = paths_lib.as_path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with path.open("wb") as f:
-    fig.savefig(f, dpi=dpi, format="png", bbox_inches="tight")
-  plt.close(fig)
-  return path
