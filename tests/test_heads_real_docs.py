@@ -433,6 +433,17 @@ def test_epoch_setup_as_quoted():
     assert lr[0][0] == 1 and lr[0][1] == pytest.approx(1e-3) and all(b[1] < a[1] for a, b in zip(lr, lr[1:])), n
   lr5 = dict(lr)[5]
   assert f"the records' lr is 1e-3 at step 1 and {lr5 * 1e4:.2f}e-4 at step 5" in PROSE
+  corpus = json.loads((EPOCH / "corpus.json").read_text())
+  assert f"{corpus['train']['documents']} English documents" in PROSE
+  assert f"one epoch of the {corpus['train']['documents']} documents" in PROSE
+  seeds = lambda root: {len([r for r in _records(root).values() if r["arm"] == a]) for a in ("base", "eq7", "eq8")}
+  n_lora, n_full = seeds(EPOCH), seeds(FULL)
+  assert len(n_lora) == len(n_full) == 1
+  word = lambda n: f"{n} seed{'s' if n > 1 else ''} per arm"                 # noqa: E731
+  assert f"| {word(n_lora.pop())} (LoRA); {word(n_full.pop())} (full fine-tuning) |" in DOC
+  e = sorted(r["eval_seconds"] for r in recs.values())
+  assert f"{e[0]:.0f}–{e[-1]:.0f} s for its three evaluations" in PROSE and all(len(r["eval_steps"]) == 3
+                                                                                  for r in recs.values())
 
 
 @epoch
