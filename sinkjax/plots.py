@@ -500,7 +500,7 @@ def plot_runs(runs: list[dict], out_dir, variants=choices.PAPER_VARIANTS) -> lis
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Study figures: [SinkNecessary]'s trigger task (sinkjax.experiments.trigger, study kind trigger)
+# Study figures: [SinkNecessary]'s trigger task (sinkjax.experiments.trigger, study driver trigger)
 # ---------------------------------------------------------------------------------------------------------------
 
 def _attention_panel(fig, ax, a, title, T, vmax=1.0):

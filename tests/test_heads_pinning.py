@@ -226,7 +226,7 @@ def test_full_study_file_is_the_lora_one_on_every_weight(tmp_path):
 
 
 def test_null_arm_is_a_study_file(tmp_path, monkeypatch, capsys):
-  """heads_pinning_null.yaml (kind pinning_null) runs `null_check` and writes study.results/null.json, as the
+  """heads_pinning_null.yaml (driver pinning_null) runs `null_check` and writes study.results/null.json, as the
   former `--only null` did (docs/results/null_arm/null.json)."""
   grids = []
   monkeypatch.setattr(hp, "null_check", lambda plan: grids.append(plan.runs()) or {"runs": [], "what": "stand-in"})

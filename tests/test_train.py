@@ -23,7 +23,7 @@ from sinkjax import balance, optim
 from sinkjax import train as train_lib
 from sinkjax.config import ConfigError, load_config
 from sinkjax.data import build_tokenizer, make_train_iterator
-from sinkjax.cli import Interrupted
+from sinkjax.errors import Interrupted
 from sinkjax.model import Transformer
 from sinkjax.run import read_metrics
 from sinkjax.step import TRAIN_FEATURES, make_train_step
@@ -132,7 +132,7 @@ def test_remat_lowers_temporaries():
   compiler, which does no rematerialization of its own (test_compile_speed checks the policies' recomputed FLOPs in
   XLA:TPU's programs)."""
   from sinkjax import sharding as sharding_lib
-  from sinkjax.train import Program
+  from sinkjax.train import JittedSteps
   # Four scanned layers (one body to compile) whose activations dominate the step (241 -> 90 MB of temporaries).
   ov = ["model.num_layers=4", "train.optimizer=adamw", "model.d_model=256", "model.num_heads=4", "model.num_kv_heads=4",
         "model.head_dim=64", "data.seq_len=256", "model.max_seq_len=256", "model.vocab_size=257", "train.batch_size=8",
@@ -140,7 +140,7 @@ def test_remat_lowers_temporaries():
   temps = {}
   for remat in (False, True):
     cfg = load_config(TINY, ov + [f"model.remat={str(remat).lower()}"])
-    program = Program(cfg, sharding_lib.make_mesh(cfg.mesh, jax.devices("cpu")[:1]))
+    program = JittedSteps(cfg, sharding_lib.make_mesh(cfg.mesh, jax.devices("cpu")[:1]))
     temps[remat] = program.lower()[0].compile().memory_analysis().temp_size_in_bytes
   assert temps[True] < 0.7 * temps[False], temps
 

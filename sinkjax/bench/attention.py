@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from sinkjax import options
-from sinkjax.cli import ConfigError
+from sinkjax.errors import ConfigError
 from sinkjax.config import key
 from sinkjax.kernels import BlockSizes, default_impl, flash_attention
 

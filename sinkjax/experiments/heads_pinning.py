@@ -1,5 +1,5 @@
 """[Sink-MoE] App. D (head pinning) on SmolLM2-135M at one epoch of this corpus, with per-document held-out losses;
-study files of kind pinning (heads_pinning.yaml: LoRA; heads_pinning_full.yaml: every weight) and pinning_null.
+study files of driver pinning (heads_pinning.yaml: LoRA; heads_pinning_full.yaml: every weight) and pinning_null.
 
     python -m sinkjax.experiments.study configs/studies/heads_pinning.yaml [study.run=RUN] [study.results=DIR]
         [axes.train.seed=[0,1]] [study.allow_dirty=true] [--report-only]
@@ -440,7 +440,7 @@ def report(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
 # ------------------------------------------------------------------------------------------------------ driver
 
 def null_study(plan: runner.Plan, dry_run: bool, report_only: bool) -> None:
-  """A kind-pinning_null study (configs/studies/heads_pinning_null.yaml): `null_check`, written to RESULTS/null.json."""
+  """A driver-pinning_null study (configs/studies/heads_pinning_null.yaml): `null_check`, written to RESULTS/null.json."""
   path = plan.results() / "null.json"
   if dry_run or report_only:
     print(f"{path}: {'done' if path.is_file() else 'to do'} ({len(plan.runs())} runs)")
@@ -450,11 +450,11 @@ def null_study(plan: runner.Plan, dry_run: bool, report_only: bool) -> None:
 
 
 def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
-  """The pinning study file, run (`sinkjax.experiments.study`'s kind pinning): shared heads, step 0, every seed's
+  """The pinning study file, run (`sinkjax.experiments.study`'s driver pinning): shared heads, step 0, every seed's
   three arms, then the report (see the module docstring)."""
   st = plan.study
   out, results = pathlib.Path(st.out), plan.results()
-  if st.kind == "pinning_null":
+  if st.driver == "pinning_null":
     return null_study(plan, dry_run, report_only)
   if set(plan.axes) - {"train.seed"}:
     raise StudyError(f"{plan.path}: the pinning study's one axis is train.seed (its arms are heads_pinning.ARMS), "
