@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import math
 import re
 
@@ -76,6 +77,13 @@ def hopper_or_later(device=None) -> bool:
 # (sinkjax.kernels.fold) rests on, and the packed-document route's statistics layout; both are checked here only on
 # emulated cuDNN calls. Until then impl="cudnn" (model.attn_impl=cudnn) opts in, and auto stays on pallas_gpu.
 CUDNN_IN_AUTO = False
+# Whether impl="auto" picks tokamax's Mosaic-GPU kernels (`mosaic_gpu`) on Hopper and later where tokamax is installed,
+# ahead of cudnn: off until the device script has checked and timed them (docs/KERNEL.md, "Mosaic GPU").
+MOSAIC_IN_AUTO = False
+
+
+def _tokamax_installed() -> bool:
+  return importlib.util.find_spec("tokamax") is not None
 
 
 def default_impl(platform: str | None = None, device=None) -> str:
@@ -87,6 +95,8 @@ def default_impl(platform: str | None = None, device=None) -> str:
   if platform == "tpu":
     return "pallas_tpu"
   if platform in ("gpu", "cuda"):
+    if MOSAIC_IN_AUTO and hopper_or_later(device) and _tokamax_installed():
+      return "mosaic_gpu"
     return "cudnn" if CUDNN_IN_AUTO and hopper_or_later(device) else "pallas_gpu"
   return "xla"
 
@@ -225,6 +235,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
     impl = default_impl(target)
     if impl == "cudnn" and _cudnn_unsupported(q, k, causal, segment_ids, T, S):
       impl = "pallas_gpu"
+    if impl == "mosaic_gpu" and _mosaic_unsupported(q):
+      impl = "pallas_gpu"
   if impl == "reference":
     return reference.attention(q, k, v, q_seg, kv_seg, causal=causal, scale=scale)
   if impl in _HARDWARE and jnp.float64 in (q.dtype, k.dtype, v.dtype):
@@ -242,6 +254,11 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
 def _cudnn_unsupported(q, k, causal, segment_ids, T, S):
   from sinkjax.kernels import cudnn  # pylint: disable=import-outside-toplevel
   return cudnn.unsupported(q.dtype, q.shape[3], T, S, causal, pair=isinstance(segment_ids, (tuple, list)))
+
+
+def _mosaic_unsupported(q):
+  from sinkjax.kernels import mosaic_gpu  # pylint: disable=import-outside-toplevel
+  return mosaic_gpu.unsupported(q.dtype, q.shape[3])
 
 
 def _mesh_axes(batch_axes, head_axis):
