@@ -566,6 +566,8 @@ def attention_kernel(hlo: str, impl: str) -> str:
     return "mosaic"
   if "__cudnn$fmha" in hlo:             # cuDNN's fused attention (a Triton fallback may sit beside it: cudnn.route)
     return "cudnn"
+  if 'custom_call_target="mosaic_gpu' in hlo:   # Pallas Mosaic GPU (tokamax's kernels: sinkjax's mosaic_gpu backend)
+    return "mosaic_gpu"
   if "__gpu$xla.gpu.triton" in hlo:     # Pallas's Triton custom call; bare "triton" is also XLA:GPU's own GEMM fusions
     return "triton"
   if impl in ("pallas_tpu", "pallas_gpu") and "callback" in hlo:
