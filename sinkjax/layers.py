@@ -447,7 +447,10 @@ def hf_attention_tensors(cfg: AttentionConfig) -> dict | None:
 
 def pop_head_importance(model: nnx.Module):
   """Removes the importances recorded by every `Attention` layer of `model` during its last forward pass and
-  returns them stacked in layer order, [L, H] (the input of `head_imbalance` / `aux_loss`)."""
+  returns them stacked in layer order, [L, H]: row l is layer l's Imp^{l,h} of [Sink-MoE] eq. 5 (its gate G averaged
+  over the call's valid tokens, `sinkjax.balance.head_importance`), the input of `head_imbalance` (eq. 6) and
+  `aux_loss` (eq. 7 / 8). Call it inside the traced loss function, after the forward pass, so the loss's gradient
+  flows into the gates; a ValueError when no layer recorded one (the model was not called since the last pop)."""
   imps = []
   for _, node in nnx.iter_graph(model):
     if isinstance(node, Attention) and hasattr(node, "head_importance"):
