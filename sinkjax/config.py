@@ -267,7 +267,8 @@ class AttentionConfig:
   (`AttentionSection`) and `_LAYER_KEYS` under their model.* names and adds what is the layer's own: whether it is a
   "full" layer of model.layer_types (no sliding window), whether o_proj starts at zero, the model.rope_* keys as one
   `RopeScaling` (`rope`), the head dims RoPE rotates. Standalone users pass the same model.* keys as keywords
-  (`AttentionConfig.of`, `Attention(d_model, num_heads, ...)`). Hashed by value (layers keep it as static graph
+  (`AttentionConfig.of`; `Attention(d_model, num_heads, ...)`, whose arguments are these attributes' names, the
+  rope_* keys as one `rope=`). Hashed by value (layers keep it as static graph
   metadata); layers of one kind get equal views, so blocks stack for the layer scan."""
   model: ModelConfig
   full: bool = False                # a "full" layer of model.layer_types: model.sliding_window does not apply

@@ -2,8 +2,9 @@
 
 `Attention` is the drop-in layer: q/k/v/o projections, GQA, RoPE, optional QK-norm, and one of the attention
 variants of `sinkjax.attention`, the registered kind `model.attention` names (`sinkjax.kinds`: this module imports the
-built-in ones, vanilla, sink, gated and relu, so they register; nothing switches on a kind's name), built from an
-`AttentionConfig` (a view of the model config, checked once) or from the same model.* keys as keywords. Every call
+built-in ones, vanilla, sink, gated and relu, so they register; nothing switches on a kind's name), built from its
+named keywords (the model.* keys of the same names) or, as the model builds it, from an `AttentionConfig` (a view of
+the model config, checked once: `Attention.from_config`). Every call
 records the per-head importance of its gate (eq. 5) with `nnx.sow` under the name `head_importance`, so a host
 model collects them after its forward pass with `pop_head_importance(model)` -> [L, H] and adds
 `sinkjax.balance.aux_loss`. Linen users get the same layer from `linen_attention(...)` (via `nnx.bridge`), whose
