@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/PERF.md in one call of a lent GPU machine (a bare image with jax, flax, optax and
 # orbax; grain, tensorboardX and their needs travel as wheels in .whl/, see the device notes in docs/PERF.md):
-#   check      every GPU backend against the reference with the LSE gradient (out, lse, dq, dk, dv; GQA, packed
-#              documents, sink + aux) and that cuDNN's backward reads O only through D (sinkjax.bench.kernel_check)
-#   attn_mha   fwd+bwd time of sinkjax's cudnn backend and the Triton kernel against stock cuDNN (jax.nn.cudnn, no
-#              LSE gradient) at B 2 H 16 D 128, T 4k / 8k / 16k; attn_gqa the same at GQA 32:8; attn_d20 at d20's
-#              attention shape (B 32, T 2048, H 10, D 128)
-#   trainer_d20  the d20 sink + aux step (configs/paper/d20_sink_aux.yaml, 32 x 2048 tokens) with its MFU and roofline
-#              estimate, then a jax.profiler trace of it summarised by kernel category (sinkjax.bench.profile_summary)
+#   check      every GPU backend (cudnn, mosaic_gpu, pallas_gpu) against the reference with the LSE gradient (out, lse,
+#              dq, dk, dv; GQA, packed documents, sink + aux) and that cuDNN's and tokamax's Mosaic-GPU backward read O
+#              only through D (sinkjax.bench.kernel_check)
+#   attn_mha   fwd+bwd time of sinkjax's cudnn, mosaic_gpu and Triton backends against stock cuDNN (jax.nn.cudnn, no
+#              LSE gradient) at B 2 H 16 D 128, T 4k / 8k / 16k; attn_d64 the same at D 64 (H 32); attn_gqa at GQA
+#              32:8; attn_d20 at d20's attention shape (B 32, T 2048, H 10, D 128)
+#   trainer_d20  the d20 sink + aux step (configs/paper/d20_sink_aux.yaml, 32 x 2048 tokens) on cudnn with its MFU
+#              and roofline estimate, then a jax.profiler trace of it summarised by kernel category
+#              (sinkjax.bench.profile_summary); trainer_d20_mosaic and trainer_d20_triton: the same step on
+#              mosaic_gpu and pallas_gpu (no profile)
 #   trainer_small  the small trainer gap rows of earlier sessions (not in the default set)
 # Each stage has its own time limit (the default set's sum is 9 minutes; a persistent compile cache makes a rerun
-# faster) and log under $OUT; the tables are printed again at the end.
-#   bash launch/gpu_measure.sh [--check] [stage ...]   stages: env check attn_mha attn_gqa attn_d20 trainer_d20 (default)
-#                                                       and trainer_small
-# --check: the dry run on any machine (a CPU): every stage's program with small shapes and the xla backend (cuDNN and
-# Triton rows say they were skipped), so that a typo does not cost a GPU session.
+# faster) and log under $OUT; the tables are printed again at the end. The script exits 1 when a stage failed (its
+# command exited non-zero or ran out of time), 0 when every stage passed.
+#   bash launch/gpu_measure.sh [--check] [stage ...]   stages: env check attn_mha attn_d64 attn_gqa attn_d20
+#                                          trainer_d20 trainer_d20_mosaic trainer_d20_triton (default) and trainer_small
+# --check: the dry run on any machine (a CPU): every stage's program with small shapes, the xla backend beside the
+# three GPU backends (cuDNN rows say they were skipped; mosaic_gpu runs its CPU form where tokamax is installed, says
+# skipped where not; Triton runs interpreted), so that a typo does not cost a GPU session.
 set -u
 CHECK=0
 if [ "${1:-}" = "--check" ]; then CHECK=1; shift; fi
@@ -31,15 +36,18 @@ fi
 D20="--config configs/paper/d20_sink_aux.yaml data.source=default data.val_source= data.tokenizer=bytes
      model.vocab_size=65536 mesh.data=1 mesh.fsdp=1"
 SMALL="--config configs/tiny.yaml train.batch_size=4 data.seq_len=128 model.max_seq_len=128 mesh.data=1 mesh.fsdp=1"
-ATTN="python3 -m sinkjax.bench.attention --dtype bfloat16 --impls jax.nn.cudnn cudnn pallas_gpu --repeats 5"
+ATTN="python3 -m sinkjax.bench.attention --dtype bfloat16 --impls jax.nn.cudnn cudnn mosaic_gpu pallas_gpu --repeats 5"
 if [ "$CHECK" = 1 ]; then
-  ATTN="python3 -m sinkjax.bench.attention --dtype float32 --impls xla jax.nn.cudnn cudnn pallas_gpu --repeats 1"
+  ATTN="python3 -m sinkjax.bench.attention --dtype float32 --impls xla jax.nn.cudnn cudnn mosaic_gpu pallas_gpu --repeats 1"
 fi
+FAILED=()
 run_stage() {   # name limit_s command...
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$2 rc; shift 2
   echo "== $name: $* (limit ${limit}s, $(date +%T))"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "== $name: exit $? ($(date +%T))"
+  rc=$?
+  echo "== $name: exit $rc ($(date +%T))"
+  [ "$rc" = 0 ] || FAILED+=("$name (exit $rc)")
 }
 # shellcheck disable=SC2086  # $ATTN, $D20, $SMALL are word lists
 stage() {
@@ -49,28 +57,43 @@ stage() {
            python3 -c "import jax, flax, optax, orbax.checkpoint as o, grain; print(jax.__version__, flax.__version__,
            optax.__version__, o.__version__, grain.__version__, jax.devices())"' ;;
     check) if [ "$c" = 1 ]; then run_stage check 100 python3 -m sinkjax.bench.kernel_check --seq 64 --head-dim 32
-           else run_stage check 100 python3 -m sinkjax.bench.kernel_check --seq 512; fi ;;
-    attn_mha) if [ "$c" = 1 ]; then run_stage attn_mha 110 $ATTN --batch 1 --heads 2 --head-dim 32 --seq 128 256
-           else run_stage attn_mha 110 $ATTN --batch 2 --heads 16 --head-dim 128 --seq 4096 8192 16384 --max-gib 40; fi ;;
-    attn_gqa) if [ "$c" = 1 ]; then run_stage attn_gqa 50 $ATTN --batch 1 --heads 4 --kv-heads 1 --head-dim 32 --seq 128
-           else run_stage attn_gqa 50 $ATTN --batch 1 --heads 32 --kv-heads 8 --head-dim 128 --seq 4096 8192; fi ;;
-    attn_d20) if [ "$c" = 1 ]; then run_stage attn_d20 30 $ATTN --batch 2 --heads 2 --head-dim 32 --seq 128
+           else run_stage check 80 python3 -m sinkjax.bench.kernel_check --seq 512 --impls cudnn mosaic_gpu pallas_gpu; fi ;;
+    attn_mha) if [ "$c" = 1 ]; then run_stage attn_mha 200 $ATTN --batch 1 --heads 2 --head-dim 32 --seq 128 256
+           else run_stage attn_mha 100 $ATTN --batch 2 --heads 16 --head-dim 128 --seq 4096 8192 16384 --max-gib 40; fi ;;
+    attn_d64) if [ "$c" = 1 ]; then run_stage attn_d64 100 $ATTN --batch 1 --heads 2 --head-dim 16 --seq 128
+           else run_stage attn_d64 50 $ATTN --batch 2 --heads 32 --head-dim 64 --seq 4096 8192 16384 --max-gib 40; fi ;;
+    attn_gqa) if [ "$c" = 1 ]; then run_stage attn_gqa 100 $ATTN --batch 1 --heads 4 --kv-heads 1 --head-dim 32 --seq 128
+           else run_stage attn_gqa 40 $ATTN --batch 1 --heads 32 --kv-heads 8 --head-dim 128 --seq 4096 8192; fi ;;
+    attn_d20) if [ "$c" = 1 ]; then run_stage attn_d20 100 $ATTN --batch 2 --heads 2 --head-dim 32 --seq 128
            else run_stage attn_d20 30 $ATTN --batch 32 --heads 10 --head-dim 128 --seq 2048; fi ;;
     trainer_d20) if [ "$c" = 1 ]; then run_stage trainer_d20 220 python3 -m sinkjax.bench.trainer $SMALL \
              --steps 2 --rounds 1 --no-estimate --rows "step, packed" --profile "$OUT/profile_d20"
-           else run_stage trainer_d20 220 python3 -m sinkjax.bench.trainer $D20 train.batch_size=32 \
+           else run_stage trainer_d20 120 python3 -m sinkjax.bench.trainer $D20 train.batch_size=32 \
              model.attn_impl=cudnn --steps 4 --rounds 3 --rows "step, packed" "train loop" --profile "$OUT/profile_d20"; fi ;;
+    trainer_d20_mosaic|trainer_d20_triton)
+           impl=mosaic_gpu; [ "$1" = trainer_d20_triton ] && impl=pallas_gpu
+           if [ "$c" = 1 ]; then run_stage "$1" 220 python3 -m sinkjax.bench.trainer $SMALL model.attn_impl=xla \
+             --steps 2 --rounds 1 --no-estimate --rows "step, packed"
+           else run_stage "$1" 50 python3 -m sinkjax.bench.trainer $D20 train.batch_size=32 \
+             model.attn_impl=$impl --steps 3 --rounds 2 --rows "step, packed"; fi ;;
     trainer_small) run_stage trainer_small 110 python3 -m sinkjax.bench.trainer \
            --config configs/streaming_vanilla.yaml --steps 20 --rounds 3 ;;
-    *) echo "unknown stage $1"; return 2 ;;
+    *) echo "unknown stage $1"; FAILED+=("$1 (unknown stage)"); return 2 ;;
   esac
 }
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env check attn_mha attn_gqa attn_d20 trainer_d20)
-[ "$CHECK" = 1 ] && [ "$*" = "" ] && stages=(check attn_mha attn_gqa attn_d20 trainer_d20)
+[ ${#stages[@]} -eq 0 ] && stages=(env check attn_mha attn_d64 attn_gqa attn_d20 trainer_d20 trainer_d20_mosaic
+                                   trainer_d20_triton)
+[ "$CHECK" = 1 ] && [ "$*" = "" ] && stages=(check attn_mha attn_d64 attn_gqa attn_d20 trainer_d20 trainer_d20_mosaic)
 for s in "${stages[@]}"; do stage "$s"; done
 for s in "${stages[@]}"; do
   echo; echo "#### $s"
-  grep -E '^(#|\||roofline|no roofline|profile of|name|NVIDIA|cudnn reads|all passed|[0-9]+ FAILED|[0-9. ]+ +[a-z_.]+ )|Error|error|Traceback' \
+  grep -E '^(#|\||roofline|no roofline|profile of|name|NVIDIA|[a-z_]+ reads O|all passed|[0-9]+ FAILED|[0-9. ]+ +[a-z_.]+ )|Error|error|Traceback' \
     "$OUT/$s.log" | grep -v -i "tpu_\|libtpu" | tail -n 40
 done
+echo
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "gpu_measure: ${#FAILED[@]} stage(s) failed: ${FAILED[*]}"
+  exit 1
+fi
+echo "gpu_measure: every stage passed"

@@ -48,13 +48,20 @@ def shared_head_mask(imp_lh, num_shared: int):
   return jnp.zeros(imp.shape, bool).at[jnp.arange(imp.shape[0])[:, None], top].set(True)
 
 
-def head_roles(imp_lh, shared_from, m: int) -> dict:
-  """Eq. 8's roles read on the host (numpy): in `imp_lh` [L,H], the mean importance of the shared heads (the top-m
-  per layer of `shared_from`, the importance that fixed them) and of the routed rest, the routed heads' CV (eq. 8's
-  target), every head's imbalance (eq. 6) and the mean importance."""
-  a, s = np.asarray(imp_lh, np.float64), np.asarray(shared_from, np.float64)
+def top_m_mask(shared_from, m: int) -> np.ndarray:
+  """[L,H] bool on the host (numpy): the top-m heads of each layer of `shared_from`, eq. 8's shared set."""
+  s = np.asarray(shared_from, np.float64)
   shared = np.zeros(s.shape, bool)
   np.put_along_axis(shared, np.argsort(-s, -1)[:, :m], True, -1)
+  return shared
+
+
+def head_roles(imp_lh, shared_from, m: int) -> dict:
+  """Eq. 8's roles read on the host (numpy): in `imp_lh` [L,H], the mean importance of the shared heads (the top-m
+  per layer of `shared_from`, the importance that fixed them: `top_m_mask`) and of the routed rest, the routed heads'
+  CV (eq. 8's target), every head's imbalance (eq. 6) and the mean importance."""
+  a = np.asarray(imp_lh, np.float64)
+  shared = top_m_mask(shared_from, m)
   routed = a[~shared].reshape(a.shape[0], -1)
   cv = lambda x: float(np.mean(x.std(-1) / np.maximum(x.mean(-1), 1e-12)))
   return {"imbalance": cv(a), "shared_importance": float(a[shared].mean()), "routed_importance": float(routed.mean()),

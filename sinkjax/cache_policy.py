@@ -26,7 +26,7 @@ import pathlib
 import numpy as np
 
 from sinkjax import paths
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.config import key
 
 SOURCES = ("importance", "alpha")

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 
 from sinkjax import paths
 from sinkjax.config import CheckpointConfig
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
 

@@ -16,25 +16,27 @@ from typing import Any
 import yaml
 
 from sinkjax import choices, kinds, paths   # kinds: the registry alone (no kind, no jax; sinkjax/kinds/__init__.py)
-from sinkjax.cli import ConfigError  # noqa: F401  (re-exported: sinkjax.config.ConfigError)
+from sinkjax.errors import ConfigError  # noqa: F401  (re-exported: sinkjax.config.ConfigError)
 
 
 # pylint: disable-next=redefined-builtin
 def key(default, range: str | None = None, *, choices=None, alias: str | None = None, help: str | None = None,
         metavar: str | None = None, required: bool = False, nargs: str | None = None, const: str | None = None,
-        other_aliases: tuple = ()):
+        other_aliases: tuple = (), formerly: str | None = None):
   """A config key's one declaration: its default (the annotation gives its type), the range a number must lie in
   (a name of `_RANGE_TESTS`: ">=1", "(0,1)", ...) and the values a string may take (`sinkjax.choices`). A command's
   option (`sinkjax.options`) also names the short flag people type (`alias="--tau"`; `other_aliases`: more spellings
   of the same flag, `--gguf` for `--hf-dir`), its help text (None: a
   hidden option), the flag's metavar, whether the command needs it (`required`), and for the flag alone: "+" (a
-  list flag taking several values at once) or the value of the flag given without one (`const`)."""
+  list flag taking several values at once) or the value of the flag given without one (`const`). `formerly`: the
+  key's old name in its section, which is then refused in one line naming this one (`renamed`)."""
   meta = {}
   if range is not None:
     meta["range"] = range
   if choices is not None:
     meta["choices"] = choices
-  meta.update({k: v for k, v in dict(alias=alias, help=help, metavar=metavar, nargs=nargs, const=const).items()
+  meta.update({k: v for k, v in dict(alias=alias, help=help, metavar=metavar, nargs=nargs, const=const,
+                                      formerly=formerly).items()
                if v is not None})
   if required:
     meta["required"] = True
@@ -43,6 +45,11 @@ def key(default, range: str | None = None, *, choices=None, alias: str | None = 
   if isinstance(default, list):           # a fresh list per instance
     return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
   return dataclasses.field(default=default, metadata=meta)
+
+
+def renamed(section_cls, name: str) -> str | None:
+  """The key of the section (a dataclass declared with `key`) that was once spelled `name` (`key(formerly=name)`)."""
+  return next((f.name for f in dataclasses.fields(section_cls) if f.metadata.get("formerly") == name), None)
 
 
 def _declared(config_cls) -> tuple[dict, dict]:
@@ -555,7 +562,11 @@ def _apply(obj: Any, tree: dict, source: str, prefix: str = "") -> None:
 
 
 def _suggest(obj: Any, name: str, prefix: str) -> str:
-  """'; it belongs in S.name' for a key of another section, else '; did you mean X?' with the nearest keys."""
+  """'; it is S.new now' for a renamed key, '; it belongs in S.name' for a key of another section, else '; did you
+  mean X?' with the nearest keys."""
+  new = renamed(type(obj), name)
+  if new:
+    return f"; it is {prefix}{new} now"
   if prefix:
     elsewhere = [f"{section}.{name}" for section, typ in typing.get_type_hints(Config).items()
                  if name in {f.name for f in dataclasses.fields(typ)}]

@@ -50,10 +50,10 @@ paper's: zeroed in the KV cache after prefilling a prompt, the continuation deco
 """
 from __future__ import annotations
 
-from sinkjax import cli
+from sinkjax import errors
 
 if __name__ == "__main__":
-  cli.require_extra("sinkjax.eval")     # before the imports below: without the train extra, one line naming it
+  errors.require_extra("sinkjax.eval")     # before the imports below: without the train extra, one line naming it
 
 import dataclasses
 import json
@@ -72,7 +72,7 @@ from sinkjax import analysis, distributed, options, paths, plots
 from sinkjax import sharding as sharding_lib
 from sinkjax.balance import head_imbalance
 from sinkjax.cache import KVCache
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.config import key
 from sinkjax.data import FEATURES, make_eval_batches, to_global_batch
 from sinkjax.markdown import table

@@ -58,10 +58,10 @@ every cache, so the numbers are those of token-by-token streaming (up to f32 rou
 """
 from __future__ import annotations
 
-from sinkjax import cli
+from sinkjax import errors
 
 if __name__ == "__main__":
-  cli.require_extra("sinkjax.generate")   # before the imports below: without the train extra, one line naming it
+  errors.require_extra("sinkjax.generate")   # before the imports below: without the train extra, one line naming it
 
 import contextlib
 import dataclasses
@@ -79,7 +79,7 @@ from flax import nnx
 from sinkjax import cache_policy, distributed, options, paths
 from sinkjax import sharding as sharding_lib
 from sinkjax.cache import KVCache, make_cache, shard_cache
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.config import key
 from sinkjax.markdown import table
 from sinkjax.run import asks_for_mesh, load_run

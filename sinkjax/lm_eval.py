@@ -54,10 +54,10 @@ process feeding its own devices' rows) and process 0 alone writes the results an
 """
 from __future__ import annotations
 
-from sinkjax import cli
+from sinkjax import errors
 
 if __name__ == "__main__":
-  cli.require_extra("sinkjax.lm_eval")   # before the imports below: a run is read with the train extra's Orbax
+  errors.require_extra("sinkjax.lm_eval")   # before the imports below: a run is read with the train extra's Orbax
 
 import contextlib
 import dataclasses
@@ -76,7 +76,7 @@ from flax import nnx
 
 from sinkjax import choices, distributed, lm_eval_tasks, lora, options, paths
 from sinkjax import sharding as sharding_lib
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.config import MeshConfig, key
 from sinkjax.generate import Generator
 from sinkjax.model import Transformer

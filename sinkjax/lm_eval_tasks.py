@@ -27,7 +27,7 @@ import socket
 import urllib.parse
 
 from sinkjax import paths
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 
 SPLITS = ("gsm8k", "math", "olympiadbench", "omnimath")     # ProcessBench's
 GROUP = "processbench"

@@ -144,7 +144,7 @@ class Transformer(nnx.Module):
     cast then gathered as nnx.Embed does: the same values, but the gradient's scatter-add of the B*T rows into the
     table then accumulates in float32. In bfloat16 it was both lossy (a common token's thousands of rows summed
     at 8 bits) and, on a GPU, slow: XLA's bf16 scatter-add on an H100 took 101 of a 127 ms step of
-    configs/streaming_vanilla.yaml, and it drew the trainer's step 50 ms apart from bench.train's (docs/PERF.md)."""
+    configs/streaming_vanilla.yaml, and it drew the trainer's step 50 ms apart from bench.train's (docs/journal.md)."""
     table = self.embed.embedding[...]
     x = jnp.take(table, tokens, axis=0).astype(self.embed.dtype or table.dtype)
     return _norm(x, self.cfg.norm_eps) if self.cfg.embed_norm else x

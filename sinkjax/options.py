@@ -12,7 +12,7 @@ the run's config (`model.dtype=float32`) for commands that load a run (`Command.
 alias of such a key of the run's config itself (`Command.run_keys`: eval's `--data X` = `data.source=X`), and one
 word without "=" may set the command's operand (`Command.positional`: a trace directory). Later spellings win:
 the file, then the `key=value` words, then the flags. Every value is checked by its declaration (type, range,
-choices), so a bad one is one line naming the key and its flag (`sinkjax.cli.run_main`: status 1); an unknown flag
+choices), so a bad one is one line naming the key and its flag (`sinkjax.errors.run_main`: status 1); an unknown flag
 or a missing required option is argparse's one line and status 2. The command's function receives the typed
 sections and the run overrides, never the parser's namespace.
 """
@@ -24,8 +24,8 @@ import typing
 
 import yaml
 
-from sinkjax import cli, config, paths
-from sinkjax.cli import ConfigError
+from sinkjax import config, errors, paths
+from sinkjax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +115,10 @@ def _formatter(command: Command) -> type:
   return argparse.RawDescriptionHelpFormatter if command.raw_description else argparse.HelpFormatter
 
 
-def build_parser(command: Command) -> cli.Parser:
+def build_parser(command: Command) -> errors.Parser:
   """The argparse parser of `command`: --config, the flags of every section (`add_flags`) and the section.key=value
   words. Values stay strings here; `typed` checks them."""
-  p = cli.Parser(prog=command.prog, description=command.description, formatter_class=_formatter(command))
+  p = errors.Parser(prog=command.prog, description=command.description, formatter_class=_formatter(command))
   _add_options(p, command)
   return p
 
@@ -187,7 +187,7 @@ def _as_text(value) -> str:
 
 def typed(command: Command, namespace: argparse.Namespace) -> tuple[dict, list[str]]:
   """({section: typed section}, run overrides) from a parsed command line; every value checked by its declaration
-  (ConfigError, one line: status 1 under `cli.run_main`)."""
+  (ConfigError, one line: status 1 under `errors.run_main`)."""
   values = vars(namespace)
   words = _file_words(values["options_file"], command) if "options_file" in values else []
   bare = [word for word in values["words"] if "=" not in word]
@@ -220,9 +220,11 @@ def fill(classes: dict, given: list[tuple[str, object]]) -> dict:
   sections = {name: cls() for name, cls in classes.items()}
   for name, value in given:
     if name not in fields:
-      section = name.split(".")[0]
+      section, _, leaf = name.partition(".")
+      new = config.renamed(classes[section], leaf) if section in classes else None
       keys = [k for k in fields if k.startswith(section + ".")]
-      raise ConfigError(f"unknown option {name}; the keys of {section} are {', '.join(keys)}")
+      raise ConfigError(f"unknown option {name}; " + (f"it is {section}.{new} now" if new else
+                                                      f"the keys of {section} are {', '.join(keys)}"))
     section, f, hint = fields[name]
     setattr(sections[section], f.name, _coerce(section, f, hint, value))
   return sections
@@ -244,7 +246,7 @@ def missing(command: Command, sections: dict) -> list[str]:
 
 def main(command: Command, argv, fn, extra_errors: tuple = ()) -> int:
   """Parses `argv` for `command` (argparse errors: one line, status 2) and runs fn(sections, overrides) under
-  `cli.run_main` (one line and status 1 for a UserError or one of `extra_errors`), after the declarations checked
+  `errors.run_main` (one line and status 1 for a UserError or one of `extra_errors`), after the declarations checked
   every value (a bad one: one line, status 1)."""
   parser = build_parser(command)
   return _run(command, parser, parser.parse_args(argv), fn, command.prog, extra_errors)
@@ -253,8 +255,8 @@ def main(command: Command, argv, fn, extra_errors: tuple = ()) -> int:
 def main_of(prog: str, description: str, commands: dict, argv, fns: dict, extra_errors: tuple = ()) -> int:
   """`main` of a command of subcommands (`python -m sinkjax.data.tokenizer train ...`): `commands` {name: Command},
   `fns` {name: fn(sections, overrides)}; the first word picks one (another: argparse's one line, status 2)."""
-  parser = cli.Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-  sub = parser.add_subparsers(dest="subcommand", metavar="|".join(commands), required=True, parser_class=cli.Parser)
+  parser = errors.Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="subcommand", metavar="|".join(commands), required=True, parser_class=errors.Parser)
   parsers = {}
   for name, command in commands.items():
     parsers[name] = sub.add_parser(name, prog=command.prog, help=command.description,
@@ -276,4 +278,4 @@ def _run(command: Command, parser, namespace, fn, prog: str, extra_errors: tuple
     if absent:
       parser.error(f"the following arguments are required: {', '.join(absent)}")
     return fn(sections, overrides)
-  return cli.run_main(prog, checked, extra_errors)
+  return errors.run_main(prog, checked, extra_errors)

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from typing import Iterator
 
-from sinkjax.cli import ConfigError
+from sinkjax.errors import ConfigError
 
 # scheme -> (python module that serves it through fsspec, how to install it)
 REMOTE_SCHEMES = {"gs": ("gcsfs", "pip install 'sinkjax[gcs]'"), "s3": ("s3fs", "pip install s3fs")}

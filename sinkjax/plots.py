@@ -103,13 +103,15 @@ def plot_importance_heatmap(imp_lh, path, title: str = "head importance", layers
 # Evaluation figures (sinkjax.eval): attention sink diagnostics of one checkpoint
 # ---------------------------------------------------------------------------------------------------------------
 
-def _save(fig, path, dpi: int = 110):
-  """Writes `fig` as PNG to a local path or an object-store URL (`sinkjax.paths`) and returns the path."""
+def _save(fig, path, dpi: int = 110, tight_layout: bool = True):
+  """Writes `fig` as PNG to a local path or an object-store URL (`sinkjax.paths`) and returns the path. A figure laid
+  out by its own colorbar axes (tight_layout=False) is cropped to what it draws instead."""
   path = paths_lib.as_path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  fig.tight_layout()
+  if tight_layout:
+    fig.tight_layout()
   with path.open("wb") as f:
-    fig.savefig(f, dpi=dpi, format="png")
+    fig.savefig(f, dpi=dpi, format="png", bbox_inches=None if tight_layout else "tight")
   plt.close(fig)
   return path
 
@@ -498,7 +500,7 @@ def plot_runs(runs: list[dict], out_dir, variants=choices.PAPER_VARIANTS) -> lis
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Study figures: [SinkNecessary]'s trigger task (sinkjax.experiments.trigger, study kind trigger)
+# Study figures: [SinkNecessary]'s trigger task (sinkjax.experiments.trigger, study driver trigger)
 # ---------------------------------------------------------------------------------------------------------------
 
 def _attention_panel(fig, ax, a, title, T, vmax=1.0):
@@ -594,3 +596,74 @@ def plot_streaming(lines, randoms, path, *, window: int, title: str) -> pathlib.
   ax.set_title(title)
   ax.legend(fontsize=8)
   return _save(fig, path)
+
+
+def plot_pinning(summary: dict, importance_path, curve_path, *, arms: dict, metrics: dict) -> list[pathlib.Path]:
+  """[Sink-MoE] Fig. 11 on the pinning study (`heads_pinning.summarize`'s summary): `importance_path`, layer x head
+  importance of the pretrained model and of each arm at the end (one 0-1 scale), then each arm minus the pretrained
+  model (one symmetric scale), eq. 8's shared heads boxed; `curve_path`, each metric at the evaluated steps, one
+  point per seed and a line through the arms' means. `arms`: {arm: title} in drawing order; `metrics`: {key: label}."""
+  maps = summary["importance"]
+  pre = np.asarray(maps["pretrained"])
+  shared = np.asarray(summary["shared_heads"], bool)
+  ends = [(a, np.asarray(maps[a])) for a in arms if a in maps]
+  L, H = pre.shape
+  how = "full fine-tuning" if summary.get("kind") == "full" else "LoRA"
+  n_seeds = len(summary["seeds"])
+  k = len(ends)
+  fig = plt.figure(figsize=(2.2 * (1 + 2 * k) + 2.2, 10))
+  grid = fig.add_gridspec(1, 2 * k + 4, width_ratios=[1] * (k + 1) + [0.08, 0.45] + [1] * k + [0.08], wspace=0.12)
+  axes = [fig.add_subplot(grid[0, i]) for i in range(k + 1)]
+  axes += [fig.add_subplot(grid[0, k + 3 + i], sharey=axes[0]) for i in range(k)]
+  delta = max(float(np.abs(imp - pre).max()) for _, imp in ends) if ends else 1.0
+  panels = [(axes[0], pre, "pretrained (step 0)", "viridis", 0.0, 1.0)]
+  panels += [(ax, imp, f"{arms[a]}, step {summary['steps']}", "viridis", 0.0, 1.0) for ax, (a, imp) in
+             zip(axes[1:1 + k], ends)]
+  panels += [(ax, imp - pre, f"{arms[a]} − pretrained", "RdBu_r", -delta, delta) for ax, (a, imp) in
+             zip(axes[1 + k:], ends)]
+  images = []
+  for i, (ax, m, title, cmap, lo, hi) in enumerate(panels):
+    images.append(ax.imshow(m, cmap=cmap, vmin=lo, vmax=hi, aspect="auto", interpolation="nearest"))
+    for l, h in zip(*np.nonzero(shared)):
+      ax.add_patch(Rectangle((h - 0.5, l - 0.5), 1, 1, fill=False, edgecolor="black", lw=1.2))
+    ax.set_title(title, fontsize=11)
+    ax.set_xticks(range(H))
+    ax.set_xlabel("head")
+    ax.set_yticks(range(0, L, 2))
+    ax.tick_params(labelsize=8, labelleft=i in (0, k + 1))
+  axes[0].set_ylabel("layer")
+  axes[k + 1].set_ylabel("layer") if k else None
+  fig.colorbar(images[0], cax=fig.add_subplot(grid[0, k + 1]), label="importance (eq. 5)")
+  if k:
+    fig.colorbar(images[-1], cax=fig.add_subplot(grid[0, 2 * k + 3]), label="change against the pretrained model")
+  fig.suptitle(f"Head importance on SmolLM2-135M, {how}, one epoch ({summary['steps']} steps): mean over "
+               f"{summary['documents']} held-out documents and {n_seeds} seed{'s' if n_seeds > 1 else ''} per arm\n"
+               f"black boxes: eq. 8's shared heads (the top {summary['num_shared_heads']} per layer of the pretrained "
+               f"model); runs of commit {summary['commit']}", fontsize=12)
+  out = [_save(fig, importance_path, tight_layout=False)]
+
+  steps = sorted({int(k.split("@")[1]) for k in summary["curve"]})
+  cols = 3
+  rows = -(-len(metrics) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
+  colors = dict(zip(arms, ("tab:gray", "tab:red", "tab:blue", "tab:green")))
+  for ax, (key, label) in zip(axes.flat, metrics.items()):
+    for i, a in enumerate(arms):
+      pts = [(st, summary["curve"][f"{a}@{st}"]) for st in steps if f"{a}@{st}" in summary["curve"]]
+      if not pts:
+        continue
+      ax.plot([st for st, _ in pts], [c[key] for _, c in pts], "-", color=colors[a], lw=1.5, label=arms[a])
+      for st, c in pts:
+        vals = c["per_seed"][key]
+        ax.plot(np.full(len(vals), st + (i - 1) * 2.5), vals, "o", color=colors[a], ms=3.5, alpha=0.75)
+    ax.set_xticks(steps)
+    _labels(ax, label, label.split(" (")[0])
+  for ax in axes.flat[len(metrics):]:
+    ax.axis("off")
+  axes.flat[0].legend(fontsize=9)
+  fig.suptitle(f"{how}: the arms on the held-out documents at steps {', '.join(map(str, steps))} (line: mean over "
+               f"seeds; points: each seed, spread sideways; step 0 is the pretrained model); runs of commit "
+               f"{summary['commit']}", fontsize=11)
+  out.append(_save(fig, curve_path))
+  return out
+

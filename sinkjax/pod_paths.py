@@ -20,7 +20,7 @@ import sys
 
 from sinkjax import config as config_lib
 from sinkjax import paths
-from sinkjax.cli import ConfigError, UserError
+from sinkjax.errors import ConfigError, UserError
 
 # (config key, the values that are no path, an example of the bucket form)
 KEYS = (("data.source", ("", "default"), "data.source=gs://BUCKET/data/fineweb-edu/shard_*.parquet"),

@@ -3,7 +3,8 @@ x(control, s) read with a t-interval (`t_interval`), exact sign-flip and sign te
 `sign_test`: their least two-sided p at n = 3 is 0.25) and the smallest effect the design could detect
 (`detectable_effect`); Welch's t for unpaired arms; a null arm read as drift (`drift`), never as another arm's
 noise. `paired_effect` turns these into a sentence that claims no more than they allow (docs/RESULTS.md, "What
-each number is").
+each number is"). For a seeds x documents table of differences (the pinning study): `bootstrap_flip` over documents
+and `crossed`, the seed x document random-effects model that carries both sources of variance; `holm` over a family.
 """
 from __future__ import annotations
 
@@ -169,6 +170,43 @@ def bootstrap_flip(d, resamples: int = 10000) -> dict:
   p = sps.permutation_test((d,), np.mean, permutation_type="samples", n_resamples=resamples,
                            rng=np.random.default_rng(0)).pvalue
   return {"low": float(ci.low), "high": float(ci.high), "p": float(p)}
+
+
+def crossed(table, level: float = 1 - ALPHA) -> dict:
+  """The mean of a seeds x documents table of paired differences d[s, j] read with both sources of variance: the
+  crossed random-effects model d[s, j] = mu + a_s + b_j + e_sj (seed effect a ~ N(0, va), document effect
+  b ~ N(0, vb), residual e ~ N(0, ve), one value per cell), by two-way ANOVA. With S seeds and D documents the mean
+  squares MS_seed = D·sum_s (row mean - grand)²/(S-1), MS_doc = S·sum_j (column mean - grand)²/(D-1) and MS_resid
+  (the additive fit's residual, (S-1)(D-1) df) estimate ve + D·va, ve + S·vb and ve. The grand mean's variance
+  va/S + vb/D + ve/(SD) is estimated by (MS_seed + MS_doc - MS_resid)/(SD), a component estimated below 0 being
+  set to 0 (its mean square then drops out: MS_doc/(SD) when va is 0); its df are Satterthwaite's for that linear
+  combination of mean squares. Returns mean, the three mean squares, the variance components, se, df, t_crit, the
+  `level` interval [low, high], t and two-sided p. Needs at least 2 seeds and 2 documents."""
+  d = np.asarray(table, np.float64)
+  if d.ndim != 2 or d.shape[0] < 2 or d.shape[1] < 2:
+    raise ValueError(f"a crossed test needs a seeds x documents table with at least 2 of each, got shape {d.shape}; "
+                     "with one seed only the documents can be tested (bootstrap_flip)")
+  S, D = d.shape
+  grand, rows, cols = float(d.mean()), d.mean(1), d.mean(0)
+  df_s, df_d, df_e = S - 1, D - 1, (S - 1) * (D - 1)
+  ms_s = D * float(((rows - grand) ** 2).sum()) / df_s
+  ms_d = S * float(((cols - grand) ** 2).sum()) / df_d
+  ms_e = float(((d - rows[:, None] - cols[None, :] + grand) ** 2).sum()) / df_e
+  c_s, c_d = float(ms_s > ms_e), float(ms_d > ms_e)        # va > 0, vb > 0 as estimated
+  terms = [(c_s, ms_s, df_s), (c_d, ms_d, df_d), (1 - c_s - c_d, ms_e, df_e)]
+  v = sum(c * m for c, m, _ in terms)                     # = S·D·(va/S + vb/D + ve/(SD)), components >= 0
+  out = {"seeds": S, "documents": D, "mean": grand, "ms_seed": ms_s, "ms_doc": ms_d, "ms_resid": ms_e,
+         "var_seed": max(ms_s - ms_e, 0.0) / D, "var_doc": max(ms_d - ms_e, 0.0) / S, "var_resid": ms_e,
+         "level": level}
+  if v <= 0:                                              # every cell the same difference
+    t, p = (math.copysign(math.inf, grand), 0.0) if grand else (math.nan, math.nan)
+    return {**out, "se": 0.0, "df": math.nan, "t_crit": math.nan, "low": grand, "high": grand, "t": t, "p": p}
+  df = v ** 2 / sum((c * m) ** 2 / k for c, m, k in terms if c)
+  se = math.sqrt(v / (S * D))
+  tc = float(sps.t.ppf((1 + level) / 2, df))
+  t = grand / se
+  return {**out, "se": se, "df": float(df), "t_crit": tc, "low": grand - tc * se, "high": grand + tc * se, "t": t,
+          "p": float(2 * sps.t.sf(abs(t), df))}
 
 
 def holm(pvalues) -> list:

@@ -18,10 +18,10 @@ loss.png, head_imbalance.png, importance.png. Only process 0 writes logs.
 """
 from __future__ import annotations
 
-from sinkjax import cli
+from sinkjax import errors
 
 if __name__ == "__main__":
-  cli.require_extra("sinkjax.train")    # before the imports below: without the train extra, one line naming it
+  errors.require_extra("sinkjax.train")    # before the imports below: without the train extra, one line naming it
 
 import copy
 import dataclasses
@@ -41,7 +41,7 @@ from sinkjax import config as config_lib
 from sinkjax import run as run_lib
 from sinkjax import sharding as sharding_lib
 from sinkjax.cache import make_cache
-from sinkjax.cli import Interrupted, UserError
+from sinkjax.errors import Interrupted, UserError
 from sinkjax.config import Config, ConfigError, key
 from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator, sft, to_global_batch
 from sinkjax.metrics import MetricsLogger, Profiler
@@ -101,7 +101,7 @@ class TrainedParams:
     return tuple(nnx.split_state(full, self.filter, ...)) if self.cfg.lora.rank else (full, rest_shapes)
 
 
-class Program:
+class JittedSteps:
   """The jitted train and eval steps of a config on a mesh, with the state's shapes and shardings: the part of a run
   that is compiled. `Trainer` runs it; `sinkjax.compile` lowers and compiles the same object for the devices of a
   TPU slice or GPU node that need not be present (compile-only devices), so what it reports is what training runs.
@@ -187,7 +187,7 @@ class Program:
                                                                                                        jnp.int32)))
 
 
-class Trainer(Program):
+class Trainer(JittedSteps):
   """Everything one training invocation holds, built in the order that lets bad settings fail before anything is
   written: config and tokenizer, mesh, the program (model and optimizer shapes, jitted steps), data, run directory,
   then the state (restored from RUN_DIR/checkpoints, or initialized, from train.init_from when fine-tuning)."""

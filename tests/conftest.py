@@ -42,8 +42,8 @@ def pytest_configure(config):
     jax.config.update(name, value)
 
 
-# The files whose tests take longest, longest first (CPU-seconds of a default run on 2 cores, docs/PERF.md "The test
-# suite"). `--dist loadfile` hands each worker one file at a time in collection order (`--no-loadscope-reorder`;
+# The files whose tests take longest, longest first (CPU-seconds of a default run on 2 cores, docs/PERF.md, "Start-up
+# and the test suite"). `--dist loadfile` hands each worker one file at a time in collection order (`--no-loadscope-reorder`;
 # xdist's own reorder counts tests, not seconds, and sent test_real_model's ten long tests last): starting with these
 # keeps a long file from running alone at the end while the other worker idles.
 LONGEST_FIRST = ("test_train", "test_real_model", "test_generate", "test_kernels", "test_cache_policy", "test_eval",

@@ -1,5 +1,6 @@
 """Helpers shared by several test files: independent references that the tests compare the code against, and the
 commands run in subprocesses."""
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -12,6 +13,18 @@ from sinkjax.run import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+@contextlib.contextmanager
+def compile_only_gpu(device_kind: str = "NVIDIA H100 80GB HBM3", num_cores: int = 132):
+  """Traces under an abstract mesh of one compile-only NVIDIA GPU, so that `.lower(lowering_platforms=("cuda",))`
+  works on a CPU host: the Pallas GPU call registrations ask the mesh's abstract device (jax >= 0.12 raises "No
+  supported GPU devices found" without one) and sinkjax's `target_platform()` answers "gpu"."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import AbstractDevice, AbstractMesh  # pylint: disable=import-outside-toplevel
+  device = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="cuda")
+  with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+    yield
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ SMALL = ["model.num_layers=1", "train.optimizer=adamw", "model.d_model=128", "mo
 @pytest.mark.parametrize("topology, chips", [("v5e:2x2", 4), ("v5e:2x4", 8)])
 def test_compile_reports_what_the_compiler_says(tmp_path, topology, chips):
   """The CLI's table and JSON carry memory_analysis()'s numbers for the train step it built (checked against a
-  separate compile of the same Program), per chip of a 4- and an 8-chip slice."""
+  separate compile of the same JittedSteps), per chip of a 4- and an 8-chip slice."""
   out = tmp_path / "r.json"
   r = subprocess.run([sys.executable, "-m", "sinkjax.compile", "--config", TINY, "--topology", topology, "--json",
                       str(out), "--no-eval", *SMALL, f"mesh.fsdp={chips}"], cwd=ROOT, capture_output=True, text=True,
@@ -129,10 +129,10 @@ def test_compile_reports_what_the_compiler_says(tmp_path, topology, chips):
   rep = json.loads(out.read_text())
   assert rep["fits"] and rep["chips"] == chips and rep["mesh"] == {"data": 1, "fsdp": chips, "tensor": 1}
   assert rep["attention_kernel"] == "mosaic" and rep["tokens_per_chip_per_micro_step"] == 8 // chips * 256
-  from sinkjax.train import Program
+  from sinkjax.train import JittedSteps
   from sinkjax import sharding
   cfg = load_config(TINY, SMALL + [f"mesh.fsdp={chips}"])
-  program = Program(cfg, sharding.make_mesh(cfg.mesh, _devices(topology)))
+  program = JittedSteps(cfg, sharding.make_mesh(cfg.mesh, _devices(topology)))
   ma = program.lower()[0].compile().memory_analysis()
   b = rep["per_chip_bytes"]
   assert (b["arguments"], b["temporaries"], b["outputs"], b["aliased"]) == (
@@ -159,8 +159,8 @@ def test_decode_step_compiles_and_holds_its_cache():
   # Each block's weights wait for its input (one optimization barrier per layer), so the compiler cannot gather
   # every layer's weights ahead (GPT-OSS-20B's decode on v5litepod-16: 21.4 -> 6.1 GiB of temporaries).
   from sinkjax import sharding
-  from sinkjax.train import Program
-  program = Program(cfg, sharding.make_mesh(cfg.mesh, _devices("v5e:2x2")))
+  from sinkjax.train import JittedSteps
+  program = JittedSteps(cfg, sharding.make_mesh(cfg.mesh, _devices("v5e:2x2")))
   assert program.lower_decode(8, 256).as_text().count("stablehlo.optimization_barrier") == m.num_layers
 
 

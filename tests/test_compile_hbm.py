@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from sinkjax import compile as compile_lib  # noqa: E402
+from sinkjax import hlo  # noqa: E402
 from sinkjax import sharding as sharding_lib  # noqa: E402
 from sinkjax.config import MeshConfig, load_config  # noqa: E402
 
@@ -105,7 +106,7 @@ def hand_count(s: Step) -> dict:
 
 
 def _costs(setting: str) -> dict:
-  return compile_lib.hlo_costs(gzip.open(RECORDED[setting], "rt").read())
+  return hlo.hlo_costs(gzip.open(RECORDED[setting], "rt").read())
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,7 @@ def test_hbm_bytes_are_within_1_5x_of_the_hand_count(gather):
 
 def test_recorded_d20_step_is_within_1_5x_of_its_hand_count_and_fits():
   """Issue 49's bar on the full d20 program as recorded by `python -m sinkjax.compile --config
-  configs/paper/d20_sink_aux.yaml --topology v5e:4x8 model.vocab_size=65536 --json` (docs/TPU.md, 'Cuts since'):
+  configs/paper/d20_sink_aux.yaml --topology v5e:4x8 model.vocab_size=65536 --json` (docs/TPU.md, 'Where the HBM bytes go'):
   HBM bytes per chip and step within 1.5x of `hand_count` at 20 layers, estimated MFU >= 45 %, fitting 16 GiB."""
   import json  # pylint: disable=import-outside-toplevel
   rep = json.loads((ROOT / "docs" / "results" / "tpu_compile" / "kernel_ids_ns" / "d20_sink_aux_v5e-32.json")
@@ -166,7 +167,7 @@ def test_windowed_einsum_loops_really_move_their_whole_output_each_trip():
   5.6 GB) and its MLP up projections (8 trips in each of the 2 layers, [8, 2048, 5120], forward and backward). The
   count is right; the program is the inefficient one: over 3.5x the default program's bytes."""
   text = gzip.open(RECORDED["windowed"], "rt").read()
-  costs = compile_lib._HloCosts(text)      # pylint: disable=protected-access
+  costs = hlo._HloCosts(text)      # pylint: disable=protected-access
   costs.walk(costs.entry, 1.0)
   per_trip = {}
   for (comp, _), rec in costs.records.items():
@@ -174,7 +175,7 @@ def test_windowed_einsum_loops_really_move_their_whole_output_each_trip():
       per_trip.setdefault(comp, [0.0, rec["mult"]])[0] += rec["hbm_bytes"] / rec["mult"]
   checked = {}
   for comp, (moved, trips) in per_trip.items():
-    acc = compile_lib._arrays(costs.comps[comp][list(costs.comps[comp])[-1]].type)[2]   # pylint: disable=protected-access
+    acc = hlo._arrays(costs.comps[comp][list(costs.comps[comp])[-1]].type)[2]   # pylint: disable=protected-access
     dtype, dims, space = acc
     if space == 0 and dims in ((8, 256, 65536), (8, 2048, 5120)):
       assert moved == pytest.approx(4 * 2 * np.prod(dims), rel=0.01), comp
@@ -204,7 +205,7 @@ def test_collective_matmul_setting_reaches_the_compiler():
   windowed = _one_matmul_text(MeshConfig(data=1, fsdp=32, collective_matmul="windowed"))
   assert "windowed_dot_general" not in gather and "all-gather" in gather
   assert "windowed_dot_general" in windowed
-  g, w = compile_lib.hlo_costs(gather), compile_lib.hlo_costs(windowed)
+  g, w = hlo.hlo_costs(gather), hlo.hlo_costs(windowed)
   assert g["flops"] == w["flops"]
   assert w["hbm_bytes"] > 10 * g["hbm_bytes"]
 

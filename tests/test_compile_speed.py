@@ -22,6 +22,7 @@ pytest.importorskip("libtpu", reason="libtpu not installed: pip install 'sinkjax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from sinkjax import compile as compile_lib  # noqa: E402
+from sinkjax import hlo  # noqa: E402
 from sinkjax.config import load_config  # noqa: E402
 from sinkjax.kernels import flash_attention  # noqa: E402
 
@@ -59,7 +60,7 @@ def test_kernel_cost_estimates_reach_xla_cost_analysis():
   fwd, bwd = _attention_flops(T, D)
   expected = (B // 4) * H * (fwd + bwd)                   # one row per chip
   assert abs(compiled.cost_analysis()["flops"] / expected - 1) < 0.10, (compiled.cost_analysis()["flops"], expected)
-  assert compile_lib.hlo_costs(compiled.as_text())["flops"] == pytest.approx(expected, rel=0.05)
+  assert hlo.hlo_costs(compiled.as_text())["flops"] == pytest.approx(expected, rel=0.05)
 
 
 def test_pallas_gpu_kernels_state_their_cost():
@@ -103,17 +104,17 @@ def test_hbm_bytes_equal_a_hand_count(rows, width, in_vmem):
   compiled = jax.jit(f).lower(x, w).compile()
   h, wl = rows * width * 2, width * width * 2
   per_trip = 2 * h + wl if in_vmem else 4 * h + wl
-  costs = compile_lib.hlo_costs(compiled.as_text())
+  costs = hlo.hlo_costs(compiled.as_text())
   assert costs["hbm_bytes"] == pytest.approx(2 * h + layers * per_trip, rel=0.01)
   assert costs["flops"] == 2 * rows * width * width * layers
   if not in_vmem:                      # XLA's own count (all memory spaces) holds the loop body once
     assert compiled.cost_analysis()["bytes accessed"] == pytest.approx(2 * h + per_trip, rel=0.01)
     # the roofline's sequential term: the copies at the HBM bandwidth, each trip's matmul fusion at its own bound
     # (compute here: 2.2e12 FLOPs against 0.67 GB), one after another
-    v5e = compile_lib.CHIPS["v5e"]
+    v5e = hlo.CHIPS["v5e"]
     seq = (2 * h + layers * 2 * h) / v5e.hbm_bandwidth + layers * max(2 * rows * width * width / v5e.peak_flops,
                                                                        (2 * h + wl) / v5e.hbm_bandwidth)
-    terms = compile_lib.roofline(costs, v5e, 0.0)["estimated_seconds_by_term"]
+    terms = hlo.roofline(costs, v5e, 0.0)["estimated_seconds_by_term"]
     assert terms["sequential"] == pytest.approx(seq, rel=0.01)
     assert terms["sequential"] > max(terms["compute"], terms["hbm"])
 
@@ -290,7 +291,7 @@ def test_windowed_einsum_loops_count_their_trips():
   two shards' matmuls. Before they were read, every such loop counted once (`loops_of_unknown_trips` 23, FLOPs 1.6e12
   of a hand count of 2.9e12: the d26 / d32 searches compared candidates on such counts); now the count matches the
   hand count within 0.1 %, recomputation exactly."""
-  costs = compile_lib.hlo_costs(_windowed_program_text())
+  costs = hlo.hlo_costs(_windowed_program_text())
   flops, recompute = _windowed_by_hand()
   assert costs["loops_of_unknown_trips"] == 0
   assert costs["flops"] == pytest.approx(flops, rel=1e-3)

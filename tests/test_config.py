@@ -87,6 +87,27 @@ def test_unknown_keys_suggest_the_nearest_and_name_their_file(tmp_path):
     load_config(str(bad))
 
 
+
+@dataclasses.dataclass
+class _Renamed:
+  """A section whose key `driver` was once spelled `kind` (as the study files' `study:` section's was)."""
+  driver: str = config_lib.key("paper", formerly="kind")
+  out: str = "runs/x"
+
+
+def test_a_renamed_key_is_refused_in_one_line_naming_its_new_spelling(tmp_path):
+  """The old spelling of a key declared `key(formerly=...)` is an unknown key whose one line names the new one, from
+  a file's section (config.apply_section) and from a command's options (options.fill); the new spelling is set."""
+  from sinkjax import options
+  with pytest.raises(ConfigError, match=r"^unknown config key study.kind in f.yaml; it is study.driver now$"):
+    config_lib.apply_section(_Renamed(), {"kind": "dose"}, "f.yaml", "study")
+  assert config_lib.apply_section(_Renamed(), {"driver": "dose"}, "f.yaml", "study").driver == "dose"
+  with pytest.raises(ConfigError, match=r"^unknown option study.kind; it is study.driver now$"):
+    options.fill({"study": _Renamed}, [("study.kind", "dose")])
+  with pytest.raises(ConfigError, match=r"^unknown option study.knd; the keys of study are study.driver, study.out$"):
+    options.fill({"study": _Renamed}, [("study.knd", "dose")])
+  assert config_lib.renamed(_Renamed, "kind") == "driver" and config_lib.renamed(_Renamed, "out") is None
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, compile_cache):
   path = tmp_path_factory.mktemp("run")

@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 
-from sinkjax import cli
+from sinkjax import errors
 from tests.helpers import ROOT
 
 TRAIN_EXTRA_MODULES = ("grain", "tensorflow_datasets", "orbax", "matplotlib", "tensorboardX", "tqdm")
@@ -27,13 +27,13 @@ def test_layer_and_kernels_import_nothing_of_the_train_extra():
 
 
 def test_the_extra_the_commands_check_is_pyprojects():
-  """sinkjax.cli.EXTRAS['train'] names a module of each distribution of pyproject's `train` extra, and the core
+  """sinkjax.errors.EXTRAS['train'] names a module of each distribution of pyproject's `train` extra, and the core
   dependencies hold none of them."""
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
   dist = {"grain": "grain", "orbax.checkpoint": "orbax-checkpoint", "tensorflow_datasets": "tensorflow-datasets",
           "matplotlib": "matplotlib", "tensorboardX": "tensorboardX", "tqdm": "tqdm"}
   extra = {r.split(">")[0].split("=")[0].strip() for r in project["optional-dependencies"]["train"]}
-  assert {dist[m] for m in cli.EXTRAS["train"]} == extra - {"importlib_resources"}
+  assert {dist[m] for m in errors.EXTRAS["train"]} == extra - {"importlib_resources"}
   core = {r.split(">")[0].split("=")[0].strip() for r in project["dependencies"]}
   assert core == {"jax", "flax", "optax", "numpy", "pyyaml"}
 

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from sinkjax import config as config_lib
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.config import DataConfig
 from sinkjax.data import fineweb
 from sinkjax.data.sources import build_source, source_documents

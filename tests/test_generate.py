@@ -324,7 +324,7 @@ def test_sampling_knobs():
 def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
   """A bad value is one line and status 1 (a range or a choice: the key's declaration names the key and its flag);
   a command line argparse refuses (an unknown flag, a missing required option), one line and status 2
-  (sinkjax.cli, sinkjax.options)."""
+  (sinkjax.errors, sinkjax.options)."""
   argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
   try:
     status = gen_lib.main(argv)

@@ -57,34 +57,41 @@ def test_doc_eval_is_each_document_alone(tmp_path):
     assert ev["routed_cv"][i] == pytest.approx(np.mean(routed.std(-1) / routed.mean(-1)), rel=1e-4, abs=1e-7)
 
 
-def _fake_results(root, seeds=(0, 1, 2), docs=20, steps=40):
+def _fake_results(root, seeds=(0, 1, 2), docs=20, steps=40, kind="lora"):
+  """Raw files as the study writes them: each seed shifts every document of its runs (a seed effect), each document
+  every run (a document effect), on top of the arms' shifts; importance maps of 3 layers x 4 heads."""
   rng = np.random.default_rng(1)
   commit = {"commit": "abc", "dirty": False}
+  doc_effect = 0.05 * rng.standard_normal(docs)
 
-  def nll_file(shift):
+  def nll_file(shift, seed_shift=0.0):
     tokens = rng.integers(50, 120, docs)
-    d = {"tokens": tokens.tolist(), "nll_sum": (tokens * (3 + shift + 0.1 * rng.standard_normal(docs))).tolist()}
+    loss = 3 + shift + seed_shift + doc_effect + 0.1 * rng.standard_normal(docs)
+    d = {"tokens": tokens.tolist(), "nll_sum": (tokens * loss).tolist()}
     d["val_loss"] = (np.asarray(d["nll_sum"]) / tokens).tolist()
     for k in ("imbalance", "shared_importance", "routed_importance", "routed_cv", "mean_importance"):
-      d[k] = (0.5 + shift + 0.05 * rng.standard_normal(docs)).tolist()
-    return {**d, "importance": [[0.5]], **commit}
+      d[k] = (0.5 + shift + seed_shift + doc_effect + 0.05 * rng.standard_normal(docs)).tolist()
+    return {**d, "importance": (0.5 + shift + 0.1 * rng.random((3, 4))).tolist(), **commit}
 
   (root / "raw").mkdir(parents=True)
-  (root / "shared_heads.json").write_text(json.dumps({"importance": [[0.5]], "documents": 8, **commit}))
+  (root / "shared_heads.json").write_text(json.dumps({"importance": rng.random((3, 4)).tolist(), "documents": 8,
+                                                      **commit}))
   (root / "nll_step0.json").write_text(json.dumps({**nll_file(0.0), "documents": docs}))
   shifts = {"base": 0.0, "eq7": 0.03, "eq8": 0.01}
+  seed_shift = {s: 0.02 * rng.standard_normal() for s in seeds}
   for arm, s in hp.run_order(seeds):
-    d = root / "raw" / hp.run_name(arm, s)
+    d = root / "raw" / hp.run_name(arm, s, kind)
     d.mkdir()
     for st in hp._eval_steps(steps):                     # pylint: disable=protected-access
-      (d / f"nll_step{st}.json").write_text(json.dumps(nll_file(shifts[arm] * st / steps)))
+      (d / f"nll_step{st}.json").write_text(json.dumps(nll_file(shifts[arm] * st / steps, seed_shift[s] * st / steps)))
     (d / "record.json").write_text(json.dumps({"name": d.name, "arm": arm, "seed": s, "steps": steps,
                                                "train_seconds": 100.0 + s, **commit}))
 
 
 def test_report_statistics(tmp_path):
   """summarize: eq. 8 − eq. 7 first; the t over seeds equals scipy's on the per-seed means; the document interval
-  and p agree with a bootstrap and a sign-flip test written here (within Monte-Carlo error); Holm per column."""
+  and p agree with a bootstrap and a sign-flip test written here (within Monte-Carlo error); the crossed test is
+  stats.crossed of the seeds x documents table; Holm per column over the family of 10, none outside it."""
   _fake_results(tmp_path)
   s = hp.summarize(tmp_path)
   assert s["commit"] == "abc" and s["dirty"] == [False] and s["steps"] == 40
@@ -101,10 +108,57 @@ def test_report_statistics(tmp_path):
     boot = np.quantile([rng.choice(d, d.size).mean() for _ in range(4000)], [0.025, 0.975])
     width = boot[1] - boot[0]
     assert abs(e["doc_low"] - boot[0]) < 0.1 * width and abs(e["doc_high"] - boot[1]) < 0.1 * width
-  ps = [e["p_t"] for e in s["effects"]]
-  assert [e["p_t_holm"] for e in s["effects"]] == pytest.approx(stats.holm(ps))
+    table = np.array([read(t, k, e["metric"]) - read(c, k, e["metric"]) for k in (0, 1, 2)])   # seeds x documents
+    assert table.shape == (3, 20)
+    ref = stats.crossed(table)
+    assert (e["crossed_low"], e["crossed_high"], e["p_crossed"], e["crossed_df"]) == pytest.approx(
+        (ref["low"], ref["high"], ref["p"], ref["df"]))
+  family = [e for e in s["effects"] if e["in_family"]]
+  assert len(family) == 10 and {e["contrast"] for e in family} == {"eq8-eq7", "eq7-base"}
+  assert "mean_importance" not in {e["metric"] for e in family}
+  for col in ("p_t", "p_doc", "p_crossed"):            # Holm over the family, none outside it
+    assert [e[col + "_holm"] for e in family] == pytest.approx(stats.holm([e[col] for e in family]))
+    assert all(e[col + "_holm"] is None for e in s["effects"] if not e["in_family"])
   md = hp.markdown(s)
   assert "| eq. 8 − eq. 7, held-out loss (nats/token) |" in md and "| base@40 | 3 |" in md
+  assert "Holm's family: the 10 tests of eq. 8 − eq. 7 and eq. 7 − base" in md and "One seed" not in md
+
+
+def test_mean_importance_and_the_third_contrast_are_linear_in_the_family():
+  """Why they are outside Holm's family: per document the mean importance is (m·shared + (H − m)·routed)/H of the
+  shared and routed means (on the committed LoRA study's raw files), and eq. 8 − base is (eq. 8 − eq. 7) + (eq. 7 −
+  base) in every per-seed mean."""
+  path = runner.REPO / "docs" / "results" / "heads_pinning"
+  d = json.loads((path / "raw" / "eq7_lora_s0" / "nll_step183.json").read_text())
+  H, m = 9, 2
+  want = (m * np.asarray(d["shared_importance"]) + (H - m) * np.asarray(d["routed_importance"])) / H
+  np.testing.assert_allclose(d["mean_importance"], want, rtol=1e-12)
+  s = hp.summarize(path)
+  e = {(x["contrast"], x["metric"]): x for x in s["effects"]}
+  np.testing.assert_allclose(e["eq8-base", "val_loss"]["per_seed"],
+                             np.add(e["eq8-eq7", "val_loss"]["per_seed"], e["eq7-base", "val_loss"]["per_seed"]))
+
+
+def test_report_with_one_seed_is_document_level_only_and_draws_its_figures(tmp_path):
+  """One seed per arm (full fine-tuning today): no t and no crossed test (—), the report says so; the two figures are
+  written beside results.md."""
+  _fake_results(tmp_path, seeds=(0,), kind="full")
+  s = hp.report(tmp_path, seeds=(0,), kind="full")
+  assert all(e["p_t"] is None and e["p_crossed"] is None and e["p_doc"] is not None for e in s["effects"])
+  md = (tmp_path / "results.md").read_text()
+  assert "One seed: document-level only" in md and "full fine-tuning (every weight)" in md
+  for name in hp.FIGURES:
+    assert (tmp_path / name).stat().st_size > 10_000, name
+
+
+def test_report_of_three_full_seeds(tmp_path):
+  """Full fine-tuning with 3 seeds per arm (`--report-only` on heads_pinning_full.yaml with axes.train.seed=[0,1,2]):
+  every effect gets its t over seeds and its crossed test."""
+  _fake_results(tmp_path, kind="full")
+  s = hp.summarize(tmp_path, seeds=(0, 1, 2), kind="full")
+  assert s["runs"][0] == "base_full_s0" and len(s["runs"]) == 9
+  assert all(e["p_t"] is not None and e["p_crossed"] is not None for e in s["effects"])
+  assert "One seed" not in hp.markdown(s)
 
 
 def test_report_refuses_mixed_commits(tmp_path):
@@ -172,7 +226,7 @@ def test_full_study_file_is_the_lora_one_on_every_weight(tmp_path):
 
 
 def test_null_arm_is_a_study_file(tmp_path, monkeypatch, capsys):
-  """heads_pinning_null.yaml (kind pinning_null) runs `null_check` and writes study.results/null.json, as the
+  """heads_pinning_null.yaml (driver pinning_null) runs `null_check` and writes study.results/null.json, as the
   former `--only null` did (docs/results/null_arm/null.json)."""
   grids = []
   monkeypatch.setattr(hp, "null_check", lambda plan: grids.append(plan.runs()) or {"runs": [], "what": "stand-in"})
@@ -188,8 +242,9 @@ def test_null_arm_is_a_study_file(tmp_path, monkeypatch, capsys):
 
 def test_null_check_compares_each_weight_with_the_first_zero():
   """The null arm on one optimizer and attention for two steps: the file's four weights in order, labelled as the
-  committed null.json labels them; λ 0 again is bit-identical to the first λ 0, and every run is compared over the
-  same elements."""
+  committed null.json labels them; every λ runs the program of the first λ 0 (constants apart: a step that built
+  the aux term only for λ > 0 fails here); λ 0 again is bit-identical to the first λ 0, and every run is compared
+  over the same elements."""
   path = runner.REPO / "configs" / "studies" / "heads_pinning_null.yaml"
   plan = runner.load_plan(path, ["axes.train.optimizer=[adamw]", "axes.model.attention=[vanilla]", "train.steps=2"])
   rec = hp.null_check(plan)
@@ -197,9 +252,18 @@ def test_null_check_compares_each_weight_with_the_first_zero():
       "lambda 0", "lambda 0, again", "lambda 1e-30", "lambda 1e-8"]
   committed = json.loads((runner.REPO / "docs" / "results" / "null_arm" / "null.json").read_text())
   assert [r["label"] for r in committed["runs"][:4]] == [r["label"] for r in rec["runs"]]
+  assert all(r["same_program"] for r in rec["runs"])
   for r in rec["runs"][:2]:
     assert r["after_step_1"]["bit_identical"] and r["after_step_2"]["bit_identical"] and not r["differ_after_step_1"]
   assert len({r["after_step_2"]["elements"] for r in rec["runs"]}) == 1
+
+
+def test_same_program_masks_constants_only():
+  """Lowered text: a changed constant is the same program, a dropped or changed operation is not."""
+  a = "%0 = stablehlo.constant dense<0.000000e+00> : tensor<f32>\n%1 = stablehlo.multiply %0, %arg0 : tensor<f32>"
+  assert hp.same_program(a, a.replace("0.000000e+00", "9.99999993E-9"))
+  assert not hp.same_program(a, a.replace("multiply", "add"))
+  assert not hp.same_program(a, a.splitlines()[0])
 
 
 @pytest.mark.parametrize("results,kind", [("heads_pinning", "lora"), ("heads_pinning_full", "full")])
@@ -210,3 +274,4 @@ def test_committed_reports_are_what_the_report_makes_of_their_raw_files(results,
   summary = hp.summarize(path, kind=kind)
   assert hp.markdown(summary) == (path / "results.md").read_text()
   assert json.loads(json.dumps(summary)) == json.loads((path / "results.json").read_text())
+  assert all((path / name).is_file() for name in hp.FIGURES)

@@ -1,4 +1,4 @@
-"""Fig. 4 as a study file (configs/studies/heads_fig4.yaml, kind importance): analysis.json and its heatmap, without
+"""Fig. 4 as a study file (configs/studies/heads_fig4.yaml, driver importance): analysis.json and its heatmap, without
 the former fine-tuning part's before.json. A tiny byte-level model stands in for SmolLM2
 (the slow tests/test_real_model.py runs the documented command on the real one)."""
 import json

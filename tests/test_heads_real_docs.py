@@ -3,7 +3,10 @@ and scipy written here (not the study's code): the imbalance (eq. 6 as the mean 
 heads), the counts and ranges quoted, every column of each fine-tuning run's row (imbalance, held-out loss, shared /
 routed heads' importance, routed CV, with the shared heads chosen here), every cell of the 30-step effects table
 (per-seed differences, mean, t-interval, paired t p, Holm p), and the provenance quoted (commit, dirty files, the
-interrupted run, run times)."""
+interrupted run, run times). For the one-epoch studies (docs/results/heads_pinning*/): every cell of the effects
+tables (t over seeds, bootstrap and sign-flip over documents, the crossed seed x document test by dummy-variable
+least squares, Holm over the family named) and of the curves, the setup quoted against the runs' configs and logged
+learning rates, the readings' numbers, and the figures' links; and the null arm's figures (null.json)."""
 import json
 import pathlib
 import re
@@ -15,6 +18,7 @@ from scipy import stats as sps
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RAW = ROOT / "docs" / "results" / "heads_real"
 DOC = " ".join((ROOT / "docs" / "RESULTS.md").read_text().split("\n"))   # quotes may wrap
+PROSE = " ".join(DOC.split())                                                # and be indented
 
 pytestmark = pytest.mark.skipif(not (RAW / "analysis.json").is_file(), reason="the study's raw files are not here")
 
@@ -243,18 +247,45 @@ def test_full_epoch_provenance():
     assert len(files) >= 3 and f"nll_step{r['steps']}.json" in files, name
 
 
+def _crossed(table):
+  """The crossed seed x document test written here: the mean squares as drops in the residual sum of squares of
+  dummy-variable least-squares fits (numpy), the grand mean's variance (MS_seed + MS_doc - MS_resid)/(SD) with a
+  component estimated below 0 dropped, Satterthwaite's df, the t interval and p (scipy's t)."""
+  S, D = table.shape
+  y = table.ravel()
+  seed = np.kron(np.eye(S), np.ones((D, 1)))[:, 1:]
+  doc = np.kron(np.ones((S, 1)), np.eye(D))[:, 1:]
+
+  def rss(*blocks):
+    x = np.column_stack([np.ones(y.size), *blocks])
+    return float(((y - x @ np.linalg.lstsq(x, y, rcond=None)[0]) ** 2).sum())
+  full = rss(seed, doc)
+  ms = {"seed": ((rss(doc) - full) / (S - 1), S - 1), "doc": ((rss(seed) - full) / (D - 1), D - 1),
+        "resid": (full / ((S - 1) * (D - 1)), (S - 1) * (D - 1))}
+  coef = {"seed": float(ms["seed"][0] > ms["resid"][0]), "doc": float(ms["doc"][0] > ms["resid"][0])}
+  coef["resid"] = 1 - coef["seed"] - coef["doc"]
+  v = sum(coef[k] * ms[k][0] for k in ms)
+  df = v ** 2 / sum((coef[k] * ms[k][0]) ** 2 / ms[k][1] for k in ms if coef[k])
+  se = np.sqrt(v / (S * D))
+  half = sps.t.ppf(0.975, df) * se
+  return y.mean() - half, y.mean() + half, df, 2 * sps.t.sf(abs(y.mean()) / se, df)
+
+
 def _check_effects(header: str, root: pathlib.Path, kind: str):
+  """Every cell of an effects table; Holm per column over the family the section names (eq. 8 − eq. 7 and eq. 7 −
+  base, every metric but the mean importance), "—" outside it."""
   recs = _records(root)
   end = next(iter(recs.values()))["steps"]
   title = {"base": "base", "eq7": "eq. 7", "eq8": "eq. 8"}
   rows = _table(header)
-  assert rows and rows[0][0].startswith("eq. 8 − eq. 7")                  # the paper's contrast first
+  assert rows and rows[0][0].startswith("eq. 8 − eq. 7") and len(rows) == 18     # the paper's contrast first
   rng = np.random.default_rng(12345)
-  pt, pd_printed, pd_holm, pt_holm = [], [], [], []
+  family = {"t": [], "doc": [], "crossed": []}
   for row in rows:
     label, metric = row[0].split(", ", 1)
     t, c = [k for v in label.split(" − ") for k, x in title.items() if x == v]
     key = KEYS[metric]
+    in_family = (t, c) in (("eq8", "eq7"), ("eq7", "base")) and key != "mean_importance"
     seeds = sorted(r["seed"] for r in recs.values() if r["arm"] == t and f"{c}_{kind}_s{r['seed']}" in recs)
     a = [np.asarray(_nll(f"{t}_{kind}_s{s}", end, root)[key]) for s in seeds]
     b = [np.asarray(_nll(f"{c}_{kind}_s{s}", end, root)[key]) for s in seeds]
@@ -265,10 +296,13 @@ def _check_effects(header: str, root: pathlib.Path, kind: str):
       assert row[2] == f"[{per_seed.mean() - half:+.4f}, {per_seed.mean() + half:+.4f}]", row
       p = sps.ttest_1samp(per_seed, 0).pvalue
       assert row[3] == _fmt_p(p), row
-      pt.append(p)
-      pt_holm.append(row[4])
+      lo, hi, df, pc = _crossed(np.array([x - y for x, y in zip(a, b)]))
+      assert row[8:11] == [f"[{lo:+.4f}, {hi:+.4f}]", f"{df:.1f}", _fmt_p(pc)], row
+      if in_family:
+        family["t"].append((p, row[4]))
+        family["crossed"].append((pc, row[11]))
     else:
-      assert row[2] == row[3] == row[4] == "—"
+      assert row[2] == row[3] == row[4] == row[8] == row[9] == row[10] == row[11] == "—", row
     d = np.mean([x - y for x, y in zip(a, b)], axis=0)
     boot = np.array([rng.choice(d, d.size).mean() for _ in range(4000)])
     lo, hi = np.quantile(boot, [0.025, 0.975])
@@ -278,11 +312,14 @@ def _check_effects(header: str, root: pathlib.Path, kind: str):
     flips = np.abs((rng.choice([-1.0, 1.0], (4000, d.size)) * d).mean(1))
     p_mc = (np.sum(flips >= abs(d.mean()) * (1 - 1e-12)) + 1) / (4000 + 1)
     assert abs(float(row[6]) - p_mc) < max(0.02, 0.25 * p_mc), row
-    pd_printed.append(float(row[6]))
-    pd_holm.append(row[7])
-  assert [_fmt_p(p) for p in _holm(np.array(pd_printed))] == [_fmt_p(float(x)) for x in pd_holm]
-  if pt:
-    assert [_fmt_p(p) for p in _holm(np.array(pt))] == pt_holm
+    if in_family:
+      family["doc"].append((float(row[6]), row[7]))
+    else:
+      assert row[4] == row[7] == row[11] == "—", row
+  assert len(family["doc"]) == 10
+  for col, pairs in family.items():
+    if pairs:
+      assert [_fmt_p(p) for p in _holm(np.array([p for p, _ in pairs]))] == [h for _, h in pairs], col
 
 
 @epoch
@@ -306,14 +343,189 @@ def _check_curve(first: str, root: pathlib.Path, kind: str):
       assert cell == f"{np.mean([np.mean(f[KEYS[col]]) for f in files]):.4f}", (row[0], col)
 
 
-@pytest.mark.skipif(not (ROOT / "docs" / "results" / "null_arm" / "null.json").is_file(), reason="no null.json")
-def test_null_check_quoted():
-  """The null-arm check's figures quoted in RESULTS.md, from docs/results/null_arm/null.json."""
-  rec = json.loads((ROOT / "docs" / "results" / "null_arm" / "null.json").read_text())
-  assert not rec["dirty"] and f"`{rec['commit']}`" in DOC
+NULLS = [ROOT / "docs" / "results" / d / "null.json" for d in ("null_arm", "null_arm_lambda1e-4")]
+
+
+@pytest.mark.parametrize("path", NULLS, ids=["null_arm", "lambda1e-4"])
+def test_null_check_quoted(path):
+  """The null-arm checks' tables in RESULTS.md, from their null.json files: every row, the commit (clean), λ = 0
+  again bit-identical; where the file records it, every run the same program as its setup's first λ = 0."""
+  if not path.is_file():
+    pytest.skip(f"no {path}")
+  rec = json.loads(path.read_text())
+  assert not rec["dirty"] and f"`{rec['commit']}`" in DOC and f"`docs/results/{path.parent.name}/null.json`" in DOC
   cell = lambda c: "bit-identical" if c["bit_identical"] else f"{c['max_abs_diff']:.2g}"
   for r in rec["runs"]:
     last, first = r[f"after_step_{rec['steps']}"], r["after_step_1"]
     assert (f"| {r['optimizer']} | {r['attention']} | {r['label']} | {cell(last)} | {cell(first)} | "
             f"{last['elements_differing']:,} of {last['elements']:,} |") in DOC, r
+    assert r.get("same_program", True), r
   assert all(r[f"after_step_{rec['steps']}"]["bit_identical"] for r in rec["runs"] if r["aux_weight"] == 0)
+
+
+def test_null_arm_prose():
+  """The first-step differences quoted in the null arm's prose (AdamW and Muon at λ = 1e-30, Muon at 1e-8 and 1e-4)
+  are those of the two null.json files."""
+  if not all(p.is_file() for p in NULLS):
+    pytest.skip("no null.json")
+  runs = {(r["optimizer"], r["attention"], r["aux_weight"]): r for p in NULLS
+          for r in json.loads(p.read_text())["runs"]}
+  step1 = lambda o, a, lam: runs[o, a, lam]["after_step_1"]["max_abs_diff"]    # noqa: E731
+  assert (f"differ by {step1('adamw', 'vanilla', 1e-30):.1e} (vanilla) and {step1('adamw', 'gated', 1e-30):.1e} "
+          "(gated)") in PROSE
+  assert (f"its first-step difference, {step1('muon', 'vanilla', 1e-30):.1e} vanilla and "
+          f"{step1('muon', 'gated', 1e-30):.1e} gated,") in PROSE
+  assert f"at λ = 1e-30 the first step moves by {step1('muon', 'vanilla', 1e-30):.1e} / " \
+         f"{step1('muon', 'gated', 1e-30):.1e}" in PROSE
+  assert "4e-9" not in PROSE and "~1e-23" not in PROSE
+  m4 = max(step1("muon", a, 1e-4) for a in ("vanilla", "sink", "gated"))
+  m8 = max(step1("muon", a, 1e-8) for a in ("vanilla", "gated"))
+  assert f"by up to {m4:.2f} at λ = 1e-4 and {m8:.2f} at λ = 1e-8 against λ = 0" in PROSE
+  assert (f"by up to {step1('muon', 'vanilla', 1e-4):.2f} for vanilla and {step1('muon', 'sink', 1e-4):.2f} for sink "
+          "against λ = 0") in PROSE
+
+
+def _signed(x: float, nd: int = 4) -> str:
+  return f"{x:+.{nd}f}".replace("-", "−")
+
+
+def _doc_table(root, t, c, kind, step, key):
+  """The seeds x documents table of per-document differences treated − control at `step`."""
+  seeds = sorted(r["seed"] for r in _records(root).values() if r["arm"] == t)
+  return np.array([np.asarray(_nll(f"{t}_{kind}_s{s}", step, root)[key]) - np.asarray(
+      _nll(f"{c}_{kind}_s{s}", step, root)[key]) for s in seeds])
+
+
+def _curve(root, arm, kind, step, key):
+  seeds = sorted(r["seed"] for r in _records(root).values() if r["arm"] == arm)
+  return np.mean([np.mean(_nll(f"{arm}_{kind}_s{s}", step, root)[key]) for s in seeds])
+
+
+@epoch
+def test_epoch_setup_as_quoted():
+  """The budget, the schedule and this study's column of the differences table are the runs' own config.yaml,
+  metrics.jsonl and evaluation files: no "paper's budget", no warmup (the lr falls from step 1)."""
+  import yaml
+  assert "the paper's budget" not in PROSE and "warmup steps" not in PROSE and "App. D at the paper's" not in PROSE
+  recs = _records()
+  cfgs = {n: yaml.safe_load((EPOCH / "raw" / n / "config.yaml").read_text()) for n in recs}
+  steps = {r["steps"] for r in recs.values()}.pop()
+  c = next(iter(cfgs.values()))
+  assert {(x["lora"]["rank"], x["lora"]["alpha"], tuple(x["lora"]["targets"]), x["data"]["seq_len"],
+           x["train"]["batch_size"], x["train"]["adamw_lr"], x["train"]["decay_frac"]) for x in cfgs.values()} == {
+      (16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj"), 128, 4, 1e-3, 1.0)}
+  rows = c["train"]["batch_size"]
+  assert (f"{steps} steps × {rows} rows × {c['data']['seq_len']} = {steps * rows * c['data']['seq_len']:,} token "
+          "positions") in PROSE
+  assert f"({steps} steps of {rows} × {c['data']['seq_len']} tokens" in PROSE
+  assert f"LoRA rank {c['lora']['rank']} / alpha {c['lora']['alpha']:g} on q/k/v/o" in PROSE
+  m, H = cfgs["eq8_lora_s0"]["loss"]["num_shared_heads"], c["model"]["num_heads"]
+  assert f"m = {m} of {H} per layer, this project's choice" in PROSE and f"{c['model']['num_layers']} layers × {H} query" in PROSE
+  eq8 = cfgs["eq8_lora_s0"]["loss"]
+  assert (eq8["aux_weight"], eq8["num_shared_heads"], cfgs["eq7_lora_s0"]["loss"]["num_shared_heads"],
+          cfgs["base_lora_s0"]["loss"]["aux_weight"]) == (1e-2, 2, 0, 0.0)
+  s0 = json.loads((EPOCH / "nll_step0.json").read_text())
+  assert s0["documents"] == 64 and s0["documents_cut"] == 0 and max(np.asarray(s0["tokens"])) + 1 <= 209
+  assert f"at most {s0['doc_tokens'] + 1} tokens" in PROSE and f"per-head importance on {s0['documents']} held-out" in PROSE
+  for n in recs:                     # no warmup: the lr is the peak at step 1 and falls at every logged step
+    lr = [(r["step"], r["lr"]) for r in map(json.loads, (EPOCH / "raw" / n / "metrics.jsonl").read_text().splitlines())
+          if "lr" in r]
+    assert lr[0][0] == 1 and lr[0][1] == pytest.approx(1e-3) and all(b[1] < a[1] for a, b in zip(lr, lr[1:])), n
+  lr5 = dict(lr)[5]
+  assert f"the records' lr is 1e-3 at step 1 and {lr5 * 1e4:.2f}e-4 at step 5" in PROSE
+  corpus = json.loads((EPOCH / "corpus.json").read_text())
+  assert f"{corpus['train']['documents']} English documents" in PROSE
+  assert f"one epoch of the {corpus['train']['documents']} documents" in PROSE
+  seeds = lambda root: {len([r for r in _records(root).values() if r["arm"] == a]) for a in ("base", "eq7", "eq8")}
+  n_lora, n_full = seeds(EPOCH), seeds(FULL)
+  assert len(n_lora) == len(n_full) == 1
+  word = lambda n: f"{n} seed{'s' if n > 1 else ''} per arm"                 # noqa: E731
+  assert f"| {word(n_lora.pop())} (LoRA); {word(n_full.pop())} (full fine-tuning) |" in DOC
+  e = sorted(r["eval_seconds"] for r in recs.values())
+  assert f"{e[0]:.0f}–{e[-1]:.0f} s for its three evaluations" in PROSE and all(len(r["eval_steps"]) == 3
+                                                                                  for r in recs.values())
+
+
+@epoch
+def test_epoch_readings_quoted():
+  """The numbers of the LoRA readings that are not cells of its tables, from the raw files: the crossed intervals
+  quoted, the shared heads against base and against the pretrained model, the routed CV at step 30, the heads that
+  rise and fall in layers 12–29, and the ratios."""
+  end = next(iter(_records().values()))["steps"]
+  cr = lambda t, c, key, step=end: _crossed(_doc_table(EPOCH, t, c, "lora", step, key))
+  lo, hi, _, p = cr("eq8", "eq7", "val_loss")
+  assert f"crossed interval {_signed(lo)} … {_signed(hi)}, p {_fmt_p(p)}" in PROSE
+  lo, hi, _, p = cr("eq8", "base", "shared_importance")
+  assert f"not detected, interval {_signed(lo)} … {_signed(hi)}" in PROSE and f"(crossed p {_fmt_p(p)};" in PROSE
+  eq7_shared = _doc_table(EPOCH, "eq7", "base", "lora", end, "shared_importance").mean()
+  assert f"the interval's far end is {abs(hi / eq7_shared) * 100:.0f} % of eq. 7's {_signed(eq7_shared)}" in PROSE
+  pre = _curve(EPOCH, "base", "lora", 0, "shared_importance")
+  assert (f"{pre:.4f} → {_curve(EPOCH, 'eq8', 'lora', end, 'shared_importance'):.4f} (eq. 8) and → "
+          f"{_curve(EPOCH, 'base', 'lora', end, 'shared_importance'):.4f} (base)") in PROSE
+  d30 = _doc_table(EPOCH, "eq8", "eq7", "lora", 30, "routed_cv")
+  t = sps.ttest_1samp(d30.mean(1), 0)
+  ci = t.confidence_interval(0.95)
+  lo, hi, _, _ = _crossed(d30)
+  assert (f"at step 30 of this study the contrast is already {_signed(d30.mean())} (over seeds {_signed(ci.low)} … "
+          f"{_signed(ci.high)}, p {_fmt_p(t.pvalue)}; crossed {_signed(lo)} … {_signed(hi)})") in PROSE
+  lo, hi, _, p = cr("eq7", "base", "mean_importance")
+  ratio = _doc_table(EPOCH, "eq7", "base", "lora", end, "mean_importance").mean() / _doc_table(
+      EPOCH, "eq8", "base", "lora", end, "mean_importance").mean()
+  assert f"(crossed {_signed(lo)} … {_signed(hi)}, p {_fmt_p(p)}; outside Holm's family), {ratio:.1f} times" in PROSE
+  costs = [cr(t, "base", "val_loss")[:2] for t in ("eq7", "eq8")]
+  assert (f"(crossed {_signed(costs[0][0])} … {_signed(costs[0][1])} and {_signed(costs[1][0])} … "
+          f"{_signed(costs[1][1])})") in PROSE
+  moved = _moved(EPOCH)
+  assert (f"eq. 7 lowers {moved['eq7'][0]} of the {moved['shared']} shared heads and raises {moved['eq7'][1]} of the "
+          f"{moved['routed']} routed ones against the pretrained model (base: {moved['base'][0]} and "
+          f"{moved['base'][1]}; eq. 8: {moved['eq8'][0]} and {moved['eq8'][1]})") in PROSE
+
+
+def _moved(root):
+  """In layers 12–29: per arm, (shared heads lowered, routed heads raised) against the pretrained model, from the
+  mean over seeds of the end's importance maps; the shared heads as the top 2 of shared_heads.json."""
+  recs = _records(root)
+  end = next(iter(recs.values()))["steps"]
+  kind = next(iter(recs.values()))["kind"]
+  pre = np.asarray(json.loads((root / "nll_step0.json").read_text())["importance"])
+  shared = np.zeros(pre.shape, bool)
+  np.put_along_axis(shared, np.argsort(-np.asarray(json.loads((root / "shared_heads.json").read_text())[
+      "importance"]), -1)[:, :2], True, -1)
+  out = {"shared": int(shared[12:].sum()), "routed": int((~shared[12:]).sum())}
+  for arm in ("base", "eq7", "eq8"):
+    seeds = sorted(r["seed"] for r in recs.values() if r["arm"] == arm)
+    d = np.mean([_nll(f"{arm}_{kind}_s{s}", end, root)["importance"] for s in seeds], axis=0)[12:] - pre[12:]
+    out[arm] = (int((d[shared[12:]] < 0).sum()), int((d[~shared[12:]] > 0).sum()))
+  return out
+
+
+@full
+def test_full_readings_quoted():
+  """The full fine-tuning readings' numbers that are not table cells: eq. 8 − base on the shared heads over documents,
+  the shared heads against the pretrained model, and eq. 7's heads in layers 12–29."""
+  end = next(iter(_records(FULL).values()))["steps"]
+  d = _doc_table(FULL, "eq8", "base", "full", end, "shared_importance").mean(0)
+  assert f"**eq. 8's shared heads against base: {_signed(d.mean())}, detected over documents**" in PROSE
+  c = lambda arm, step=end: f"{_curve(FULL, arm, 'full', step, 'shared_importance'):.4f}"  # noqa: E731
+  assert f"{c('base', 0)} → {c('eq8')} (eq. 8), → {c('base')} (base), → {c('eq7')} (eq. 7)" in PROSE
+  moved = _moved(FULL)
+  assert (f"it lowers {moved['eq7'][0]} of the {moved['shared']} shared heads and raises {moved['eq7'][1]} of the "
+          f"{moved['routed']} routed ones") in PROSE
+
+
+@pytest.mark.parametrize("root", [EPOCH, FULL])
+def test_pinning_figures_are_linked(root):
+  """Both figures of each pinning study are in its directory and linked from RESULTS.md."""
+  for name in ("pinning_importance.png", "pinning_curve.png"):
+    assert (root / name).is_file() and f"](results/{root.name}/{name})" in PROSE, name
+
+
+@epoch
+def test_epoch_three_tests_agree():
+  """"The three tests agree": in the LoRA effects table every effect is detected (p < 0.05) by the t over seeds, the
+  documents and the crossed test alike, and the one not detected (eq. 8 − base, shared heads) by none."""
+  rows = _table("| effect | mean |")
+  for row in rows:
+    detected = {float(row[i]) < 0.05 for i in (3, 6, 10)}
+    assert detected == {row[0] != "eq. 8 − base, shared heads' importance"}, row
+  assert "detect the same effects: all but eq. 8 − base on the shared heads" in PROSE

@@ -198,12 +198,12 @@ def _below(graph: dict[str, dict], module: str) -> set:
 
 def test_the_floors_of_the_kinds_and_the_config():
   """The kind registry is the floor (it imports nothing of sinkjax); the config reaches no kind, only the registry
-  and the jax-free modules beside it (cli, choices, paths); the sharding, the cache, the kernels and Gated DeltaNet reach no config; the built-in
+  and the jax-free modules beside it (errors, choices, paths); the sharding, the cache, the kernels and Gated DeltaNet reach no config; the built-in
   kinds are registered from above: the variants by layers, the mixers by model."""
   graph = import_graph()
   assert graph["sinkjax.kinds"] == {}
   kinds = {m for m in graph if m.startswith("sinkjax.kinds.")}
-  assert _below(graph, "sinkjax.config") <= {"sinkjax.cli", "sinkjax.choices", "sinkjax.paths", "sinkjax.kinds"}
+  assert _below(graph, "sinkjax.config") <= {"sinkjax.errors", "sinkjax.choices", "sinkjax.paths", "sinkjax.kinds"}
   for module in ("sinkjax.sharding", "sinkjax.cache", "sinkjax.kernels", "sinkjax.deltanet", "sinkjax.attention"):
     assert not _below(graph, module) & ({"sinkjax.config"} | kinds), module
   assert {"sinkjax.kinds.vanilla", "sinkjax.kinds.sink", "sinkjax.kinds.gated", "sinkjax.kinds.relu"} <= \

@@ -35,6 +35,23 @@ def test_gpu_measure_dry_run(tmp_path):
   r = subprocess.run(["bash", "launch/gpu_measure.sh", "--check"], cwd=ROOT, capture_output=True, text=True,
                      timeout=900, env={**env, "OUT": str(tmp_path), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")})
   assert r.returncode == 0, r.stderr[-2000:]
-  for stage in ("check", "attn_mha", "attn_gqa", "attn_d20", "trainer_d20"):
+  for stage in ("check", "attn_mha", "attn_d64", "attn_gqa", "attn_d20", "trainer_d20", "trainer_d20_mosaic"):
     assert f"== {stage}: exit 0" in r.stdout, r.stdout[-3000:]
   assert "all passed" in r.stdout and "| attention |" in r.stdout and "runs only on NVIDIA GPUs" in r.stdout
+  for impl in ("cudnn", "mosaic_gpu", "pallas_gpu"):                     # the three GPU backends' rows
+    assert f"| {impl} |" in r.stdout, impl
+  assert "gpu_measure: every stage passed" in r.stdout
+
+
+def test_gpu_measure_fails_when_a_stage_fails(tmp_path):
+  """A stage whose command fails (here every `python3` exits 1, as one without jax would) or an unknown stage makes
+  the script exit 1 and name them."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "python3").write_text("#!/bin/sh\necho no jax here >&2\nexit 1\n")
+  (bin_dir / "python3").chmod(0o755)
+  env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+  r = subprocess.run(["bash", "launch/gpu_measure.sh", "--check", "check", "attn_d20", "no_such_stage"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=120, env=env)
+  assert r.returncode == 1, r.stdout
+  assert "3 stage(s) failed: check (exit 1) attn_d20 (exit 1) no_such_stage (unknown stage)" in r.stdout, r.stdout

@@ -21,7 +21,7 @@ ARCHS = {  # tree -> GPTConfig kwargs of a small model: padded vocabulary (300 -
 def perturbed_nanochat(tree, seed=0):
   """nanochat's GPT, init_weights(), then every parameter perturbed (zero-initialized projections and the
   resid/x0 lambdas too), in float32 on the CPU."""
-  import torch
+  torch = pytest.importorskip("torch", reason="nanochat parity tests need torch (pip install torch, CPU build)")
   peer = nanochat_peer.load(tree)
   torch.manual_seed(seed)
   model = peer.gpt.GPT(peer.gpt.GPTConfig(**ARCHS[tree]))
@@ -41,7 +41,7 @@ def ours_from(model, gpt_kwargs):
 def test_forward_matches_nanochat(tree):
   """float32 logits of the converted model equal nanochat's forward to 1e-4 (T = sequence_len, so the S layers'
   windows of 6bb9240 cut in)."""
-  import torch
+  torch = pytest.importorskip("torch", reason="nanochat parity tests need torch (pip install torch, CPU build)")
   _, model = perturbed_nanochat(tree)
   tokens = np.random.default_rng(0).integers(0, 300, (2, 32))
   with torch.no_grad():
@@ -54,7 +54,7 @@ def test_forward_matches_nanochat(tree):
 @pytest.mark.parametrize("tree", sorted(ARCHS))
 def test_export_loads_strictly_in_nanochat(tree):
   """params_to_nanochat -> GPT(GPTConfig(**gpt_config_of(cfg))).load_state_dict(strict=True) -> the same logits."""
-  import torch
+  torch = pytest.importorskip("torch", reason="nanochat parity tests need torch (pip install torch, CPU build)")
   peer, model = perturbed_nanochat(tree, seed=1)
   ours = ours_from(model, ARCHS[tree])
   gpt_kwargs = nc_convert.gpt_config_of(ours.cfg)
@@ -100,7 +100,7 @@ def test_paper_configs_are_base_train_at_their_depth(depth):
   """configs/d{20,26,32}.yaml = base_train's --depth: the shapes of its find_num_heads, nanochat's parameter count
   (its GPT built on the meta device, 65,536-token vocabulary padded to 64) and its num_iterations for ratio 20 at
   524,288 tokens per step."""
-  import torch
+  torch = pytest.importorskip("torch", reason="nanochat parity tests need torch (pip install torch, CPU build)")
   from flax import nnx
   from sinkjax.config import load_config
   from sinkjax.model import Transformer, count_params
@@ -134,7 +134,7 @@ def float32_newton_schulz(peer):
 
 def nanochat_training(peer, state_dict, gpt_kwargs, batches, cfg):
   """base_train's step loop on CPU in float32: (losses, state dicts after every step)."""
-  import torch
+  torch = pytest.importorskip("torch", reason="nanochat parity tests need torch (pip install torch, CPU build)")
   import torch._dynamo
   torch._dynamo.config.disable = True        # Muon's @torch.compile: the same maths eagerly, no C compiler needed
   model = peer.gpt.GPT(peer.gpt.GPTConfig(**gpt_kwargs))

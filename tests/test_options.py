@@ -24,7 +24,7 @@ from sinkjax.bench import data as bench_data
 from sinkjax.bench import kernel_check, profile_summary
 from sinkjax.bench import train as bench_train
 from sinkjax.bench import trainer as bench_trainer
-from sinkjax.cli import ConfigError
+from sinkjax.errors import ConfigError
 from sinkjax.convert import hf as convert_hf
 from sinkjax.convert import nanochat as convert_nanochat
 from sinkjax.data import acereason, fineweb
@@ -164,7 +164,7 @@ def test_no_parser_namespace_below_a_main():
 
 
 def test_argparse_is_imported_by_the_options_machinery_alone():
-  """Commands declare their options (`options.Command`); only cli.py and options.py build parsers, so only they
+  """Commands declare their options (`options.Command`); only errors.py and options.py build parsers, so only they
   import argparse (function-level imports included)."""
   importers = set()
   for path in ROOT.rglob("*.py"):
@@ -173,7 +173,7 @@ def test_argparse_is_imported_by_the_options_machinery_alone():
                [node.module] if isinstance(node, ast.ImportFrom) else [])
       if "argparse" in names:
         importers.add(str(path.relative_to(ROOT)))
-  assert importers == {"cli.py", "options.py"}
+  assert importers == {"errors.py", "options.py"}
 
 
 def test_library_functions_take_the_typed_sections():

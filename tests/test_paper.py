@@ -1,4 +1,4 @@
-"""The paper study (`sinkjax.experiments.paper`, study kinds paper and dose): the Table 1 statistics against hand
+"""The paper study (`sinkjax.experiments.paper`, study drivers paper and dose): the Table 1 statistics against hand
 computations, and its study files run end to end on 2-step runs (every artefact written, a rerun skips finished runs,
 bad keys are one-line errors). Its after-prefill value zeroing is `sinkjax.eval`'s, tested in tests/test_eval.py."""
 import json
@@ -49,7 +49,7 @@ def run_study(name, *args, capsys):
     (["axes.model.attention=[vanilla,foo]"], "foo"),
     (["train.steps=two"], "train.steps"),
     (["axes.train.seed=[]"], "axis train.seed must be a non-empty list"),
-    (["study.kind=bogus"], "study.kind"),
+    (["study.driver=bogus"], "study.driver"),
 ])
 def test_bad_keys_are_one_line_errors(args, needle, capsys):
   assert needle in one_error_line(run_study("paper_smoke", *args, "--dry-run", capsys=capsys))
@@ -158,7 +158,7 @@ def test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs(tmp_p
   # A dose study in another study.out stands on the grid's results.json, written at this checkout's commit: its
   # lambda 0 run is the grid's sink_base_s0 (reused, not retrained), lambda 1e-2 is trained.
   dose = tmp_path / "dose"
-  p = run_study("paper_smoke", "study.kind=dose", "axes.model.attention=[sink]", "axes.train.seed=[0]",
+  p = run_study("paper_smoke", "study.driver=dose", "axes.model.attention=[sink]", "axes.train.seed=[0]",
                 "axes.loss.aux_weight=[0, 1e-2]", f"study.out={dose}", f"study.reuse={tmp_path / 'results.json'}",
                 capsys=capsys)
   assert p.returncode == 0, p.stderr

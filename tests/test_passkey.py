@@ -4,7 +4,7 @@ taken from the model's own teacher-forced forward pass (no cache)."""
 import numpy as np
 import pytest
 
-from sinkjax.cli import ConfigError
+from sinkjax.errors import ConfigError
 from sinkjax.data.tokenizers import ByteTokenizer
 from sinkjax.experiments import passkey
 from tests.test_generate import random_model
@@ -52,7 +52,7 @@ def test_the_study_file_spells_the_probe():
   from sinkjax.experiments import runner
   plan = runner.load_plan(passkey.STUDY_FILE)
   sections = plan.options(passkey.SECTIONS)
-  assert plan.axes == {"length": [256, 512], "depth": [0, 0.25, 0.5, 0.75, 1]} and plan.study.kind == "passkey"
+  assert plan.axes == {"length": [256, 512], "depth": [0, 0.25, 0.5, 0.75, 1]} and plan.study.driver == "passkey"
   assert sections["passkey"] == passkey.PasskeyOptions(samples=8, sink_size=4, window=64, seed=0)
   assert sections["cache"] == cache_policy.CacheOptions(full_heads="0.25,0.5", full_heads_random="0,1,2,3,4")
   assert cache_policy.parse_amounts(sections["cache"].full_heads) == [0.25, 0.5]

@@ -29,7 +29,7 @@ def test_the_readme_test_command_is_what_ci_runs():
   test_cmd = [l for l in block.splitlines() if "pytest" in l]
   assert len(test_cmd) == 1, block
   ci = (ROOT / ".ci" / "run").read_text()
-  ci_cmd = [l for l in ci.splitlines() if "pytest" in l and not l.lstrip().startswith("#")]
+  ci_cmd = [l.strip() for l in ci.splitlines() if "pytest" in l and not l.lstrip().startswith("#")]
   assert ci_cmd == [test_cmd[0] + ' "$@"'], (ci_cmd, test_cmd)
 
 

@@ -203,7 +203,8 @@ def test_dose_rerun_tables_from_each_runs_own_files(doc):
   assert f"(SD {np.std(null_bpb, ddof=1):.3f})" in text and min(null_imb) > 0
   assert ", ".join(f"{x:+.4f}" for x in null_bpb).replace("-", "−") in text
   dose_imb = np.mean([recs[1e-2, s]["head_imbalance"] - recs[0.0, s]["head_imbalance"] for s in range(3)])
-  assert round(-dose_imb / np.mean(null_imb)) == 7 and "seven times the size of the null arm's difference" in text
+  assert round(-dose_imb / np.mean(null_imb)) == 7 and "seven times the size of λ = 1e-8's difference" in text
+  assert f"which has the opposite sign ({np.mean(null_imb):+.3f};" in text
 
 
 def test_readings_quote_their_tests(runs, flat):
@@ -529,11 +530,14 @@ def test_dose_readings_and_power(dose, runs, flat):
           f"(t₂ = {t.statistic:+.2f}, p = {p2(t.pvalue)})") in flat
   null = bpb(1e-8) - bpb(0.0)
   tn = sps.ttest_rel(bpb(1e-8), bpb(0.0))
-  assert f"λ = 1e-8 is {null.mean():+.4f} against the old base (t-interval {tn.confidence_interval().low:+.4f} … " \
-         f"{tn.confidence_interval().high:+.4f}, no drift detected)".replace("(t-interval -", "(t-interval −") in flat
+  assert (f"λ = 1e-8, which carries the code change and a small treatment, is {null.mean():+.4f} against the old "
+          f"base (t-interval {tn.confidence_interval().low:+.4f} … {tn.confidence_interval().high:+.4f}, not "
+          "detected)").replace("(t-interval -", "(t-interval −") in flat
   top = [(_ranked(dose[1e-8, s])[:, 0] - _ranked(dose[0.0, s])[:, 0]).mean() for s in range(3)]
   assert f"strongest head {top[0]:+.3f}, {top[1]:+.3f}, {top[2]:+.3f}".replace("-", "−") in flat
-  assert f"drift detected, p = {p2(sps.ttest_1samp(top, 0).pvalue)}" in flat
+  assert f"−0.028: detected, p = {p2(sps.ttest_1samp(top, 0).pvalue)}" in flat
+  assert f"strongest head moves by {np.mean(top):+.3f} (p = {p2(sps.ttest_1samp(top, 0).pvalue)}: the code change and a " \
+         "small treatment together, not drift)".replace("by -", "by −") in flat
   # power: the paired BPB differences of six arms, each about its own mean
   arms = [diffs(runs, "vanilla"), diffs(runs, "sink")] + [bpb(l) - bpb(0.0) for l in (1e-8, 1e-4, 1e-3, 1e-2)]
   ss = sum(np.sum((np.asarray(a) - np.mean(a)) ** 2) for a in arms)
@@ -616,7 +620,7 @@ def test_dose_prose(dose, flat):
       in flat
   base = {s: r for (l, s), r in dose.items() if l == 0.0}
   null = [dose[1e-8, s]["val_bpb"] - base[s]["val_bpb"] for s in sorted(base)]
-  assert "(" + ", ".join(f"{x:+.4f}" for x in null) + "), so every new run" in flat
+  assert "its BPB differences are all positive (" + ", ".join(f"{x:+.4f}" for x in null) + ")" in flat
   worst = max(dose[l, s]["val_bpb"] - base[s]["val_bpb"] for (l, s) in dose if l >= 1e-4)
   assert f"The largest single-seed difference is {worst:+.4f}" in flat
   curve_max = max(y for d in new if d.name.startswith("gated_lam0.01_")

@@ -136,14 +136,14 @@ def test_a_record_do_writes_itself_is_kept_and_runs_may_be_files(tmp_path):
       "x.json", "y.json"]
 
 
-def test_a_study_without_a_recipe_reads_its_kinds_own_section(tmp_path):
-  """configs/studies/streaming_real.yaml trains nothing: no base:, a `streaming:` section its kind declares with
-  key(); overrides reach that section and the axes; a section or config key the kind does not read is one error."""
+def test_a_study_without_a_recipe_reads_its_drivers_own_section(tmp_path):
+  """configs/studies/streaming_real.yaml trains nothing: no base:, a `streaming:` section its driver declares with
+  key(); overrides reach that section and the axes; a section or config key the driver does not read is one error."""
   from sinkjax.experiments import streaming_real
   plan = runner.load_plan(streaming_real.STUDY_FILE, ["streaming.tokens=4096", "axes.random_map=[3, 9]",
                                                       f"study.out={tmp_path}"])
   opts = plan.options({"streaming": streaming_real.StreamingOptions})["streaming"]
-  assert (opts.tokens, opts.full_heads, opts.chunk) == (4096, 0.25, 64) and plan.study.kind == "streaming"
+  assert (opts.tokens, opts.full_heads, opts.chunk) == (4096, 0.25, 64) and plan.study.driver == "streaming"
   assert streaming_real.plan(plan.axes["random_map"])[-4:] == ["hybrid_random3_w256", "hybrid_random9_w256", "full",
                                                                "check"]
   layer = runner.load_plan(streaming_real.STUDY_FILE, ["streaming.scope=layer"]).options(
@@ -157,3 +157,18 @@ def test_a_study_without_a_recipe_reads_its_kinds_own_section(tmp_path):
   with pytest.raises(Exception, match="streaming.full_heads must be in"):
     runner.load_plan(streaming_real.STUDY_FILE, ["streaming.full_heads=2"]).options(
         {"streaming": streaming_real.StreamingOptions})
+
+
+def test_the_old_study_kind_key_is_refused_naming_study_driver(tmp_path):
+  """`study.kind` (the key before it was `study.driver`: `kinds/` are the layer kinds) is refused in one line that
+  names `study.driver`, in a study file and as an override; each committed study file names its driver."""
+  import pathlib
+  from sinkjax import config as config_lib
+  from sinkjax.experiments import streaming_real
+  old = tmp_path / "old.yaml"
+  old.write_text(pathlib.Path(streaming_real.STUDY_FILE).read_text().replace("  driver: streaming", "  kind: streaming"))
+  for args in ((old, ()), (streaming_real.STUDY_FILE, ["study.kind=streaming"])):
+    with pytest.raises(config_lib.ConfigError, match=r"unknown config key study.kind in .*; it is study.driver now$"):
+      runner.load_plan(*args)
+  for path in sorted(pathlib.Path(streaming_real.STUDY_FILE).parent.glob("*.yaml")):
+    assert runner.load_plan(path).study.driver in runner.STUDY_DRIVERS, path

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from sinkjax import config as config_lib
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.config import DataConfig
 from sinkjax.convert import hf
 from sinkjax.run import RESUMABLE_MODEL_KEYS

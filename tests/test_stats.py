@@ -123,3 +123,79 @@ def test_holm_by_hand():
   # sorted 0.01, 0.02, 0.04, 0.5 -> x4, x3, x2, x1 = 0.04, 0.06, 0.08, 0.5 (monotone); None stays None
   assert stats.holm([0.04, None, 0.01, 0.5, 0.02]) == pytest.approx([0.08, None, 0.04, 0.5, 0.06])
   assert stats.holm([0.3, 0.3]) == [0.6, 0.6] and stats.holm([0.9, 0.8]) == [1.0, 1.0]
+
+
+def test_crossed_by_hand():
+  """[[1, 2, 3], [3, 5, 4]] (2 seeds x 3 documents), by hand: grand mean 3, seed means 2 and 4, document means 2, 3.5,
+  3.5; MS_seed = 3·(1 + 1)/1 = 6, MS_doc = 2·(1 + 0.25 + 0.25)/2 = 1.5, residuals 0, -0.5, 0.5, 0, 0.5, -0.5 give
+  MS_resid = 1/2 = 0.5; Var(mean)·6 = 6 + 1.5 - 0.5 = 7, df = 7² / (6²/1 + 1.5²/2 + 0.5²/2) = 49/37.25."""
+  got = stats.crossed([[1, 2, 3], [3, 5, 4]])
+  assert (got["mean"], got["ms_seed"], got["ms_doc"], got["ms_resid"]) == pytest.approx((3, 6, 1.5, 0.5))
+  assert got["se"] == pytest.approx(math.sqrt(7 / 6)) and got["df"] == pytest.approx(49 / 37.25)
+  assert (got["var_seed"], got["var_doc"], got["var_resid"]) == pytest.approx(((6 - 0.5) / 3, (1.5 - 0.5) / 2, 0.5))
+  tc = sps.t.ppf(0.975, 49 / 37.25)
+  assert (got["low"], got["high"]) == pytest.approx((3 - tc * math.sqrt(7 / 6), 3 + tc * math.sqrt(7 / 6)))
+  assert got["p"] == pytest.approx(2 * sps.t.sf(3 / math.sqrt(7 / 6), 49 / 37.25))
+  with pytest.raises(ValueError, match="at least 2 of each"):
+    stats.crossed([[1.0, 2.0, 3.0]])
+
+
+def _rss(y, *blocks):
+  """Residual sum of squares of y on an intercept and the given dummy blocks (numpy least squares)."""
+  x = np.column_stack([np.ones(y.size), *blocks])
+  return float(((y - x @ np.linalg.lstsq(x, y, rcond=None)[0]) ** 2).sum())
+
+
+def test_crossed_against_least_squares_and_the_materialized_covariance():
+  """The mean squares are the drops in residual sum of squares of dummy-variable regressions (seed and document
+  indicators, numpy least squares), and se² is 1ᵀ Σ 1 / (SD)² of the covariance of the SD cells materialized from
+  the estimated components: Σ = va·(I_S ⊗ J_D) + vb·(J_S ⊗ I_D) + ve·I."""
+  rng = np.random.default_rng(4)
+  S, D = 3, 11
+  d = 0.2 + rng.normal(0, 0.5, (S, 1)) + rng.normal(0, 0.3, (1, D)) + rng.normal(0, 0.2, (S, D))
+  got = stats.crossed(d)
+  y = d.ravel()                                      # seed-major: cell (s, j) at s·D + j
+  seed = np.kron(np.eye(S), np.ones((D, 1)))[:, 1:]
+  doc = np.kron(np.ones((S, 1)), np.eye(D))[:, 1:]
+  full = _rss(y, seed, doc)
+  assert got["ms_resid"] == pytest.approx(full / ((S - 1) * (D - 1)))
+  assert got["ms_seed"] == pytest.approx((_rss(y, doc) - full) / (S - 1))
+  assert got["ms_doc"] == pytest.approx((_rss(y, seed) - full) / (D - 1))
+  assert got["var_seed"] > 0 and got["var_doc"] > 0
+  sigma = (got["var_seed"] * np.kron(np.eye(S), np.ones((D, D))) + got["var_doc"] * np.kron(np.ones((S, S)), np.eye(D))
+           + got["var_resid"] * np.eye(S * D))
+  assert got["se"] ** 2 == pytest.approx(sigma.sum() / (S * D) ** 2)
+
+
+def test_crossed_reduces_to_the_one_source_t_tests():
+  """A table whose documents all have the same mean (no document variance) is read exactly as scipy's one-sample t
+  over the seeds' means (df S - 1); one whose seeds all have the same mean, as the t over the documents' means
+  (df D - 1): the crossed model adds a source only where the table holds it."""
+  rng = np.random.default_rng(5)
+  e = rng.normal(0, 1, (3, 8))
+  e -= e.mean(0, keepdims=True)                       # every document's mean is 0
+  d = 0.7 + np.array([[0.9], [-0.2], [0.4]]) + 0.1 * e
+  got, ref = stats.crossed(d), sps.ttest_1samp(d.mean(1), 0)
+  assert got["p"] == pytest.approx(ref.pvalue) and got["df"] == pytest.approx(2)
+  assert (got["low"], got["high"]) == pytest.approx(tuple(ref.confidence_interval(0.95)))
+  e = rng.normal(0, 1, (4, 9))
+  e -= e.mean(1, keepdims=True)                       # every seed's mean is 0
+  d = 0.3 + rng.normal(0, 1, (1, 9)) + 0.1 * e
+  got, ref = stats.crossed(d), sps.ttest_1samp(d.mean(0), 0)
+  assert got["p"] == pytest.approx(ref.pvalue) and got["df"] == pytest.approx(8)
+
+
+@pytest.mark.parametrize("S,seed_sd,doc_sd,blind", [(3, 2.0, 1.0, "seeds"), (5, 0.5, 3.0, "documents")])
+def test_crossed_covers_where_a_one_source_test_does_not(S, seed_sd, doc_sd, blind):
+  """4,000 tables drawn from the crossed model (S seeds x 20 documents, residual SD 1): the crossed 95 % interval
+  covers the true mean in 0.92-0.97 of them (Satterthwaite's df are an approximation: 0.93 with 3 seeds). Where the seeds vary most, the t over the documents' means (blind to the
+  seeds) covers less than 0.85; where the documents vary most, the t over the seeds' means (blind to the documents)."""
+  rng = np.random.default_rng(6)
+  D, n = 20, 4000
+  tables = rng.normal(0, seed_sd, (n, S, 1)) + rng.normal(0, doc_sd, (n, 1, D)) + rng.normal(0, 1, (n, S, D))
+  cover = lambda lo, hi: float(np.mean((lo <= 0) & (0 <= hi)))
+  got = [stats.crossed(t) for t in tables]
+  assert 0.92 <= cover(np.array([g["low"] for g in got]), np.array([g["high"] for g in got])) <= 0.97
+  means = tables.mean(1) if blind == "seeds" else tables.mean(2)    # the documents' / the seeds' means
+  ci = sps.ttest_1samp(means, 0, axis=1).confidence_interval(0.95)
+  assert cover(ci.low, ci.high) < 0.85

@@ -23,7 +23,7 @@ from sinkjax import balance, optim
 from sinkjax import train as train_lib
 from sinkjax.config import ConfigError, load_config
 from sinkjax.data import build_tokenizer, make_train_iterator
-from sinkjax.cli import Interrupted
+from sinkjax.errors import Interrupted
 from sinkjax.model import Transformer
 from sinkjax.run import read_metrics
 from sinkjax.step import TRAIN_FEATURES, make_train_step
@@ -69,18 +69,31 @@ def test_loss_finite_and_decreasing(variant, compile_cache):
 
 def test_null_weight_is_null(compile_cache):
   """The aux term is traced at every weight, 0 included, so lambda = 1e-30 runs the program of lambda = 0 with one
-  constant changed: with AdamW, five steps give bit-identical parameters (as two lambda = 0 runs do), and lambda = 1e-8
-  does not (its gradient is above the CE gradient's rounding). loss.aux_term=false compiles another program."""
-  def params(ov):
-    _, step, state, batch = _setup(["train.optimizer=adamw", "model.attention=vanilla"] + ov)
+  constant changed: the lowered text of the two steps is the same once lambda's constant is swapped (a step that
+  built the aux term only for lambda > 0 lowers a smaller program at 0 and fails here, even though its parameters
+  below stay bit-identical on the CPU); with AdamW, five steps give bit-identical parameters (as two lambda = 0 runs
+  do), and lambda = 1e-8 does not (its gradient is above the CE gradient's rounding). loss.aux_term=false compiles
+  another program."""
+  def setup(lam):
+    return _setup(["train.optimizer=adamw", "model.attention=vanilla", f"loss.aux_weight={lam}"])
+
+  def lowered(lam):
+    _, step, state, batch = setup(lam)
+    return step.lower(state, batch).as_text()
+
+  def params(lam):
+    _, step, state, batch = setup(lam)
     for _ in range(5):
       state, _ = step(state, batch)
     return [np.asarray(x) for x in jax.tree.leaves(state["params"])]
-  ref = params(["loss.aux_weight=0.0"])
+  zero, tiny = lowered(0.0), lowered(1e-30)
+  assert "dense<1.000000e-30>" in tiny
+  assert tiny.replace("dense<1.000000e-30>", "dense<0.000000e+00>") == zero     # one program, one constant apart
+  ref = params(0.0)
   same = lambda other: all(np.array_equal(a, b) for a, b in zip(ref, other, strict=True))
-  assert same(params(["loss.aux_weight=0.0"]))
-  assert same(params(["loss.aux_weight=1e-30"]))
-  assert not same(params(["loss.aux_weight=1e-8"]))
+  assert same(params(0.0))
+  assert same(params(1e-30))
+  assert not same(params(1e-8))
 
 
 def test_stream_rows_train_without_segment_ids(compile_cache):
@@ -119,7 +132,7 @@ def test_remat_lowers_temporaries():
   compiler, which does no rematerialization of its own (test_compile_speed checks the policies' recomputed FLOPs in
   XLA:TPU's programs)."""
   from sinkjax import sharding as sharding_lib
-  from sinkjax.train import Program
+  from sinkjax.train import JittedSteps
   # Four scanned layers (one body to compile) whose activations dominate the step (241 -> 90 MB of temporaries).
   ov = ["model.num_layers=4", "train.optimizer=adamw", "model.d_model=256", "model.num_heads=4", "model.num_kv_heads=4",
         "model.head_dim=64", "data.seq_len=256", "model.max_seq_len=256", "model.vocab_size=257", "train.batch_size=8",
@@ -127,7 +140,7 @@ def test_remat_lowers_temporaries():
   temps = {}
   for remat in (False, True):
     cfg = load_config(TINY, ov + [f"model.remat={str(remat).lower()}"])
-    program = Program(cfg, sharding_lib.make_mesh(cfg.mesh, jax.devices("cpu")[:1]))
+    program = JittedSteps(cfg, sharding_lib.make_mesh(cfg.mesh, jax.devices("cpu")[:1]))
     temps[remat] = program.lower()[0].compile().memory_analysis().temp_size_in_bytes
   assert temps[True] < 0.7 * temps[False], temps
 

@@ -14,8 +14,9 @@ fwd 2 matmuls + bwd 5 matmuls over the lower triangle = 7 * 2 * B*H*T^2*D / 2.
 Rows `jax.nn.dpa` (XLA's own) and `jax.nn.cudnn` (`jax.nn.dot_product_attention(implementation="cudnn")`, GPUs
 only) are stock kernels that return no LSE: they differentiate sum(out^2) alone, the speed a kernel gets by dropping
 the LSE gradient that sink-aware training needs. Row `cudnn` is sinkjax's cuDNN backend (`sinkjax.kernels.cudnn`:
-the same fused kernels, with the LSE gradient), so `--impls jax.nn.cudnn cudnn pallas_gpu` puts the cost of the LSE
-gradient and the Triton kernel side by side. --kv-heads below --heads gives GQA / MQA shapes (K and V with fewer heads).
+the same fused kernels, with the LSE gradient) and row `mosaic_gpu` tokamax's Mosaic-GPU kernels with the LSE gradient
+(`sinkjax.kernels.mosaic_gpu`), so `--impls jax.nn.cudnn cudnn mosaic_gpu pallas_gpu` puts the cost of the LSE gradient,
+the FA3-class kernel and the Triton kernel side by side. --kv-heads below --heads gives GQA / MQA shapes (K and V with fewer heads).
 The last column is each row's time over the first backend's in --impls at the same T.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from sinkjax import options
-from sinkjax.cli import ConfigError
+from sinkjax.errors import ConfigError
 from sinkjax.config import key
 from sinkjax.kernels import BlockSizes, default_impl, flash_attention
 
@@ -103,8 +104,8 @@ def bench_one(impl, B, T, H, D, dtype, blocks, repeats, max_bytes, kv_heads=None
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     return dict(impl=impl, T=T, skipped="out of device memory")
-  except (NotImplementedError, ValueError, RuntimeError) as e:    # cuDNN off a GPU, or a shape it does not take
-    if impl not in ("jax.nn.cudnn", "cudnn"):
+  except (NotImplementedError, ValueError, RuntimeError, ImportError) as e:   # cuDNN off a GPU, a shape it does not
+    if impl not in ("jax.nn.cudnn", "cudnn", "mosaic_gpu"):                      # take, or no tokamax (Python 3.11)
       raise
     return dict(impl=impl, T=T, skipped=" ".join(str(e).split())[:80])
   mem = compiled.memory_analysis()

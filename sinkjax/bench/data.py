@@ -6,10 +6,10 @@ Builds the training iterator (default corpus, bytes tokenizer, batch 16 unless t
 """
 from __future__ import annotations
 
-from sinkjax import cli
+from sinkjax import errors
 
 if __name__ == "__main__":
-  cli.require_extra("sinkjax.bench.data")   # before the imports below, which need the train extra
+  errors.require_extra("sinkjax.bench.data")   # before the imports below, which need the train extra
 
 import dataclasses
 import os

@@ -9,9 +9,9 @@ with cotangents g != 0 on every row and rows whose out cotangent is 0 (the `sink
 The reference is `sinkjax.kernels.reference` (materialized softmax, float32 math on the same inputs) differentiated
 by JAX autodiff.
 
-With cudnn among the backends it also checks the premise of its LSE gradient: cuDNN's backward reads the forward output
-O only through D = rowsum(dO o O). Given O + W (W a large per-row vector orthogonal to dO, so D is unchanged up to
-rounding), cuDNN's backward must agree with the `xla` backend's (which provably reads O only through D) given the same
+With cudnn or mosaic_gpu among the backends it also checks the premise of their LSE gradient: cuDNN's (tokamax's)
+backward reads the forward output O only through D = rowsum(dO o O). Given O + W (W a large per-row vector orthogonal
+to dO, so D is unchanged up to rounding), the backend's backward must agree with the `xla` backend's (which provably reads O only through D) given the same
 O + W; a backward that used O otherwise would differ at O(1).
 
 On a CPU, `--impls xla --dtype float32` runs the same cases (the dry run of launch/gpu_measure.sh --check). Prints one
@@ -117,14 +117,32 @@ def check_case(name, Hq, Hkv, seg_kind, impl, *, B, T, D, dtype):
 _REFERENCE = {}
 
 
-def check_o_through_d(*, B, T, H, D, dtype=jnp.bfloat16):
-  """(err with O, err with O + W): cuDNN's backward against the xla backend's given the same O, dO, stats (see the
-  module docstring). Also returns how far O + W is from O (so that a pass is not vacuous)."""
-  from sinkjax.kernels import cudnn, xla  # pylint: disable=import-outside-toplevel
+def _raw_bwd(impl: str):
+  """The backend's own backward given (lse, O, dO) with no LSE cotangent: what `fold` feeds a substitute O' to."""
+  # pylint: disable=import-outside-toplevel,protected-access
+  if impl == "cudnn":
+    from sinkjax.kernels import cudnn
+    return lambda q, k, v, seg, lse, o, d, scale: cudnn._bwd_call(q, k, v, lse, o, d, True, scale)
+  from sinkjax.kernels import mosaic_gpu
+  return lambda q, k, v, seg, lse, o, d, scale: mosaic_gpu._kernel_bwd(
+      q, k, v, seg, o, lse, d, jnp.zeros_like(lse), causal=True, scale=scale, interpret=False, ranged=False)
+
+
+O_THROUGH_D = ("cudnn", "mosaic_gpu")     # backends whose LSE gradient rests on their backward reading O only via D
+
+
+def check_o_through_d(impl: str = "cudnn", *, B, T, H, D, dtype=jnp.bfloat16):
+  """(err with O, err with O + W): the backend's backward (cuDNN's, tokamax's Mosaic-GPU) against the xla backend's
+  given the same O, dO, stats (see the module docstring). Also returns how far O + W is from O (so that a pass is
+  not vacuous)."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  from sinkjax.kernels import xla  # pylint: disable=import-outside-toplevel
+  backend = importlib.import_module(f"sinkjax.kernels.{impl}")
   q, k, v, w, _, _ = _inputs(B, T, H, H, D, dtype, seed=1)
   scale = 1.0 / np.sqrt(D)
   ones = jnp.ones((B, T), jnp.int32)
-  out, lse = jax.jit(lambda q, k, v: cudnn.fwd(q, k, v, ones, ones, causal=True, scale=scale, segmented=False))(q, k, v)
+  out, lse = jax.jit(lambda q, k, v: backend.fwd(q, k, v, ones, ones, causal=True, scale=scale, segmented=False))(
+      q, k, v)
   dout = w.astype(dtype)
   r = jax.random.normal(jax.random.PRNGKey(9), out.shape)
   do32 = dout.astype(jnp.float32)
@@ -133,9 +151,10 @@ def check_o_through_d(*, B, T, H, D, dtype=jnp.bfloat16):
   perp = 10.0 * perp / jnp.maximum(jnp.linalg.norm(perp, axis=-1, keepdims=True), 1e-30) * \
       jnp.linalg.norm(out.astype(jnp.float32), axis=-1, keepdims=True)
   moved = (out.astype(jnp.float32) + perp).astype(dtype)
+  raw = _raw_bwd(impl)
 
   def both(o):
-    got = jax.jit(lambda q, k, v, o, d: cudnn._bwd_call(q, k, v, lse, o, d, True, scale))(q, k, v, o, dout)
+    got = jax.jit(lambda q, k, v, o, d: raw(q, k, v, ones, lse, o, d, scale))(q, k, v, o, dout)
     want = xla.bwd(*(x.astype(jnp.float32) for x in (q, k, v)), ones, ones, o.astype(jnp.float32), lse,
                    dout.astype(jnp.float32), jnp.zeros_like(lse), causal=True, scale=scale)
     return max(_rel(a, b) for a, b in zip(got, want))
@@ -146,7 +165,7 @@ def check_o_through_d(*, B, T, H, D, dtype=jnp.bfloat16):
 class KernelCheckOptions:
   """The bench_kernel_check.* options (`python -m sinkjax.bench.kernel_check`; each flag the alias of its key)."""
   impls: list[str] | None = key(None, alias="--impls", nargs="+", metavar="IMPL",
-                                help="backends to check (default: cudnn pallas_gpu on a GPU, xla elsewhere)")
+                                help="backends to check (default: cudnn mosaic_gpu pallas_gpu on a GPU, xla elsewhere)")
   seq: int = key(512, ">=1", alias="--seq", help="sequence length")
   batch: int = key(2, ">=1", alias="--batch", help="rows")
   head_dim: int = key(128, ">=1", alias="--head-dim", help="head dimension")
@@ -168,7 +187,7 @@ def main(argv=None) -> int:
 def run(opts: KernelCheckOptions) -> int:
   """Checks every case on every backend against the reference and prints the table; 1 when one failed."""
   gpu = jax.default_backend() == "gpu"
-  impls = opts.impls or (["cudnn", "pallas_gpu"] if gpu else ["xla"])
+  impls = opts.impls or (["cudnn", "mosaic_gpu", "pallas_gpu"] if gpu else ["xla"])
   dtype_name = opts.dtype or ("bfloat16" if gpu else "float32")
   dtype, tol = jnp.dtype(dtype_name), TOL[dtype_name]
   cases = [c for c in CASES if opts.cases is None or c[0] in opts.cases]
@@ -191,15 +210,15 @@ def run(opts: KernelCheckOptions) -> int:
           [f"{errs[n]:.1e}" for n in errs if n in ("lse", "gate")] + \
           [f"{errs[n]:.1e}" if n in errs else "-" for n in ("dq", "dk", "dv", "dsink")]
       print(row([name, impl, *cells, "yes" if ok else "NO"]), flush=True)
-  if "cudnn" in impls:
+  for impl in (i for i in O_THROUGH_D if i in impls):
     try:
-      e0, e1, moved = check_o_through_d(B=opts.batch, T=opts.seq, H=4, D=opts.head_dim)
+      e0, e1, moved = check_o_through_d(impl, B=opts.batch, T=opts.seq, H=4, D=opts.head_dim)
       ok = e0 <= tol and e1 <= tol and moved > 1.0
-      print(f"cudnn reads O only through D: grads vs xla's given O {e0:.1e}, given O + W {e1:.1e} (|W| {moved:.1f}x "
+      print(f"{impl} reads O only through D: grads vs xla's given O {e0:.1e}, given O + W {e1:.1e} (|W| {moved:.1f}x "
             f"|O|): {'yes' if ok else 'NO'}", flush=True)
     except Exception as e:  # pylint: disable=broad-except
       ok = False
-      print(f"cudnn reads O only through D: error: {' '.join(str(e).split())[:300]}")
+      print(f"{impl} reads O only through D: error: {' '.join(str(e).split())[:300]}")
     failed += not ok
   print(f"{'all passed' if not failed else f'{failed} FAILED'}")
   return 1 if failed else 0

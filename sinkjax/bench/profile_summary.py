@@ -29,7 +29,7 @@ import pathlib
 import re
 import sys
 
-from sinkjax import cli, compile, config, options
+from sinkjax import config, errors, hlo, options
 from sinkjax.markdown import table
 
 CATEGORIES = ("matmuls", "attention", "elementwise", "optimizer", "collectives")
@@ -41,9 +41,9 @@ _CONTAINERS = ("while", "conditional", "call")
 _CONTAINER = re.compile(r"^(while|conditional|call)(\.\d+)?$")
 
 def parse_hlo(text: str) -> dict:
-  """{instruction name: category hint} of an HLO module's text (`compile.parse_hlo`): for each instruction its opcode,
+  """{instruction name: category hint} of an HLO module's text (`hlo.parse_hlo`): for each instruction its opcode,
   custom-call target, op_name metadata and, for fusions and calls, whether the called computation holds a dot."""
-  comps, _ = compile.parse_hlo(text)
+  comps, _ = hlo.parse_hlo(text)
   target = {c: {n: _attr("custom_call_target", i.attrs) for n, i in body.items()} for c, body in comps.items()}
   has_dot = {c: any(i.opcode in ("dot", "convolution") or (target[c][n] and _MATMUL.search(target[c][n]))
                     for n, i in body.items()) for c, body in comps.items()}
@@ -170,7 +170,7 @@ def print_summary(opts: ProfileSummaryOptions) -> None:
   try:
     s = summarize(opts.trace, [pathlib.Path(h).read_text() for h in opts.hlo], opts.steps)
   except FileNotFoundError as e:
-    raise cli.UserError(str(e)) from None
+    raise errors.UserError(str(e)) from None
   print(format_summary(s, opts.top, "step" if opts.steps else "trace"))
 
 

@@ -35,10 +35,10 @@ T 512, batch 8, vocabulary 257, float32).
 """
 from __future__ import annotations
 
-from sinkjax import cli
+from sinkjax import errors
 
 if __name__ == "__main__":
-  cli.require_extra("sinkjax.bench.train")   # before the imports below, which need the train extra
+  errors.require_extra("sinkjax.bench.train")   # before the imports below, which need the train extra
 
 import dataclasses
 import os

@@ -21,7 +21,7 @@ its real data iterator over the config's data) in a temporary run directory, and
                   one-segment batch, each step waited for)
 
 The table gives ms per step (median block over the rounds, divided by --steps), tokens/s, and MFU with nanochat's
-FLOP count (`sinkjax.compile.model_flops_per_step`: 6N + attention) over the chip's peak (`sinkjax.compile.CHIPS`).
+FLOP count (`sinkjax.compile.model_flops_per_step`: 6N + attention) over the chip's peak (`sinkjax.hlo.CHIPS`).
 Unless --no-estimate, the trainer's step is also compiled as `sinkjax.compile` does and its roofline estimate
 (`compile.speed_report`: compiled FLOPs, HBM bytes, collective bytes at the chip's peaks) is printed beside the
 measurement: an estimate is a lower bound on the step time, so measured / estimate says how far the step is from it.
@@ -30,10 +30,10 @@ attention's FLOPs out there.
 """
 from __future__ import annotations
 
-from sinkjax import cli
+from sinkjax import errors
 
 if __name__ == "__main__":
-  cli.require_extra("sinkjax.bench.trainer")   # before the imports below, which need the train extra
+  errors.require_extra("sinkjax.bench.trainer")   # before the imports below, which need the train extra
 
 import dataclasses
 import pathlib
@@ -54,7 +54,7 @@ _ROWS = ("data", "step, packed", "step, 1 segment", "step, batch re-sent", "step
 
 
 def chip_of(device) -> str | None:
-  """The `sinkjax.compile.CHIPS` key of a device, or None when its peak figures are not known."""
+  """The `sinkjax.hlo.CHIPS` key of a device, or None when its peak figures are not known."""
   kind = device.device_kind.lower()
   for chip, names in (("h100", ("h100",)), ("h200", ("h200",)), ("v5e", ("v5 lite", "v5e")), ("v5p", ("v5p",)),
                      ("v6e", ("v6", "trillium")), ("v4", ("v4",))):
@@ -170,12 +170,13 @@ def build_runners(trainer, cfg, rows=_ROWS) -> tuple:
 def estimate(trainer, cfg) -> dict | None:
   """`sinkjax.compile`'s speed report of the trainer's compiled step on these devices (None: chip not known)."""
   from sinkjax import compile as compile_lib  # pylint: disable=import-outside-toplevel
+  from sinkjax import hlo  # pylint: disable=import-outside-toplevel
   devices = trainer.mesh.devices.flatten()
   chip = chip_of(devices[0])
   if chip is None:
     return None
   lowered, _ = trainer.lower()
-  report = compile_lib.speed_report(lowered.compile(), compile_lib.CHIPS[chip],
+  report = compile_lib.speed_report(lowered.compile(), hlo.CHIPS[chip],
                                     compile_lib.model_flops_per_step(cfg, trainer.num_params), len(devices))
   report["chip"] = chip
   return report
@@ -184,6 +185,7 @@ def estimate(trainer, cfg) -> dict | None:
 def measure(opts: TrainerBenchOptions, overrides: list[str] | tuple = ()) -> None:
   """Times opts.rows of opts.config (with the config overrides `overrides`) and prints the table."""
   from sinkjax import compile as compile_lib  # pylint: disable=import-outside-toplevel
+  from sinkjax import hlo  # pylint: disable=import-outside-toplevel
   from sinkjax.config import load_config  # pylint: disable=import-outside-toplevel
   from sinkjax.train import Trainer  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory(prefix="sinkjax-bench-trainer-") as tmp:
@@ -205,7 +207,7 @@ def measure(opts: TrainerBenchOptions, overrides: list[str] | tuple = ()) -> Non
       res = time_blocks(runners, opts.steps, opts.rounds)
     finally:
       log.close()
-    peak = compile_lib.CHIPS[chip].peak_flops * len(devices) if chip else None
+    peak = hlo.CHIPS[chip].peak_flops * len(devices) if chip else None
     mfu = lambda name: f"{model_flops / res[name] / peak:.1%}" if peak and name != "data" else "-"
     print("", *table(["row", "ms / step", "tokens/s", f"MFU (6N + attention{', ' + chip + ' peak' if chip else ''})"],
                      ([name, f"{res[name] * 1e3:.2f}", f"{B * T / res[name]:,.0f}", mfu(name)] for name in opts.rows),
@@ -220,7 +222,7 @@ def measure(opts: TrainerBenchOptions, overrides: list[str] | tuple = ()) -> Non
             f"{model_flops:.3e}); measured step {step * 1e3:.2f} ms = "
             f"{step / est['estimated_step_seconds']:.2f}x the estimate")
     elif not opts.no_estimate and est is None:
-      print(f"\nno roofline estimate: no peak figures for {devices[0].device_kind} (sinkjax.compile.CHIPS)")
+      print(f"\nno roofline estimate: no peak figures for {devices[0].device_kind} (sinkjax.hlo.CHIPS)")
     if opts.profile:
       profile(trainer, runners[opts.rows[0]], opts.steps, opts.profile)
 

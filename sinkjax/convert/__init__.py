@@ -2,7 +2,7 @@
 `nanochat` (its torch state dicts, read with weights_only=True)."""
 from __future__ import annotations
 
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 
 
 class ConvertError(UserError):

@@ -34,10 +34,10 @@ export writes those files back beside the weights.
 """
 from __future__ import annotations
 
-from sinkjax import cli
+from sinkjax import errors
 
 if __name__ == "__main__":
-  cli.require_extra("sinkjax.convert.hf")   # before the imports below, which need the train extra
+  errors.require_extra("sinkjax.convert.hf")   # before the imports below, which need the train extra
 
 import contextlib
 import dataclasses

@@ -19,10 +19,10 @@ Linear weights are transposed ([out, in] in torch, [in, out] in Flax).
 """
 from __future__ import annotations
 
-from sinkjax import cli
+from sinkjax import errors
 
 if __name__ == "__main__":
-  cli.require_extra("sinkjax.convert.nanochat")   # before the imports below, which need the train extra
+  errors.require_extra("sinkjax.convert.nanochat")   # before the imports below, which need the train extra
 
 import dataclasses
 import io

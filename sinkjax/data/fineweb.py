@@ -36,7 +36,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from sinkjax import cli, options, paths
+from sinkjax import errors, options, paths
 from sinkjax.config import key
 
 BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
@@ -117,19 +117,19 @@ def download_shard(index: int, out: str, base_url: str = BASE_URL, log=print, sl
         break
       except urllib.error.HTTPError as e:
         if e.code not in (408, 429) and e.code < 500:
-          raise cli.UserError(f"{url} answered HTTP {e.code} ({e.reason}); check --base-url and the shard "
+          raise errors.UserError(f"{url} answered HTTP {e.code} ({e.reason}); check --base-url and the shard "
                               f"range (0 .. {NUM_SHARDS - 1})") from None
         why = f"HTTP {e.code}"
       except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e) if isinstance(e, urllib.error.URLError) else e
         if isinstance(reason, socket.gaierror):        # no name resolution: retrying will not help, say so now
           host = urllib.parse.urlsplit(url).hostname
-          raise cli.UserError(f"cannot resolve {host} ({reason.strerror or reason}): this machine has no DNS for "
+          raise errors.UserError(f"cannot resolve {host} ({reason.strerror or reason}): this machine has no DNS for "
                               "it (offline, or a closed network); download on a machine with internet access, or "
                               "point --base-url at a mirror you can reach (HF_ENDPOINT / a proxy)") from None
         why = paths.describe(reason)
       if attempt == ATTEMPTS:
-        raise cli.UserError(f"{url} failed {ATTEMPTS} times (last: {why}); rerun to resume, or check the network "
+        raise errors.UserError(f"{url} failed {ATTEMPTS} times (last: {why}); rerun to resume, or check the network "
                             "(HF_ENDPOINT / a proxy) and --base-url") from None
       log(f"  {name}: attempt {attempt} failed ({why}); retrying in {2 ** attempt} s")
       sleep(2 ** attempt)
@@ -144,7 +144,7 @@ def download_shard(index: int, out: str, base_url: str = BASE_URL, log=print, sl
 def download(num_shards: int, out: str, base_url: str = BASE_URL, log=print) -> list[str]:
   """The first num_shards - 1 training shards and the validation shard (the last) into OUT; returns their paths."""
   if not 2 <= num_shards <= NUM_SHARDS:
-    raise cli.UserError(f"--shards must be in [2, {NUM_SHARDS}] (training shards + the validation shard), "
+    raise errors.UserError(f"--shards must be in [2, {NUM_SHARDS}] (training shards + the validation shard), "
                         f"got {num_shards}")
   paths.check_bucket(out, "--out")
   indices = list(range(num_shards - 1)) + [NUM_SHARDS - 1]
@@ -186,9 +186,9 @@ def main(argv=None) -> int:
 def plan_and_download(opts: FineWebOptions, overrides: list[str] | tuple = ()) -> int:
   """Prints opts.tokens_for's plan (its config with `overrides`) and / or downloads the shards into opts.out."""
   if overrides and not opts.tokens_for:
-    raise cli.UserError(f"overrides {' '.join(overrides)} need --tokens-for CONFIG")
+    raise errors.UserError(f"overrides {' '.join(overrides)} need --tokens-for CONFIG")
   if not opts.tokens_for and (opts.shards is None or not opts.out):
-    raise cli.UserError("give --tokens-for CONFIG (the shards a config needs) or --shards N --out DIR")
+    raise errors.UserError("give --tokens-for CONFIG (the shards a config needs) or --shards N --out DIR")
   num = opts.shards
   if opts.tokens_for:
     from sinkjax import config as config_lib  # pylint: disable=import-outside-toplevel

@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 
 from sinkjax import paths
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _SOURCE_HINT = "give a path or glob of .txt/.jsonl/.parquet files, 'default', or tfds:NAME"

@@ -30,7 +30,7 @@ import pickle
 import sys
 from typing import Iterable, Iterator
 
-from sinkjax import cli, options, paths
+from sinkjax import errors, options, paths
 from sinkjax.config import key
 
 # nanochat/tokenizer.py (9d4c9b7): every document begins with <|bos|>; the others render conversations.
@@ -47,7 +47,7 @@ def _tokenizers():
   try:
     import tokenizers  # pylint: disable=import-outside-toplevel
   except ImportError:
-    raise cli.UserError("the tokenizers package is not installed; pip install 'sinkjax[hf]'") from None
+    raise errors.UserError("the tokenizers package is not installed; pip install 'sinkjax[hf]'") from None
   return tokenizers
 
 
@@ -82,7 +82,7 @@ def train(documents: Iterable[str], vocab_size: int, progress: bool = False):
   tk = _tokenizers()
   merged = vocab_size - len(SPECIAL_TOKENS)
   if merged < 256:
-    raise cli.UserError(f"--vocab-size {vocab_size} is too small: the 256 bytes and {len(SPECIAL_TOKENS)} special "
+    raise errors.UserError(f"--vocab-size {vocab_size} is too small: the 256 bytes and {len(SPECIAL_TOKENS)} special "
                         f"tokens need at least {256 + len(SPECIAL_TOKENS)}")
   # byte_fallback, no unknown token, min_frequency 0: nanochat's HuggingFaceTokenizer.train_from_iterator.
   tok = _byte_level(tk.models.BPE(byte_fallback=True, unk_token=None, fuse_unk=False), SPLIT_PATTERN)
@@ -90,7 +90,7 @@ def train(documents: Iterable[str], vocab_size: int, progress: bool = False):
                                    initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
   tok.train_from_iterator(documents, trainer)
   if tok.get_vocab_size() != merged:
-    raise cli.UserError(f"the text yields only {tok.get_vocab_size()} distinct tokens, fewer than the "
+    raise errors.UserError(f"the text yields only {tok.get_vocab_size()} distinct tokens, fewer than the "
                         f"{merged} asked (--vocab-size {vocab_size} less {len(SPECIAL_TOKENS)} special tokens); "
                         "give more text (--source, --max-chars) or a smaller --vocab-size")
   tok.add_special_tokens([tk.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
@@ -125,20 +125,20 @@ def read_tiktoken(path: str) -> dict:
   if p.is_dir():
     p = p / "tokenizer.pkl"
   if not p.is_file():
-    raise cli.UserError(f"{path!r} is not a file (or a directory holding tokenizer.pkl); give nanochat's "
+    raise errors.UserError(f"{path!r} is not a file (or a directory holding tokenizer.pkl); give nanochat's "
                         "tokenizer.pkl")
   try:
     enc = _EncodingUnpickler(io.BytesIO(p.read_bytes())).load()
   except Exception as e:  # pylint: disable=broad-except  # any unreadable pickle is the user's file
-    raise cli.UserError(f"{p} is not a pickled tiktoken Encoding ({type(e).__name__}: {e}); give nanochat's "
+    raise errors.UserError(f"{p} is not a pickled tiktoken Encoding ({type(e).__name__}: {e}); give nanochat's "
                         "tokenizer.pkl") from None
   state = getattr(enc, "state", None)
   if isinstance(state, str):
-    raise cli.UserError(f"{p} names tiktoken's registered encoding {state!r} instead of holding its ranks; "
+    raise errors.UserError(f"{p} names tiktoken's registered encoding {state!r} instead of holding its ranks; "
                         "convert a pickle of a custom Encoding such as nanochat's")
   if not isinstance(enc, _TiktokenEncoding) or not isinstance(state, dict) or \
       not {"pat_str", "mergeable_ranks", "special_tokens"} <= set(state):
-    raise cli.UserError(f"{p} is not a pickled tiktoken Encoding; give nanochat's tokenizer.pkl")
+    raise errors.UserError(f"{p} is not a pickled tiktoken Encoding; give nanochat's tokenizer.pkl")
   return state
 
 
@@ -230,7 +230,7 @@ def train_and_save(opts: TokenizerTrainOptions) -> None:
     src = sources.build_source(DataConfig(source=opts.source, text_field=opts.text_field,
                                           val_fraction=opts.val_fraction), "train")
   except sources.DataError as e:   # its message names the config keys these flags set
-    raise cli.UserError(str(e).replace("data.source", "--source").replace("data.val_fraction", "--val-fraction")
+    raise errors.UserError(str(e).replace("data.source", "--source").replace("data.val_fraction", "--val-fraction")
                         .replace("data.text_field", "--text-field")) from None
   docs = (d for i in range(len(src)) for d in src[i])
   counted = {"docs": 0, "chars": 0}

@@ -1,5 +1,5 @@
-"""[Sink-MoE] App. D (head pinning) on SmolLM2-135M at the paper's budget, with per-document held-out losses; study
-files of kind pinning (heads_pinning.yaml: LoRA; heads_pinning_full.yaml: every weight) and pinning_null.
+"""[Sink-MoE] App. D (head pinning) on SmolLM2-135M at one epoch of this corpus, with per-document held-out losses;
+study files of driver pinning (heads_pinning.yaml: LoRA; heads_pinning_full.yaml: every weight) and pinning_null.
 
     python -m sinkjax.experiments.study configs/studies/heads_pinning.yaml [study.run=RUN] [study.results=DIR]
         [axes.train.seed=[0,1]] [study.allow_dirty=true] [--report-only]
@@ -7,10 +7,10 @@ files of kind pinning (heads_pinning.yaml: LoRA; heads_pinning_full.yaml: every 
 
 Resumable, in order: eq. 8's shared heads fixed up front (`shared_heads`), the pretrained model on every held-out
 document (`step0`), then per seed the arms eq. 7, eq. 8 and base (`ARMS`) for one epoch, each evaluated per document
-(`doc_eval`) at `EVAL_STEPS` and its end; the report tests every contrast over seeds (paired t) and over documents
-(bootstrap, sign-flip permutation), with Holm's correction per column. A dirty checkout is refused unless
-study.allow_dirty; an interrupted run is dropped and made again from step 0. The setup and the readings:
-docs/RESULTS.md, "App. D at the paper's budget".
+(`doc_eval`) at `EVAL_STEPS` and its end; the report tests every contrast over seeds (paired t), over documents
+(bootstrap, sign-flip permutation) and over both (`stats.crossed`), with Holm's correction per column over `FAMILY`,
+and draws the figures (`FIGURES`). A dirty checkout is refused unless study.allow_dirty; an interrupted run is dropped
+and made again from step 0. The setup and the readings: docs/RESULTS.md, "App. D at one epoch of this corpus".
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import pathlib
+import re
 import shutil
 import time
 
@@ -39,6 +40,14 @@ PLAN_ARMS = ("eq7", "eq8", "base")           # within a seed: the paper's contra
 METRICS = (("val_loss", "held-out loss (nats/token)"), ("imbalance", "head imbalance (eq. 6)"),
            ("shared_importance", "shared heads' importance"), ("routed_importance", "routed heads' importance"),
            ("routed_cv", "routed heads' CV"), ("mean_importance", "mean importance"))
+# Holm's family: no test in it is a linear function of others. eq. 8 − base is the sum of the two contrasts in it, and
+# the mean importance is (m·shared + (H − m)·routed)/H of each document: they are reported, outside the family.
+FAMILY_CONTRASTS = CONTRASTS[:2]
+FAMILY_METRICS = tuple(k for k, _ in METRICS if k != "mean_importance")
+FAMILY = ("Holm's family: the 10 tests of eq. 8 − eq. 7 and eq. 7 − base on held-out loss, imbalance, shared and "
+          "routed heads' importance and routed CV, per column; outside it (Holm —) eq. 8 − base, the sum of the "
+          "other two contrasts, and the mean importance, a fixed weighted mean of the shared and routed heads'")
+FIGURES = ("pinning_importance.png", "pinning_curve.png")
 RAW_FILES = ("record.json", "metrics.jsonl", "config.yaml")
 STUDY_FILE = runner.REPO / "configs" / "studies" / "heads_pinning.yaml"
 
@@ -234,12 +243,19 @@ def finetune(plan: runner.Plan, arm: str, seed: int, corpus: dict, steps: int, s
 
 # ---------------------------------------------------------------------------------------------- the null arm
 
+def same_program(a: str, b: str) -> bool:
+  """Two lowered programs (StableHLO text) are one program apart from their constants' values: line for line equal
+  once every `dense<...>` literal is masked. A λ = 0 step that left the aux term out lowers fewer lines."""
+  mask = lambda text: [re.sub(r"dense<[^>]*>", "dense<_>", line) for line in text.splitlines()]   # noqa: E731
+  return mask(a) == mask(b)
+
+
 def null_check(plan: runner.Plan) -> dict:
   """The null arm (configs/studies/heads_pinning_null.yaml: a tiny model, float32 on this CPU): each run of the
   file's grid (optimizer x attention x λ, the aux term traced in all) trains train.steps steps from one init (seed 0)
-  on one batch and is compared with the first run of its optimizer and attention (λ 0) over every parameter after
-  step 1 and after the last step: bit-identical or not, the largest absolute difference, the elements that differ,
-  and which parameters differ after step 1."""
+  on one batch and is compared with the first run of its optimizer and attention (λ 0): its train step's lowered
+  program (`same_program`), and every parameter after step 1 and after the last step: bit-identical or not, the
+  largest absolute difference, the elements that differ, and which parameters differ after step 1."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
@@ -259,12 +275,13 @@ def null_check(plan: runner.Plan) -> dict:
     batch = {k: v for k, v in next(it).items() if k in TRAIN_FEATURES}
     it.close()
     step = jax.jit(make_train_step(cfg, graphdef, rest, tx))
+    program = step.lower(state, batch).as_text()
     out = []
     for _ in range(cfg.train.steps):
       state, _ = step(state, batch)
       out.append({jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(
           state["params"])})
-    return out[0], out[-1]
+    return out[0], out[-1], program
 
   def compare(a, b):
     d = {k: np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)) for k in a}
@@ -277,13 +294,13 @@ def null_check(plan: runner.Plan) -> dict:
   for run in plan.runs():
     cfg = plan.config(run, "RUN_DIR")
     setup, lam, steps = (cfg.train.optimizer, cfg.model.attention), cfg.loss.aux_weight, cfg.train.steps
-    first, last = params_after(cfg)
-    ref = refs.setdefault(setup, (first, last))
+    first, last, program = params_after(cfg)
+    ref = refs.setdefault(setup, (first, last, program))
     c1, cn = compare(ref[0], first), compare(ref[1], last)
     again = any(r["aux_weight"] == lam and (r["optimizer"], r["attention"]) == setup for r in rows)
     label = f"lambda {lam:g}".replace("e-0", "e-") + (", again" if again else "")
     rows.append({"optimizer": setup[0], "attention": setup[1], "label": label, "aux_weight": lam,
-                 "after_step_1": c1, f"after_step_{steps}": cn,
+                 "same_program": same_program(ref[2], program), "after_step_1": c1, f"after_step_{steps}": cn,
                  "differ_after_step_1": sorted(k for k in first if not np.array_equal(ref[0][k], first[k]))})
     _log(f"null check {'/'.join(setup)} {label}: step 1 {c1['max_abs_diff']:.3g}, step {steps} "
          f"{cn['max_abs_diff']:.3g}")
@@ -301,7 +318,11 @@ def _doc_file(results: pathlib.Path, name: str, step: int) -> dict:
 
 
 def summarize(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
-  """Everything results.md prints, from the raw files under `results` (RESULTS/raw/NAME/ and RESULTS/*.json)."""
+  """Everything results.md and the figures show, from the raw files under `results` (RESULTS/raw/NAME/ and
+  RESULTS/*.json): per effect at the end step the t over seeds, the bootstrap and sign-flip over documents and the
+  crossed seeds x documents test (`stats.crossed`; at least 2 seeds), Holm over `FAMILY_CONTRASTS` x `FAMILY_METRICS`
+  per column; the curve (mean and per seed); the importance maps of the pretrained model and of each arm at the end
+  (mean over seeds) and eq. 8's shared heads."""
   shared = _read(results / "shared_heads.json")
   s0 = _read(results / "nll_step0.json")
   if shared is None or s0 is None:
@@ -314,15 +335,16 @@ def summarize(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
   if len(steps) > 1:
     raise StudyError(f"runs of different lengths cannot be aggregated: {steps}")
   end = steps[0] if steps else None
-  curve = {}
+  curve, maps = {}, {"pretrained": s0["importance"]}
   for arm in ARMS:
-    for st in [0] + (_eval_steps(end) if end else []):
-      ss = [s for s in seeds if (arm, s) in recs]
-      if not ss:
-        continue
+    ss = [s for s in seeds if (arm, s) in recs]
+    for st in ([0] + _eval_steps(end)) if ss else []:
       files = [s0 if st == 0 else _doc_file(results, name(arm, s), st) for s in ss]
-      curve[f"{arm}@{st}"] = {k: float(np.mean([np.mean(f[k]) for f in files])) for k, _ in METRICS}
-      curve[f"{arm}@{st}"]["seeds"] = len(ss)
+      per_seed = {k: [float(np.mean(f[k])) for f in files] for k, _ in METRICS}
+      curve[f"{arm}@{st}"] = {**{k: float(np.mean(v)) for k, v in per_seed.items()}, "seeds": len(ss),
+                              "per_seed": per_seed}
+    if ss:
+      maps[arm] = np.mean([_doc_file(results, name(arm, s), end)["importance"] for s in ss], axis=0).tolist()
   effects = []
   for treated, control in CONTRASTS:
     ss = [s for s in seeds if (treated, s) in recs and (control, s) in recs]
@@ -331,25 +353,31 @@ def summarize(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
     a = {s: _doc_file(results, name(treated, s), end) for s in ss}
     b = {s: _doc_file(results, name(control, s), end) for s in ss}
     for key, what in METRICS:
-      per_seed = [float(np.mean(a[s][key]) - np.mean(b[s][key])) for s in ss]
-      per_doc = np.mean([np.asarray(a[s][key]) - np.asarray(b[s][key]) for s in ss], axis=0)
-      docs, t = stats.bootstrap_flip(per_doc), stats.t_interval(per_seed) if len(ss) >= 2 else {}  # 1 seed: no t
+      table = np.array([np.asarray(a[s][key]) - np.asarray(b[s][key]) for s in ss])    # seeds x documents
+      per_seed = table.mean(1).tolist()
+      docs = stats.bootstrap_flip(table.mean(0))
+      t, cr = (stats.t_interval(per_seed), stats.crossed(table)) if len(ss) >= 2 else ({}, {})   # 1 seed: documents
       e = {"contrast": f"{treated}-{control}", "metric": key,
            "what": f"{ARM_TITLES[treated]} − {ARM_TITLES[control]}, {what}", "seeds": ss,
-           "mean": float(np.mean(per_seed)), "per_seed": per_seed, "documents": int(per_doc.size),
-           "doc_low": docs["low"], "doc_high": docs["high"], "p_doc": docs["p"]}
-      e.update({"t_low": t.get("low"), "t_high": t.get("high"), "t": t.get("t"), "p_t": t.get("p")})
+           "mean": float(np.mean(per_seed)), "per_seed": per_seed, "documents": int(table.shape[1]),
+           "doc_low": docs["low"], "doc_high": docs["high"], "p_doc": docs["p"],
+           "t_low": t.get("low"), "t_high": t.get("high"), "t": t.get("t"), "p_t": t.get("p"),
+           "crossed_low": cr.get("low"), "crossed_high": cr.get("high"), "crossed_df": cr.get("df"),
+           "p_crossed": cr.get("p"),
+           "in_family": (treated, control) in FAMILY_CONTRASTS and key in FAMILY_METRICS}
       effects.append(e)
-  for col in ("p_t", "p_doc"):
-    adj = stats.holm([e[col] for e in effects])
+  for col in ("p_t", "p_doc", "p_crossed"):
+    adj = stats.holm([e[col] if e["in_family"] else None for e in effects])
     for e, p in zip(effects, adj):
       e[col + "_holm"] = p
   times = [r["train_seconds"] for r in recs.values()]
+  m = ARMS["eq8"][1]
   return {"commit": commit, "dirty": dirty, "kind": kind, "steps": end, "runs": sorted(name(a, s) for a, s in recs),
           "seeds": sorted({s for _, s in recs}), "train_seconds": [min(times), max(times)] if times else None,
           "dropped_interrupted": sorted(r["name"] for r in recs.values() if r.get("dropped_interrupted")),
-          "documents": s0["documents"], "shared_heads_documents": shared["documents"], "curve": curve,
-          "effects": effects}
+          "documents": s0["documents"], "shared_heads_documents": shared["documents"], "num_shared_heads": m,
+          "shared_heads": balance.top_m_mask(shared["importance"], m).tolist(), "family": FAMILY, "curve": curve,
+          "importance": maps, "effects": effects}
 
 
 def _f(x, nd=4) -> str:
@@ -360,8 +388,15 @@ def _pf(p) -> str:
   return "—" if p is None else (f"{p:.2g}" if p >= 1e-4 else f"{p:.1e}")
 
 
+def _interval(lo, hi) -> str:
+  return "—" if lo is None else f"[{_f(lo)}, {_f(hi)}]"
+
+
 def markdown(summary: dict) -> str:
   how = "full fine-tuning (every weight)" if summary.get("kind") == "full" else "LoRA"
+  one = len(summary["seeds"]) < 2
+  seeds_note = ("One seed: document-level only (the t over seeds and the crossed test need at least 2 seeds: —)."
+                if one else f"{len(summary['seeds'])} seeds.")
   lines = [f"# [Sink-MoE] App. D at one epoch on SmolLM2-135M: head pinning, {how}", "",
            f"Commit `{summary['commit']}`, dirty: {summary['dirty']}. Runs: {', '.join(summary['runs'])} "
            f"({summary['steps']} steps each; train time {summary['train_seconds'][0]:.0f}–"
@@ -369,30 +404,43 @@ def markdown(summary: dict) -> str:
            f"documents, each scored alone (its first {DOC_TOKENS + 1} tokens). Shared heads: top-2 per layer of the "
            f"pretrained importance over {summary['shared_heads_documents']} analysis documents.", "",
            "## Effects at the end step", "",
-           "Per seed: the mean over documents; t over seeds (t_{n-1}). Per document: the difference averaged over "
-           "seeds, 95 % bootstrap interval and sign-flip permutation p. Holm across the table, per column.", "",
+           f"{seeds_note} Per seed: the mean over documents; t over seeds (t_(n-1)). Per document: the difference "
+           "averaged over seeds, 95 % bootstrap interval and sign-flip permutation p (10,000 draws each: 0.0002 is "
+           "the least p). Crossed: the seeds x documents table of differences read with the random-effects model "
+           "d = mu + seed + document + residual (two-way ANOVA; Satterthwaite's df), which carries both sources of "
+           f"variance. {summary['family']}.", "",
            *table(["effect", "mean", "95 % t-interval (seeds)", "p (t)", "Holm", "95 % bootstrap (documents)",
-                   "p (documents)", "Holm"],
-                  ([e["what"], _f(e["mean"]), "—" if e["t_low"] is None else f"[{_f(e['t_low'])}, {_f(e['t_high'])}]",
-                    _pf(e["p_t"]), _pf(e["p_t_holm"]), f"[{_f(e['doc_low'])}, {_f(e['doc_high'])}]", _pf(e["p_doc"]),
-                    _pf(e["p_doc_holm"])] for e in summary["effects"])),
+                   "p (documents)", "Holm", "95 % interval (seeds × documents)", "df", "p (crossed)", "Holm"],
+                  ([e["what"], _f(e["mean"]), _interval(e["t_low"], e["t_high"]), _pf(e["p_t"]), _pf(e["p_t_holm"]),
+                    _interval(e["doc_low"], e["doc_high"]), _pf(e["p_doc"]), _pf(e["p_doc_holm"]),
+                    _interval(e["crossed_low"], e["crossed_high"]),
+                    "—" if e["crossed_df"] is None else f"{e['crossed_df']:.1f}", _pf(e["p_crossed"]),
+                    _pf(e["p_crossed_holm"])] for e in summary["effects"])),
            "", "## The curve (mean over seeds of each run's mean over documents)", "",
            *table(["arm @ step", "seeds", *(w for _, w in METRICS)],
-                  ([k, row["seeds"], *(f"{row[m]:.4f}" for m, _ in METRICS)] for k, row in summary["curve"].items()))]
+                  ([k, row["seeds"], *(f"{row[m]:.4f}" for m, _ in METRICS)] for k, row in summary["curve"].items())),
+           "", "## Figures", "",
+           f"`{FIGURES[0]}`: per-head importance (eq. 5, mean over the held-out documents and the seeds) of the "
+           "pretrained model and of each arm at the end, and each arm's change against the pretrained model; eq. 8's "
+           f"shared heads boxed. `{FIGURES[1]}`: the curve, every seed's value and the arms' means."]
   return "\n".join(lines) + "\n"
 
 
 def report(results: pathlib.Path, seeds=SEEDS, kind: str = "lora") -> dict:
+  """results.json, results.md and the two figures (`FIGURES`, sinkjax.plots.plot_pinning) of `summarize`."""
+  from sinkjax import plots  # pylint: disable=import-outside-toplevel
   summary = summarize(results, seeds, kind)
   _write(results / "results.json", summary)
   (results / "results.md").write_text(markdown(summary))
+  plots.plot_pinning(summary, results / FIGURES[0], results / FIGURES[1], arms=ARM_TITLES,
+                     metrics=dict(METRICS))
   return summary
 
 
 # ------------------------------------------------------------------------------------------------------ driver
 
 def null_study(plan: runner.Plan, dry_run: bool, report_only: bool) -> None:
-  """A kind-pinning_null study (configs/studies/heads_pinning_null.yaml): `null_check`, written to RESULTS/null.json."""
+  """A driver-pinning_null study (configs/studies/heads_pinning_null.yaml): `null_check`, written to RESULTS/null.json."""
   path = plan.results() / "null.json"
   if dry_run or report_only:
     print(f"{path}: {'done' if path.is_file() else 'to do'} ({len(plan.runs())} runs)")
@@ -402,11 +450,11 @@ def null_study(plan: runner.Plan, dry_run: bool, report_only: bool) -> None:
 
 
 def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
-  """The pinning study file, run (`sinkjax.experiments.study`'s kind pinning): shared heads, step 0, every seed's
+  """The pinning study file, run (`sinkjax.experiments.study`'s driver pinning): shared heads, step 0, every seed's
   three arms, then the report (see the module docstring)."""
   st = plan.study
   out, results = pathlib.Path(st.out), plan.results()
-  if st.kind == "pinning_null":
+  if st.driver == "pinning_null":
     return null_study(plan, dry_run, report_only)
   if set(plan.axes) - {"train.seed"}:
     raise StudyError(f"{plan.path}: the pinning study's one axis is train.seed (its arms are heads_pinning.ARMS), "

@@ -1,6 +1,6 @@
 """[Sink-MoE] on a real pretrained model: head importance (Fig. 4 / App. C) beside a random init, and the offline
 English corpus the real-model studies share (`english_corpus`: Python's help topics and the standard library's
-docstrings, split by a hash into analysis / train / heldout); a study file of kind importance.
+docstrings, split by a hash into analysis / train / heldout); a study file of driver importance.
 
     python -m sinkjax.experiments.study configs/studies/heads_fig4.yaml [study.run=RUN] [study.out=OUT] ...
 
@@ -167,7 +167,7 @@ def analyse(run: str, corpus: dict, out: pathlib.Path, seeds=RANDOM_SEEDS) -> di
 # ------------------------------------------------------------------------------------------------------ driver
 
 def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
-  """A kind-importance study file, run (`sinkjax.experiments.study`): the corpus, analysis.json (once; a rerun reuses
+  """A driver-importance study file, run (`sinkjax.experiments.study`): the corpus, analysis.json (once; a rerun reuses
   it) and the Fig. 4 heatmap, both in study.results (default OUT/results)."""
   for axis in set(plan.axes) - {"random_init"}:
     raise StudyError(f"{plan.path}: the importance study's one axis is random_init (the random inits' seeds), "

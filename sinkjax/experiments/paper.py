@@ -1,4 +1,4 @@
-"""[Sink-MoE]'s from-scratch study with error bars (study kinds paper and dose): attention variants x lambda x seeds.
+"""[Sink-MoE]'s from-scratch study with error bars (study drivers paper and dose): attention variants x lambda x seeds.
 
     python -m sinkjax.experiments.study configs/studies/paper_cpu.yaml [key=value ...] [--dry-run] [--report-only]
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from sinkjax import balance, paths
 from sinkjax import config as config_lib
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.experiments import runner
 from sinkjax.experiments.paper_report import (LOSSES, VARIANTS, finetune_lines, finetune_summary, table1, table1_cells,
                                               table1_effects, table1_lines)
@@ -472,7 +472,7 @@ def run_study(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, rep
   machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
              "backend": jax.default_backend(), "devices": ", ".join(sorted({d.device_kind for d in jax.devices()})),
              "load_start": [round(x, 2) for x in os.getloadavg()]}
-  t_start, dose = time.perf_counter(), plan.study.kind == "dose"
+  t_start, dose = time.perf_counter(), plan.study.driver == "dose"
   reuse, why = reusable_records(plan.study.reuse, plan) if dose else ({}, {})
   if dose:
     print(f"reuse of {plan.study.reuse}: {why.get('reused')} {why.get('reason', '')}", flush=True)
@@ -505,7 +505,7 @@ def run_study(plan: runner.Plan, specs: list[RunSpec], out: pathlib.Path, *, rep
 def list_grid(plan: runner.Plan, specs: list[RunSpec]) -> None:
   """Lists the grid and each run's state; trains nothing."""
   out = pathlib.Path(plan.study.out)
-  reuse = reusable_records(plan.study.reuse, plan)[0] if plan.study.kind == "dose" else {}
+  reuse = reusable_records(plan.study.reuse, plan)[0] if plan.study.driver == "dose" else {}
   print(f"{plan.path}: scale {scale_record(plan)['name']}: {plan.study.note}")
   for i, s in enumerate(specs, 1):
     d = out / "runs" / s.name
@@ -517,7 +517,7 @@ def list_grid(plan: runner.Plan, specs: list[RunSpec]) -> None:
 
 
 def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
-  """A paper or dose study file, run (`sinkjax.experiments.study`'s kinds paper and dose): the grid trained and
+  """A paper or dose study file, run (`sinkjax.experiments.study`'s drivers paper and dose): the grid trained and
   evaluated in study.out (a gs:// / s3:// one is made locally, then uploaded), then its results."""
   specs = specs_of(plan)
   if dry_run:
@@ -535,7 +535,7 @@ def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = Fa
   except OSError as e:
     raise StudyError(f"study.out {local}: {e.strerror or e}") from None
   res = run_study(plan, specs, local, report_only=report_only, sync=mirror.sync)
-  if plan.study.kind == "paper":
+  if plan.study.driver == "paper":
     url = plan.study.out.rstrip("/")
     print(f"wrote {url}/results.json, {url}/results.md and {len(res['figures'])} figures "
           f"({len(res['runs'])} finished runs)")

@@ -19,7 +19,7 @@ import numpy as np
 import yaml
 
 from sinkjax import choices, options, paths, stats
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.config import key
 from sinkjax.experiments import runner
 from sinkjax.lm_eval_tasks import TABLE1_COLUMNS

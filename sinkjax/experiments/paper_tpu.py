@@ -1,4 +1,4 @@
-"""[Sink-MoE] Table 1's 18 runs on a TPU slice: study kind tpu (configs/studies/paper_tpu.yaml).
+"""[Sink-MoE] Table 1's 18 runs on a TPU slice: study driver tpu (configs/studies/paper_tpu.yaml).
 
     python -m sinkjax.experiments.study configs/studies/paper_tpu.yaml study.out=gs://BUCKET tpu.name=sj \
         tpu.zone=us-central1-a [axes.size=[d20]] [axes.seed=[0,1]] [tpu.spot=true] [tpu.steps=N] [--dry-run]
@@ -85,7 +85,7 @@ def train_args(run: TpuRun, bucket: Bucket, steps: int | None = None) -> list[st
 
 @dataclasses.dataclass
 class TpuOptions:
-  """The `tpu:` section of a kind-tpu study file (configs/studies/paper_tpu.yaml): the slice and the data."""
+  """The `tpu:` section of a driver-tpu study file (configs/studies/paper_tpu.yaml): the slice and the data."""
   name: str = ""                    # the TPU VM's name (required)
   zone: str = ""                    # its zone, e.g. us-central1-a (required)
   project: str = ""                 # gcloud project ("": gcloud's)
@@ -190,7 +190,7 @@ def check_data(runs: list[TpuRun], bucket: Bucket, steps: int | None) -> str:
 # ---------------------------------------------------------------------------------------------------- the driver
 
 def run_plan(plan, *, dry_run: bool = False, report_only: bool = False) -> None:
-  """A kind-tpu study file, run (`sinkjax.experiments.study`): the grid of its axes (seed, size, variant, loss; in
+  """A driver-tpu study file, run (`sinkjax.experiments.study`): the grid of its axes (seed, size, variant, loss; in
   the file's order, seed-major) launched run by run (`run_grid`), or with report_only Table 1 of its finished runs."""
   o = plan.options({"tpu": TpuOptions})["tpu"]
   grid = {"seed": None, "size": SIZES, "variant": VARIANTS, "loss": tuple(LOSSES)}

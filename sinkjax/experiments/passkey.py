@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from sinkjax import cache_policy, paths
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.config import key
 from sinkjax.data.passkey import FILLER, KEY_DIGITS, NEEDLE, QUESTION, random_key
 from sinkjax.experiments import runner
@@ -29,14 +29,14 @@ STUDY_FILE = runner.REPO / "configs" / "studies" / "passkey_tiny.yaml"
 
 @dataclasses.dataclass
 class PasskeyOptions:
-  """The `passkey:` section of a kind-passkey study file. The hybrid caches' head policy is its `cache:` section."""
+  """The `passkey:` section of a driver-passkey study file. The hybrid caches' head policy is its `cache:` section."""
   samples: int = key(8, ">=1")            # keys per length and depth
   sink_size: int = key(4, ">=0")          # sinks of streaming heads
   window: int = key(64, ">=1")            # slots of streaming heads, sinks included
   seed: int = key(0, ">=0")               # the keys drawn
 
 
-# The sections of a kind-passkey study file besides study: and axes:: its own keys and the per-head cache policy of
+# The sections of a driver-passkey study file besides study: and axes:: its own keys and the per-head cache policy of
 # `sinkjax.generate` (cache.full_heads, ...), declared once in `sinkjax.cache_policy`.
 SECTIONS = {"passkey": PasskeyOptions, "cache": cache_policy.CacheOptions}
 
@@ -167,7 +167,7 @@ def _axis(plan: runner.Plan, name: str, default: list, kind, ok) -> list:
 
 
 def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
-  """A kind-passkey study file, run (`sinkjax.experiments.study`): the probe of study.run at every length x depth of
+  """A driver-passkey study file, run (`sinkjax.experiments.study`): the probe of study.run at every length x depth of
   its axes for every cache mode (the full cache, sinks + window, and the hybrids its `cache:` policy asks for), then
   results.json (a record per mode, length and depth, with every key's outcome) and results.md in study.out."""
   sections = plan.options(SECTIONS)

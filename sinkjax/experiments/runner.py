@@ -19,7 +19,7 @@ import yaml
 from sinkjax import config as config_lib
 from sinkjax import paths
 from sinkjax import options as options_lib
-from sinkjax.cli import UserError
+from sinkjax.errors import UserError
 from sinkjax.config import key
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -217,14 +217,14 @@ class Study:
 
 # ------------------------------------------------------------------------------------------------- study files
 
-STUDY_KINDS = ("paper", "dose", "pinning", "pinning_null", "streaming", "passkey", "trigger", "importance",
+STUDY_DRIVERS = ("paper", "dose", "pinning", "pinning_null", "streaming", "passkey", "trigger", "importance",
                "tpu")
 
 
 @dataclasses.dataclass
 class StudySection:
   """The `study:` section of a study file: what the study is, where it writes, and how much it evaluates."""
-  kind: str = key("paper", choices=STUDY_KINDS)   # which driver makes each run and which report reads them
+  driver: str = key("paper", choices=STUDY_DRIVERS, formerly="kind")   # which module makes the runs and the report
   out: str = "runs/study"           # the study's directory (runs/NAME, raw/NAME, results); gs:// / s3:// for paper
   scale: str = ""                   # the scale's name, recorded (a dose study reuses main-grid runs of its scale)
   note: str = ""                    # one line on the runs' shape, for the report
@@ -286,7 +286,7 @@ def _read_study(path: pathlib.Path) -> tuple[pathlib.Path | None, dict]:
 @dataclasses.dataclass
 class Plan:
   """A loaded study file: its section, the recipe and the overrides every run gets, the axes of its grid, and the
-  sections of its kind's own keys ({name: mapping}, read by the kind with `config.apply_section`)."""
+  sections of its driver's own keys ({name: mapping}, read by the driver with `config.apply_section`)."""
   path: str
   study: StudySection
   recipe: str
@@ -296,11 +296,11 @@ class Plan:
   command: str = ""                 # the command line that ran it, for the records
 
   def options(self, classes: dict) -> dict:
-    """The kind's own sections of the file, {name: dataclass declared with `key`} -> {name: typed section}, each value
-    checked by its declaration as a command's options are (`sinkjax.options.fill`); a section the kind does not read
+    """The driver's own sections of the file, {name: dataclass declared with `key`} -> {name: typed section}, each value
+    checked by its declaration as a command's options are (`sinkjax.options.fill`); a section the driver does not read
     is an error naming it."""
     for other in sorted(set(self.sections) - set(classes)):
-      raise StudyError(f"{self.path}: unknown section {other} (kind {self.study.kind} reads study, axes and "
+      raise StudyError(f"{self.path}: unknown section {other} (driver {self.study.driver} reads study, axes and "
                        f"{', '.join(classes)})")
     given = [(f"{name}.{k}", v) for name, keys in self.sections.items() for k, v in keys.items()]
     try:

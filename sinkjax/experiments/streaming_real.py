@@ -1,5 +1,5 @@
 """[StreamingLLM] on real weights: streaming perplexity of a pretrained model under full, window-only, sinks + window
-and per-head (importance vs random) caches; a study file of kind streaming.
+and per-head (importance vs random) caches; a study file of driver streaming.
 
     python -m sinkjax.experiments.study configs/studies/streaming_real.yaml [study.run=RUN] [study.out=OUT]
         [streaming.tokens=8192] [streaming.full_heads=0.25] [streaming.scope=layer] [axes.random_map=[0,1,2]]
@@ -40,7 +40,7 @@ STUDY_FILE = runner.REPO / "configs" / "studies" / "streaming_real.yaml"
 
 @dataclasses.dataclass
 class StreamingOptions:
-  """The `streaming:` section of a kind-streaming study file."""
+  """The `streaming:` section of a driver-streaming study file."""
   tokens: int = key(8192, ">=1")          # tokens of the help topics scored (>= 2048: twice the largest window)
   full_heads: float = key(0.25, "(0,1)")  # the hybrid's fraction of KV heads kept full
   chunk: int = key(64, ">=1")             # positions scored per step
@@ -290,7 +290,7 @@ def report(out: pathlib.Path) -> dict:
 
 
 def run_plan(plan_: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
-  """A kind-streaming study file, run (`sinkjax.experiments.study`): every run not yet scored, then the report."""
+  """A driver-streaming study file, run (`sinkjax.experiments.study`): every run not yet scored, then the report."""
   opts = plan_.options({"streaming": StreamingOptions})["streaming"]
   for axis in set(plan_.axes) - {"random_map"}:
     raise StudyError(f"{plan_.path}: the streaming study's one axis is random_map (the random maps' seeds), got {axis}")

@@ -1,9 +1,9 @@
-"""The one command that runs a study file (configs/studies/*.yaml; the format and the kinds: docs/COMMANDS.md).
+"""The one command that runs a study file (configs/studies/*.yaml; the format and the drivers: docs/COMMANDS.md).
 
     python -m sinkjax.experiments.study FILE [key=value ...] [--dry-run] [--report-only]
 
 `key=value` sets a config key of every run (`train.steps=50`), a key of the study (`study.out=runs/x`) or an axis
-(`axes.train.seed=[0,1]`: a new axis is a new line of the grid's product). `study.kind` picks the module (`KINDS`)
+(`axes.train.seed=[0,1]`: a new axis is a new line of the grid's product). `study.driver` picks the module (`DRIVERS`)
 that makes the runs and writes the report; each run records the commit and config it was made with.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 import sys
 
-from sinkjax import cli, options
+from sinkjax import errors, options
 from sinkjax.config import key
 from sinkjax.experiments import runner
 
@@ -32,23 +32,23 @@ COMMAND = options.Command(
     positional="study_command.file")
 
 
-# kind -> the module whose run_plan(plan, dry_run=, report_only=) makes its runs and calls its report (imported when
-# a study of that kind runs: the kinds' modules import the runner, not this command)
-KINDS = {"paper": "sinkjax.experiments.paper", "dose": "sinkjax.experiments.paper",
+# driver -> the module whose run_plan(plan, dry_run=, report_only=) makes its runs and calls its report (imported
+# when a study of that driver runs: the drivers' modules import the runner, not this command)
+DRIVERS = {"paper": "sinkjax.experiments.paper", "dose": "sinkjax.experiments.paper",
          "pinning": "sinkjax.experiments.heads_pinning", "streaming": "sinkjax.experiments.streaming_real",
          "passkey": "sinkjax.experiments.passkey", "trigger": "sinkjax.experiments.trigger",
          "importance": "sinkjax.experiments.heads_real", "pinning_null": "sinkjax.experiments.heads_pinning",
          "tpu": "sinkjax.experiments.paper_tpu"}
-assert set(KINDS) == set(runner.STUDY_KINDS)
+assert set(DRIVERS) == set(runner.STUDY_DRIVERS)
 
 
 def run(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
-  """Runs the plan with its kind's driver."""
-  importlib.import_module(KINDS[plan.study.kind]).run_plan(plan, dry_run=dry_run, report_only=report_only)
+  """Runs the plan with its driver."""
+  importlib.import_module(DRIVERS[plan.study.driver]).run_plan(plan, dry_run=dry_run, report_only=report_only)
 
 
 def main(argv=None) -> int:
-  cli.require_extra("sinkjax.experiments.study")
+  errors.require_extra("sinkjax.experiments.study")
   argv = sys.argv[1:] if argv is None else list(argv)
   command = "python -m sinkjax.experiments.study " + " ".join(argv)
 

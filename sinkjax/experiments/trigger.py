@@ -1,5 +1,5 @@
 """Trigger-conditional averaging task of [SinkNecessary] ("Attention sinks are provably necessary in softmax
-transformers"), trained with softmax, ReLU, sink and gated attention; a study file of kind trigger.
+transformers"), trained with softmax, ReLU, sink and gated attention; a study file of driver trigger.
 
     python -m sinkjax.experiments.study configs/studies/trigger_quick.yaml [study.out=DIR] [trigger.seed=N] ...
     python -m sinkjax.experiments.study configs/studies/trigger.yaml      # + the 2x2 and 4x4 models
@@ -310,7 +310,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
 
 @dataclasses.dataclass
 class TriggerOptions:
-  """The `trigger:` section of a kind-trigger study file (configs/studies/trigger.yaml); its axes are `shape`
+  """The `trigger:` section of a driver-trigger study file (configs/studies/trigger.yaml); its axes are `shape`
   (LAYERSxHEADS) and `variant`."""
   seed: int = key(0, ">=0")                   # the study's seed: evaluation batches and every model's init and data
   max_steps: int = key(50000, ">=1")          # step cap per model
@@ -427,7 +427,7 @@ def report(o: TriggerOptions, grid, study: runner.Study, data: _Data | None = No
 
 
 def run_plan(plan: runner.Plan, *, dry_run: bool = False, report_only: bool = False) -> None:
-  """A kind-trigger study file, run (`sinkjax.experiments.study`): every model of shape x variant not yet trained
+  """A driver-trigger study file, run (`sinkjax.experiments.study`): every model of shape x variant not yet trained
   (OUT/runs/VARIANT_LxH/record.json), then the report: OUT/results.json, table.txt and the figures."""
   o = plan.options({"trigger": TriggerOptions})["trigger"]
   if o.seq_len < 3 or o.dim < 4:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src.cudnn import fused_attention_stablehlo as _fa
 
-from sinkjax.kernels import fold
+from sinkjax.kernels import fold, segments
 from sinkjax.kernels.blocks import BlockSizes
 
 MAX_SEGMENTS = 16        # packed route: runs per row cuDNN is compiled for (its stats are B * MAX_SEGMENTS x H x T)
@@ -87,28 +87,6 @@ def _mask(causal: bool, packed: bool):
 # ------------------------------------------------------------------------------------------------------ routes
 
 
-def _runs(seg, M: int):
-  """Contiguous runs of equal non-zero ids per row: (run index per token [B, T] (valid where seg != 0), number of
-  runs [B], run lengths and start positions [B, M] (runs past M dropped))."""
-  B, T = seg.shape
-  prev = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=0)
-  valid = seg != 0
-  start = valid & ((seg != prev) | (jnp.arange(T)[None, :] == 0))
-  run = jnp.cumsum(start.astype(jnp.int32), axis=1) - 1
-  n_runs = start.sum(axis=1, dtype=jnp.int32)
-  one_hot = (run[..., None] == jnp.arange(M, dtype=jnp.int32)) & valid[..., None]          # [B, T, M]
-  lengths = one_hot.sum(axis=1, dtype=jnp.int32)
-  starts = jnp.sum(jnp.where(one_hot & start[..., None], jnp.arange(T, dtype=jnp.int32)[None, :, None], 0), axis=1)
-  return run, n_runs, lengths, starts
-
-
-def _distinct_ids(seg):
-  """Number of distinct non-zero ids per row [B]."""
-  s = jnp.sort(seg, axis=1)
-  new = (s != jnp.pad(s[:, :-1], ((0, 0), (1, 0)), constant_values=0)) & (s != 0)
-  return new.sum(axis=1, dtype=jnp.int32)
-
-
 def route(q_seg, kv_seg, M: int = MAX_SEGMENTS):
   """0 (one full segment per row: plain cuDNN), 1 (packed documents, <= M runs per row, one run per id, q and kv ids
   equal: cuDNN's packed layout) or 2 (anything else: the Triton kernel), as an int32 scalar."""
@@ -116,8 +94,8 @@ def route(q_seg, kv_seg, M: int = MAX_SEGMENTS):
   plain = jnp.all(kv_seg == first) & jnp.all(q_seg == first) & jnp.all(first != 0)
   if q_seg.shape != kv_seg.shape:
     return jnp.where(plain, 0, 2).astype(jnp.int32)
-  _, n_runs, _, _ = _runs(q_seg, M)
-  packed = jnp.all(q_seg == kv_seg) & jnp.all(n_runs <= M) & jnp.all(n_runs == _distinct_ids(q_seg))
+  _, n_runs, _, _ = segments.runs(q_seg, M)
+  packed = jnp.all(q_seg == kv_seg) & jnp.all(n_runs <= M) & jnp.all(n_runs == segments.distinct_ids(q_seg))
   return jnp.where(plain, 0, jnp.where(packed, 1, 2)).astype(jnp.int32)
 
 
@@ -127,7 +105,7 @@ def _seqlens_offsets(seg, heads: int, head_dim: int, M: int):
   with 0 / the end of the buffer, as `jax._src.cudnn`'s `_fix_seqlen_offsets` does (with this side's own head
   count: jax 0.10.2 multiplies the kv offsets by the query heads)."""
   B, T = seg.shape
-  _, n_runs, lengths, starts = _runs(seg, M)
+  _, n_runs, lengths, starts = segments.runs(seg, M)
   has = jnp.arange(M)[None, :] < n_runs[:, None]
   seqlen = jnp.where(has, lengths, -1)
   offsets = jnp.where(has, starts + (jnp.arange(B, dtype=jnp.int32) * T)[:, None], -1)
@@ -145,7 +123,7 @@ def _seqlens_offsets(seg, heads: int, head_dim: int, M: int):
 def _token_slots(seg, M: int):
   """For every token: its segment's global number (segments of all rows in order) and its position in it; [B, T]
   each, valid where seg != 0."""
-  run, n_runs, _, starts = _runs(seg, M)
+  run, n_runs, _, starts = segments.runs(seg, M)
   before = jnp.cumsum(n_runs) - n_runs                                       # segments in earlier rows
   safe_run = jnp.clip(run, 0, M - 1)
   glob = before[:, None] + safe_run

@@ -28,8 +28,9 @@ from sinkjax.sharding import BATCH_AXES, HEAD_AXIS, target_platform
 
 IMPLS = ATTN_IMPLS
 _BACKEND_MODULES = {"xla": "sinkjax.kernels.xla", "pallas_tpu": "sinkjax.kernels.pallas_tpu",
-                    "pallas_gpu": "sinkjax.kernels.pallas_gpu", "cudnn": "sinkjax.kernels.cudnn"}
-_HARDWARE = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cudnn": "gpu"}
+                    "pallas_gpu": "sinkjax.kernels.pallas_gpu", "cudnn": "sinkjax.kernels.cudnn",
+                    "mosaic_gpu": "sinkjax.kernels.mosaic_gpu"}
+_HARDWARE = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cudnn": "gpu", "mosaic_gpu": "gpu"}
 # GPUs of compute capability >= 9.0 (Hopper, Blackwell) by name, for compile-only devices, which carry only a name
 _HOPPER_OR_LATER = re.compile(r"\b(G?H\d{2,3}|G?B\d{3}|RTX PRO 6000 Blackwell)\b")
 # Names of the flash kernel's inputs (q, k, v as attended: after QK-norm and RoPE) and outputs, for remat policies.
@@ -95,7 +96,7 @@ def _flash_vjp(q, k, v, q_seg, kv_seg, st: _Static):
   return _fwd(q, k, v, q_seg, kv_seg, st)[0]
 
 
-_SEGMENTED_KW = ("cudnn", "pallas_tpu")     # backends that take `segmented` (they skip the ids when False)
+_SEGMENTED_KW = ("cudnn", "pallas_tpu", "mosaic_gpu")     # backends that take `segmented` (they skip the ids when False)
 
 
 def _kw(st):
@@ -188,7 +189,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
       ids; id 0 is padding: its rows give zero output and lse = -inf, with zero (never NaN) gradients.
     scale: logit scale, default 1/sqrt(D).
     impl: "auto" | "reference" | "xla" | "pallas_tpu" | "pallas_gpu" | "cudnn" (NVIDIA, bfloat16/float16; see
-      `sinkjax.kernels.cudnn` for its segment-id routes). "auto" = `default_impl`, with cudnn falling back to
+      `sinkjax.kernels.cudnn` for its segment-id routes) | "mosaic_gpu" (tokamax's Pallas Mosaic-GPU kernels,
+      Hopper+, bfloat16/float16, needs tokamax; off a GPU its CPU-runnable form: `sinkjax.kernels.mosaic_gpu`). "auto" = `default_impl`, with cudnn falling back to
       pallas_gpu for a call cuDNN does not take.
     interpret: Pallas interpret mode; None = only when the program is not compiled for the backend's hardware.
     platform: the platform the program is compiled for ("tpu", "gpu", "cpu"); None = the active mesh's devices' (a

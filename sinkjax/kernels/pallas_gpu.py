@@ -180,7 +180,7 @@ def _row_spec(n, tiled):
 
 def _call(kernel, *, grid, in_specs, out_specs, out_shape, Dp, interpret, name, cost):
   """The pass as a pallas_call. Compiled for a GPU, the kernel's name carries its cost estimate
-  (`<name>__cost_f<flops>_t<transcendentals>_b<bytes>`, `sinkjax.compile.GPU_COST_NAME`): Pallas's Triton lowering
+  (`<name>__cost_f<flops>_t<transcendentals>_b<bytes>`, `sinkjax.hlo.GPU_COST_NAME`): Pallas's Triton lowering
   drops `cost_estimate`, and the name is what the compiled program keeps (its metadata), so `sinkjax.compile` can
   count the kernel's FLOPs and bytes."""
   if not interpret:

@@ -59,7 +59,7 @@ class AttentionKind:
   options: tuple = ()               # model.* keys only this variant reads (an error elsewhere when changed)
 
   def check(self, cfg) -> None:
-    """Refuses an `AttentionConfig` this variant cannot run (a `sinkjax.cli.ConfigError`, one line naming the
+    """Refuses an `AttentionConfig` this variant cannot run (a `sinkjax.errors.ConfigError`, one line naming the
     key). Called when the config is validated (once the kind is registered) and when a layer is built."""
 
   def parameters(self, layer, cfg, rngs) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sinkjax.cli import ConfigError
+from sinkjax.errors import ConfigError
 from sinkjax.deltanet import DeltaNetConfig, DeltaNetState, GatedDeltaNet
 from sinkjax.kinds import MixerKind, register
 

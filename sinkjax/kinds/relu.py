@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from sinkjax import attention as variants
-from sinkjax.cli import ConfigError
+from sinkjax.errors import ConfigError
 from sinkjax.kinds import AttentionKind, register
 
 

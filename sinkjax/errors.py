@@ -1,4 +1,6 @@
-"""What every command line shares: the user-error type, the argument parser, the main wrapper, one-line warnings.
+"""The errors a user can fix and how every command reports them: the `UserError` types, the main wrapper
+(`run_main`), argparse with one-line errors (`Parser`), the missing-extra check, one-line warnings. The command line
+itself (flags, option sections) is `sinkjax.options`.
 
 A problem the user can fix (a bad value, a missing file, an unreachable bucket) is a `UserError` (or a subclass:
 `ConfigError`, `DataError`, `CheckpointError`, ...), raised where it is found with a message that says what to change.
