@@ -225,8 +225,8 @@ def test_a_bad_layer_argument_is_refused_in_the_layers_words():
   """A standalone layer's errors name its keywords (`Attention(attention=...)`), not the trainer's model.* keys, in one
   line; the trainer's config keeps its own spelling."""
   from sinkjax.config import ConfigError, ModelConfig
-  cases = {(("attention", "nope"),): r"Attention\(attention=\.\.\.\) must be one of vanilla\|sink\|gated\|relu, "
-                                     r"got 'nope'",
+  cases = {(("attention", "nope"),): r"Attention\(attention=\.\.\.\) must be one of vanilla\|sink\|gated\|relu"
+                                     r"(\|\w+)*, got 'nope'",          # (and kinds registered since: test_kinds)
            (("attn_impl", "fast"),): r"Attention\(attn_impl=\.\.\.\) must be one of auto\|reference\|xla",
            (("dtype", "float33"),): r"Attention\(dtype=\.\.\.\) must be one of float32\|bfloat16\|float16",
            (("num_kv_heads", 3),): r"Attention\(num_heads=4\) must be a multiple of num_kv_heads=3",
