@@ -118,8 +118,12 @@ _take_segment_first.defvjp(_take_segment_first_fwd, _take_segment_first_bwd)
 
 
 def vanilla_attention(q, k, v, *, segment_ids=None, scale=None, impl="auto", prefix=None, **kernel_kwargs):
-  """Causal softmax attention; gate G_t = 1 - A_{t,first} (eq. 4), first = first key of t's document (segment).
+  """Causal softmax attention and its implicit gate ([Sink-MoE] eq. 4): G_t = 1 - A_{t,first}, the attention weight
+  a query does NOT put on the first key it sees (its document's first token: the "sink").
 
+  q [B,T,Hq,D], k/v [B,S,Hkv,D] (GQA: Hq % Hkv == 0); segment_ids int [B,T] (tokens attend within equal ids, 0 =
+  padding) or None; scale None = 1/sqrt(D); impl: the `flash_attention` backend; kernel_kwargs (window=,
+  block_q=, ...) go to the kernel. Returns (out [B,T,Hq,D] in q.dtype, G [B,T,Hq] float32).
   Rows of one segment (segment_ids all equal, e.g. data.packing=stream, or None) make it the row's first token.
 
   Stable form (SPEC): G = -expm1(z_first - LSE), exact as A_first -> 1, no attention weights needed.
@@ -161,9 +165,12 @@ def vanilla_attention(q, k, v, *, segment_ids=None, scale=None, impl="auto", pre
 
 
 def sink_attention(q, k, v, sink, *, segment_ids=None, scale=None, impl="auto", prefix=None, **kernel_kwargs):
-  """GPT-OSS sink attention: a learnable logit `sink` [Hq] joins each softmax denominator with zero value.
+  """GPT-OSS sink attention ([Sink-MoE] eq. 1): a learnable logit `sink` [Hq] joins each softmax denominator with
+  zero value, A_tj = exp(z_tj) / (sum_j' exp(z_tj') + exp(sink)); causal.
 
-  out = flash_out * sigma(LSE - sink), gate = sigma(LSE - sink) (eq. 23): identical in value and gradient to
+  Shapes and arguments as `vanilla_attention`'s; returns (out [B,T,Hq,D], G [B,T,Hq] float32).
+  out = flash_out * sigma(LSE - sink), gate = sigma(LSE - sink) = 1 - A_{t,sink} (eq. 4 in its LSE form, eq. 23;
+  the factorization of eq. 3): identical in value and gradient to
   appending a sink column to the logits, taking the softmax and dropping the column. With sink tokens (`prefix`)
   LSE covers them too (they are ordinary keys, unlike the value-less sink logit).
   """
@@ -216,10 +223,13 @@ def apply_gate(y, gate_logits, activation: str = "sigmoid"):
 
 def gated_attention(q, k, v, gate_logits, *, activation="sigmoid", segment_ids=None, scale=None, impl="auto",
                     prefix=None, **kernel_kwargs):
-  """Qwen-style gated attention ([GatedAttn] G1, after SDPA): out = sdpa_out * sigmoid(gate_logits) (`apply_gate`).
+  """Qwen-style gated attention ([GatedAttn] G1, after SDPA), causal: out = sdpa_out * sigmoid(gate_logits)
+  (`apply_gate`), with the explicit gate G_t = sigmoid(x_t W_theta) of [Sink-MoE] eq. 2 (the caller computes the
+  logits z = x W_theta (+ b) from the layer's input; `sinkjax.layers.Attention` does).
 
-  gate_logits: [B,T,Hq] (headwise, [Sink-MoE] eq. 2) or [B,T,Hq,D] (elementwise, Qwen3-Next); Hq may be 1
-  (head-shared). `activation`: see `apply_gate`. Returns (out, G [B,T,Hq] or [B,T,Hq,D]). `prefix`: sink tokens.
+  q, k, v, segment_ids, scale, impl: as `vanilla_attention`'s. gate_logits: [B,T,Hq] (headwise, eq. 2: one gate per
+  head and token) or [B,T,Hq,D] (elementwise, Qwen3-Next); Hq may be 1 (head-shared). `activation`: see
+  `apply_gate`. Returns (out [B,T,Hq,D], G [B,T,Hq] or [B,T,Hq,D] float32). `prefix`: sink tokens.
   """
   out, _, _ = _flash(q, k, v, segment_ids, scale, impl, prefix, kernel_kwargs)
   return apply_gate(out, gate_logits, activation)

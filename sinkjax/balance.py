@@ -7,10 +7,12 @@ import numpy as np
 
 
 def head_importance(gate, mask=None):
-  """Imp[h] = mean of the gate over the valid tokens of the batch (eq. 5).
+  """Head importance, [Sink-MoE] eq. 5: Imp^h = (1/|T|) sum_{(i,t) in T} G_{i,t}^h, the mean gate of head h over the
+  valid tokens T of the batch. One layer's; stack the layers' into imp_lh [L, H] (`pop_head_importance` does).
 
-  gate: [B,T,H] or [B,T,H,D] (an elementwise gate is averaged over the head dimension first).
-  mask: [B,T] bool of valid tokens (padding and, for vanilla attention, document-first tokens excluded).
+  gate: [B,T,H] or [B,T,H,D] (an elementwise gate is averaged over the head dimension first), as the attention
+  variants return it. mask: [B,T] bool of valid tokens (padding and, for vanilla attention, document-first tokens
+  excluded, their gate being 0 by construction); None = every token. Returns [H] float32.
   """
   gate = gate.astype(jnp.float32)
   if gate.ndim == 4:
@@ -32,7 +34,8 @@ def _cv_squared(x, weights=None):
 
 
 def head_imbalance(imp_lh):
-  """Mean over layers of CV(Imp[l, :]) = std/mean across heads, population std (eq. 6)."""
+  """Head imbalance, [Sink-MoE] eq. 6: (1/N_L) sum_l CV({Imp^{l,h}}_h), CV = std / mean across the heads of a layer
+  (population std). imp_lh: [L, H]. Returns a float32 scalar: 0 = every head of every layer equally used."""
   return jnp.sqrt(_cv_squared(jnp.asarray(imp_lh, jnp.float32))).mean()
 
 
@@ -66,11 +69,14 @@ def head_roles(imp_lh, shared_from, m: int) -> dict:
 
 
 def aux_loss(imp_lh, weight: float = 1e-4, num_shared: int = 0, shared=None):
-  """Sink-aware load-balancing loss.
+  """The sink-aware load-balancing loss of [Sink-MoE] §4, added to the LM loss: a float32 scalar.
 
-  num_shared == 0: eq. 7, weight * sum_l N_h * CV(Imp[l,:])^2.
+  num_shared == 0: eq. 7, L_aux = lambda sum_l N_h CV({Imp^{l,h}}_h)^2, lambda = `weight` (the paper: 1e-4 from
+  scratch), N_h the heads per layer.
   num_shared == m > 0: eq. 8, the top-m heads per layer are "shared" (chosen without gradient, or given as
-  `shared`, an [L,H] bool mask fixed up front) and weight * sum_l (N_h - m) * CV(routed)^2 balances the rest.
+  `shared`, an [L,H] bool mask fixed up front) and L_aux = lambda sum_l (N_h - m) CV(routed)^2 balances the rest
+  (the paper: lambda = 1e-2 when fine-tuning). imp_lh: [L, H] importances (eq. 5; `pop_head_importance`); its
+  gradient reaches the gates, through the attention kernel's LSE for vanilla and sink attention.
   """
   imp = jnp.asarray(imp_lh, jnp.float32)
   L, H = imp.shape

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import re
 import typing
 from typing import Any
 
@@ -232,6 +234,13 @@ class RopeScaling:
       return self.attention_factor
     return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
+  def model_keys(self) -> dict:
+    """These settings as the model.rope_* keys they come from (`AttentionConfig.rope` reads them back)."""
+    return {"rope_scaling": self.kind, "rope_factor": self.factor, "rope_low_freq_factor": self.low_freq_factor,
+            "rope_high_freq_factor": self.high_freq_factor, "rope_original_max_seq_len": self.original_max_seq_len,
+            "rope_beta_fast": self.beta_fast, "rope_beta_slow": self.beta_slow, "rope_truncate": self.truncate,
+            "rope_attention_factor": self.attention_factor}
+
 
 # The model.* keys an `AttentionConfig` reads besides `AttentionSection`'s: shapes, dtypes, biases, kernel, RoPE scaling.
 _LAYER_KEYS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "dtype", "param_dtype", "attn_bias", "attn_impl",
@@ -241,6 +250,23 @@ _LAYER_KEYS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "dtype", "par
 _RENAMED = {"use_bias": "attn_bias", "impl": "attn_impl"}     # the layer keywords before the view
 
 
+@functools.cache
+def _model_hints() -> dict:
+  return typing.get_type_hints(ModelConfig)
+
+
+def keyword_spelling(message: str, caller: str = "Attention") -> str:
+  """A config error about model.* keys in the words of a constructor that takes them as keywords: the key it is
+  about as `caller(name=...)` (`caller(name=value)` where the message gives the value in parentheses), the others
+  it names as `name` / `name=value`. "model.attention must be one of ..." -> "Attention(attention=...) must be one
+  of ..."; "... set model.attention=gated ..." -> "... set attention=gated ..."."""
+  message = message.removeprefix("config key ")
+  message = re.sub(r"^model\.(\w+) \(([^)]*)\)", rf"{caller}(\1=\2)", message)
+  message = re.sub(r"^model\.(\w+)", rf"{caller}(\1=...)", message)
+  message = re.sub(r"model\.(\w+) \(([^)]*)\)", r"\1=\2", message)
+  return re.sub(r"model\.(\w+)", r"\1", message)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """What one `sinkjax.layers.Attention` is built from: a view of the model config (`ModelConfig.attention_config`),
@@ -248,7 +274,8 @@ class AttentionConfig:
   (`AttentionSection`) and `_LAYER_KEYS` under their model.* names and adds what is the layer's own: whether it is a
   "full" layer of model.layer_types (no sliding window), whether o_proj starts at zero, the model.rope_* keys as one
   `RopeScaling` (`rope`), the head dims RoPE rotates. Standalone users pass the same model.* keys as keywords
-  (`AttentionConfig.of`, `Attention(d_model, num_heads, ...)`). Hashed by value (layers keep it as static graph
+  (`AttentionConfig.of`; `Attention(d_model, num_heads, ...)`, whose arguments are these attributes' names, the
+  rope_* keys as one `rope=`). Hashed by value (layers keep it as static graph
   metadata); layers of one kind get equal views, so blocks stack for the layer scan."""
   model: ModelConfig
   full: bool = False                # a "full" layer of model.layer_types: model.sliding_window does not apply
@@ -266,17 +293,25 @@ class AttentionConfig:
 
   @classmethod
   def of(cls, d_model: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None, *,
-         zero_init_output: bool = True, **keys) -> AttentionConfig:
+         zero_init_output: bool = True, caller: str = "Attention", **keys) -> AttentionConfig:
     """A standalone layer's view: model.* attention keys as keywords (`KEYS`; num_kv_heads None = num_heads,
-    head_dim None = d_model // num_heads, dtype float32 unless given); one line naming a key it does not read."""
+    head_dim None = d_model // num_heads, dtype float32 unless given), each checked as the config checks it (type,
+    choices, range). Errors are one line in the keywords' words, `caller(name=...)` (`keyword_spelling`), not the
+    config's model.name; a key it does not read is a TypeError naming the ones it does."""
     for name in keys:
       if name in _RENAMED:
         raise TypeError(f"the attention keyword {name}= is spelled {_RENAMED[name]}= (the model.{_RENAMED[name]} key)")
       if name not in cls.KEYS:
         raise TypeError(f"an attention layer takes the model.* keys {', '.join(sorted(cls.KEYS))}; got {name}=")
-    model = ModelConfig(**{"dtype": "float32", **keys, "d_model": d_model, "num_heads": num_heads,
-                           "num_kv_heads": num_kv_heads or num_heads, "head_dim": head_dim or d_model // num_heads})
-    return cls(model, zero_init_output=zero_init_output)
+    given = {"dtype": "float32", **keys, "d_model": d_model, "num_heads": num_heads,
+             "num_kv_heads": num_kv_heads or num_heads, "head_dim": head_dim}
+    try:
+      hints = _model_hints()
+      given = {name: _coerce(f"model.{name}", value, hints[name]) for name, value in given.items() if value is not None}
+      given["head_dim"] = _coerce("model.head_dim", given.get("head_dim", given["d_model"] // given["num_heads"]), int)
+      return cls(ModelConfig(**given), zero_init_output=zero_init_output)
+    except ConfigError as e:
+      raise ConfigError(keyword_spelling(str(e), caller)) from None
 
   @property
   def sliding_window(self) -> int:

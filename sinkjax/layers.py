@@ -2,8 +2,9 @@
 
 `Attention` is the drop-in layer: q/k/v/o projections, GQA, RoPE, optional QK-norm, and one of the attention
 variants of `sinkjax.attention`, the registered kind `model.attention` names (`sinkjax.kinds`: this module imports the
-built-in ones, vanilla, sink, gated and relu, so they register; nothing switches on a kind's name), built from an
-`AttentionConfig` (a view of the model config, checked once) or from the same model.* keys as keywords. Every call
+built-in ones, vanilla, sink, gated and relu, so they register; nothing switches on a kind's name), built from its
+named keywords (the model.* keys of the same names) or, as the model builds it, from an `AttentionConfig` (a view of
+the model config, checked once: `Attention.from_config`). Every call
 records the per-head importance of its gate (eq. 5) with `nnx.sow` under the name `head_importance`, so a host
 model collects them after its forward pass with `pop_head_importance(model)` -> [L, H] and adds
 `sinkjax.balance.aux_loss`. Linen users get the same layer from `linen_attention(...)` (via `nnx.bridge`), whose
@@ -31,6 +32,7 @@ for every head, so its importance CV is 0 and the aux loss has nothing to balanc
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import jax
@@ -54,8 +56,21 @@ from sinkjax.sharding import logical, per_batch_shard, target_platform
 
 
 
+def named_signature(cls):
+  """Class decorator: `inspect.signature(cls)` (and so `help`, IDEs) shows `cls.__init__`'s arguments. An
+  nnx.Module's metaclass defines `__call__(*args, **kwargs)`, which `inspect` would report instead."""
+  init = inspect.signature(cls.__init__)
+  cls.__signature__ = init.replace(parameters=list(init.parameters.values())[1:])
+  return cls
+
+
+@named_signature
 class RMSNorm(nnx.Module):
-  """RMSNorm over the last axis; parameter-free by default (the paper's baseline), with an optional scale."""
+  """RMSNorm over the last axis: y = x / sqrt(mean(x^2) + eps) (* scale), computed in float32, returned in x's dtype.
+
+  dim: the normalized (last) axis' size. eps: added to the mean square. use_scale: a learnable scale [dim] (init
+  1; Hugging Face's Llama / Qwen); off = parameter-free, the paper's baseline. param_dtype: the scale's dtype.
+  """
 
   def __init__(self, dim: int, *, eps: float = 1e-6, use_scale: bool = False, param_dtype=jnp.float32):
     self.eps = eps
@@ -145,23 +160,81 @@ def default_positions(segment_ids, B: int, T: int):
   return jnp.arange(T, dtype=jnp.int32)[None, :] - first
 
 
+@named_signature
 class Attention(nnx.Module):
-  """Causal multi-head attention with a per-head gate: vanilla, sink (GPT-OSS), gated (Qwen, G1) or ReLU; GQA, RoPE,
-  optional QK-norm, sliding windows and learnable sink tokens.
+  """Causal multi-head self-attention with a per-head gate G, as one Flax NNX layer: x [B,T,d_model] -> y [B,T,d_model].
 
-  `Attention(cfg)` from an `AttentionConfig` (a model's: `ModelConfig.attention_config(layer)`), or standalone
-  `Attention(d_model, num_heads, num_kv_heads=None, head_dim=None, attention="sink", ..., rngs=rngs)` with the
-  model.* keys it reads as keywords (`AttentionConfig.of`: attn_bias, attn_impl, gate, sink_tokens, ...).
+  y = o_proj(attention(RoPE(q_norm(x W_q)), RoPE(k_norm(x W_k)), x W_v)) with the variant `attention` names:
+  "vanilla" (softmax; implicit gate G = 1 - A[t, first key], [Sink-MoE] eq. 4), "sink" (GPT-OSS: a learned logit per
+  head joins the softmax with a zero value; G = sigmoid(LSE - sink), eq. 23), "gated" (Qwen, [GatedAttn] G1:
+  out = SDPA * sigmoid(x W_g + b); G = the sigmoid, eq. 2) or "relu" ([SinkNecessary]'s ReLU attention). Every call
+  records G averaged over the valid tokens, the head importance Imp [H] of eq. 5, with `nnx.sow` under
+  `head_importance`: after your model's forward pass `pop_head_importance(model)` -> [L, H], the input of
+  `sinkjax.balance.aux_loss` (eq. 7 / 8).
+
+  What a call does (`__call__(x, *, segment_ids=None, positions=None, ...)`):
+  - Always causal: query t sees keys 0..t only (and only those of its own segment when `segment_ids` [B,T] int are
+    given: packed documents, id 0 = padding, whose rows output 0). There is no non-causal mode.
+  - Applies RoPE itself, at `positions` [B,T] int: by default each token's position within its segment (0 at a
+    segment's first token), or 0..T-1 without segment_ids. Pass `positions=` for anything else (e.g. a row cut from
+    the middle of a document). Do not rotate q/k yourself.
+  - Attention runs in the flash kernel `sinkjax.kernels.flash_attention` (no T x T weights are materialized); the
+    gate's gradient flows through the kernel's log-sum-exp.
+
+  Arguments (the same names as the model.* config keys, docs/TRAINING.md; `from_config` builds one from a model's):
+    d_model, num_heads: the width of x and the number of query heads Hq.
+    num_kv_heads: key/value heads (GQA; a divisor of num_heads); None = num_heads.
+    head_dim: per-head width D; None = d_model // num_heads.
+    attention: "vanilla" | "sink" | "gated" | "relu" (above).
+    attn_impl: the kernel backend: "auto" (pallas_tpu on TPU, pallas_gpu or cudnn on NVIDIA GPUs, xla elsewhere) |
+      "reference" (materialized, the oracle) | "xla" (blockwise, O(T x block) memory) | "pallas_tpu" |
+      "pallas_gpu" | "cudnn" (docs/KERNEL.md).
+    gate: gated attention's gate shape: "headwise" (one score per head and token, [Sink-MoE] eq. 2; the default) |
+      "elementwise" (one per head dimension, Qwen3-Next; importance averages it over the dimension).
+    gate_position, gate_shared, gate_activation, gate_input, gate_bias: [GatedAttn]'s ablations, gated attention
+      only (this module's docstring, "Gating ablations"): "sdpa" (G1) | "value" (G2); one gate shared by all heads;
+      "sigmoid" | "ns_sigmoid" | "silu" | "silu_additive"; "dependent" (z = x W + b) | "independent" (a learned
+      logit); whether z = x W has the bias b.
+    gate_bias_init: initial b of the gate (gated attention): 0 starts every gate at sigmoid(0) = 0.5.
+    sink_init: initial sink logit of every head (sink attention).
+    sink_tokens: n > 0 prepends n learnable sink tokens ([StreamingLLM]) to the keys of every query (any variant but
+      relu); the sequence's RoPE positions then start at n.
+    qk_norm: RMSNorm on each head's q and k (before RoPE; after it with rope_style "nanochat").
+    norm_scale, norm_eps: the QK-norms' learnable scale (off: parameter-free, the paper's) and epsilon.
+    rope_theta: RoPE's base. rope_style: "llama" (Hugging Face's rotation) | "nanochat" (the opposite sign, bfloat16
+      tables, QK-norm after RoPE). rope_partial: the fraction of head dims rotated (the first ones).
+    rope: a `RopeScaling` (llama3 / yarn long-context frequencies); None = plain RoPE.
+    sliding_window: > 0: each query sees only its last sliding_window keys (itself included); 0 = all.
+    attn_bias, attn_out_bias: biases on q/k/v/o_proj (attn_out_bias: o_proj's too when attn_bias).
+    init: "default" | "nanochat" (q/k/v weights uniform with std 1/sqrt(d_model)).
+    zero_init_output: o_proj starts at zero (nanochat's init: a residual block starts as the identity).
+    dtype, param_dtype: compute and parameter dtypes ("float32" | "bfloat16" | "float16", or a jnp dtype).
+    rngs: `nnx.Rngs` for the initial weights.
+  A bad value is a one-line `sinkjax.config.ConfigError` in these words ("Attention(attention=...) must be one of
+  vanilla|sink|gated|relu, got 'x'"); an unknown keyword a TypeError.
+
   Parameters: q/k/v/o_proj, q_norm/k_norm (qk_norm), `sink` [Hq] (sink attention), `gate_proj` or `gate_logit`
-  (gated attention, see `Gate`) and `sink_states` [n, d_model]: n sink tokens ([StreamingLLM]) projected by this
-  layer's k_proj/v_proj (and k_norm), prepended to the keys/values at RoPE positions 0..n-1 while the sequence moves
-  to n, n+1, ...; every query sees them (all packed segments, all cache slots) and a streaming KV cache never evicts
-  them. Decoding with a KV cache is `sinkjax.cache.decode`.
+  (gated attention, see `Gate`) and `sink_states` [n, d_model]: n sink tokens projected by this layer's k_proj/v_proj
+  (and k_norm), prepended to the keys/values at RoPE positions 0..n-1 while the sequence moves to n, n+1, ...; every
+  query sees them (all packed segments, all cache slots) and a streaming KV cache never evicts them. Decoding with a
+  KV cache is `sinkjax.cache.decode`. Linen: `linen_attention(...)` takes the same arguments.
   """
 
-  def __init__(self, cfg: AttentionConfig | int, *args, rngs: nnx.Rngs, **options):
-    if not isinstance(cfg, AttentionConfig):                # the keyword constructor
-      cfg = AttentionConfig.of(cfg, *args, **options)
+  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None, *,
+               attention: str = "vanilla", attn_impl: str = "auto",
+               gate: str = "headwise", gate_position: str = "sdpa", gate_shared: bool = False,
+               gate_activation: str = "sigmoid", gate_input: str = "dependent", gate_bias: bool = True,
+               gate_bias_init: float = 0.0, sink_init: float = 0.0, sink_tokens: int = 0,
+               qk_norm: bool = True, norm_scale: bool = False, norm_eps: float = 1e-6,
+               rope_theta: float = 10000.0, rope_style: str = "llama", rope_partial: float = 1.0,
+               rope: RopeScaling | None = None, sliding_window: int = 0,
+               attn_bias: bool = False, attn_out_bias: bool = True, init: str = "default",
+               zero_init_output: bool = True, dtype: str | jnp.dtype = "float32",
+               param_dtype: str | jnp.dtype = "float32", rngs: nnx.Rngs):
+    keys = {name: value for name, value in locals().items() if name in AttentionConfig.KEYS}   # the model.* keys
+    for name in ("dtype", "param_dtype"):
+      keys[name] = keys[name] if isinstance(keys[name], str) else jnp.dtype(keys[name]).name
+    cfg = AttentionConfig.of(**keys, **(rope or RopeScaling()).model_keys(), zero_init_output=zero_init_output)
     d, H, Hkv, D = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.cfg, self.attention, self.num_sink_tokens = cfg, cfg.attention, cfg.sink_tokens
     self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
@@ -184,6 +257,12 @@ class Attention(nnx.Module):
         setattr(self, name, None)
     self.sink_states = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.sink_tokens, d), pdt),
                                  **logical(None, "embed")) if cfg.sink_tokens else None
+
+  @classmethod
+  def from_config(cls, cfg: AttentionConfig, *, rngs: nnx.Rngs) -> Attention:
+    """The layer an `AttentionConfig` describes (a model's: `ModelConfig.attention_config(layer)`, which is how
+    `sinkjax.model` builds its layers): the keywords above read from it under the same names."""
+    return cls(**{name: getattr(cfg, name) for name in _config_keywords()}, rngs=rngs)
 
   @property
   def kind(self) -> kinds.AttentionKind:
@@ -306,6 +385,12 @@ class Attention(nnx.Module):
     return y
 
 
+@functools.cache
+def _config_keywords() -> tuple:
+  """`Attention`'s arguments but rngs: every one an `AttentionConfig` attribute of the same name."""
+  return tuple(name for name in inspect.signature(Attention).parameters if name != "rngs")
+
+
 def zero_first_values(layer: Attention, k, v, segment_ids, heads):
   """(k, v) repeated to the Hq query heads (so one head of a GQA group can be zeroed alone; repeating K/V does not
   change attention) with v zeroed at every document's first token in the query heads where `heads` [Hq]."""
@@ -363,7 +448,10 @@ def hf_attention_tensors(cfg: AttentionConfig) -> dict | None:
 
 def pop_head_importance(model: nnx.Module):
   """Removes the importances recorded by every `Attention` layer of `model` during its last forward pass and
-  returns them stacked in layer order, [L, H] (the input of `head_imbalance` / `aux_loss`)."""
+  returns them stacked in layer order, [L, H]: row l is layer l's Imp^{l,h} of [Sink-MoE] eq. 5 (its gate G averaged
+  over the call's valid tokens, `sinkjax.balance.head_importance`), the input of `head_imbalance` (eq. 6) and
+  `aux_loss` (eq. 7 / 8). Call it inside the traced loss function, after the forward pass, so the loss's gradient
+  flows into the gates; a ValueError when no layer recorded one (the model was not called since the last pop)."""
   imps = []
   for _, node in nnx.iter_graph(model):
     if isinstance(node, Attention) and hasattr(node, "head_importance"):
@@ -418,8 +506,17 @@ def mlp_activation(kind: str, gate, up, *, limit: float = 7.0, alpha: float = 1.
   raise ValueError(f"MLP kind must be one of {MLP_KINDS}, got {kind!r}")
 
 
+@named_signature
 class MLP(nnx.Module):
-  """ReLU^2 MLP (nanochat baseline), SwiGLU (Llama/Qwen) or clamped SwiGLU (GPT-OSS); biases optional."""
+  """x [..., d_model] -> down_proj(act(x)) [..., d_model]: ReLU^2 (nanochat, the paper's baseline), SwiGLU
+  (Llama/Qwen) or clamped SwiGLU (GPT-OSS); `mlp_activation` says each.
+
+  d_model, hidden: the input / output width and the hidden width (the paper: 4 x d_model).
+  kind: "relu2" (up_proj only) | "swiglu" | "clamped_swiglu" (gate_proj and up_proj). use_bias: biases on every
+  projection. limit, alpha: clamped_swiglu's clamp and sigmoid slope. dtype, param_dtype: compute / parameter dtypes.
+  zero_init_output: down_proj starts at zero (a residual block starts as the identity). init: "default" |
+  "nanochat" (the input matrices uniform with std 1/sqrt(d_model)). rngs: `nnx.Rngs`.
+  """
 
   def __init__(self, d_model: int, hidden: int, *, kind: str = "relu2", use_bias: bool = False,
                limit: float = 7.0, alpha: float = 1.702, dtype=jnp.float32, param_dtype=jnp.float32,
@@ -439,6 +536,7 @@ class MLP(nnx.Module):
     return self.down_proj(mlp_activation(self.kind, gate, self.up_proj(x), limit=self.limit, alpha=self.alpha))
 
 
+@named_signature
 class MoE(nnx.Module):
   """Top-k routed mixture of MLP experts: router logits -> top-k experts -> their outputs, weighted (`router`):
   topk_softmax (GPT-OSS) softmax over the k best logits of a router with a bias; softmax_topk (Qwen3-MoE,
@@ -447,6 +545,11 @@ class MoE(nnx.Module):
 
   Expert weights are stacked [E, ...]; tokens are sorted by expert and run through `jax.lax.ragged_dot`, so the
   compute is that of the k chosen experts per token (not all E).
+
+  d_model, hidden: widths; num_experts (E), top_k (k). kind, use_bias, limit, alpha, dtype, param_dtype,
+  zero_init_output: as `MLP`'s, for every expert (a gated kind: swiglu | clamped_swiglu). router: as above.
+  shared_hidden: > 0 adds a shared SwiGLU expert of that width every token takes, scaled by sigmoid(x w)
+  (Qwen3-Next). rngs: `nnx.Rngs`.
   """
 
   def __init__(self, d_model: int, hidden: int, num_experts: int, top_k: int, *, kind: str = "clamped_swiglu",

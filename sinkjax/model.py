@@ -17,7 +17,7 @@ from sinkjax import choices, kinds
 from sinkjax.config import ModelConfig
 from sinkjax.kinds import attention_layer, linear  # noqa: F401  (the built-in mixers its layers are built from register)
 from sinkjax.kernels import dense
-from sinkjax.layers import MLP, Attention, MoE, RMSNorm, default_positions, pop_head_importance
+from sinkjax.layers import MLP, Attention, MoE, RMSNorm, default_positions, named_signature, pop_head_importance
 from sinkjax.sharding import logical, target_platform
 
 # model.remat_policy: what a rematerialized layer keeps from its forward pass for the backward (everything else is
@@ -67,6 +67,7 @@ def _remat_policy(name: str):
 REMAT_POLICIES = {name: functools.partial(_remat_policy, name) for name in choices.REMAT_POLICIES}
 
 
+@named_signature
 class Block(nnx.Module):
   """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)). The attention is built from the config's
   attention section for layer `layer` (its sliding window follows model.layer_types)."""
@@ -100,8 +101,17 @@ def padded_vocab(cfg: ModelConfig) -> int:
   return -(-cfg.vocab_size // cfg.vocab_pad_to) * cfg.vocab_pad_to
 
 
+@named_signature
 class Transformer(nnx.Module):
-  """tokens [B,T] -> logits [B,T,V] (float32, soft-capped). Records per-layer head importance (see layers).
+  """The decoder LM: tokens [B,T] int -> logits [B,T,vocab_size] (float32, soft-capped), causal.
+
+  `Transformer(cfg, rngs=nnx.Rngs(0))` with `cfg` a `sinkjax.config.ModelConfig`: its keys are the model.* keys of a
+  training config (docs/TRAINING.md), e.g. `ModelConfig(attention="gated", num_layers=2, d_model=64, num_heads=4,
+  num_kv_heads=4, head_dim=16, vocab_size=257, dtype="float32")`; model.vocab_size must be set. Each layer is built
+  from it (`kinds.mixer_of`: an `Attention.from_config` for "full" / "sliding" layers), and records its head
+  importance: `forward_with_importance(model, tokens)` -> (logits, [L, H]), or `pop_head_importance(model)` after a
+  call. `__call__(tokens, *, segment_ids=None, positions=None)`: packed documents and RoPE positions as `Attention`
+  takes them. A trained one comes back from `sinkjax.run.load_run`.
 
   nanochat options (configs/nanochat.yaml, `sinkjax.convert.nanochat`): model.vocab_pad_to pads the embedding and
   LM head rows (logits are sliced back to vocab_size before the soft-cap); model.init=nanochat draws the LM head from

@@ -52,12 +52,21 @@ def read_metrics(metrics_path) -> list[dict]:
 
 
 class LoadedRun(NamedTuple):
-  """What `load_run` gives back: the model (adapters included for a LoRA run), its config, its tokenizer and the
-  checkpoint step it actually restored (an older one than the newest when the newest is unreadable)."""
+  """What `load_run` gives back, `LoadedRun(model, cfg, tokenizer, step)`: the model (a `sinkjax.model.Transformer`,
+  adapters included for a LoRA run), its resolved `Config`, its tokenizer (`sinkjax.data.build_tokenizer`'s, as
+  training used it) and the checkpoint step it actually restored (an older one than the newest when the newest is
+  unreadable). `tokens(text)` encodes text as the model read it in training."""
   model: Any
   cfg: Config
   tokenizer: Any
   step: int
+
+  def tokens(self, text: str) -> jax.Array:
+    """`text` as the model's input, int32 [1, T]: BOS first where training puts one before every document (the
+    bytes tokenizer and sinkjax's own BPE always; a Hugging Face model's tokenizer where its own encoding does,
+    data.add_bos), then the text's tokens. `model(run.tokens(text))` gives its logits [1, T, vocab]; the tokenizer's
+    own `encode(text)` adds no BOS."""
+    return jnp.asarray([self.tokenizer.encode_document(text)], jnp.int32)
 
 
 def read_run_config(run_dir: str | pathlib.Path) -> Config:
@@ -73,13 +82,14 @@ def asks_for_mesh(overrides) -> bool:
 
 
 def load_run(run_dir: str | pathlib.Path, step: int | None = None, overrides=(), *, mesh=None) -> LoadedRun:
-  """A training run's model with the parameters of its latest (or given) checkpoint; only the parameters are
-  restored. A LoRA run comes back with its adapters (`sinkjax.lora.merge` folds them in). `overrides`
+  """A training run's model with the parameters of its latest (or given) checkpoint, as a `LoadedRun(model, cfg,
+  tokenizer, step)`; only the parameters are restored (no optimizer state). `run.model(run.tokens(text))` gives
+  logits. A LoRA run comes back with its adapters (`sinkjax.lora.merge` folds them in). `overrides`
   (`section.key=value`, as on the command lines) change the run's config first (e.g. model.dtype=float32,
   data.source=FILE, mesh.fsdp=8); a shape key that no longer matches the checkpoint is refused by the restore.
 
-  Placement (`mesh`): None, every parameter whole on every device (a data=-1 mesh over all devices), whatever mesh
-  trained the run; "run", a mesh built from the run's `mesh.*` keys (after the overrides) with each parameter placed
+  Placement (`mesh`): None (the default), every parameter whole on every device of `jax.devices()` (replicated: a
+  data=-1 mesh; on a machine without an accelerator, the CPU), whatever mesh trained the run; "run", a mesh built from the run's `mesh.*` keys (after the overrides) with each parameter placed
   as training places it (`sharding.state_shardings`: FSDP over d_model, tensor over heads / MLP / vocab); or a
   `jax.sharding.Mesh` of the ("data", "fsdp", "tensor") axes. Orbax reads each device's shards of each parameter
   straight from the checkpoint into that device: no process or device holds a whole unsharded copy of a sharded

@@ -231,5 +231,7 @@ def test_attention_config_is_a_view_of_the_model_config():
   for old, new in (("impl", "attn_impl"), ("use_bias", "attn_bias")):
     with pytest.raises(TypeError, match=f"the attention keyword {old}= is spelled {new}="):
       c.AttentionConfig.of(32, 4, **{old: "xla"})
-  with pytest.raises(c.ConfigError, match="model.num_heads \\(6\\) must be a multiple of model.num_kv_heads"):
-    c.AttentionConfig.of(48, 6, 4)
+  with pytest.raises(c.ConfigError, match="^Attention\\(num_heads=6\\) must be a multiple of num_kv_heads=4$"):
+    c.AttentionConfig.of(48, 6, 4)                          # a standalone layer's errors name its keywords
+  with pytest.raises(c.ConfigError, match="^model.num_heads \\(6\\) must be a multiple of model.num_kv_heads"):
+    c.ModelConfig(d_model=48, num_heads=6, num_kv_heads=4).attention_config()     # a model's its model.* keys

@@ -172,6 +172,22 @@ def test_target_bytes_and_bos_with_byte_tokenizer(tmp_path):
   assert build_source(_cfg(src, val_fraction=1.0), "val")[0] == [docs[0]]
 
 
+
+@pytest.mark.parametrize("add_bos", ["auto", "false"])
+def test_a_restored_run_encodes_text_as_training_rows_begin(tmp_path, add_bos):
+  """`LoadedRun.tokens(text)` is what a training row holds for that document: the pipeline's own row of a one-document
+  source (BOS first with the bytes tokenizer; none when data.add_bos=false), as int32 [1, T]."""
+  from sinkjax.config import Config
+  from sinkjax.run import LoadedRun
+  text = "def main(): é"
+  cfg = _cfg(_write_txt(tmp_path, [text]), seq_len=32, val_fraction=1.0, add_bos=add_bos)
+  tok = build_tokenizer(cfg)
+  row = make_eval_batches(cfg, tok, batch_size=1, num_batches=1, process_index=0, process_count=1)[0]
+  trained = row["inputs"][0][row["segment_ids"][0] == 1]
+  got = LoadedRun(None, Config(data=cfg), tok, 0).tokens(text)
+  assert got.dtype == np.int32 and got.shape == (1, len(trained)) and np.array_equal(got[0], trained)
+  assert (int(got[0, 0]) == BOS) == (add_bos == "auto") and tok.encode(text)[0] != BOS
+
 def _train_bpe(tmp_path, texts, lossy=False):
   from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
   if lossy:   # normalizes and drops whitespace: the byte attribution must still be exact

@@ -1,4 +1,6 @@
 """The attention layer dropped into host models written here (NNX and Linen), trained with the aux loss."""
+import inspect
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -192,3 +194,85 @@ def test_moe_runs_per_batch_shard_and_matches_the_unsharded_layer():
   np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The layer's face: what `help(Attention)` and `inspect.signature` promise a user
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_the_layers_a_user_builds_with_name_every_argument():
+  """`inspect.signature` of each module a user builds shows its own named arguments (no *args / **options; an nnx
+  Module would show its metaclass's (*args, **kwargs)), and `Attention`'s keywords are exactly the model.* keys an
+  `AttentionConfig` reads (the rope_* keys as one `rope=RopeScaling`, max_seq_len only its fallback) with the config's
+  defaults (dtypes: float32 for a layer on its own): a key added to the config without a keyword here fails."""
+  from sinkjax import config as c
+  from sinkjax.layers import MLP, MoE, RMSNorm
+  from sinkjax.model import Block, Transformer
+  for cls in (Attention, RMSNorm, MLP, MoE, Block, Transformer):
+    kinds_ = {p.kind for p in inspect.signature(cls).parameters.values()}
+    assert not kinds_ & {inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL}, cls
+  params = inspect.signature(Attention).parameters
+  rope_keys = set(c.RopeScaling().model_keys())
+  assert set(params) - {"rngs", "rope", "zero_init_output"} == c.AttentionConfig.KEYS - rope_keys - {"max_seq_len"}
+  defaults = {**c.ModelConfig().__dict__, "dtype": "float32", "num_kv_heads": None, "head_dim": None}
+  for name, p in params.items():
+    if name in c.AttentionConfig.KEYS and name not in ("d_model", "num_heads"):
+      assert p.default == defaults[name], (name, p.default, defaults[name])
+  assert params["rope"].default is None and params["zero_init_output"].default is True
+
+
+def test_a_bad_layer_argument_is_refused_in_the_layers_words():
+  """A standalone layer's errors name its keywords (`Attention(attention=...)`), not the trainer's model.* keys, in one
+  line; the trainer's config keeps its own spelling."""
+  from sinkjax.config import ConfigError, ModelConfig
+  cases = {(("attention", "nope"),): r"Attention\(attention=\.\.\.\) must be one of vanilla\|sink\|gated\|relu"
+                                     r"(\|\w+)*, got 'nope'",          # (and kinds registered since: test_kinds)
+           (("attn_impl", "fast"),): r"Attention\(attn_impl=\.\.\.\) must be one of auto\|reference\|xla",
+           (("dtype", "float33"),): r"Attention\(dtype=\.\.\.\) must be one of float32\|bfloat16\|float16",
+           (("num_kv_heads", 3),): r"Attention\(num_heads=4\) must be a multiple of num_kv_heads=3",
+           (("attention", "sink"), ("gate_position", "value")):
+               r"Attention\(gate_position=\.\.\.\) configures gated attention: set attention=gated \(got 'sink'\)",
+           (("sink_tokens", -1),): r"Attention\(sink_tokens=\.\.\.\) must be >= 0, got -1"}
+  for given, message in cases.items():
+    with pytest.raises(ConfigError, match=f"^{message}") as e:
+      Attention(D, H, rngs=nnx.Rngs(0), **dict(given))
+    assert "\n" not in str(e.value) and "model." not in str(e.value)
+  with pytest.raises(ConfigError, match=r"^model\.attention must be one of vanilla"):
+    ModelConfig(attention="nope").attention_config()
+
+
+def test_from_config_builds_the_layer_the_keywords_build():
+  """`Attention.from_config` (how the model builds its layers) gives the layer the same keywords give: the same
+  parameters and the same output, a "full" layer of a sliding model without the window, RoPE scaling included."""
+  from sinkjax.config import ModelConfig, RopeScaling
+  m = ModelConfig(d_model=D, num_heads=H, num_kv_heads=2, head_dim=8, attention="gated", gate="elementwise",
+                  sliding_window=3, layer_types=["full", "sliding"], num_layers=2, rope_scaling="yarn",
+                  rope_factor=4.0, max_seq_len=16, dtype="float32", attn_impl="reference")
+  x = jax.random.normal(jax.random.key(0), (2, 10, D))
+  for layer, window in ((0, 0), (1, 3)):
+    built = Attention.from_config(m.attention_config(layer), rngs=nnx.Rngs(3))
+    spelled = Attention(D, H, 2, 8, attention="gated", gate="elementwise", sliding_window=window,
+                        rope=RopeScaling("yarn", 4.0, original_max_seq_len=16), attn_impl="reference",
+                        zero_init_output=True, rngs=nnx.Rngs(3))
+    for one in (built, spelled):                                                # o_proj off zero
+      nnx.update(one, jax.tree.map(lambda p: p + 0.1, nnx.state(one, nnx.Param)))
+    assert jax.tree.structure(nnx.state(built)) == jax.tree.structure(nnx.state(spelled))
+    np.testing.assert_array_equal(np.asarray(built(x)), np.asarray(spelled(x)))
+
+
+@pytest.mark.parametrize("attention", ["vanilla", "sink", "gated", "relu"])
+def test_the_layer_is_causal_and_rotates_at_document_positions(attention):
+  """What its docstring promises: y[t] depends on x[0..t] only; without `positions` a token's RoPE position is its
+  place in its segment (0 at the segment's first token): a document packed after another gives the outputs it gives
+  alone; an explicit `positions=` is used as given."""
+  layer = Attention(D, H, 2, 8, attention=attention, zero_init_output=False, attn_impl="reference", rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (1, 12, D))
+  later = x.at[:, 7:].set(jax.random.normal(jax.random.key(2), (1, 5, D)))
+  np.testing.assert_allclose(np.asarray(layer(x)[:, :7]), np.asarray(layer(later)[:, :7]), atol=1e-6)
+  assert not np.allclose(np.asarray(layer(x)[:, 7:]), np.asarray(layer(later)[:, 7:]))
+  segments = jnp.array([[1] * 5 + [2] * 7])
+  packed = layer(x, segment_ids=segments)
+  np.testing.assert_allclose(np.asarray(packed[:, 5:]), np.asarray(layer(x[:, 5:])), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(layer(x, positions=jnp.arange(12)[None])), np.asarray(layer(x)))
+  spread = layer(x, positions=3 * jnp.arange(12)[None])          # other distances between the tokens
+  assert not np.allclose(np.asarray(spread[:, 1:]), np.asarray(layer(x)[:, 1:]), atol=1e-4)

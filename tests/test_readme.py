@@ -81,5 +81,6 @@ def test_every_module_command_in_the_readme_exists_with_its_flags(capsys):
 
 
 def test_the_readme_stays_short():
-  """A newcomer's page: at most 150 lines; detail goes to docs/ (issue 50)."""
-  assert len(README.splitlines()) <= 150, len(README.splitlines())
+  """A newcomer's page: at most 170 lines (150 of issue 50, and issue 60's runnable "Use the layer in your own
+  model"); detail goes to docs/."""
+  assert len(README.splitlines()) <= 170, len(README.splitlines())

@@ -14,7 +14,7 @@ class AttentionLayer(MixerKind):
     self.name, self.sliding = name, sliding
 
   def build(self, cfg, layer, rngs):
-    return Attention(cfg.attention_config(layer), rngs=rngs)
+    return Attention.from_config(cfg.attention_config(layer), rngs=rngs)
 
 
 FULL = register(AttentionLayer("full", sliding=False))
