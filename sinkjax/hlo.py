@@ -62,6 +62,10 @@ _CUBLAS = re.compile(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)"')
 # Pallas's Triton lowering drops `pl.CostEstimate`; sinkjax's GPU kernels put theirs in the kernel's name
 # (`kernels.pallas_gpu`), which the compiled program keeps in the call's metadata.
 GPU_COST_NAME = r"__cost_f(\d+)_t(\d+)_b(\d+)"
+# tokamax's Pallas Mosaic-GPU attention kernels (sinkjax's `mosaic_gpu` backend): custom calls `mosaic_gpu_v2` whose
+# metadata carries the op's arguments as JSON (tokamax's `metadata_payload`), quotes escaped
+_MOSAIC_GPU = re.compile(r'custom_call_target="mosaic_gpu')
+_TOKAMAX_ATTENTION = re.compile(r'tokamax:\{\\"op\\":\{\\"__type\\":\\"tokamax\._src\.ops\.attention\.\w+\.(\w+)\\"')
 # Loop counters: lax.scan / fori_loop count in s32; XLA:TPU's windowed einsums (an FSDP all-gather decomposed into
 # per-shard matmuls, `windowed_dot_general` loops) in u32.
 _COUNTERS = ([("s32", ())], [("s64", ())], [("u32", ())], [("u64", ())])
@@ -205,7 +209,35 @@ class _HloCosts:
       return self.conv_flops(comp, ins)
     if ins.opcode == "custom-call" and _CUDNN_FMHA.search(ins.attrs):
       return self.fmha_flops(comp, ins)
+    if ins.opcode == "custom-call" and _MOSAIC_GPU.search(ins.attrs) and _TOKAMAX_ATTENTION.search(ins.attrs):
+      return self.tokamax_attention_flops(ins)
     return 0
+
+  @staticmethod
+  def tokamax_attention_flops(ins: Instruction) -> int:
+    """tokamax's Mosaic-GPU flash attention, from the op's arguments in its metadata (q [B, T, H, D], k [B, S, h, D],
+    the causal mask's offset): the forward kernel's 2 matmuls (QK^T, PV); the backward's dQ kernel 3 (QK^T, dO V^T,
+    dS K) and dK/dV kernel 4 (QK^T, dO V^T, P^T dO, dS^T Q), told apart by their outputs (dq; dk, dv); 2 FLOPs per
+    multiply-add over the visible (query, key) pairs (causal: key s <= t + offset). Per-query key ranges (packed
+    documents) count the whole causal rows: an upper bound, the ranges being data."""
+    op = _TOKAMAX_ATTENTION.search(ins.attrs).group(1)
+    shape = lambda name: re.search(r'\\"' + name + r'\\":\\"\w+\[([\d,]+)\]', ins.attrs)
+    q, k = shape("q"), shape("k")
+    if q is None or k is None:
+      return 0
+    B, T, H, D = (int(x) for x in q.group(1).split(","))
+    S = int(k.group(1).split(",")[1])
+    causal = re.search(r'\\"causal_mask\\":\{\\"offset\\":(-?\d+)', ins.attrs)
+    if causal:
+      offset = int(causal.group(1))
+      pairs = sum(min(max(t + 1 + offset, 0), S) for t in range(T))
+    else:
+      pairs = T * S
+    if op.endswith("Vjp"):
+      matmuls = 3 if len(_arrays(ins.type)) == 1 else 4
+    else:
+      matmuls = 2
+    return 2 * matmuls * B * H * pairs * D
 
   def fmha_flops(self, comp: str, ins: Instruction) -> int:
     """cuDNN's fused attention (sinkjax's `cudnn` backend, jax.nn's cudnn implementation): 2 matmuls forward (QK^T,

@@ -339,3 +339,36 @@ def test_cudnn_fused_attention_flops_by_hand():
   a mask: 64 pairs x 5 matmuls; each pair-matmul 2 x D FLOPs, for B 2 x N 4."""
   costs = hlo.hlo_costs(FMHA)
   assert costs["flops"] == 2 * 4 * 2 * 64 * (36 * 2 + 64 * 5)
+
+
+def _tokamax_call(name, out_type, op, causal):
+  mask = '{\\"offset\\":0,\\"window_size\\":null}' if causal else "null"
+  payload = (f'tokamax:{{\\"op\\":{{\\"__type\\":\\"tokamax._src.ops.attention.{op}\\",\\"config\\":{{}}}},'
+             f'\\"arguments\\":{{\\"k\\":\\"bf16[2,8,2,64]\\",\\"mask\\":{{\\"causal_mask\\":{mask}}},'
+             f'\\"q\\":\\"bf16[2,8,4,64]\\"}}}}')
+  return (f'  %{name} = {out_type} custom-call(%q, %k, %v), custom_call_target="mosaic_gpu_v2", '
+          f'api_version=API_VERSION_TYPED_FFI, metadata={{op_name="jit(f)/sinkjax_attention/mpmd_map" '
+          f'metadata_payload="{payload}"}}')
+
+
+MOSAIC = "\n".join([
+    "HloModule mosaic, entry_computation_layout={()->bf16[2,8,4,64]{3,2,1,0}}", "",
+    "ENTRY %main (q: bf16[2,8,4,64], k: bf16[2,8,2,64], v: bf16[2,8,2,64]) -> bf16[2,8,4,64] {",
+    "  %q = bf16[2,8,4,64]{3,2,1,0} parameter(0)",
+    "  %k = bf16[2,8,2,64]{3,2,1,0} parameter(1)",
+    "  %v = bf16[2,8,2,64]{3,2,1,0} parameter(2)",
+    _tokamax_call("fwd", "(bf16[2,8,4,64]{3,2,1,0}, f32[2,4,8]{2,1,0}, f32[2,4,8]{2,1,0})",
+                  "pallas_mosaic_gpu.PallasMosaicGpuFlashAttention", True),
+    _tokamax_call("dq", "bf16[2,8,4,64]{3,2,1,0}", "pallas_mosaic_gpu_vjp.PallasMosaicGpuFlashAttentionVjp", True),
+    _tokamax_call("dkv", "(bf16[2,8,2,64]{3,2,1,0}, bf16[2,8,2,64]{3,2,1,0})",
+                  "pallas_mosaic_gpu_vjp.PallasMosaicGpuFlashAttentionVjp", False),
+    "  ROOT %out = bf16[2,8,4,64]{3,2,1,0} copy(%q)", "}", ""])
+
+
+def test_tokamax_mosaic_attention_flops_by_hand():
+  """tokamax's Mosaic-GPU kernels (the `mosaic_gpu` backend): the forward, causal over 8 x 8 (36 visible pairs) x 2
+  matmuls; the dQ kernel, causal, 3 matmuls; the dK/dV kernel without a mask, 64 pairs x 4 matmuls; each
+  pair-matmul 2 x D FLOPs for B 2 x 4 query heads (GQA 4:2: the query heads count)."""
+  costs = hlo.hlo_costs(MOSAIC)
+  assert costs["flops"] == 2 * 2 * 4 * 64 * (36 * 2 + 36 * 3 + 64 * 4)
+  assert hlo.attention_kernel(MOSAIC, "mosaic_gpu") == "mosaic_gpu"
