@@ -262,6 +262,23 @@ def test_h100_d20_step_flops_equal_the_hand_count():
   assert costs["loops_of_unknown_trips"] == 0
 
 
+def test_h100_d20_mosaic_gpu_step_flops_equal_the_hand_count():
+  """The same d20 step with `model.attn_impl=mosaic_gpu` (tokamax's kernels, jax 0.12, compiled for a compile-only
+  H100): the hand count above plus, per layer, causal attention over 2048 x 2049 / 2 pairs for 32 rows x 10 heads x
+  D 128 with 2 (forward) + 3 (dQ) + 4 (dK, dV) matmuls; the forward is not recomputed (save_attention keeps O and
+  the LSE)."""
+  text = gzip.open(RESULTS / "d20_mosaic_gpu.hlo.txt.gz", "rt").read()
+  costs = hlo.hlo_costs(text)
+  L, d, ff, V, B, T, H, D = 20, 1280, 5120, 65536, 32, 2048, 10, 128
+  tokens = B * T
+  weights = L * (4 * d * d + 2 * d * ff) + V * d
+  lm_head_again = 2 * V * d * tokens
+  newton_schulz = L * (4 * 5 * 6 * d ** 3 + 2 * 5 * (4 * d * d * ff + 2 * d ** 3))
+  attention = L * 2 * (2 + 3 + 4) * B * H * (T * (T + 1) // 2) * D
+  assert costs["flops"] == pytest.approx(6 * weights * tokens + lm_head_again + newton_schulz + attention, rel=1e-6)
+  assert hlo.attention_kernel(text, "mosaic_gpu") == "mosaic_gpu"
+
+
 def test_h100_d20_estimate_is_below_the_measured_step():
   """The roofline estimate of that program is a lower bound on its step: the same program measured 705 ms on the H100
   (trainer_d20.log); before the cuBLAS calls and async fusions were read (their FLOPs missed, the whole stacked
