@@ -46,7 +46,6 @@ CHECK_TOKENS = 320
 FAR_ROWS, FAR_SEQ = 2, 2048   # far_attention's calibration: rows x tokens of the joined docstrings
 FAR_CHARS = 12 * FAR_ROWS * FAR_SEQ   # the calibration text's prefix that is encoded (ample: ~4 characters a token)
 RANKINGS = ("importance", "far_attention")
-GQA_RULE = {"importance": "any", "far_attention": "mean"}     # a KV head's score from its query heads' (module doc)
 MAP_SOURCE = {"importance": "importance", "far_attention": "far-context attention"}
 BLOCK = 512               # per-block comparison of two maps
 CURVE = 256               # running mean of the figure
@@ -159,9 +158,9 @@ def score_run(name: str, model, ids, scores: dict, opts: StreamingOptions) -> di
     w = int(name.rsplit("_w", 1)[1])
     ranking = name[len("hybrid_"):].rsplit("_w", 1)[0]
     if ranking in RANKINGS:
-      kv = cache_policy.kv_scores(np.asarray(scores[ranking]), cfg.num_kv_heads, GQA_RULE[ranking])
+      kv = cache_policy.kv_scores(np.asarray(scores[ranking]), cfg.num_kv_heads, cache_policy.SOURCE_GQA[ranking])
       full = cache_policy.top_heads(kv, opts.full_heads, opts.scope)
-      rec.update(map_source=MAP_SOURCE[ranking], ranking=ranking, gqa=GQA_RULE[ranking])
+      rec.update(map_source=MAP_SOURCE[ranking], ranking=ranking, gqa=cache_policy.SOURCE_GQA[ranking])
     else:
       seed = int(name.split("random", 1)[1].split("_", 1)[0])
       full = cache_policy.random_heads(shape, opts.full_heads, opts.scope, seed)
