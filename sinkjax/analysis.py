@@ -22,6 +22,9 @@ Statistics (all accumulated as sums and counts so that several batches combine i
   contributes each of its elements.
 - massive activations ([GatedAttn] Table 4 "M-Act"): max |h| of the hidden state after each block over valid tokens,
   also split into documents' first tokens and the rest.
+- far-context attention (`far_attention`, a head ranking for the per-head cache of `sinkjax.cache_policy`): per
+  head, the attention weight a query puts on the keys that a sinks + window cache (S sinks, W slots) has evicted by
+  then, i.e. what the head loses when it streams; separate from the statistics above (it needs S and W).
 """
 from __future__ import annotations
 
@@ -183,6 +186,49 @@ def batch_statistics(model: Transformer, batch):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
 
+def far_attention_sums(weights, segment_ids, sink_size, window):
+  """What one layer's heads would lose under a sinks + window cache: weights [B,H,T,T] (the recorded attention),
+  segment_ids [B,T] -> {"far_sum": [H], "far_count": []}. For a query at in-document position t, the cache (S sink
+  slots + a ring of the W - S newest tokens, `sinkjax.cache`) holds document positions 0..S-1 and t-(W-S)+1..t; the
+  far keys are the others, S <= j <= t-(W-S). far_sum adds their weight over the queries that have any (t >= W,
+  once the cache is full), far_count counts those queries; their ratio is the head's mean far-context mass."""
+  B, T = segment_ids.shape
+  first = document_first_index(segment_ids, T)                                  # [B,T]
+  q = jnp.arange(T)[None, :, None]                                              # query index
+  k = jnp.arange(T)[None, None, :]                                              # key index
+  far = (k - first[:, :, None] >= sink_size) & (q - k >= window - sink_size) \
+      & (segment_ids[:, None, :] == segment_ids[:, :, None])                    # [B,T(query),T(key)]
+  counted = (segment_ids != 0) & (jnp.arange(T)[None] - first >= window)        # queries whose cache has evicted
+  mass = (weights.astype(jnp.float32) * far[:, None].astype(jnp.float32)).sum(-1)          # [B,H,T]
+  return {"far_sum": (mass * counted[:, None].astype(jnp.float32)).sum((0, 2)),
+          "far_count": counted.astype(jnp.float32).sum()}
+
+
+def batch_far_attention(model: Transformer, batch, sink_size, window):
+  """The recorded forward on one batch -> `far_attention_sums` per layer with heads, stacked (leading axis L)."""
+  tokens = batch["inputs"]
+  B, T = tokens.shape
+  seg = _segments(batch.get("segment_ids"), B, T)
+  _, traces = recorded_forward(model, tokens, segment_ids=seg, positions=batch.get("positions"))
+  per_layer = [far_attention_sums(trace.weights, seg, sink_size, window) for trace in traces]
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+
+def far_attention(model: Transformer, batches, *, sink_size: int, window: int) -> np.ndarray:
+  """[L, Hq] mean far-context attention mass of each head over `batches` (dicts with inputs, optional segment_ids
+  and positions; see `far_attention_sums`): the share of a query's attention that a sinks + window cache of
+  `window` slots, `sink_size` of them sinks, no longer holds."""
+  totals = None
+  for batch in batches:
+    new = batch_far_attention_jit(model, {k: jnp.asarray(v) for k, v in batch.items()}, jnp.int32(sink_size),
+                                  jnp.int32(window))
+    totals = new if totals is None else jax.tree.map(jnp.add, totals, new)
+  t = {k: np.asarray(v, np.float64) for k, v in totals.items()}
+  if not np.all(t["far_count"] > 0):
+    raise ValueError(f"far_attention: no query lies {window} or more tokens into its document; give longer rows")
+  return t["far_sum"] / t["far_count"][:, None]
+
+
 def zeroed_lm_sums(model: Transformer, batch, zero_first_value):
   """`lm_sums` of the model's forward with the first token's value zeroed where `zero_first_value` [L,Hq]."""
   tokens = batch["inputs"]
@@ -255,4 +301,5 @@ class model_jit:  # pylint: disable=invalid-name  (used like a decorator / jax.j
 
 
 batch_statistics_jit = model_jit(batch_statistics)
+batch_far_attention_jit = model_jit(batch_far_attention)
 zeroed_lm_sums_jit = model_jit(zeroed_lm_sums)

@@ -5,6 +5,9 @@ A policy is an [L][Hkv] boolean map, True = full (every position), False = strea
   writes it into report.json: the heads with the LOWEST importance (gate near 0, most sink-like) stream;
 - or eval's sink ratio alpha ([Sink-MoE] eq. 9, report.json `sink_ratio_alpha`): the heads with the HIGHEST alpha
   stream;
+- or far-context attention (`sinkjax.analysis.far_attention`: the attention weight on the keys a sinks + window cache
+  has evicted, i.e. what a head loses when it streams; the streaming study's far_attention.json, key
+  `far_attention`, docs/STREAMING.md): the heads with the LOWEST far-context attention stream;
 - or an explicit map (a JSON [L][Hkv] of booleans or 0/1);
 - or a random choice of the same size (the control for the two above).
 
@@ -12,9 +15,11 @@ Amount F: a fraction in [0, 1] (0 = every head streams, 1 = every head full) or 
 per layer (scope "layer": every layer keeps round(F Hkv) full heads, chosen within the layer) or over the whole
 model (scope "global": round(F L Hkv) heads, the top of one ranking across layers). Rounding is half up.
 
-GQA: importance is measured per query head, the cache policy is per KV head. Rule "any" (the default): a KV head
-scores as its most important query head (max importance, min alpha), i.e. it keeps a full cache if any query head
-of its group needs it; rule "mean": the group's mean. Ties go to the lower head index.
+GQA: the scores are per query head, the cache policy is per KV head. Rule "any": a KV head scores as its most
+important query head (max importance, min alpha), i.e. it keeps a full cache if any query head of its group needs it;
+rule "mean": the group's mean. By default each source's own rule (`SOURCE_GQA`): "any" for importance and alpha,
+"mean" for far-context attention (a streamed KV head takes the far context from all its query heads, so the mean
+ranks as their sum). Ties go to the lower head index.
 """
 from __future__ import annotations
 
@@ -29,10 +34,14 @@ from sinkjax import paths
 from sinkjax.errors import UserError
 from sinkjax.config import key
 
-SOURCES = ("importance", "alpha")
+SOURCES = ("importance", "alpha", "far_attention")
 SCOPES = ("layer", "global")
 GQA_RULES = ("any", "mean")
-REPORT_KEYS = {"importance": "importance", "alpha": "sink_ratio_alpha"}
+SOURCE_GQA = {"importance": "any", "alpha": "any", "far_attention": "mean"}    # each source's own GQA rule
+REPORT_KEYS = {"importance": "importance", "alpha": "sink_ratio_alpha", "far_attention": "far_attention"}
+HINTS = {"alpha": "; alpha is in eval's report.json (run python -m sinkjax.eval first)",
+         "far_attention": "; far_attention is in the streaming study's far_attention.json (configs/studies/"
+                          "streaming_far.yaml): give it as --head-scores"}
 
 
 class PolicyError(UserError):
@@ -76,7 +85,8 @@ def scores_file(path):
 
 
 def read_scores(path, source: str, shape: tuple[int, int]) -> np.ndarray:
-  """[L, Hq] per-head scores, higher = more in need of a full cache: importance, or -alpha."""
+  """[L, Hq] per-head scores, higher = more in need of a full cache: importance, far-context attention, or
+  -alpha."""
   path = scores_file(path)
   key = REPORT_KEYS[source]
   try:
@@ -88,13 +98,12 @@ def read_scores(path, source: str, shape: tuple[int, int]) -> np.ndarray:
       values = json.loads(path.read_text())[key]
     scores = np.asarray(values, np.float64)
   except IndexError:
-    raise PolicyError(f"{path} holds no {key!r}" + ("; alpha is in eval's report.json (run python -m sinkjax.eval "
-                                                    "first)" if source == "alpha" else "")) from None
+    raise PolicyError(f"{path} holds no {key!r}{HINTS.get(source, '')}") from None
   except (KeyError, TypeError, ValueError):
     raise PolicyError(f"{path} holds no {key!r} [layers x heads] array") from None
   if scores.shape != tuple(shape):
     raise PolicyError(f"{path}: {key} is {list(scores.shape)}, the model has {list(shape)} (layers x query heads)")
-  return scores if source == "importance" else -scores
+  return -scores if source == "alpha" else scores
 
 
 def kv_scores(scores: np.ndarray, num_kv_heads: int, rule: str = "any") -> np.ndarray:
@@ -172,12 +181,15 @@ class CacheOptions:
                                       help="the random control: the same number of full heads chosen at random "
                                            "(generation: instead of by importance; tables: extra rows per seed)")
   full_heads_by: str = key("importance", choices=SOURCES, alias="--full-heads-by",
-                           help="importance (training's metrics.jsonl or eval's report.json; lowest streams) or alpha "
-                                "(eval's sink ratio; highest streams)")
+                           help="importance (training's metrics.jsonl or eval's report.json; lowest streams), alpha "
+                                "(eval's sink ratio; highest streams) or far_attention (the streaming study's "
+                                "far_attention.json as --head-scores; lowest streams)")
   full_heads_scope: str = key("layer", choices=SCOPES, alias="--full-heads-scope",
                               help="layer: F of each layer's heads; global: F of all heads, ranked across layers")
-  full_heads_gqa: str = key("any", choices=GQA_RULES, alias="--full-heads-gqa",
-                            help="GQA: a KV head scores as its best query head (any) or the group mean (mean)")
+  full_heads_gqa: str = key("source", choices=("source",) + GQA_RULES, alias="--full-heads-gqa",
+                            help="GQA: a KV head scores as its best query head (any), the group mean (mean), or by "
+                                 "the source's own rule (source: any for importance and alpha, mean for "
+                                 "far_attention)")
   head_scores: str | None = key(None, alias="--head-scores", metavar="PATH",
                                 help="report.json, metrics.jsonl or run dir to read importance/alpha from (default: "
                                      "the checkpoint's eval/report.json, else its metrics.jsonl)")
@@ -217,7 +229,8 @@ def policies_from(opts: CacheOptions, cfg, run_dir, *, by_importance: bool = Tru
   amounts, seeds = parse_amounts(opts.full_heads), parse_seeds(opts.full_heads_random)
   out = []
   if by_importance:
-    kv = kv_scores(read_scores(opts.head_scores or run_dir, opts.full_heads_by, (L, Hq)), Hkv, opts.full_heads_gqa)
+    rule = SOURCE_GQA[opts.full_heads_by] if opts.full_heads_gqa == "source" else opts.full_heads_gqa
+    kv = kv_scores(read_scores(opts.head_scores or run_dir, opts.full_heads_by, (L, Hq)), Hkv, rule)
     out += [(f"F={a:g} by {opts.full_heads_by}", top_heads(kv, a, opts.full_heads_scope)) for a in amounts]
   out += [(f"F={a:g} random (seed {s})", random_heads((L, Hkv), a, opts.full_heads_scope, s))
           for s in seeds for a in amounts]

@@ -127,3 +127,25 @@ def test_recording_leaves_the_model_clean():
   tokens = jnp.zeros((1, 8), jnp.int32)
   analysis.recorded_forward(model, tokens)
   assert not any(isinstance(v, nnx.Intermediate) for _, v in nnx.iter_graph(model))
+
+
+@pytest.mark.parametrize("sink_size,window", [(1, 4), (2, 3), (0, 2)])
+def test_far_attention_is_the_weight_a_sinks_window_cache_evicts(sink_size, window):
+  """far_attention[l, h] = the mean, over the queries whose sinks + window cache has evicted a token, of the
+  reference attention on exactly the evicted keys: document positions S .. t-(W-S), counted by a loop over (t, j)."""
+  model = perturbed_model(attention="vanilla")
+  tokens = np.random.default_rng(2).integers(0, V, (B, T)).astype(np.int32)
+  _, ref_layers, first = reference(nnx.to_pure_dict(nnx.state(model, nnx.Param)), model.cfg, tokens, SEG)
+  got = analysis.far_attention(model, [{"inputs": tokens, "segment_ids": SEG}], sink_size=sink_size, window=window)
+  for l, (A, _, _) in enumerate(ref_layers):
+    want, queries = np.zeros(A.shape[1]), 0
+    for b in range(B):
+      for t in range(T):
+        pos = t - first[b, t]
+        if SEG[b, t] == 0 or pos < window:
+          continue
+        queries += 1
+        ring = set(range(pos - (window - sink_size) + 1, pos + 1))              # the newest W - S, then the sinks
+        want += sum(A[b, :, t, first[b, t] + j] for j in range(pos + 1) if j >= sink_size and j not in ring)
+    assert queries > 0 and want.max() > 0.01
+    np.testing.assert_allclose(got[l], want / queries, atol=1e-5)

@@ -4,7 +4,9 @@ References are independent of the hybrid code: today's uniform caches (full / st
 masked attention written out in float64 numpy with each head's own visible keys and positions, the closed-form
 memory of the cache, hand-ranked head choices, and greedy decoding for the passkey probe's teacher forcing.
 """
+import dataclasses
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -247,6 +249,33 @@ def test_alpha_streams_the_highest_sink_ratio(tmp_path):
                                                     "sink_ratio_alpha": alpha.tolist()}))
   by_alpha = cp.top_heads(cp.kv_scores(cp.read_scores(tmp_path / "report.json", "alpha", (2, 4)), 2), 0.5, "layer")
   assert by_alpha.tolist() == [[True, False], [False, True]]       # KV head with the lowest alpha of its layer
+
+
+def test_far_attention_streams_the_least_far_context_by_the_group_mean(tmp_path):
+  """Source far_attention (the streaming study's far_attention.json, docs/STREAMING.md): the KV head whose query
+  heads put the most attention on evicted keys, summed over the group (rule "mean" by default), keeps a full cache;
+  a file without the key says where the scores come from."""
+  far = np.array([[0.9, 0.0, 0.5, 0.5],            # pairs: max [.9, .5], mean [.45, .5]
+                  [0.2, 0.3, 0.1, 0.6]])           #        max [.3, .6], mean [.25, .35]
+  (tmp_path / "far_attention.json").write_text(json.dumps({"name": "far_attention", "far_attention": far.tolist()}))
+  opts = cp.CacheOptions(full_heads="0.5", full_heads_by="far_attention",
+                         head_scores=str(tmp_path / "far_attention.json"))
+  cfg = types.SimpleNamespace(num_layers=2, num_heads=4, num_kv_heads=2)
+  [(label, full)] = cp.policies_from(opts, cfg, tmp_path)
+  assert label == "F=0.5 by far_attention" and full.tolist() == [[False, True], [False, True]]
+  [(_, by_any)] = cp.policies_from(dataclasses.replace(opts, full_heads_gqa="any"), cfg, tmp_path)
+  assert by_any.tolist() == [[True, False], [False, True]]                      # the explicit rule still applies
+  [(_, by_importance)] = cp.policies_from(dataclasses.replace(opts, full_heads_by="importance", head_scores=None),
+                                          cfg, _importance_run(tmp_path))
+  assert by_importance.tolist() == [[True, False], [False, True]]               # importance keeps rule "any"
+  with pytest.raises(cp.PolicyError, match="far_attention is in the streaming study's far_attention.json"):
+    cp.read_scores(_importance_run(tmp_path) / "metrics.jsonl", "far_attention", (2, 4))
+
+
+def _importance_run(tmp_path):
+  (tmp_path / "run").mkdir(exist_ok=True)
+  (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "importance": IMPORTANCE.tolist()}) + "\n")
+  return tmp_path / "run"
 
 
 def test_scores_from_metrics_last_record_and_run_dir(tmp_path):

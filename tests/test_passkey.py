@@ -78,7 +78,7 @@ def test_a_bad_study_value_is_one_line_naming_its_key(capsys):
   assert study.main([path, "cache.full_heads_gqa=max"]) == 1
   assert capsys.readouterr().err.strip().splitlines() == [
       "sinkjax.experiments.study: error: config key cache.full_heads_gqa (--full-heads-gqa) must be one of "
-      f"any|mean, got 'max' (in {path})"]
+      f"source|any|mean, got 'max' (in {path})"]
   assert study.main([path, "axes.depth=[0,1.5]"]) == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "axis depth must list floats in [0, 1], got [0, 1.5]" in err[0], err

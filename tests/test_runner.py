@@ -150,6 +150,14 @@ def test_a_study_without_a_recipe_reads_its_drivers_own_section(tmp_path):
       {"streaming": streaming_real.StreamingOptions})["streaming"]  # the hybrid alone, ranked within each layer
   assert streaming_real.plan([0, 1], layer.scope) == ["importance", "hybrid_importance_w256", "hybrid_random0_w256",
                                                       "hybrid_random1_w256"]
+  far = runner.load_plan(streaming_real.STUDY_FILE.with_name("streaming_far.yaml")).options(
+      {"streaming": streaming_real.StreamingOptions})["streaming"]  # two rankings, each measured, then each a hybrid
+  assert (far.scope, far.rankings) == ("layer", ["far_attention", "importance"])
+  assert streaming_real.plan([0], far.scope, far.rankings) == [
+      "far_attention", "importance", "hybrid_far_attention_w256", "hybrid_importance_w256", "hybrid_random0_w256"]
+  with pytest.raises(Exception, match="streaming.rankings"):
+    runner.load_plan(streaming_real.STUDY_FILE, ["streaming.rankings=[alpha]"]).options(
+        {"streaming": streaming_real.StreamingOptions})
   with pytest.raises(runner.StudyError, match="unknown section foo"):
     runner.load_plan(streaming_real.STUDY_FILE, ["foo.x=1"]).options({"streaming": streaming_real.StreamingOptions})
   with pytest.raises(runner.StudyError, match="need a recipe"):

@@ -1,8 +1,18 @@
 """[StreamingLLM] on real weights: streaming perplexity of a pretrained model under full, window-only, sinks + window
-and per-head (importance vs random) caches; a study file of driver streaming.
+and per-head caches (full heads chosen by a ranking, against random maps of the same size); a study file of driver
+streaming.
 
     python -m sinkjax.experiments.study configs/studies/streaming_real.yaml [study.run=RUN] [study.out=OUT]
         [streaming.tokens=8192] [streaming.full_heads=0.25] [streaming.scope=layer] [axes.random_map=[0,1,2]]
+        ["streaming.rankings=[importance,far_attention]"]
+
+Rankings (`streaming.rankings`), each measured on a text other than the scored one and made a map by
+`sinkjax.cache_policy.top_heads`:
+- importance: [Sink-MoE] eq. 5 over stdlib docstrings (a KV head as its best query head, `cache_policy` rule "any");
+- far_attention: what a head loses when it streams, `sinkjax.analysis.far_attention` (the attention weight on the
+  keys the sinks + window cache of the hybrid has evicted) over a calibration text, the same docstrings joined into
+  one text and cut into rows of FAR_SEQ tokens; a KV head as the mean of its query heads (rule "mean": a streamed KV
+  head takes the far context from all of them, so the mean ranks as their sum).
 
 Each run writes its own raw file OUT/<name>.json (per-position NLLs, cache, timing, commit) and is never redone; the
 report reads only those (refusing runs of different commits or token sequences). The texts, the runs, the check
@@ -33,6 +43,10 @@ WINDOWS = (256, 1024)
 HYBRID_WINDOW = 256
 IMPORTANCE_SEQ, IMPORTANCE_DOCS = 256, 256
 CHECK_TOKENS = 320
+FAR_ROWS, FAR_SEQ = 2, 2048   # far_attention's calibration: rows x tokens of the joined docstrings
+FAR_CHARS = 12 * FAR_ROWS * FAR_SEQ   # the calibration text's prefix that is encoded (ample: ~4 characters a token)
+RANKINGS = ("importance", "far_attention")
+MAP_SOURCE = {"importance": "importance", "far_attention": "far-context attention"}
 BLOCK = 512               # per-block comparison of two maps
 CURVE = 256               # running mean of the figure
 STUDY_FILE = runner.REPO / "configs" / "studies" / "streaming_real.yaml"
@@ -45,6 +59,7 @@ class StreamingOptions:
   full_heads: float = key(0.25, "(0,1)")  # the hybrid's fraction of KV heads kept full
   chunk: int = key(64, ">=1")             # positions scored per step
   scope: str = key("global", choices=cache_policy.SCOPES)   # the hybrid's full heads ranked over the model or per layer
+  rankings: list[str] = key(["importance"], choices=RANKINGS)  # the rankings that each pick a hybrid's full heads
 
 
 # ------------------------------------------------------------------------------------------------------------ texts
@@ -75,16 +90,23 @@ def importance_documents() -> list[str]:
   return heads_real.prose_documents(heads_real.stdlib_docstrings())
 
 
+def calibration_text() -> str:
+  """far_attention's calibration text: `importance_documents` joined as one text, paragraphs apart like the scored
+  help topics (so a head can reach far back), in file order; no help topics."""
+  return "\n\n".join(importance_documents())
+
+
 # ------------------------------------------------------------------------------------------------------------ runs
 
-def plan(random_maps, scope: str = "global") -> list[str]:
-  """Run names in the order they run (cheap first); `random_maps`: the random maps' seeds. Scope "layer" is the
-  study of the hybrid alone (importance and random maps ranked within each layer, a study.out of its own): the caches
-  that need no map are the global study's."""
-  hybrids = [f"hybrid_importance_w{HYBRID_WINDOW}"] + [f"hybrid_random{s}_w{HYBRID_WINDOW}" for s in random_maps]
+def plan(random_maps, scope: str = "global", rankings=("importance",)) -> list[str]:
+  """Run names in the order they run (cheap first); `random_maps`: the random maps' seeds; `rankings`: a measurement
+  run and a hybrid each. Scope "layer" is the study of the hybrid alone (ranked and random maps within each layer, a
+  study.out of its own): the caches that need no map are the global study's."""
+  hybrids = [f"hybrid_{r}_w{HYBRID_WINDOW}" for r in rankings] + [f"hybrid_random{s}_w{HYBRID_WINDOW}"
+                                                                   for s in random_maps]
   if scope == "layer":
-    return ["importance"] + hybrids
-  names = ["importance"]
+    return [*rankings] + hybrids
+  names = [*rankings]
   for w in WINDOWS:
     names += [f"sinks{SINKS}_w{w}", f"window_w{w}"]
   return names + hybrids + ["full", "check"]
@@ -103,7 +125,24 @@ def measure_importance(model, cfg, tok, work: pathlib.Path) -> dict:
           "tokens": tokens, "text": "stdlib docstrings (heads_real prose rule), first 256 in file order"}
 
 
-def score_run(name: str, model, ids, importance, opts: StreamingOptions) -> dict:
+def measure_far_attention(model, tok) -> dict:
+  """far_attention [L, Hq] (`sinkjax.analysis.far_attention`, the hybrid's S and W) over FAR_ROWS rows of FAR_SEQ
+  tokens of `calibration_text`."""
+  from sinkjax import analysis  # pylint: disable=import-outside-toplevel
+  ids = np.asarray(tok.encode_document(calibration_text()[:FAR_CHARS])[:FAR_ROWS * FAR_SEQ], np.int32)
+  if len(ids) < FAR_ROWS * FAR_SEQ:
+    raise StudyError(f"the calibration text gives {len(ids)} tokens, fewer than {FAR_ROWS} rows of {FAR_SEQ}")
+  rows = ids.reshape(FAR_ROWS, FAR_SEQ)
+  far = analysis.far_attention(model, [{"inputs": row[None]} for row in rows], sink_size=SINKS,
+                               window=HYBRID_WINDOW)
+  return {"far_attention": np.asarray(far).round(6).tolist(), "rows": FAR_ROWS, "seq_len": FAR_SEQ,
+          "tokens": int(ids.size), "sink_size": SINKS, "window": HYBRID_WINDOW,
+          "ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
+          "text": f"stdlib docstrings (heads_real prose rule), in file order, joined by blank lines (the first "
+                  f"{FAR_CHARS} characters encoded), cut into rows"}
+
+
+def score_run(name: str, model, ids, scores: dict, opts: StreamingOptions) -> dict:
   from sinkjax.generate import kv_bytes, streaming_nll  # pylint: disable=import-outside-toplevel
   cfg = model.cfg
   N, shape = len(ids), (cfg.num_layers, cfg.num_kv_heads)
@@ -117,10 +156,11 @@ def score_run(name: str, model, ids, importance, opts: StreamingOptions) -> dict
     rec.update(kind="sinks" if kw["sink_size"] else "window", window=w, sink_size=kw["sink_size"])
   else:
     w = int(name.rsplit("_w", 1)[1])
-    if "importance" in name:
-      kv = cache_policy.kv_scores(np.asarray(importance), cfg.num_kv_heads, "any")
+    ranking = name[len("hybrid_"):].rsplit("_w", 1)[0]
+    if ranking in RANKINGS:
+      kv = cache_policy.kv_scores(np.asarray(scores[ranking]), cfg.num_kv_heads, cache_policy.SOURCE_GQA[ranking])
       full = cache_policy.top_heads(kv, opts.full_heads, opts.scope)
-      rec.update(map_source="importance")
+      rec.update(map_source=MAP_SOURCE[ranking], ranking=ranking, gqa=cache_policy.SOURCE_GQA[ranking])
     else:
       seed = int(name.split("random", 1)[1].split("_", 1)[0])
       full = cache_policy.random_heads(shape, opts.full_heads, opts.scope, seed)
@@ -174,10 +214,13 @@ def study(checkpoint: str, out: pathlib.Path, opts: StreamingOptions, random_map
       if name == "importance":
         rec = {"name": name, **measure_importance(model, cfg, tok, out)}
         (out / "importance_docs.jsonl").unlink(missing_ok=True)
+      elif name == "far_attention":
+        rec = {"name": name, **measure_far_attention(model, tok)}
       elif name == "check":
         rec = check_run(model, ids, opts.chunk)
       else:
-        rec = score_run(name, model, ids, runner.read_json(runs.record_path("importance"))["importance"], opts)
+        scores = {r: runner.read_json(runs.record_path(r))[r] for r in opts.rankings}
+        rec = score_run(name, model, ids, scores, opts)
       rec.update(meta=meta, wall_seconds=round(time.perf_counter() - t0, 1))
       return rec, "scored"
     return run
@@ -189,7 +232,7 @@ def study(checkpoint: str, out: pathlib.Path, opts: StreamingOptions, random_map
       rec = res.record
       print(f"[streaming_real] {rec['name']}: {rec['wall_seconds']} s" +
             (f", ppl {math.exp(np.mean(rec['nll'])):.3f}" if "nll" in rec else ""), file=sys.stderr, flush=True)
-  runs.walk([runner.Run(name, do(name)) for name in plan(random_maps, opts.scope)], done)
+  runs.walk([runner.Run(name, do(name)) for name in plan(random_maps, opts.scope, opts.rankings)], done)
   report(out)
 
 
@@ -221,27 +264,37 @@ def summary(runs: dict) -> dict:
                  "commit": r["commit"]})
   out = {"rows": rows}
   hyb = {r["name"]: np.asarray(r["nll"], np.float64) for r in runs.values() if r.get("kind") == "hybrid"}
-  imp_name = f"hybrid_importance_w{HYBRID_WINDOW}"
   randoms = sorted((n for n in hyb if "random" in n), key=lambda n: runs[n]["seed"])
-  if imp_name in hyb and len(randoms) >= 2:
-    imp = hyb[imp_name]
-    ppl = {n: math.exp(hyb[n].mean()) for n in [imp_name] + randoms}
-    rank = 1 + sum(ppl[n] < ppl[imp_name] for n in randoms)
-    diffs = [ppl[n] - ppl[imp_name] for n in randoms]
-    nb = len(imp) // BLOCK
-    blocks = {n: int(np.sum(imp[:nb * BLOCK].reshape(nb, BLOCK).mean(1) < hyb[n][:nb * BLOCK].reshape(nb, BLOCK).mean(1)))
-              for n in randoms}
-    out["hybrid"] = {"importance_ppl": ppl[imp_name], "random_ppl": [ppl[n] for n in randoms],
-                     "full_heads": int(np.sum(runs[imp_name]["map"])), "heads": int(np.size(runs[imp_name]["map"])),
-                     "rank": rank, "maps": 1 + len(randoms), "p_rank": rank / (1 + len(randoms)),
-                     "blocks": nb, "blocks_won": [blocks[n] for n in randoms],
-                     "effect": stats.paired_effect(diffs, what="perplexity, random map - importance map", nd=3)}
+  ranked = [(r, f"hybrid_{r}_w{HYBRID_WINDOW}") for r in RANKINGS if f"hybrid_{r}_w{HYBRID_WINDOW}" in hyb]
+  ppl = {n: math.exp(hyb[n].mean()) for n in hyb}
+  nb = min((len(x) for x in hyb.values()), default=0) // BLOCK
+  won = lambda a, b: int(np.sum(hyb[a][:nb * BLOCK].reshape(nb, BLOCK).mean(1) <
+                                hyb[b][:nb * BLOCK].reshape(nb, BLOCK).mean(1)))   # blocks where a's NLL is lower
+  if len(randoms) >= 2:
+    out["hybrid"] = {}
+    for ranking, name in ranked:          # each ranked map against the random maps of its size (paired over maps)
+      rank = 1 + sum(ppl[n] < ppl[name] for n in randoms)
+      out["hybrid"][ranking] = {
+          "ppl": ppl[name], "random_ppl": [ppl[n] for n in randoms], "random_seeds": [runs[n]["seed"] for n in randoms],
+          "full_heads": int(np.sum(runs[name]["map"])), "heads": int(np.size(runs[name]["map"])),
+          "rank": rank, "maps": 1 + len(randoms), "p_rank": rank / (1 + len(randoms)),
+          "blocks": nb, "blocks_won": [won(name, n) for n in randoms],
+          "effect": stats.paired_effect([ppl[n] - ppl[name] for n in randoms], nd=3,
+                                        what=f"perplexity, random map - {MAP_SOURCE[ranking]} map")}
+  if len(ranked) == 2:                    # the two ranked maps against each other: one pair, descriptive
+    (ra, a), (rb, b) = ranked
+    out["between"] = {"maps": [ra, rb], "ppl_diff": ppl[b] - ppl[a], "blocks": nb, "blocks_won": won(b, a),
+                      "heads_shared": int(np.sum(np.asarray(runs[a]["map"]) & np.asarray(runs[b]["map"])))}
   if "check" in runs:
     out["check"] = runs["check"]["modes"]
   if "importance" in runs:
     imp = np.asarray(runs["importance"]["importance"])
     out["importance"] = {k: runs["importance"][k] for k in ("documents", "rows", "tokens")}
     out["importance"]["low"] = int(np.sum(imp < 0.1))
+  if "far_attention" in runs:
+    far = runs["far_attention"]
+    out["far_attention"] = {k: far[k] for k in ("rows", "seq_len", "tokens", "sink_size", "window")}
+    out["far_attention"]["mean"] = float(np.mean(far["far_attention"]))
   return out
 
 
@@ -262,7 +315,7 @@ def figure(runs: dict, path: pathlib.Path) -> None:
   importance hybrid as lines, the random hybrids as a band."""
   from sinkjax import plots  # pylint: disable=import-outside-toplevel
   order = ["full", *[f"{k}_w{w}" for w in WINDOWS for k in ("window", f"sinks{SINKS}")],
-           f"hybrid_importance_w{HYBRID_WINDOW}"]
+           *[f"hybrid_{r}_w{HYBRID_WINDOW}" for r in RANKINGS]]
   lines = [(_label(runs[n]), runs[n]["nll"]) for n in order if n in runs]
   randoms = [r["nll"] for r in runs.values() if r.get("map_source", "").startswith("random")]
   plots.plot_streaming(lines, randoms, path, window=CURVE,
@@ -277,11 +330,16 @@ def report(out: pathlib.Path) -> dict:
   lines = table(["cache", "full KV heads", "PPL", "PPL (first W)", "PPL (after W)", "KV cache bytes", "seconds"],
                 ([_label(r), heads(r), f"{r['ppl']:.3f}", f"{r['ppl_first']:.3f}", f"{r['ppl_after']:.3f}",
                   f"{r['kv_bytes']:,}", f"{r['seconds']:.0f}"] for r in sorted(s["rows"], key=order)), "lrrrrrr")
-  if "hybrid" in s:
-    h = s["hybrid"]
-    lines += ["", f"Importance map: rank {h['rank']} of {h['maps']} maps (p = {h['rank']}/{h['maps']} = "
-              f"{h['p_rank']:.3f} were it one more random map). {h['effect']['sentence']}",
-              f"512-token blocks won by the importance map, per random map: {h['blocks_won']} of {h['blocks']}."]
+  for ranking, h in s.get("hybrid", {}).items():
+    lines += ["", f"{MAP_SOURCE[ranking].capitalize()} map: rank {h['rank']} of {h['maps']} maps (p = {h['rank']}/"
+              f"{h['maps']} = {h['p_rank']:.3f} were it one more random map). {h['effect']['sentence']}",
+              f"512-token blocks won by the {MAP_SOURCE[ranking]} map, per random map: {h['blocks_won']} of "
+              f"{h['blocks']}."]
+  if "between" in s:
+    b = s["between"]
+    lines += ["", f"{MAP_SOURCE[b['maps'][1]].capitalize()} map - {MAP_SOURCE[b['maps'][0]]} map: perplexity "
+              f"{b['ppl_diff']:+.3f}; 512-token blocks won by the {MAP_SOURCE[b['maps'][1]]} map: {b['blocks_won']} "
+              f"of {b['blocks']}; full heads in both maps: {b['heads_shared']}."]
   (out / "results.md").write_text("\n".join(lines) + "\n")
   runner.write_json(out / "results.json", s)
   figure(runs, out / "streaming_real.png")
@@ -297,7 +355,8 @@ def run_plan(plan_: runner.Plan, *, dry_run: bool = False, report_only: bool = F
   seeds = [int(x) for x in plan_.axes.get("random_map", range(6))]
   out = pathlib.Path(plan_.study.out)
   if dry_run:
-    print("\n".join(f"{n}: {'done' if (out / f'{n}.json').is_file() else 'to do'}" for n in plan(seeds, opts.scope)))
+    print("\n".join(f"{n}: {'done' if (out / f'{n}.json').is_file() else 'to do'}"
+                    for n in plan(seeds, opts.scope, opts.rankings)))
   elif report_only:
     report(out)
   elif not plan_.study.run:
