@@ -356,10 +356,13 @@ def byte_run(tmp_path_factory):
 
 
 def _greedy_reference(model, ids, n):
-  """n greedy tokens by full recomputation (argmax of the plain forward over the whole sequence)."""
+  """n greedy tokens by full recomputation: the argmax of the plain causal forward over the whole sequence at its
+  last position (right-padded to a multiple of 64 tokens, which that position never sees, so few shapes compile)."""
   seq = list(ids)
   for _ in range(n):
-    seq.append(int(np.argmax(np.asarray(forward(model, jnp.asarray([seq])))[0, -1])))
+    width = -(-len(seq) // 64) * 64
+    logits = np.asarray(forward(model, jnp.asarray([seq + [0] * (width - len(seq))])))
+    seq.append(int(np.argmax(logits[0, len(seq) - 1])))
   return seq[len(ids):]
 
 
@@ -393,3 +396,28 @@ def test_chat_without_a_prompt_holds_a_conversation(byte_run, capsys):
   second = tok.decode(_greedy_reference(model, tok.encode(tok.chat.render(messages[:3])), 5))
   assert messages[1]["content"] == first and messages[3]["content"] == second
   assert out.getvalue() == first + "\n" + second + "\n"
+
+
+def _until_stop(tokens, stop):
+  return tokens[:tokens.index(stop)] if stop in tokens else tokens
+
+
+def test_a_conversation_reply_ends_at_the_tokenizer_stop_id(byte_run):
+  """A reply stops at the tokenizer's stop ids (not included) and the next turn renders the reply as it stopped.
+  The stop id is one the greedy reply is known to produce (a token of the reference's first turn, first produced
+  at its third step or later); the reference is the greedy continuation by full recomputation, cut before it."""
+  import io
+  from sinkjax.data import ByteTokenizer
+  run, model = byte_run
+  tok, n = ByteTokenizer(), 8
+  first_turn = [{"role": "user", "content": "what is it?"}]
+  free = _greedy_reference(model, tok.encode(tok.chat.render(first_turn)), n)
+  stop = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i])
+  tok.stop_ids = [stop]                                  # e.g. a tokenizer whose end of turn is this byte
+  opts = gen_lib.GenerateOptions(checkpoint=str(run), max_new_tokens=n, temperature=0.0)
+  cfg = type("C", (), {"model": model.cfg, "mesh": MeshConfig()})
+  messages = gen_lib.run_chat(opts, model, cfg, tok, lines=io.StringIO("what is it?\nand then?\n"),
+                              out=io.StringIO())
+  assert messages[1]["content"] == tok.decode(free[:free.index(stop)]) and free.index(stop) < n
+  second = _until_stop(_greedy_reference(model, tok.encode(tok.chat.render(messages[:3])), n), stop)
+  assert messages[3]["content"] == tok.decode(second)
