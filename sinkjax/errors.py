@@ -7,7 +7,8 @@ A problem the user can fix (a bad value, a missing file, an unreachable bucket) 
 `run_main(prog, fn)` turns one into `prog: error: MESSAGE` on stderr (one line) and exit status 1; argparse errors
 are `prog: error: ... (see --help)` and status 2; a run stopped by a signal (`Interrupted`) is one line and status
 128 + the signal number. A command whose extra is not installed says which one (`require_extra`). This module
-imports nothing heavy (no jax), so every layer can raise these errors.
+imports nothing heavy (no jax), so every layer can raise these errors. A module that is no longer a command says what
+replaced it (`moved`).
 """
 from __future__ import annotations
 
@@ -51,6 +52,13 @@ def require_extra(prog: str, extra: str = "train") -> None:
   if missing:
     print(f"{prog}: error: {', '.join(missing)} not installed; pip install 'sinkjax[{extra}]'", file=sys.stderr)
     sys.exit(1)
+
+
+def moved(module: str, replacement: str) -> None:
+  """A module that was a command and no longer is, run as one (`python -m`; at the top of the module, under `if
+  __name__ == "__main__"`, before its imports): one line naming what replaced it, exit status 2; nothing runs."""
+  print(f"{module}: error: no longer a command; run {replacement}", file=sys.stderr)
+  sys.exit(2)
 
 
 class Parser(argparse.ArgumentParser):

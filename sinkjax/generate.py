@@ -1,34 +1,40 @@
-"""Text generation and streaming perplexity with a fixed-shape KV cache (`python -m sinkjax.generate`).
+"""Text generation, chat and streaming perplexity with a fixed-shape KV cache: `python -m sinkjax.generate SUBCOMMAND`.
 
-    python -m sinkjax.generate --checkpoint RUN_DIR --prompt TEXT [--prompt TEXT ...] --max-new-tokens N \\
-        [--chat [--system TEXT] [--echo]] \\
-        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--cache full|streaming --sink-size S --window W]
+    python -m sinkjax.generate generate --checkpoint RUN_DIR --prompt TEXT [--prompt TEXT ...] --max-new-tokens N \\
+        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--no-stop] \\
+        [--cache full|streaming|hybrid] [--sink-size S --window W] [--full-heads F | --full-heads-from MAP.json] \\
         [section.key=value ...]
-    python -m sinkjax.generate --checkpoint RUN_DIR --chat [--system TEXT] [--max-new-tokens N]   # a conversation
-    python -m sinkjax.generate --ppl FILE --checkpoint RUN_DIR [--sink-size S --window W] [--max-tokens N]
-        [--ppl-chunk T]
-        [--full-heads F[,F...] [--full-heads-random SEED[,...]] | --full-heads-from MAP.json]
+    python -m sinkjax.generate chat --checkpoint RUN_DIR [--prompt TEXT ...] [--system TEXT] [--echo] \\
+        [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--no-stop]
+    python -m sinkjax.generate perplexity FILE --checkpoint RUN_DIR [--sink-size S] [--window W] [--max-tokens N] \\
+        [--chunk T] [--full-heads F[,F...] [--full-heads-random SEED[,...]] | --full-heads-from MAP.json]
+
+Each subcommand has its own options (`--help` after its name): `generate` and `chat` share the sampling.* section,
+`generate` and `perplexity` the head policy (cache.*, `sinkjax.cache_policy.CacheOptions`). The command line before
+the subcommands (`--chat`, `--ppl FILE`, `--ppl-chunk T`, no subcommand) is refused in one line that spells it anew.
 
 Works for every attention variant (vanilla, sink, gated) and for models with learnable sink tokens. Overrides
 change the run's config (`model.dtype=float32`); a `mesh.*` override (`mesh.fsdp=8`) restores the parameters into
 their training placement on that mesh (`sinkjax.run.load_run(mesh="run")`) instead of whole on every device, and the
-summary line gives the KV cache's bytes per device, the mesh, the parameter bytes per device and the devices' peak
-memory. Several `--prompt`s are generated together, one row each (any lengths, `Generator.generate_batch`), rows and
-the KV cache split over mesh.data x mesh.fsdp where they divide, the cache's KV heads over mesh.tensor. Under a
-launcher (`launch/local.sh --module sinkjax.generate -- ARGS`, the TPU VM and SLURM scripts) the processes join with
-`jax.distributed` as sinkjax.train's do, all run the same generation, and process 0 alone prints.
+summary line of `generate` gives the KV cache's bytes per device, the mesh, the parameter bytes per device and the
+devices' peak memory. Several `--prompt`s are generated together, one row each (any lengths,
+`Generator.generate_batch`), rows and the KV cache split over mesh.data x mesh.fsdp where they divide, the cache's KV
+heads over mesh.tensor. Under a launcher (`launch/local.sh --module sinkjax.generate -- generate ARGS`, the TPU VM and
+SLURM scripts) the processes join with `jax.distributed` as sinkjax.train's do, all run the same generation, and
+process 0 alone prints; `chat` and `perplexity` run in one process.
 
-Tokens as the model's tokenizer wants them (`sinkjax.data.tokenizers`): the prompt gets BOS only where the tokenizer
-adds one; `--chat` renders it (after `--system`, if given) through the tokenizer's chat template with the assistant's
-generation prompt, and only the reply is printed (`--echo` prints the rendering before it); `--chat` without
-`--prompt` holds a conversation: each line on stdin is a user turn, the whole conversation is rendered through the
-template for each reply (`run_chat`: one full cache of up to 4,096 tokens, replies of up to 512 tokens by default), an
-empty line or end of input ends it. Generation stops at the model's stop ids (generation_config.json's EOS, the tokenizer's EOS, or
-BOS for sinkjax's own runs; `--no-stop` goes on) and prints every token it produced, special ones included, but
-the stop token.
+Tokens as the model's tokenizer wants them (`sinkjax.data.tokenizers`): a `generate` prompt gets BOS only where the
+tokenizer adds one and is printed before its continuation. `chat` holds a conversation whose user turns are the
+`--prompt`s in order or, without one, the lines of stdin (an empty line or end of input ends it): for each turn the
+whole conversation (after `--system`, if given) is rendered through the tokenizer's chat template with the
+assistant's generation prompt, and the reply alone is printed (`--echo` prints the rendering before it; `run_chat`:
+one full cache of up to 4,096 tokens, replies of up to 512 tokens by default). Generation stops at the model's stop
+ids (generation_config.json's EOS, the tokenizer's EOS, or BOS for sinkjax's own runs; `--no-stop` goes on) and
+prints every token it produced, special ones included, but the stop token.
 
-Cache (see `sinkjax.cache`): per layer fixed-size [B, C, Hkv, D] key/value arrays plus a token counter, so the
-prefill compiles once (for this prompt's length) and the decode step compiles once and is reused for every token.
+Cache of `generate` (see `sinkjax.cache`): per layer fixed-size [B, C, Hkv, D] key/value arrays plus a token counter,
+so the prefill compiles once (for this prompt's length) and the decode step compiles once and is reused for every
+token.
 - `--cache full`: C = prompt + N tokens; nothing is evicted (positions past `model.max_seq_len` are allowed, with a
   warning: the model never saw them in training).
 - `--cache streaming --sink-size S --window W`: StreamingLLM. C = W: the first S tokens ("attention sinks") stay
@@ -49,12 +55,12 @@ else by n.
 A prompt longer than a streaming cache is prefilled up to W tokens and the rest is fed through the decode step
 (the same compiled function), which is exactly what token-by-token streaming would compute.
 
-`--ppl FILE` scores the file (BOS, where the tokenizer adds one, + its tokens, first `--max-tokens`) under three
+`perplexity FILE` scores the file (BOS, where the tokenizer adds one, + its tokens, first `--max-tokens`) under three
 caches: full, window-only (S = 0, the same W) and sinks + window, plus a hybrid row per --full-heads F (and per
 random seed, or the --full-heads-from map), and prints a StreamingLLM-style table with each cache's key/value memory
-in bytes. It scores in blocks (`--ppl-chunk` T positions per step against the cache, `sinkjax.cache`'s append mode): each
-position sees exactly the keys, at the positions, that one decode step per token gives it (`--ppl-chunk 1`), for
-every cache, so the numbers are those of token-by-token streaming (up to f32 rounding) at a fraction of the steps.
+in bytes. It scores in blocks (`--chunk` T positions per step against the cache, `sinkjax.cache`'s append mode): each
+position sees exactly the keys, at the positions, that one decode step per token gives it (`--chunk 1`), for every
+cache, so the numbers are those of token-by-token streaming (up to f32 rounding) at a fraction of the steps.
 """
 from __future__ import annotations
 
@@ -68,6 +74,7 @@ import dataclasses
 import functools
 import logging
 import math
+import shlex
 import sys
 import time
 
@@ -494,28 +501,34 @@ def format_table(rows: list[dict], window: int) -> str:
 
 
 @dataclasses.dataclass
-class GenerateOptions:
-  """The generate.* options (`python -m sinkjax.generate`; each flag the alias of its key: `--prompt X` =
-  `generate.prompt=X`; the head policy is the cache.* section, `sinkjax.cache_policy.CacheOptions`)."""
+class _RunOption:
+  """The run every subcommand reads (each subcommand's section starts with it)."""
   checkpoint: str = key("", alias="--checkpoint", metavar="CHECKPOINT", required=True,
                         help="run directory of a training run")
-  prompt: list | None = key(None, alias="--prompt", metavar="PROMPT",
-                            help="text to continue (BOS is prepended where the tokenizer adds one); repeat it for a "
-                                 "batch of prompts, generated together (one row each, split over the mesh's batch axes "
-                                 "when they divide)")
-  chat: bool = key(False, alias="--chat",
-                   help="the prompt is a user message: render it with the tokenizer's chat template (and the "
-                        "assistant's generation prompt) before generating")
-  system: str | None = key(None, alias="--system", help="--chat: a system message before the user's")
-  echo: bool = key(False, alias="--echo",
-                   help="--chat: print the prompt as the model reads it (the chat template's rendering) before the "
-                        "reply (plain prompts are always printed before their continuation)")
-  max_new_tokens: int | None = key(None, ">=1", alias="--max-new-tokens",
-                                   help="number of tokens to generate (>= 1); required with --prompt")
-  temperature: float = key(1.0, ">=0", alias="--temperature", help="0 = greedy (default 1.0)")
+
+
+@dataclasses.dataclass
+class SamplingOptions:
+  """The sampling.* options of `generate` and `chat` (`--temperature 0` = `sampling.temperature=0`)."""
+  temperature: float = key(1.0, ">=0", alias="--temperature", help="0 = greedy")
   top_k: int = key(0, ">=0", alias="--top-k", help="sample from the k most likely tokens (0 = all)")
   top_p: float = key(1.0, "(0,1]", alias="--top-p", help="nucleus sampling mass in (0, 1] (1 = all)")
   seed: int = key(0, alias="--seed", help="the sampling seed")
+  no_stop: bool = key(False, alias="--no-stop",
+                      help="keep going after the model emits a stop token (its EOS; BOS for sinkjax's own runs)")
+
+
+@dataclasses.dataclass
+class GenerateOptions(_RunOption):
+  """The generate.* options of `python -m sinkjax.generate generate` (each flag the alias of its key: `--prompt X` =
+  `generate.prompt=X`; sampling is the sampling.* section, the head policy the cache.* section,
+  `sinkjax.cache_policy.CacheOptions`)."""
+  prompt: list | None = key(None, alias="--prompt", metavar="PROMPT", required=True,
+                            help="text to continue (BOS is prepended where the tokenizer adds one); repeat it for a "
+                                 "batch of prompts, generated together (one row each, split over the mesh's batch axes "
+                                 "when they divide)")
+  max_new_tokens: int | None = key(None, ">=1", alias="--max-new-tokens", required=True,
+                                   help="number of tokens to generate")
   cache: str | None = key(None, choices=("full", "streaming", "hybrid"), alias="--cache",
                           help="full (default), streaming, or hybrid (per-head; implied by --full-heads/"
                                "--full-heads-from)")
@@ -523,103 +536,113 @@ class GenerateOptions:
                               help="streaming (heads): first tokens kept forever (default 4)")
   window: int | None = key(None, ">=1", alias="--window",
                            help="streaming (heads): cache size W incl. sinks (default: training data.seq_len)")
-  no_stop: bool = key(False, alias="--no-stop",
-                      help="keep going after the model emits a stop token (its EOS; BOS for sinkjax's own runs)")
-  ppl: str | None = key(None, alias="--ppl", metavar="FILE",
-                        help="score FILE under full / window-only / sink+window caches instead")
-  max_tokens: int = key(4096, ">=2", alias="--max-tokens",
-                        help="--ppl: score at most this many tokens (default 4096)")
-  ppl_chunk: int = key(64, ">=1", alias="--ppl-chunk",
-                       help="--ppl: positions scored per step against the cache (default 64, capped at W - S; the "
-                            "same numbers as 1 = one decode step per token, which is slower)")
 
 
-COMMAND = options.Command(
-    prog="python -m sinkjax.generate", description=__doc__.split("\n\n")[0],
-    sections={"generate": GenerateOptions, "cache": cache_policy.CacheOptions}, run_overrides=True,
-    raw_description=True)
+CHAT_MAX_NEW_TOKENS = 512      # a reply's length when --max-new-tokens is not given
+CHAT_CAPACITY = 4096           # a conversation's cache (at most model.max_seq_len): the history it can hold
 
 
-def _validate(opts: GenerateOptions, cache: cache_policy.CacheOptions) -> None:
-  """Checks across options (each option's own range and choices were checked by its declaration); sets
-  opts.cache and, for a conversation, opts.max_new_tokens to their defaults."""
+@dataclasses.dataclass
+class ChatOptions(_RunOption):
+  """The chat.* options of `python -m sinkjax.generate chat` (sampling: the sampling.* section)."""
+  prompt: list | None = key(None, alias="--prompt", metavar="PROMPT",
+                            help="a user turn; repeat it for the turns of one conversation, in order (without it: each "
+                                 "line of stdin is a turn, an empty line ends it)")
+  system: str | None = key(None, alias="--system", help="a system message before the first user turn")
+  echo: bool = key(False, alias="--echo",
+                   help="print the conversation as the model reads it (the chat template's rendering) before each "
+                        "reply")
+  max_new_tokens: int = key(CHAT_MAX_NEW_TOKENS, ">=1", alias="--max-new-tokens",
+                            help="the longest reply, in tokens")
+
+
+@dataclasses.dataclass
+class PerplexityOptions(_RunOption):
+  """The perplexity.* options of `python -m sinkjax.generate perplexity FILE` (FILE: the one word without "=", or
+  --file; the head policy: the cache.* section, whose --full-heads / --full-heads-random take lists here)."""
+  file: str = key("", alias="--file", metavar="FILE", required=True,
+                  help="the text to score under full / window-only / sinks + window caches")
+  sink_size: int = key(4, ">=0", alias="--sink-size", help="first tokens kept forever by the streaming caches")
+  window: int | None = key(None, ">=1", alias="--window",
+                           help="the streaming caches' size W incl. sinks (default: training data.seq_len)")
+  max_tokens: int = key(4096, ">=2", alias="--max-tokens", help="score at most this many tokens")
+  chunk: int = key(64, ">=1", alias="--chunk",
+                   help="positions scored per step against the cache (capped at W - S; the same numbers as 1 = one "
+                        "decode step per token, which is slower)")
+
+
+PROG = "python -m sinkjax.generate"
+COMMANDS = {
+    "generate": options.Command(
+        prog=f"{PROG} generate", run_overrides=True,
+        sections={"generate": GenerateOptions, "sampling": SamplingOptions, "cache": cache_policy.CacheOptions},
+        description="continue each --prompt (a batch of them together) with a full, streaming or per-head cache"),
+    "chat": options.Command(
+        prog=f"{PROG} chat", run_overrides=True, sections={"chat": ChatOptions, "sampling": SamplingOptions},
+        description="a conversation through the tokenizer's chat template: the --prompt turns, or stdin's lines"),
+    "perplexity": options.Command(
+        prog=f"{PROG} perplexity", run_overrides=True, positional="perplexity.file",
+        sections={"perplexity": PerplexityOptions, "cache": cache_policy.CacheOptions},
+        description="streaming perplexity of FILE under full, window-only, sinks + window and per-head caches"),
+}
+
+
+def cache_mode(opts: GenerateOptions, cache: cache_policy.CacheOptions) -> str:
+  """The cache `generate` uses: --cache, else hybrid with a head policy (--full-heads / --full-heads-from) and full
+  without one; the policy's own checks (`cache_policy.check`), one policy value, and S < W when both are given."""
   cache_policy.check(cache)
-  if opts.ppl is not None:
-    if opts.prompt is not None or opts.max_new_tokens is not None:
-      raise UsageError("--ppl scores a file; do not combine it with --prompt/--max-new-tokens")
-    if not paths.as_path(opts.ppl, "--ppl").is_file():
-      raise UsageError(f"--ppl file {opts.ppl} does not exist")
-    if opts.cache is not None:
-      raise UsageError("--ppl always compares full, window-only and sink+window caches (and --full-heads "
-                       "hybrids); drop --cache")
-    if opts.chat or opts.system is not None:
-      raise UsageError("--ppl scores a file as it is; drop --chat/--system")
-    return
-  if opts.system is not None and not opts.chat:
-    raise UsageError("--system is a chat message; add --chat")
-  if opts.echo and not opts.chat:
-    raise UsageError("--echo shows the chat template's rendering; add --chat (plain prompts are always printed)")
-  _validate_cache(opts, cache)
-  if opts.chat and opts.prompt is None:              # a conversation on stdin
-    if opts.cache != "full":
-      raise UsageError("a conversation keeps its whole history in a full cache; drop --cache and the head policy")
-    opts.max_new_tokens = CHAT_MAX_NEW_TOKENS if opts.max_new_tokens is None else opts.max_new_tokens
-  if opts.prompt is None and not opts.chat or opts.max_new_tokens is None:
-    raise UsageError("give --prompt TEXT and --max-new-tokens N, --chat alone for a conversation, or --ppl FILE")
-  if opts.prompt is not None and not all(opts.prompt):
-    raise UsageError("--prompt is empty; give some text to continue")
+  mode = opts.cache or ("hybrid" if cache_policy.wanted(cache) else "full")
+  if mode != "hybrid" and cache_policy.wanted(cache):
+    raise UsageError(f"--full-heads/--full-heads-from make a hybrid cache; drop --cache {mode}")
+  if mode == "hybrid" and not cache_policy.wanted(cache):
+    raise UsageError("--cache hybrid needs --full-heads F or --full-heads-from FILE")
+  for flag, value in (("--full-heads", cache.full_heads), ("--full-heads-random", cache.full_heads_random)):
+    if value is not None and "," in value:
+      raise UsageError(f"generation takes one {flag} value (lists are for the perplexity subcommand's table)")
+  if mode == "full" and (opts.sink_size is not None or opts.window is not None):
+    raise UsageError("--sink-size/--window only apply to --cache streaming or hybrid")
   if opts.sink_size is not None and opts.window is not None:
     check_window(opts.sink_size, opts.window)
+  return mode
 
 
-def _validate_cache(opts: GenerateOptions, cache: cache_policy.CacheOptions) -> None:
-  """Generation: --cache defaults to hybrid with a head policy, else full; one policy at most."""
-  if opts.cache is None:
-    opts.cache = "hybrid" if cache_policy.wanted(cache) else "full"
-  if opts.cache != "hybrid" and cache_policy.wanted(cache):
-    raise UsageError(f"--full-heads/--full-heads-from make a hybrid cache; drop --cache {opts.cache}")
-  if opts.cache == "hybrid" and not cache_policy.wanted(cache):
-    raise UsageError("--cache hybrid needs --full-heads F or --full-heads-from FILE")
-  if cache.full_heads is not None and "," in cache.full_heads:
-    raise UsageError("generation takes one --full-heads value (lists are for --ppl)")
-  if cache.full_heads_random is not None and "," in cache.full_heads_random:
-    raise UsageError("generation takes one --full-heads-random seed (lists are for --ppl)")
-  if opts.cache == "full" and (opts.sink_size is not None or opts.window is not None):
-    raise UsageError("--sink-size/--window only apply to --cache streaming or hybrid")
-
-
-def run(opts: GenerateOptions, cache: cache_policy.CacheOptions, run_overrides: list[str] | tuple = ()) -> None:
+def loaded_run(opts: _RunOption, run_overrides, *, one_process: str | None = None):
+  """(model, cfg, tokenizer) of the run opts.checkpoint, with the run's config overrides; a `mesh.*` override
+  restores the parameters into their training placement on that mesh (`load_run(mesh="run")`). `one_process`: what
+  refuses to run in a job of several processes (said in one line)."""
+  distributed.maybe_initialize()    # before anything touches JAX devices (a job of several processes)
+  paths.check_bucket(opts.checkpoint, "--checkpoint")
+  if not paths.as_path(opts.checkpoint, "--checkpoint").is_dir():
+    raise UsageError(f"run directory {opts.checkpoint} does not exist")
+  if one_process and jax.process_count() > 1:
+    raise UsageError(f"{one_process} runs in one process (all its devices); start it without a launcher")
   logging.getLogger("absl").setLevel(logging.ERROR)     # Orbax's read-only notices are not the user's concern
   model, cfg, tok, _ = load_run(opts.checkpoint, None, run_overrides,
                                 mesh="run" if asks_for_mesh(run_overrides) else None)
-  with jax.set_mesh(sharding_lib.mesh_of(nnx.state(model, nnx.Param))):   # as in training: kernels follow the mesh
-    if opts.ppl is not None:
-      if jax.process_count() > 1:
-        raise UsageError("--ppl runs in one process (all its devices); start it without a launcher")
-      run_ppl(opts, cache, model, cfg, tok)
-    elif opts.prompt is None:
-      if jax.process_count() > 1:
-        raise UsageError("a conversation runs in one process (all its devices); start it without a launcher")
-      run_chat(opts, model, cfg, tok)
-    else:
-      run_generate(opts, cache, model, cfg, tok)
+  return model, cfg, tok
 
 
-def run_ppl(opts: GenerateOptions, cache: cache_policy.CacheOptions, model, cfg, tok) -> None:
-  sink_size = 4 if opts.sink_size is None else opts.sink_size
+def on_its_mesh(model):
+  """The mesh the parameters are placed on, active (as in training: the kernels follow the mesh)."""
+  return jax.set_mesh(sharding_lib.mesh_of(nnx.state(model, nnx.Param)))
+
+
+def run_perplexity(opts: PerplexityOptions, cache: cache_policy.CacheOptions, model, cfg, tok) -> None:
+  """The streaming-perplexity table of opts.file (BOS, where the tokenizer adds one, + its first max_tokens tokens)
+  under every cache, printed."""
   window = cfg.data.seq_len if opts.window is None else opts.window
-  check_window(sink_size, window)
+  check_window(opts.sink_size, window)
   policies = cache_policy.policies_from(cache, cfg.model, opts.checkpoint) if cache_policy.wanted(cache) else []
-  text = paths.as_path(opts.ppl, "--ppl").read_bytes().decode("utf-8", errors="replace")
+  text = paths.as_path(opts.file, "FILE").read_bytes().decode("utf-8", errors="replace")
   ids = tok.encode_document(text)[:opts.max_tokens]
   if len(ids) <= window:
     print(f"note: {len(ids)} tokens do not exceed the window ({window}); all modes see the same context",
           file=sys.stderr)
   for label, full in policies:
     print(f"hybrid {label}: {cache_policy.describe(full)}", file=sys.stderr)
-  rows = perplexity_table(model, ids, sink_size=sink_size, window=window, policies=policies,
-                          chunk=None if opts.ppl_chunk == 1 else opts.ppl_chunk)
-  print(f"streaming perplexity of {opts.ppl} ({len(ids)} tokens) under {opts.checkpoint} "
+  rows = perplexity_table(model, ids, sink_size=opts.sink_size, window=window, policies=policies,
+                          chunk=None if opts.chunk == 1 else opts.chunk)
+  print(f"streaming perplexity of {opts.file} ({len(ids)} tokens) under {opts.checkpoint} "
         f"(attention={cfg.model.attention}, sink_tokens={cfg.model.sink_tokens}, trained at "
         f"seq_len {cfg.data.seq_len})")
   print(format_table(rows, window))
@@ -635,38 +658,38 @@ def prompt_ids(tok, prompt: str, *, chat: bool = False, system: str | None = Non
   return prompt, tok.encode_document(prompt)
 
 
-def run_generate(opts: GenerateOptions, cache: cache_policy.CacheOptions, model, cfg, tok) -> None:
-  """Generates after each --prompt; process 0 alone prints (one prompt: streamed as it comes; several: one after
-  the other once the batch is done) and writes the summary line."""
+def run_generate(opts: GenerateOptions, sampling: SamplingOptions, cache: cache_policy.CacheOptions, model, cfg,
+                 tok) -> None:
+  """Generates after each --prompt with the cache `cache_mode` picks; process 0 alone prints (one prompt: streamed as
+  it comes; several: one after the other once the batch is done), each prompt before its continuation, and writes
+  the summary line."""
   first = jax.process_index() == 0
-  if opts.chat and tok.chat.plain and first:
-    print("note: the tokenizer has no chat template; the prompt is laid out as \"User: ... Assistant: \"",
-          file=sys.stderr)
-  shown, ids = zip(*(prompt_ids(tok, p, chat=opts.chat, system=opts.system) for p in opts.prompt))
+  mode = cache_mode(opts, cache)
+  ids = [prompt_ids(tok, p)[1] for p in opts.prompt]
   longest = max(map(len, ids))
-  mode = "streaming" if opts.cache == "hybrid" else opts.cache     # the hybrid's streaming heads use S, W
-  window, sink_size = cache_plan(mode, longest, opts.max_new_tokens, opts.sink_size, opts.window, cfg.data.seq_len)
-  capacity, full_heads, note = window, None, f"{opts.cache} cache of {window} slots"
-  if opts.cache == "hybrid":
+  streaming = "streaming" if mode == "hybrid" else mode     # the hybrid's streaming heads use S, W
+  window, sink_size = cache_plan(streaming, longest, opts.max_new_tokens, opts.sink_size, opts.window,
+                                 cfg.data.seq_len)
+  capacity, full_heads, note = window, None, f"{mode} cache of {window} slots"
+  if mode == "hybrid":
     ((label, full),) = cache_policy.policies_from(cache, cfg.model, opts.checkpoint,
                                                   by_importance=cache.full_heads_random is None)
     capacity, full_heads = longest + opts.max_new_tokens, cache_policy.as_tuple(full)
     note = (f"hybrid cache {label}, {cache_policy.describe(full)} of {capacity} slots, the others {window} slots "
             f"with {sink_size} sinks")
-  if capacity > cfg.model.max_seq_len and opts.cache != "streaming" and first:
+  if capacity > cfg.model.max_seq_len and mode != "streaming" and first:
     print(f"warning: a full cache of {capacity} tokens exceeds model.max_seq_len={cfg.model.max_seq_len}; "
           "positions past it were never trained (try --cache streaming)", file=sys.stderr)
   rows = len(ids)
   gen = Generator(model, capacity=capacity, sink_size=sink_size, full_heads=full_heads, window=window, batch=rows,
                   collective_matmul=cfg.mesh.collective_matmul)
   stream = TextStream(tok, skip_special_tokens=False) if rows == 1 and first else None
-  echo = opts.echo or not opts.chat       # a chat prints the reply; the rendering only with --echo
-  if stream is not None and echo:
-    stream.out.write(shown[0])
+  if stream is not None:
+    stream.out.write(opts.prompt[0])
   t0 = time.perf_counter()
-  outs = gen.generate_batch([list(i) for i in ids], opts.max_new_tokens, temperature=opts.temperature,
-                            top_k=opts.top_k, top_p=opts.top_p, seed=opts.seed,
-                            stop_token=None if opts.no_stop else tok.stop_ids,
+  outs = gen.generate_batch(ids, opts.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                            top_p=sampling.top_p, seed=sampling.seed,
+                            stop_token=None if sampling.no_stop else tok.stop_ids,
                             on_token=None if stream is None else lambda row, t: stream(t))
   dt = time.perf_counter() - t0
   if not first:
@@ -674,9 +697,9 @@ def run_generate(opts: GenerateOptions, cache: cache_policy.CacheOptions, model,
   if stream is not None:
     stream.finish()
   else:
-    for text, out in zip(shown, outs):
-      print((text if echo else "") + tok.decode(out, skip_special_tokens=False))
-  if opts.cache == "streaming":
+    for text, out in zip(opts.prompt, outs):
+      print(text + tok.decode(out, skip_special_tokens=False))
+  if mode == "streaming":
     note += f", {sink_size} sinks"
   if any(len(out) < opts.max_new_tokens for out in outs):
     note = f"stopped at a stop token ({', '.join(map(str, tok.stop_ids))}); " + note
@@ -690,32 +713,35 @@ def run_generate(opts: GenerateOptions, cache: cache_policy.CacheOptions, model,
         f"memory {'n/a' if peak is None else f'{peak:,} bytes'}]", file=sys.stderr)
 
 
-CHAT_MAX_NEW_TOKENS = 512      # a conversation's reply length when --max-new-tokens is not given
-CHAT_CAPACITY = 4096           # a conversation's cache (at most model.max_seq_len): the history it can hold
-
-
-def run_chat(opts: GenerateOptions, model, cfg, tok, lines=None, out=None) -> list[dict]:
-  """A conversation: each line of `lines` (default stdin; an empty line or end of input ends it) is a user turn; the
-  whole conversation so far (after --system) is rendered through the tokenizer's chat template and the reply
-  generated and printed (streamed). One full cache of CHAT_CAPACITY slots (at most the model's context) serves every
-  turn, prefills padded to a multiple of 256 tokens, so few shapes compile. Returns the messages."""
-  lines = sys.stdin if lines is None else lines
-  out = sys.stdout if out is None else out
+def _stdin_turns(lines):
+  """The user turns typed on `lines` (a prompt on a terminal), up to an empty line or the end of input."""
   interactive = lines is sys.stdin and sys.stdin.isatty()
-  capacity = min(CHAT_CAPACITY, cfg.model.max_seq_len or CHAT_CAPACITY)
-  gen = Generator(model, capacity=capacity, collective_matmul=cfg.mesh.collective_matmul)
-  messages = [{"role": "system", "content": opts.system}] if opts.system else []
-  if tok.chat.plain:
-    print("note: the tokenizer has no chat template; turns are laid out as \"User: ... Assistant: \"", file=sys.stderr)
-  print(f"sinkjax.generate: chatting with {opts.checkpoint} (up to {capacity:,} tokens of history; an empty line or "
-        "Ctrl-D ends it)", file=sys.stderr, flush=True)
   while True:
     if interactive:
       print("> ", end="", file=sys.stderr, flush=True)
     line = lines.readline()
     if not line.strip():
-      return messages
-    messages.append({"role": "user", "content": line.strip()})
+      return
+    yield line.strip()
+
+
+def run_chat(opts: ChatOptions, sampling: SamplingOptions, model, cfg, tok, lines=None, out=None) -> list[dict]:
+  """A conversation: its user turns are opts.prompt in order, else the lines of `lines` (default stdin; an empty line
+  or end of input ends it). For each turn the whole conversation so far (after --system) is rendered through the
+  tokenizer's chat template and the reply generated and printed (streamed; stopped at the tokenizer's stop ids unless
+  --no-stop, a note on stderr where a reply ends at --max-new-tokens instead). One full cache of CHAT_CAPACITY slots (at most the model's context) serves every turn, prefills padded
+  to a multiple of 256 tokens, so few shapes compile. Returns the messages."""
+  out = sys.stdout if out is None else out
+  capacity = min(CHAT_CAPACITY, cfg.model.max_seq_len or CHAT_CAPACITY)
+  gen = Generator(model, capacity=capacity, collective_matmul=cfg.mesh.collective_matmul)
+  messages = [{"role": "system", "content": opts.system}] if opts.system else []
+  if tok.chat.plain:
+    print("note: the tokenizer has no chat template; turns are laid out as \"User: ... Assistant: \"", file=sys.stderr)
+  if opts.prompt is None:
+    print(f"sinkjax.generate: chatting with {opts.checkpoint} (up to {capacity:,} tokens of history; an empty line "
+          "or Ctrl-D ends it)", file=sys.stderr, flush=True)
+  for turn in (_stdin_turns(sys.stdin if lines is None else lines) if opts.prompt is None else opts.prompt):
+    messages.append({"role": "user", "content": turn})
     text = tok.chat.render(messages)
     if opts.echo:
       out.write(text)
@@ -724,23 +750,87 @@ def run_chat(opts: GenerateOptions, model, cfg, tok, lines=None, out=None) -> li
       raise UsageError(f"the conversation ({len(ids):,} tokens) and a reply of --max-new-tokens "
                        f"{opts.max_new_tokens} exceed the cache of {capacity:,} tokens; start a new conversation")
     stream = TextStream(tok, out=out, skip_special_tokens=False)
-    reply = gen.generate_batch([ids], opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
-                               top_p=opts.top_p, seed=opts.seed + len(messages), stop_token=tok.stop_ids,
+    reply = gen.generate_batch([ids], opts.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                               top_p=sampling.top_p, seed=sampling.seed + len(messages),
+                               stop_token=None if sampling.no_stop else tok.stop_ids,
                                on_token=lambda row, t: stream(t), prefill_to=lambda n: -(-n // 256) * 256)[0]
     stream.finish()
+    if len(reply) == opts.max_new_tokens and not sampling.no_stop:
+      print(f"note: the reply reached --max-new-tokens {opts.max_new_tokens} before a stop token", file=sys.stderr)
     messages.append({"role": "assistant", "content": tok.decode(reply)})
+  return messages
+
+
+# The flags of the command line before generate / chat / perplexity were subcommands: the subcommand each one means.
+RETIRED = {"--chat": "chat", "--ppl": "perplexity", "--ppl-chunk": "perplexity"}
+
+
+def new_spelling(argv: list[str]) -> list[str] | None:
+  """A command line written before the subcommands (no subcommand first, or a `RETIRED` flag anywhere) as the
+  subcommands spell it (`--chat` goes, `--ppl FILE` is perplexity's FILE, `--ppl-chunk T` its `--chunk T`); None for
+  one spelled so already."""
+  flags = [w.partition("=")[0] for w in argv]
+  retired = [RETIRED[f] for f in flags if f in RETIRED]
+  if not argv or (argv[0] in (*COMMANDS, "-h", "--help") and not retired):
+    return None
+  rest = argv[1:] if argv[0] in COMMANDS else argv
+  sub = ("perplexity" if "perplexity" in retired else "chat" if retired else
+         argv[0] if argv[0] in COMMANDS else "generate")
+  new, operand = [], []
+  words = iter(rest)
+  for word in words:
+    flag, eq, value = word.partition("=")
+    if flag == "--chat":
+      continue
+    if flag in ("--ppl", "--ppl-chunk"):
+      value = value if eq else next(words, "FILE" if flag == "--ppl" else "T")
+      if flag == "--ppl":
+        operand = [value]
+      else:
+        new += ["--chunk", value]
+      continue
+    new.append(word)
+  return [sub, *operand, *new]
 
 
 def main(argv=None) -> int:
-  def checked_run(sections, run_overrides):
+  argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+  new = new_spelling(argv)
+  if new is not None:
+    print(f"{PROG}: error: generate, chat and perplexity are subcommands now: {PROG} {shlex.join(new)} (see --help)",
+          file=sys.stderr)
+    return 2
+
+  def generate(sections, run_overrides):
     opts, cache = sections["generate"], sections["cache"]
-    _validate(opts, cache)
-    distributed.maybe_initialize()    # before anything touches JAX devices (a job of several processes)
-    paths.check_bucket(opts.checkpoint, "--checkpoint")
-    if not paths.as_path(opts.checkpoint, "--checkpoint").is_dir():
-      raise UsageError(f"run directory {opts.checkpoint} does not exist")
-    run(opts, cache, run_overrides)
-  return options.main(COMMAND, argv, checked_run)
+    cache_mode(opts, cache)                         # a bad cache: before the run is loaded
+    if not all(opts.prompt):
+      raise UsageError("--prompt is empty; give some text to continue")
+    model, cfg, tok = loaded_run(opts, run_overrides)
+    with on_its_mesh(model):
+      run_generate(opts, sections["sampling"], cache, model, cfg, tok)
+
+  def chat(sections, run_overrides):
+    opts = sections["chat"]
+    if opts.prompt is not None and not all(opts.prompt):
+      raise UsageError("--prompt is empty; give a turn or leave --prompt out to type the turns")
+    model, cfg, tok = loaded_run(opts, run_overrides, one_process="a conversation")
+    with on_its_mesh(model):
+      run_chat(opts, sections["sampling"], model, cfg, tok)
+
+  def perplexity(sections, run_overrides):
+    opts, cache = sections["perplexity"], sections["cache"]
+    cache_policy.check(cache)
+    if not paths.as_path(opts.file, "FILE").is_file():
+      raise UsageError(f"perplexity: file {opts.file} does not exist")
+    if opts.window is not None:
+      check_window(opts.sink_size, opts.window)
+    model, cfg, tok = loaded_run(opts, run_overrides, one_process="perplexity")
+    with on_its_mesh(model):
+      run_perplexity(opts, cache, model, cfg, tok)
+
+  return options.main_of(PROG, __doc__.split("\n\n")[0], COMMANDS, argv,
+                         {"generate": generate, "chat": chat, "perplexity": perplexity})
 
 
 if __name__ == "__main__":

@@ -185,14 +185,11 @@ class MetricsLogger:
       if self.tracker is not None:
         self.tracker.finish()
 
-  def finish(self, start: int) -> None:
+  def finish(self) -> None:
     """Plots and the closing line (process 0)."""
     if not self.is_main:
       return
     s, cfg = self.summary, self.cfg
-    if start >= self.stop_at:
-      print(f"nothing to do: {self.run_dir} is already at step {start} of {cfg.train.steps} (raise train.steps "
-            "to continue)")
     if s["last_importance"] is not None:
       plots.plot_training_curves(read_metrics(self.path), self.run_dir)
       plots.plot_importance_heatmap(s["last_importance"], self.run_dir / "importance.png",

@@ -14,7 +14,9 @@ parameters are non-finite leaves parameters and optimizer state untouched; train
 stop the run (no checkpoint is written from a non-finite state).
 
 Run directory: config.yaml (the resolved config), checkpoints/ (Orbax), metrics.jsonl, tb/ (TensorBoard),
-loss.png, head_imbalance.png, importance.png. Only process 0 writes logs.
+loss.png, head_imbalance.png, importance.png. Only process 0 writes logs. The same command again resumes an
+unfinished run from its latest checkpoint; on a finished one it writes nothing (every file stays as it was) and says
+that `train.steps=N`, N above the run's, extends it.
 """
 from __future__ import annotations
 
@@ -259,6 +261,19 @@ class Trainer(JittedSteps):
     if self.data_counts:
       print(sft.truncation_note(self.data_counts, cfg.data.seq_len), flush=True)
 
+  def nothing_to_do(self) -> dict:
+    """A run already at the step this invocation would stop at: one line (process 0) saying so and how to go on,
+    nothing written to the run directory; the summary `train` returns."""
+    cfg, start = self.cfg, self.start
+    if jax.process_index() == 0:
+      how = (f"train.steps=N with N > {cfg.train.steps} extends it" if start >= cfg.train.steps else
+             f"it stopped at train.stop_at_step; without it (or with a later one) it goes on to {cfg.train.steps}")
+      print(f"sinkjax.train: nothing to do: {self.run_dir} is at step {start} of train.steps={cfg.train.steps} and "
+            f"was left as it is; {how}", flush=True)
+    return {"run_dir": str(self.run_dir), "steps": cfg.train.steps, "start_step": start, "end_step": start,
+            "final_loss": None, "val_bpb": None, "last_importance": None, "num_params": self.num_params,
+            "trainable_params": self.num_trainable}
+
   def evaluate(self) -> float:
     """Validation BPB of the current parameters over the eval batches (nanochat's rule, `analysis.nll_sums`)."""
     nll = nbytes = 0.0
@@ -304,6 +319,9 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
   """Trains (or resumes) the run of `cfg`; returns a summary {steps, final_loss, val_bpb, run_dir, ...}."""
   tracking.require(cfg)     # logging.wandb without the wandb package: one line, before anything is written
   trainer = Trainer(cfg)
+  if trainer.start >= trainer.stop_at:   # finished, or at train.stop_at_step already: the run dir is left as it is
+    trainer.close()
+    return trainer.nothing_to_do()
   trainer.write_config()
   cfg, start, stop_at = trainer.cfg, trainer.start, trainer.stop_at
   log = MetricsLogger(cfg, trainer.run_dir, lr_schedule=trainer.lr_schedule, start=start, stop_at=stop_at,
@@ -349,7 +367,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict:
     log.close()
     trainer.close()
     profiler.close()
-  log.finish(start)
+  log.finish()
   log.summary.update(end_step=stop_at if data_end is None else data_end, num_params=trainer.num_params,
                      trainable_params=trainer.num_trainable)
   if trainer.data_counts:
@@ -392,7 +410,7 @@ COMMAND = options.Command(
     options_file=None,
     description="Train a sink-aware language model. Every config key can be overridden as section.key=value (e.g. "
                 "train.steps=100 model.attention=sink run.dir=runs/x). Rerunning with the same run.dir resumes from "
-                "its latest checkpoint.")
+                "its latest checkpoint; a finished run is left as it is (train.steps=N, N above its own, extends it).")
 
 
 def main(argv=None) -> int:

@@ -119,7 +119,8 @@ def test_missing_credentials_is_a_one_line_error(tmp_path):
 
 @pytest.mark.parametrize("module, args, flag", [
     ("sinkjax.eval", ["--checkpoint", "gs://bucket/r"], "--checkpoint"),
-    ("sinkjax.generate", ["--checkpoint", "gs://bucket/r", "--prompt", "hi", "--max-new-tokens", "1"], "--checkpoint"),
+    ("sinkjax.generate", ["generate", "--checkpoint", "gs://bucket/r", "--prompt", "hi", "--max-new-tokens", "1"],
+     "--checkpoint"),
 ])
 def test_missing_credentials_name_the_flag_whose_path_failed(tmp_path, module, args, flag):
   r = _run(module, args, tmp_path, GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "missing-key.json"), timeout=300)
@@ -166,8 +167,8 @@ def test_kill_and_resume_in_a_bucket(gcs, tmp_path):
 
 @pytest.mark.slow
 def test_data_generate_and_convert_from_a_bucket(gcs, tmp_path):
-  """data.source=gs://bucket/docs/*.jsonl trains like the same files on disk; generate reads the run and a --ppl
-  file from the bucket; the Hugging Face converter exports to and imports from gs://."""
+  """data.source=gs://bucket/docs/*.jsonl trains like the same files on disk; generate's perplexity reads the run and
+  its FILE from the bucket; the Hugging Face converter exports to and imports from gs://."""
   docs = tmp_path / "docs"
   docs.mkdir()
   for i in range(3):
@@ -188,8 +189,9 @@ def test_data_generate_and_convert_from_a_bucket(gcs, tmp_path):
 
   gcs.upload("bucket", "texts/ppl.txt", b"the sink takes the attention. " * 20)
   (tmp_path / "ppl.txt").write_bytes(b"the sink takes the attention. " * 20)
-  g = _run("sinkjax.generate", ["--checkpoint", "gs://bucket/d1", "--ppl", "gs://bucket/texts/ppl.txt"], tmp_path, gcs)
-  g_local = _run("sinkjax.generate", ["--checkpoint", str(tmp_path / "local"), "--ppl", str(tmp_path / "ppl.txt")],
+  g = _run("sinkjax.generate", ["perplexity", "gs://bucket/texts/ppl.txt", "--checkpoint", "gs://bucket/d1"], tmp_path,
+           gcs)
+  g_local = _run("sinkjax.generate", ["perplexity", str(tmp_path / "ppl.txt"), "--checkpoint", str(tmp_path / "local")],
                  tmp_path)
   assert g.returncode == 0 and g_local.returncode == 0, g.stderr[-3000:] + g_local.stderr[-3000:]
   table = lambda out: [line for line in out.splitlines() if line.startswith("|")]  # noqa: E731  (header names paths)
@@ -201,7 +203,7 @@ def test_data_generate_and_convert_from_a_bucket(gcs, tmp_path):
   im = _run("sinkjax.convert.hf", ["--hf-dir", "gs://bucket/hf/d1", "--out", "gs://bucket/d1-imported",
                                    "--dtype", "float32"], tmp_path, gcs)
   assert im.returncode == 0, im.stderr[-3000:]
-  g2 = _run("sinkjax.generate", ["--checkpoint", "gs://bucket/d1-imported", "--ppl", "gs://bucket/texts/ppl.txt"],
+  g2 = _run("sinkjax.generate", ["perplexity", "gs://bucket/texts/ppl.txt", "--checkpoint", "gs://bucket/d1-imported"],
             tmp_path, gcs)
   assert g2.returncode == 0, g2.stderr[-3000:]
   assert table(g2.stdout) == table(g.stdout)

@@ -342,7 +342,7 @@ def run_cli(main, argv, capsys):
 
 
 def test_generate_with_full_heads(run_dir, capsys):
-  code, out, err = run_cli(gen_lib.main, ["--checkpoint", run_dir, "--prompt", "abc", "--max-new-tokens", 5,
+  code, out, err = run_cli(gen_lib.main, ["generate", "--checkpoint", run_dir, "--prompt", "abc", "--max-new-tokens", 5,
                                           "--temperature", 0, "--no-stop", "--full-heads", 0.5, "--window", 8,
                                           "--sink-size", 2], capsys)
   assert code == 0, err
@@ -356,7 +356,7 @@ def test_ppl_table_rows_per_fraction(run_dir, tmp_path, capsys):
   """F = 1 and F = 0 reproduce the full and sink + window rows exactly; every row's bytes match the formula."""
   text = tmp_path / "t.txt"
   text.write_text("".join(chr(97 + (i * 7) % 26) for i in range(80)))
-  code, out, err = run_cli(gen_lib.main, ["--checkpoint", run_dir, "--ppl", text, "--window", 16, "--sink-size", 2,
+  code, out, err = run_cli(gen_lib.main, ["perplexity", text, "--checkpoint", run_dir, "--window", 16, "--sink-size", 2,
                                           "--full-heads", "0,0.5,1", "--full-heads-random", 3], capsys)
   assert code == 0, err
   rows = {r.split(" | ")[0].strip("| "): r.split(" | ") for r in out.splitlines() if r.startswith("| ")}
@@ -390,8 +390,8 @@ def test_ppl_table_rows_per_fraction(run_dir, tmp_path, capsys):
 def test_cli_errors_are_one_line(argv, message, run_dir, tmp_path, capsys):
   (tmp_path / "map.json").write_text("[[true, false]]")
   argv = [a.replace("{map}", str(tmp_path / "map.json")) for a in argv]
-  code, _, err = run_cli(gen_lib.main, ["--checkpoint", run_dir, "--prompt", "hi", "--max-new-tokens", 2] + argv,
-                         capsys)
+  code, _, err = run_cli(gen_lib.main, ["generate", "--checkpoint", run_dir, "--prompt", "hi", "--max-new-tokens", 2]
+                         + argv, capsys)
   assert code != 0
   assert len(err.strip().splitlines()) == 1 and err.startswith("sinkjax.generate: error:") and message in err, err
 

@@ -75,7 +75,7 @@ def test_cli_import_eval_generate_finetune_export(tmp_path):
   run_ok("sinkjax.eval", "--checkpoint", run, "--data", tmp_path / "docs.jsonl", "--batches", "1", "--batch-size", "2",
          "--out", tmp_path / "eval")
   assert np.isfinite(json.loads((tmp_path / "eval" / "report.json").read_text())["val_bpb"])
-  run_ok("sinkjax.generate", "--checkpoint", run, "--prompt", "doc", "--max-new-tokens", "5", "--temperature", "0")
+  run_ok("sinkjax.generate", "generate", "--checkpoint", run, "--prompt", "doc", "--max-new-tokens", "5", "--temperature", "0")
   tuned = tmp_path / "tuned"
   run_ok("sinkjax.train", "--config", run / "config.yaml", f"train.init_from={run}", f"run.dir={tuned}",
          f"data.source={tmp_path / 'docs.jsonl'}", "data.seq_len=32", "train.batch_size=8", "train.steps=2",

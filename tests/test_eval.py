@@ -522,6 +522,36 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
   assert e.value.code == 2
 
 
+def test_rows_are_at_most_the_model_context_when_data_seq_len_exceeds_it(models, tmp_path, capsys):
+  """A run whose data.seq_len (128) exceeds its model.max_seq_len (64) is evaluated on rows of the model's context:
+  the whole file, packed as a stream by hand into rows of 64 + 1 tokens (BOS before each document, the last partial
+  row dropped), scored by the model's forward pass and summed in numpy, is the report's val_bpb and val_loss."""
+  from sinkjax.config import Config
+  from sinkjax.run import save_params_run
+  from tests.helpers import call_main
+  model, T = models["vanilla"], 64
+  cfg = Config()
+  cfg.model, cfg.data.seq_len = tiny_config("vanilla", max_seq_len=T), 2 * T
+  save_params_run(tmp_path / "run", cfg, model)
+  rng = np.random.default_rng(7)
+  docs = [phrase_doc(rng, int(n)) for n in rng.integers(60, 140, size=4)]
+  (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d.decode()}) + "\n" for d in docs))
+  res = call_main(ev.main, ["--checkpoint", tmp_path / "run", "--data", tmp_path / "docs.jsonl", "--split", "all",
+                            "--packing", "stream", "--out", tmp_path / "eval"], capsys)
+  assert res.returncode == 0, res.stderr[-2000:]
+  report = json.loads((tmp_path / "eval" / "report.json").read_text())
+  stream = np.asarray([t for d in docs for t in [BOS, *d]], np.int32)
+  rows = stream[:len(stream) // (T + 1) * (T + 1)].reshape(-1, T + 1)
+  batch = {"inputs": rows[:, :-1], "segment_ids": np.ones((len(rows), T), np.int32),
+           "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (len(rows), T))}
+  logp = np_log_softmax(forward(model, batch)[0])
+  nll = -np.take_along_axis(logp, rows[:, 1:, None], axis=-1)[..., 0]        # every target, BOS included
+  byte = rows[:, 1:] != BOS                                                   # a BOS target has no bytes
+  np.testing.assert_allclose(report["val_bpb"], nll[byte].sum() / math.log(2) / byte.sum(), rtol=1e-5)
+  np.testing.assert_allclose(report["val_loss"], nll.mean(), rtol=1e-5)
+  assert report["seq_len"] == T and report["eval_rows"] == len(rows)
+
+
 @pytest.mark.slow
 def test_sink_model_puts_less_attention_on_the_first_token_than_vanilla():
   """A trigger-conditional LM task (after [SinkNecessary]): documents are BOS, a key letter, then a deterministic

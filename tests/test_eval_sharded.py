@@ -128,10 +128,10 @@ def test_greedy_generation_on_the_fsdp8_mesh_equals_one_device(reference, sharde
 
 @pytest.mark.slow    # a third load and compile of the model: ~40 s on a busy 2-core CPU
 def test_generate_command_on_the_fsdp8_mesh_reports_where_the_weights_live(run_dir, reference, sharded, capfd):
-  """python -m sinkjax.generate ... mesh.fsdp=8 generates on that mesh; its summary line names the mesh, the
+  """python -m sinkjax.generate generate ... mesh.fsdp=8 generates on that mesh; its summary line names the mesh, the
   parameter bytes per device (as the arrays' shards hold them) and no peak memory (the CPU keeps no statistics)."""
   capfd.readouterr()
-  assert gen.main(["--checkpoint", str(run_dir), "--prompt", "the sink holds what", "--max-new-tokens", "12",
+  assert gen.main(["generate", "--checkpoint", str(run_dir), "--prompt", "the sink holds what", "--max-new-tokens", "12",
                    "--temperature", "0", "--no-stop", *FSDP8]) == 0
   err = capfd.readouterr().err
   assert err.startswith("[12 tokens in "), err

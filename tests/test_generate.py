@@ -3,6 +3,8 @@
 References are independent of the cache code: a full causal forward pass over the whole sequence, a forward pass
 over exactly the tokens a streaming cache keeps, and a materialized-softmax attention written out here in numpy.
 """
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -303,29 +305,33 @@ def test_sampling_knobs():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--checkpoint", "/nonexistent/run", "--prompt", "hi", "--max-new-tokens", "3"], "does not exist"),
-    (["--checkpoint", "{tmp}", "--prompt", "", "--max-new-tokens", "3"], "prompt is empty"),
-    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "0"],
+    (["generate", "--checkpoint", "/nonexistent/run", "--prompt", "hi", "--max-new-tokens", "3"], "does not exist"),
+    (["generate", "--checkpoint", "{tmp}", "--prompt", "", "--max-new-tokens", "3"], "prompt is empty"),
+    (["generate", "--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "0"],
      "config key generate.max_new_tokens (--max-new-tokens) must be >= 1, got 0"),
-    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--cache", "streaming",
+    (["generate", "--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--cache", "streaming",
       "--sink-size", "8", "--window", "8"], "must exceed --sink-size"),
-    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--sink-size", "-1", "--window", "8",
-      "--cache", "streaming"], "config key generate.sink_size (--sink-size) must be >= 0, got -1"),
-    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--window", "8"], "only apply to"),
-    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--cache", "ring"],
+    (["generate", "--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--sink-size", "-1",
+      "--window", "8", "--cache", "streaming"], "config key generate.sink_size (--sink-size) must be >= 0, got -1"),
+    (["generate", "--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--window", "8"],
+     "only apply to"),
+    (["generate", "--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--cache", "ring"],
      "config key generate.cache (--cache) must be one of full|streaming|hybrid, got 'ring'"),
-    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--top-p", "0"],
-     "config key generate.top_p (--top-p) must be in (0, 1], got 0.0"),
-    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--frob"], "unrecognized arguments: --frob"),
-    (["--checkpoint", "{tmp}", "--ppl", "/nonexistent.txt"], "does not exist"),
-    (["--prompt", "hi", "--max-new-tokens", "3"], "--checkpoint"),
-    (["--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3"], "not a run directory"),
+    (["generate", "--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--top-p", "0"],
+     "config key sampling.top_p (--top-p) must be in (0, 1], got 0.0"),
+    (["generate", "--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3", "--frob"],
+     "unrecognized arguments: --frob"),
+    (["perplexity", "/nonexistent.txt", "--checkpoint", "{tmp}"], "does not exist"),
+    (["perplexity", "{file}", "--checkpoint", "{tmp}", "--sink-size", "8", "--window", "8"], "must exceed"),
+    (["chat", "--checkpoint", "{tmp}", "--prompt", ""], "prompt is empty"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "3"], "--checkpoint"),
+    (["generate", "--checkpoint", "{tmp}", "--prompt", "hi", "--max-new-tokens", "3"], "not a run directory"),
 ])
 def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
   """A bad value is one line and status 1 (a range or a choice: the key's declaration names the key and its flag);
   a command line argparse refuses (an unknown flag, a missing required option), one line and status 2
   (sinkjax.errors, sinkjax.options)."""
-  argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+  argv = [a.replace("{tmp}", str(tmp_path)).replace("{file}", __file__) for a in argv]
   try:
     status = gen_lib.main(argv)
   except SystemExit as e:
@@ -334,13 +340,43 @@ def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
   parsing = message in ("unrecognized arguments: --frob", "--checkpoint")       # the two that argparse refuses
   assert status == (2 if parsing else 1), (status, err)
   assert len(err.splitlines()) == 1 and message in err, err
-  assert err.startswith("python -m sinkjax.generate: error:" if parsing else "sinkjax.generate: error:"), err
+  assert err.startswith("python -m sinkjax.generate" if parsing else "sinkjax.generate: error:"), err
+
+
+@pytest.mark.parametrize("old,new", [
+    ("--checkpoint r --prompt hi --max-new-tokens 3 --cache streaming",
+     "generate --checkpoint r --prompt hi --max-new-tokens 3 --cache streaming"),
+    ("--checkpoint r --chat --prompt hi --system 'be brief' --echo", "chat --checkpoint r --prompt hi --system "
+     "'be brief' --echo"),
+    ("--checkpoint r --chat", "chat --checkpoint r"),
+    ("--ppl t.txt --checkpoint r --ppl-chunk 8 --full-heads 0,0.5", "perplexity t.txt --checkpoint r --chunk 8 "
+     "--full-heads 0,0.5"),
+    ("--checkpoint=r --ppl=t.txt --ppl-chunk=1", "perplexity t.txt --checkpoint=r --chunk 1"),
+    ("generate --checkpoint r --chat --prompt hi", "chat --checkpoint r --prompt hi"),
+    ("model.dtype=float32 --checkpoint r --prompt hi --max-new-tokens 3",
+     "generate model.dtype=float32 --checkpoint r --prompt hi --max-new-tokens 3"),
+])
+def test_the_command_line_before_the_subcommands_is_refused_with_its_new_spelling(old, new, capsys):
+  """`--chat`, `--ppl FILE`, `--ppl-chunk T` and a line without a subcommand: status 2 and one line that spells the
+  same request with the subcommands (as written here by hand), which parses."""
+  import shlex
+  assert gen_lib.main(shlex.split(old)) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == ("python -m sinkjax.generate: error: generate, chat and perplexity are subcommands now: "
+                 f"python -m sinkjax.generate {new} (see --help)"), err
+  assert gen_lib.new_spelling(shlex.split(new)) is None
 
 
 def test_cli_help(capsys):
   with pytest.raises(SystemExit) as e:
     gen_lib.main(["--help"])
   assert e.value.code == 0 and "--sink-size" in capsys.readouterr().out
+  for sub, own, not_own in (("generate", "--cache", "--system"), ("chat", "--system", "--cache"),
+                            ("perplexity", "--chunk", "--prompt")):
+    with pytest.raises(SystemExit) as e:
+      gen_lib.main([sub, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and own in out and not_own not in out, (sub, out)
 
 
 @pytest.fixture(scope="module")
@@ -356,10 +392,13 @@ def byte_run(tmp_path_factory):
 
 
 def _greedy_reference(model, ids, n):
-  """n greedy tokens by full recomputation (argmax of the plain forward over the whole sequence)."""
+  """n greedy tokens by full recomputation: the argmax of the plain causal forward over the whole sequence at its
+  last position (right-padded to a multiple of 64 tokens, which that position never sees, so few shapes compile)."""
   seq = list(ids)
   for _ in range(n):
-    seq.append(int(np.argmax(np.asarray(forward(model, jnp.asarray([seq])))[0, -1])))
+    width = -(-len(seq) // 64) * 64
+    logits = np.asarray(forward(model, jnp.asarray([seq + [0] * (width - len(seq))])))
+    seq.append(int(np.argmax(logits[0, len(seq) - 1])))
   return seq[len(ids):]
 
 
@@ -369,7 +408,7 @@ def test_chat_prints_the_reply_and_the_rendering_only_with_echo(byte_run, capsys
   tok = ByteTokenizer()
   rendered = tok.chat.prompt("hi")
   reply = tok.decode(_greedy_reference(model, tok.encode(rendered), 6))
-  argv = ["--checkpoint", str(run), "--chat", "--prompt", "hi", "--max-new-tokens", "6", "--temperature", "0",
+  argv = ["chat", "--checkpoint", str(run), "--prompt", "hi", "--max-new-tokens", "6", "--temperature", "0",
           "--no-stop"]
   assert gen_lib.main(argv) == 0
   assert capsys.readouterr().out == reply + "\n"
@@ -378,18 +417,49 @@ def test_chat_prints_the_reply_and_the_rendering_only_with_echo(byte_run, capsys
 
 
 def test_chat_without_a_prompt_holds_a_conversation(byte_run, capsys):
-  """Each line is a user turn; the whole conversation (the earlier replies included) is rendered through the chat
-  layout for the next reply, which is the greedy continuation of that rendering."""
+  """Each line is a user turn (or each --prompt, in order); the whole conversation (the earlier replies included) is
+  rendered through the chat layout for the next reply, which is the greedy continuation of that rendering (5 tokens,
+  no stop: each reply says so on stderr)."""
   import io
   from sinkjax.data import ByteTokenizer
   run, model = byte_run
   tok = ByteTokenizer()
-  opts = gen_lib.GenerateOptions(checkpoint=str(run), max_new_tokens=5, temperature=0.0)
+  opts = gen_lib.ChatOptions(checkpoint=str(run), max_new_tokens=5)
   out = io.StringIO()
   cfg = type("C", (), {"model": model.cfg, "mesh": MeshConfig()})     # what run_chat reads of a run's config
-  messages = gen_lib.run_chat(opts, model, cfg, tok, lines=io.StringIO("hello\nand then?\n\nnot read\n"), out=out)
+  messages = gen_lib.run_chat(opts, gen_lib.SamplingOptions(temperature=0.0), model, cfg, tok,
+                              lines=io.StringIO("hello\nand then?\n\nnot read\n"), out=out)
   assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
   first = tok.decode(_greedy_reference(model, tok.encode(tok.chat.render(messages[:1])), 5))
   second = tok.decode(_greedy_reference(model, tok.encode(tok.chat.render(messages[:3])), 5))
   assert messages[1]["content"] == first and messages[3]["content"] == second
   assert out.getvalue() == first + "\n" + second + "\n"
+  assert capsys.readouterr().err.count("note: the reply reached --max-new-tokens 5 before a stop token") == 2
+  turns = dataclasses.replace(opts, prompt=["hello", "and then?"])      # --prompt twice: the same two turns
+  assert gen_lib.run_chat(turns, gen_lib.SamplingOptions(temperature=0.0), model, cfg, tok,
+                          out=io.StringIO()) == messages
+
+
+def _until_stop(tokens, stop):
+  return tokens[:tokens.index(stop)] if stop in tokens else tokens
+
+
+def test_a_conversation_reply_ends_at_the_tokenizer_stop_id(byte_run):
+  """A reply stops at the tokenizer's stop ids (not included) and the next turn renders the reply as it stopped.
+  The stop id is one the greedy reply is known to produce (a token of the reference's first turn, first produced
+  at its third step or later); the reference is the greedy continuation by full recomputation, cut before it."""
+  import io
+  from sinkjax.data import ByteTokenizer
+  run, model = byte_run
+  tok, n = ByteTokenizer(), 8
+  first_turn = [{"role": "user", "content": "what is it?"}]
+  free = _greedy_reference(model, tok.encode(tok.chat.render(first_turn)), n)
+  stop = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i])
+  tok.stop_ids = [stop]                                  # e.g. a tokenizer whose end of turn is this byte
+  opts = gen_lib.ChatOptions(checkpoint=str(run), max_new_tokens=n)
+  cfg = type("C", (), {"model": model.cfg, "mesh": MeshConfig()})
+  messages = gen_lib.run_chat(opts, gen_lib.SamplingOptions(temperature=0.0), model, cfg, tok,
+                              lines=io.StringIO("what is it?\nand then?\n"), out=io.StringIO())
+  assert messages[1]["content"] == tok.decode(free[:free.index(stop)]) and free.index(stop) < n
+  second = _until_stop(_greedy_reference(model, tok.encode(tok.chat.render(messages[:3])), n), stop)
+  assert messages[3]["content"] == tok.decode(second)

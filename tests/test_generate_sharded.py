@@ -148,11 +148,11 @@ def test_lm_eval_generation_and_loglikelihoods_batched_on_the_mesh_equal_one_dev
 
 @pytest.mark.slow    # a 2-process job: ~1-2 min on a busy 2-core CPU
 def test_two_process_generate_gives_the_one_device_tokens_and_prints_once(run_dir, reference, tmp_path):  # noqa: F811
-  """launch/local.sh --module sinkjax.generate -- ... mesh.fsdp=8 with 8 prompts (one row each, split over the 8
+  """launch/local.sh --module sinkjax.generate -- generate ... mesh.fsdp=8 with 8 prompts (one row each, split over the 8
   devices of 2 processes): process 0 prints every prompt's continuation, the full-forward reference's greedy tokens,
   and the summary line; process 1 prints nothing."""
   from tests.test_multihost import Launch, _lines
-  args = ["--checkpoint", str(run_dir), "--max-new-tokens", "5", "--temperature", "0", "--no-stop", *FSDP8]
+  args = ["generate", "--checkpoint", str(run_dir), "--max-new-tokens", "5", "--temperature", "0", "--no-stop", *FSDP8]
   for p in PROMPTS:
     args += ["--prompt", p]
   job = Launch(tmp_path, args, module="sinkjax.generate")

@@ -137,7 +137,7 @@ def test_run_and_babysit_refuse_paths_that_are_not_the_buckets(fake):
            ("run", "--", *TRAIN, "data.tokenizer=/mnt/tok/tokenizer.json"): "--worker-local-paths",
            ("run", "--module", "sinkjax.eval", "--", "--checkpoint", "gs://bucket/d20", "--data", "val.jsonl"):
                "--data is 'val.jsonl'",
-           ("run", "--module", "sinkjax.generate", "--", "--checkpoint=runs/d20", "--prompt", "hi"):
+           ("run", "--module", "sinkjax.generate", "--", "generate", "--checkpoint=runs/d20", "--prompt", "hi"):
                "--checkpoint is 'runs/d20'"}
   for (sub, *args), msg in cases.items():
     r = _tpu(env, sub, *SLICE, "--dry-run", *args)

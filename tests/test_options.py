@@ -42,7 +42,8 @@ def _subcommand(module, word):
                                __file__=module.__file__)
 
 
-COMMANDS = {"eval": ev, "generate": gen, "lm_eval": lm_eval, "compile": compile_lib, "train": train_lib,
+COMMANDS = {"eval": ev, "generate generate": _subcommand(gen, "generate"), "generate chat": _subcommand(gen, "chat"),
+            "generate perplexity": _subcommand(gen, "perplexity"), "lm_eval": lm_eval, "compile": compile_lib, "train": train_lib,
             "bench.attention": bench_attention, "bench.data": bench_data, "bench.train": bench_train,
             "bench.trainer": bench_trainer, "bench.kernel_check": kernel_check,
             "bench.profile_summary": profile_summary, "convert.hf": convert_hf, "convert.nanochat": convert_nanochat,
@@ -51,7 +52,8 @@ COMMANDS = {"eval": ev, "generate": gen, "lm_eval": lm_eval, "compile": compile_
             "data.tokenizer from-tiktoken": _subcommand(tokenizer_cli, "from-tiktoken"),
             "experiments.paper_report": paper_report,
             "experiments.study": study}
-RUN_COMMANDS = {k: COMMANDS[k] for k in ("eval", "generate", "lm_eval")}     # those that take --checkpoint RUN_DIR
+RUN_COMMANDS = {k: COMMANDS[k] for k in ("eval", "generate generate", "generate chat", "generate perplexity",
+                                          "lm_eval")}     # those that take --checkpoint RUN_DIR
 
 # Modules whose functions below main still take the parser's namespace (none now). The test fails when one of them
 # no longer does (take it off the list) or when another module starts to.
@@ -88,7 +90,9 @@ def test_each_option_section_is_declared_in_one_module():
         where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
   assert {k: v for k, v in where.items() if len(v) > 1} == {}
   assert where["CacheOptions"] == ["cache_policy.py"]
-  assert gen.COMMAND.sections["cache"] is cache_policy.CacheOptions
+  assert gen.COMMANDS["generate"].sections["cache"] is gen.COMMANDS["perplexity"].sections["cache"] \
+      is cache_policy.CacheOptions
+  assert gen.COMMANDS["generate"].sections["sampling"] is gen.COMMANDS["chat"].sections["sampling"]
   assert passkey.SECTIONS["cache"] is cache_policy.CacheOptions
 
 
@@ -181,8 +185,9 @@ def test_library_functions_take_the_typed_sections():
   import inspect
   assert list(inspect.signature(cache_policy.policies_from).parameters)[:3] == ["opts", "cfg", "run_dir"]
   assert inspect.signature(ev.run).parameters["opts"].annotation in ("EvalOptions", ev.EvalOptions)
-  for fn in (gen.run, gen.run_ppl, gen.run_generate, gen.run_chat):
-    assert inspect.signature(fn).parameters["opts"].annotation in ("GenerateOptions", gen.GenerateOptions), fn
+  for fn, cls in ((gen.run_generate, "GenerateOptions"), (gen.run_chat, "ChatOptions"),
+                  (gen.run_perplexity, "PerplexityOptions")):
+    assert inspect.signature(fn).parameters["opts"].annotation == cls, fn
   assert inspect.signature(lm_eval.run).parameters["opts"].annotation in ("LMEvalOptions", lm_eval.LMEvalOptions)
   for fn, cls in ((convert_hf.run, "HFConvertOptions"), (convert_nanochat.run, "NanochatConvertOptions"),
                   (fineweb.plan_and_download, "FineWebOptions"),
@@ -296,9 +301,10 @@ BAD = [
     ("eval", ["eval.batches=0"], "config key eval.batches (--batches) must be >= 1, got 0"),
     ("eval", ["--split", "train"], "config key eval.split (--split) must be one of val|all, got 'train'"),
     ("eval", ["--max-docs", "many"], "config key eval.max_docs (--max-docs) must be int, got 'many'"),
-    ("generate", ["--top-p", "1.5"], "config key generate.top_p (--top-p) must be in (0, 1], got 1.5"),
-    ("generate", ["--max-tokens", "1"], "config key generate.max_tokens (--max-tokens) must be >= 2, got 1"),
-    ("generate", ["--full-heads-scope", "model"],
+    ("generate generate", ["--top-p", "1.5"], "config key sampling.top_p (--top-p) must be in (0, 1], got 1.5"),
+    ("generate perplexity", ["--max-tokens", "1"],
+     "config key perplexity.max_tokens (--max-tokens) must be >= 2, got 1"),
+    ("generate generate", ["--full-heads-scope", "model"],
      "config key cache.full_heads_scope (--full-heads-scope) must be one of layer|global, got 'model'"),
     ("lm_eval", ["--limit", "0"], "config key lm_eval.limit (--limit) must be > 0, got 0.0"),
     ("lm_eval", ["--bootstrap-iters", "-1"],
@@ -331,7 +337,8 @@ def test_a_bad_value_is_one_line_from_its_declaration(name, argv, message, capsy
   assert str(e.value).startswith(message), str(e.value)
   assert module.main(REQUIRED[name] + argv) == 1        # before any work: the value
   err = capsys.readouterr().err
-  assert err.strip().splitlines() == [f"sinkjax.{name}: error: {str(e.value)}"], err
+  assert err.strip().splitlines() == [f"sinkjax.{name.split()[0]}: error: {str(e.value)}"], err   # a subcommand's:
+                                                                                               # the command's name
 
 
 def test_every_range_and_choice_is_checked(capsys):

@@ -406,7 +406,7 @@ def test_passkey_table_and_ablations_come_from_the_raw_records():
 
 
 def test_passkey_perplexity_table_and_ranks():
-  """The --ppl rows STREAMING.md quotes are ppl.md's / ppl_ablations.md's, and the importance map's rank among its
+  """The perplexity rows STREAMING.md quotes are ppl.md's / ppl_ablations.md's, and the importance map's rank among its
   random peers (3rd of 6 at both sizes) holds."""
   ppl = {}
   for name in ("ppl.md", "ppl_ablations.md"):

@@ -1,7 +1,8 @@
 """The study runner (`sinkjax.experiments.runner`) on a toy study of three runs whose `do` writes files instead of
 training: finished runs are skipped, an interrupted run resumes from what it left, a run another process holds is
 skipped and made later, records carry the study's commit and runs of two commits are refused in one line, and each
-run's raw files (not its checkpoints) are copied to RAW/NAME."""
+run's raw files (not its checkpoints) are copied to RAW/NAME. The drivers' old commands name the study file that
+replaced them and fail."""
 import json
 import subprocess
 import sys
@@ -180,3 +181,41 @@ def test_the_old_study_kind_key_is_refused_naming_study_driver(tmp_path):
       runner.load_plan(*args)
   for path in sorted(pathlib.Path(streaming_real.STUDY_FILE).parent.glob("*.yaml")):
     assert runner.load_plan(path).study.driver in runner.STUDY_DRIVERS, path
+
+
+# What each study driver's own command was before the study runner took over (#50: earlier docs and shell histories
+# hold these lines), and the study file that now runs it.
+MOVED = {"heads_real": (["--run", "x", "--out", "y"], "heads_fig4.yaml"),
+         "heads_pinning": (["--run", "x", "--out", "y", "--only", "null"], "heads_pinning.yaml"),
+         "paper": (["--scale", "cpu", "--dry-run"], "paper_cpu.yaml"),
+         "passkey": (["--make-data", "out.jsonl"], "passkey_tiny.yaml"),
+         "streaming_real": (["--checkpoint", "runs/smollm2", "--report"], "streaming_real.yaml"),
+         "trigger": (["--quick", "--out", "d"], "trigger.yaml")}
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_a_driver_that_was_a_command_names_its_study_file(name, capsys, monkeypatch):
+  """`python -m sinkjax.experiments.NAME ...` (its module run as __main__, in this process) runs nothing: one line
+  naming the study runner's spelling with an existing study file, and exit status 2, whatever the old flags."""
+  import runpy
+  from tests.helpers import ROOT
+  argv, study_file = MOVED[name]
+  monkeypatch.setattr(sys, "argv", [f"sinkjax.experiments.{name}", *argv])
+  monkeypatch.delitem(sys.modules, f"sinkjax.experiments.{name}", raising=False)   # runpy runs a fresh copy
+  with pytest.raises(SystemExit) as e:
+    runpy.run_module(f"sinkjax.experiments.{name}", run_name="__main__")
+  out = capsys.readouterr()
+  assert e.value.code == 2 and out.out == "", (e.value.code, out.out)
+  assert out.err.count("\n") == 1 and out.err.startswith(f"sinkjax.experiments.{name}: error: no longer a command; "
+                                                         f"run python -m sinkjax.experiments.study "
+                                                         f"configs/studies/{study_file}"), out.err
+  assert (ROOT / "configs" / "studies" / study_file).is_file()
+
+
+def test_the_old_fig4_command_fails_in_one_line():
+  """The issue's own check, as a user runs it: `python -m sinkjax.experiments.heads_real --run x --out y` exits
+  non-zero with at most 3 lines of output (it used to exit 0 and print nothing)."""
+  r = subprocess.run([sys.executable, "-m", "sinkjax.experiments.heads_real", "--run", "x", "--out", "y"],
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode != 0 and len((r.stdout + r.stderr).strip().splitlines()) <= 3, r
+  assert "configs/studies/heads_fig4.yaml" in r.stderr, r.stderr

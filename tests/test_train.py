@@ -280,6 +280,29 @@ def test_exact_resume(tmp_path, compile_cache):
   assert cfg.model.vocab_size == tok.vocab_size == 257
 
 
+def _files(run_dir: pathlib.Path) -> dict:
+  """{path: (sha256, mtime)} of every file under run_dir."""
+  return {str(p.relative_to(run_dir)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+          for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_finished_run_run_again_changes_nothing(tmp_path, compile_cache, capsys):
+  """`python -m sinkjax.train --config X` again on a finished run: every file of the run directory keeps its bytes
+  (and is not even rewritten), no file appears (no TensorBoard event file, no rewritten config.yaml), and the one line
+  it prints says how to extend the run (train.steps=N)."""
+  argv = ["--config", TINY, *SMALL, "train.steps=2", f"run.dir={tmp_path}"]
+  assert call_main(train_lib.main, argv, capsys).returncode == 0
+  before = _files(tmp_path)
+  assert "config.yaml" in before and "metrics.jsonl" in before and any(k.startswith("tb/") for k in before)
+  time.sleep(0.01)                         # a rewrite would show in the modification times
+  again = call_main(train_lib.main, argv, capsys)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert _files(tmp_path) == before
+  assert again.stdout.strip().splitlines() == [
+      f"sinkjax.train: nothing to do: {tmp_path} is at step 2 of train.steps=2 and was left as it is; "
+      "train.steps=N with N > 2 extends it"], again.stdout
+
+
 def test_checkpoint_keep_steps_are_saved_and_never_deleted(tmp_path, compile_cache):
   """checkpoint.keep_steps: a step off the checkpoint.every cadence is saved, and outlives checkpoint.keep (1 here);
   the rest are rolled as before (the latest one only)."""

@@ -14,6 +14,13 @@ and made again from step 0. The setup and the readings: docs/RESULTS.md, "App. D
 """
 from __future__ import annotations
 
+from sinkjax import errors
+
+if __name__ == "__main__":   # a command until the study runner (#50) ran it
+  errors.moved("sinkjax.experiments.heads_pinning",
+            "python -m sinkjax.experiments.study configs/studies/heads_pinning.yaml (--run RUN: study.run=RUN; --out "
+            "OUT: study.out=OUT; the null arm: heads_pinning_null.yaml)")
+
 import functools
 import json
 import math

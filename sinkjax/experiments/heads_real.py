@@ -10,6 +10,13 @@ module at commit 9125455.
 """
 from __future__ import annotations
 
+from sinkjax import errors
+
+if __name__ == "__main__":   # a command until the study runner (#50) ran it
+  errors.moved("sinkjax.experiments.heads_real",
+            "python -m sinkjax.experiments.study configs/studies/heads_fig4.yaml (--run RUN: study.run=RUN; --out "
+            "OUT: study.out=OUT)")
+
 import ast
 import functools
 import hashlib

@@ -12,6 +12,13 @@ docs/RESULTS.md reads them.
 """
 from __future__ import annotations
 
+from sinkjax import errors
+
+if __name__ == "__main__":   # a command until the study runner (#50) ran it
+  errors.moved("sinkjax.experiments.paper",
+            "python -m sinkjax.experiments.study configs/studies/paper_cpu.yaml (--scale X: paper_X.yaml; --out DIR: "
+            "study.out=DIR; --dry-run and --report-only as before)")
+
 import dataclasses
 import json
 import os

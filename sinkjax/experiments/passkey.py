@@ -8,6 +8,13 @@ the files and the training data: docs/STREAMING.md, "Passkey retrieval by cache"
 """
 from __future__ import annotations
 
+from sinkjax import errors
+
+if __name__ == "__main__":   # a command until the study runner (#50) ran it
+  errors.moved("sinkjax.experiments.passkey",
+            "python -m sinkjax.experiments.study configs/studies/passkey_tiny.yaml (study.run=RUN); its training mix "
+            "(--make-data OUT.jsonl): python -m sinkjax.data.passkey --out OUT.jsonl")
+
 import dataclasses
 import json
 import logging

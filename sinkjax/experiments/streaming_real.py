@@ -21,6 +21,13 @@ permutation statement, `stats.paired_effect` over the maps): docs/STREAMING.md, 
 """
 from __future__ import annotations
 
+from sinkjax import errors
+
+if __name__ == "__main__":   # a command until the study runner (#50) ran it
+  errors.moved("sinkjax.experiments.streaming_real",
+            "python -m sinkjax.experiments.study configs/studies/streaming_real.yaml (--checkpoint RUN: "
+            "study.run=RUN; --out DIR: study.out=DIR; --report: --report-only)")
+
 import dataclasses
 import hashlib
 import json

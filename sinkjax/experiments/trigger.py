@@ -12,6 +12,13 @@ results.json, table.txt and the attention figures (Fig. 3 for 1x1 models, Figs. 
 """
 from __future__ import annotations
 
+from sinkjax import errors
+
+if __name__ == "__main__":   # a command until the study runner (#50) ran it
+  errors.moved("sinkjax.experiments.trigger",
+            "python -m sinkjax.experiments.study configs/studies/trigger.yaml (--quick: trigger_quick.yaml; --out "
+            "DIR: study.out=DIR)")
+
 import dataclasses
 import sys
 import time
