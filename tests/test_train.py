@@ -174,7 +174,7 @@ def _assert_same_step(step_a, state_a, step_b, state_b, batch):
   same updates of the weights. The updates are compared relative to their own size: Muon orthogonalises the gradient
   with Newton-Schulz iterations in bfloat16 (nanochat's), which turns float32 rounding differences of the gradient
   (a loss summed in another order) into bfloat16-sized differences of the update (seen on jax 0.12's XLA:CPU: up to
-  ~1 % of the largest update element); a wrong gradient moves the update by its own size."""
+  3.7 % of the largest update element, on 1 of 4,096; tolerance 1/16); a wrong gradient moves it by its own size."""
   before = [np.asarray(x, np.float64) for x in jax.tree.leaves(state_a["params"])]
   sa, ma = step_a(state_a, batch)
   sb, mb = step_b(state_b, batch)
@@ -183,7 +183,7 @@ def _assert_same_step(step_a, state_a, step_b, state_b, batch):
   np.testing.assert_allclose(np.asarray(ma["importance"]), np.asarray(mb["importance"]), atol=1e-6)
   for a, b, p in zip(jax.tree.leaves(sa["params"]), jax.tree.leaves(sb["params"]), before):
     da, db = np.asarray(a, np.float64) - p, np.asarray(b, np.float64) - p
-    np.testing.assert_allclose(da, db, atol=max(1e-6, 2.0 ** -5 * float(np.abs(da).max())))
+    np.testing.assert_allclose(da, db, atol=max(1e-6, 2.0 ** -4 * float(np.abs(da).max())))
 
 
 @pytest.mark.parametrize("memory", [pytest.param(["model.scan_layers=true"], marks=pytest.mark.slow),
