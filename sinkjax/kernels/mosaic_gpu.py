@@ -104,8 +104,7 @@ def _mask(base, q_seg, T: int, S: int, causal: bool, ranged: bool):
 def _visible(q_seg, T: int, S: int, causal: bool, ranged: bool):
   """[B, 1, T]: whether a query sees any key (the contract's rows with lse -inf are those that see none)."""
   t = jnp.arange(T, dtype=jnp.int32)[None, :]
-  hi = jnp.full_like(q_seg, S) if not ranged else segments.document_ranges(q_seg)[1]
-  lo = jnp.zeros_like(q_seg) if not ranged else segments.document_ranges(q_seg)[0]
+  lo, hi = segments.document_ranges(q_seg) if ranged else (jnp.zeros_like(q_seg), jnp.full_like(q_seg, S))
   if causal:
     hi = jnp.minimum(hi, t + (S - T) + 1)
   return (hi > lo)[:, None, :]
