@@ -1,9 +1,9 @@
 """Attention-sink diagnostics of a trained `Transformer`: per-batch statistics of the model's own forward pass.
 
-There is one forward pass: `recorded_forward` calls the model with `record=True`, and each layer records what it
+There is one forward pass: `recorded_forward` calls the model with `record_trace=True`, and each layer records what it
 attended with (q/k/v, the gate, its materialized attention weights from `Attention.attention_weights`, which know
 the variant, sliding windows and sink tokens) and each block its output; value zeroing ([Sink-MoE] App. A) is the
-model's `zero_first_value` option. Everything here is a pure function of the model and a batch; the recorded
+model's `zero_first_token_value` option. Everything here is a pure function of the model and a batch; the recorded
 values are removed again, so the model is left as it was.
 
 Statistics (all accumulated as sums and counts so that several batches combine into exact means):
@@ -45,7 +45,7 @@ POSITION_BINS = 64       # value norm by in-document position: positions 0 .. PO
 
 
 class LayerTrace(NamedTuple):
-  """What one block computed, recorded by the model's own forward pass (`Transformer(..., record=True)`). Shapes:
+  """What one block computed, recorded by the model's own forward pass (`Transformer(..., record_trace=True)`). Shapes:
   q [B,T,Hq,D], k/v [B,T,Hkv,D] (Hq when values were zeroed), gate [B,T,Hq] or [B,T,Hq,D], weights [B,Hq,T,T],
   sink_weight [B,T,Hq] (the weight outside the sequence keys: on the sink logit and on learnable sink tokens), hidden
   [B,T,d_model] (after the block); weights / sink_weight / hidden are None when only values were zeroed."""
@@ -69,14 +69,14 @@ def document_starts(segment_ids):
   return (first == jnp.arange(T)[None, :]) & (segment_ids != 0)
 
 
-def recorded_forward(model: Transformer, tokens, *, segment_ids=None, positions=None, zero_first_value=None,
+def recorded_forward(model: Transformer, tokens, *, segment_ids=None, positions=None, zero_first_token_value=None,
                      keep_weights: bool = True):
   """(logits [B,T,V], [LayerTrace per layer] or None): the model's own forward pass with its layers recording
-  (`record=True`) what the diagnostics need, and optionally the first token's value zeroed where
-  `zero_first_value` [L, Hq] ([Sink-MoE] App. A; L the layers with heads). keep_weights=False records nothing (BPB-only passes). The model's
+  (`record_trace=True`) what the diagnostics need, and optionally the first token's value zeroed where
+  `zero_first_token_value` [L, Hq] ([Sink-MoE] App. A; L the layers with heads). keep_weights=False records nothing (BPB-only passes). The model's
   sown values are removed again, so it stays as it was."""
-  logits = model(tokens, segment_ids=segment_ids, positions=positions, record=keep_weights,
-                 zero_first_value=zero_first_value)
+  logits = model(tokens, segment_ids=segment_ids, positions=positions, record_trace=keep_weights,
+                 zero_first_token_value=zero_first_token_value)
   pop_head_importance(model)
   if not keep_weights:
     return logits, None
@@ -229,11 +229,11 @@ def far_attention(model: Transformer, batches, *, sink_size: int, window: int) -
   return t["far_sum"] / t["far_count"][:, None]
 
 
-def zeroed_lm_sums(model: Transformer, batch, zero_first_value):
-  """`lm_sums` of the model's forward with the first token's value zeroed where `zero_first_value` [L,Hq]."""
+def zeroed_lm_sums(model: Transformer, batch, zero_first_token_value):
+  """`lm_sums` of the model's forward with the first token's value zeroed where `zero_first_token_value` [L,Hq]."""
   tokens = batch["inputs"]
   logits, _ = recorded_forward(model, tokens, segment_ids=batch.get("segment_ids"),
-                               positions=batch.get("positions"), zero_first_value=zero_first_value,
+                               positions=batch.get("positions"), zero_first_token_value=zero_first_token_value,
                                keep_weights=False)
   return lm_sums(logits, batch)
 

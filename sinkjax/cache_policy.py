@@ -32,7 +32,7 @@ import numpy as np
 
 from sinkjax import paths
 from sinkjax.errors import UserError
-from sinkjax.config import key
+from sinkjax.config import declare
 
 SOURCES = ("importance", "alpha", "far_attention")
 SCOPES = ("layer", "global")
@@ -170,27 +170,27 @@ def as_tuple(full: np.ndarray) -> tuple:
 class CacheOptions:
   """The cache.* options: the head policy of `sinkjax.generate` and the passkey study files (each flag the
   alias of its key: `--full-heads 0.5` = `cache.full_heads=0.5`)."""
-  full_heads: str | None = key(None, alias="--full-heads", metavar="F[,F...]",
+  full_heads: str | None = declare(None, alias="--full-heads", metavar="F[,F...]",
                                help="per-head cache: keep a full cache for a fraction F in [0, 1] (or an integer count "
                                     "> 1) of the KV heads, the rest sinks + window; chosen by importance (lowest = "
                                     "streaming)")
-  full_heads_from: str | None = key(None, alias="--full-heads-from", metavar="FILE",
+  full_heads_from: str | None = declare(None, alias="--full-heads-from", metavar="FILE",
                                     help="per-head cache from an explicit JSON [layers][kv heads] map of booleans or "
                                          "0/1")
-  full_heads_random: str | None = key(None, alias="--full-heads-random", metavar="SEED[,SEED...]",
+  full_heads_random: str | None = declare(None, alias="--full-heads-random", metavar="SEED[,SEED...]",
                                       help="the random control: the same number of full heads chosen at random "
                                            "(generation: instead of by importance; tables: extra rows per seed)")
-  full_heads_by: str = key("importance", choices=SOURCES, alias="--full-heads-by",
+  full_heads_by: str = declare("importance", choices=SOURCES, alias="--full-heads-by",
                            help="importance (training's metrics.jsonl or eval's report.json; lowest streams), alpha "
                                 "(eval's sink ratio; highest streams) or far_attention (the streaming study's "
                                 "far_attention.json as --head-scores; lowest streams)")
-  full_heads_scope: str = key("layer", choices=SCOPES, alias="--full-heads-scope",
+  full_heads_scope: str = declare("layer", choices=SCOPES, alias="--full-heads-scope",
                               help="layer: F of each layer's heads; global: F of all heads, ranked across layers")
-  full_heads_gqa: str = key("source", choices=("source",) + GQA_RULES, alias="--full-heads-gqa",
+  full_heads_gqa: str = declare("source", choices=("source",) + GQA_RULES, alias="--full-heads-gqa",
                             help="GQA: a KV head scores as its best query head (any), the group mean (mean), or by "
                                  "the source's own rule (source: any for importance and alpha, mean for "
                                  "far_attention)")
-  head_scores: str | None = key(None, alias="--head-scores", metavar="PATH",
+  head_scores: str | None = declare(None, alias="--head-scores", metavar="PATH",
                                 help="report.json, metrics.jsonl or run dir to read importance/alpha from (default: "
                                      "the checkpoint's eval/report.json, else its metrics.jsonl)")
 

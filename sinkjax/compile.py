@@ -26,7 +26,7 @@ import sys
 import time
 from sinkjax import errors, hlo, options
 from sinkjax.errors import UserError
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.markdown import row, table
 
 # Compile-only TPU devices need libtpu's plugin, which takes a lock file per host; other JAX processes on this host
@@ -551,34 +551,34 @@ def _hints(r: dict) -> str:
 class CompileOptions:
   """The compile.* options (`python -m sinkjax.compile`; each flag the alias of its key: `--topology v5e:4x8` =
   `compile.topology=v5e:4x8`). Its --config is the training config compiled, so the command has no file of options."""
-  config: str = key("", alias="--config", metavar="CONFIG", help="YAML config file (configs/...)")
-  topology: str = key("", alias="--topology",
+  config: str = declare("", alias="--config", metavar="CONFIG", help="YAML config file (configs/...)")
+  topology: str = declare("", alias="--topology",
                       help="v5e:4x8 | v5litepod-32 | v4-32 | v5p-64 | v6e-8 | 2xv5litepod-32 (two slices) ... | "
                            "h100:8 (one node of 8 NVIDIA H100) | h100:2x8 (nodes x GPUs)")
-  table: list = key([], alias="--table", nargs="+",
+  table: list = declare([], alias="--table", nargs="+",
                     metavar="JSON",
                     help="instead of compiling: print the Markdown table of these --json reports (docs/TPU.md)")
-  json: str | None = key(None, alias="--json", metavar="FILE", help="also write the report as JSON")
-  no_eval: bool = key(False, alias="--no-eval", help="skip the eval step")
-  decode: str | None = key(None, alias="--decode", metavar="ROWSxSLOTS",
+  json: str | None = declare(None, alias="--json", metavar="FILE", help="also write the report as JSON")
+  no_eval: bool = declare(False, alias="--no-eval", help="skip the eval step")
+  decode: str | None = declare(None, alias="--decode", metavar="ROWSxSLOTS",
                            help="also compile the decode step sinkjax.generate and sinkjax.lm_eval run (Generator's): "
                                 "ROWS sequences against a full KV cache of SLOTS positions, e.g. 64x4096")
-  eval: int | None = key(None, ">=1", alias="--eval", metavar="ROWS",
+  eval: int | None = declare(None, ">=1", alias="--eval", metavar="ROWS",
                          help="also compile the batch function sinkjax.eval runs (forward, BPB and importance) on ROWS "
                               "rows of data.seq_len tokens")
-  search: str | None = key(None, alias="--search", const=",".join(SEARCH_POLICIES), metavar="POLICY,...",
+  search: str | None = declare(None, alias="--search", const=",".join(SEARCH_POLICIES), metavar="POLICY,...",
                            help="compile each model.remat_policy (default: " + ", ".join(SEARCH_POLICIES) + ") with "
                                 "model.remat=true and pick the fastest estimated step that fits; prints the table")
-  accum: str | None = key(None, alias="--accum", metavar="N,...",
+  accum: str | None = declare(None, alias="--accum", metavar="N,...",
                           help="with --search: also try these train.grad_accum values (fewer rows per chip each)")
-  vary: list = key([], alias="--vary",
+  vary: list = declare([], alias="--vary",
                    metavar="section.key=V1,V2",
                    help="with --search: also try each of these values of a config key (repeatable; candidates are "
                         "the product), e.g. --vary mesh.collective_matmul=gather,windowed")
-  hlo: str | None = key(None, alias="--hlo", metavar="FILE",
+  hlo: str | None = declare(None, alias="--hlo", metavar="FILE",
                         help="also write the compiled train step's text (HLO after optimization; .gz: gzipped), what "
                              "the speed figures are read from")
-  top: int = key(12, ">=0", alias="--top", metavar="N",
+  top: int = declare(12, ">=0", alias="--top", metavar="N",
                  help="print the N instructions that move the most HBM bytes (the report's hbm_breakdown; --json keeps "
                       "25)")
 

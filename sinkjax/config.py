@@ -20,7 +20,7 @@ from sinkjax.errors import ConfigError  # noqa: F401  (re-exported: sinkjax.conf
 
 
 # pylint: disable-next=redefined-builtin
-def key(default, range: str | None = None, *, choices=None, alias: str | None = None, help: str | None = None,
+def declare(default, range: str | None = None, *, choices=None, alias: str | None = None, help: str | None = None,
         metavar: str | None = None, required: bool = False, nargs: str | None = None, const: str | None = None,
         other_aliases: tuple = (), formerly: str | None = None):
   """A config key's one declaration: its default (the annotation gives its type), the range a number must lie in
@@ -48,12 +48,12 @@ def key(default, range: str | None = None, *, choices=None, alias: str | None = 
 
 
 def renamed(section_cls, name: str) -> str | None:
-  """The key of the section (a dataclass declared with `key`) that was once spelled `name` (`key(formerly=name)`)."""
+  """The key of the section (a dataclass declared with `declare`) that was once spelled `name` (`declare(formerly=name)`)."""
   return next((f.name for f in dataclasses.fields(section_cls) if f.metadata.get("formerly") == name), None)
 
 
 def _declared(config_cls) -> tuple[dict, dict]:
-  """(CHOICES, RANGES): {"section.key": allowed} of every field of every section declared with `key`."""
+  """(CHOICES, RANGES): {"section.key": allowed} of every field of every section declared with `declare`."""
   choices_, ranges = {}, {}
   for section in dataclasses.fields(config_cls):
     for f in dataclasses.fields(section.default_factory):
@@ -73,29 +73,29 @@ class AttentionSection:
   part of `ModelConfig` (flat model.* keys like the others). norm_scale, norm_eps and init apply to the rest of the
   model too. The gate options are gated attention's ([GatedAttn]; layers' "Gating ablations"; which of them only
   gated reads, `sinkjax.kinds.gated.GATE_OPTIONS`)."""
-  attention: str = key("vanilla", choices=choices.ATTENTION_VARIANTS) # vanilla | sink | gated | relu
-  gate: str = key("headwise", choices=choices.GATE_KINDS) # headwise | elementwise (gated attention)
-  gate_position: str = key("sdpa", choices=choices.GATE_POSITIONS) # sdpa: out = SDPA * g(x_t) (G1) | value: v_j * g(x_j) before attention (G2)
+  attention: str = declare("vanilla", choices=choices.ATTENTION_VARIANTS) # vanilla | sink | gated | relu
+  gate: str = declare("headwise", choices=choices.GATE_KINDS) # headwise | elementwise (gated attention)
+  gate_position: str = declare("sdpa", choices=choices.GATE_POSITIONS) # sdpa: out = SDPA * g(x_t) (G1) | value: v_j * g(x_j) before attention (G2)
   gate_shared: bool = False         # head-shared: one score per token (headwise) / per dim (elementwise) for all
                                     # heads, from a projection with 1/H of the outputs
-  gate_activation: str = key("sigmoid", choices=choices.GATE_ACTIVATIONS) # y * sigmoid(z) | y * ns_sigmoid(z) = 0.5 + 0.5 sigmoid | y * silu(z)
+  gate_activation: str = declare("sigmoid", choices=choices.GATE_ACTIVATIONS) # y * sigmoid(z) | y * ns_sigmoid(z) = 0.5 + 0.5 sigmoid | y * silu(z)
                                     # | silu_additive: y + SiLU(z)  (z = x W + b)
-  gate_input: str = key("dependent", choices=choices.GATE_INPUTS) # dependent: z = x W + b | independent: z = a learned logit per head (and dim),
+  gate_input: str = declare("dependent", choices=choices.GATE_INPUTS) # dependent: z = x W + b | independent: z = a learned logit per head (and dim),
                                     # initialized to gate_bias_init ([GatedAttn] Table 4 row 6: 0)
   gate_bias: bool = True            # the b of z = x W + b (Qwen3-Next's gate, a half of its q projection, has none)
-  gate_bias_init: float = key(0.0, "any") # initial gate bias (gated attention): sigmoid(0) = 0.5
-  sink_init: float = key(0.0, "any") # initial sink logit (sink attention)
-  sink_tokens: int = key(0, ">=0")  # learnable sink tokens prepended to K/V ([StreamingLLM])
+  gate_bias_init: float = declare(0.0, "any") # initial gate bias (gated attention): sigmoid(0) = 0.5
+  sink_init: float = declare(0.0, "any") # initial sink logit (sink attention)
+  sink_tokens: int = declare(0, ">=0")  # learnable sink tokens prepended to K/V ([StreamingLLM])
   qk_norm: bool = True
   norm_scale: bool = False          # learnable RMSNorm scales (block, final and QK norms), as HF Llama/Qwen
-  norm_eps: float = key(1e-6, ">0") # RMSNorm epsilon (HF: rms_norm_eps)
-  rope_theta: float = key(10000.0, ">0")
-  rope_style: str = key("llama", choices=choices.ROPE_STYLES) # llama | nanochat: nanochat's rotation sign, bfloat16 cos/sin tables and
+  norm_eps: float = declare(1e-6, ">0") # RMSNorm epsilon (HF: rms_norm_eps)
+  rope_theta: float = declare(10000.0, ">0")
+  rope_style: str = declare("llama", choices=choices.ROPE_STYLES) # llama | nanochat: nanochat's rotation sign, bfloat16 cos/sin tables and
                                     # QK-norm after RoPE (layers.apply_rope)
-  rope_partial: float = key(1.0, ">0") # the fraction of each head's dims RoPE rotates (the first ones; Qwen3-Next 0.25)
-  sliding_window: int = key(0, ">=0") # > 0: "sliding" layers see only the last sliding_window keys (incl. self)
+  rope_partial: float = declare(1.0, ">0") # the fraction of each head's dims RoPE rotates (the first ones; Qwen3-Next 0.25)
+  sliding_window: int = declare(0, ">=0") # > 0: "sliding" layers see only the last sliding_window keys (incl. self)
   attn_out_bias: bool = True        # with attn_bias: o_proj's bias too (Qwen2 has q/k/v biases only)
-  init: str = key("default", choices=choices.INITS) # default | nanochat: LM head N(0, 0.001) instead of zeros, block input
+  init: str = declare("default", choices=choices.INITS) # default | nanochat: LM head N(0, 0.001) instead of zeros, block input
                                     # matrices uniform with std 1/sqrt(d_model) instead of truncated normal
 
 
@@ -104,71 +104,71 @@ class PaperModel:
   """The model section's core: the paper's model ([Sink-MoE] Table 1, nanochat's GPT), its attention variants and
   gate ablations, and how it is computed (dtypes, remat, scan, kernel). One of the three parts of `ModelConfig`;
   the model.* keys stay flat (a YAML never names the part)."""
-  num_layers: int = key(4, ">=1")
-  d_model: int = key(256, ">=1")
-  num_heads: int = key(4, ">=1")
-  num_kv_heads: int = key(4, ">=1")
-  head_dim: int = key(64, ">=1")
-  vocab_size: int = key(0, ">=0")   # 0 = take it from the tokenizer
-  mlp_ratio: int = key(4, ">=1")
-  mlp: str = key("relu2", choices=choices.MLP_KINDS) # relu2 | swiglu
-  logit_softcap: float = key(15.0, ">=0") # 0 disables
-  max_seq_len: int = key(2048, ">=1")
+  num_layers: int = declare(4, ">=1")
+  d_model: int = declare(256, ">=1")
+  num_heads: int = declare(4, ">=1")
+  num_kv_heads: int = declare(4, ">=1")
+  head_dim: int = declare(64, ">=1")
+  vocab_size: int = declare(0, ">=0")   # 0 = take it from the tokenizer
+  mlp_ratio: int = declare(4, ">=1")
+  mlp: str = declare("relu2", choices=choices.MLP_KINDS) # relu2 | swiglu
+  logit_softcap: float = declare(15.0, ">=0") # 0 disables
+  max_seq_len: int = declare(2048, ">=1")
   # Gating ablations of [GatedAttn] (Tables 1 and 4), gated attention only; the defaults are its best gate (G1).
   tie_embeddings: bool = False
-  dtype: str = key("bfloat16", choices=choices.DTYPES) # compute dtype; params stay in param_dtype
-  param_dtype: str = key("float32", choices=choices.PARAM_DTYPES)
+  dtype: str = declare("bfloat16", choices=choices.DTYPES) # compute dtype; params stay in param_dtype
+  param_dtype: str = declare("float32", choices=choices.PARAM_DTYPES)
   remat: bool = False               # recompute each layer's activations in the backward (per layer, model.remat_policy)
-  remat_policy: str = key("nothing", choices=choices.REMAT_POLICIES) # nothing: keep only each layer's input | dots: also its weight matmuls' results
+  remat_policy: str = declare("nothing", choices=choices.REMAT_POLICIES) # nothing: keep only each layer's input | dots: also its weight matmuls' results
                                     # | save_attention, save_qkv_proj, ... (sinkjax.model.REMAT_POLICIES)
   scan_layers: bool = False         # the layers as one lax.scan over stacked weights (one layer or repeating group)
-  attn_impl: str = key("auto", choices=choices.ATTN_IMPLS) # flash_attention backend
+  attn_impl: str = declare("auto", choices=choices.ATTN_IMPLS) # flash_attention backend
 
 
 @dataclasses.dataclass
 class ImportedArchitecture:
   """Architecture options of imported Hugging Face models (sinkjax.convert.hf: Llama 3, Qwen2.5, Qwen3, Qwen3-MoE,
   GPT-OSS); the defaults are the paper's model, so a config that never imports leaves them alone."""
-  mlp_hidden: int = key(0, ">=0")   # MLP hidden width; 0 = mlp_ratio * d_model
+  mlp_hidden: int = declare(0, ">=0")   # MLP hidden width; 0 = mlp_ratio * d_model
   mlp_bias: bool = False            # biases in the MLP / expert projections (GPT-OSS)
-  swiglu_limit: float = key(7.0, ">0") # clamped_swiglu: gate <= limit, |up| <= limit (GPT-OSS)
-  swiglu_alpha: float = key(1.702, ">0") # clamped_swiglu: gate * sigmoid(alpha * gate) * (up + 1)
-  moe_experts: int = key(0, ">=0")  # > 0: the MLP is a top-k routed mixture of this many experts (GPT-OSS)
-  moe_top_k: int = key(1, ">=1")    # experts per token; their softmaxed router logits weight the outputs
-  moe_router: str = key("topk_softmax", choices=choices.MOE_ROUTERS) # topk_softmax: softmax over the k best router logits, router with a bias (GPT-OSS)
+  swiglu_limit: float = declare(7.0, ">0") # clamped_swiglu: gate <= limit, |up| <= limit (GPT-OSS)
+  swiglu_alpha: float = declare(1.702, ">0") # clamped_swiglu: gate * sigmoid(alpha * gate) * (up + 1)
+  moe_experts: int = declare(0, ">=0")  # > 0: the MLP is a top-k routed mixture of this many experts (GPT-OSS)
+  moe_top_k: int = declare(1, ">=1")    # experts per token; their softmaxed router logits weight the outputs
+  moe_router: str = declare("topk_softmax", choices=choices.MOE_ROUTERS) # topk_softmax: softmax over the k best router logits, router with a bias (GPT-OSS)
                                     # | softmax_topk: softmax over all experts, the k best probabilities as they are
                                     # | softmax_topk_norm: those renormalised to sum 1 (both: no bias; Qwen3-MoE)
   embed_norm: bool = True           # RMSNorm on the embedding output (nanochat does; HF models do not)
   attn_bias: bool = False           # biases in the q/k/v/o projections (GPT-OSS)
-  rope_scaling: str = key("none", choices=choices.ROPE_SCALINGS) # none | llama3 | yarn (HF rope_type), applied to rope_theta's frequencies
-  rope_factor: float = key(1.0, ">0") # llama3 / yarn: context extension factor
-  rope_low_freq_factor: float = key(1.0, ">0") # llama3
-  rope_high_freq_factor: float = key(4.0, ">0") # llama3
-  rope_original_max_seq_len: int = key(0, ">=0") # llama3 / yarn: pretraining context; 0 = max_seq_len
-  rope_beta_fast: float = key(32.0, ">0") # yarn
-  rope_beta_slow: float = key(1.0, ">0") # yarn
+  rope_scaling: str = declare("none", choices=choices.ROPE_SCALINGS) # none | llama3 | yarn (HF rope_type), applied to rope_theta's frequencies
+  rope_factor: float = declare(1.0, ">0") # llama3 / yarn: context extension factor
+  rope_low_freq_factor: float = declare(1.0, ">0") # llama3
+  rope_high_freq_factor: float = declare(4.0, ">0") # llama3
+  rope_original_max_seq_len: int = declare(0, ">=0") # llama3 / yarn: pretraining context; 0 = max_seq_len
+  rope_beta_fast: float = declare(32.0, ">0") # yarn
+  rope_beta_slow: float = declare(1.0, ">0") # yarn
   rope_truncate: bool = True        # yarn: round the correction range to whole dimensions
-  rope_attention_factor: float = key(0.0, ">=0") # yarn: cos/sin multiplier; 0 = 0.1 ln(factor) + 1
+  rope_attention_factor: float = declare(0.0, ">=0") # yarn: cos/sin multiplier; 0 = 0.1 ln(factor) + 1
   layer_types: list = dataclasses.field(default_factory=list)   # per layer full|sliding|linear (or a kind
                                     # registered in sinkjax.kinds); [] = all full (all sliding when sliding_window > 0)
-  moe_shared_hidden: int = key(0, ">=0") # > 0: a shared SwiGLU expert of this width beside the routed ones, scaled by
+  moe_shared_hidden: int = declare(0, ">=0") # > 0: a shared SwiGLU expert of this width beside the routed ones, scaled by
                                     # sigmoid(x w) (Qwen3-Next's shared_expert / shared_expert_gate)
   # "linear" layers (Gated DeltaNet, sinkjax.kinds.linear; Qwen3-Next's linear_*): 0 = num_heads heads of head_dim
-  linear_key_heads: int = key(0, ">=0")
-  linear_value_heads: int = key(0, ">=0") # a multiple of linear_key_heads
-  linear_key_head_dim: int = key(0, ">=0")
-  linear_value_head_dim: int = key(0, ">=0")
-  linear_conv_kernel: int = key(4, ">=1") # the causal depthwise conv's width
-  linear_chunk_size: int = key(64, ">=1") # the chunked form's chunk (training, prefill)
+  linear_key_heads: int = declare(0, ">=0")
+  linear_value_heads: int = declare(0, ">=0") # a multiple of linear_key_heads
+  linear_key_head_dim: int = declare(0, ">=0")
+  linear_value_head_dim: int = declare(0, ">=0")
+  linear_conv_kernel: int = declare(4, ">=1") # the causal depthwise conv's width
+  linear_chunk_size: int = declare(64, ">=1") # the chunked form's chunk (training, prefill)
 
 
 @dataclasses.dataclass
 class NanochatCompatibility:
   """nanochat's conventions (configs/nanochat.yaml, sinkjax.convert.nanochat); the defaults are this project's."""
-  depth: int = key(0, ">=0")        # > 0: nanochat base_train's shapes from the depth: num_layers = depth,
+  depth: int = declare(0, ">=0")        # > 0: nanochat base_train's shapes from the depth: num_layers = depth,
                                     # d_model = 64 depth, heads = the divisor of d_model nearest d_model / 128,
                                     # num_kv_heads = num_heads, head_dim = d_model / heads (`resolve_depth`)
-  vocab_pad_to: int = key(1, ">=1") # embedding / LM-head rows rounded up to a multiple (nanochat: 64); logits are
+  vocab_pad_to: int = declare(1, ">=1") # embedding / LM-head rows rounded up to a multiple (nanochat: 64); logits are
                                     # sliced back to vocab_size before the soft-cap
   residual_scalars: bool = False    # per-layer resid_lambdas / x0_lambdas of nanochat's later GPT (6bb9240)
 
@@ -336,8 +336,8 @@ class AttentionConfig:
 
 @dataclasses.dataclass
 class LossConfig:
-  aux_weight: float = key(0.0, ">=0") # lambda of eq. 7/8 (paper: 1e-4 from scratch, 1e-2 fine-tuning)
-  num_shared_heads: int = key(0, ">=0") # m of eq. 8; 0 = eq. 7
+  aux_weight: float = declare(0.0, ">=0") # lambda of eq. 7/8 (paper: 1e-4 from scratch, 1e-2 fine-tuning)
+  num_shared_heads: int = declare(0, ">=0") # m of eq. 8; 0 = eq. 7
   shared_heads_from: str = ""       # a run dir / report.json whose importances fix the shared set up front
   aux_term: bool = True             # trace the aux term in the step at every lambda, 0 included, so that lambda = 0
                                     # and lambda > 0 compile one program and differ only by the weight (a null arm
@@ -347,36 +347,36 @@ class LossConfig:
 @dataclasses.dataclass
 class LoRAConfig:
   """Low-rank adapters (Hu et al. 2021) on the named projections; the base weights are frozen (sinkjax.lora)."""
-  rank: int = key(0, ">=0")         # 0 = off (full training); the paper fine-tunes with rank 16
-  alpha: float = key(32.0, ">0")    # the update is (alpha / rank) * x A B
+  rank: int = declare(0, ">=0")         # 0 = off (full training); the paper fine-tunes with rank 16
+  alpha: float = declare(32.0, ">0")    # the update is (alpha / rank) * x A B
   targets: list = dataclasses.field(
       default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
 
 @dataclasses.dataclass
 class DataConfig:
-  source: str = key("default", alias="--data", metavar="SOURCE",   # --data: the flag of commands that read a
+  source: str = declare("default", alias="--data", metavar="SOURCE",   # --data: the flag of commands that read a
                     help="the text: 'default' (the embedded corpus), a path / glob of .txt / .jsonl / .parquet "
                          "files, or tfds:NAME")                         # run's data (eval: COMMAND.run_keys)
   val_source: str = ""              # a path/glob of files that IS the validation split (nanochat: the last shard);
                                     # then the whole data.source trains. "" = split data.source (val_split/fraction)
-  seq_len: int = key(256, ">=1")
+  seq_len: int = declare(256, ">=1")
   text_field: str = "text"
   tokenizer: str = "bytes"          # bytes | path to a Hugging Face tokenizer.json (or the directory holding it)
-  add_bos: str = key("auto", choices=choices.ADD_BOS) # auto | true | false: BOS before each document / prompt. auto: as the tokenizer's
+  add_bos: str = declare("auto", choices=choices.ADD_BOS) # auto | true | false: BOS before each document / prompt. auto: as the tokenizer's
                                     # own encoding does for a model's tokenizer (sinkjax.data.tokenizers), always for
                                     # bytes and a bare tokenizer.json (sinkjax's BOS-separated documents)
   tfds_dir: str = ""
   train_split: str = "train"
   val_split: str = "validation"
-  val_fraction: float = key(0.02, "(0,1)") # for sources without a validation split
-  num_workers: int = key(0, ">=0")  # grain worker processes (0 = in-process)
-  prefetch: int = key(2, ">=1")
-  shuffle_batches: int = key(8, ">=0") # packed rows are shuffled within windows of this many batches (0 = off): the
+  val_fraction: float = declare(0.02, "(0,1)") # for sources without a validation split
+  num_workers: int = declare(0, ">=0")  # grain worker processes (0 = in-process)
+  prefetch: int = declare(2, ">=1")
+  shuffle_batches: int = declare(8, ">=0") # packed rows are shuffled within windows of this many batches (0 = off): the
                                     # rows of one long document land in different batches
-  format: str = key("text", choices=choices.DATA_FORMATS) # text (packed documents) | sft (JSONL prompt/response or chat messages; loss
+  format: str = declare("text", choices=choices.DATA_FORMATS) # text (packed documents) | sft (JSONL prompt/response or chat messages; loss
                                     # on the response tokens, sinkjax.data.sft)
-  packing: str = key("document", choices=choices.PACKINGS, alias="--packing", # how text becomes rows (data.pipeline):
+  packing: str = declare("document", choices=choices.PACKINGS, alias="--packing", # how text becomes rows (data.pipeline):
                      help="how the text becomes rows: document (documents packed, attention masked between them) "
                           "or stream (rows cut from one stream of documents)")
                                     # document: documents packed with segment ids; attention masked between them,
@@ -389,44 +389,44 @@ class DataConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-  batch_size: int = key(16, ">=1")  # sequences per optimizer step (global)
-  grad_accum: int = key(1, ">=1")   # micro-batches per step
-  steps: int = key(0, ">=0")        # 0 = token budget of tokens_per_param x parameters
-  tokens_per_param: float = key(20.0, ">0")
-  seed: int = key(0, ">=0")
-  log_every: int = key(10, ">=1")
-  eval_every: int = key(100, ">=0") # validation BPB every this many steps and at the end (0 = only at the end)
-  eval_batches: int = key(8, ">=0") # validation batches of train.batch_size / train.grad_accum rows (0 = none)
-  optimizer: str = key("muon", choices=choices.OPTIMIZERS) # muon | adamw
-  matrix_lr: float = key(0.02, ">=0") # Muon, for hidden weight matrices
-  embed_lr: float = key(0.2, ">=0") # AdamW, embeddings (nanochat-style)
-  unembed_lr: float = key(0.004, ">=0") # AdamW, unembedding
-  scalar_lr: float = key(0.04, ">=0") # AdamW, scalars/vectors (sinks, gate biases, norms)
-  adamw_lr: float = key(3e-4, ">=0") # plain AdamW (optimizer: adamw)
-  weight_decay: float = key(0.0, ">=0")
-  grad_clip: float = key(1.0, ">=0")
-  warmup_steps: int = key(0, ">=0")
-  decay_frac: float = key(0.2, "[0,1]") # linear decay to 0 over the final fraction of steps
-  muon_momentum: float = key(0.95, "[0,1)") # Muon's momentum after warmup
-  muon_momentum_start: float = key(0.85, "[0,1]") # ... linearly from this value over muon_momentum_warmup steps (nanochat)
-  muon_momentum_warmup: int = key(300, ">=0") # 0 = muon_momentum from the first step
-  muon_ns_dtype: str = key("bfloat16", choices=choices.NS_DTYPES) # dtype of Muon's Newton-Schulz iteration (nanochat: bfloat16)
-  max_nonfinite: int = key(5, ">=1") # consecutive non-finite steps (loss, gradient or update) before the run stops
-  epochs: int = key(0, ">=0")       # data.format=sft: stop after this many passes over the training examples, with a
+  batch_size: int = declare(16, ">=1")  # sequences per optimizer step (global)
+  grad_accum: int = declare(1, ">=1")   # micro-batches per step
+  steps: int = declare(0, ">=0")        # 0 = token budget of tokens_per_param x parameters
+  tokens_per_param: float = declare(20.0, ">0")
+  seed: int = declare(0, ">=0")
+  log_every: int = declare(10, ">=1")
+  eval_every: int = declare(100, ">=0") # validation BPB every this many steps and at the end (0 = only at the end)
+  eval_batches: int = declare(8, ">=0") # validation batches of train.batch_size / train.grad_accum rows (0 = none)
+  optimizer: str = declare("muon", choices=choices.OPTIMIZERS) # muon | adamw
+  matrix_lr: float = declare(0.02, ">=0") # Muon, for hidden weight matrices
+  embed_lr: float = declare(0.2, ">=0") # AdamW, embeddings (nanochat-style)
+  unembed_lr: float = declare(0.004, ">=0") # AdamW, unembedding
+  scalar_lr: float = declare(0.04, ">=0") # AdamW, scalars/vectors (sinks, gate biases, norms)
+  adamw_lr: float = declare(3e-4, ">=0") # plain AdamW (optimizer: adamw)
+  weight_decay: float = declare(0.0, ">=0")
+  grad_clip: float = declare(1.0, ">=0")
+  warmup_steps: int = declare(0, ">=0")
+  decay_frac: float = declare(0.2, "[0,1]") # linear decay to 0 over the final fraction of steps
+  muon_momentum: float = declare(0.95, "[0,1)") # Muon's momentum after warmup
+  muon_momentum_start: float = declare(0.85, "[0,1]") # ... linearly from this value over muon_momentum_warmup steps (nanochat)
+  muon_momentum_warmup: int = declare(300, ">=0") # 0 = muon_momentum from the first step
+  muon_ns_dtype: str = declare("bfloat16", choices=choices.NS_DTYPES) # dtype of Muon's Newton-Schulz iteration (nanochat: bfloat16)
+  max_nonfinite: int = declare(5, ">=1") # consecutive non-finite steps (loss, gradient or update) before the run stops
+  epochs: int = declare(0, ">=0")       # data.format=sft: stop after this many passes over the training examples, with a
                                     # checkpoint (train.steps 0: the steps those passes make); 0 = no limit
-  stop_at_step: int = key(0, ">=0") # end this invocation after this step with a checkpoint, schedule unchanged
+  stop_at_step: int = declare(0, ">=0") # end this invocation after this step with a checkpoint, schedule unchanged
                                     # (chunked jobs on preemptible machines); 0 = run to train.steps
-  loss_chunk: int = key(0, ">=0")   # > 0: logits and cross-entropy this many positions of every row at a time, never
+  loss_chunk: int = declare(0, ">=0")   # > 0: logits and cross-entropy this many positions of every row at a time, never
                                     # [tokens, vocab] at once (recomputed in the backward); 0 = all positions at once
   init_from: str = ""               # fine-tuning: a run dir (e.g. from sinkjax.convert.hf) whose weights start the run
-  profile_start: int = key(0, ">=0") # jax.profiler trace of steps [profile_start, profile_start + profile_steps)
-  profile_steps: int = key(0, ">=0") # into RUN_DIR/profile (TensorBoard's profile plugin, or Perfetto); 0 = off
+  profile_start: int = declare(0, ">=0") # jax.profiler trace of steps [profile_start, profile_start + profile_steps)
+  profile_steps: int = declare(0, ">=0") # into RUN_DIR/profile (TensorBoard's profile plugin, or Perfetto); 0 = off
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
-  every: int = key(200, ">=1")      # save every this many steps, and always at the end / on SIGTERM or SIGINT
-  keep: int = key(3, ">=1")         # most recent checkpoints kept in RUN_DIR/checkpoints
+  every: int = declare(200, ">=1")      # save every this many steps, and always at the end / on SIGTERM or SIGINT
+  keep: int = declare(3, ">=1")         # most recent checkpoints kept in RUN_DIR/checkpoints
   keep_steps: list = dataclasses.field(default_factory=list)  # also saved at these steps and never deleted
   async_save: bool = True           # write in a background thread while training continues
 
@@ -448,15 +448,15 @@ class LoggingConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-  data: int = key(-1, "-1|>=1")     # -1 fills the remaining devices
-  fsdp: int = key(1, "-1|>=1")
-  tensor: int = key(1, "-1|>=1")
+  data: int = declare(-1, "-1|>=1")     # -1 fills the remaining devices
+  fsdp: int = declare(1, "-1|>=1")
+  tensor: int = declare(1, "-1|>=1")
   # How XLA:TPU runs a matmul whose weight FSDP splits (docs/TPU.md, "Collective matmuls"): gather = all-gather the
   # weight whole, one matmul, reduce-scatter its gradient (XLA:TPU's windowed einsums off) | windowed = XLA:TPU's
   # windowed einsums where its heuristic picks them (a loop of per-shard matmuls overlapping the collective-permutes;
   # with the weight split along the contracted d_model, each trip adds a whole-output partial sum in HBM).
   # Compile options of the TPU programs (`sharding.compiler_options`); no effect on CPU and GPU.
-  collective_matmul: str = key("gather", choices=choices.COLLECTIVE_MATMULS)
+  collective_matmul: str = declare("gather", choices=choices.COLLECTIVE_MATMULS)
 @dataclasses.dataclass
 class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -474,7 +474,7 @@ class Config:
 
 # The range of every numeric key (checked when a config is loaded, before anything is written anywhere). Where 0 or
 # -1 has a meaning, the comment at the key's declaration above says which ("0 = the token budget", ...).
-# CHOICES / RANGES: every enumerated / numeric key's allowed values, read from its declaration above (`key`).
+# CHOICES / RANGES: every enumerated / numeric key's allowed values, read from its declaration above (`declare`).
 CHOICES, RANGES = _declared(Config)
 _MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                    if f.default is not dataclasses.MISSING}
@@ -751,7 +751,7 @@ def _validate_lora(lora: LoRAConfig) -> None:
 
 
 def apply_section(section, tree: dict, source: str, name: str):
-  """Sets a command's own section (a dataclass declared with `key`, kept outside `Config`: e.g. a study's `study:`)
+  """Sets a command's own section (a dataclass declared with `declare`, kept outside `Config`: e.g. a study's `study:`)
   from a mapping, checked as Config's keys are (types, choices, ranges; errors name NAME.key and `source`)."""
   added = {}
   for f in dataclasses.fields(section):

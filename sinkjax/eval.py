@@ -73,7 +73,7 @@ from sinkjax import sharding as sharding_lib
 from sinkjax.balance import head_imbalance
 from sinkjax.cache import KVCache
 from sinkjax.errors import UserError
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.data import FEATURES, make_eval_batches, to_global_batch
 from sinkjax.markdown import table
 from sinkjax.model import forward_with_importance, padded_vocab
@@ -463,23 +463,23 @@ class EvalOptions:
   """The eval.* options (`python -m sinkjax.eval`; each flag is the alias of its key: `--tau 0.5` = `eval.tau=0.5`).
   The held-out data is the run's config's (`--data X` is `data.source=X`, `--packing P` `data.packing=P`: the flags of
   those keys, `COMMAND.run_keys`), its validation split unless --split all."""
-  checkpoint: str = key("", alias="--checkpoint", metavar="RUN_DIR", required=True,
+  checkpoint: str = declare("", alias="--checkpoint", metavar="RUN_DIR", required=True,
                         help="run directory of a training run")
-  out: str = key("", alias="--out", metavar="DIR", help="output directory (default RUN_DIR/eval)")
-  step: int | None = key(None, ">=0", alias="--step", help="checkpoint step (default: the latest)")
-  split: str = key("val", choices=("val", "all"), alias="--split",
+  out: str = declare("", alias="--out", metavar="DIR", help="output directory (default RUN_DIR/eval)")
+  step: int | None = declare(None, ">=0", alias="--step", help="checkpoint step (default: the latest)")
+  split: str = declare("val", choices=("val", "all"), alias="--split",
                    help="val: the source's validation split (default); all: every document of the source, in order")
-  max_docs: int | None = key(None, ">=1", alias="--max-docs", metavar="N",
+  max_docs: int | None = declare(None, ">=1", alias="--max-docs", metavar="N",
                              help="score only the first N documents of the split (in order)")
-  batches: int | None = key(None, ">=1", alias="--batches",
+  batches: int | None = declare(None, ">=1", alias="--batches",
                             help="number of eval batches (default train.eval_batches; with --split all or --max-docs: "
                                  "every batch the documents fill)")
-  batch_size: int | None = key(None, ">=1", alias="--batch-size",
+  batch_size: int | None = declare(None, ">=1", alias="--batch-size",
                                help="rows per batch (default: as many as the memory holds, at most the training "
                                     "micro-batch)")
-  tau: float = key(0.75, "[0,1]", alias="--tau",
+  tau: float = declare(0.75, "[0,1]", alias="--tau",
                    help="sink-ratio threshold of selective value zeroing ([Sink-MoE] App. A)")
-  mc: str | None = key(None, alias="--mc")        # hidden: moved to sinkjax.lm_eval (one line says so)
+  mc: str | None = declare(None, alias="--mc")        # hidden: moved to sinkjax.lm_eval (one line says so)
 
 
 COMMAND = options.Command(

@@ -87,7 +87,7 @@ from sinkjax import cache_policy, distributed, options, paths
 from sinkjax import sharding as sharding_lib
 from sinkjax.cache import KVCache, make_cache, shard_cache
 from sinkjax.errors import UserError
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.markdown import table
 from sinkjax.run import asks_for_mesh, load_run
 
@@ -503,18 +503,18 @@ def format_table(rows: list[dict], window: int) -> str:
 @dataclasses.dataclass
 class _RunOption:
   """The run every subcommand reads (each subcommand's section starts with it)."""
-  checkpoint: str = key("", alias="--checkpoint", metavar="CHECKPOINT", required=True,
+  checkpoint: str = declare("", alias="--checkpoint", metavar="CHECKPOINT", required=True,
                         help="run directory of a training run")
 
 
 @dataclasses.dataclass
 class SamplingOptions:
   """The sampling.* options of `generate` and `chat` (`--temperature 0` = `sampling.temperature=0`)."""
-  temperature: float = key(1.0, ">=0", alias="--temperature", help="0 = greedy")
-  top_k: int = key(0, ">=0", alias="--top-k", help="sample from the k most likely tokens (0 = all)")
-  top_p: float = key(1.0, "(0,1]", alias="--top-p", help="nucleus sampling mass in (0, 1] (1 = all)")
-  seed: int = key(0, alias="--seed", help="the sampling seed")
-  no_stop: bool = key(False, alias="--no-stop",
+  temperature: float = declare(1.0, ">=0", alias="--temperature", help="0 = greedy")
+  top_k: int = declare(0, ">=0", alias="--top-k", help="sample from the k most likely tokens (0 = all)")
+  top_p: float = declare(1.0, "(0,1]", alias="--top-p", help="nucleus sampling mass in (0, 1] (1 = all)")
+  seed: int = declare(0, alias="--seed", help="the sampling seed")
+  no_stop: bool = declare(False, alias="--no-stop",
                       help="keep going after the model emits a stop token (its EOS; BOS for sinkjax's own runs)")
 
 
@@ -523,18 +523,18 @@ class GenerateOptions(_RunOption):
   """The generate.* options of `python -m sinkjax.generate generate` (each flag the alias of its key: `--prompt X` =
   `generate.prompt=X`; sampling is the sampling.* section, the head policy the cache.* section,
   `sinkjax.cache_policy.CacheOptions`)."""
-  prompt: list | None = key(None, alias="--prompt", metavar="PROMPT", required=True,
+  prompt: list | None = declare(None, alias="--prompt", metavar="PROMPT", required=True,
                             help="text to continue (BOS is prepended where the tokenizer adds one); repeat it for a "
                                  "batch of prompts, generated together (one row each, split over the mesh's batch axes "
                                  "when they divide)")
-  max_new_tokens: int | None = key(None, ">=1", alias="--max-new-tokens", required=True,
+  max_new_tokens: int | None = declare(None, ">=1", alias="--max-new-tokens", required=True,
                                    help="number of tokens to generate")
-  cache: str | None = key(None, choices=("full", "streaming", "hybrid"), alias="--cache",
+  cache: str | None = declare(None, choices=("full", "streaming", "hybrid"), alias="--cache",
                           help="full (default), streaming, or hybrid (per-head; implied by --full-heads/"
                                "--full-heads-from)")
-  sink_size: int | None = key(None, ">=0", alias="--sink-size",
+  sink_size: int | None = declare(None, ">=0", alias="--sink-size",
                               help="streaming (heads): first tokens kept forever (default 4)")
-  window: int | None = key(None, ">=1", alias="--window",
+  window: int | None = declare(None, ">=1", alias="--window",
                            help="streaming (heads): cache size W incl. sinks (default: training data.seq_len)")
 
 
@@ -545,14 +545,14 @@ CHAT_CAPACITY = 4096           # a conversation's cache (at most model.max_seq_l
 @dataclasses.dataclass
 class ChatOptions(_RunOption):
   """The chat.* options of `python -m sinkjax.generate chat` (sampling: the sampling.* section)."""
-  prompt: list | None = key(None, alias="--prompt", metavar="PROMPT",
+  prompt: list | None = declare(None, alias="--prompt", metavar="PROMPT",
                             help="a user turn; repeat it for the turns of one conversation, in order (without it: each "
                                  "line of stdin is a turn, an empty line ends it)")
-  system: str | None = key(None, alias="--system", help="a system message before the first user turn")
-  echo: bool = key(False, alias="--echo",
+  system: str | None = declare(None, alias="--system", help="a system message before the first user turn")
+  echo: bool = declare(False, alias="--echo",
                    help="print the conversation as the model reads it (the chat template's rendering) before each "
                         "reply")
-  max_new_tokens: int = key(CHAT_MAX_NEW_TOKENS, ">=1", alias="--max-new-tokens",
+  max_new_tokens: int = declare(CHAT_MAX_NEW_TOKENS, ">=1", alias="--max-new-tokens",
                             help="the longest reply, in tokens")
 
 
@@ -560,13 +560,13 @@ class ChatOptions(_RunOption):
 class PerplexityOptions(_RunOption):
   """The perplexity.* options of `python -m sinkjax.generate perplexity FILE` (FILE: the one word without "=", or
   --file; the head policy: the cache.* section, whose --full-heads / --full-heads-random take lists here)."""
-  file: str = key("", alias="--file", metavar="FILE", required=True,
+  file: str = declare("", alias="--file", metavar="FILE", required=True,
                   help="the text to score under full / window-only / sinks + window caches")
-  sink_size: int = key(4, ">=0", alias="--sink-size", help="first tokens kept forever by the streaming caches")
-  window: int | None = key(None, ">=1", alias="--window",
+  sink_size: int = declare(4, ">=0", alias="--sink-size", help="first tokens kept forever by the streaming caches")
+  window: int | None = declare(None, ">=1", alias="--window",
                            help="the streaming caches' size W incl. sinks (default: training data.seq_len)")
-  max_tokens: int = key(4096, ">=2", alias="--max-tokens", help="score at most this many tokens")
-  chunk: int = key(64, ">=1", alias="--chunk",
+  max_tokens: int = declare(4096, ">=2", alias="--max-tokens", help="score at most this many tokens")
+  chunk: int = declare(64, ">=1", alias="--chunk",
                    help="positions scored per step against the cache (capped at W - S; the same numbers as 1 = one "
                         "decode step per token, which is slower)")
 

@@ -346,17 +346,17 @@ class Attention(nnx.Module):
       valid &= first != jnp.arange(T)[None, :]
     return valid
 
-  def __call__(self, x, *, segment_ids=None, positions=None, cache=None, record: bool = False,
-               zero_first_value=None):
+  def __call__(self, x, *, segment_ids=None, positions=None, cache=None, record_trace: bool = False,
+               zero_first_token_value=None):
     """y [B,T,d_model]; with `cache` (a `sinkjax.cache.LayerCache`) returns (y, updated cache) instead: T == 1
     decodes one token against the cache (`sinkjax.cache.decode`), T > 1 prefills an empty cache (plain causal
     self-attention over x), or, with an append-mode view, attends a chunk against the cache (`sinkjax.cache.decode`).
 
     For `sinkjax.analysis` (the one forward pass: analysis never re-implements it):
-      record: also sow `trace`, a dict of what this layer attended with: q, k, v (rotated, as attended; K/V repeated
+      record_trace: also sow `trace`, a dict of what this layer attended with: q, k, v (rotated, as attended; K/V repeated
         to the query heads when values are zeroed), gate, and its materialized attention weights
         (`attention_weights`: the weights on the sequence keys and the weight outside them).
-      zero_first_value: bool [Hq]; zero the value vector of every document's first token (a row's first token
+      zero_first_token_value: bool [Hq]; zero the value vector of every document's first token (a row's first token
         without segment ids) in those query heads before attention ([Sink-MoE] App. A, value zeroing).
     """
     B, T, _ = x.shape
@@ -367,14 +367,14 @@ class Attention(nnx.Module):
     q0, k0, v = self.project_unrotated(x)
     positions = positions + self.num_sink_tokens           # sink tokens hold positions 0..n-1
     q, k = self.rotate(q0, positions, "q"), self.rotate(k0, positions, "k")
-    if zero_first_value is not None:
-      k, v = zero_first_values(self, k, v, segment_ids, zero_first_value)
+    if zero_first_token_value is not None:
+      k, v = zero_first_token_values(self, k, v, segment_ids, zero_first_token_value)
     out, gate = self.attend(x, q, k, v, segment_ids)
     y = self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
     if cache is not None:
       return y, cache.prefill(k0, v)
     keep_last = dict(reduce_fn=lambda _, new: new, init_fn=lambda: None)
-    if record:
+    if record_trace:
       weights, outside = attention_weights(self, q, k, segment_ids)
       self.sow(nnx.Intermediate, "trace", dict(q=q, k=k, v=v, gate=gate, weights=weights, outside=outside),
                **keep_last)
@@ -391,7 +391,7 @@ def _config_keywords() -> tuple:
   return tuple(name for name in inspect.signature(Attention).parameters if name != "rngs")
 
 
-def zero_first_values(layer: Attention, k, v, segment_ids, heads):
+def zero_first_token_values(layer: Attention, k, v, segment_ids, heads):
   """(k, v) repeated to the Hq query heads (so one head of a GQA group can be zeroed alone; repeating K/V does not
   change attention) with v zeroed at every document's first token in the query heads where `heads` [Hq]."""
   T = v.shape[1]

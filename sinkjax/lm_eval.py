@@ -77,7 +77,7 @@ from flax import nnx
 from sinkjax import choices, distributed, lm_eval_tasks, lora, options, paths
 from sinkjax import sharding as sharding_lib
 from sinkjax.errors import UserError
-from sinkjax.config import MeshConfig, key
+from sinkjax.config import MeshConfig, declare
 from sinkjax.generate import Generator
 from sinkjax.model import Transformer
 from sinkjax.run import asks_for_mesh, load_run
@@ -507,39 +507,39 @@ def write_mc_task(path, task_dir) -> str:
 class LMEvalOptions:
   """The lm_eval.* options (`python -m sinkjax.lm_eval`; each flag the alias of its key: `--tasks paper` =
   `lm_eval.tasks=paper`)."""
-  checkpoint: str = key("", alias="--checkpoint", metavar="RUN_DIR", required=True,
+  checkpoint: str = declare("", alias="--checkpoint", metavar="RUN_DIR", required=True,
                         help="run directory (trained or imported)")
-  tasks: str = key("", alias="--tasks",
+  tasks: str = declare("", alias="--tasks",
                    help="comma-separated lm-eval task or group names (or task YAML files), 'paper' for Table 1's "
                         "downstream tasks (" + ", ".join(PAPER_TASKS) + ") or 'paper-ft' for Table 2's ("
                         + ", ".join(PAPER_FT_TASKS) + ")")
-  mc: str | None = key(None, alias="--mc", metavar="FILE.jsonl",
+  mc: str | None = declare(None, alias="--mc", metavar="FILE.jsonl",
                        help='a multiple-choice file, one {"context": str, "choices": [str, ...], "label": int} per '
                             "line, evaluated as a local lm-eval task mc_<file stem> (acc, acc_norm)")
-  include_path: str | None = key(None, alias="--include-path", metavar="DIR",
+  include_path: str | None = declare(None, alias="--include-path", metavar="DIR",
                                  help="a directory of extra task YAML files")
-  num_fewshot: int | None = key(None, ">=0", alias="--num-fewshot", metavar="K",
+  num_fewshot: int | None = declare(None, ">=0", alias="--num-fewshot", metavar="K",
                                 help="few-shot examples per prompt (default: each task's own)")
-  limit: float | None = key(None, ">0", alias="--limit", metavar="N",
+  limit: float | None = declare(None, ">0", alias="--limit", metavar="N",
                             help="at most N documents per task (a fraction if < 1; for trials, not for reported "
                                  "numbers)")
-  batch_size: int = key(8, ">=1", alias="--batch-size", metavar="B", help="rows per forward pass (default 8)")
-  output_path: str | None = key(None, alias="--output-path", metavar="DIR",
+  batch_size: int = declare(8, ">=1", alias="--batch-size", metavar="B", help="rows per forward pass (default 8)")
+  output_path: str | None = declare(None, alias="--output-path", metavar="DIR",
                                 help="where lm-eval writes results_*.json")
-  log_samples: bool = key(False, alias="--log-samples",
+  log_samples: bool = declare(False, alias="--log-samples",
                           help="also write every document's samples_<task>_*.jsonl")
-  apply_chat_template: bool = key(False, alias="--apply-chat-template",
+  apply_chat_template: bool = declare(False, alias="--apply-chat-template",
                                   help="render prompts as chat turns (the tokenizer's chat template, else "
                                        "User:/Assistant:)")
-  model_args: str = key("", alias="--model-args", metavar="k=v,...",
+  model_args: str = declare("", alias="--model-args", metavar="k=v,...",
                         help="SinkjaxLM arguments: step, max_length, max_gen_toks, add_bos_token, prefix_token_id, "
                              "dtype, seed")
-  confirm_run_unsafe_code: bool = key(False, alias="--confirm-run-unsafe-code",
+  confirm_run_unsafe_code: bool = declare(False, alias="--confirm-run-unsafe-code",
                                       help="allow tasks that execute model-written code (humaneval: also set "
                                            "HF_ALLOW_CODE_EVAL=1 and install evaluate, whose code_eval metric runs "
                                            "it)")
-  seed: int = key(0, alias="--seed", help="seed of lm-eval's few-shot sampling and of Python/NumPy")
-  bootstrap_iters: int = key(100000, ">=0", alias="--bootstrap-iters", metavar="N",
+  seed: int = declare(0, alias="--seed", help="seed of lm-eval's few-shot sampling and of Python/NumPy")
+  bootstrap_iters: int = declare(100000, ">=0", alias="--bootstrap-iters", metavar="N",
                              help="bootstrap resamples for the stderr of metrics without a closed form (lm-eval's "
                                   "default 100000; 0 = none)")
 

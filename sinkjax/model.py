@@ -83,15 +83,15 @@ class Block(nnx.Module):
     self.mlp = MoE(cfg.d_model, cfg.mlp_width, cfg.moe_experts, cfg.moe_top_k, router=cfg.moe_router,
                    shared_hidden=cfg.moe_shared_hidden, **mlp) if cfg.moe_experts else MLP(cfg.d_model, cfg.mlp_width, init=cfg.init, **mlp)
 
-  def __call__(self, x, segment_ids, positions, cache=None, record: bool = False, zero_first_value=None):
-    """x -> x; with a `LayerCache`, (x, updated cache). record / zero_first_value: see `Attention.__call__`; with
-    record the block also sows its output as `hidden`."""
-    h = self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions, cache=cache, record=record,
-                  zero_first_value=zero_first_value)
+  def __call__(self, x, segment_ids, positions, cache=None, record_trace: bool = False, zero_first_token_value=None):
+    """x -> x; with a `LayerCache`, (x, updated cache). record_trace / zero_first_token_value: see `Attention.__call__`; with
+    record_trace the block also sows its output as `hidden`."""
+    h = self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions, cache=cache, record_trace=record_trace,
+                  zero_first_token_value=zero_first_token_value)
     h, cache = h if cache is not None else (h, None)
     x = x + checkpoint_name(h, "out_proj")         # a name for model.remat_policy=save_out_proj
     x = x + self.mlp(self.mlp_norm(x))
-    if record:
+    if record_trace:
       self.sow(nnx.Intermediate, "hidden", x, reduce_fn=lambda _, new: new, init_fn=lambda: None)
     return x if cache is None else (x, cache)
 
@@ -156,11 +156,11 @@ class Transformer(nnx.Module):
     r, a = (p[...][i].astype(x.dtype) for p in (self.resid_lambdas, self.x0_lambdas))
     return r * x + a * x0
 
-  def __call__(self, tokens, *, segment_ids=None, positions=None, cache=None, record: bool = False,
-               zero_first_value=None):
+  def __call__(self, tokens, *, segment_ids=None, positions=None, cache=None, record_trace: bool = False,
+               zero_first_token_value=None):
     """logits; with a `sinkjax.cache.KVCache`, (logits, updated cache): T == 1 decodes one token against the cache,
     T > 1 prefills an EMPTY cache with a prompt (positions 0..T-1). Generation lives in `sinkjax.generate`.
-    record / zero_first_value ([L, Hq] bool, L the layers with heads): for `sinkjax.analysis`, see
+    record_trace / zero_first_token_value ([L, Hq] bool, L the layers with heads): for `sinkjax.analysis`, see
     `Attention.__call__`."""
     if cache is not None:
       B, T = tokens.shape
@@ -174,25 +174,25 @@ class Transformer(nnx.Module):
         h, state = jax.lax.optimization_barrier((self.block_input(i, x, x0), state))
         x, layer_caches[i] = nnx.merge(graphdef, state)(h, segment_ids, positions, cache=layer_caches[i])
       return self.logits(x), cache.advance(layer_caches, T)
-    return self.logits(self.hidden(tokens, segment_ids=segment_ids, positions=positions, record=record,
-                                   zero_first_value=zero_first_value))
+    return self.logits(self.hidden(tokens, segment_ids=segment_ids, positions=positions, record_trace=record_trace,
+                                   zero_first_token_value=zero_first_token_value))
 
-  def hidden(self, tokens, *, segment_ids=None, positions=None, record: bool = False, zero_first_value=None):
+  def hidden(self, tokens, *, segment_ids=None, positions=None, record_trace: bool = False, zero_first_token_value=None):
     """The residual stream after the last block [B,T,d_model] (`logits` turns it into logits). Training runs the
-    blocks as model.remat / model.scan_layers say; record / zero_first_value always run them one by one."""
+    blocks as model.remat / model.scan_layers say; record_trace / zero_first_token_value always run them one by one."""
     B, T = tokens.shape
     if positions is None:
       positions = default_positions(segment_ids, B, T)
     x = x0 = self.embed_tokens(tokens)
     period = self._block_period() if self.cfg.scan_layers else 0
-    if record or zero_first_value is not None:
-      row = {layer: j for j, layer in enumerate(self.cfg.head_layers)}     # zero_first_value: [layers with heads]
-      zero = [None if zero_first_value is None or i not in row else zero_first_value[row[i]]
+    if record_trace or zero_first_token_value is not None:
+      row = {layer: j for j, layer in enumerate(self.cfg.head_layers)}     # zero_first_token_value: [layers with heads]
+      zero = [None if zero_first_token_value is None or i not in row else zero_first_token_value[row[i]]
               for i in range(len(self.layers))]
       if period:
-        return self._scanned_blocks(x, x0, segment_ids, positions, period, record=record, zero=zero)
+        return self._scanned_blocks(x, x0, segment_ids, positions, period, record_trace=record_trace, zero=zero)
       for i, block in enumerate(self.layers):
-        x = block(self.block_input(i, x, x0), segment_ids, positions, record=record, zero_first_value=zero[i])
+        x = block(self.block_input(i, x, x0), segment_ids, positions, record_trace=record_trace, zero_first_token_value=zero[i])
       return x
     if period:
       return self._scanned_blocks(x, x0, segment_ids, positions, period)
@@ -211,23 +211,23 @@ class Transformer(nnx.Module):
     """Whether layer i's mixer records head importance (`sinkjax.kinds`: attention yes, linear attention no)."""
     return kinds.mixer_of(self.cfg, i).heads
 
-  def _layer_fn(self, graphdef, x0, segment_ids, positions, heads: bool = True, record: bool = False):
-    """(h, (block state, i[, zero_first_value row])) -> (block i's output, its head importance [H], or [0] for a
+  def _layer_fn(self, graphdef, x0, segment_ids, positions, heads: bool = True, record_trace: bool = False):
+    """(h, (block state, i[, zero_first_token_value row])) -> (block i's output, its head importance [H], or [0] for a
     layer without heads): one layer as a pure function of its parameters, rematerialized with model.remat
     (jax.checkpoint with model.remat_policy). Pure, so it composes with lax.scan and with LoRA's split parameters
-    (nnx.remat on the module would write back into them). With `record` (for sinkjax.analysis; never rematerialized)
+    (nnx.remat on the module would write back into them). With `record_trace` (for sinkjax.analysis; never rematerialized)
     the importance comes with what the block sowed: (importance, its attention's trace or None, its hidden)."""
     def layer(h, args):
       state, i, *zero = args
       block = nnx.merge(graphdef, state)
-      h = block(self.block_input(i, h, x0), segment_ids, positions, record=record,
-                zero_first_value=zero[0] if zero else None)
+      h = block(self.block_input(i, h, x0), segment_ids, positions, record_trace=record_trace,
+                zero_first_token_value=zero[0] if zero else None)
       imp = pop_head_importance(block)[0] if heads else jnp.zeros((0,), jnp.float32)
-      if not record:
+      if not record_trace:
         return h, imp
       trace = block.attn.trace.get_value() if hasattr(block.attn, "trace") else None
       return h, (imp, trace, block.hidden.get_value())
-    if record:
+    if record_trace:
       return layer
     if self.cfg.remat:
       return jax.checkpoint(layer, policy=REMAT_POLICIES[self.cfg.remat_policy](), prevent_cse=False)
@@ -252,19 +252,19 @@ class Transformer(nnx.Module):
         return p
     return 0
 
-  def _scanned_blocks(self, x, x0, segment_ids, positions, period: int = 1, *, record: bool = False, zero=None):
+  def _scanned_blocks(self, x, x0, segment_ids, positions, period: int = 1, *, record_trace: bool = False, zero=None):
     """The blocks as one `lax.scan` over their stacked parameters (MaxText's scan_layers), `period` blocks of
     different structure per step (the repeating group): the compiler sees one group, so its FSDP gathers and (with
     model.remat) its saved activations live one group at a time, and compile time does not grow with depth.
     Parameters stay one module per layer (checkpoints are unchanged); the stack is built inside the step. Each
-    layer's head importance is sown back on its own Attention afterwards. For sinkjax.analysis, `record` and `zero`
-    (per layer: a zero_first_value row [Hq] or None) run the same scan, and each layer's trace and hidden state are
+    layer's head importance is sown back on its own Attention afterwards. For sinkjax.analysis, `record_trace` and `zero`
+    (per layer: a zero_first_token_value row [Hq] or None) run the same scan, and each layer's trace and hidden state are
     sown back on it as the unscanned blocks sow them."""
     groups = len(self.layers) // period
     stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.layers[j::period]])
                for j in range(period)]
     layers = [self._layer_fn(nnx.graphdef(self.layers[j]), x0, segment_ids, positions, self._has_heads(j),
-                             record=record) for j in range(period)]
+                             record_trace=record_trace) for j in range(period)]
     zeros = [None if zero is None or zero[j] is None else jnp.stack(zero[j::period]) for j in range(period)]
 
     def body(h, args):
@@ -273,11 +273,11 @@ class Transformer(nnx.Module):
       for j, (layer, state) in enumerate(zip(layers, states)):
         h, out = layer(h, (state, g * period + j) + (() if zs[j] is None else (zs[j],)))
         outs.append(out)
-      return h, tuple(outs)     # per group position j: importance [H] ([0] without heads), with record its sowings
+      return h, tuple(outs)     # per group position j: importance [H] ([0] without heads), with record_trace its sowings
 
     x, outs = jax.lax.scan(body, x, (stacked, jnp.arange(groups), zeros))
     per_layer = [jax.tree.map(lambda a, i=i: a[i // period], outs[i % period]) for i in range(len(self.layers))]
-    if not record:
+    if not record_trace:
       return self._sow_importances(x, per_layer)
     keep_last = dict(reduce_fn=lambda _, new: new, init_fn=lambda: None)
     for block, (_, trace, hidden) in zip(self.layers, per_layer):

@@ -1,6 +1,6 @@
 """A command's options are typed config sections: one command line for every command that has one.
 
-A command declares its options as dataclasses of `sinkjax.config.key` fields (name, type, default, range, choices,
+A command declares its options as dataclasses of `sinkjax.config.declare` fields (name, type, default, range, choices,
 help, and the short flag people type as `alias`), one section each (`eval`, `generate`, `cache`, ...), and a
 `Command` naming them. Its command line is then
 
@@ -30,7 +30,7 @@ from sinkjax.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Command:
-  """A command line: its program name, description, option sections ({name: dataclass of `config.key` fields}) and
+  """A command line: its program name, description, option sections ({name: dataclass of `config.declare` fields}) and
   whether other `section.key=value` words are overrides of the run's config (`run_overrides`)."""
   prog: str
   description: str

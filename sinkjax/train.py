@@ -44,7 +44,7 @@ from sinkjax import run as run_lib
 from sinkjax import sharding as sharding_lib
 from sinkjax.cache import make_cache
 from sinkjax.errors import Interrupted, UserError
-from sinkjax.config import Config, ConfigError, key
+from sinkjax.config import Config, ConfigError, declare
 from sinkjax.data import build_tokenizer, make_eval_batches, make_train_iterator, sft, to_global_batch
 from sinkjax.metrics import MetricsLogger, Profiler
 from sinkjax.step import EVAL_FEATURES, TRAIN_FEATURES, make_eval_step, make_train_step
@@ -401,7 +401,7 @@ def _end_of_data(trainer: Trainer, log: MetricsLogger, pending, data_end: int):
 class TrainCommandOptions:
   """The train_command.* option (`python -m sinkjax.train`): the run's config file; every other section.key=value word
   is an override of it (`train.steps=100`). Its --config is that config, so the command has no file of options."""
-  config: str = key("", alias="--config", metavar="CONFIG", required=True,
+  config: str = declare("", alias="--config", metavar="CONFIG", required=True,
                     help="YAML config file (see configs/; tiny.yaml runs on a CPU)")
 
 

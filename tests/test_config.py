@@ -91,12 +91,12 @@ def test_unknown_keys_suggest_the_nearest_and_name_their_file(tmp_path):
 @dataclasses.dataclass
 class _Renamed:
   """A section whose key `driver` was once spelled `kind` (as the study files' `study:` section's was)."""
-  driver: str = config_lib.key("paper", formerly="kind")
+  driver: str = config_lib.declare("paper", formerly="kind")
   out: str = "runs/x"
 
 
 def test_a_renamed_key_is_refused_in_one_line_naming_its_new_spelling(tmp_path):
-  """The old spelling of a key declared `key(formerly=...)` is an unknown key whose one line names the new one, from
+  """The old spelling of a key declared `declare(formerly=...)` is an unknown key whose one line names the new one, from
   a file's section (config.apply_section) and from a command's options (options.fill); the new spelling is set."""
   from sinkjax import options
   with pytest.raises(ConfigError, match=r"^unknown config key study.kind in f.yaml; it is study.driver now$"):
@@ -171,7 +171,7 @@ def test_model_section_parts_hold_what_their_users_set():
 
 
 def test_every_key_is_declared_once_with_its_range_and_choices():
-  """CHOICES / RANGES are read from the fields' own declarations (`config.key`): every numeric field of every section
+  """CHOICES / RANGES are read from the fields' own declarations (`config.declare`): every numeric field of every section
   has a range, every field with a choices tuple is checked against it at parse time."""
   import dataclasses as dc
   from sinkjax import config as c

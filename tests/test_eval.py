@@ -330,7 +330,7 @@ def test_value_zeroing_all_heads_changes_bpb_and_tau_one_changes_nothing(models,
 
 
 def test_value_zeroing_matches_zeroing_the_value_by_hand(models, eval_batches):
-  """One layer, one head: zeroing by the model (zero_first_value) = attention recomputed with v_first := 0."""
+  """One layer, one head: zeroing by the model (zero_first_token_value) = attention recomputed with v_first := 0."""
   model = models["vanilla"]
   b = eval_batches[0]
   seg, pos = jnp.asarray(b["segment_ids"]), jnp.asarray(b["positions"])
@@ -338,7 +338,7 @@ def test_value_zeroing_matches_zeroing_the_value_by_hand(models, eval_batches):
   zero = np.zeros((L, H), bool)
   zero[0, 1] = True
   _, traces = analysis.recorded_forward(model, jnp.asarray(b["inputs"]), segment_ids=seg, positions=pos,
-                                            zero_first_value=jnp.asarray(zero))
+                                            zero_first_token_value=jnp.asarray(zero))
   tr = traces[0]
   v = np.asarray(tr.v)                                                 # [B,T,Hq,D] after zeroing
   starts = np.asarray(b["positions"] == 0) & np.asarray(b["segment_ids"] != 0)
@@ -440,7 +440,7 @@ def test_teacher_forced_value_zeroing_scores_the_after_prefill_window():
   logits, _ = analysis.recorded_forward(model, jnp.asarray(batch["inputs"]),
                                         segment_ids=jnp.asarray(batch["segment_ids"]),
                                         positions=jnp.asarray(batch["positions"]),
-                                        zero_first_value=jnp.ones((2, 4), bool), keep_weights=False)
+                                        zero_first_token_value=jnp.ones((2, 4), bool), keep_weights=False)
   want = -log_probs(logits, batch["targets"])[:, P:].mean() / math.log(2)
   assert tf["bpb_all"] == pytest.approx(float(want), abs=1e-5)
   whole = ev.teacher_forced_value_zeroing(model, [batch], alpha, tau=0.75, prompt_len=0)   # the old window
@@ -747,7 +747,7 @@ def test_recorded_and_zeroed_forwards_are_the_same_with_the_layers_scanned(atten
   out = {}
   for name, m in (("one by one", model), ("scanned", scanned)):
     logits, traces = analysis.recorded_forward(m, jnp.asarray(b["inputs"]), **args)
-    zeroed, _ = analysis.recorded_forward(m, jnp.asarray(b["inputs"]), **args, zero_first_value=zero,
+    zeroed, _ = analysis.recorded_forward(m, jnp.asarray(b["inputs"]), **args, zero_first_token_value=zero,
                                           keep_weights=False)
     out[name] = (logits, traces, zeroed)
   (logits, traces, zeroed), (s_logits, s_traces, s_zeroed) = out["one by one"], out["scanned"]

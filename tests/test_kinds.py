@@ -50,7 +50,7 @@ class CumMeanLayer(nnx.Module):
   def __init__(self, d, rngs):
     self.proj = nnx.Linear(d, d, use_bias=False, rngs=rngs)
 
-  def __call__(self, x, *, segment_ids=None, positions=None, cache=None, record=False, zero_first_value=None):
+  def __call__(self, x, *, segment_ids=None, positions=None, cache=None, record_trace=False, zero_first_token_value=None):
     mean = jnp.cumsum(x, axis=1) / jnp.arange(1, x.shape[1] + 1)[None, :, None]
     return self.proj(mean)
 

@@ -1,4 +1,4 @@
-"""A command's options are typed config sections (sinkjax.options): each option declared once with `config.key`, its
+"""A command's options are typed config sections (sinkjax.options): each option declared once with `config.declare`, its
 flag generated from the declaration, its value checked by the declaration, and no parser namespace below a main."""
 from __future__ import annotations
 

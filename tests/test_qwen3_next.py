@@ -117,7 +117,7 @@ def test_importance_and_aux_loss_cover_the_full_attention_layers_only(ours):
   tokens = jnp.asarray(_tokens(2, 17, seed=3))
   _, imp = nnx.jit(forward_with_importance)(ours, tokens)          # one compile, not op by op (~10 s eager)
   assert imp.shape == (1, 4) and ours.cfg.head_layers == (3,)
-  nnx.jit(lambda model, x: model(x, record=True))(ours, tokens)
+  nnx.jit(lambda model, x: model(x, record_trace=True))(ours, tokens)
   x = np.asarray(nnx.pop(ours, nnx.Intermediate)["layers"][2]["hidden"].value, np.float64)      # layer 3's input
   scale = np.asarray(ours.layers[3].attn_norm.scale[...], np.float64)
   xn = x / np.sqrt((x * x).mean(-1, keepdims=True) + ours.cfg.norm_eps) * scale

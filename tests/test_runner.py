@@ -139,7 +139,7 @@ def test_a_record_do_writes_itself_is_kept_and_runs_may_be_files(tmp_path):
 
 def test_a_study_without_a_recipe_reads_its_drivers_own_section(tmp_path):
   """configs/studies/streaming_real.yaml trains nothing: no base:, a `streaming:` section its driver declares with
-  key(); overrides reach that section and the axes; a section or config key the driver does not read is one error."""
+  declare(); overrides reach that section and the axes; a section or config key the driver does not read is one error."""
   from sinkjax.experiments import streaming_real
   plan = runner.load_plan(streaming_real.STUDY_FILE, ["streaming.tokens=4096", "axes.random_map=[3, 9]",
                                                       f"study.out={tmp_path}"])

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from sinkjax import options
 from sinkjax.errors import ConfigError
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.kernels import BlockSizes, default_impl, flash_attention
 
 _BWD_TILES = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
@@ -40,30 +40,30 @@ STOCK = ("jax.nn.dpa", "jax.nn.cudnn")     # stock kernels without an LSE
 @dataclasses.dataclass
 class AttentionBenchOptions:
   """The bench_attention.* options (`python -m sinkjax.bench.attention`; each flag the alias of its key)."""
-  seq: list[int] = key([512, 1024, 2048, 4096, 8192], ">=1", alias="--seq", nargs="+", metavar="T",
+  seq: list[int] = declare([512, 1024, 2048, 4096, 8192], ">=1", alias="--seq", nargs="+", metavar="T",
                        help="sequence lengths to time")
-  batch: int = key(1, ">=1", alias="--batch", help="rows")
-  heads: int = key(4, ">=1", alias="--heads", help="query heads")
-  kv_heads: int | None = key(None, ">=1", alias="--kv-heads", help="K/V heads (GQA; default: --heads)")
-  head_dim: int = key(64, ">=1", alias="--head-dim", help="head dimension")
-  dtype: str = key("float32", choices=("float32", "bfloat16"), alias="--dtype", help="q/k/v dtype")
-  block_q: int | None = key(None, ">=1", alias="--block-q", help="query tile of every pass (default: the backend's)")
-  block_k: int | None = key(None, ">=1", alias="--block-k", help="key tile of every pass (default: the backend's)")
-  block_q_dkv: int | None = key(None, ">=1", alias="--block-q-dkv",
+  batch: int = declare(1, ">=1", alias="--batch", help="rows")
+  heads: int = declare(4, ">=1", alias="--heads", help="query heads")
+  kv_heads: int | None = declare(None, ">=1", alias="--kv-heads", help="K/V heads (GQA; default: --heads)")
+  head_dim: int = declare(64, ">=1", alias="--head-dim", help="head dimension")
+  dtype: str = declare("float32", choices=("float32", "bfloat16"), alias="--dtype", help="q/k/v dtype")
+  block_q: int | None = declare(None, ">=1", alias="--block-q", help="query tile of every pass (default: the backend's)")
+  block_k: int | None = declare(None, ">=1", alias="--block-k", help="key tile of every pass (default: the backend's)")
+  block_q_dkv: int | None = declare(None, ">=1", alias="--block-q-dkv",
                                 help="block_q_dkv of BlockSizes: overrides --block-q/--block-k for that backward tile")
-  block_kv_dkv: int | None = key(None, ">=1", alias="--block-kv-dkv",
+  block_kv_dkv: int | None = declare(None, ">=1", alias="--block-kv-dkv",
                                  help="block_kv_dkv of BlockSizes: overrides --block-q/--block-k for that backward "
                                       "tile")
-  block_q_dq: int | None = key(None, ">=1", alias="--block-q-dq",
+  block_q_dq: int | None = declare(None, ">=1", alias="--block-q-dq",
                                help="block_q_dq of BlockSizes: overrides --block-q/--block-k for that backward tile")
-  block_kv_dq: int | None = key(None, ">=1", alias="--block-kv-dq",
+  block_kv_dq: int | None = declare(None, ">=1", alias="--block-kv-dq",
                                 help="block_kv_dq of BlockSizes: overrides --block-q/--block-k for that backward tile")
-  repeats: int = key(3, ">=1", alias="--repeats", help="timed runs per row (the fastest is shown)")
-  impls: list[str] | None = key(None, alias="--impls", nargs="+", metavar="IMPL",
+  repeats: int = declare(3, ">=1", alias="--repeats", help="timed runs per row (the fastest is shown)")
+  impls: list[str] | None = declare(None, alias="--impls", nargs="+", metavar="IMPL",
                                 help="backends to run (default: reference, xla, the platform's Pallas backend, "
                                      "jax.nn.dpa); also cudnn (sinkjax's cuDNN backend, GPU), jax.nn.cudnn (GPU) and "
                                      "torch.sdpa: stock fused attention, fwd+bwd without the LSE term")
-  max_gib: float = key(12.0, ">0", alias="--max-gib", help="skip configurations whose program needs more")
+  max_gib: float = declare(12.0, ">0", alias="--max-gib", help="skip configurations whose program needs more")
 
 
 COMMAND = options.Command(prog="python -m sinkjax.bench.attention", description=__doc__,

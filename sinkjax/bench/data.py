@@ -18,7 +18,7 @@ import sys
 import time
 
 from sinkjax import options
-from sinkjax.config import DataConfig, key
+from sinkjax.config import DataConfig, declare
 from sinkjax.data import build_tokenizer, make_train_iterator
 from sinkjax.markdown import table
 
@@ -49,15 +49,15 @@ def measure(cfg: DataConfig, batch_size: int, seconds: float, warmup: int = 3) -
 @dataclasses.dataclass
 class DataBenchOptions:
   """The bench_data.* options (`python -m sinkjax.bench.data`; each flag the alias of its key)."""
-  source: str = key("default", alias="--source", help="data.source (default: the embedded corpus)")
-  tokenizer: str = key("bytes", alias="--tokenizer", help="data.tokenizer")
-  seq_len: list[int] = key([256, 1024], ">=1", alias="--seq-len", nargs="+", metavar="T",
+  source: str = declare("default", alias="--source", help="data.source (default: the embedded corpus)")
+  tokenizer: str = declare("bytes", alias="--tokenizer", help="data.tokenizer")
+  seq_len: list[int] = declare([256, 1024], ">=1", alias="--seq-len", nargs="+", metavar="T",
                            help="data.seq_len values to try")
-  batch: int = key(16, ">=1", alias="--batch", help="rows per batch")
-  workers: list[int] = key([0, 2], ">=0", alias="--workers", nargs="+", metavar="N",
+  batch: int = declare(16, ">=1", alias="--batch", help="rows per batch")
+  workers: list[int] = declare([0, 2], ">=0", alias="--workers", nargs="+", metavar="N",
                            help="data.num_workers values to try")
-  prefetch: int = key(2, ">=1", alias="--prefetch", help="data.prefetch")
-  seconds: float = key(5.0, ">0", alias="--seconds", help="measured wall time per configuration")
+  prefetch: int = declare(2, ">=1", alias="--prefetch", help="data.prefetch")
+  seconds: float = declare(5.0, ">0", alias="--seconds", help="measured wall time per configuration")
 
 
 COMMAND = options.Command(prog="python -m sinkjax.bench.data", description=__doc__.splitlines()[0],

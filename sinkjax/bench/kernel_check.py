@@ -29,7 +29,7 @@ import numpy as np
 from sinkjax import options
 from sinkjax.attention import sink_attention
 from sinkjax.balance import aux_loss, head_importance
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.kernels import flash_attention
 from sinkjax.markdown import row, table
 
@@ -164,14 +164,14 @@ def check_o_through_d(impl: str = "cudnn", *, B, T, H, D, dtype=jnp.bfloat16):
 @dataclasses.dataclass
 class KernelCheckOptions:
   """The bench_kernel_check.* options (`python -m sinkjax.bench.kernel_check`; each flag the alias of its key)."""
-  impls: list[str] | None = key(None, alias="--impls", nargs="+", metavar="IMPL",
+  impls: list[str] | None = declare(None, alias="--impls", nargs="+", metavar="IMPL",
                                 help="backends to check (default: cudnn mosaic_gpu pallas_gpu on a GPU, xla elsewhere)")
-  seq: int = key(512, ">=1", alias="--seq", help="sequence length")
-  batch: int = key(2, ">=1", alias="--batch", help="rows")
-  head_dim: int = key(128, ">=1", alias="--head-dim", help="head dimension")
-  dtype: str | None = key(None, choices=tuple(sorted(TOL)), alias="--dtype",
+  seq: int = declare(512, ">=1", alias="--seq", help="sequence length")
+  batch: int = declare(2, ">=1", alias="--batch", help="rows")
+  head_dim: int = declare(128, ">=1", alias="--head-dim", help="head dimension")
+  dtype: str | None = declare(None, choices=tuple(sorted(TOL)), alias="--dtype",
                           help="default: bfloat16 on a GPU, float32 elsewhere")
-  cases: list[str] | None = key(None, choices=tuple(c[0] for c in CASES), alias="--cases", nargs="+",
+  cases: list[str] | None = declare(None, choices=tuple(c[0] for c in CASES), alias="--cases", nargs="+",
                                 metavar="CASE", help="cases to run (default: all)")
 
 

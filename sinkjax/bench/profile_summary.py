@@ -149,12 +149,12 @@ def format_summary(s: dict, top: int = 8, per: str = "step") -> str:
 class ProfileSummaryOptions:
   """The profile_summary.* options (`python -m sinkjax.bench.profile_summary TRACE_DIR ...`; the trace is the one word
   without "=", or --trace; each flag the alias of its key)."""
-  trace: str = config.key("", alias="--trace", metavar="TRACE_DIR", required=True,
+  trace: str = config.declare("", alias="--trace", metavar="TRACE_DIR", required=True,
                           help="a jax.profiler.trace log directory (or one *.trace.json.gz)")
-  hlo: list = config.key([], alias="--hlo", nargs="+", metavar="STEP.hlo.txt",
+  hlo: list = config.declare([], alias="--hlo", nargs="+", metavar="STEP.hlo.txt",
                          help="compiled program text(s) of the traced step (as_text())")
-  steps: int | None = config.key(None, ">=1", alias="--steps", help="steps in the trace (times are divided by it)")
-  top: int = config.key(8, ">=1", alias="--top", help="ops listed under the table")
+  steps: int | None = config.declare(None, ">=1", alias="--steps", help="steps in the trace (times are divided by it)")
+  top: int = config.declare(8, ">=1", alias="--top", help="ops listed under the table")
 
 
 COMMAND = options.Command(prog="python -m sinkjax.bench.profile_summary", description=__doc__,

@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 from sinkjax import choices, optim, options
-from sinkjax.config import key, load_config
+from sinkjax.config import declare, load_config
 from sinkjax.markdown import row, table
 from sinkjax.model import Transformer, count_params
 from sinkjax.step import make_train_step
@@ -248,21 +248,21 @@ def paired_ratio(reference: list, other: list) -> tuple:
 class TrainBenchOptions:
   """The bench_train.* options (`python -m sinkjax.bench.train`; each flag the alias of its key). Its --config is the
   training config the shapes start from, so the command has no file of options."""
-  config: str = key("configs/tiny.yaml", alias="--config", metavar="CONFIG", help="shapes and recipe to start from")
-  layers: int | None = key(None, ">=1", alias="--layers", help="model.num_layers")
-  d_model: int | None = key(None, ">=1", alias="--d-model", help="model.d_model")
-  heads: int | None = key(None, ">=1", alias="--heads", help="model.num_heads (and num_kv_heads)")
-  head_dim: int | None = key(None, ">=1", alias="--head-dim", help="model.head_dim")
-  seq: int | None = key(None, ">=1", alias="--seq", help="data.seq_len (and model.max_seq_len)")
-  batch: int | None = key(None, ">=1", alias="--batch", help="train.batch_size")
-  dtype: str = key("float32", choices=("float32", "bfloat16"), alias="--dtype", help="compute dtype")
-  variants: list[str] = key(["vanilla", "sink", "gated"], choices=choices.ATTENTION_VARIANTS, alias="--variants",
+  config: str = declare("configs/tiny.yaml", alias="--config", metavar="CONFIG", help="shapes and recipe to start from")
+  layers: int | None = declare(None, ">=1", alias="--layers", help="model.num_layers")
+  d_model: int | None = declare(None, ">=1", alias="--d-model", help="model.d_model")
+  heads: int | None = declare(None, ">=1", alias="--heads", help="model.num_heads (and num_kv_heads)")
+  head_dim: int | None = declare(None, ">=1", alias="--head-dim", help="model.head_dim")
+  seq: int | None = declare(None, ">=1", alias="--seq", help="data.seq_len (and model.max_seq_len)")
+  batch: int | None = declare(None, ">=1", alias="--batch", help="train.batch_size")
+  dtype: str = declare("float32", choices=("float32", "bfloat16"), alias="--dtype", help="compute dtype")
+  variants: list[str] = declare(["vanilla", "sink", "gated"], choices=choices.ATTENTION_VARIANTS, alias="--variants",
                             nargs="+", metavar="VARIANT", help="model.attention values timed with Muon")
-  repeats: int = key(12, ">=1", alias="--repeats", help="timed rounds")
-  preset: str | None = key(None, choices=tuple(sorted(PRESETS)), alias="--preset",
+  repeats: int = declare(12, ">=1", alias="--repeats", help="timed rounds")
+  preset: str | None = declare(None, choices=tuple(sorted(PRESETS)), alias="--preset",
                            help="a named shape (flags given as well override it)")
-  no_torch: bool = key(False, alias="--no-torch", help="skip the PyTorch peers (nanochat and transformers)")
-  nanochat: str | None = key(None, alias="--nanochat", metavar="NANOCHAT",
+  no_torch: bool = declare(False, alias="--no-torch", help="skip the PyTorch peers (nanochat and transformers)")
+  nanochat: str | None = declare(None, alias="--nanochat", metavar="NANOCHAT",
                              help=f"a nanochat tree (holding nanochat/gpt.py) whose GPT is timed as a peer; default "
                                   f"$SINKJAX_NANOCHAT_PEERS/{NANOCHAT_TREE} or ../shared/peers/{NANOCHAT_TREE}")
 

@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from sinkjax import options
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.markdown import table
 
 _ROWS = ("data", "step, packed", "step, 1 segment", "step, batch re-sent", "step, batches on device", "trainer.step",
@@ -247,14 +247,14 @@ def profile(trainer, run, steps: int, out_dir: str) -> None:
 class TrainerBenchOptions:
   """The bench_trainer.* options (`python -m sinkjax.bench.trainer`; each flag the alias of its key). Its --config is
   the training config timed, so the command has no file of options."""
-  config: str = key("", alias="--config", metavar="CONFIG", required=True, help="the training config (a YAML file)")
-  steps: int = key(20, ">=1", alias="--steps", help="steps per timed block")
-  rounds: int = key(3, ">=1", alias="--rounds", help="timed blocks per row (median)")
-  no_estimate: bool = key(False, alias="--no-estimate", help="skip the roofline estimate (one more compile)")
-  profile: str | None = key(None, alias="--profile", metavar="DIR",
+  config: str = declare("", alias="--config", metavar="CONFIG", required=True, help="the training config (a YAML file)")
+  steps: int = declare(20, ">=1", alias="--steps", help="steps per timed block")
+  rounds: int = declare(3, ">=1", alias="--rounds", help="timed blocks per row (median)")
+  no_estimate: bool = declare(False, alias="--no-estimate", help="skip the roofline estimate (one more compile)")
+  profile: str | None = declare(None, alias="--profile", metavar="DIR",
                             help="after timing, trace --steps steps of the first row into DIR and print the device "
                                  "time per kernel category (sinkjax.bench.profile_summary)")
-  rows: list[str] = key(list(_ROWS), choices=_ROWS, alias="--rows", nargs="+", metavar="ROW",
+  rows: list[str] = declare(list(_ROWS), choices=_ROWS, alias="--rows", nargs="+", metavar="ROW",
                         help=f"rows to time (default all: {', '.join(repr(r) for r in _ROWS)})")
 
 

@@ -804,20 +804,20 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, dtype: s
 class HFConvertOptions:
   """The convert.* options (`python -m sinkjax.convert.hf`; each flag the alias of its key): --hf-dir imports,
   --export exports; other section.key=value words are the mesh.* keys an import places the model on."""
-  hf_dir: str = config_lib.key(
+  hf_dir: str = config_lib.declare(
       "", alias="--hf-dir", other_aliases=("--gguf",), metavar="HF_DIR",
       help="what to import: a Hugging Face model directory (config.json + *.safetensors), a .gguf file or a directory "
            "holding one (dequantized; needs the gguf extra)")
-  export: str = config_lib.key("", alias="--export", metavar="RUN_DIR",
+  export: str = config_lib.declare("", alias="--export", metavar="RUN_DIR",
                                help="run directory to export (LoRA adapters are merged)")
-  out: str = config_lib.key("", alias="--out", metavar="OUT", required=True,
+  out: str = config_lib.declare("", alias="--out", metavar="OUT", required=True,
                             help="the run directory (import) or Hugging Face directory (export)")
-  dtype: str | None = config_lib.key(
+  dtype: str | None = config_lib.declare(
       None, choices=("float32", "bfloat16", "float16"), alias="--dtype",
       help="import: model.dtype of the run (default bfloat16); export: tensor dtype (default float32)")
-  param_dtype: str = config_lib.key("float32", choices=("float32", "bfloat16"), alias="--param-dtype",
+  param_dtype: str = config_lib.declare("float32", choices=("float32", "bfloat16"), alias="--param-dtype",
                                     help="import: model.param_dtype (stored weights)")
-  step: int | None = config_lib.key(None, ">=0", alias="--step", help="export: checkpoint step (default: latest)")
+  step: int | None = config_lib.declare(None, ">=0", alias="--step", help="export: checkpoint step (default: latest)")
 
 
 COMMAND = options.Command(

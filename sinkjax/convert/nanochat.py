@@ -275,18 +275,18 @@ def export(run_dir, out_dir, *, step: int | None = None):
 class NanochatConvertOptions:
   """The convert.* options (`python -m sinkjax.convert.nanochat`; each flag the alias of its key): --checkpoint
   imports, --export exports."""
-  checkpoint: str = config_lib.key("", alias="--checkpoint", metavar="DIR",
+  checkpoint: str = config_lib.declare("", alias="--checkpoint", metavar="DIR",
                                    help="nanochat checkpoint directory to import")
-  export: str = config_lib.key("", alias="--export", metavar="RUN_DIR",
+  export: str = config_lib.declare("", alias="--export", metavar="RUN_DIR",
                                help="run directory to export (LoRA adapters are merged)")
-  out: str = config_lib.key("", alias="--out", metavar="OUT", required=True,
+  out: str = config_lib.declare("", alias="--out", metavar="OUT", required=True,
                             help="the run directory (import) or nanochat directory (export)")
-  step: int | None = config_lib.key(None, ">=0", alias="--step", help="checkpoint step (default: the newest)")
-  tokenizer: str | None = config_lib.key(
+  step: int | None = config_lib.declare(None, ">=0", alias="--step", help="checkpoint step (default: the newest)")
+  tokenizer: str | None = config_lib.declare(
       None, alias="--tokenizer",
       help="import: the model's tokenizer as a Hugging Face tokenizer.json (copied into the run); not needed for a "
            "257-token byte vocabulary")
-  dtype: str = config_lib.key("bfloat16", choices=("float32", "bfloat16"), alias="--dtype",
+  dtype: str = config_lib.declare("bfloat16", choices=("float32", "bfloat16"), alias="--dtype",
                               help="import: model.dtype (compute) of the run")
 
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 from sinkjax import options, paths
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.data.sources import DataError, expand_files
 
 FIELDS = ("input", "output")
@@ -93,12 +93,12 @@ def convert(source: str, out: str, category: str | None = None, limit: int | Non
 @dataclasses.dataclass
 class AceReasonOptions:
   """The acereason.* options (`python -m sinkjax.data.acereason`; each flag the alias of its key)."""
-  source: str = key("", alias="--source", metavar="IN", required=True,
+  source: str = declare("", alias="--source", metavar="IN", required=True,
                     help="path / glob of the dataset's .parquet or .jsonl files")
-  out: str = key("", alias="--out", metavar="OUT", required=True, help="the JSONL to write (local or gs://)")
-  category: str | None = key(None, choices=("math", "code"), alias="--category",
+  out: str = declare("", alias="--out", metavar="OUT", required=True, help="the JSONL to write (local or gs://)")
+  category: str | None = declare(None, choices=("math", "code"), alias="--category",
                              help="keep only this category (default: all)")
-  limit: int | None = key(None, ">=1", alias="--limit", metavar="N", help="write at most N examples")
+  limit: int | None = declare(None, ">=1", alias="--limit", metavar="N", help="write at most N examples")
 
 
 COMMAND = options.Command(

@@ -37,7 +37,7 @@ import urllib.parse
 import urllib.request
 
 from sinkjax import errors, options, paths
-from sinkjax.config import key
+from sinkjax.config import declare
 
 BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 NUM_SHARDS = 1823                    # shard_00000 ... shard_01822 (nanochat's MAX_SHARD = 1822)
@@ -157,20 +157,20 @@ def download(num_shards: int, out: str, base_url: str = BASE_URL, log=print) -> 
 @dataclasses.dataclass
 class FineWebOptions:
   """The fineweb.* options (`python -m sinkjax.data.fineweb`; each flag the alias of its key)."""
-  tokens_for: str = key("", alias="--tokens-for", metavar="CONFIG",
+  tokens_for: str = declare("", alias="--tokens-for", metavar="CONFIG",
                         help="a training config: print its parameters, steps, tokens and the shards they need "
                              "(downloaded too when --out is given); section.key=value words override it")
-  shards: int | None = key(None, ">=2", alias="--shards", metavar="N",
+  shards: int | None = declare(None, ">=2", alias="--shards", metavar="N",
                            help="shards to download: N - 1 training shards and the validation shard (at most "
                                 f"{NUM_SHARDS})")
-  out: str = key("", alias="--out", help="directory or gs:// / s3:// prefix to download into (validation shard in "
+  out: str = declare("", alias="--out", help="directory or gs:// / s3:// prefix to download into (validation shard in "
                                          "OUT/val)")
-  vocab_size: int | None = key(None, ">=1", alias="--vocab-size", metavar="N",
+  vocab_size: int | None = declare(None, ">=1", alias="--vocab-size", metavar="N",
                                help="vocabulary for the parameter count when the config has none and its tokenizer is "
                                     f"not there yet (default {DEFAULT_VOCAB:,}, nanochat's)")
-  chars_per_token: float = key(CHARS_PER_TOKEN, ">0", alias="--chars-per-token", metavar="C",
+  chars_per_token: float = declare(CHARS_PER_TOKEN, ">0", alias="--chars-per-token", metavar="C",
                                help="characters per token of the tokenizer on FineWeb-Edu (nanochat's)")
-  base_url: str = key(BASE_URL, alias="--base-url", metavar="URL", help="where shard_NNNNN.parquet files are served")
+  base_url: str = declare(BASE_URL, alias="--base-url", metavar="URL", help="where shard_NNNNN.parquet files are served")
 
 
 COMMAND = options.Command(

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from sinkjax import options, paths
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.data.sources import DataError, DefaultSource
 
 FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ", "Here we go. ",
@@ -76,12 +76,12 @@ def corpus_chunks(total: int, chunk: int, rng: np.random.Generator) -> list[str]
 @dataclasses.dataclass
 class PasskeyDataOptions:
   """The options of `python -m sinkjax.data.passkey`: the training mix it writes."""
-  out: str = key("", alias="--out", metavar="OUT.jsonl", required=True,
+  out: str = declare("", alias="--out", metavar="OUT.jsonl", required=True,
                  help="the training JSONL to write (field text; train on it with data.source=OUT.jsonl)")
-  docs: int = key(20000, ">=1", alias="--docs", help="passkey documents")
-  max_len: int = key(512, ">=1", alias="--max-len", help="longest passkey document in bytes")
-  text_fraction: float = key(0.3, "[0,1)", alias="--text-fraction", help="share of the bytes that are corpus text")
-  seed: int = key(0, ">=0", alias="--seed", help="the documents drawn")
+  docs: int = declare(20000, ">=1", alias="--docs", help="passkey documents")
+  max_len: int = declare(512, ">=1", alias="--max-len", help="longest passkey document in bytes")
+  text_fraction: float = declare(0.3, "[0,1)", alias="--text-fraction", help="share of the bytes that are corpus text")
+  seed: int = declare(0, ">=0", alias="--seed", help="the documents drawn")
 
 
 COMMAND = options.Command(prog="python -m sinkjax.data.passkey", description="A training mix for the passkey probe "

@@ -31,7 +31,7 @@ import sys
 from typing import Iterable, Iterator
 
 from sinkjax import errors, options, paths
-from sinkjax.config import key
+from sinkjax.config import declare
 
 # nanochat/tokenizer.py (9d4c9b7): every document begins with <|bos|>; the others render conversations.
 SPECIAL_TOKENS = ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
@@ -182,18 +182,18 @@ def _summary(tok) -> str:
 @dataclasses.dataclass
 class TokenizerTrainOptions:
   """The train.* options of `python -m sinkjax.data.tokenizer train` (each flag the alias of its key)."""
-  source: str = key("", alias="--source", metavar="PATH_OR_GLOB", required=True,
+  source: str = declare("", alias="--source", metavar="PATH_OR_GLOB", required=True,
                     help="documents as data.source: .txt/.jsonl/.parquet path, directory or glob (local or gs://), "
                          "'default' or tfds:NAME")
-  vocab_size: int = key(65536, ">=1", alias="--vocab-size", metavar="N",
+  vocab_size: int = declare(65536, ">=1", alias="--vocab-size", metavar="N",
                         help="ids in all, the 9 special tokens included (nanochat's)")
-  out: str = key("", alias="--out", metavar="DIR", required=True, help="directory for tokenizer.json")
-  max_chars: int = key(MAX_CHARS, ">=1", alias="--max-chars", metavar="N",
+  out: str = declare("", alias="--out", metavar="DIR", required=True, help="directory for tokenizer.json")
+  max_chars: int = declare(MAX_CHARS, ">=1", alias="--max-chars", metavar="N",
                        help="character budget: stop after the document that passes it")
-  doc_cap: int = key(DOC_CAP, ">=1", alias="--doc-cap", metavar="N", help="characters kept of each document")
-  text_field: str = key("text", alias="--text-field", metavar="F",
+  doc_cap: int = declare(DOC_CAP, ">=1", alias="--doc-cap", metavar="N", help="characters kept of each document")
+  text_field: str = declare("text", alias="--text-field", metavar="F",
                         help="the text column / key of .parquet / .jsonl files")
-  val_fraction: float = key(0.02, "[0,1)", alias="--val-fraction", metavar="F",
+  val_fraction: float = declare(0.02, "[0,1)", alias="--val-fraction", metavar="F",
                             help="documents left out as the trainer's validation split (data.val_fraction; 0: none)")
 
 
@@ -201,8 +201,8 @@ class TokenizerTrainOptions:
 class FromTiktokenOptions:
   """The from_tiktoken.* options of `python -m sinkjax.data.tokenizer from-tiktoken PKL --out DIR` (PKL: the one word
   without "=", or --pkl)."""
-  pkl: str = key("", alias="--pkl", metavar="PKL", required=True, help="tokenizer.pkl, or the directory holding it")
-  out: str = key("", alias="--out", metavar="DIR", required=True, help="directory for tokenizer.json")
+  pkl: str = declare("", alias="--pkl", metavar="PKL", required=True, help="tokenizer.pkl, or the directory holding it")
+  out: str = declare("", alias="--out", metavar="DIR", required=True, help="directory for tokenizer.json")
 
 
 PROG = "python -m sinkjax.data.tokenizer"

@@ -20,7 +20,7 @@ import yaml
 
 from sinkjax import choices, options, paths, stats
 from sinkjax.errors import UserError
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.experiments import runner
 from sinkjax.lm_eval_tasks import TABLE1_COLUMNS
 from sinkjax.markdown import table
@@ -684,14 +684,14 @@ def runs_report(patterns: list[str], out: str | None) -> str:
 @dataclasses.dataclass
 class ReportOptions:
   """The report.* options of `python -m sinkjax.experiments.paper_report` (each flag the alias of its key)."""
-  runs: list[str] = key([], alias="--runs", metavar="GLOB",
+  runs: list[str] = declare([], alias="--runs", metavar="GLOB",
                         help="run directories (local or gs:// globs; repeatable): Table 1 and Figs. 5 / 8 from them")
-  out: str = key("", alias="--out", help="with --runs: where table1.md / .json and the figures go")
-  grid: str = key(str(GRID), alias="--grid", help="the main grid's results.json")
-  dose: str = key(str(DOSE), alias="--dose", help="the dose study's dose.json ('none': skip)")
-  repro: str = key("", alias="--repro", help="retrains of the --grid's runs (raw/NAME/paper_eval.json; 'none': "
+  out: str = declare("", alias="--out", help="with --runs: where table1.md / .json and the figures go")
+  grid: str = declare(str(GRID), alias="--grid", help="the main grid's results.json")
+  dose: str = declare(str(DOSE), alias="--dose", help="the dose study's dose.json ('none': skip)")
+  repro: str = declare("", alias="--repro", help="retrains of the --grid's runs (raw/NAME/paper_eval.json; 'none': "
                    "skip); default: docs/results/paper_cpu_repro, the default grid's, with the default --grid only")
-  write: bool = key(False, alias="--write", help="write stats.md / stats.json (and the dose report) next to the inputs")
+  write: bool = declare(False, alias="--write", help="write stats.md / stats.json (and the dose report) next to the inputs")
 
 
 COMMAND = options.Command(prog="python -m sinkjax.experiments.paper_report", description=__doc__.split("\n\n")[0],

@@ -23,7 +23,7 @@ import shlex
 import subprocess
 
 from sinkjax import paths
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.experiments.paper_report import LOSSES, VARIANTS, runs_report
 from sinkjax.experiments.runner import REPO, StudyError
 
@@ -93,10 +93,10 @@ class TpuOptions:
   version: str = "v2-alpha-tpuv5-lite"   # TPU runtime (v5e's)
   spot: bool = False                # spot capacity
   queued: bool = False              # ask for the slice as a queued resource
-  interval: int = key(300, ">=0")   # seconds between babysit's checks
+  interval: int = declare(300, ">=0")   # seconds between babysit's checks
   delete_when_done: bool = False    # delete the slice after the last run finishes
   data: str = ""                    # the bucket's fineweb-edu/ and tokenizer/tokenizer.json ("": OUT/data)
-  steps: int = key(0, ">=0")        # every run's train.steps (a check); 0: the configs' own
+  steps: int = declare(0, ">=0")        # every run's train.steps (a check); 0: the configs' own
 
 
 def launch_command(run: TpuRun, bucket: Bucket, o: TpuOptions, *, delete_when_done: bool = False) -> list[str]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from sinkjax import cache_policy, paths
 from sinkjax.errors import UserError
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.data.passkey import FILLER, KEY_DIGITS, NEEDLE, QUESTION, random_key
 from sinkjax.experiments import runner
 from sinkjax.generate import kv_bytes, streaming_scores
@@ -37,10 +37,10 @@ STUDY_FILE = runner.REPO / "configs" / "studies" / "passkey_tiny.yaml"
 @dataclasses.dataclass
 class PasskeyOptions:
   """The `passkey:` section of a driver-passkey study file. The hybrid caches' head policy is its `cache:` section."""
-  samples: int = key(8, ">=1")            # keys per length and depth
-  sink_size: int = key(4, ">=0")          # sinks of streaming heads
-  window: int = key(64, ">=1")            # slots of streaming heads, sinks included
-  seed: int = key(0, ">=0")               # the keys drawn
+  samples: int = declare(8, ">=1")            # keys per length and depth
+  sink_size: int = declare(4, ">=0")          # sinks of streaming heads
+  window: int = declare(64, ">=1")            # slots of streaming heads, sinks included
+  seed: int = declare(0, ">=0")               # the keys drawn
 
 
 # The sections of a driver-passkey study file besides study: and axes:: its own keys and the per-head cache policy of

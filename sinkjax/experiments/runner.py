@@ -20,7 +20,7 @@ from sinkjax import config as config_lib
 from sinkjax import paths
 from sinkjax import options as options_lib
 from sinkjax.errors import UserError
-from sinkjax.config import key
+from sinkjax.config import declare
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -224,14 +224,14 @@ STUDY_DRIVERS = ("paper", "dose", "pinning", "pinning_null", "streaming", "passk
 @dataclasses.dataclass
 class StudySection:
   """The `study:` section of a study file: what the study is, where it writes, and how much it evaluates."""
-  driver: str = key("paper", choices=STUDY_DRIVERS, formerly="kind")   # which module makes the runs and the report
+  driver: str = declare("paper", choices=STUDY_DRIVERS, formerly="kind")   # which module makes the runs and the report
   out: str = "runs/study"           # the study's directory (runs/NAME, raw/NAME, results); gs:// / s3:// for paper
   scale: str = ""                   # the scale's name, recorded (a dose study reuses main-grid runs of its scale)
   note: str = ""                    # one line on the runs' shape, for the report
-  eval_batches: int = key(8, ">=1")  # held-out batches (of train.batch_size rows) per evaluation
-  prompt_len: int = key(64, ">=1")   # after-prefill value zeroing: tokens prefilled before the scored continuation
+  eval_batches: int = declare(8, ">=1")  # held-out batches (of train.batch_size rows) per evaluation
+  prompt_len: int = declare(64, ">=1")   # after-prefill value zeroing: tokens prefilled before the scored continuation
   finetune: bool = False            # paper: also fine-tune each base run of the first seed, eq. 7 vs eq. 8
-  finetune_steps: int = key(100, ">=1")
+  finetune_steps: int = declare(100, ">=1")
   reuse: str = ""                   # dose: a committed main-grid results.json whose runs stand in (same recipe+commit)
   run: str = ""                     # the run studied (pinning, importance, streaming, passkey: an imported model)
   results: str = ""                 # pinning, importance: where the files to commit go (default OUT/results)
@@ -296,7 +296,7 @@ class Plan:
   command: str = ""                 # the command line that ran it, for the records
 
   def options(self, classes: dict) -> dict:
-    """The driver's own sections of the file, {name: dataclass declared with `key`} -> {name: typed section}, each value
+    """The driver's own sections of the file, {name: dataclass declared with `declare`} -> {name: typed section}, each value
     checked by its declaration as a command's options are (`sinkjax.options.fill`); a section the driver does not read
     is an error naming it."""
     for other in sorted(set(self.sections) - set(classes)):

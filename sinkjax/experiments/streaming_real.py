@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from sinkjax import cache_policy, stats
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.experiments import runner
 from sinkjax.experiments.runner import StudyError
 from sinkjax.markdown import table
@@ -62,11 +62,11 @@ STUDY_FILE = runner.REPO / "configs" / "studies" / "streaming_real.yaml"
 @dataclasses.dataclass
 class StreamingOptions:
   """The `streaming:` section of a driver-streaming study file."""
-  tokens: int = key(8192, ">=1")          # tokens of the help topics scored (>= 2048: twice the largest window)
-  full_heads: float = key(0.25, "(0,1)")  # the hybrid's fraction of KV heads kept full
-  chunk: int = key(64, ">=1")             # positions scored per step
-  scope: str = key("global", choices=cache_policy.SCOPES)   # the hybrid's full heads ranked over the model or per layer
-  rankings: list[str] = key(["importance"], choices=RANKINGS)  # the rankings that each pick a hybrid's full heads
+  tokens: int = declare(8192, ">=1")          # tokens of the help topics scored (>= 2048: twice the largest window)
+  full_heads: float = declare(0.25, "(0,1)")  # the hybrid's fraction of KV heads kept full
+  chunk: int = declare(64, ">=1")             # positions scored per step
+  scope: str = declare("global", choices=cache_policy.SCOPES)   # the hybrid's full heads ranked over the model or per layer
+  rankings: list[str] = declare(["importance"], choices=RANKINGS)  # the rankings that each pick a hybrid's full heads
 
 
 # ------------------------------------------------------------------------------------------------------------ texts

@@ -13,17 +13,17 @@ import importlib
 import sys
 
 from sinkjax import errors, options
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.experiments import runner
 
 
 @dataclasses.dataclass
 class StudyCommandOptions:
   """The command's own options; every other `key=value` word is a key of the study file (`runner.load_plan`)."""
-  file: str | None = key(None, alias="--file", metavar="FILE", required=True,
+  file: str | None = declare(None, alias="--file", metavar="FILE", required=True,
                          help="the study file (configs/studies/*.yaml); also the one word without '='")
-  dry_run: bool = key(False, alias="--dry-run", help="list the grid and what is done, run nothing")
-  report_only: bool = key(False, alias="--report-only", help="run nothing: the report of the runs finished so far")
+  dry_run: bool = declare(False, alias="--dry-run", help="list the grid and what is done, run nothing")
+  report_only: bool = declare(False, alias="--report-only", help="run nothing: the report of the runs finished so far")
 
 
 COMMAND = options.Command(

@@ -32,7 +32,7 @@ import optax
 from sinkjax import paths
 from sinkjax.attention import (gated_attention, relu_attention, relu_attention_weights, sink_attention,
                                vanilla_attention)
-from sinkjax.config import key
+from sinkjax.config import declare
 from sinkjax.experiments import runner
 from sinkjax.experiments.runner import StudyError
 from sinkjax.kernels import attention_weights
@@ -319,16 +319,16 @@ def format_table(records: list[dict[str, Any]]) -> str:
 class TriggerOptions:
   """The `trigger:` section of a driver-trigger study file (configs/studies/trigger.yaml); its axes are `shape`
   (LAYERSxHEADS) and `variant`."""
-  seed: int = key(0, ">=0")                   # the study's seed: evaluation batches and every model's init and data
-  max_steps: int = key(50000, ">=1")          # step cap per model
-  lr_single: float = key(1e-3, ">0")          # Adam lr of 1-layer models ([SinkNecessary] App. A)
-  lr_multi: float = key(1e-4, ">0")           # deeper models
-  batch_size: int = key(128, ">=1")
-  seq_len: int = key(16, ">=1")               # >= 3: BOS, a token and a trigger
-  dim: int = key(16, ">=1")                   # token dimension d (3 indicators + d - 3 content), >= 4
-  stop_error: float = key(5e-3, ">0")         # stop when max |pred - target| over a training batch is below this
-  eval_size: int = key(1000, ">=1")           # evaluation sequences
-  impl: str = key("reference", choices=("reference", "xla"))   # backend of the softmax-based variants
+  seed: int = declare(0, ">=0")                   # the study's seed: evaluation batches and every model's init and data
+  max_steps: int = declare(50000, ">=1")          # step cap per model
+  lr_single: float = declare(1e-3, ">0")          # Adam lr of 1-layer models ([SinkNecessary] App. A)
+  lr_multi: float = declare(1e-4, ">0")           # deeper models
+  batch_size: int = declare(128, ">=1")
+  seq_len: int = declare(16, ">=1")               # >= 3: BOS, a token and a trigger
+  dim: int = declare(16, ">=1")                   # token dimension d (3 indicators + d - 3 content), >= 4
+  stop_error: float = declare(5e-3, ">0")         # stop when max |pred - target| over a training batch is below this
+  eval_size: int = declare(1000, ">=1")           # evaluation sequences
+  impl: str = declare("reference", choices=("reference", "xla"))   # backend of the softmax-based variants
   bos: bool = True                            # False: ablation beyond the paper, position 1 an ordinary token
   progress: bool = True                       # tqdm bars
 

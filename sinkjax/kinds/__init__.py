@@ -91,7 +91,7 @@ class AttentionKind:
 
 class MixerKind:
   """What one decoder layer mixes tokens with. `build` returns an nnx.Module called as `Attention` is:
-  `mixer(x, segment_ids=, positions=, cache=, record=, zero_first_value=)` -> y, or (y, new cache view) with a cache."""
+  `mixer(x, segment_ids=, positions=, cache=, record_trace=, zero_first_token_value=)` -> y, or (y, new cache view) with a cache."""
   name: str = ""
   heads: bool = False               # sows `head_importance` [H] per call (balanced by the aux loss)
   hf_module: str = ""               # transformers' module in a decoder layer (self_attn | linear_attn)

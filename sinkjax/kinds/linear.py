@@ -26,8 +26,8 @@ class LinearAttention(GatedDeltaNet):
   """`GatedDeltaNet` called as an attention layer is (`Block` does not know which it holds). With a cache view
   (`sinkjax.cache.StateLayerCache`) it continues from the view's state: T == 1 a recurrent step, T > 1 a chunk."""
 
-  def __call__(self, x, *, segment_ids=None, positions=None, cache=None, record: bool = False,
-               zero_first_value=None):
+  def __call__(self, x, *, segment_ids=None, positions=None, cache=None, record_trace: bool = False,
+               zero_first_token_value=None):
     if cache is None:
       return super().__call__(x, segment_ids=segment_ids)
     y, state = super().__call__(x, segment_ids=segment_ids, state=cache.state)
