@@ -18,8 +18,9 @@
 #   bash launch/gpu_measure.sh [--check] [stage ...]   stages: env check attn_mha attn_d64 attn_gqa attn_d20
 #                                          trainer_d20 trainer_d20_mosaic trainer_d20_triton (default) and trainer_small
 # --check: the dry run on any machine (a CPU): every stage's program with small shapes, the xla backend beside the
-# three GPU backends (cuDNN rows say they were skipped; mosaic_gpu runs its CPU form where tokamax is installed, says
-# skipped where not; Triton runs interpreted), so that a typo does not cost a GPU session.
+# three GPU backends (kernel_check's cuDNN row says it was skipped; mosaic_gpu runs its CPU form where tokamax is
+# installed, says skipped where not; Triton runs interpreted; the attention tables say why a backend has no
+# figure), so that a typo does not cost a GPU session.
 set -u
 CHECK=0
 if [ "${1:-}" = "--check" ]; then CHECK=1; shift; fi
@@ -57,7 +58,8 @@ stage() {
     env) run_stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
            python3 -c "import jax, flax, optax, orbax.checkpoint as o, grain; print(jax.__version__, flax.__version__,
            optax.__version__, o.__version__, grain.__version__, jax.devices())"' ;;
-    check) if [ "$c" = 1 ]; then run_stage check 100 python3 -m sinkjax.bench.kernel_check --seq 64 --head-dim 32
+    check) if [ "$c" = 1 ]; then run_stage check 100 python3 -m sinkjax.bench.kernel_check --seq 64 --head-dim 32 \
+             --impls xla cudnn mosaic_gpu pallas_gpu
            else run_stage check 80 python3 -m sinkjax.bench.kernel_check --seq 512 --impls cudnn mosaic_gpu pallas_gpu; fi ;;
     attn_mha) if [ "$c" = 1 ]; then run_stage attn_mha 200 $ATTN --batch 1 --heads 2 --head-dim 32 --seq 128 256
            else run_stage attn_mha 100 $ATTN --batch 2 --heads 16 --head-dim 128 --seq 4096 8192 16384 --max-gib 40; fi ;;

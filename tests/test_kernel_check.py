@@ -1,5 +1,6 @@
 """`sinkjax.bench.kernel_check` (the device correctness check) on a CPU with the xla backend: it passes a correct
 backend and fails one whose backward drops the LSE cotangent; `launch/gpu_measure.sh --check` runs every stage."""
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -40,6 +41,9 @@ def test_gpu_measure_dry_run(tmp_path):
   assert "all passed" in r.stdout and "| attention |" in r.stdout and "runs only on NVIDIA GPUs" in r.stdout
   for impl in ("cudnn", "mosaic_gpu", "pallas_gpu"):                     # the three GPU backends' rows
     assert f"| {impl} |" in r.stdout, impl
+  assert "| every case | cudnn | skipped: cuDNN's custom calls run only on NVIDIA GPUs" in r.stdout
+  assert ("| mha | mosaic_gpu | " in r.stdout) == (importlib.util.find_spec("tokamax") is not None)   # its CPU form
+  assert "| mha | pallas_gpu | " in r.stdout and "FAILED" not in r.stdout                                # interpreted
   assert "gpu_measure: every stage passed" in r.stdout
 
 

@@ -14,12 +14,15 @@ backward reads the forward output O only through D = rowsum(dO o O). Given O + W
 to dO, so D is unchanged up to rounding), the backend's backward must agree with the `xla` backend's (which provably reads O only through D) given the same
 O + W; a backward that used O otherwise would differ at O(1).
 
-On a CPU, `--impls xla --dtype float32` runs the same cases (the dry run of launch/gpu_measure.sh --check). Prints one
-table row per (case, backend); exit status 1 if any error exceeds the tolerance (bf16 2e-2, f32 2e-4).
+On a CPU (the dry run of launch/gpu_measure.sh --check: `--impls xla cudnn mosaic_gpu pallas_gpu --dtype float32`)
+the same cases run on the backends that have a CPU form: xla, pallas_gpu interpreted, mosaic_gpu's (tokamax's XLA
+forward, an FA2 backward reading O only through D) where tokamax is installed; cudnn, and mosaic_gpu without tokamax,
+get one row saying why they were skipped. Prints one table row per (case, backend); exit status 1 if any error exceeds the tolerance (bf16 2e-2, f32 2e-4).
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import sys
 
 import jax
@@ -124,8 +127,9 @@ def _raw_bwd(impl: str):
     from sinkjax.kernels import cudnn
     return lambda q, k, v, seg, lse, o, d, scale: cudnn._bwd_call(q, k, v, lse, o, d, True, scale)
   from sinkjax.kernels import mosaic_gpu
+  interpret = jax.default_backend() != "gpu"    # off a GPU (the dry run) the op's CPU form, whose backward reads O via D
   return lambda q, k, v, seg, lse, o, d, scale: mosaic_gpu._kernel_bwd(
-      q, k, v, seg, o, lse, d, jnp.zeros_like(lse), causal=True, scale=scale, interpret=False, ranged=False)
+      q, k, v, seg, o, lse, d, jnp.zeros_like(lse), causal=True, scale=scale, interpret=interpret, ranged=False)
 
 
 O_THROUGH_D = ("cudnn", "mosaic_gpu")     # backends whose LSE gradient rests on their backward reading O only via D
@@ -141,7 +145,9 @@ def check_o_through_d(impl: str = "cudnn", *, B, T, H, D, dtype=jnp.bfloat16):
   q, k, v, w, _, _ = _inputs(B, T, H, H, D, dtype, seed=1)
   scale = 1.0 / np.sqrt(D)
   ones = jnp.ones((B, T), jnp.int32)
-  out, lse = jax.jit(lambda q, k, v: backend.fwd(q, k, v, ones, ones, causal=True, scale=scale, segmented=False))(
+  cpu_form = {"interpret": True} if jax.default_backend() != "gpu" else {}    # mosaic_gpu's, in the dry run
+  out, lse = jax.jit(lambda q, k, v: backend.fwd(q, k, v, ones, ones, causal=True, scale=scale, segmented=False,
+                                                 **cpu_form))(
       q, k, v)
   dout = w.astype(dtype)
   r = jax.random.normal(jax.random.PRNGKey(9), out.shape)
@@ -184,6 +190,18 @@ def main(argv=None) -> int:
   return options.main(COMMAND, argv, lambda sections, _: run(sections["bench_kernel_check"]))
 
 
+def unavailable_here(impl: str, gpu: bool) -> str | None:
+  """Why `impl` has no form that runs on this CPU (the dry run, `launch/gpu_measure.sh --check`, names it and skips
+  it), or None. On a GPU nothing is skipped: a backend that cannot run there is a failure."""
+  if gpu:
+    return None
+  if impl == "cudnn":
+    return "cuDNN's custom calls run only on NVIDIA GPUs (no interpret mode)"
+  if impl == "mosaic_gpu" and importlib.util.find_spec("tokamax") is None:
+    return "needs tokamax (Python >= 3.12); its CPU form runs where tokamax is installed"
+  return None
+
+
 def run(opts: KernelCheckOptions) -> int:
   """Checks every case on every backend against the reference and prints the table; 1 when one failed."""
   gpu = jax.default_backend() == "gpu"
@@ -196,6 +214,10 @@ def run(opts: KernelCheckOptions) -> int:
         f"{tol:g}; {jax.devices()[0].device_kind}")
   print("\n".join(table(["case", "backend", "out", "lse/gate", "dq", "dk", "dv", "dsink", "ok"])))
   failed = 0
+  skipped = {impl: why for impl in impls if (why := unavailable_here(impl, gpu))}
+  for impl, why in skipped.items():
+    print(row(["every case", impl, f"skipped: {why}", *[""] * 5, "-"]), flush=True)
+  impls = [i for i in impls if i not in skipped]
   for name, Hq, Hkv, seg_kind in cases:
     for impl in impls:
       try:
@@ -212,7 +234,7 @@ def run(opts: KernelCheckOptions) -> int:
       print(row([name, impl, *cells, "yes" if ok else "NO"]), flush=True)
   for impl in (i for i in O_THROUGH_D if i in impls):
     try:
-      e0, e1, moved = check_o_through_d(impl, B=opts.batch, T=opts.seq, H=4, D=opts.head_dim)
+      e0, e1, moved = check_o_through_d(impl, B=opts.batch, T=opts.seq, H=4, D=opts.head_dim, dtype=dtype)
       ok = e0 <= tol and e1 <= tol and moved > 1.0
       print(f"{impl} reads O only through D: grads vs xla's given O {e0:.1e}, given O + W {e1:.1e} (|W| {moved:.1f}x "
             f"|O|): {'yes' if ok else 'NO'}", flush=True)
