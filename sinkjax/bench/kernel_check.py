@@ -17,12 +17,12 @@ O + W; a backward that used O otherwise would differ at O(1).
 On a CPU (the dry run of launch/gpu_measure.sh --check: `--impls xla cudnn mosaic_gpu pallas_gpu --dtype float32`)
 the same cases run on the backends that have a CPU form: xla, pallas_gpu interpreted, mosaic_gpu's (tokamax's XLA
 forward, an FA2 backward reading O only through D) where tokamax is installed; cudnn, and mosaic_gpu without tokamax,
-get one row saying why they were skipped. Prints one table row per (case, backend); exit status 1 if any error exceeds the tolerance (bf16 2e-2, f32 2e-4).
+get one row saying why they were skipped. Prints one table row per (case, backend); exit status 1 if any error exceeds
+the tolerance (bf16 2e-2, f32 2e-4).
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
 
 import jax
@@ -120,14 +120,13 @@ def check_case(name, Hq, Hkv, seg_kind, impl, *, B, T, D, dtype):
 _REFERENCE = {}
 
 
-def _raw_bwd(impl: str):
+def _raw_bwd(impl: str, interpret: bool):
   """The backend's own backward given (lse, O, dO) with no LSE cotangent: what `fold` feeds a substitute O' to."""
   # pylint: disable=import-outside-toplevel,protected-access
   if impl == "cudnn":
     from sinkjax.kernels import cudnn
     return lambda q, k, v, seg, lse, o, d, scale: cudnn._bwd_call(q, k, v, lse, o, d, True, scale)
   from sinkjax.kernels import mosaic_gpu
-  interpret = jax.default_backend() != "gpu"    # off a GPU (the dry run) the op's CPU form, whose backward reads O via D
   return lambda q, k, v, seg, lse, o, d, scale: mosaic_gpu._kernel_bwd(
       q, k, v, seg, o, lse, d, jnp.zeros_like(lse), causal=True, scale=scale, interpret=interpret, ranged=False)
 
@@ -145,7 +144,8 @@ def check_o_through_d(impl: str = "cudnn", *, B, T, H, D, dtype=jnp.bfloat16):
   q, k, v, w, _, _ = _inputs(B, T, H, H, D, dtype, seed=1)
   scale = 1.0 / np.sqrt(D)
   ones = jnp.ones((B, T), jnp.int32)
-  cpu_form = {"interpret": True} if jax.default_backend() != "gpu" else {}    # mosaic_gpu's, in the dry run
+  interpret = jax.default_backend() != "gpu"     # off a GPU (the dry run): mosaic_gpu's CPU form
+  cpu_form = {"interpret": True} if interpret else {}
   out, lse = jax.jit(lambda q, k, v: backend.fwd(q, k, v, ones, ones, causal=True, scale=scale, segmented=False,
                                                  **cpu_form))(
       q, k, v)
@@ -157,7 +157,7 @@ def check_o_through_d(impl: str = "cudnn", *, B, T, H, D, dtype=jnp.bfloat16):
   perp = 10.0 * perp / jnp.maximum(jnp.linalg.norm(perp, axis=-1, keepdims=True), 1e-30) * \
       jnp.linalg.norm(out.astype(jnp.float32), axis=-1, keepdims=True)
   moved = (out.astype(jnp.float32) + perp).astype(dtype)
-  raw = _raw_bwd(impl)
+  raw = _raw_bwd(impl, interpret)
 
   def both(o):
     got = jax.jit(lambda q, k, v, o, d: raw(q, k, v, ones, lse, o, d, scale))(q, k, v, o, dout)
@@ -197,8 +197,12 @@ def unavailable_here(impl: str, gpu: bool) -> str | None:
     return None
   if impl == "cudnn":
     return "cuDNN's custom calls run only on NVIDIA GPUs (no interpret mode)"
-  if impl == "mosaic_gpu" and importlib.util.find_spec("tokamax") is None:
-    return "needs tokamax (Python >= 3.12); its CPU form runs where tokamax is installed"
+  if impl == "mosaic_gpu":
+    from sinkjax.kernels import mosaic_gpu  # pylint: disable=import-outside-toplevel
+    try:
+      mosaic_gpu._tokamax()  # pylint: disable=protected-access   # its own one-line reason where tokamax is absent
+    except ImportError as e:
+      return str(e)
   return None
 
 
