@@ -1,10 +1,10 @@
 """Small-n statistics for the seed studies (n = 3 seeds per arm): paired differences d_s = x(treated, s) -
 x(control, s) read with a t-interval (`t_interval`), exact sign-flip and sign tests (`permutation_test`,
 `sign_test`: their least two-sided p at n = 3 is 0.25) and the smallest effect the design could detect
-(`detectable_effect`); Welch's t for unpaired arms; a null arm read as drift (`drift`), never as another arm's
-noise. `paired_effect` turns these into a sentence that claims no more than they allow (docs/RESULTS.md, "What
-each number is"). For a seeds x documents table of differences (the pinning study): `bootstrap_flip` over documents
-and `crossed`, the seed x document random-effects model that carries both sources of variance; `holm` over a family.
+(`detectable_effect`); Welch's t for unpaired arms. `paired_effect` turns these into a sentence that claims no
+more than they allow (docs/RESULTS.md, "What each number is"). For a seeds x documents table of differences (the
+pinning study): `bootstrap_flip` over documents and `crossed`, the seed x document random-effects model that carries
+both sources of variance; `holm` over a family.
 """
 from __future__ import annotations
 
@@ -239,8 +239,7 @@ def _sign_words(d: list[float], st: dict) -> str:
 
 
 def _t_words(d: list[float], t: dict, st: dict, nd: int) -> str:
-  """The mean, the per-seed differences, their signs and the t-interval, as the sentences of `paired_effect` and
-  `drift` say them."""
+  """The mean, the per-seed differences, their signs and the t-interval, as `paired_effect`'s sentence says them."""
   return (f"{fmt(t['mean'], nd)} on average (per seed {', '.join(fmt(x, nd) for x in d)}; {_sign_words(d, st)}); "
           f"95 % t-interval {fmt(t['low'], nd)} … {fmt(t['high'], nd)} (t_{t['df']} = {t['t']:+.2f}, "
           f"p = {fmt_p(t['p'])})")
@@ -271,19 +270,4 @@ def paired_effect(diffs, *, what: str, nd: int = 4) -> dict:
     claim = (f"not detected; the smallest effect this design could detect (power {POWER:g}, two-sided {ALPHA:g}, "
              f"SD {t['sd']:.{nd}f}, n = {n}) is ±{mde:.{nd}f}")
   out["sentence"] = f"{body}. Reading: {claim}."
-  return out
-
-
-def drift(diffs, *, what: str, nd: int = 4) -> dict:
-  """A null arm's paired differences read as drift (what the runs move by when the change should do nothing: a
-  code change, a perturbation of training), with its t-interval; never used as another arm's noise."""
-  d = [float(x) for x in diffs]
-  t = t_interval(d)
-  st = sign_test(d)
-  out = {"what": what, "diffs": d, "n": len(d), "mean": t["mean"], "t": t, "sign_test": st}
-  seen = t["p"] < ALPHA
-  out["reading"] = "drift detected (paired t)" if seen else "no drift detected"
-  out["sentence"] = f"{what} (drift control): {_t_words(d, t, st, nd)}: " + (
-      "the arms drift apart by more than chance; effects against the same control carry it." if seen
-      else "no drift detected at this n.")
   return out

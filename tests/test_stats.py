@@ -107,15 +107,13 @@ def test_pooled_sd_by_hand():
 
 def test_readings_claim_no_more_than_the_tests():
   """Paired t p < 0.05 reads as detected, and the sentence says the rank-free tests cannot reach 0.05 at n = 3;
-  otherwise "not detected" with the smallest detectable effect beside it; a null arm is worded as drift."""
+  otherwise "not detected" with the smallest detectable effect beside it."""
   lam2 = stats.paired_effect([-0.281, -0.266, -0.132], what="imbalance", nd=3)
   assert lam2["detected"] and "cannot reach 0.05 at n = 3" in lam2["sentence"] and "p = 0.041" in lam2["sentence"]
   lam3 = stats.paired_effect([-0.145, -0.160, -0.013], what="imbalance", nd=3)
   mde = stats.detectable_effect(np.std([-0.145, -0.160, -0.013], ddof=1), 3)
   assert not lam3["detected"] and f"is ±{mde:.3f}" in lam3["sentence"] and "p = 0.15" in lam3["sentence"]
   assert "all 3 seeds lower" in lam3["sentence"] and "floor" not in lam3["sentence"]
-  d = stats.drift([0.0084, 0.002, 0.0026], what="null")
-  assert "drift control" in d["sentence"] and d["reading"] == "no drift detected"
   assert stats.fmt(-2.3e-4, 3) == "-2.3e-04" and stats.fmt(0.0123, 3) == "+0.012"
 
 

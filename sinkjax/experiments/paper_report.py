@@ -29,7 +29,7 @@ REPO = runner.REPO
 GRID = REPO / "docs" / "results" / "paper_cpu" / "results.json"
 DOSE = REPO / "docs" / "results" / "paper_cpu_dose" / "dose.json"
 REPRO = REPO / "docs" / "results" / "paper_cpu_repro"
-NULL_LAMBDA = 1e-8          # the gated null arm of the dose study
+SMALL_LAMBDA = 1e-8         # the dose study's smallest λ: a small treatment under Muon, not a null (docs/RESULTS.md)
 VARIANTS = choices.PAPER_VARIANTS
 LOSSES = {"base": 0.0, "aux": 1e-4}   # loss label -> loss.aux_weight: the paper's lambda from scratch (eq. 7)
 
@@ -213,24 +213,19 @@ def _first_token(runs) -> dict:
 
 
 def effect_cells(e: dict, nd: int) -> list[str]:
-  """The cells an effect row shows: per seed, mean, 95 % t-interval, paired t p, and for a paired effect (not a
-  drift control) the exact permutation p and sign test p; then the reading (a paired effect's with the smallest
-  detectable effect when not detected)."""
+  """The cells an effect row shows: per seed, mean, 95 % t-interval, paired t p, the exact permutation p and sign
+  test p, then the reading (with the smallest detectable effect when not detected)."""
   t = e["t"]
   cells = [", ".join(stats.fmt(x, nd) for x in e["diffs"]), stats.fmt(e["mean"], nd),
            f"{stats.fmt(t['low'], nd)} … {stats.fmt(t['high'], nd)}", stats.fmt_p(t["p"])]
-  if "permutation" not in e:                              # `stats.drift`'s: the t-test alone
-    return cells + [e["reading"]]
   reading = e["reading"] if e["detected"] else f"not detected (detectable: ±{e['detectable']:.{nd}f})"
   return cells + [stats.fmt_p(e["permutation"]["p"]), stats.fmt_p(e["sign_test"]["p_two_sided"]), reading]
 
 
-def effects_table(rows, head: str = "effect", drift: bool = False) -> list[str]:
-  """One row per (label, effect, decimals): `effect_cells` (stats.md, dose.md); `drift`: drift controls'."""
-  cols = ["per seed", "mean", "95 % t-interval", "paired t p", *([] if drift else ["permutation p", "sign test p"]),
-          "reading"]
-  return table([head, *cols], ([label, *effect_cells(e, nd)] for label, e, nd in rows),
-               "llrlr" if drift else "llrlrrr")
+def effects_table(rows, head: str = "effect") -> list[str]:
+  """One row per (label, effect, decimals): `effect_cells` (stats.md, dose.md)."""
+  cols = ["per seed", "mean", "95 % t-interval", "paired t p", "permutation p", "sign test p", "reading"]
+  return table([head, *cols], ([label, *effect_cells(e, nd)] for label, e, nd in rows), "llrlrrr")
 
 
 def power_lines(pw: dict, what: str, unit: str = "BPB", nd: int = 4) -> list[str]:
@@ -340,10 +335,12 @@ def grid_markdown(gs: dict, grid_path: str) -> str:
       "3 seeds), the exact permutation and sign tests (least two-sided p with 3 seeds: 0.25), and the smallest "
       "detectable effect beside every \"not detected\".", "",
       *power_lines(gs["power"], "main grid, BPB aux − base"),
-      f"Vanilla's and sink's aux runs are near-null arms: the aux term at their held-out importances is "
+      f"Vanilla's and sink's aux terms are small: at their held-out importances "
       f"{gs['aux_terms']['vanilla']:.1e} (vanilla) and {gs['aux_terms']['sink']:.1e} (sink), next to a loss of "
-      f"~1.3 (gated: {gs['aux_terms']['gated']:.1e}); their differences show how far two runs of one seed drift "
-      "apart.", "",
+      f"~1.3 (gated: {gs['aux_terms']['gated']:.1e}). They are still treatments, not null arms: under Muon from a "
+      "zero-initialised LM head the first update follows the aux gradient at a size the optimizer sets rather than "
+      "λ (docs/RESULTS.md, \"The null arm, measured\"), so their differences are effects, each read against its own "
+      "SD.", "",
       "## Table 1 analogue with its tests", "", *table1_lines(gs), "", "## Effects", "",
       *effects_table([(e["what"], e, 3 if ("imbalance" in k or "head" in k) else 4)
                       for k, e in gs["effects"].items()]), "",
@@ -437,28 +434,27 @@ def commit_of(record: dict) -> str:
 QUANTITIES = (("val_bpb", "val BPB", 4), ("head_imbalance", "final head imbalance", 3))
 
 
-def _effect(diffs, quantity, lam, control, nd, variant, drift=False) -> dict:
-  what = f"{variant} λ = {lam:g} − λ = {control:g}, {quantity}"
-  e = stats.drift(diffs, what=what, nd=nd) if drift else stats.paired_effect(diffs, what=what, nd=nd)
+def _effect(diffs, quantity, lam, control, nd, variant) -> dict:
+  e = stats.paired_effect(diffs, what=f"{variant} λ = {lam:g} − λ = {control:g}, {quantity}", nd=nd)
   return {**e, "lambda": lam, "control": control, "quantity": quantity}
 
 
-def _dose_effects(runs, variant, lam, control, drift=False) -> list[dict]:
+def _dose_effects(runs, variant, lam, control) -> list[dict]:
   """lambda - control per seed: val BPB, final imbalance and (rank-matched) importance of the strongest head per
   layer and of the others."""
   out = []
   for key, name, nd in QUANTITIES:
     _, d = _paired(runs, variant, lam, control, key)
-    out.append(_effect(d, name, lam, control, nd, variant, drift))
+    out.append(_effect(d, name, lam, control, nd, variant))
   top, rest = _rank_diffs(runs, variant, lam, control)
-  out.append(_effect(top, "strongest head per layer", lam, control, 3, variant, drift))
-  out.append(_effect(rest, "other heads", lam, control, 3, variant, drift))
+  out.append(_effect(top, "strongest head per layer", lam, control, 3, variant))
+  out.append(_effect(rest, "other heads", lam, control, 3, variant))
   return out
 
 
 def dose_stats(dose: dict, grid: dict | None) -> dict:
-  """Every test of the dose study: each lambda against lambda 0 (paired by seed), the null arm lambda 1e-8 against
-  lambda 0 as drift, the lambdas made on the null arm's commit against it, every dose's BPB difference averaged
+  """Every test of the dose study: each lambda against lambda 0 (paired by seed), the smallest lambda (1e-8, a small
+  treatment under Muon) against lambda 0 in its own section, the lambdas made on its commit against it, every dose's BPB difference averaged
   per seed, and the power of the design (BPB with the main grid's arms, imbalance)."""
   runs = dose["runs"]
   lambdas = sorted({float(r["lambda"]) for r in runs})
@@ -481,13 +477,13 @@ def dose_stats(dose: dict, grid: dict | None) -> dict:
         "importance_by_rank": [np.sort(np.asarray(r["importance"]), -1)[:, ::-1].mean(0).tolist() for r in rs],
         "mean_importance": [float(np.mean(r["importance"])) for r in rs],
         "source": [r.get("source", "") for r in rs], "commit": commits[f"{lam:g}"]}
-  doses = [lam for lam in lambdas if lam not in (0.0, NULL_LAMBDA)]
+  doses = [lam for lam in lambdas if lam not in (0.0, SMALL_LAMBDA)]
   effects = [e for lam in doses for e in _dose_effects(runs, variant, lam, 0.0)]
-  drift, same_commit = [], []
-  if NULL_LAMBDA in lambdas:
-    drift = _dose_effects(runs, variant, NULL_LAMBDA, 0.0, drift=True)
-    same_commit = [e for lam in doses if commits[f"{lam:g}"] == commits[f"{NULL_LAMBDA:g}"]
-                   for e in _dose_effects(runs, variant, lam, NULL_LAMBDA)[:2]]
+  small, same_commit = [], []
+  if SMALL_LAMBDA in lambdas:
+    small = _dose_effects(runs, variant, SMALL_LAMBDA, 0.0)
+    same_commit = [e for lam in doses if commits[f"{lam:g}"] == commits[f"{SMALL_LAMBDA:g}"]
+                   for e in _dose_effects(runs, variant, lam, SMALL_LAMBDA)[:2]]
   bpb = {lam: dict(zip(*_paired(runs, variant, lam, 0.0))) for lam in doses}
   seeds = sorted(set.intersection(*(set(v) for v in bpb.values()))) if bpb else []
   every = [bpb[lam][s] for lam in doses for s in seeds]
@@ -495,15 +491,15 @@ def dose_stats(dose: dict, grid: dict | None) -> dict:
             "per_seed_mean": stats.paired_effect([float(np.mean([bpb[lam][s] for lam in doses])) for s in seeds],
                                                  what=f"{variant}, val BPB of every dose − λ = 0, mean over doses "
                                                       "per seed")} if len(seeds) > 1 else None
-  groups = [e["diffs"] for e in effects + drift if e["quantity"] == "val BPB"]
+  groups = [e["diffs"] for e in effects + small if e["quantity"] == "val BPB"]
   if grid is not None:
     groups += [_paired(grid["runs"], v, "aux", "base")[1] for v in ("vanilla", "sink")]
   n = len(seeds) or 1
   power = {"bpb": power_figures(groups, n) if n > 1 else None,
-           "imbalance": power_figures([e["diffs"] for e in effects + drift if e["quantity"] == "final head "
+           "imbalance": power_figures([e["diffs"] for e in effects + small if e["quantity"] == "final head "
                                        "imbalance"], n, effects=(0.05, 0.1)) if n > 1 else None}
   return {"variant": variant, "lambdas": lambdas, "commits": commits, "per_lambda":
-          {f"{k:g}": v for k, v in per_lambda.items()}, "effects": effects, "drift": drift,
+          {f"{k:g}": v for k, v in per_lambda.items()}, "effects": effects, "small_lambda": small,
           "same_commit": same_commit, "all_doses_bpb": pooled, "power": power}
 
 
@@ -518,10 +514,10 @@ def _rank_diffs(runs, variant, lam, control=0.0) -> tuple[list[float], list[floa
           [float((treat[s][:, 1:] - base[s][:, 1:]).mean()) for s in seeds])
 
 
-def dose_effects_lines(effects: list[dict], head: str = "effect (paired with)", drift: bool = False) -> list[str]:
+def dose_effects_lines(effects: list[dict], head: str = "effect (paired with)") -> list[str]:
   """One row per lambda and quantity (RESULTS.md copies these tables)."""
   return effects_table([(f"λ = {e['lambda']:g} − {e['control']:g}, {e['quantity']}", e,
-                         4 if e["quantity"] == "val BPB" else 3) for e in effects], head, drift)
+                         4 if e["quantity"] == "val BPB" else 3) for e in effects], head)
 
 
 def dose_markdown(dose: dict, ds: dict, dose_path: str, grid_path: str) -> str:
@@ -543,9 +539,15 @@ def dose_markdown(dose: dict, ds: dict, dose_path: str, grid_path: str) -> str:
                    f"{np.mean(r['aux_term']):.1e}", f"{np.mean(r['mean_importance']):.3f}",
                    f"{ranks[lam][0]:.3f} / {ranks[lam][1:].mean():.3f}"] for lam, r in ds["per_lambda"].items()))
   lines += ["", "## Tests (paired with λ = 0, per seed)", "", *dose_effects_lines(ds["effects"]), ""]
-  if ds["drift"]:
-    lines += ["## Drift: the null arm (λ = 1e-8, a different commit from λ = 0)", "",
-              *dose_effects_lines(ds["drift"], "drift control", drift=True), ""]
+  if ds["small_lambda"]:
+    other = ds["commits"][f"{SMALL_LAMBDA:g}"] != ds["commits"]["0"]
+    lines += [f"## λ = {SMALL_LAMBDA:g} against λ = 0: a small treatment, not a null", "",
+              f"Under Muon from a zero-initialised LM head λ = {SMALL_LAMBDA:g} is a treatment, not a null arm: the "
+              "first update of the parameters behind the head follows the aux gradient, at a size the optimizer sets "
+              "rather than λ (docs/RESULTS.md, \"The null arm, measured\"). Its differences against λ = 0 are read "
+              "as an effect" + (", and they also carry a code change (the two arms' commits differ)." if other
+                                 else "."), "",
+              *dose_effects_lines(ds["small_lambda"]), ""]
   if ds["same_commit"]:
     lines += ["## The same commit: against λ = 1e-8", "",
               *dose_effects_lines(ds["same_commit"], "effect (paired with λ = 1e-8, same commit)"), ""]
@@ -553,7 +555,7 @@ def dose_markdown(dose: dict, ds: dict, dose_path: str, grid_path: str) -> str:
     a = ds["all_doses_bpb"]
     lines += [f"BPB: {a['positive']} of the {a['n']} dose differences against λ = 0 are positive. "
               f"{a['per_seed_mean']['sentence']}", ""]
-  lines += [f"- {e['sentence']}" for e in ds["effects"] + ds["drift"] + ds["same_commit"]] + [""]
+  lines += [f"- {e['sentence']}" for e in ds["effects"] + ds["small_lambda"] + ds["same_commit"]] + [""]
   lines += ["![imbalance and BPB per λ](dose_imbalance.png)", "", "![importance by rank](dose_importance.png)", ""]
   return "\n".join(lines)
 
@@ -727,7 +729,7 @@ def stats_report(grid_path: pathlib.Path, dose_path: pathlib.Path | None, repro:
   for lam, r in ds["per_lambda"].items():
     print(f"  lambda {lam}: val BPB {np.mean(r['val_bpb']):.4f} ({', '.join(f'{x:.4f}' for x in r['val_bpb'])}), "
           f"imbalance {np.mean(r['head_imbalance']):.3f} ({', '.join(f'{x:.3f}' for x in r['head_imbalance'])})")
-  for e in ds["effects"] + ds["drift"] + ds["same_commit"]:
+  for e in ds["effects"] + ds["small_lambda"] + ds["same_commit"]:
     print(f"  - {e['sentence']}")
   if write:
     from sinkjax import plots  # pylint: disable=import-outside-toplevel  # matplotlib: slow to import
