@@ -241,8 +241,10 @@ def test_full_epoch_provenance():
       ("full", 0, 3e-5, next(iter(_records().values()))["steps"])}
   t = sorted(r["train_seconds"] for r in recs.values())
   assert f"{len(recs)} full fine-tuning runs" in DOC and f"{t[0]:.0f}–{t[-1]:.0f} s of training per run" in DOC
+  dropped = sorted(n for n, r in recs.items() if r["dropped_interrupted"])
+  assert dropped == ["eq7_full_s1"] and "eq7_full_s1 was interrupted and the study dropped it" in PROSE
   for name, r in recs.items():
-    assert not r["dropped_interrupted"] and name in DOC
+    assert name in DOC
     files = sorted(p.name for p in (FULL / "raw" / name).glob("*nll*"))
     assert len(files) >= 3 and f"nll_step{r['steps']}.json" in files, name
 
@@ -504,8 +506,10 @@ def test_full_readings_quoted():
   """The full fine-tuning readings' numbers that are not table cells: eq. 8 − base on the shared heads over documents,
   the shared heads against the pretrained model, and eq. 7's heads in layers 12–29."""
   end = next(iter(_records(FULL).values()))["steps"]
-  d = _doc_table(FULL, "eq8", "base", "full", end, "shared_importance").mean(0)
-  assert f"**eq. 8's shared heads against base: {_signed(d.mean())}, detected over documents**" in PROSE
+  table = _doc_table(FULL, "eq8", "base", "full", end, "shared_importance")
+  low, high, _, p = _crossed(table)
+  assert f"**eq. 8's shared heads against base: {_signed(table.mean())}, detected** (crossed {_signed(low)} … " \
+         f"{_signed(high)}, p {p:.1e}" in PROSE and p < 0.05
   c = lambda arm, step=end: f"{_curve(FULL, arm, 'full', step, 'shared_importance'):.4f}"  # noqa: E731
   assert f"{c('base', 0)} → {c('eq8')} (eq. 8), → {c('base')} (base), → {c('eq7')} (eq. 7)" in PROSE
   moved = _moved(FULL)
