@@ -2,6 +2,7 @@
 round-robin timing (settling calls, paired per-round ratios)."""
 import math
 import pathlib
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -82,3 +83,24 @@ def test_round_robin_settles_each_row_and_pairs_rounds():
   assert set(res) == {"a", "b"} and [len(rounds[n]) for n in "ab"] == [3, 3]
   assert bench.paired_ratio([2.0, 4.0, 6.0], [1.0, 2.0, 2.0]) == (2.0, 2.0, 3.0)
   assert bench.paired_ratio([1.0, 1.0], [2.0, 0.5]) == (1.25, 0.5, 2.0)
+
+
+@pytest.mark.slow   # four fresh processes, two jax compiles (~40 s)
+def test_apart_runs_each_arm_in_its_own_process_and_reads_the_ratio(capsys):
+  """--apart 2: each round times both arms in fresh processes, the first alternating; the summary is the geometric
+  mean of the printed per-round ratios with the t-interval scipy gives on their logs."""
+  from scipy import stats as sps
+  peer = nanochat_peer.load(bench.NANOCHAT_TREE)          # skips without torch or the tree
+  assert bench.main(["--apart", "2", "--layers", "1", "--d-model", "16", "--heads", "2", "--head-dim", "8", "--seq",
+                     "8", "--batch", "2", "--repeats", "2", "--nanochat", str(peer.root)]) == 0
+  out = capsys.readouterr().out
+  rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+  assert [r[1].strip() for r in rows] == ["sinkjax", "nanochat"]
+  for r in rows:                                 # the quotient of the printed times, within their rounding (0.05 ms)
+    s_ms, n_ms, ratio = float(r[2]), float(r[4]), float(r[6].strip().rstrip("x"))
+    assert ratio == pytest.approx(n_ms / s_ms, abs=1e-3 + n_ms / s_ms * (0.05 / s_ms + 0.05 / n_ms)), r
+  logs = [math.log(float(r[6].strip().rstrip("x"))) for r in rows]
+  ci = sps.ttest_1samp(logs, 0.0).confidence_interval()
+  got = re.search(r"geometric mean ([\d.]+)x, 95 % t-interval ([\d.]+)-([\d.]+)x", out)   # from the ratios as printed
+  assert [float(x) for x in got.groups()] == pytest.approx(                                # (3 decimals)
+      [math.exp(sum(logs) / 2), math.exp(ci.low), math.exp(ci.high)], rel=1e-2, abs=1e-3)

@@ -48,8 +48,19 @@ def test_cpu_trace_by_category(tmp_path, capsys):
   assert s["by_category"]["collectives"] == 0 and s["classified_by_hlo"]
   info = profile_summary.parse_hlo(hlo)
   assert any("sinkjax_attention" in i["op_name"] for i in info.values())
+  span = max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)
+  assert abs(sum(s["in_flight_us"].values()) - span / 2) < 1e-6 * span       # the CPU trace's wall, split by ops running
+  assert 0 < sum(s["alone_us"].values()) <= s["in_flight_us"][1] + 1e-6
   assert profile_summary.main([str(tmp_path), "--steps", "2"]) == 0       # by name alone: still a table
-  assert "| attention |" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "| attention |" in out and "ops in flight" in out
+
+
+def test_in_flight_by_hand():
+  """Ops a [0, 10), b [5, 15), a [20, 25): 1 op for 0-5, 2 for 5-10, 1 for 10-15, none for 15-20, 1 for 20-25; a alone
+  5 + 5 µs, b alone 5 µs; an op ending where another starts is not counted as overlapping."""
+  hist, alone = profile_summary.in_flight([(0, 10, "a"), (5, 10, "b"), (20, 5, "a"), (25, 5, "b")])
+  assert hist == {0: 5, 1: 20, 2: 5} and alone == {"a": 10, "b": 10}
 
 
 def test_categorize_gpu_kernel_names():

@@ -87,7 +87,7 @@ def _trace_file(path: pathlib.Path) -> pathlib.Path:
 
 
 def device_events(trace: dict) -> list:
-  """[(name, hlo_op or "", hlo_module or "", duration µs)] of the device's work in a Chrome-format trace."""
+  """[(name, hlo_op or "", hlo_module or "", duration µs, start µs)] of the device's work in a Chrome-format trace."""
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -102,8 +102,28 @@ def device_events(trace: dict) -> list:
         continue
     elif "hlo_op" not in args:
       continue
-    out.append((e.get("name", ""), str(args.get("hlo_op", "")), str(args.get("hlo_module", "")), float(e["dur"])))
+    out.append((e.get("name", ""), str(args.get("hlo_op", "")), str(args.get("hlo_module", "")), float(e["dur"]),
+                float(e.get("ts", 0.0))))
   return out
+
+
+def in_flight(intervals) -> tuple[dict, collections.Counter]:
+  """Over [first start, last end] of `intervals` [(start, duration, category)]: {ops running at once (0, 1, 2, ...):
+  µs} and, per category, the µs its ops ran while no other op did. On a CPU the ops are XLA:CPU's thunks, run on its
+  thread pool (independent thunks at once); the worker threads an op splits its own work over are not events, so
+  one op in flight is not always one busy core (a large matmul fills both), but an elementwise op or a loop step
+  alone is."""
+  points = sorted([(t, +1, i) for i, (t, _, _) in enumerate(intervals)] +
+                  [(t + d, -1, i) for i, (t, d, _) in enumerate(intervals)], key=lambda p: (p[0], p[1]))
+  hist, alone, running = collections.Counter(), collections.Counter(), set()
+  last = points[0][0] if points else 0.0
+  for t, step, i in points:
+    hist[len(running)] += t - last
+    if len(running) == 1:
+      alone[intervals[next(iter(running))][2]] += t - last
+    last = t
+    (running.add if step > 0 else running.discard)(i)
+  return dict(sorted(hist.items())), alone
 
 
 def summarize(trace_path, hlo_texts=(), steps: int | None = None) -> dict:
@@ -116,22 +136,35 @@ def summarize(trace_path, hlo_texts=(), steps: int | None = None) -> dict:
   cat_of = {}
   events = device_events(trace)
   kept = []
-  for name, op, mod, dur in events:
+  for name, op, mod, dur, ts in events:
     hint = info.get(op) or info.get(name)
     if (hint or {}).get("opcode") in _CONTAINERS or (not hint and _CONTAINER.match(op or name)):
       continue                  # a loop / branch / call whose body's ops are events of their own (XLA:CPU)
-    kept.append((name, op, mod, dur))
+    kept.append((name, op, mod, dur, ts))
   events = kept
-  for name, op, _, dur in events:
+  intervals = []
+  for name, op, _, dur, ts in events:
     cat = categorize(name, info.get(op) or info.get(name))
     by_cat[cat] += dur
     key = op or name
     by_name[key] += dur
     cat_of[key] = cat
+    intervals.append((ts, dur, cat))
   div = steps or 1
-  return {"by_category": {c: by_cat[c] / div for c in CATEGORIES}, "total_us": sum(by_cat.values()) / div,
-          "top": [(n, cat_of[n], t / div) for n, t in by_name.most_common()], "events": len(events),
-          "classified_by_hlo": bool(info)}
+  out = {"by_category": {c: by_cat[c] / div for c in CATEGORIES}, "total_us": sum(by_cat.values()) / div,
+         "top": [(n, cat_of[n], t / div) for n, t in by_name.most_common()], "events": len(events),
+         "classified_by_hlo": bool(info)}
+  if intervals and not _is_gpu(trace):
+    hist, alone = in_flight(intervals)
+    out["in_flight_us"] = {k: v / div for k, v in hist.items()}
+    out["alone_us"] = {c: alone[c] / div for c in CATEGORIES}
+  return out
+
+
+def _is_gpu(trace) -> bool:
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  return any(e.get("ph") == "M" and e.get("name") == "process_name" and
+             re.search(r"/device:GPU", e.get("args", {}).get("name", "")) for e in events)
 
 
 def format_summary(s: dict, top: int = 8, per: str = "step") -> str:
@@ -142,6 +175,12 @@ def format_summary(s: dict, top: int = 8, per: str = "step") -> str:
   lines.append(f"\n{s['events']} device events, classified by {'the HLO' if s['classified_by_hlo'] else 'name'}; "
                f"top {top} ops:")
   lines += [f"  {t / 1e3:9.3f} ms  {c:<12} {n[:90]}" for n, c, t in s["top"][:top]]
+  if "in_flight_us" in s:
+    span = sum(s["in_flight_us"].values()) or 1.0
+    lines.append(f"\nops in flight (XLA:CPU thunks; wall {span / 1e3:.3f} ms / {per}, from the first op to the last): " +
+                 ", ".join(f"{k}: {v / 1e3:.3f} ms ({v / span:.0%})" for k, v in s["in_flight_us"].items()))
+    lines.append("one op alone, by category: " + ", ".join(f"{c} {s['alone_us'][c] / 1e3:.3f} ms" for c in CATEGORIES
+                                                           if s["alone_us"][c]))
   return "\n".join(lines)
 
 

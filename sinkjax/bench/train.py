@@ -2,7 +2,7 @@
 
     python -m sinkjax.bench.train [--config configs/tiny.yaml] [--layers 4 --d-model 128 --heads 4 --head-dim 32]
                                   [--seq 256 --batch 16] [--preset cpu-peer] [--dtype float32] [--repeats 10]
-                                  [--no-torch] [--nanochat DIR]
+                                  [--no-torch] [--nanochat DIR] [--apart ROUNDS]
 
 For each attention variant the full jitted train step (forward, backward through the LSE, optimizer) is timed with
 loss.aux_weight = 0 and loss.aux_term=false (the aux term is not traced) and 1e-4 (eq. 7). Everything (every variant with and without
@@ -30,6 +30,12 @@ Both need `pip install torch` (the Llama row also transformers; skipped with a n
 Muon's cost: the Muon and AdamW rows of the same model give Muon's extra time per step, printed next to the share of
 the step's FLOPs that its Newton-Schulz iterations add (5 quintic iterations per matrix: 4 m^2 n + 2 m^3 each, m <= n).
 
+--apart ROUNDS: the same comparison with each framework alone in its process. The round robin above runs XLA's and
+torch's thread pools in one process; on 2 cores that costs sinkjax a few per cent against nanochat (docs/PERF.md,
+"Training step on a CPU"). With --apart every round starts a fresh process for sinkjax's sink + aux + AdamW step and
+one for nanochat's (--repeats timed steps each after 3 untimed, the first arm alternating by round) and the per-round
+ratio nanochat / sinkjax is read over the rounds as a paired effect on the log scale (geometric mean, 95 % t-interval).
+
 --preset cpu-peer: the shape of issue 20, the first run a person makes on a CPU (4 layers x 256 wide, 4 heads x 64,
 T 512, batch 8, vocabulary 257, float32).
 """
@@ -41,9 +47,12 @@ if __name__ == "__main__":
   errors.require_extra("sinkjax.bench.train")   # before the imports below, which need the train extra
 
 import dataclasses
+import json
+import math
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
@@ -59,6 +68,7 @@ from sinkjax.model import Transformer, count_params
 from sinkjax.step import make_train_step
 
 VOCAB = 257   # the byte tokenizer
+APART_ARMS = ("sinkjax", "nanochat")     # --apart: sinkjax's sink + aux + AdamW step, nanochat's GPT + torch AdamW
 PRESETS = {"cpu-peer": dict(layers=4, d_model=256, heads=4, head_dim=64, seq=512, batch=8)}
 NANOCHAT_TREE = "nanochat-9d4c9b7"
 
@@ -265,6 +275,13 @@ class TrainBenchOptions:
   nanochat: str | None = declare(None, alias="--nanochat", metavar="NANOCHAT",
                              help=f"a nanochat tree (holding nanochat/gpt.py) whose GPT is timed as a peer; default "
                                   f"$SINKJAX_NANOCHAT_PEERS/{NANOCHAT_TREE} or ../shared/peers/{NANOCHAT_TREE}")
+  apart: int | None = declare(None, ">=2", alias="--apart", metavar="ROUNDS",
+                          help="instead of the one-process round robin: ROUNDS rounds, each timing sinkjax's sink + aux "
+                               "+ AdamW step and nanochat's step in a fresh process of its own (--repeats steps each, "
+                               "the order alternating), so that neither framework's threads share a process with the "
+                               "other's")
+  child: str | None = declare(None, choices=APART_ARMS, alias="--child",
+                          help="internal (--apart): time this one arm in this process and print its JSON line")
 
 
 COMMAND = options.Command(prog="python -m sinkjax.bench.train", description=__doc__,
@@ -279,11 +296,16 @@ def with_preset(opts: TrainBenchOptions) -> TrainBenchOptions:
 
 
 def main(argv=None) -> int:
-  return options.main(COMMAND, argv, lambda sections, _: measure(with_preset(sections["bench_train"])))
+  def run(sections, _):
+    opts = with_preset(sections["bench_train"])
+    if opts.child:
+      return time_child(opts)
+    return measure_apart(opts) if opts.apart else measure(opts)
+  return options.main(COMMAND, argv, run)
 
 
-def measure(opts: TrainBenchOptions) -> None:
-  """Times every row's step (and the peers') in round-robin rounds and prints the tables."""
+def shape_overrides(opts: TrainBenchOptions) -> list[str]:
+  """The config overrides of the options' dtype and shape flags."""
   ov = [f"model.dtype={opts.dtype}", f"model.vocab_size={VOCAB}", "train.grad_accum=1"]
   for name, val in (("model.num_layers", opts.layers), ("model.d_model", opts.d_model),
                     ("model.num_heads", opts.heads), ("model.num_kv_heads", opts.heads),
@@ -291,6 +313,71 @@ def measure(opts: TrainBenchOptions) -> None:
                     ("train.batch_size", opts.batch)):
     if val is not None:
       ov.append(f"{name}={val}")
+  return ov
+
+
+def time_child(opts: TrainBenchOptions) -> None:
+  """--child ARM: 3 untimed steps, then --repeats timed ones; one JSON line {arm, ms (median), cpu_s (median), steps}."""
+  ov = shape_overrides(opts)
+  base = load_config(opts.config, ov)
+  batch = random_batch(base.train.batch_size, base.data.seq_len)
+  if opts.child == "nanochat":
+    tree = pathlib.Path(opts.nanochat) if opts.nanochat else default_nanochat_dir()
+    run, _, note = nanochat_runner(tree, base, batch)
+    if run is None:
+      raise errors.UserError(f"--apart needs nanochat's step: {note}")
+  else:
+    run, _ = jax_runner(load_config(opts.config, ov + ["model.attention=sink", "loss.aux_weight=0.0001",
+                                                       "loss.aux_term=true", "train.optimizer=adamw"]), batch)
+  for _ in range(3):
+    run()
+  wall, cpu = [], []
+  for _ in range(opts.repeats):
+    t0, c0 = time.perf_counter(), time.process_time()
+    run()
+    wall.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
+  print(json.dumps({"arm": opts.child, "ms": statistics.median(wall) * 1e3, "cpu_s": statistics.median(cpu),
+                    "steps": opts.repeats}), flush=True)
+
+
+def measure_apart(opts: TrainBenchOptions) -> None:
+  """--apart ROUNDS: each round runs both arms in fresh processes one after the other (order alternating by round) and
+  prints their step times; then the ratio nanochat / sinkjax per round, read as a paired effect over rounds on the
+  log scale (`sinkjax.stats.t_interval`: the geometric mean ratio with its 95 % t-interval)."""
+  from sinkjax import stats  # pylint: disable=import-outside-toplevel
+  flags = ["--config", opts.config, "--dtype", opts.dtype, "--repeats", str(opts.repeats)]
+  for flag, val in (("--layers", opts.layers), ("--d-model", opts.d_model), ("--heads", opts.heads),
+                    ("--head-dim", opts.head_dim), ("--seq", opts.seq), ("--batch", opts.batch),
+                    ("--nanochat", opts.nanochat)):
+    if val is not None:
+      flags += [flag, str(val)]
+  print(f"--apart: {opts.apart} rounds, each arm in a fresh process per round ({opts.repeats} timed steps after 3 "
+        f"untimed); sinkjax: sink attention, aux loss 1e-4, AdamW; nanochat: its GPT, torch AdamW; "
+        f"{' '.join(shape_overrides(opts))}", flush=True)
+  print("", *table(["round", "first", "sinkjax (ms)", "sinkjax CPU s", "nanochat (ms)", "nanochat CPU s",
+                    "nanochat / sinkjax"]), sep="\n", flush=True)
+  ratios = []
+  for r in range(opts.apart):
+    got = {}
+    for arm in APART_ARMS[::1 if r % 2 == 0 else -1]:
+      proc = subprocess.run([sys.executable, "-m", "sinkjax.bench.train", *flags, "--child", arm],
+                            capture_output=True, text=True, check=False)
+      if proc.returncode:
+        raise errors.UserError(f"--apart: the {arm} process failed: {proc.stderr.strip().splitlines()[-1:]}")
+      got[arm] = json.loads(proc.stdout.strip().splitlines()[-1])
+    ratios.append(got["nanochat"]["ms"] / got["sinkjax"]["ms"])
+    print(row([str(r + 1), APART_ARMS[r % 2], f"{got['sinkjax']['ms']:.1f}", f"{got['sinkjax']['cpu_s']:.2f}",
+               f"{got['nanochat']['ms']:.1f}", f"{got['nanochat']['cpu_s']:.2f}", f"{ratios[-1]:.3f}x"]), flush=True)
+  t = stats.t_interval([math.log(x) for x in ratios])
+  print(f"\nnanochat / sinkjax step time over {len(ratios)} rounds (> 1: sinkjax faster): geometric mean "
+        f"{math.exp(t['mean']):.3f}x, 95 % t-interval {math.exp(t['low']):.3f}-{math.exp(t['high']):.3f}x "
+        f"(t_{t['df']} = {t['t']:+.2f}, p = {stats.fmt_p(t['p'])})")
+
+
+def measure(opts: TrainBenchOptions) -> None:
+  """Times every row's step (and the peers') in round-robin rounds and prints the tables."""
+  ov = shape_overrides(opts)
   base = load_config(opts.config, ov)
   batch = random_batch(base.train.batch_size, base.data.seq_len)
 
