@@ -89,9 +89,7 @@ def _trace_file(path: pathlib.Path) -> pathlib.Path:
 def device_events(trace: dict) -> list:
   """[(name, hlo_op or "", hlo_module or "", duration µs, start µs)] of the device's work in a Chrome-format trace."""
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = {pid for pid, n in procs.items() if re.search(r"/device:GPU", n)}
+  gpu = _gpu_pids(events)
   out = []
   for e in events:
     if e.get("ph") != "X" or "dur" not in e:
@@ -154,17 +152,17 @@ def summarize(trace_path, hlo_texts=(), steps: int | None = None) -> dict:
   out = {"by_category": {c: by_cat[c] / div for c in CATEGORIES}, "total_us": sum(by_cat.values()) / div,
          "top": [(n, cat_of[n], t / div) for n, t in by_name.most_common()], "events": len(events),
          "classified_by_hlo": bool(info)}
-  if intervals and not _is_gpu(trace):
+  if intervals and not _gpu_pids(trace["traceEvents"] if isinstance(trace, dict) else trace):
     hist, alone = in_flight(intervals)
     out["in_flight_us"] = {k: v / div for k, v in hist.items()}
     out["alone_us"] = {c: alone[c] / div for c in CATEGORIES}
   return out
 
 
-def _is_gpu(trace) -> bool:
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  return any(e.get("ph") == "M" and e.get("name") == "process_name" and
-             re.search(r"/device:GPU", e.get("args", {}).get("name", "")) for e in events)
+def _gpu_pids(events) -> set:
+  """The trace's processes named /device:GPU:N (a GPU's streams); empty for a CPU trace."""
+  return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+          and re.search(r"/device:GPU", e.get("args", {}).get("name", ""))}
 
 
 def format_summary(s: dict, top: int = 8, per: str = "step") -> str:

@@ -329,16 +329,8 @@ def time_child(opts: TrainBenchOptions) -> None:
   else:
     run, _ = jax_runner(load_config(opts.config, ov + ["model.attention=sink", "loss.aux_weight=0.0001",
                                                        "loss.aux_term=true", "train.optimizer=adamw"]), batch)
-  for _ in range(3):
-    run()
-  wall, cpu = [], []
-  for _ in range(opts.repeats):
-    t0, c0 = time.perf_counter(), time.process_time()
-    run()
-    wall.append(time.perf_counter() - t0)
-    cpu.append(time.process_time() - c0)
-  print(json.dumps({"arm": opts.child, "ms": statistics.median(wall) * 1e3, "cpu_s": statistics.median(cpu),
-                    "steps": opts.repeats}), flush=True)
+  wall, cpu = time_round_robin({opts.child: run}, opts.repeats, warmup=3, settle=0)[opts.child]
+  print(json.dumps({"arm": opts.child, "ms": wall * 1e3, "cpu_s": cpu, "steps": opts.repeats}), flush=True)
 
 
 def measure_apart(opts: TrainBenchOptions) -> None:
