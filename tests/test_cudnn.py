@@ -93,17 +93,29 @@ def test_hopper_or_later_by_name_and_capability():
   assert flash.hopper_or_later(Dev("NVIDIA B200"))
   assert not flash.hopper_or_later(Dev("NVIDIA A100-SXM4-80GB"))
   assert flash.hopper_or_later(Dev("whatever", "9.0")) and not flash.hopper_or_later(Dev("NVIDIA H100", "8.0"))
-  # auto stays on Triton until the device check (flash.CUDNN_IN_AUTO); with it, cuDNN on Hopper and later only
-  assert flash.default_impl("gpu", Dev("NVIDIA H100 80GB HBM3")) == ("cudnn" if flash.CUDNN_IN_AUTO else "pallas_gpu")
+  # auto is cuDNN on Hopper and later since the device check (flash.CUDNN_IN_AUTO), Triton before
+  assert flash.default_impl("gpu", Dev("NVIDIA H100 80GB HBM3")) == "cudnn"
+  assert flash.default_impl("gpu", Dev("NVIDIA H200")) == "cudnn"
+  assert flash.default_impl("gpu", Dev("whatever", "9.0")) == "cudnn"
   assert flash.default_impl("gpu", Dev("NVIDIA A100-SXM4-80GB")) == "pallas_gpu"
 
 
-def test_auto_picks_cudnn_on_hopper_once_enabled(monkeypatch):
+def test_auto_order_follows_the_switches(monkeypatch):
+  """The device run's decisions are two switches: cuDNN off puts Hopper back on Triton; Mosaic GPU on (where tokamax
+  is installed) puts it ahead of cuDNN on Hopper only."""
   class Dev:
     device_kind, compute_capability = "NVIDIA H100 80GB HBM3", None
+  assert flash.MOSAIC_IN_AUTO is False      # tokamax's kernels measured slower than cuDNN on the H200: not in auto
+  monkeypatch.setattr(flash, "CUDNN_IN_AUTO", False)
+  assert flash.default_impl("gpu", Dev()) == "pallas_gpu"
   monkeypatch.setattr(flash, "CUDNN_IN_AUTO", True)
+  monkeypatch.setattr(flash, "MOSAIC_IN_AUTO", True)
+  monkeypatch.setattr(flash, "_tokamax_installed", lambda: True)
+  assert flash.default_impl("gpu", Dev()) == "mosaic_gpu"
+  monkeypatch.setattr(flash, "_tokamax_installed", lambda: False)
   assert flash.default_impl("gpu", Dev()) == "cudnn"
   Dev.device_kind = "NVIDIA A100-SXM4-80GB"
+  monkeypatch.setattr(flash, "_tokamax_installed", lambda: True)
   assert flash.default_impl("gpu", Dev()) == "pallas_gpu"
 
 

@@ -4,6 +4,7 @@ import importlib.util
 import os
 import pathlib
 import subprocess
+import tarfile
 
 import jax.numpy as jnp
 import pytest
@@ -34,7 +35,8 @@ def test_gpu_measure_dry_run(tmp_path):
   """Every default stage of the device script with small shapes on this CPU (~80 s)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}      # one device, as on the lent machine
   r = subprocess.run(["bash", "launch/gpu_measure.sh", "--check"], cwd=ROOT, capture_output=True, text=True,
-                     timeout=900, env={**env, "OUT": str(tmp_path), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")})
+                     timeout=900, env={**env, "GPU_MEASURE_DIR": str(tmp_path / "work"), "OUT": str(tmp_path / "out"),
+                                       "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")})
   assert r.returncode == 0, r.stderr[-2000:]
   for stage in ("check", "attn_mha", "attn_d64", "attn_gqa", "attn_d20", "trainer_d20", "trainer_d20_mosaic"):
     assert f"== {stage}: exit 0" in r.stdout, r.stdout[-3000:]
@@ -45,6 +47,10 @@ def test_gpu_measure_dry_run(tmp_path):
   assert ("| mha | mosaic_gpu | " in r.stdout) == (importlib.util.find_spec("tokamax") is not None)   # its CPU form
   assert "| mha | pallas_gpu | " in r.stdout and "FAILED" not in r.stdout                                # interpreted
   assert "gpu_measure: every stage passed" in r.stdout
+  with tarfile.open(tmp_path / "out" / "gpu_measure.tgz") as tar:     # the device tool's one bundle
+    names = tar.getnames()
+  assert {"./check.log", "./trainer_d20.log", "./trainer_d20_mosaic.log", "profile_d20/step.hlo.txt"} <= set(names)
+  assert any(n.endswith(".trace.json.gz") for n in names), names
 
 
 def test_gpu_measure_fails_when_a_stage_fails(tmp_path):

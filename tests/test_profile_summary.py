@@ -69,8 +69,46 @@ def test_categorize_gpu_kernel_names():
   assert c("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collectives"
   assert c("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
   assert c("nvjet_tst_192x192_64x3_1x2_h_bz_coopB_TNT") == "matmuls"
+  assert c("void cudnn::fusion::compute_do<__nv_bfloat16, 128>(...)") == "attention"   # cuDNN's D = rowsum(dO * O)
   assert c("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matmuls"
   assert c("loop_multiply_fusion_3") == "elementwise"
   assert c("input_reduce_fusion", {"opcode": "fusion", "op_name": "jit(step)/optimizer/mul"}) == "optimizer"
   assert c("fusion_9", {"opcode": "fusion", "has_dot": True, "op_name": "jit(step)/dot_general"}) == "matmuls"
   assert c("all-gather-start", {"opcode": "all-gather-start"}) == "collectives"
+
+
+def test_kernels_in_a_command_buffer_are_listed_by_their_own_names(tmp_path):
+  """XLA:GPU's CUDA graphs: every kernel in one carries hlo_op "command_buffer_N" (not an HLO instruction). Each is
+  classified and listed by its own name: a cuBLAS kernel as a matmul, cuDNN's as attention, an XLA fusion by its HLO
+  instruction (here one under the optimizer scope; the kernel's name writes the instruction's ".4" as "_4"), never all under the graph with one category (by hand: 5 + 2 + 3
+  + 4 µs)."""
+  hlo_text = """HloModule jit_train_step, entry_computation_layout={()->f32[4]{0}}
+
+%fused_multiply (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %multiply.1 = f32[4]{0} multiply(%param_0, %param_0), metadata={op_name="jit(train_step)/optimizer/mul"}
+}
+
+ENTRY %main.2 () -> f32[4] {
+  %constant.1 = f32[4]{0} constant({1, 2, 3, 4})
+  ROOT %loop_multiply_fusion.4 = f32[4]{0} fusion(%constant.1), kind=kLoop, calls=%fused_multiply, """ \
+      """metadata={op_name="jit(train_step)/optimizer/mul" scheduling_name="loop_multiply_fusion.4"}
+}
+"""
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}}]
+  kernels = [("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", 0, 5), ("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", 5, 2),
+             ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", 7, 3),
+             ("loop_multiply_fusion_4", 10, 4)]
+  events = meta + [{"ph": "X", "pid": 1, "tid": 14, "name": n, "ts": ts, "dur": d,
+                    "args": {"hlo_op": "command_buffer_138", "hlo_module": "jit_train_step"}} for n, ts, d in kernels]
+  d = tmp_path / "plugins" / "profile" / "x"
+  d.mkdir(parents=True)
+  with gzip.open(d / "vm.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  s = profile_summary.summarize(tmp_path, [hlo_text])
+  assert s["by_category"] == {"matmuls": 7.0, "attention": 3.0, "elementwise": 0.0, "optimizer": 4.0,
+                              "collectives": 0.0}
+  top = {n: (c, t) for n, c, t in s["top"]}
+  assert top == {"nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT": ("matmuls", 7.0),
+                 "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": ("attention", 3.0),
+                 "loop_multiply_fusion_4": ("optimizer", 4.0)}

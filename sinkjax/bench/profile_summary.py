@@ -15,7 +15,9 @@ writes one beside its xplane). The device's events are the kernels on a GPU's st
 
 An event is classified by its HLO op (`hlo_op` in the trace) looked up in the compiled program's text (--hlo: the
 `Compiled.as_text()` of the step; the op's opcode, custom-call target, called computation and `op_name` metadata);
-without it, or for an op not found there, by its names alone. Times are the sum of the events' durations (kernels
+without it, or for an op not found there, by its names alone. A kernel that XLA:GPU ran inside a CUDA graph (`hlo_op`
+"command_buffer_N") is classified and listed by its own name (an XLA fusion's instruction name, or cuBLAS's / cuDNN's
+kernel name). Times are the sum of the events' durations (kernels
 that overlap on several streams or CPU threads count in full), divided by --steps when given; loops, branches and
 calls (XLA:CPU traces them around their bodies' ops) are left out, their bodies' ops counted instead.
 """
@@ -35,10 +37,14 @@ from sinkjax.markdown import table
 CATEGORIES = ("matmuls", "attention", "elementwise", "optimizer", "collectives")
 _COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|nccl|allreduce|"
                          r"allgather|reducescatter", re.I)
-_ATTENTION = re.compile(r"sinkjax_attention|sinkjax_flash|cudnn\$fmha|fmha|flash|sdpa|attention", re.I)
+_ATTENTION = re.compile(r"sinkjax_attention|sinkjax_flash|cudnn\$fmha|fmha|flash|sdpa|attention|cudnn::fusion::", re.I)
 _MATMUL = re.compile(r"gemm|cublas|nvjet|xmma|cutlass|matmul|\bdot\b|dot\.|dot_general|convolution", re.I)
 _CONTAINERS = ("while", "conditional", "call")
 _CONTAINER = re.compile(r"^(while|conditional|call)(\.\d+)?$")
+# XLA:GPU runs runs of kernels as CUDA graphs ("command buffers", formed on the thunks, so not in the HLO text); the
+# profiler names each kernel in one by its graph (`hlo_op` "command_buffer_N"): such a kernel is known by its own name
+# (the fusion's instruction name for XLA's kernels, the library's for cuBLAS / cuDNN)
+_COMMAND_BUFFER = re.compile(r"^command_buffer(_\d+)?$")
 
 def parse_hlo(text: str) -> dict:
   """{instruction name: category hint} of an HLO module's text (`hlo.parse_hlo`): for each instruction its opcode,
@@ -142,7 +148,9 @@ def summarize(trace_path, hlo_texts=(), steps: int | None = None) -> dict:
   events = kept
   intervals = []
   for name, op, _, dur, ts in events:
-    cat = categorize(name, info.get(op) or info.get(name))
+    if _COMMAND_BUFFER.match(op) and op not in info:
+      op = ""
+    cat = categorize(name, _hint(info, op, name))
     by_cat[cat] += dur
     key = op or name
     by_name[key] += dur
@@ -157,6 +165,12 @@ def summarize(trace_path, hlo_texts=(), steps: int | None = None) -> dict:
     out["in_flight_us"] = {k: v / div for k, v in hist.items()}
     out["alone_us"] = {c: alone[c] / div for c in CATEGORIES}
   return out
+
+
+def _hint(info: dict, op: str, name: str) -> dict | None:
+  """The HLO instruction of an event: its hlo_op, else its kernel's name, which XLA:GPU writes with the instruction
+  name's last '.' as '_' ("loop_multiply_fusion_4" for %loop_multiply_fusion.4)."""
+  return info.get(op) or info.get(name) or info.get(re.sub(r"_(\d+)$", r".\1", name))
 
 
 def _gpu_pids(events) -> set:

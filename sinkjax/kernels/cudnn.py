@@ -32,6 +32,8 @@ the segments); the device check compares route 1's LSE with the reference.
 """
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -72,9 +74,17 @@ def _empty(dtype):
   return jnp.zeros((0,), dtype)
 
 
+# jax 0.12 gave the primitives flex attention's score modifier: their CUDA lowerings require `score_mod_name` and
+# `score_mod_jaxpr` (None: no modifier), which jax 0.10 / 0.11 do not know
+_SCORE_MOD = "score_mod_name" in inspect.signature(_fa._dot_product_attention_fwd_cuda_lowering).parameters
+
+
 def _params(scale, mask):
-  return dict(scale=float(scale), seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
-              layout=_BTNH, sliding_window_length=None)
+  params = dict(scale=float(scale), seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
+                layout=_BTNH, sliding_window_length=None)
+  if _SCORE_MOD:
+    params.update(score_mod_name=None, score_mod_jaxpr=None)
+  return params
 
 
 def _mask(causal: bool, packed: bool):

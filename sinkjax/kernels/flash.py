@@ -72,13 +72,16 @@ def hopper_or_later(device=None) -> bool:
   return bool(_HOPPER_OR_LATER.search(getattr(device, "device_kind", "") or ""))
 
 
-# Whether impl="auto" picks cuDNN on Hopper. Off until launch/gpu_measure.sh's `check` stage has run on a device (issue
-# 46): it establishes that cuDNN's backward reads O only through D = rowsum(dO * O), which the LSE gradient's fold
-# (sinkjax.kernels.fold) rests on, and the packed-document route's statistics layout; both are checked here only on
-# emulated cuDNN calls. Until then impl="cudnn" (model.attn_impl=cudnn) opts in, and auto stays on pallas_gpu.
-CUDNN_IN_AUTO = False
+# Whether impl="auto" picks cuDNN on Hopper. On since the device check of 2026-11-29 (launch/gpu_measure.sh on one H200,
+# docs/results/gpu_h200/): cuDNN's backward reads O only through D = rowsum(dO * O), which the LSE gradient's fold
+# (sinkjax.kernels.fold) rests on, every case (GQA, packed documents, sink + aux) within the bf16 tolerance, and it is
+# the fastest backend there (0.92-1.02x jax.nn.cudnn's time, 2.4-3.5x faster than pallas_gpu; the d20 step 547 ms
+# against Triton's 631). False puts auto back on pallas_gpu; impl="cudnn" / "pallas_gpu" choose either explicitly.
+CUDNN_IN_AUTO = True
 # Whether impl="auto" picks tokamax's Mosaic-GPU kernels (`mosaic_gpu`) on Hopper and later where tokamax is installed,
-# ahead of cudnn: off until the device script has checked and timed them (docs/KERNEL.md, "Mosaic GPU").
+# ahead of cudnn. Off after the same device run: correct (reads O only through D; every case passes) but 1.01-1.19x
+# cuDNN's time at the kernel level on the H200 (tokamax has no autotuning data for that chip; its default tiles ran) and
+# level at the d20 step (546.2 ms against cuDNN's 546.6), so auto keeps cuDNN (docs/PERF.md, "On an NVIDIA H200").
 MOSAIC_IN_AUTO = False
 
 
@@ -88,9 +91,10 @@ def _tokamax_installed() -> bool:
 
 def default_impl(platform: str | None = None, device=None) -> str:
   """The backend `impl="auto"` picks for a platform (default: the target's, `sinkjax.sharding.target_platform`):
-  Pallas on TPU; on NVIDIA GPUs cuDNN on Hopper and later (`hopper_or_later`) once CUDNN_IN_AUTO (the device check
-  of issue 46), Pallas (Triton) otherwise; blockwise XLA elsewhere. `flash_attention` falls back from cudnn to pallas_gpu for a call cuDNN does not take
-  (`sinkjax.kernels.cudnn.unsupported`: float32 inputs, T != S causal, paired segment ids)."""
+  Pallas on TPU; on NVIDIA GPUs cuDNN on Hopper and later (`hopper_or_later`; CUDNN_IN_AUTO, on since the device
+  check), Pallas (Triton) before Hopper; blockwise XLA elsewhere. `flash_attention` falls back from cudnn to
+  pallas_gpu for a call cuDNN does not take (`sinkjax.kernels.cudnn.unsupported`: float32 inputs, T != S causal,
+  paired segment ids)."""
   platform = platform or target_platform()
   if platform == "tpu":
     return "pallas_tpu"
