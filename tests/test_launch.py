@@ -11,7 +11,8 @@ import pytest
 
 from sinkjax.distributed import DistributedError, explicit_settings, is_multiprocess_env
 
-SCRIPTS = ["launch/tpu_vm.sh", "launch/tpu_worker.sh", "launch/slurm_gpu.sh", "launch/local.sh"]
+SCRIPTS = ["launch/tpu_vm.sh", "launch/tpu_worker.sh", "launch/slurm_gpu.sh", "launch/local.sh", "launch/gpu_measure.sh",
+           "launch/gpu_wheels.sh", ".ci/run"]
 
 
 def sh(*args):
