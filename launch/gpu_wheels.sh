@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.whl}
 mkdir -p "$dir"
-grep -qs '^/.whl/$' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.whl/ >> .git/info/exclude; }
+exclude=$(git rev-parse --git-path info/exclude)     # .git/info/exclude, also in a worktree
+grep -qs '^/.whl/$' "$exclude" || { mkdir -p "$(dirname "$exclude")"; echo /.whl/ >> "$exclude"; }
 platforms=()
 for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 \
          manylinux_2_28_x86_64 any; do

@@ -249,3 +249,17 @@ def test_packed_operands_are_int32_under_x64():
     seg = jnp.array([[1, 1, 2, 0]], jnp.int32)
     seqlen, offsets = jax.jit(cudnn._seqlens_offsets, static_argnums=(1, 2, 3))(seg, 2, 8, 4)
     assert seqlen.dtype == offsets.dtype == jnp.int32
+
+
+def test_primitives_lower_for_cuda_on_the_installed_jax():
+  """The forward and backward custom calls, bound with `_params`, through jax's own CUDA lowering rules (no plugin or
+  GPU needed; runs on both CI legs): jax 0.12's rules require `score_mod_name` / `score_mod_jaxpr`, which jax 0.10 /
+  0.11 do not take, and a call missing them failed only at lowering (the cuDNN compile tests, which need the plugin)."""
+  qs = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+  stats = jax.ShapeDtypeStruct((1, 4, 256), jnp.float32)
+  fwd = jax.jit(lambda q, k, v: cudnn._fwd_call(q, k, v, True, 0.125))
+  bwd = jax.jit(lambda q, k, v, s, o, do: cudnn._bwd_call(q, k, v, s, o, do, True, 0.125))
+  for fn, args, target in ((fwd, (qs, qs, qs), "__cudnn$fmhaSoftmax"),
+                           (bwd, (qs, qs, qs, stats, qs, qs), "__cudnn$fmhaSoftmaxBackward")):
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r'custom_call @(__cudnn\$\w+)', text) == [target]

@@ -138,19 +138,14 @@ def summarize(trace_path, hlo_texts=(), steps: int | None = None) -> dict:
     info.update(parse_hlo(text))
   by_cat, by_name = collections.Counter({c: 0.0 for c in CATEGORIES}), collections.Counter()
   cat_of = {}
-  events = device_events(trace)
-  kept = []
-  for name, op, mod, dur, ts in events:
-    hint = info.get(op) or info.get(name)
+  intervals = []
+  for name, op, _, dur, ts in device_events(trace):
+    if _COMMAND_BUFFER.match(op) and op not in info:
+      op = ""                   # a kernel in a CUDA graph: known by its own name
+    hint = _hint(info, op, name)
     if (hint or {}).get("opcode") in _CONTAINERS or (not hint and _CONTAINER.match(op or name)):
       continue                  # a loop / branch / call whose body's ops are events of their own (XLA:CPU)
-    kept.append((name, op, mod, dur, ts))
-  events = kept
-  intervals = []
-  for name, op, _, dur, ts in events:
-    if _COMMAND_BUFFER.match(op) and op not in info:
-      op = ""
-    cat = categorize(name, _hint(info, op, name))
+    cat = categorize(name, hint)
     by_cat[cat] += dur
     key = op or name
     by_name[key] += dur
@@ -158,7 +153,7 @@ def summarize(trace_path, hlo_texts=(), steps: int | None = None) -> dict:
     intervals.append((ts, dur, cat))
   div = steps or 1
   out = {"by_category": {c: by_cat[c] / div for c in CATEGORIES}, "total_us": sum(by_cat.values()) / div,
-         "top": [(n, cat_of[n], t / div) for n, t in by_name.most_common()], "events": len(events),
+         "top": [(n, cat_of[n], t / div) for n, t in by_name.most_common()], "events": len(intervals),
          "classified_by_hlo": bool(info)}
   if intervals and not _gpu_pids(trace["traceEvents"] if isinstance(trace, dict) else trace):
     hist, alone = in_flight(intervals)
