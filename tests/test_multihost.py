@@ -145,12 +145,32 @@ def _steps(run_dir):
   return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
 
 
+# gloo's connection report, "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is :
+# 1", printed from several threads at once: its pieces arrive cut and mixed, down to a lone "1" on a line of its own.
+_GLOO_WORDS = {"[Gloo]", "Rank", "is", "connected", "to", "peer", "ranks", "Expected", "number", "of", ":", "."}
+
+
+def _gloo_piece(line: str) -> bool:
+  """True where the line holds nothing but words and numbers of gloo's connection report."""
+  words = re.findall(r"\[Gloo\]|[A-Za-z]+|\d+|\S", line)
+  return all(w in _GLOO_WORDS or w.isdigit() for w in words)
+
+
 def _lines(text, tag):
-  """The lines of process `tag` ("[p0]"), without the prefix, without gloo's connection reports and without the empty
-  lines their cut-up pieces leave behind."""
-  noise = ("[Gloo]", "peer ranks")       # gloo prints them from several threads at once, lines cut and mixed
+  """The lines of process `tag` ("[p0]"), without the prefix, without the pieces of gloo's connection reports and
+  without the empty lines they leave behind."""
   return [l[len(tag) + 1:] for l in text.splitlines()
-          if l.startswith(tag + " ") and l[len(tag) + 1:].strip() and not any(n in l for n in noise)]
+          if l.startswith(tag + " ") and l[len(tag) + 1:].strip() and not _gloo_piece(l[len(tag) + 1:])]
+
+
+def test_the_gloo_filter_keeps_every_line_of_ours():
+  """The pieces seen in CI's logs are dropped; sinkjax's own lines, a step line included, are kept."""
+  pieces = ["1", "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+            "[Gloo] Rank [Gloo] Rank 0 is connected to 1", "peer ranks. Expected number of connected peer ranks is : 1"]
+  ours = ["step 6: loss 3.2792  val_bpb 5.2416  head_imbalance 0.0288  329 tok/s", "done: step 6/6, loss 3.2792",
+          "process 1 of 2", "resuming from step 4"]
+  text = "\n".join(f"[p1] {l}" for l in pieces + ours)
+  assert _lines(text, "[p1]") == ours
 
 
 # ------------------------------------------------------------------------------------------------------------
