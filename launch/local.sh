@@ -102,16 +102,27 @@ if [[ $dry_run == 1 ]]; then
   exit 0
 fi
 
-# Library chatter that says nothing to a user (gloo's connection reports, one per rank and collective group); it goes
-# to the process's log file only.
+# Library chatter that says nothing to a user (gloo's connection reports, "[Gloo] Rank 1 is connected to 1 peer ranks.
+# Expected number of connected peer ranks is : 1", one per rank and collective group); it goes to the process's log
+# file only. gloo writes a report in pieces from several threads, so the pieces arrive cut and mixed: a line that holds
+# nothing but the report's words and numbers (a lone "1") is noise too when it follows noise.
 noise='\[Gloo\]|peer ranks'
+shopt -s extglob
+gloo_piece() {   # gloo_piece LINE: true where LINE is made of the report's words, numbers and spaces only
+  [[ -z "${1//@(Rank|is|connected|to|peer|ranks|Expected|number|of|[0-9]|[.:]|[[:space:]])/}" ]]
+}
 prefix() {   # prefix TAG LOG: every line of stdin into LOG; to stdout behind TAG unless it is noise (a progress bar's
              # \r updates: the last one)
   trap '' INT TERM HUP
-  local line
+  local line after_noise=0
   while IFS= read -r line || [[ -n "$line" ]]; do
     printf '%s\n' "$line" >> "$2"
-    [[ "$line" =~ $noise ]] || printf '%s %s\n' "$1" "${line##*$'\r'}"
+    if [[ "$line" =~ $noise ]] || { [[ $after_noise == 1 ]] && gloo_piece "$line"; }; then
+      after_noise=1
+    else
+      after_noise=0
+      printf '%s %s\n' "$1" "${line##*$'\r'}"
+    fi
   done
 }
 

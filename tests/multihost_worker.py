@@ -6,6 +6,8 @@ Modes:
   fail    process 1 exits with status 3 at once; the others hang, ignoring SIGTERM (the launcher must kill them)
   term    waits for SIGTERM, then prints that it got it and exits 143
   orphan  joins the job, prints "ready", waits; on SIGTERM (the launcher-watch's) it writes DIR/stopped_I and exits
+  gloo    prints gloo's connection report as it reaches a pipe from two threads (cut and mixed, a lone "1" after it),
+          then its own lines, a number alone among them
 """
 import os
 import pathlib
@@ -22,6 +24,16 @@ def main(mode: str, out_dir: str | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     while True:
       time.sleep(1)
+  if mode == "gloo":
+    report = "[Gloo] Rank {} is connected to 1 peer ranks. Expected number of connected peer ranks is : "
+    print(report.format(pid) + report.format(1 - pid) + "1")
+    print("1")
+    print(report.format(pid) + "1")
+    print("peer ranks. Expected number of connected peer ranks is : 1")
+    print(f"process {pid} is here")
+    print("1")
+    print("connected to 2 of 2", flush=True)
+    return 0
   if mode == "term":
     signal.signal(signal.SIGTERM, lambda *_: (print(f"process {pid} got SIGTERM", flush=True), sys.exit(143)))
     print("ready", flush=True)

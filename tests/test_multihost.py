@@ -177,6 +177,17 @@ def test_the_gloo_filter_keeps_every_line_of_ours():
 # The launcher and the agreement, with a stand-in program (tests/multihost_worker.py)
 # ------------------------------------------------------------------------------------------------------------
 
+def test_the_launcher_shows_no_piece_of_gloo_s_report(launch):
+  """launch/local.sh keeps gloo's connection reports, cut up as they reach it, out of the terminal, the lone number
+  after one included; a process's own lines stay, a number alone and a line of the report's words among them (they
+  follow a line of the process's own)."""
+  rc, out, err = launch(["gloo"], module="multihost_worker", devices=1).wait(timeout=60)
+  assert rc == 0, err
+  for i in (0, 1):
+    got = [l.split(" ", 1)[1] for l in out.splitlines() if l.startswith(f"[p{i}] ")]
+    assert got == [f"process {i} is here", "1", "connected to 2 of 2"], out
+
+
 def test_a_failing_process_ends_the_job(launch):
   """Process 1 exits with 3 while the others hang (ignoring SIGTERM): the launcher kills them after --grace and
   exits with 3."""
