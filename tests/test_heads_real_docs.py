@@ -249,10 +249,9 @@ def test_full_epoch_provenance():
     assert len(files) >= 3 and f"nll_step{r['steps']}.json" in files, name
 
 
-def _crossed(table):
-  """The crossed seed x document test written here: the mean squares as drops in the residual sum of squares of
-  dummy-variable least-squares fits (numpy), the grand mean's variance (MS_seed + MS_doc - MS_resid)/(SD) with a
-  component estimated below 0 dropped, Satterthwaite's df, the t interval and p (scipy's t)."""
+def _mean_squares(table) -> dict:
+  """{seed, doc, resid: (mean square, df)} of a seeds x documents table: the mean squares as drops in the residual
+  sum of squares of dummy-variable least-squares fits (numpy)."""
   S, D = table.shape
   y = table.ravel()
   seed = np.kron(np.eye(S), np.ones((D, 1)))[:, 1:]
@@ -262,8 +261,17 @@ def _crossed(table):
     x = np.column_stack([np.ones(y.size), *blocks])
     return float(((y - x @ np.linalg.lstsq(x, y, rcond=None)[0]) ** 2).sum())
   full = rss(seed, doc)
-  ms = {"seed": ((rss(doc) - full) / (S - 1), S - 1), "doc": ((rss(seed) - full) / (D - 1), D - 1),
-        "resid": (full / ((S - 1) * (D - 1)), (S - 1) * (D - 1))}
+  return {"seed": ((rss(doc) - full) / (S - 1), S - 1), "doc": ((rss(seed) - full) / (D - 1), D - 1),
+          "resid": (full / ((S - 1) * (D - 1)), (S - 1) * (D - 1))}
+
+
+def _crossed(table):
+  """The crossed seed x document test written here: the mean squares (_mean_squares), the grand mean's variance
+  (MS_seed + MS_doc - MS_resid)/(SD) with a component estimated below 0 dropped, Satterthwaite's df, the t interval
+  and p (scipy's t)."""
+  S, D = table.shape
+  y = table.ravel()
+  ms = _mean_squares(table)
   coef = {"seed": float(ms["seed"][0] > ms["resid"][0]), "doc": float(ms["doc"][0] > ms["resid"][0])}
   coef["resid"] = 1 - coef["seed"] - coef["doc"]
   v = sum(coef[k] * ms[k][0] for k in ms)
@@ -460,7 +468,9 @@ def test_epoch_readings_quoted():
   lo, hi, _, p = cr("eq8", "base", "shared_importance")
   assert f"not detected, interval {_signed(lo)} … {_signed(hi)}" in PROSE and f"(crossed p {_fmt_p(p)};" in PROSE
   eq7_shared = _doc_table(EPOCH, "eq7", "base", "lora", end, "shared_importance").mean()
-  assert f"the interval's far end is {abs(hi / eq7_shared) * 100:.0f} % of eq. 7's {_signed(eq7_shared)}" in PROSE
+  assert f"its far end is {abs(hi / eq7_shared) * 100:.0f} % of eq. 7's {_signed(eq7_shared)}" in PROSE
+  full_shared = _doc_table(FULL, "eq8", "base", "full", end, "shared_importance").mean()   # "holds full FT's +0.0015"
+  assert lo < 0 < full_shared < hi and f"also holds full fine-tuning's detected {_signed(full_shared)}" in PROSE
   pre = _curve(EPOCH, "base", "lora", 0, "shared_importance")
   assert (f"{pre:.4f} → {_curve(EPOCH, 'eq8', 'lora', end, 'shared_importance'):.4f} (eq. 8) and → "
           f"{_curve(EPOCH, 'base', 'lora', end, 'shared_importance'):.4f} (base)") in PROSE
@@ -533,3 +543,101 @@ def test_epoch_three_tests_agree():
     detected = {float(row[i]) < 0.05 for i in (3, 6, 10)}
     assert detected == {row[0] != "eq. 8 − base, shared heads' importance"}, row
   assert "detect the same effects: all but eq. 8 − base on the shared heads" in PROSE
+
+
+def _findings_row(start: str) -> list[str]:
+  rows = [r for r in _table("| claim | setup as run |") if r[0].startswith(start)]
+  assert len(rows) == 1, start
+  return rows[0]
+
+
+def _crossed_ci(root, t, c, kind, key) -> str:
+  end = next(iter(_records(root).values()))["steps"]
+  tab = _doc_table(root, t, c, kind, end, key)
+  lo, hi, _, _ = _crossed(tab)
+  return f"{_signed(tab.mean())} [{_signed(lo)}, {_signed(hi)}]"
+
+
+@full
+def test_findings_app_d_rows():
+  """The App. D rows of RESULTS.md's findings table: every effect and crossed interval from the two studies' raw
+  per-document files (this file's own crossed test), and each verdict's direction against the intervals."""
+  both = lambda t, c, key: (_crossed_ci(EPOCH, t, c, "lora", key), _crossed_ci(FULL, t, c, "full", key))  # noqa
+  row = _findings_row("[Sink-MoE] App. D: eq. 8 keeps the shared heads higher")
+  s, l = both("eq8", "eq7", "shared_importance"), both("eq8", "eq7", "val_loss")
+  assert row[2] == (f"eq. 8 − eq. 7: shared heads LoRA {s[0]}, full {s[1]}; held-out loss LoRA {l[0]}, full {l[1]} "
+                    "nats/token") and row[4].startswith("held")
+  row = _findings_row("[Sink-MoE] App. D: eq. 8 preserves")
+  s, c = both("eq8", "base", "shared_importance"), both("eq8", "base", "routed_cv")
+  assert row[2] == (f"eq. 8 − base: shared heads LoRA {s[0]}, full {s[1]}; routed heads' CV LoRA {c[0]}, full "
+                    f"{c[1]}")
+  row = _findings_row("[Sink-MoE] App. D / Fig. 11")
+  s, r = both("eq7", "base", "shared_importance"), both("eq7", "base", "routed_importance")
+  assert row[2] == f"eq. 7 − base: shared heads LoRA {s[0]}, full {s[1]}; routed heads LoRA {r[0]}, full {r[1]}"
+  end = next(iter(_records().values()))["steps"]
+  for root, kind in ((EPOCH, "lora"), (FULL, "full")):    # "contradicted": the shared heads' interval lies below 0
+    assert _crossed(_doc_table(root, "eq7", "base", kind, end, "shared_importance"))[1] < 0
+    assert _crossed(_doc_table(root, "eq8", "base", kind, end, "val_loss"))[0] > 0
+  row = _findings_row("[Sink-MoE] Table 2")
+  l = both("eq8", "base", "val_loss")
+  assert row[2] == f"eq. 8 − base, held-out loss: LoRA {l[0]}, full {l[1]} nats/token"
+  assert row[4].startswith("contradicted on the stand-in")
+  a = json.loads((RAW / "analysis.json").read_text())
+  imp, rnd = np.asarray(a["importance"]), np.asarray(a["random_init"][0]["importance"])
+  row = _findings_row("[Sink-MoE] Fig. 4 / App. C")
+  assert row[2] == (f"imbalance {_cv(imp).mean():.4f} (random init {_cv(rnd).mean():.4f}); {(imp < 0.1).sum()} of "
+                    f"{imp.size} heads with importance below 0.1") and row[1] == f"SmolLM2-135M, {a['documents']} documents"
+
+
+def _components(table):
+  """The crossed model's variance components (seed, document, residual) by the method of moments, from the mean
+  squares of _mean_squares."""
+  S, D = table.shape
+  ms = {k: v[0] for k, v in _mean_squares(table).items()}
+  return (ms["seed"] - ms["resid"]) / D, (ms["doc"] - ms["resid"]) / S, ms["resid"]
+
+
+@full
+def test_variance_components_table():
+  """Every cell of "What the crossed test covers": per contrast and study σ²_seed, σ²_doc, σ²_resid and the seed's
+  share of the mean's variance; and the reading's numbers (the largest shares, the full study's eq. 8 − eq. 7 loss)."""
+  rows = _table("| variance components at step 183 |")
+  assert len(rows) == 9
+  names = {"base": "base", "eq. 7": "eq7", "eq. 8": "eq8"}
+  keys = {"held-out loss": "val_loss", "shared heads' importance": "shared_importance", "routed heads' CV": "routed_cv"}
+  e = lambda x: "−" + f"{-x:.1e}" if x < 0 else f"{x:.1e}"                    # noqa: E731
+  shares = {}
+  end = next(iter(_records().values()))["steps"]
+  for row in rows:
+    label, metric = row[0].split(", ", 1)
+    t, c = (names[x] for x in label.split(" − "))
+    want = [row[0]]
+    for root, kind in ((EPOCH, "lora"), (FULL, "full")):
+      vs, vd, vr = _components(_doc_table(root, t, c, kind, end, keys[metric]))
+      share = max(vs, 0) / 3 / (max(vs, 0) / 3 + max(vd, 0) / 64 + vr / 192)
+      shares[kind, t, c, metric] = share
+      want += [e(vs), e(vd), e(vr), f"{100 * share:.0f} %"]
+    assert row == want, row[0]
+  loss = max(v for k, v in shares.items() if k[3] == "held-out loss")
+  assert f"on held-out loss the seed's share of the mean's variance is at most {100 * loss:.0f} %" in PROSE
+  top = max(shares.items(), key=lambda kv: kv[1])
+  assert top[0] == ("lora", "eq8", "eq7", "shared heads' importance")
+  assert f"up to {100 * top[1]:.0f} % of the mean's variance, eq. 8 − eq. 7 on the shared heads" in PROSE
+  full = max(v for k, v in shares.items() if k[0] == "full")
+  assert f"is at most {100 * full:.0f} % in every row of the components table" in PROSE
+  vs, vd, _ = _components(_doc_table(FULL, "eq8", "eq7", "full", end, "val_loss"))
+  assert f"σ²_seed {vs:.1e} against σ²_doc {vd:.1e}" in PROSE
+
+
+@full
+def test_per_document_pairing_holds():
+  """"every run's nll_step*.json scores the same 64 held-out documents with the same token count per document as
+  nll_step0.json, in both studies": the pairing by document the tests over documents rely on."""
+  assert "same 64 held-out documents with the same token count per document as `nll_step0.json`, in both studies" \
+      in PROSE
+  for root in (EPOCH, FULL):
+    t0 = json.loads((root / "nll_step0.json").read_text())["tokens"]
+    files = sorted((root / "raw").glob("*/nll_step*.json"))
+    assert len(t0) == 64 and len(files) == 27
+    for f in files:
+      assert json.loads(f.read_text())["tokens"] == t0, f

@@ -512,8 +512,8 @@ def test_dose_tests_paired_by_seed(dose, doc):
 
 
 def test_dose_readings_and_power(dose, runs, flat):
-  """The readings' numbers, the all-doses BPB t-interval (the seed is the unit), the drift arm, and the power
-  figures of the opening section (pooled SD of six BPB arms, detectable effect at n = 3, seeds for 0.003 / 0.006)."""
+  """The first dose study's readings: its numbers, the all-doses BPB t-interval (the seed is the unit) and the
+  λ = 1e-8 arm against the old base (the design's power: test_power_of_the_from_scratch_design)."""
   bpb = lambda lam: np.array([dose[lam, s]["val_bpb"] for s in range(3)])
   imb = lambda lam: np.array([dose[lam, s]["head_imbalance"] for s in range(3)])
   t1 = sps.ttest_rel(imb(1e-3), imb(0.0))
@@ -538,16 +538,42 @@ def test_dose_readings_and_power(dose, runs, flat):
   assert f"−0.028: detected, p = {p2(sps.ttest_1samp(top, 0).pvalue)}" in flat
   assert f"strongest head moves by {np.mean(top):+.3f} (p = {p2(sps.ttest_1samp(top, 0).pvalue)}: the code change and a " \
          "small treatment together, not drift)".replace("by -", "by −") in flat
-  # power: the paired BPB differences of six arms, each about its own mean
-  arms = [diffs(runs, "vanilla"), diffs(runs, "sink")] + [bpb(l) - bpb(0.0) for l in (1e-8, 1e-4, 1e-3, 1e-2)]
-  ss = sum(np.sum((np.asarray(a) - np.mean(a)) ** 2) for a in arms)
-  sd = math.sqrt(ss / sum(len(a) - 1 for a in arms))
-  assert f"pooled over 6 arms, is {sd:.4f}" in flat and f"about ±{detectable(sd, 3):.3f}" in flat
-  assert f"**{seeds_for(0.003, sd)} seeds** (Δ 0.003) to **{seeds_for(0.006, sd)} seeds** (Δ 0.006)" in flat
-  ia = [imb(l) - imb(0.0) for l in (1e-8, 1e-4, 1e-3, 1e-2)]
-  isd = math.sqrt(sum(np.sum((a - a.mean()) ** 2) for a in ia) / sum(len(a) - 1 for a in ia))
-  assert f"about ±{detectable(isd, 3):.2f} (pooled SD {isd:.3f})" in flat
   assert "## Real pretrained model (SmolLM2-135M)" in flat
+
+
+def one_commit_runs() -> dict:
+  """{run name: paper_eval.json} of the one-commit reruns (8d9b2aa): the main grid's 18 runs and the dose rerun's 9."""
+  out = {}
+  for sub in ("paper_cpu_r2", "paper_cpu_r2_dose"):
+    for d in sorted((ROOT / "docs" / "results" / sub / "raw").iterdir()):
+      assert json.loads((d / "done.json").read_text())["commit"] == "8d9b2aa5a703", d
+      out[d.name] = json.loads((d / "paper_eval.json").read_text())
+  return out
+
+
+def pooled_sd(arms) -> float:
+  """The SD of one paired difference, each arm's differences about their own mean, pooled over the arms."""
+  arms = [np.asarray(a, float) for a in arms]
+  return math.sqrt(sum(np.sum((a - a.mean()) ** 2) for a in arms) / sum(len(a) - 1 for a in arms))
+
+
+def test_power_of_the_from_scratch_design(flat):
+  """The power figures of the opening section and the findings table, from the one-commit reruns' own files: the
+  pooled SD of six BPB arms (vanilla, sink and gated aux − base; gated λ = 1e-8, 1e-3, 1e-2 − 0) and of the main
+  grid's three, the detectable effect at n = 3, the seeds the paper's Δ 0.003 / 0.006 would take, and the same for
+  the imbalance of the four gated arms."""
+  ev = one_commit_runs()
+  d = lambda t, c, k="val_bpb": [ev[t.format(s=s)][k] - ev[c.format(s=s)][k] for s in range(3)]  # noqa: E731
+  main = [d(f"{v}_aux_s{{s}}", f"{v}_base_s{{s}}") for v in VARIANTS]
+  dose = [d(f"gated_lam{lam}_s{{s}}", "gated_base_s{s}") for lam in ("1e-08", "0.001", "0.01")]
+  sd, sd3 = pooled_sd(main + dose), pooled_sd(main)
+  assert (f"pooled over 6 arms of the one-commit reruns, is {sd:.4f}; over the main grid's three arms alone "
+          f"{sd3:.4f})") in flat and f"about ±{detectable(sd, 3):.3f} (the SD" in flat
+  assert f"**{seeds_for(0.003, sd)} seeds** (Δ 0.003) to **{seeds_for(0.006, sd)} seeds** (Δ 0.006)" in flat
+  assert f"Δ 0.003 would take ~{seeds_for(0.003, sd)} seeds per arm" in flat
+  imb = [d(f"gated_{x}_s{{s}}", "gated_base_s{s}", "head_imbalance") for x in ("lam1e-08", "aux", "lam0.001", "lam0.01")]
+  isd = pooled_sd(imb)
+  assert f"about ±{detectable(isd, 3):.2f} (pooled SD {isd:.3f})" in flat
 
 
 # ------------------------------------------------------------------------------------------------ TRIGGER.md
@@ -666,3 +692,101 @@ def test_value_zeroing_on_one_window(runs, doc, flat):
   for name in ("vanilla_base_s0", "sink_base_s0", "gated_base_s0"):
     new = json.loads((REPRO_DIR / "raw" / name / "paper_eval.json").read_text())["val_bpb"]
     assert f"{committed[name]:.4f} → {new:.4f} {name.split('_')[0]}" in flat
+
+
+# ------------------------------------------------------------------------------------------------ the findings table
+
+def _m(x: float, nd: int) -> str:
+  return f"{x:+.{nd}f}".replace("-", "−")
+
+
+def _ci(d, nd: int) -> str:
+  """'mean [low, high]' of a paired difference, the 95 % t-interval (scipy), with the doc's minus sign."""
+  ci = sps.ttest_1samp(d, 0).confidence_interval(0.95)
+  return f"{_m(np.mean(d), nd)} [{_m(ci.low, nd)}, {_m(ci.high, nd)}]"
+
+
+def findings(doc) -> dict:
+  """{first words of the claim: row} of the findings table."""
+  return {r[0]: r for r in table(doc, "claim | setup as run")}
+
+
+def _row(rows, start):
+  got = [r for k, r in rows.items() if k.startswith(start)]
+  assert len(got) == 1, start
+  return got[0]
+
+
+def test_the_page_opens_with_the_findings_table(doc):
+  """The page is a reference: its title names what it is (no 'reproduced'), its first section is the findings table,
+  every row names a verdict of the four, and every link in it (and on the page) reaches a heading or a committed
+  file; readings an audit found wider than their numbers stay out."""
+  lines = doc.splitlines()
+  assert lines[0].startswith("# ") and "reproduc" not in lines[0].lower()
+  assert next(l for l in lines if l.startswith("## ")) == "## Findings"
+  first_table = next(l for l in lines if l.startswith("|"))
+  assert first_table.startswith("| claim | setup as run | effect, 95 % interval | test, n | verdict | section; raw files |")
+  verdicts = ("held", "not detected at this power", "contradicted", "not testable here")
+  rows = findings(doc)
+  assert len(rows) >= 10
+  for r in rows.values():
+    assert r[4].startswith(verdicts), r[0]
+    for path in re.findall(r"`(docs/results/[^`]+)`", r[5]):
+      assert (ROOT / path).exists(), path
+  def anchor(h):                                  # GitHub's: lower case, punctuation out, each space a hyphen
+    return re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+  anchors = {anchor(l.lstrip("#")) for l in lines if l.startswith("#") and not l.startswith("#!")}
+  for target in re.findall(r"\]\(#([^)]+)\)", doc):
+    assert target in anchors, target
+  for target in re.findall(r"\]\((results/[^)]+)\)", doc):
+    assert (DOC.parent / target).is_file(), target
+  flat = " ".join(doc.split())
+  for phrase in ("bounds the noise from above", "holds on each source of variance", "the paper's recipe",
+                 "leaves the shared heads where", "does not leave the shared heads where", "stronger than its paired",
+                 "# null arm", "exact sign test p = 0.031", "first read as", "At lr 3e-5 eq. 7", "session", "lent ",
+                 "cost is detected.**", "1.3e-7", "byte-identical", "292 s"):
+    assert phrase not in flat, phrase
+
+
+def test_findings_from_scratch_rows(doc, runs):
+  """The from-scratch rows' effects, intervals, p and detectable sizes, from the raw files with scipy: the one-commit
+  reruns' own paper_eval.json files, the first grid's results.json, the first dose study's raw files."""
+  rows = findings(doc)
+  ev = one_commit_runs()
+  d = lambda t, c, k="val_bpb": np.array([ev[t.format(s=s)][k] - ev[c.format(s=s)][k] for s in range(3)])  # noqa
+  r2 = {v: d(f"{v}_aux_s{{s}}", f"{v}_base_s{{s}}") for v in VARIANTS}
+  row = _row(rows, "[Sink-MoE] Table 1")
+  assert row[2] == "aux − base: " + "; ".join(f"{v} {_ci(r2[v], 4)}" for v in VARIANTS)
+  assert row[3] == "paired t, n = 3 seeds per variant (p " + ", ".join(
+      p2(sps.ttest_1samp(r2[v], 0).pvalue) for v in VARIANTS) + ")"
+  assert row[4].startswith("not detected at this power (detectable " + ", ".join(
+      f"±{detectable(r2[v].std(ddof=1), 3):.4f}" for v in VARIANTS) + ";")
+  assert all(sps.ttest_1samp(r2[v], 0).pvalue > 0.05 for v in VARIANTS)
+  g1 = np.array(diffs(runs, "gated"))
+  row = _row(rows, "the same, first grid")
+  assert row[2].startswith(f"gated {_ci(g1, 4)};") and f"(gated p {p2(sps.ttest_1samp(g1, 0).pvalue)}; permutation p " \
+      f"{p2(perm_p(g1))}" in row[3]
+  assert sps.ttest_1samp(g1, 0).confidence_interval().low > 0 > -0.0025       # above the paper's gated gains
+  i2 = d("gated_aux_s{s}", "gated_base_s{s}", "head_imbalance")
+  i1 = np.array(diffs(runs, "gated", "head_imbalance"))
+  row = _row(rows, "[Sink-MoE] Fig. 5")
+  assert row[2] == f"aux − base, final imbalance: rerun {_ci(i2, 3)}; first grid {_ci(i1, 3)}"
+  assert row[3] == f"paired t, n = 3 (p {p2(sps.ttest_1samp(i2, 0).pvalue)}, {p2(sps.ttest_1samp(i1, 0).pvalue)})"
+  assert row[4] == (f"not detected at this power (detectable ±{detectable(i2.std(ddof=1), 3):.3f}, "
+                    f"±{detectable(i1.std(ddof=1), 3):.3f})")
+  dose1 = dose_runs(runs)
+  x2 = d("gated_lam0.01_s{s}", "gated_base_s{s}", "head_imbalance")
+  x1 = np.array([dose1[1e-2, s]["head_imbalance"] - dose1[0.0, s]["head_imbalance"] for s in range(3)])
+  row = _row(rows, "eq. 7 balances the heads")
+  assert row[2] == f"λ = 1e-2 − 0, final imbalance {_ci(x2, 3)}; the first dose study (two commits) {_ci(x1, 3)}"
+  assert row[3] == f"paired t, n = 3 (p {p2(sps.ttest_1samp(x2, 0).pvalue)}, {p2(sps.ttest_1samp(x1, 0).pvalue)})"
+  f = [x for r in runs for x in r["first_token_attention"]]
+  alpha = np.array([r["sink_ratio_alpha"] for r in runs])
+  row = _row(rows, "[GatedAttn] Table 4")
+  assert row[2].startswith(f"F-Attn {rng(f)} in every layer of every run; largest head α {alpha.max():.3f}")
+  files = sorted(REPRO_DIR.glob("raw/*/paper_eval.json")) + sorted(DOSE_DIR.glob("raw/*/paper_eval.json"))
+  z = [json.loads(p.read_text())["value_zeroing_after_prefill"] for p in files]
+  z = [x["bpb_all"] - x["bpb_none"] for x in z]
+  row = _row(rows, "[Sink-MoE] Table 3")
+  assert row[1].startswith(f"{len(files)} runs") and row[2] == f"all heads − none, after prefill: {_m(min(z), 4)} … " \
+      f"{_m(max(z), 4)} BPB"
