@@ -281,6 +281,31 @@ def test_run_child_reports_a_failed_or_silent_process(tmp_path):
   got, why = sbs.run_child("x", [sys.executable, "-c", "import time\nfor _ in range(50): print(1, flush=True); "
                                  "time.sleep(0.1)"], 1)
   assert got is None and why == "ran past its 1 s"
+  t0 = time.monotonic()
+  assert sbs.run_child("x", [sys.executable, "-c", "import time; time.sleep(60)"], 1) == (None, "ran past its 1 s")
+  assert time.monotonic() - t0 < 30                          # a silent process is stopped at its limit too
+
+
+def test_a_stage_stopped_at_its_limit_takes_its_row_process_along(tmp_path):
+  """SIGTERM to the side by side (what `timeout` sends at a stage's limit) kills the row's process group, which runs
+  in a session of its own: no row goes on holding the device during the next stage."""
+  pid_file = tmp_path / "pid"
+  child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+  parent = subprocess.Popen([sys.executable, "-c", f"from sinkjax.bench import side_by_side as s; "
+                             f"s.run_child('row', [{sys.executable!r}, '-c', {child!r}], 300)"],
+                            stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
+  deadline = time.monotonic() + 60
+  while time.monotonic() < deadline and not (pid_file.exists() and pid_file.read_text()):
+    time.sleep(0.1)
+  pid = int(pid_file.read_text())
+  parent.send_signal(signal.SIGTERM)
+  assert parent.wait(timeout=30) == 128 + signal.SIGTERM
+  deadline = time.monotonic() + 10
+  while time.monotonic() < deadline and pathlib.Path(f"/proc/{pid}").exists() and \
+      "zombie" not in pathlib.Path(f"/proc/{pid}/status").read_text().lower():
+    time.sleep(0.1)
+  status = pathlib.Path(f"/proc/{pid}/status")
+  assert not status.exists() or "zombie" in status.read_text().lower()
 
 
 def test_heads_follow_base_train_s_rule():
@@ -333,7 +358,8 @@ def test_the_dry_run_passes_every_stage(tmp_path):
   py, tree = _torch_python(), _nanochat_tree()
   if py is None or tree is None:
     pytest.skip("needs a Python with torch (SINKJAX_TORCH_PYTHON) and nanochat's tree (SINKJAX_NANOCHAT_PEERS)")
-  env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_MEASURE_DIR": str(tmp_path / "logs"),
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}    # conftest's 8 host devices: the d20 mesh is one
+  env = {**env, "OUT": str(tmp_path / "out"), "GPU_MEASURE_DIR": str(tmp_path / "logs"),
          "GPU_MEASURE_PYTHON": sys.executable, "SINKJAX_TORCH_PYTHON": py,
          "SINKJAX_NANOCHAT_PEERS": str(tree.parent), "PYTHONPATH": str(REPO)}
   r = subprocess.run(["bash", "launch/gpu_measure.sh", "--check"], cwd=REPO, env=env, capture_output=True, text=True,

@@ -40,8 +40,10 @@ import json
 import os
 import pathlib
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 from sinkjax import errors, options
@@ -80,7 +82,7 @@ class SideBySideOptions:
                              help="nanochat eager, torch.compile off (the dry run on a CPU: compiling costs minutes)")
   nanochat: str | None = declare(None, alias="--nanochat", metavar="DIR", help="the nanochat tree")
   torch_python: str | None = declare(None, alias="--torch-python", metavar="PY",
-                                     help="the Python that runs nanochat (default $SINKJAX_TORCH_PYTHON, else this one)")
+                                     help="the Python running nanochat (default $SINKJAX_TORCH_PYTHON, else this one)")
   peak_tflops: float = declare(PEAK_TFLOPS, ">0", alias="--peak-tflops", help="the MFU's peak, TFLOP/s")
   timeout: float = declare(600.0, ">0", alias="--timeout", help="seconds each row's process may take")
   out: str | None = declare(None, alias="--out", metavar="FILE", help="write the result as JSON here")
@@ -144,26 +146,45 @@ def last_json(stdout: str) -> dict | None:
   return None
 
 
+def _kill_group(proc) -> None:
+  """Ends a row's process and everything it started (its own process group: compile workers too)."""
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  proc.wait()
+
+
 def run_child(name: str, cmd: list[str], timeout: float) -> tuple[dict | None, str]:
-  """Runs one row's process, its output passed through to ours as it comes (a log shows a row that hangs); (its JSON
-  result, '') or (None, why it failed)."""
+  """Runs one row's process in a process group of its own, its output passed through to ours as it comes (a log
+  shows a row that hangs); (its JSON result, '') or (None, why it failed). Past `timeout`, or when this process gets
+  SIGTERM (the stage's limit in launch/gpu_measure.sh), the row's whole group is killed, so that no row outlives its
+  stage and holds the device during the next one."""
   print(f"== {name}: {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
   t0 = time.perf_counter()
   lines = []
-  with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                        start_new_session=True) as proc:
-    deadline = t0 + timeout
-    try:
-      for line in proc.stdout:          # a child that hangs printing nothing is caught by the stage's own limit
-        print(f"   | {line.rstrip()}", flush=True)
-        lines.append(line)
-        if time.perf_counter() > deadline:
-          raise subprocess.TimeoutExpired(cmd, timeout)
-      rc = proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
-    except subprocess.TimeoutExpired:
-      os.killpg(proc.pid, 9)
-      proc.wait()
-      return None, f"ran past its {timeout:.0f} s"
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                          start_new_session=True)
+
+  def pump():
+    for line in proc.stdout:
+      print(f"   | {line.rstrip()}", flush=True)
+      lines.append(line)
+
+  def on_term(signum, _frame):
+    _kill_group(proc)
+    sys.exit(128 + signum)
+  reader = threading.Thread(target=pump, daemon=True)
+  reader.start()
+  previous = signal.signal(signal.SIGTERM, on_term)
+  try:
+    rc = proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    _kill_group(proc)
+    return None, f"ran past its {timeout:g} s"
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  reader.join(10)
   print(f"== {name}: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
   got = last_json("".join(lines))
   if rc:
@@ -239,7 +260,9 @@ def side_by_side(o: SideBySideOptions, overrides: list[str]) -> int:
   if o.out:
     pathlib.Path(o.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(o.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"\nside_by_side: {o.out} written ({device}, commit {doc['commit']})")
+    chip = got["sinkjax sink+aux"].get("chip", "unknown")
+    print(f"\nside_by_side: {o.out} written ({device}, commit {doc['commit']}); its place in the repository: "
+          f"docs/results/gpu_{chip}/side_by_side.json")
   return 0
 
 
@@ -319,9 +342,11 @@ def time_row(o: SideBySideOptions, overrides: list[str]) -> int:
     tokens = cfg.train.batch_size * cfg.data.seq_len
     flops = compile_lib.model_flops_per_step(cfg, trainer.num_params)
     dev = jax.devices()[0]
+    chip = bench_trainer.chip_of(dev) or dev.platform
     print(json.dumps({"name": o.row, "tokens_per_s": tokens / res, "mfu": 100 * flops / res / (o.peak_tflops * 1e12),
                       "step_ms": res * 1e3, "flops_per_token": flops / tokens, "params": trainer.num_params,
-                      "device": dev.device_kind if dev.platform != "cpu" else "cpu", "jax": jax.__version__,
+                      "device": dev.device_kind if dev.platform != "cpu" else "cpu", "chip": chip,
+                      "jax": jax.__version__,
                       "config": config, "overrides": ov, "attn_impl": cfg.model.attn_impl,
                       "dtype": cfg.model.dtype, "setup_s": time.perf_counter() - t0}), flush=True)
   return 0
