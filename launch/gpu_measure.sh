@@ -125,15 +125,15 @@ stage() {
            optax.__version__, o.__version__, grain.__version__, jax.devices())";
            "$SINKJAX_TORCH_PYTHON" -c "import torch; print(\"torch\", torch.__version__, torch.cuda.get_device_name())"' "$PY"
          fi ;;
-    side_by_side) run_stage side_by_side 230 $SBS $SBS_ARGS --timeout 150 --out "$DIR/side_by_side.json" ;;
+    side_by_side) run_stage side_by_side 250 $SBS $SBS_ARGS --timeout 160 --out "$DIR/side_by_side.json" ;;
     check) if [ "$c" = 1 ]; then run_stage check 40 "$PY" -m sinkjax.bench.kernel_check --seq 64 --head-dim 32 \
              --impls xla cudnn
            else run_stage check 45 "$PY" -m sinkjax.bench.kernel_check --seq 512 --impls cudnn; fi ;;
     check_all) if [ "$c" = 1 ]; then run_stage check_all 100 "$PY" -m sinkjax.bench.kernel_check --seq 64 \
              --head-dim 32 --impls xla cudnn mosaic_gpu pallas_gpu
            else run_stage check_all 120 "$PY" -m sinkjax.bench.kernel_check --seq 512 --impls cudnn mosaic_gpu pallas_gpu; fi ;;
-    ab_*) run_stage "$1" 80 $SBS $SBS_ARGS --ab "${1#ab_}" --levers "$LEVERS" --baseline "$DIR/side_by_side.json" \
-            --timeout 75 ;;
+    ab_*) run_stage "$1" 70 $SBS $SBS_ARGS --ab "${1#ab_}" --levers "$LEVERS" --baseline "$DIR/side_by_side.json" \
+            --timeout 65 ;;
     attn_mha) if [ "$c" = 1 ]; then run_stage attn_mha 50 $ATTN --batch 1 --heads 2 --head-dim 32 --seq 128 256
            else run_stage attn_mha 45 $ATTN --batch 2 --heads 16 --head-dim 128 --seq 4096 8192 16384 --max-gib 40; fi ;;
     attn_d64) if [ "$c" = 1 ]; then run_stage attn_d64 25 $ATTN --batch 1 --heads 2 --head-dim 16 --seq 128
