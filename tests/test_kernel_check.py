@@ -32,14 +32,16 @@ def test_fails_a_backend_without_the_lse_gradient(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_gpu_measure_dry_run(tmp_path):
-  """Every default stage of the device script with small shapes on this CPU (~80 s)."""
+  """The device script's kernel stages with small shapes on this CPU (on request there: check_all, the attention
+  micro-benchmarks, the d20 step and its profile; the default stages' dry run: tests/test_side_by_side.py)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}      # one device, as on the lent machine
-  r = subprocess.run(["bash", "launch/gpu_measure.sh", "--check"], cwd=ROOT, capture_output=True, text=True,
+  stages = ("check_all", "attn_mha", "attn_d64", "attn_gqa", "attn_d20", "trainer_d20", "trainer_d20_mosaic")
+  r = subprocess.run(["bash", "launch/gpu_measure.sh", "--check", *stages], cwd=ROOT, capture_output=True, text=True,
                      timeout=900, env={**env, "GPU_MEASURE_DIR": str(tmp_path / "work"), "OUT": str(tmp_path / "out"),
                                        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")})
   assert r.returncode == 0, r.stderr[-2000:]
-  for stage in ("check", "attn_mha", "attn_d64", "attn_gqa", "attn_d20", "trainer_d20", "trainer_d20_mosaic"):
-    assert f"== {stage}: exit 0" in r.stdout, r.stdout[-3000:]
+  for stage in stages:
+    assert f"== {stage}: passed" in r.stdout, r.stdout[-3000:]
   assert "all passed" in r.stdout and "| attention |" in r.stdout and "runs only on NVIDIA GPUs" in r.stdout
   for impl in ("cudnn", "mosaic_gpu", "pallas_gpu"):                     # the three GPU backends' rows
     assert f"| {impl} |" in r.stdout, impl
@@ -49,7 +51,7 @@ def test_gpu_measure_dry_run(tmp_path):
   assert "gpu_measure: every stage passed" in r.stdout
   with tarfile.open(tmp_path / "out" / "gpu_measure.tgz") as tar:     # the device tool's one bundle
     names = tar.getnames()
-  assert {"./check.log", "./trainer_d20.log", "./trainer_d20_mosaic.log", "profile_d20/step.hlo.txt"} <= set(names)
+  assert {"./check_all.log", "./trainer_d20.log", "./trainer_d20_mosaic.log", "profile_d20/step.hlo.txt"} <= set(names)
   assert any(n.endswith(".trace.json.gz") for n in names), names
 
 

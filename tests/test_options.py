@@ -22,6 +22,7 @@ from sinkjax import train as train_lib
 from sinkjax.bench import attention as bench_attention
 from sinkjax.bench import data as bench_data
 from sinkjax.bench import kernel_check, profile_summary
+from sinkjax.bench import side_by_side as bench_side_by_side
 from sinkjax.bench import train as bench_train
 from sinkjax.bench import trainer as bench_trainer
 from sinkjax.errors import ConfigError
@@ -46,7 +47,7 @@ COMMANDS = {"eval": ev, "generate generate": _subcommand(gen, "generate"), "gene
             "generate perplexity": _subcommand(gen, "perplexity"), "lm_eval": lm_eval, "compile": compile_lib, "train": train_lib,
             "bench.attention": bench_attention, "bench.data": bench_data, "bench.train": bench_train,
             "bench.trainer": bench_trainer, "bench.kernel_check": kernel_check,
-            "bench.profile_summary": profile_summary, "convert.hf": convert_hf, "convert.nanochat": convert_nanochat,
+            "bench.profile_summary": profile_summary, "bench.side_by_side": bench_side_by_side, "convert.hf": convert_hf, "convert.nanochat": convert_nanochat,
             "data.fineweb": fineweb, "data.acereason": acereason, "data.passkey": passkey_data,
             "data.tokenizer train": _subcommand(tokenizer_cli, "train"),
             "data.tokenizer from-tiktoken": _subcommand(tokenizer_cli, "from-tiktoken"),
