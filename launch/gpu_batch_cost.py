@@ -1,5 +1,5 @@
 """Why a different batch every step costs more than one batch re-sent (docs/journal.md, 2026-11-26, "H100,
-second visit": streaming_vanilla +52 ms per step): the trainer's step timed per batch, cycling, and with the embedding's
+second window": streaming_vanilla +52 ms per step): the trainer's step timed per batch, cycling, and with the embedding's
 gradient computed another way, plus a profile of each for the kernels' times.
 
     python launch/gpu_batch_cost.py --config configs/streaming_vanilla.yaml [overrides] [--out DIR] [--steps 10]

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The Python packages launch/gpu_measure.sh needs that a lent GPU image lacks, as wheels in .whl/ (git-ignored through
-# .git/info/exclude; the device tool carries it: `carry: [".whl"]`). The image of 2026-11 (Python 3.12, jax 0.11.2,
+# The Python packages launch/gpu_measure.sh needs that a bare GPU image lacks, as wheels in .whl/ (git-ignored through
+# .git/info/exclude; a remote run carries it with the tree). The image of 2026-11 (Python 3.12, jax 0.11.2,
 # flax, optax, orbax, etils, protobuf, absl-py, cloudpickle, tqdm, jaxtyping ...) has none of grain, tensorboardX,
 # tensorflow-datasets (only looked up by the train extra's check, never imported for data.source=default) or tokamax
-# (the mosaic_gpu backend) and their needs below: 48 MB, which with the tracked tree (~19 MB) stays under the tool's
+# (the mosaic_gpu backend) and their needs below: 48 MB, which with the tracked tree (~19 MB) stays under a remote run's
 # 64 MiB. gpu_measure.sh installs them with pip --no-deps into /tmp/site.
 # It also copies nanochat's tree (nanochat-9d4c9b7, for the side by side; its code is not part of this repository)
-# from $SINKJAX_NANOCHAT_PEERS or ../shared/peers into .peers/ (git-ignored): the device call carries both,
+# from $SINKJAX_NANOCHAT_PEERS or ../shared/peers into .peers/ (git-ignored): a remote run carries both
 # `carry: [".whl", ".peers"]` (~0.1 MB more).
 #   bash launch/gpu_wheels.sh [DIR]      (default .whl; needs pip and PyPI)
 set -euo pipefail

@@ -2,7 +2,7 @@
 programs with each form the walk reads (while loops with their trip counts, nested and unknown; collectives, sync and
 async, in XLA's three spellings of replica groups; partial reads; stack frames, categories and passes; the roofline's
 terms), the XLA:GPU forms (a cuBLAS matmul custom call, an async fusion, a Triton kernel naming its cost, cuDNN's fused
-attention), and a real H100 compile of the paper's d20 train step (recorded on a lent H100 by
+attention), and a real H100 compile of the paper's d20 train step (recorded on an H100 by
 `launch/gpu_measure.sh`, docs/results/gpu_h100/). No TPU, GPU, libtpu or CUDA plugin needed: the programs are text."""
 import gzip
 import pathlib
