@@ -139,3 +139,35 @@ def test_lowers_for_a_compile_only_h100():
       text = jax.jit(f).trace(qs, ks, ks).lower(lowering_platforms=("cuda",)).as_text()
     counts.append(len(re.findall(r"custom_call @mosaic_gpu", text)))
   assert counts == [1, 3]
+
+
+def test_non_causal_against_float64():
+  """Non-causal calls (tokamax's empty mask, whose `as_array` is None: the CPU backward took it as an array before),
+  without ids, with packed documents (every route is traced: `lax.switch`) and cross-attention."""
+  _against_float64(None, causal=False)
+  _against_float64(packed_segments(2, 48), causal=False)
+  _against_float64(None, T=24, S=40, causal=False)
+
+
+def test_non_causal_lowers_for_a_compile_only_h100(monkeypatch):
+  """The GPU path's routes for non-causal calls, forward and gradient, with packed-document ids (both kernel routes
+  traced): tokamax runs non-causal forwards as a persistent kernel sized by the device's SM count, which a
+  compile-only device lacks (given here: an H100's 132)."""
+  import types  # pylint: disable=import-outside-toplevel
+  from tokamax._src import mosaic_gpu as tk_mosaic  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(tk_mosaic, "backend", types.SimpleNamespace(
+      get_default_device=lambda: types.SimpleNamespace(core_count=132)))
+  qs, ks = (jax.ShapeDtypeStruct((1, 256, h, 64), jnp.bfloat16) for h in (4, 2))
+  seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+  attn = functools.partial(flash_attention, causal=False, impl="mosaic_gpu")
+
+  def loss(q, k, v, s):
+    out, lse = attn(q, k, v, segment_ids=s)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+  counts = []
+  for f in (lambda q, k, v, s: attn(q, k, v, segment_ids=s), jax.grad(loss, argnums=(0, 1, 2))):
+    with compile_only_gpu():
+      text = jax.jit(f).trace(qs, ks, ks, seg).lower(lowering_platforms=("cuda",)).as_text()
+    counts.append(len(re.findall(r"custom_call @mosaic_gpu", text)))
+  assert counts == [2, 6]                   # two forward routes; in the gradient theirs and two backward calls each
