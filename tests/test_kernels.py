@@ -432,3 +432,21 @@ def test_nan_in_padding_rows_reaches_no_valid_row(impl, paired):
   for name, g, r, pad in zip(("dq", "dk", "dv"), grads, ref, (pad_q, pad_kv, pad_kv)):
     assert_close(g, r, rtol=1e-4, atol=1e-4, what=name)
     assert not np.any(np.asarray(jnp.where(pad, g, 0.0))), name
+
+
+def test_paired_ids_causal_aligns_by_the_padded_lengths():
+  """docs/KERNEL.md's example: paired ids packing documents of different query / key lengths. Causal is bottom-right
+  over the padded arrays (offset S - T = 2), not per document as FlashAttention's varlen aligns (document 1: 2
+  queries, 3 keys, so its query 0 would see keys 0 and 1 there): query 0 sees keys 0, 1, 2; query 2 (document 2's
+  first) sees keys s <= 4 of document 2, i.e. 3 and 4. The xla backend follows the same mask."""
+  from sinkjax.kernels import reference
+  q_ids = jnp.array([[1, 1, 2, 2, 2]], jnp.int32)
+  kv_ids = jnp.array([[1, 1, 1, 2, 2, 2, 2]], jnp.int32)
+  mask = np.asarray(reference.attention_mask(q_ids, kv_ids, causal=True))[0].astype(int)
+  np.testing.assert_array_equal(mask, [[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0],
+                                       [0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 1]])
+  q, k, v, _, _ = make_inputs(B=1, T=5, S=7, Hq=1, Hkv=1, D=8)
+  out, _ = flash_attention(q, k, v, causal=True, segment_ids=(q_ids, kv_ids), impl="xla")
+  p = np.asarray(jax.nn.softmax(jnp.where(mask[:, None] > 0, jnp.einsum("thd,shd->ths", q[0], k[0]) / np.sqrt(8),
+                                          -jnp.inf), axis=-1))        # [T, H, S], by hand from the mask above
+  np.testing.assert_allclose(np.asarray(out[0]), np.einsum("ths,shd->thd", p, np.asarray(v[0])), atol=1e-5)
