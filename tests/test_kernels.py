@@ -362,7 +362,7 @@ def test_dense_dot_general_matches_float64_with_its_gradients(shape, dtype):
     assert_close(a, b, 0, rel * scale, what)
 
 
-# ------------------------------------------------------------------ edge cases from other projects' attention test grids
+# ---------------------------------------------------------------- edge cases from other projects' attention test grids
 # (jax's tests/nn_test.py and pallas attention tests, tokamax's, FlashAttention's test_flash_attn.py), on every backend
 # with a CPU form: Pallas interpreted, mosaic_gpu's CPU form where tokamax is installed (Python >= 3.12).
 

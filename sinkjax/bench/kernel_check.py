@@ -275,8 +275,8 @@ def run(opts: KernelCheckOptions) -> int:
     try:
       e0, e1, moved = check_o_through_d(impl, B=opts.batch, T=opts.seq, H=4, D=opts.head_dim, dtype=dtype)
       ok = e0 <= tol and e1 <= tol and moved > 1.0
-      print(f"{impl} reads O only through D: grads vs xla's given O {e0:.1e}, given O + W {e1:.1e} (|W| {moved:.1f}x "
-            f"|O|): {'yes' if ok else 'NO'}", flush=True)
+      print(f"{impl} reads O only through D: grads vs through_d's given O {e0:.1e}, given O + W {e1:.1e} "
+            f"(|W| {moved:.1f}x |O|): {'yes' if ok else 'NO'}", flush=True)
     except Exception as e:  # pylint: disable=broad-except
       ok = False
       print(f"{impl} reads O only through D: error: {' '.join(str(e).split())[:300]}")
