@@ -1,5 +1,5 @@
 """sinkjax.bench.train: the nanochat peer row (present, or skipped with a one-line note), Muon's FLOP count and the
-round-robin timing (settling calls, paired per-round ratios)."""
+round-robin timing (settling calls, paired per-round ratios); sinkjax.bench.attention's failed and skipped rows."""
 import math
 import pathlib
 import re
@@ -104,3 +104,44 @@ def test_apart_runs_each_arm_in_its_own_process_and_reads_the_ratio(capsys):
   got = re.search(r"geometric mean ([\d.]+)x, 95 % t-interval ([\d.]+)-([\d.]+)x", out)   # from the ratios as printed
   assert [float(x) for x in got.groups()] == pytest.approx(                                # (3 decimals)
       [math.exp(sum(logs) / 2), math.exp(ci.low), math.exp(ci.high)], rel=1e-2, abs=1e-3)
+
+
+# ------------------------------------------------------------------------------------- sinkjax.bench.attention
+
+ATTN = ["--seq", "16", "--heads", "2", "--head-dim", "8", "--repeats", "1"]
+
+
+def test_attention_bench_fails_when_a_named_backend_fails_to_compile(monkeypatch, capsys):
+  """A backend named in --impls whose program fails to compile (here the xla kernel's forward raises while traced):
+  its row carries the error, the other rows still run, and the exit status is 1 (it was a 'skipped' row, status 0)."""
+  from sinkjax.bench import attention
+  from sinkjax.kernels import xla
+
+  def broken(*a, **kw):
+    raise NotImplementedError("broken kernel")
+  monkeypatch.setattr(xla, "fwd", broken)
+  assert attention.main(["--impls", "reference", "xla", *ATTN]) == 1
+  out = capsys.readouterr().out
+  assert re.search(r"16 +xla +- .*\(FAILED: NotImplementedError: broken kernel\)", out), out
+  assert re.search(r"16 +reference +\d+\.\d", out), out                                 # the other row still timed
+  assert "1 FAILED: xla (T=16)" in out
+
+
+def test_attention_bench_skips_only_what_has_no_form_here(monkeypatch, capsys):
+  """Off a GPU cuDNN has no form: its rows say so and the run passes (the dry run of launch/gpu_measure.sh). On a GPU
+  (faked) nothing is skipped: cuDNN's compile error (here, on this CPU) fails the run."""
+  from sinkjax.bench import attention
+  assert attention.main(["--impls", "xla", "cudnn", "jax.nn.cudnn", *ATTN]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"16 +cudnn +- .*\(cuDNN runs only on NVIDIA GPUs\)", out) and "FAILED" not in out, out
+  monkeypatch.setattr(attention, "current_platform", lambda: "gpu")
+  assert attention.main(["--impls", "xla", "cudnn", *ATTN]) == 1
+  out = capsys.readouterr().out
+  assert re.search(r"16 +cudnn +- .*\(FAILED: ValueError: impl='cudnn'", out) and "1 FAILED: cudnn (T=16)" in out, out
+
+
+def test_attention_bench_names_an_unknown_backend(capsys):
+  from sinkjax.bench import attention
+  assert attention.main(["--impls", "xla", "cuddn", *ATTN]) == 1
+  err = capsys.readouterr().err
+  assert "unknown backend(s) cuddn" in err and len(err.strip().splitlines()) == 1

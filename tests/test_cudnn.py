@@ -263,3 +263,43 @@ def test_primitives_lower_for_cuda_on_the_installed_jax():
                            (bwd, (qs, qs, qs, stats, qs, qs), "__cudnn$fmhaSoftmaxBackward")):
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r'custom_call @(__cudnn\$\w+)', text) == [target]
+
+
+@pytest.mark.parametrize("kind", ["none", "docs"])
+def test_float16_large_lse_cotangent_and_nan_padding_with_emulated_cudnn(kind, monkeypatch):
+  """float16 (which cuDNN takes; largest value 65,504) through the whole backend on the emulated calls: rows with
+  dO = 0 and a large LSE cotangent (300: the fold's substitute rows, whose O' overflowed float16 at 2^39 before), and,
+  with packed documents, NaN in the padding rows of q, k and v. Against the reference's autodiff in float32 on the
+  same float16 inputs (padding rows zero there), relative to each value's largest."""
+  from sinkjax.bench import kernel_check
+  from sinkjax.kernels import reference, xla
+  emu = _EmulatedCudnn(cudnn.MAX_SEGMENTS)
+  monkeypatch.setattr(cudnn, "_fwd_call", lambda q, k, v, causal, scale, packed_operands=None:
+                      emu.fwd(q, k, v, causal, scale, packed_operands))
+  monkeypatch.setattr(cudnn, "_bwd_call", lambda q, k, v, stats, out, dout, causal, scale, packed_operands=None:
+                      emu.bwd(q, k, v, stats, out, dout, causal, scale, packed_operands))
+  monkeypatch.setattr(cudnn, "_fallback", lambda: xla)
+  B, T, Hq, Hkv, D = 2, 64, 4, 2, 16
+  q, k, v, w, u, _ = kernel_check._inputs(B, T, Hq, Hkv, D, jnp.float16)
+  u = u * 300.0                                                 # large g; w is 0 on every 7th row (dO = 0)
+  seg = kernel_check.segments(kind, B, T)
+  pad = jnp.zeros((B, T, 1, 1), bool) if seg is None else (seg == 0)[:, :, None, None]
+  q0, k0, v0 = (jnp.where(pad, jnp.zeros((), x.dtype), x) for x in (q, k, v))
+  qn, kn, vn = (jnp.where(pad, jnp.array(jnp.nan, x.dtype), x) for x in (q, k, v))
+  ids = jnp.ones((B, T), jnp.int32) if seg is None else seg
+
+  def loss(out, lse):
+    return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u), (out, lse)
+
+  run = jax.jit(jax.value_and_grad(lambda q, k, v: loss(*flash_attention(q, k, v, segment_ids=seg, impl="cudnn",
+                                                                         interpret=False)), (0, 1, 2), has_aux=True))
+  ref = jax.jit(jax.value_and_grad(lambda q, k, v: loss(*reference.attention(q, k, v, ids, ids, causal=True,
+                                                                             scale=D ** -0.5)), (0, 1, 2),
+                                   has_aux=True))
+  (_, (o1, l1)), g1 = run(qn, kn, vn)
+  f32 = lambda x: x.astype(jnp.float32)
+  (_, (o0, l0)), g0 = ref(f32(q0), f32(k0), f32(v0))
+  assert float(jnp.max(jnp.abs(g0[0]))) > 50                   # the large g dominates dq
+  for name, a, b in (("out", o1, o0), ("lse", l1, l0)) + tuple(zip(("dq", "dk", "dv"), g1, g0)):
+    err = kernel_check._rel(a, b)
+    assert err < 1e-2, (name, err)

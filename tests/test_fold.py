@@ -68,13 +68,49 @@ def test_fold_rows_by_kind():
   d_old = jnp.einsum("bthd,bthd->bht", dout, out)
   d_new = jnp.einsum("bthd,bthd->bht", do2, o2)
   _within(d_new, d_old - dlse, 1e-5)
-  sub = do2[0, 3]                                             # dO = 0 row: the substitute
-  assert np.all(np.asarray(sub[:, 1:]) == 0) and np.all(np.asarray(sub[:, 0]) > 0)
-  m, _ = np.frexp(np.asarray(sub[:, 0]))
-  assert np.all(m == 0.5)                                     # a power of two: exact in bfloat16
+  sub = np.asarray(do2[0, 3])                                 # dO = 0 row: the substitute, one power of two per head
+  assert np.all(sub == sub[:, :1]) and np.all(sub > 0)        # spread over every element
+  m, _ = np.frexp(sub)
+  assert np.all(m == 0.5)                                     # a power of two: exact in bfloat16 and float16
+  assert np.all(np.abs(np.asarray(o2[0, 3])) < 2.0 ** fold.BITS)
   np.testing.assert_array_equal(o2[0, 5], out[0, 5])          # dO = 0 and g = 0: untouched
   np.testing.assert_array_equal(do2[0, 5], dout[0, 5])
   ob, dob = jax.jit(fold.fold_lse_cotangent, static_argnums=3)(out, dout, dlse, jnp.bfloat16)
   d_bf = jnp.einsum("bthd,bthd->bht", dob.astype(jnp.float32), ob.astype(jnp.float32))
   assert np.all(np.isfinite(np.asarray(d_bf)))
   _within(d_bf, d_old - dlse, 2e-2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float16, 5e-3), (jnp.bfloat16, 2e-2)])
+def test_folded_backward_in_half_precision_with_large_g(dtype, tol):
+  """The fold in the kernel's own input dtype (what cuDNN / tokamax are given): float16's largest value is 65,504, so
+  the substitute row's O'[0] must stay below it (2^12 there, `fold.bits`) where bfloat16 takes 2^40. Rows with dO = 0
+  and a large g (300, and 3e3 with an ordinary dO) and small g (1e-3): the `xla` backward given the float16 / bfloat16
+  (O', dO') and q, k, v against the reference's autodiff in float32 on the same rounded inputs, relative to each
+  gradient's largest value."""
+  B, T, Hq, Hkv, D = 2, 24, 4, 2, 16
+  q, k, v, _, _ = make_inputs(B=B, T=T, Hq=Hq, Hkv=Hkv, D=D, seed=5, dtype=dtype)
+  seg = packed_segments(B, T)
+  dout, dlse = _cotangents(B, T, Hq, D)
+  dout = dout.at[1, ::3].set(0.0)                             # many dO = 0 rows ...
+  dlse = dlse.at[1, :, ::3].set(300.0)                        # ... with a large g
+  dlse = dlse.at[1, :, 1].set(3e3).at[1, :, 2].set(1e-3)      # a larger g with an ordinary dO; a small g
+  f32 = lambda x: x.astype(jnp.float32)
+  out, lse, want = jax.jit(_reference_grads)(f32(q), f32(k), f32(v), seg, dout, dlse)
+  g = jnp.where(jnp.isfinite(lse), dlse, 0.0)
+  o2, do2 = jax.jit(fold.fold_lse_cotangent, static_argnums=3)(out.astype(dtype), dout.astype(dtype), g, dtype)
+  assert o2.dtype == dtype and bool(jnp.all(jnp.isfinite(o2.astype(jnp.float32))))
+  assert float(jnp.max(jnp.abs(o2.astype(jnp.float32)))) < 2.0 ** (fold.bits(dtype) + 1)
+  bwd = jax.jit(lambda *a: xla.bwd(*a, causal=True, scale=1.0 / np.sqrt(D)))
+  got = bwd(q, k, v, seg, seg, o2, lse, do2, jnp.zeros_like(dlse))
+  for name, a, b in zip(("dq", "dk", "dv"), got, want):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), f"{name}: non-finite values"
+    err = np.max(np.abs(a - b)) / np.max(np.abs(b))
+    assert err < tol, f"{name}: {err:.1e} relative"
+  assert float(jnp.max(jnp.abs(want[0]))) > 100                # the large g dominates dq: the test is not vacuous
+
+
+def test_fold_bits_by_dtype():
+  assert fold.bits(jnp.bfloat16) == fold.bits(jnp.float32) == fold.BITS == 40
+  assert fold.bits(jnp.float16) == fold.F16_BITS and 2.0 ** (fold.F16_BITS + 1) < float(jnp.finfo(jnp.float16).max)

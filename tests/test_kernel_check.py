@@ -3,6 +3,7 @@ backend and fails one whose backward drops the LSE cotangent; `launch/gpu_measur
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import tarfile
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from sinkjax.bench import kernel_check
-from sinkjax.kernels import xla
+from sinkjax.kernels import BlockSizes, xla
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -28,6 +29,61 @@ def test_fails_a_backend_without_the_lse_gradient(monkeypatch, capsys):
   assert errs["out"] < 1e-5 and errs["dq"] > 1e-2 and errs["dk"] > 1e-2
   assert kernel_check.main(["--seq", "32", "--head-dim", "16", "--cases", "gqa"]) == 1
   assert "1 FAILED" in capsys.readouterr().out
+
+
+SMALL = ["--seq", "32", "--head-dim", "16", "--cases", "mha", "--dtype", "float32"]
+
+
+def test_o_through_d_passes_a_backward_that_reads_o_only_through_d(monkeypatch, capsys):
+  """The O-through-D check run on the `xla` backward (which reads O only through D by construction) passes it."""
+  monkeypatch.setattr(kernel_check, "O_THROUGH_D", ("xla",))
+  assert kernel_check.main(["--impls", "xla", *SMALL]) == 0
+  out = capsys.readouterr().out
+  assert "xla reads O only through D: grads vs" in out and ": yes" in out and "all passed" in out
+
+
+def test_o_through_d_fails_a_backward_that_reads_o_beyond_d(monkeypatch, capsys):
+  """A backward that also reads O elsewhere (here it adds O minus the recomputed forward output to dq: nothing for the
+  true O, so every case passes) fails the O-through-D check, and the run exits 1: the fold's premise is a verdict
+  like any case's, not a printed line."""
+  bwd = xla.bwd
+
+  def reads_o(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, **kw):
+    dq, dk, dv = bwd(q, k, v, q_seg, kv_seg, out, lse, dout, dlse, **kw)
+    fresh, _ = xla.fwd(q, k, v, q_seg, kv_seg, causal=kw["causal"], scale=kw["scale"],
+                       block_sizes=kw.get("block_sizes", BlockSizes()))
+    return (dq + (out.astype(jnp.float32) - fresh.astype(jnp.float32))).astype(dq.dtype), dk, dv
+  monkeypatch.setattr(xla, "bwd", reads_o)
+  monkeypatch.setattr(kernel_check, "O_THROUGH_D", ("xla",))
+  assert kernel_check.main(["--impls", "xla", *SMALL]) == 1
+  out = capsys.readouterr().out
+  assert "| mha | xla |" in out and "| yes |" in out and "| NO |" not in out          # the cases pass ...
+  assert re.search(r"xla reads O only through D: .* given O \+ W (\S+) .*: NO", out), out   # ... the premise not
+  assert "1 FAILED" in out
+
+
+def test_a_backend_skipped_on_a_gpu_fails(monkeypatch, capsys):
+  """On a GPU a backend must run: one skipped there (here a faked reason for cudnn) fails the check, where the dry run
+  on a CPU passes with the same row."""
+  monkeypatch.setattr(kernel_check, "unavailable_here", lambda impl, gpu: "faked" if impl == "cudnn" else None)
+  assert kernel_check.main(["--impls", "xla", "cudnn", *SMALL]) == 0                    # a CPU: skipped, passes
+  assert "| every case | cudnn | skipped: faked |" in capsys.readouterr().out
+  monkeypatch.setattr(kernel_check, "on_gpu", lambda: True)
+  assert kernel_check.main(["--impls", "xla", "cudnn", *SMALL]) == 1
+  out = capsys.readouterr().out
+  assert "| every case | cudnn | skipped on a GPU: faked |" in out and "1 FAILED" in out
+
+
+def test_nothing_is_skipped_on_a_gpu(monkeypatch, capsys):
+  """A GPU run checks every GPU backend by default and skips none: cuDNN on a (faked) GPU is run, and here, where it
+  cannot compile, fails with its error instead of a skipped row."""
+  assert kernel_check.default_impls(True) == ["cudnn", "mosaic_gpu", "pallas_gpu"]
+  assert all(kernel_check.unavailable_here(i, True) is None for i in kernel_check.GPU_IMPLS)
+  monkeypatch.setattr(kernel_check, "on_gpu", lambda: True)
+  assert kernel_check.main(["--impls", "cudnn", *SMALL]) == 1
+  out = capsys.readouterr().out
+  assert "skipped" not in out and "| mha | cudnn | error: " in out
+  assert "cudnn reads O only through D: error" in out and "2 FAILED" in out
 
 
 @pytest.mark.slow

@@ -360,3 +360,95 @@ def test_dense_dot_general_matches_float64_with_its_gradients(shape, dtype):
     assert a.dtype == spec.dtype and a.shape == spec.shape, what
     scale = float(np.abs(b).max()) if what != "value" else float(np.sum(np.abs((xf @ w64) * uf)))
     assert_close(a, b, 0, rel * scale, what)
+
+
+# ---------------------------------------------------------------- edge cases from other projects' attention test grids
+# (jax's tests/nn_test.py and pallas attention tests, tokamax's, FlashAttention's test_flash_attn.py), on every backend
+# with a CPU form: Pallas interpreted, mosaic_gpu's CPU form where tokamax is installed (Python >= 3.12).
+
+_TOKAMAX = __import__("importlib").util.find_spec("tokamax") is not None
+CPU_IMPLS = ["reference", "xla", "pallas_tpu", "pallas_gpu",
+             pytest.param("mosaic_gpu", marks=pytest.mark.skipif(not _TOKAMAX, reason="mosaic_gpu needs tokamax "
+                                                                 "(Python >= 3.12)"))]
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("T,S", [(0, 8), (8, 0), (0, 0)])
+def test_empty_queries_or_keys(impl, T, S):
+  """T = 0 or S = 0 (FlashAttention's seqlen grid reaches 0 in varlen batches): empty / all-zero out (no key seen: the
+  reference module's formula, and jax.nn.dot_product_attention on jax 0.12, give the same), lse -inf, zero gradients
+  of the right shapes. The xla and Pallas backends divided by a zero block count before."""
+  from sinkjax.kernels import reference
+  B, H, D = 1, 2, 16
+  q, k, v = (jnp.ones((B, n, H, D), jnp.float32) for n in (T, S, S))
+  out, lse = flash_attention(q, k, v, causal=False, impl=impl)
+  ones_q, ones_kv = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
+  out_r, lse_r = reference.attention(q, k, v, ones_q, ones_kv, causal=False, scale=0.25)
+  assert out.shape == out_r.shape == (B, T, H, D) and lse.shape == lse_r.shape == (B, H, T)
+  assert not np.any(np.asarray(out)) and not np.any(np.asarray(out_r))
+  assert np.all(np.asarray(lse) == -np.inf) and np.all(np.asarray(lse_r) == -np.inf)
+
+  def loss(q, k, v):
+    o, l = flash_attention(q, k, v, causal=True, impl=impl)
+    return jnp.sum(o) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0))
+  grads = jax.grad(loss, (0, 1, 2))(q, k, v)
+  for g, x in zip(grads, (q, k, v)):
+    assert g.shape == x.shape and not np.any(np.asarray(g))
+
+
+@pytest.mark.parametrize("paired", [True, False], ids=["paired", "self"])
+@pytest.mark.parametrize("impl", CPU_IMPLS + ["auto"])
+def test_nan_in_padding_rows_reaches_no_valid_row(impl, paired):
+  """A NaN (or inf) in a padding row (segment id 0) of q, k or v: valid rows' out, lse and every gradient equal the
+  reference formula's on the same inputs with those rows zero (the reference module called directly, differentiated
+  by autodiff), and the padding rows' gradients are 0. Before, 0 * NaN in the masked matmuls made every dq / dk NaN
+  on every backend. Paired ids (cross-attention, T != S) and one [B, T] array (packed documents: mosaic_gpu's key-range
+  route)."""
+  from sinkjax.kernels import reference
+  B, T, S, Hq, Hkv, D = 2, 8, 12 if paired else 8, 2, 1, 16
+  q, k, v, w, u = make_inputs(B=B, T=T, S=S, Hq=Hq, Hkv=Hkv, D=D, seed=4)
+  q_seg = jnp.array([[1] * 6 + [0] * 2, [0] + [3] * 7], jnp.int32)
+  kv_seg = jnp.array([[1] * 9 + [0] * 3, [0] * 2 + [3] * 10], jnp.int32) if paired else \
+      jnp.array([[1] * 3 + [2] * 3 + [0] * 2, [0] + [3] * 7], jnp.int32)
+  q_seg = q_seg if paired else kv_seg
+  ids = (q_seg, kv_seg) if paired else q_seg
+  pad_q, pad_kv = ((s == 0)[:, :, None, None] for s in (q_seg, kv_seg))
+  bad = lambda x, pad, val: jnp.where(pad, val, x)
+  q_bad, k_bad, v_bad = bad(q, pad_q, jnp.nan), bad(k, pad_kv, jnp.inf), bad(v, pad_kv, jnp.nan)
+  q0, k0, v0 = bad(q, pad_q, 0.0), bad(k, pad_kv, 0.0), bad(v, pad_kv, 0.0)
+  wrap = lambda o, l: jnp.sum(o.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * u)
+
+  def loss(q, k, v):
+    o, l = flash_attention(q, k, v, causal=True, segment_ids=ids, impl=impl)
+    return wrap(o, l), (o, l)
+
+  def ref_loss(q, k, v):
+    o, l = reference.attention(q, k, v, q_seg, kv_seg, causal=True, scale=1 / np.sqrt(D))
+    return wrap(o, l), (o, l)
+  (_, (out, lse)), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q_bad, k_bad, v_bad)
+  (_, (out_r, lse_r)), ref = jax.value_and_grad(ref_loss, (0, 1, 2), has_aux=True)(q0, k0, v0)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(out_r), atol=2e-5, err_msg="out")
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(lse_r)))
+  fin = np.isfinite(np.asarray(lse_r))
+  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(lse_r)[fin], atol=2e-5, err_msg="lse")
+  for name, g, r, pad in zip(("dq", "dk", "dv"), grads, ref, (pad_q, pad_kv, pad_kv)):
+    assert_close(g, r, rtol=1e-4, atol=1e-4, what=name)
+    assert not np.any(np.asarray(jnp.where(pad, g, 0.0))), name
+
+
+def test_paired_ids_causal_aligns_by_the_padded_lengths():
+  """docs/KERNEL.md's example: paired ids packing documents of different query / key lengths. Causal is bottom-right
+  over the padded arrays (offset S - T = 2), not per document as FlashAttention's varlen aligns (document 1: 2
+  queries, 3 keys, so its query 0 would see keys 0 and 1 there): query 0 sees keys 0, 1, 2; query 2 (document 2's
+  first) sees keys s <= 4 of document 2, i.e. 3 and 4. The xla backend follows the same mask."""
+  from sinkjax.kernels import reference
+  q_ids = jnp.array([[1, 1, 2, 2, 2]], jnp.int32)
+  kv_ids = jnp.array([[1, 1, 1, 2, 2, 2, 2]], jnp.int32)
+  mask = np.asarray(reference.attention_mask(q_ids, kv_ids, causal=True))[0].astype(int)
+  np.testing.assert_array_equal(mask, [[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0],
+                                       [0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 1]])
+  q, k, v, _, _ = make_inputs(B=1, T=5, S=7, Hq=1, Hkv=1, D=8)
+  out, _ = flash_attention(q, k, v, causal=True, segment_ids=(q_ids, kv_ids), impl="xla")
+  p = np.asarray(jax.nn.softmax(jnp.where(mask[:, None] > 0, jnp.einsum("thd,shd->ths", q[0], k[0]) / np.sqrt(8),
+                                          -jnp.inf), axis=-1))        # [T, H, S], by hand from the mask above
+  np.testing.assert_allclose(np.asarray(out[0]), np.einsum("ths,shd->thd", p, np.asarray(v[0])), atol=1e-5)

@@ -139,3 +139,58 @@ def test_lowers_for_a_compile_only_h100():
       text = jax.jit(f).trace(qs, ks, ks).lower(lowering_platforms=("cuda",)).as_text()
     counts.append(len(re.findall(r"custom_call @mosaic_gpu", text)))
   assert counts == [1, 3]
+
+
+def test_non_causal_against_float64():
+  """Non-causal calls (tokamax's empty mask, whose `as_array` is None: the CPU backward took it as an array before),
+  without ids, with packed documents (every route is traced: `lax.switch`) and cross-attention."""
+  _against_float64(None, causal=False)
+  _against_float64(packed_segments(2, 48), causal=False)
+  _against_float64(None, T=24, S=40, causal=False)
+
+
+def test_non_causal_lowers_for_a_compile_only_h100(monkeypatch):
+  """The GPU path's routes for non-causal calls, forward and gradient, with packed-document ids (both kernel routes
+  traced): tokamax runs non-causal forwards as a persistent kernel sized by the device's SM count, which a
+  compile-only device lacks (given here: an H100's 132)."""
+  import types  # pylint: disable=import-outside-toplevel
+  from tokamax._src import mosaic_gpu as tk_mosaic  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(tk_mosaic, "backend", types.SimpleNamespace(
+      get_default_device=lambda: types.SimpleNamespace(core_count=132)))
+  qs, ks = (jax.ShapeDtypeStruct((1, 256, h, 64), jnp.bfloat16) for h in (4, 2))
+  seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+  attn = functools.partial(flash_attention, causal=False, impl="mosaic_gpu")
+
+  def loss(q, k, v, s):
+    out, lse = attn(q, k, v, segment_ids=s)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+  counts = []
+  for f in (lambda q, k, v, s: attn(q, k, v, segment_ids=s), jax.grad(loss, argnums=(0, 1, 2))):
+    with compile_only_gpu():
+      text = jax.jit(f).trace(qs, ks, ks, seg).lower(lowering_platforms=("cuda",)).as_text()
+    counts.append(len(re.findall(r"custom_call @mosaic_gpu", text)))
+  assert counts == [2, 6]                   # two forward routes; in the gradient theirs and two backward calls each
+
+
+def test_float16_backward_with_large_lse_cotangent():
+  """float16 (which the Mosaic-GPU kernels take) with dO = 0 rows and a large LSE cotangent (300): the backend's
+  backward (the fold's substitute in float16, `fold.bits`, then the CPU form's FA2 backward; tokamax's XLA forward
+  has no float16 CPU matmul, so out and lse come from the reference) against the reference's autodiff in float32 on
+  the same float16 inputs, relative to each gradient's largest value (packed documents: the key-range route)."""
+  from sinkjax.bench import kernel_check  # pylint: disable=import-outside-toplevel
+  from sinkjax.kernels import mosaic_gpu, reference  # pylint: disable=import-outside-toplevel
+  B, T, H, D = 2, 32, 2, 16
+  q, k, v, w, u, _ = kernel_check._inputs(B, T, H, H, D, jnp.float16)   # pylint: disable=protected-access
+  u = u * 300.0                                                 # w is 0 on every 7th row: dO = 0 there
+  seg = packed_segments(B, T)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  attn = lambda q, k, v: reference.attention(q, k, v, seg, seg, causal=True, scale=D ** -0.5)
+  (out, lse), vjp = jax.vjp(attn, *f32)
+  want = vjp((w, jnp.where(jnp.isfinite(lse), u, 0.0)))
+  got = jax.jit(lambda *a: mosaic_gpu.bwd(*a, causal=True, scale=D ** -0.5, interpret=True))(
+      q, k, v, seg, seg, out.astype(jnp.float16), lse, w.astype(jnp.float16), u)
+  assert float(jnp.max(jnp.abs(want[0]))) > 50
+  for name, a, b in zip(("dq", "dk", "dv"), got, want):
+    err = kernel_check._rel(a, b)                                # pylint: disable=protected-access
+    assert err < 1e-2, (name, err)

@@ -18,6 +18,11 @@ the same fused kernels, with the LSE gradient) and row `mosaic_gpu` tokamax's Mo
 (`sinkjax.kernels.mosaic_gpu`), so `--impls jax.nn.cudnn cudnn mosaic_gpu pallas_gpu` puts the cost of the LSE gradient,
 the FA3-class kernel and the Triton kernel side by side. --kv-heads below --heads gives GQA / MQA shapes (K and V with fewer heads).
 The last column is each row's time over the first backend's in --impls at the same T.
+
+A backend with no form on this platform (cudnn and jax.nn.cudnn off an NVIDIA GPU, mosaic_gpu without tokamax off a
+GPU, torch.sdpa without torch) gets a row saying it was skipped, as does a configuration over --max-gib or out of device
+memory; a backend that fails to compile or run otherwise (on a GPU: any of them) gets a row with its error, the other
+rows still run, and the exit status is 1.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import jax.numpy as jnp
 from sinkjax import options
 from sinkjax.errors import ConfigError
 from sinkjax.config import declare
-from sinkjax.kernels import BlockSizes, default_impl, flash_attention
+from sinkjax.kernels import IMPLS, BlockSizes, default_impl, flash_attention
 
 _BWD_TILES = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
 STOCK = ("jax.nn.dpa", "jax.nn.cudnn")     # stock kernels without an LSE
@@ -98,23 +103,27 @@ def bench_one(impl, B, T, H, D, dtype, blocks, repeats, max_bytes, kv_heads=None
   q = jax.random.normal(ks[0], (B, T, H, D), dtype)
   k, v = (jax.random.normal(x, (B, T, kv_heads or H, D), dtype) for x in ks[1:])
   f = jax.jit(jax.value_and_grad(_loss_fn(impl, blocks), (0, 1, 2)))
+  why = unavailable_here(impl, current_platform())
+  if why:
+    return dict(impl=impl, T=T, skipped=why)
   try:
     compiled = f.lower(q, k, v).compile()
-  except jax.errors.JaxRuntimeError as e:       # e.g. the autotuner's buffers of a materialized T x T program
-    if "RESOURCE_EXHAUSTED" not in str(e):
-      raise
-    return dict(impl=impl, T=T, skipped="out of device memory")
-  except (NotImplementedError, ValueError, RuntimeError, ImportError) as e:   # cuDNN off a GPU, a shape it does not
-    if impl not in ("jax.nn.cudnn", "cudnn", "mosaic_gpu"):                      # take, or no tokamax (Python 3.11)
-      raise
-    return dict(impl=impl, T=T, skipped=" ".join(str(e).split())[:80])
+  except Exception as e:  # pylint: disable=broad-except   # one failing backend must not hide the others' rows
+    if "RESOURCE_EXHAUSTED" in str(e):          # e.g. the autotuner's buffers of a materialized T x T program
+      return dict(impl=impl, T=T, skipped="out of device memory")
+    return dict(impl=impl, T=T, error=f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
   mem = compiled.memory_analysis()
   peak = None
   if mem is not None:
     peak = mem.temp_size_in_bytes + mem.output_size_in_bytes + mem.argument_size_in_bytes
   if peak is not None and peak > max_bytes:
     return dict(impl=impl, T=T, skipped=f"needs {peak / 2**30:.1f} GiB")
-  jax.block_until_ready(compiled(q, k, v))
+  try:
+    jax.block_until_ready(compiled(q, k, v))
+  except Exception as e:  # pylint: disable=broad-except
+    if "RESOURCE_EXHAUSTED" in str(e):
+      return dict(impl=impl, T=T, skipped="out of device memory")
+    return dict(impl=impl, T=T, error=f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
@@ -124,6 +133,26 @@ def bench_one(impl, B, T, H, D, dtype, blocks, repeats, max_bytes, kv_heads=None
   flops = 7 * 2 * B * H * T * T * D / 2
   return dict(impl=impl, T=T, ms=t * 1e3, peak_mib=None if peak is None else peak / 2**20,
               tflops=flops / t / 1e12)
+
+
+def current_platform() -> str:
+  """The platform this process runs on ("gpu", "tpu", "cpu")."""
+  return jax.default_backend()
+
+
+def unavailable_here(impl: str, platform: str) -> str | None:
+  """Why `impl` has no form on `platform` (a skipped row, not a failure), or None. On a GPU every backend has one."""
+  if platform == "gpu":
+    return None
+  if impl in ("cudnn", "jax.nn.cudnn"):
+    return "cuDNN runs only on NVIDIA GPUs"
+  if impl == "mosaic_gpu":
+    from sinkjax.kernels import mosaic_gpu  # pylint: disable=import-outside-toplevel
+    try:
+      mosaic_gpu._tokamax()  # pylint: disable=protected-access   # off a GPU its CPU form needs tokamax
+    except ImportError as e:
+      return " ".join(str(e).split())[:80]
+  return None
 
 
 def bench_torch(B, T, H, D, dtype, repeats):
@@ -159,21 +188,33 @@ def main(argv=None) -> int:
   return options.main(COMMAND, argv, lambda sections, _: run(sections["bench_attention"]))
 
 
-def run(opts: AttentionBenchOptions) -> None:
-  """Times every backend at every sequence length and prints one row each."""
+def _default_impls(dtype) -> list[str]:
+  """reference, xla, the platform's auto backend for `dtype` (cudnn / mosaic_gpu take bf16 / f16 only), jax.nn.dpa."""
+  auto = default_impl()
+  if auto in ("cudnn", "mosaic_gpu") and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    auto = "pallas_gpu"                           # what impl="auto" falls back to for such a call
+  return ["reference", "xla"] + ([auto] if auto != "xla" else []) + ["jax.nn.dpa"]
+
+
+def run(opts: AttentionBenchOptions) -> int:
+  """Times every backend at every sequence length and prints one row each; 1 when a backend failed."""
   try:
     blocks = block_sizes(opts)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  platform = jax.default_backend()
-  impls = opts.impls or ["reference", "xla"] + ([default_impl()] if default_impl() != "xla" else []) + ["jax.nn.dpa"]
   dtype = jnp.dtype(opts.dtype)
+  impls = opts.impls or _default_impls(dtype)
+  unknown = [i for i in opts.impls or () if i not in (*IMPLS, *STOCK, "torch.sdpa")]
+  if unknown:
+    raise ConfigError(f"--impls: unknown backend(s) {' '.join(unknown)}; choose from "
+                      f"{' '.join((*IMPLS, *STOCK, 'torch.sdpa'))}")
   if opts.kv_heads and opts.heads % opts.kv_heads:
     raise ConfigError(f"--heads {opts.heads} is not a multiple of --kv-heads {opts.kv_heads}")
   print(f"# attention fwd+bwd, causal, B={opts.batch} H={opts.heads} KV={opts.kv_heads or opts.heads} "
         f"D={opts.head_dim} {opts.dtype}, "
-        f"platform={platform} ({jax.devices()[0].device_kind}), tiles {_tiles_text(blocks)}")
+        f"platform={current_platform()} ({jax.devices()[0].device_kind}), tiles {_tiles_text(blocks)}")
   print(f"{'T':>6} {'backend':>12} {'time ms':>10} {'peak MiB':>10} {'TFLOP/s':>9} {'vs ' + impls[0]:>14}")
+  failed = []
   for T in opts.seq:
     ref_ms = None
     for impl in impls:
@@ -184,6 +225,10 @@ def run(opts: AttentionBenchOptions) -> None:
       else:
         r = bench_one(impl, opts.batch, T, opts.heads, opts.head_dim, dtype, blocks, opts.repeats,
                       opts.max_gib * 2**30, opts.kv_heads)
+      if "error" in r:
+        failed.append(f"{impl} (T={T})")
+        print(f"{T:>6} {impl:>12} {'-':>10} {'-':>10} {'-':>9} {'-':>14}  (FAILED: {r['error']})", flush=True)
+        continue
       if "skipped" in r:
         print(f"{T:>6} {impl:>12} {'-':>10} {'-':>10} {'-':>9} {'-':>14}  ({r['skipped']})")
         continue
@@ -192,7 +237,9 @@ def run(opts: AttentionBenchOptions) -> None:
       rel = f"{r['ms'] / ref_ms:.2f}x" if ref_ms else "-"
       peak = f"{r['peak_mib']:.1f}" if r["peak_mib"] is not None else "n/a"
       print(f"{T:>6} {impl:>12} {r['ms']:>10.1f} {peak:>10} {r['tflops']:>9.4f} {rel:>14}", flush=True)
-
+  if failed:
+    print(f"{len(failed)} FAILED: {' '.join(failed)}")
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":

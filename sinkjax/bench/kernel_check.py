@@ -11,14 +11,17 @@ by JAX autodiff.
 
 With cudnn or mosaic_gpu among the backends it also checks the premise of their LSE gradient: cuDNN's (tokamax's)
 backward reads the forward output O only through D = rowsum(dO o O). Given O + W (W a large per-row vector orthogonal
-to dO, so D is unchanged up to rounding), the backend's backward must agree with the `xla` backend's (which provably reads O only through D) given the same
-O + W; a backward that used O otherwise would differ at O(1).
+to dO, so D is unchanged up to rounding), the backend's backward must agree with a materialized backward that reads O
+only through D (`through_d`, FlashAttention-2's formula) given the same O + W; a backward that used O otherwise would
+differ at O(1). Its verdict is a failure like any case's (tests/test_kernel_check.py runs it on a backward that reads O
+beyond D).
 
 On a CPU (the dry run of launch/gpu_measure.sh --check: `--impls xla cudnn mosaic_gpu pallas_gpu --dtype float32`)
 the same cases run on the backends that have a CPU form: xla, pallas_gpu interpreted, mosaic_gpu's (tokamax's XLA
 forward, an FA2 backward reading O only through D) where tokamax is installed; cudnn, and mosaic_gpu without tokamax,
-get one row saying why they were skipped. Prints one table row per (case, backend); exit status 1 if any error exceeds
-the tolerance (bf16 2e-2, f32 2e-4).
+get one row saying why they were skipped. On a GPU nothing is skipped: a backend named (or, without --impls, every GPU
+backend) that cannot run there fails the check. Prints one table row per (case, backend); exit status 1 if any error
+exceeds the tolerance (bf16 2e-2, f16 1e-2, f32 2e-4), a backend fails to run, or a backend is skipped on a GPU.
 """
 from __future__ import annotations
 
@@ -123,6 +126,10 @@ _REFERENCE = {}
 def _raw_bwd(impl: str, interpret: bool):
   """The backend's own backward given (lse, O, dO) with no LSE cotangent: what `fold` feeds a substitute O' to."""
   # pylint: disable=import-outside-toplevel,protected-access
+  if impl == "xla":          # a backward that reads O only through D by construction (a control for the check itself)
+    from sinkjax.kernels import xla
+    return lambda q, k, v, seg, lse, o, d, scale: xla.bwd(q, k, v, seg, seg, o, lse, d, jnp.zeros_like(lse),
+                                                          causal=True, scale=scale)
   if impl == "cudnn":
     from sinkjax.kernels import cudnn
     return lambda q, k, v, seg, lse, o, d, scale: cudnn._bwd_call(q, k, v, lse, o, d, True, scale)
@@ -134,21 +141,36 @@ def _raw_bwd(impl: str, interpret: bool):
 O_THROUGH_D = ("cudnn", "mosaic_gpu")     # backends whose LSE gradient rests on their backward reading O only via D
 
 
+def through_d(q, k, v, lse, out, dout, scale):
+  """(dq, dk, dv) of causal attention (q, k, v [B, T, H, D], equal heads) by a materialized backward that reads `out`
+  only through D = rowsum(dO o O): P = exp(s - lse), dS = P o (dO V^T - D) (FlashAttention-2's backward), float32."""
+  q, k, v, out, dout = (x.astype(jnp.float32) for x in (q, k, v, out, dout))
+  T, S = q.shape[1], k.shape[1]
+  hi = jax.lax.Precision.HIGHEST
+  s = jnp.einsum("bthd,bshd->bhts", q, k, precision=hi) * scale
+  seen = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + (S - T)
+  p = jnp.where(seen, jnp.exp(s - lse[..., None]), 0.0)
+  d = jnp.einsum("bthd,bthd->bht", dout, out, precision=hi)
+  ds = p * (jnp.einsum("bthd,bshd->bhts", dout, v, precision=hi) - d[..., None])
+  return (jnp.einsum("bhts,bshd->bthd", ds, k, precision=hi) * scale,
+          jnp.einsum("bhts,bthd->bshd", ds, q, precision=hi) * scale,
+          jnp.einsum("bhts,bthd->bshd", p, dout, precision=hi))
+
+
 def check_o_through_d(impl: str = "cudnn", *, B, T, H, D, dtype=jnp.bfloat16):
   """(err with O, err with O + W): the backend's backward (cuDNN's, tokamax's Mosaic-GPU) against the xla backend's
   given the same O, dO, stats (see the module docstring). Also returns how far O + W is from O (so that a pass is
   not vacuous)."""
   import importlib  # pylint: disable=import-outside-toplevel
-  from sinkjax.kernels import xla  # pylint: disable=import-outside-toplevel
   backend = importlib.import_module(f"sinkjax.kernels.{impl}")
   q, k, v, w, _, _ = _inputs(B, T, H, H, D, dtype, seed=1)
   scale = 1.0 / np.sqrt(D)
   ones = jnp.ones((B, T), jnp.int32)
-  interpret = jax.default_backend() != "gpu"     # off a GPU (the dry run): mosaic_gpu's CPU form
-  cpu_form = {"interpret": True} if interpret else {}
-  out, lse = jax.jit(lambda q, k, v: backend.fwd(q, k, v, ones, ones, causal=True, scale=scale, segmented=False,
-                                                 **cpu_form))(
-      q, k, v)
+  interpret = not on_gpu()                        # off a GPU (the dry run): mosaic_gpu's CPU form
+  kw = {"interpret": True} if interpret else {}
+  if impl != "xla":
+    kw["segmented"] = False
+  out, lse = jax.jit(lambda q, k, v: backend.fwd(q, k, v, ones, ones, causal=True, scale=scale, **kw))(q, k, v)
   dout = w.astype(dtype)
   r = jax.random.normal(jax.random.PRNGKey(9), out.shape)
   do32 = dout.astype(jnp.float32)
@@ -161,8 +183,7 @@ def check_o_through_d(impl: str = "cudnn", *, B, T, H, D, dtype=jnp.bfloat16):
 
   def both(o):
     got = jax.jit(lambda q, k, v, o, d: raw(q, k, v, ones, lse, o, d, scale))(q, k, v, o, dout)
-    want = xla.bwd(*(x.astype(jnp.float32) for x in (q, k, v)), ones, ones, o.astype(jnp.float32), lse,
-                   dout.astype(jnp.float32), jnp.zeros_like(lse), causal=True, scale=scale)
+    want = jax.jit(through_d, static_argnums=6)(q, k, v, lse, o, dout, scale)
     return max(_rel(a, b) for a, b in zip(got, want))
   return both(out), both(moved), _rel(moved, out)
 
@@ -190,6 +211,18 @@ def main(argv=None) -> int:
   return options.main(COMMAND, argv, lambda sections, _: run(sections["bench_kernel_check"]))
 
 
+def on_gpu() -> bool:
+  """Whether this process runs on a GPU (the device check) rather than a CPU (the dry run)."""
+  return jax.default_backend() == "gpu"
+
+
+GPU_IMPLS = ("cudnn", "mosaic_gpu", "pallas_gpu")     # what a GPU run checks without --impls: every GPU backend
+
+
+def default_impls(gpu: bool) -> list[str]:
+  return list(GPU_IMPLS) if gpu else ["xla"]
+
+
 def unavailable_here(impl: str, gpu: bool) -> str | None:
   """Why `impl` has no form that runs on this CPU (the dry run, `launch/gpu_measure.sh --check`, names it and skips
   it), or None. On a GPU nothing is skipped: a backend that cannot run there is a failure."""
@@ -208,8 +241,8 @@ def unavailable_here(impl: str, gpu: bool) -> str | None:
 
 def run(opts: KernelCheckOptions) -> int:
   """Checks every case on every backend against the reference and prints the table; 1 when one failed."""
-  gpu = jax.default_backend() == "gpu"
-  impls = opts.impls or (["cudnn", "mosaic_gpu", "pallas_gpu"] if gpu else ["xla"])
+  gpu = on_gpu()
+  impls = opts.impls or default_impls(gpu)
   dtype_name = opts.dtype or ("bfloat16" if gpu else "float32")
   dtype, tol = jnp.dtype(dtype_name), TOL[dtype_name]
   cases = [c for c in CASES if opts.cases is None or c[0] in opts.cases]
@@ -219,8 +252,10 @@ def run(opts: KernelCheckOptions) -> int:
   print("\n".join(table(["case", "backend", "out", "lse/gate", "dq", "dk", "dv", "dsink", "ok"])))
   failed = 0
   skipped = {impl: why for impl in impls if (why := unavailable_here(impl, gpu))}
-  for impl, why in skipped.items():
-    print(row(["every case", impl, f"skipped: {why}", *[""] * 5, "-"]), flush=True)
+  for impl, why in skipped.items():          # on a GPU a skip is a failure: the check would pass without the backend
+    failed += gpu
+    print(row(["every case", impl, f"skipped{' on a GPU' if gpu else ''}: {why}", *[""] * 5, "NO" if gpu else "-"]),
+          flush=True)
   impls = [i for i in impls if i not in skipped]
   for name, Hq, Hkv, seg_kind in cases:
     for impl in impls:
@@ -240,8 +275,8 @@ def run(opts: KernelCheckOptions) -> int:
     try:
       e0, e1, moved = check_o_through_d(impl, B=opts.batch, T=opts.seq, H=4, D=opts.head_dim, dtype=dtype)
       ok = e0 <= tol and e1 <= tol and moved > 1.0
-      print(f"{impl} reads O only through D: grads vs xla's given O {e0:.1e}, given O + W {e1:.1e} (|W| {moved:.1f}x "
-            f"|O|): {'yes' if ok else 'NO'}", flush=True)
+      print(f"{impl} reads O only through D: grads vs through_d's given O {e0:.1e}, given O + W {e1:.1e} "
+            f"(|W| {moved:.1f}x |O|): {'yes' if ok else 'NO'}", flush=True)
     except Exception as e:  # pylint: disable=broad-except
       ok = False
       print(f"{impl} reads O only through D: error: {' '.join(str(e).split())[:300]}")

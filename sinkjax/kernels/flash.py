@@ -164,6 +164,14 @@ def _segments(segment_ids, B, T, S):
   return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
+def _zero_padding(q, k, v, q_seg, kv_seg):
+  """q, k, v with their padding rows (segment id 0) set to 0 by a select: a NaN or inf there cannot reach a valid row's
+  output or gradient (0 * NaN is NaN in every kernel's masked matmuls), and their gradients are 0, as the contract
+  says."""
+  keep = lambda x, seg: jnp.where((seg != 0)[:, :, None, None], x, jnp.zeros((), x.dtype))
+  return keep(q, q_seg), keep(k, kv_seg), keep(v, kv_seg)
+
+
 def _check_shapes(q, k, v):
   """(B, T, S, Hq, Hkv, D) of valid q [B,T,Hq,D], k/v [B,S,Hkv,D]; a ValueError naming the mismatch otherwise."""
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -200,7 +208,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
     q: [B, T, Hq, D] queries. k, v: [B, S, Hkv, D] keys and values, Hq % Hkv == 0 (GQA/MQA).
     causal: bottom-right aligned causal mask (query t sees keys s <= t + S - T).
     segment_ids: int [B, T] (self-attention, T == S) or a pair ([B, T], [B, S]). Tokens attend only within equal
-      ids; id 0 is padding: its rows give zero output and lse = -inf, with zero (never NaN) gradients.
+      ids; id 0 is padding: its rows give zero output and lse = -inf, with zero (never NaN) gradients, and are read as
+      zeros (a NaN in a padding row of q, k or v reaches no other row).
     scale: logit scale, default 1/sqrt(D).
     impl: "auto" | "reference" | "xla" | "pallas_tpu" | "pallas_gpu" | "cudnn" (NVIDIA, bfloat16/float16; see
       `sinkjax.kernels.cudnn` for its segment-id routes) | "mosaic_gpu" (tokamax's Pallas Mosaic-GPU kernels,
@@ -219,7 +228,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
       (defaults: `sinkjax.sharding.BATCH_AXES`, `HEAD_AXIS`); axes the mesh lacks are skipped.
 
   Returns:
-    out [B, T, Hq, D] in q.dtype and lse float32 [B, Hq, T] (natural log).
+    out [B, T, Hq, D] in q.dtype and lse float32 [B, Hq, T] (natural log). T = 0 or S = 0: zeros and -inf (no row sees a
+    key), with zero gradients, on every backend.
   """
   B, T, S, Hq, Hkv, D = _check_shapes(q, k, v)
   if impl not in IMPLS:
@@ -228,6 +238,10 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale: fl
   batch_axes, head_axis = _mesh_axes(batch_axes, head_axis)
   scale = float(1.0 / math.sqrt(D) if scale is None else scale)
   q_seg, kv_seg = _segments(segment_ids, B, T, S)
+  if T == 0 or S == 0:                  # no queries or no keys: every row sees nothing (the kernels' grids need both)
+    return jnp.zeros((B, T, Hq, D), q.dtype), jnp.full((B, Hq, T), -jnp.inf, jnp.float32)
+  if segment_ids is not None:
+    q, k, v = _zero_padding(q, k, v, q_seg, kv_seg)
   if window:
     if not causal:
       raise ValueError("window (sliding-window attention) needs causal=True")

@@ -120,7 +120,8 @@ def _cpu_vjp(residuals, out, dout, q, k, v, *, mask, logits_scale, **_):
   kr, vr = (jnp.repeat(x.astype(_F32), rep, axis=2) for x in (k, v))
   qf, of, dof = q.astype(_F32), out.astype(_F32), dout.astype(_F32)
   s = jnp.einsum("bqhd,bkhd->bhqk", qf, kr) * logits_scale
-  allowed = mask.as_array(T, S)
+  allowed = mask.as_array(T, S)                         # None for an empty mask (non-causal, no key ranges): all
+  allowed = True if allowed is None else allowed
   p = jnp.where(allowed, jnp.exp(s - m[..., None]) / l[..., None], 0.0)
   delta = jnp.einsum("bqhd,bqhd->bhq", of, dof)                               # D: the only use of O
   dp = jnp.einsum("bqhd,bkhd->bhqk", dof, vr)
