@@ -90,7 +90,7 @@ def test_nothing_is_skipped_on_a_gpu(monkeypatch, capsys):
 def test_gpu_measure_dry_run(tmp_path):
   """The device script's kernel stages with small shapes on this CPU (on request there: check_all, the attention
   micro-benchmarks, the d20 step and its profile; the default stages' dry run: tests/test_side_by_side.py)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}      # one device, as on the lent machine
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}      # one device, as on a one-GPU machine
   stages = ("check_all", "attn_mha", "attn_d64", "attn_gqa", "attn_d20", "trainer_d20", "trainer_d20_mosaic")
   r = subprocess.run(["bash", "launch/gpu_measure.sh", "--check", *stages], cwd=ROOT, capture_output=True, text=True,
                      timeout=900, env={**env, "GPU_MEASURE_DIR": str(tmp_path / "work"), "OUT": str(tmp_path / "out"),
@@ -105,7 +105,7 @@ def test_gpu_measure_dry_run(tmp_path):
   assert ("| mha | mosaic_gpu | " in r.stdout) == (importlib.util.find_spec("tokamax") is not None)   # its CPU form
   assert "| mha | pallas_gpu | " in r.stdout and "FAILED" not in r.stdout                                # interpreted
   assert "gpu_measure: every stage passed" in r.stdout
-  with tarfile.open(tmp_path / "out" / "gpu_measure.tgz") as tar:     # the device tool's one bundle
+  with tarfile.open(tmp_path / "out" / "gpu_measure.tgz") as tar:     # the stages' one bundle
     names = tar.getnames()
   assert {"./check_all.log", "./trainer_d20.log", "./trainer_d20_mosaic.log", "profile_d20/step.hlo.txt"} <= set(names)
   assert any(n.endswith(".trace.json.gz") for n in names), names
