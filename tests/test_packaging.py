@@ -162,3 +162,23 @@ def test_the_installed_wheel_trains_a_packaged_config_from_another_directory(ven
   assert r.returncode == 0, r.stderr[-3000:]
   assert "done: step 5/5" in r.stdout + r.stderr
   assert (tmp_path / "run" / "checkpoints" / "5").is_dir()
+
+
+def test_training_md_says_what_a_config_without_base_gets(tmp_path):
+  """docs/TRAINING.md's paragraph on a config with no `base:`: every `section.key: value` it names is what such a
+  config loads with (the defaults of sinkjax/config.py, the same on every machine)."""
+  import re  # pylint: disable=import-outside-toplevel
+  text = (ROOT / "docs" / "TRAINING.md").read_text()
+  para = re.search(r"A config with no `base:`.*?\n\n", text, re.S).group(0)
+  claims = re.findall(r"`(\w+)\.(\w+): ([^`]+)`", para)
+  assert {(s, k) for s, k, _ in claims} >= {("model", "dtype"), ("train", "steps"), ("run", "dir")}, claims
+  path = tmp_path / "mine.yaml"
+  path.write_text("loss: {aux_weight: 0.0}\n")                  # a config of one's own, no base:
+  cfg = config_lib.load_config(str(path))
+  for section, key, value in claims:
+    if (section, key) != ("model", "dtype") or value == "bfloat16":       # "write model.dtype: float32" is advice
+      assert str(getattr(getattr(cfg, section), key)) == value, (section, key, value)
+  m, d = cfg.model, cfg.data
+  assert f"{m.num_layers}-layer × {m.num_heads}-head × {m.d_model} {m.attention}" in para
+  assert f"{d.seq_len}-byte `{d.packing}` rows, {cfg.train.batch_size} rows per step" in para
+  assert (d.source, d.tokenizer) == ("default", "bytes") and "embedded corpus with the\nbytes tokenizer" in para
