@@ -81,9 +81,9 @@ def test_every_module_command_in_the_readme_exists_with_its_flags(capsys):
 
 
 def test_the_readme_stays_short():
-  """A newcomer's page: at most 170 lines (150 of issue 50, and issue 60's runnable "Use the layer in your own
-  model"); detail goes to docs/."""
-  assert len(README.splitlines()) <= 170, len(README.splitlines())
+  """A newcomer's page: at most 172 lines (150 of issue 50, issue 60's runnable "Use the layer in your own model" and
+  issue 66's packed documents and their loss mask in it); detail goes to docs/."""
+  assert len(README.splitlines()) <= 172, len(README.splitlines())
 
 
 def _extra_requirements(extra: str, extras: dict) -> set[str]:
@@ -120,3 +120,17 @@ def test_the_tokenizer_line_after_the_main_job_runs_with_the_first_commands_inst
   assert r.returncode == 0, (hidden, r.stderr[-2000:])
   out = pathlib.Path(tmp_path, command[command.index("--out") + 1])
   assert (out / "tokenizer.json").is_file() or any(out.iterdir()), sorted(os.listdir(tmp_path))
+
+
+def test_the_readme_loss_mask_for_packed_documents_is_the_document_packings():
+  """The loss mask of "Use the layer in your own model", evaluated on a packed row of three documents and padding,
+  is the one sinkjax's `document` packing gives that row (`sinkjax.data.pipeline.row_features`)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from sinkjax.data.pipeline import row_features  # pylint: disable=import-outside-toplevel
+  part = README[README.index("## Use the layer in your own model"):]
+  expr = re.search(r"^\s*mask = (.+?)\s+#", part, re.M).group(1)
+  segs = np.array([1, 1, 1, 2, 2, 3, 3, 3, 0, 0])
+  want = row_features(np.arange(10), segs, np.zeros(10, int), np.ones(10, int))["loss_mask"]
+  got = np.asarray(eval(expr, {"seg": segs[None]}))[0]  # pylint: disable=eval-used
+  np.testing.assert_array_equal(got.astype(np.float32), want)
+  assert want.tolist() == [1, 1, 0, 1, 0, 1, 1, 0, 0]      # by hand: no target across a boundary or from padding
