@@ -551,7 +551,9 @@ def _hints(r: dict) -> str:
 class CompileOptions:
   """The compile.* options (`python -m sinkjax.compile`; each flag the alias of its key: `--topology v5e:4x8` =
   `compile.topology=v5e:4x8`). Its --config is the training config compiled, so the command has no file of options."""
-  config: str = declare("", alias="--config", metavar="CONFIG", help="YAML config file (configs/...)")
+  config: str = declare("", alias="--config", metavar="CONFIG",
+                    help="a YAML config file, or a packaged config by name (paper/d20_sink_aux; sinkjax.train's "
+                         "--help lists them)")
   topology: str = declare("", alias="--topology",
                       help="v5e:4x8 | v5litepod-32 | v4-32 | v5p-64 | v6e-8 | 2xv5litepod-32 (two slices) ... | "
                            "h100:8 (one node of 8 NVIDIA H100) | h100:2x8 (nodes x GPUs)")

@@ -9,6 +9,8 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
+import pathlib
 import re
 import typing
 from typing import Any
@@ -580,22 +582,91 @@ def _suggest(obj: Any, name: str, prefix: str) -> str:
       f" (the keys of {prefix[:-1]} are declared in sinkjax/config.py)"
 
 
+_PACKAGE = pathlib.Path(__file__).resolve().parent
+
+
+def configs_dir() -> pathlib.Path:
+  """The packaged configs: sinkjax/configs/ in an installed wheel (pyproject.toml maps the repository's top-level
+  configs/ there), the checkout's configs/ when sinkjax runs from a checkout (an editable install, PYTHONPATH)."""
+  packaged = _PACKAGE / "configs"
+  return packaged if packaged.is_dir() else _PACKAGE.parent / "configs"
+
+
+def packaged_names(sub: str = "") -> list[str]:
+  """The names of the packaged YAML files under configs/SUB (`tiny`, `paper/d20_sink_aux`; with sub="studies",
+  `trigger_quick`); the configs leave the study files out."""
+  root = configs_dir() / sub
+  names = [p.relative_to(root).with_suffix("").as_posix() for p in sorted(root.rglob("*.yaml"))]
+  return [n for n in names if sub or not n.startswith("studies/")]
+
+
+def packaged_list(sub: str = "") -> str:
+  """The packaged names in a line: `base, d20, ..., tiny; paper/: d20_gated_aux, ...`."""
+  groups: dict[str, list[str]] = {}
+  for name in packaged_names(sub):
+    folder, _, stem = name.rpartition("/")
+    groups.setdefault(folder, []).append(stem)
+  return "; ".join((f"{folder}/: " if folder else "") + ", ".join(stems) for folder, stems in groups.items())
+
+
+def find_packaged(name, sub: str = "") -> pathlib.Path | None:
+  """The packaged file a bare name means (`tiny`, `tiny.yaml`, `paper/d20_sink_aux`, or `configs/tiny.yaml` as the
+  README writes it; under configs/SUB for sub="studies"), or None: a URL, an absolute path or an existing file is
+  the file it names."""
+  text = os.fspath(name) if isinstance(name, os.PathLike) else str(name)
+  if "://" in text or not text or os.path.isabs(os.path.expanduser(text)) or os.path.isfile(os.path.expanduser(text)):
+    return None
+  return packaged_file(text, sub)
+
+
+def packaged_file(text: str, sub: str = "") -> pathlib.Path | None:
+  """The packaged file under configs/SUB that `text` names (`tiny`, `paper/d20_sink_aux.yaml`), or None."""
+  rel = pathlib.PurePath(text).as_posix().removeprefix("configs/")
+  if sub:
+    rel = rel.removeprefix(sub + "/")
+  root = configs_dir() / sub
+  for candidate in (root / rel, root / (rel + ".yaml")):
+    if candidate.is_file() and candidate.resolve().is_relative_to(root.resolve()):
+      return candidate
+  return None
+
+
+def yaml_error(what: str, error: yaml.YAMLError) -> str:
+  """One line for a YAML syntax error: `WHAT:LINE:COLUMN is not valid YAML: the problem (and its context's line)`."""
+  mark = getattr(error, "problem_mark", None)
+  where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+  problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+  context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+  if context and context_mark is not None:
+    problem += f" ({context} at line {context_mark.line + 1})"
+  return f"{what}{where} is not valid YAML: {problem}"
+
+
+def read_yaml_file(path, what: str) -> Any:
+  """The YAML document in `path`; a syntax error is a ConfigError naming the file, its line and column."""
+  try:
+    return yaml.safe_load(path.read_text())
+  except yaml.YAMLError as e:
+    raise ConfigError(yaml_error(f"{what} {path}", e)) from None
+
+
 def _read_yaml(path, seen: tuple = ()) -> list[tuple[str, dict]]:
   """[(file, tree)] in the order they apply: the `base:` chain first, then the file itself."""
   if not path.is_file():
-    raise ConfigError(f"config file {path} does not exist (see configs/ for the available ones)")
+    raise ConfigError(f"config file {path} does not exist: give a YAML file or a packaged config by name "
+                      f"({packaged_list()})")
   if str(path.resolve()) in seen:
     raise ConfigError(f"config file {path} inherits from itself through 'base:'")
-  try:
-    tree = yaml.safe_load(path.read_text()) or {}
-  except yaml.YAMLError as e:
-    raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+  tree = read_yaml_file(path, "config file") or {}
   if not isinstance(tree, dict):
     raise ConfigError(f"config file {path} must be a mapping of sections (model:, train:, ...)")
   base = tree.pop("base", None)
   if base is None:
     return [(str(path), tree)]
-  return _read_yaml(path.parent / base, seen + (str(path.resolve()),)) + [(str(path), tree)]
+  parent = path.parent / str(base)
+  if not parent.is_file():          # base: a packaged config by name (`base: tiny`) from a file of one's own
+    parent = packaged_file(str(base)) or parent
+  return _read_yaml(parent, seen + (str(path.resolve()),)) + [(str(path), tree)]
 
 
 def parse_override(text: str) -> tuple[str, str]:
@@ -606,10 +677,11 @@ def parse_override(text: str) -> tuple[str, str]:
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> Config:
-  """Reads a YAML config (with `base:` inheritance), applies `dotted.key=value` overrides and validates."""
+  """Reads a YAML config (with `base:` inheritance), applies `dotted.key=value` overrides and validates. `path` is a
+  file, or the name of a packaged config (`tiny`, `paper/d20_sink_aux`: `find_packaged`) when no such file exists."""
   cfg = Config()
   if path:
-    for source, tree in _read_yaml(paths.as_path(path, "config file")):
+    for source, tree in _read_yaml(find_packaged(path) or paths.as_path(path, "config file")):
       _apply(cfg, tree, source)
   return apply_overrides(cfg, overrides)
 

@@ -747,8 +747,10 @@ def run_chat(opts: ChatOptions, sampling: SamplingOptions, model, cfg, tok, line
       out.write(text)
     ids = list(tok.encode(text))
     if len(ids) + opts.max_new_tokens > capacity:
+      limit = (f"the model's context (model.max_seq_len={capacity:,} tokens)" if capacity == cfg.model.max_seq_len
+               else f"the chat's cache of {capacity:,} tokens")
       raise UsageError(f"the conversation ({len(ids):,} tokens) and a reply of --max-new-tokens "
-                       f"{opts.max_new_tokens} exceed the cache of {capacity:,} tokens; start a new conversation")
+                       f"{opts.max_new_tokens} exceed {limit}; start a new conversation or lower --max-new-tokens")
     stream = TextStream(tok, out=out, skip_special_tokens=False)
     reply = gen.generate_batch([ids], opts.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
                                top_p=sampling.top_p, seed=sampling.seed + len(messages),

@@ -462,14 +462,29 @@ def pop_head_importance(model: nnx.Module):
   return jnp.stack(imps)
 
 
-def linen_attention(*args, **kwargs):
-  """The same `Attention` layer as a Flax Linen module (through `nnx.bridge.to_linen`).
+def linen_attention(*args, name: str | None = None, **kwargs):
+  """The same `Attention` layer as a Flax Linen module (through `nnx.bridge.to_linen`): `Attention`'s arguments
+  (`help(sinkjax.layers.Attention)`) but `rngs`, which Linen supplies, and the Linen module's `name`.
 
   Use it like any Linen module: `y = linen_attention(d_model, heads, ...)(x, segment_ids=...)` inside a
   `@nn.compact` method; apply the host model with `mutable=["intermediates"]` to read `head_importance`
-  (see `collect_linen_importance`).
+  (see `collect_linen_importance`). A wrong argument is a TypeError here, as it is for `Attention`.
   """
-  return nnx.bridge.to_linen(Attention, *args, **kwargs)
+  _LINEN_ARGS.bind(*args, **kwargs)
+  return nnx.bridge.to_linen(Attention, *args, name=name, **kwargs)
+
+
+def _linen_signature() -> tuple[inspect.Signature, inspect.Signature]:
+  """(Attention's arguments without rngs, the same with the keyword-only `name`): what linen_attention checks its
+  arguments against, and the signature help() shows."""
+  init = inspect.signature(Attention.__init__)
+  args = [p for n, p in init.parameters.items() if n not in ("self", "rngs")]
+  shown = args + [inspect.Parameter("name", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | None")]
+  return init.replace(parameters=args, return_annotation=inspect.Signature.empty), \
+      init.replace(parameters=shown, return_annotation="flax.linen.Module")
+
+
+_LINEN_ARGS, linen_attention.__signature__ = _linen_signature()
 
 
 def collect_linen_importance(intermediates) -> jax.Array:

@@ -170,10 +170,7 @@ def _file_words(path: str, command: Command) -> list[tuple[str, object]]:
   file = paths.as_path(path, "--config")
   if not file.is_file():
     raise ConfigError(f"--config file {path} does not exist")
-  try:
-    tree = yaml.safe_load(file.read_text()) or {}
-  except yaml.YAMLError as e:
-    raise ConfigError(f"--config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+  tree = config.read_yaml_file(file, "--config file") or {}
   if not isinstance(tree, dict) or not all(isinstance(v, dict) for v in tree.values()):
     raise ConfigError(f"--config file {path} must be a mapping of sections ("
                       + ", ".join(f"{s}:" for s in command.sections) + ") to mappings of keys")

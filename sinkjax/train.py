@@ -402,7 +402,8 @@ class TrainCommandOptions:
   """The train_command.* option (`python -m sinkjax.train`): the run's config file; every other section.key=value word
   is an override of it (`train.steps=100`). Its --config is that config, so the command has no file of options."""
   config: str = declare("", alias="--config", metavar="CONFIG", required=True,
-                    help="YAML config file (see configs/; tiny.yaml runs on a CPU)")
+                    help="a YAML config file, or a packaged config by name (tiny runs on a CPU): "
+                         + config_lib.packaged_list())
 
 
 COMMAND = options.Command(

@@ -109,6 +109,11 @@ def reference_decode(layer, x, t: int, full_kv, S: int, W: int) -> np.ndarray:
   return out.reshape(-1) @ W_(layer.o_proj)
 
 
+def _sink_init(attention: str) -> dict:
+  """A nonzero initial sink logit where the variant has sinks (the option is refused on the others)."""
+  return {"sink_init": 0.3} if attention == "sink" else {}
+
+
 MIXED = [(a, n, f) for a in ("vanilla", "sink", "gated") for n in (0, 2) for f in ((False, True), (True, False))]
 MIXED_DEFAULT = {("vanilla", 2, (False, True)), ("sink", 0, (True, False)), ("gated", 2, (True, False))}
 
@@ -119,8 +124,8 @@ def test_mixed_policy_equals_per_head_masked_attention(attention, sink_tokens, f
   """GQA (4 query heads on 2 KV heads): one KV head full, the other sinks + window, decoded token by token past
   the point where the ring wraps; each output equals the float64 reference within float32 rounding."""
   d, H, Hkv, D, S, W, P, N = 16, 4, 2, 8, 2, 6, 3, 14
-  layer = Attention(d, H, Hkv, D, attention=attention, sink_tokens=sink_tokens, sink_init=0.3, attn_impl="xla",
-                    zero_init_output=False, rngs=nnx.Rngs(1))
+  layer = Attention(d, H, Hkv, D, attention=attention, sink_tokens=sink_tokens, attn_impl="xla",
+                    zero_init_output=False, rngs=nnx.Rngs(1), **_sink_init(attention))
   x = jax.random.normal(jax.random.key(2), (1, N, d))
   cache = HybridKVCache.create([full_kv], 1, N, W, D, sink_size=S)
   step = nnx.jit(lambda layer, xt, view: layer(xt, cache=view))
@@ -144,8 +149,8 @@ def test_chunks_equal_per_head_masked_attention(attention, sink_tokens, full_kv,
   from empty past the point where the ring wraps; each token's output equals the float64 per-head reference of
   decoding it (its own sinks, window and StreamingLLM positions) within float32 rounding."""
   d, H, Hkv, D, S, W, N = 16, 4, 2, 8, 2, 7, 15
-  layer = Attention(d, H, Hkv, D, attention=attention, sink_tokens=sink_tokens, sink_init=0.3, attn_impl="xla",
-                    zero_init_output=False, rngs=nnx.Rngs(1))
+  layer = Attention(d, H, Hkv, D, attention=attention, sink_tokens=sink_tokens, attn_impl="xla",
+                    zero_init_output=False, rngs=nnx.Rngs(1), **_sink_init(attention))
   x = jax.random.normal(jax.random.key(2), (1, N, d))
   cache = HybridKVCache.create([full_kv], 1, N, W, D, sink_size=S).appending()
   step = nnx.jit(lambda layer, xt, view: layer(xt, cache=view))

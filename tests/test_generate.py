@@ -176,8 +176,8 @@ def test_sink_tokens_hand_built_positions_and_visibility(attention):
   positions 0, 1, projected by the layer's own k/v and k-norm) plus its own document's earlier tokens at positions
   2, 3, ... (restarting per document). Everything is recomputed in float64 numpy from the layer's weights."""
   n, d, H, D = 2, 16, 2, 8
-  layer = Attention(d, H, H, D, attention=attention, sink_tokens=n, sink_init=0.3, attn_impl="xla",
-                    zero_init_output=False, rngs=nnx.Rngs(0))
+  layer = Attention(d, H, H, D, attention=attention, sink_tokens=n, attn_impl="xla", zero_init_output=False,
+                    rngs=nnx.Rngs(0), **({"sink_init": 0.3} if attention == "sink" else {}))
   x = jax.random.normal(jax.random.key(1), (1, 6, d))
   seg = jnp.asarray([[1, 1, 1, 2, 2, 0]])
   y = np.asarray(layer(x, segment_ids=seg))
@@ -463,3 +463,48 @@ def test_a_conversation_reply_ends_at_the_tokenizer_stop_id(byte_run):
   assert messages[1]["content"] == tok.decode(free[:free.index(stop)]) and free.index(stop) < n
   second = _until_stop(_greedy_reference(model, tok.encode(tok.chat.render(messages[:3])), n), stop)
   assert messages[3]["content"] == tok.decode(second)
+
+
+def test_generate_stops_at_the_tokenizer_stop_id(byte_run, capsys, monkeypatch):
+  """`generate` without --no-stop ends at the tokenizer's stop ids (not printed) and says so on stderr; with --no-stop
+  it goes on to --max-new-tokens. The stop id is one the greedy continuation is known to produce (first produced at
+  its third step or later; the reference: full recomputation), given to the run's tokenizer as its stop id."""
+  from sinkjax.data import tokenizers
+  run, model = byte_run
+  tok, n = tokenizers.ByteTokenizer(), 12
+  free = _greedy_reference(model, tok.encode_document("def f"), n)
+  stop = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i])
+  argv = ["generate", "--checkpoint", str(run), "--prompt", "def f", "--max-new-tokens", str(n), "--temperature", "0"]
+  assert gen_lib.main(argv + ["--no-stop"]) == 0
+  out = capsys.readouterr()
+  assert out.out == "def f" + tok.decode(free, skip_special_tokens=False) + "\n" and "stopped" not in out.err
+  init = tokenizers.ByteTokenizer.__init__
+  def with_stop(self, *args, **kwargs):                 # e.g. a tokenizer whose end of text is this byte
+    init(self, *args, **kwargs)
+    self.stop_ids = [stop]
+  monkeypatch.setattr(tokenizers.ByteTokenizer, "__init__", with_stop)
+  assert gen_lib.main(argv) == 0
+  out = capsys.readouterr()
+  assert out.out == "def f" + tok.decode(free[:free.index(stop)], skip_special_tokens=False) + "\n", out.out
+  assert f"[{free.index(stop)} tokens in " in out.err and f"stopped at a stop token ({stop})" in out.err, out.err
+
+
+def test_a_chat_past_the_models_context_is_refused_in_one_line(byte_run, capsys):
+  """The chat's cache is the model's context (model.max_seq_len 512 here, below the chat's 4,096 slots): a
+  conversation and reply that fill it exactly run; one token more is one line and status 1, before anything runs."""
+  from sinkjax.data import ByteTokenizer
+  run, model = byte_run
+  tok, n = ByteTokenizer(), 4
+  assert model.cfg.max_seq_len == 512 < gen_lib.CHAT_CAPACITY
+  overhead = len(tok.encode(tok.chat.render([{"role": "user", "content": ""}])))
+  fits = "x" * (512 - n - overhead)
+  assert len(tok.encode(tok.chat.render([{"role": "user", "content": fits}]))) + n == 512
+  argv = ["chat", "--checkpoint", str(run), "--max-new-tokens", str(n), "--temperature", "0", "--no-stop", "--prompt"]
+  assert gen_lib.main(argv + [fits]) == 0
+  assert capsys.readouterr().out == tok.decode(_greedy_reference(model, tok.encode(tok.chat.prompt(fits)), n)) + "\n"
+  assert gen_lib.main(argv + [fits + "x"]) == 1
+  out = capsys.readouterr()
+  assert out.out == "" and out.err.strip().splitlines() == [        # the plain layout's note, then the error
+      'note: the tokenizer has no chat template; turns are laid out as "User: ... Assistant: "',
+      "sinkjax.generate: error: the conversation (509 tokens) and a reply of --max-new-tokens 4 exceed the model's "
+      "context (model.max_seq_len=512 tokens); start a new conversation or lower --max-new-tokens"], out.err

@@ -103,6 +103,35 @@ def test_unknown_kinds_are_refused_in_one_line():
     load_config(TINY, SMALL + ["model.gate_bias=false"])
 
 
+# Each variant's own options with a value that is not the default (written here, not read from the registry, so an
+# option dropped from a kind's `options` is seen): every one is refused alike on every other variant.
+OWN_OPTIONS = {"gated": {"gate": "elementwise", "gate_position": "value", "gate_shared": True,
+                         "gate_activation": "silu", "gate_input": "independent", "gate_bias": False,
+                         "gate_bias_init": 1.0},
+               "sink": {"sink_init": 0.5}}
+
+
+@pytest.mark.parametrize("variant,key,value", [(v, k, x) for v, opts in OWN_OPTIONS.items() for k, x in opts.items()])
+def test_a_variants_own_option_is_refused_alike_on_every_other_variant(variant, key, value):
+  """issue 66: Attention(attention='sink', gate='elementwise') was accepted silently while gate_bias=False was
+  refused. On its own variant the option builds; on each other variant, the layer and the config refuse it in the
+  same one line."""
+  from sinkjax.layers import Attention
+  Attention(16, 2, attention=variant, rngs=nnx.Rngs(0), **{key: value})
+  for other in ("vanilla", "sink", "gated", "relu"):
+    if other == variant:
+      continue
+    want = (f"model.{key} configures {variant} attention: set model.attention={variant} (got {other!r}) or leave "
+            "it at its default")
+    with pytest.raises(ConfigError) as e:
+      Attention(16, 2, attention=other, rngs=nnx.Rngs(0), **{key: value})
+    assert str(e.value) == f"Attention({key}=...) configures {variant} attention: set attention={variant} (got " \
+                           f"{other!r}) or leave it at its default"          # the layer's spelling of the same line
+    with pytest.raises(ConfigError) as e:
+      load_config(TINY, SMALL + [f"model.attention={other}", f"model.{key}={value}"])
+    assert str(e.value) == want
+
+
 LINEAR = ["model.layer_types=[linear,full,linear,full]", "model.num_layers=4", "model.attention=gated",
           "model.gate=elementwise", "loss.aux_weight=0.01", "model.linear_chunk_size=8", "model.rope_partial=0.5",
           "train.muon_ns_dtype=float32"]    # Newton-Schulz in bf16 would turn f32 rounding into bf16 ulps

@@ -77,6 +77,22 @@ class LinenHost(nn.Module):
     return nn.Dense(VOCAB)(x)
 
 
+def test_linen_attention_shows_and_checks_attentions_arguments():
+  """help(linen_attention) shows Attention's arguments (rngs aside: Linen supplies it) and the Linen `name`, with
+  their defaults; a wrong argument is a TypeError when the module is made, as for Attention."""
+  import inspect
+  import pydoc
+  shown, init = inspect.signature(linen_attention).parameters, inspect.signature(Attention.__init__).parameters
+  assert list(shown) == [n for n in init if n not in ("self", "rngs")] + ["name"]
+  assert all(shown[n].default == init[n].default and shown[n].kind == init[n].kind for n in init if n in shown)
+  text = pydoc.render_doc(linen_attention, renderer=pydoc.plaintext)
+  assert "linen_attention(d_model: 'int', num_heads: 'int', num_kv_heads" in text and "gate_bias: 'bool' = True" in text
+  with pytest.raises(TypeError, match="bogus"):
+    linen_attention(D, H, bogus=1)
+  with pytest.raises(TypeError, match="num_heads"):
+    linen_attention(D)
+
+
 def test_linen_twin_trains_with_aux_loss():
   model = LinenHost()
   tokens = batch(jax.random.PRNGKey(0))

@@ -81,6 +81,56 @@ def test_every_module_command_in_the_readme_exists_with_its_flags(capsys):
 
 
 def test_the_readme_stays_short():
-  """A newcomer's page: at most 170 lines (150 of issue 50, and issue 60's runnable "Use the layer in your own
-  model"); detail goes to docs/."""
-  assert len(README.splitlines()) <= 170, len(README.splitlines())
+  """A newcomer's page: at most 172 lines (150 of issue 50, issue 60's runnable "Use the layer in your own model" and
+  issue 66's packed documents and their loss mask in it); detail goes to docs/."""
+  assert len(README.splitlines()) <= 172, len(README.splitlines())
+
+
+def _extra_requirements(extra: str, extras: dict) -> set[str]:
+  """The distributions an extra of pyproject.toml brings, through the extras it names (`sinkjax[train]`)."""
+  out = set()
+  for req in extras[extra]:
+    name = re.split(r"[<>=;\[ ]", req, maxsplit=1)[0].strip()
+    if name == "sinkjax":
+      for inner in re.search(r"\[(.*?)\]", req).group(1).split(","):
+        out |= _extra_requirements(inner.strip(), extras)
+    else:
+      out.add(name)
+  return out
+
+
+def test_the_tokenizer_line_after_the_main_job_runs_with_the_first_commands_install_or_names_its_extra(tmp_path):
+  """The README's tokenizer line, run as written (cwd: an empty directory) with the modules of the `hf` extra that the
+  first command's `[train]` lacks hidden, unless the line installs an extra that brings them: a line that needs
+  more than `[train]` names its extra (issue 66: it failed with `[train]` alone)."""
+  import tomllib  # pylint: disable=import-outside-toplevel
+  extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+  part = README[README.index("## After the main job"):]
+  block = re.search(r"```bash\n(.*?)```", part, re.S).group(1)
+  (line,) = [l.split("  #")[0].strip() for l in block.splitlines() if "sinkjax.data.tokenizer" in l]
+  *installs, command = [shlex.split(p) for p in line.split("&&")]
+  named = {e for words in installs for w in words for e in re.findall(r"\[(.*?)\]", w)}
+  assert named <= set(extras), named
+  brought = _extra_requirements("train", extras).union(*(_extra_requirements(e, extras) for e in named))
+  hidden = sorted(_extra_requirements("hf", extras) - brought)
+  assert command[:3] == ["python", "-m", "sinkjax.data.tokenizer"], command
+  code = (f"import runpy, sys\nfor m in {hidden!r}: sys.modules[m] = None   # not installed with [train] alone\n"
+          f"sys.argv = {command[2:]!r}\nrunpy.run_module({command[2]!r}, run_name='__main__', alter_sys=True)")
+  r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, (hidden, r.stderr[-2000:])
+  out = pathlib.Path(tmp_path, command[command.index("--out") + 1])
+  assert (out / "tokenizer.json").is_file() or any(out.iterdir()), sorted(os.listdir(tmp_path))
+
+
+def test_the_readme_loss_mask_for_packed_documents_is_the_document_packings():
+  """The loss mask of "Use the layer in your own model", evaluated on a packed row of three documents and padding,
+  is the one sinkjax's `document` packing gives that row (`sinkjax.data.pipeline.row_features`)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from sinkjax.data.pipeline import row_features  # pylint: disable=import-outside-toplevel
+  part = README[README.index("## Use the layer in your own model"):]
+  expr = re.search(r"^\s*mask = (.+?)\s+#", part, re.M).group(1)
+  segs = np.array([1, 1, 1, 2, 2, 3, 3, 3, 0, 0])
+  want = row_features(np.arange(10), segs, np.zeros(10, int), np.ones(10, int))["loss_mask"]
+  got = np.asarray(eval(expr, {"seg": segs[None]}))[0]  # pylint: disable=eval-used
+  np.testing.assert_array_equal(got.astype(np.float32), want)
+  assert want.tolist() == [1, 1, 0, 1, 0, 1, 1, 0, 0]      # by hand: no target across a boundary or from padding

@@ -247,7 +247,7 @@ def profile(trainer, run, steps: int, out_dir: str) -> None:
 class TrainerBenchOptions:
   """The bench_trainer.* options (`python -m sinkjax.bench.trainer`; each flag the alias of its key). Its --config is
   the training config timed, so the command has no file of options."""
-  config: str = declare("", alias="--config", metavar="CONFIG", required=True, help="the training config (a YAML file)")
+  config: str = declare("", alias="--config", metavar="CONFIG", required=True, help="the training config (a YAML file or a packaged name)")
   steps: int = declare(20, ">=1", alias="--steps", help="steps per timed block")
   rounds: int = declare(3, ">=1", alias="--rounds", help="timed blocks per row (median)")
   no_estimate: bool = declare(False, alias="--no-estimate", help="skip the roofline estimate (one more compile)")

@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from sinkjax import balance, stats
+from sinkjax import config as config_lib
 from sinkjax.experiments import heads_real, runner
 from sinkjax.experiments.runner import StudyError, one_commit
 from sinkjax.markdown import table
@@ -56,7 +57,7 @@ FAMILY = ("Holm's family: the 10 tests of eq. 8 − eq. 7 and eq. 7 − base on 
           "other two contrasts, and the mean importance, a fixed weighted mean of the shared and routed heads'")
 FIGURES = ("pinning_importance.png", "pinning_curve.png")
 RAW_FILES = ("record.json", "metrics.jsonl", "config.yaml")
-STUDY_FILE = runner.REPO / "configs" / "studies" / "heads_pinning.yaml"
+STUDY_FILE = config_lib.configs_dir() / "studies" / "heads_pinning.yaml"
 
 _read, _write, _log, _commit = runner.read_json, runner.write_json, heads_real.log, heads_real.commit
 

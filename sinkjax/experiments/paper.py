@@ -40,7 +40,7 @@ from sinkjax.markdown import table
 from sinkjax.stats import mean_std, seed_stats
 
 TAU = 0.75                                     # [Sink-MoE] App. A: selective zeroing of heads with alpha > tau
-STUDIES = runner.REPO / "configs" / "studies"
+STUDIES = config_lib.configs_dir() / "studies"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ import sys
 import numpy as np
 
 from sinkjax import cache_policy, paths
+from sinkjax import config as config_lib
 from sinkjax.errors import UserError
 from sinkjax.config import declare
 from sinkjax.data.passkey import FILLER, KEY_DIGITS, NEEDLE, QUESTION, random_key
@@ -31,7 +32,7 @@ from sinkjax.generate import kv_bytes, streaming_scores
 from sinkjax.markdown import table
 from sinkjax.run import load_run, read_run_config
 
-STUDY_FILE = runner.REPO / "configs" / "studies" / "passkey_tiny.yaml"
+STUDY_FILE = config_lib.configs_dir() / "studies" / "passkey_tiny.yaml"
 
 
 @dataclasses.dataclass

@@ -267,16 +267,20 @@ def _merge(base: dict, tree: dict) -> dict:
 def _read_study(path: pathlib.Path) -> tuple[pathlib.Path | None, dict]:
   """(the recipe config's path or None, the merged tree of the study file and the study files it extends through base:)."""
   if not path.is_file():
-    raise StudyError(f"study file {path} does not exist (see configs/studies/)")
-  tree = yaml.safe_load(path.read_text()) or {}
+    raise StudyError(f"study file {path} does not exist: give a study file or a packaged study by name "
+                     f"({config_lib.packaged_list('studies')})")
+  tree = config_lib.read_yaml_file(path, "study file") or {}
   if not isinstance(tree, dict) or "study" not in tree and "axes" not in tree:
     raise StudyError(f"{path} is not a study file: it needs study:, axes: and (to train) base: (configs/studies/)")
   if "base" not in tree:
     return None, tree
-  base = path.parent / tree.pop("base")
+  name = str(tree.pop("base"))
+  base = path.parent / name
+  if not base.is_file():            # base: a packaged config or study by name (`base: tiny`)
+    base = config_lib.packaged_file(name) or config_lib.packaged_file(name, "studies") or base
   if not base.is_file():
     raise StudyError(f"{path}: base {base} does not exist")
-  above = yaml.safe_load(base.read_text()) or {}
+  above = config_lib.read_yaml_file(base, "config file") or {}
   if "axes" in above or "study" in above:              # a study built on another study
     recipe, parent = _read_study(base)
     return recipe, _merge(parent, tree)
@@ -324,7 +328,7 @@ class Plan:
 def load_plan(path, overrides=(), command: str = "") -> Plan:
   """Reads a study file; `overrides` (`key=value`, as on the command line) set config keys of every run,
   `study.KEY=...` the study's own keys and `axes.KEY=[v1, v2]` (or one value) an axis, added last when new."""
-  recipe, tree = _read_study(pathlib.Path(path))
+  recipe, tree = _read_study(config_lib.find_packaged(path, "studies") or pathlib.Path(path))
   section, axes = tree.pop("study", {}) or {}, dict(tree.pop("axes", {}) or {})
   configs = {f.name for f in dataclasses.fields(config_lib.Config)}
   own = {k: dict(tree.pop(k)) for k in list(tree) if k not in configs}

@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 from sinkjax import cache_policy, stats
+from sinkjax import config as config_lib
 from sinkjax.config import declare
 from sinkjax.experiments import runner
 from sinkjax.experiments.runner import StudyError
@@ -56,7 +57,7 @@ RANKINGS = ("importance", "far_attention")
 MAP_SOURCE = {"importance": "importance", "far_attention": "far-context attention"}
 BLOCK = 512               # per-block comparison of two maps
 CURVE = 256               # running mean of the figure
-STUDY_FILE = runner.REPO / "configs" / "studies" / "streaming_real.yaml"
+STUDY_FILE = config_lib.configs_dir() / "studies" / "streaming_real.yaml"
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 import sys
 
-from sinkjax import errors, options
+from sinkjax import config, errors, options
 from sinkjax.config import declare
 from sinkjax.experiments import runner
 
@@ -21,7 +21,8 @@ from sinkjax.experiments import runner
 class StudyCommandOptions:
   """The command's own options; every other `key=value` word is a key of the study file (`runner.load_plan`)."""
   file: str | None = declare(None, alias="--file", metavar="FILE", required=True,
-                         help="the study file (configs/studies/*.yaml); also the one word without '='")
+                         help="the study file, or a packaged study by name (also the one word without '='): "
+                              + config.packaged_list("studies"))
   dry_run: bool = declare(False, alias="--dry-run", help="list the grid and what is done, run nothing")
   report_only: bool = declare(False, alias="--report-only", help="run nothing: the report of the runs finished so far")
 

@@ -17,7 +17,8 @@ from sinkjax.kinds import AttentionKind, register
 from sinkjax.sharding import logical
 
 # The model.* keys only gated attention reads: set on another variant, they are refused (`AttentionKind.options`).
-GATE_OPTIONS = ("gate_position", "gate_shared", "gate_activation", "gate_input", "gate_bias")
+GATE_OPTIONS = ("gate", "gate_position", "gate_shared", "gate_activation", "gate_input", "gate_bias",
+                "gate_bias_init")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ from sinkjax.kinds import AttentionKind, register
 
 class Sink(AttentionKind):
   name = "sink"
+  options = ("sink_init",)          # set on another variant, refused (`AttentionKind.options`)
 
   def parameters(self, layer, cfg, rngs):
     """`sink` [Hq], initialized to model.sink_init (a vector: AdamW at the scalar rate)."""
