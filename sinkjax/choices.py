@@ -48,6 +48,7 @@ ATTN_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu", "cudnn", "
 OPTIMIZERS = ("muon", "adamw")
 NS_DTYPES = ("bfloat16", "float32")
 LOSS_IMPLS = ("autodiff", "fused")   # train.loss_impl (sinkjax.step)
+GPU_GEMMS = ("auto", "cublas")       # train.gpu_gemm (sinkjax.train.step_compiler_options)
 DATA_FORMATS = ("text", "sft")
 PACKINGS = ("stream", "document")
 COLLECTIVE_MATMULS = ("gather", "windowed")  # mesh.collective_matmul (sharding.compiler_options)

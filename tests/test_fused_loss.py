@@ -1,7 +1,8 @@
 """train.loss_impl=fused (`sinkjax.step.fused_ce_sum`): the cross-entropy whose gradient is formed in its forward pass
 gives the loss and gradients of a materialized reference (the whole [B, T, V] logits, soft-capped, `log_softmax`,
 `jax.grad`) in float32, with masked positions, targets out of range where masked, vocabulary padding, tied embeddings
-and a block size that does not divide T; and its gradient program runs the LM head's logits matmul once.
+and a block size that does not divide T; and its gradient program runs the LM head's logits matmul once. Also the
+other one-GPU step setting, train.gpu_gemm (the step's compile options).
 """
 import jax
 import jax.extend
@@ -147,3 +148,15 @@ def test_fused_runs_the_logits_matmul_once():
   plus its two gradient matmuls; the fused loss's holds it once."""
   assert _vocab_dots("autodiff", 4) == 4
   assert _vocab_dots("fused", 4) == 3
+
+
+def test_gpu_gemm_cublas_turns_off_triton_matmuls_on_gpu_only():
+  """train.gpu_gemm=cublas adds XLA's xla_gpu_enable_triton_gemm=false to a GPU mesh's step options and nothing
+  elsewhere (auto: nothing anywhere). A stand-in mesh: only its devices' platform is read."""
+  from types import SimpleNamespace    # pylint: disable=import-outside-toplevel
+  from sinkjax.train import step_compiler_options    # pylint: disable=import-outside-toplevel
+  mesh_of = lambda platform: SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)], dtype=object))
+  cublas = load_config(TINY, ["train.gpu_gemm=cublas"])
+  assert step_compiler_options(cublas, mesh_of("cuda")) == {"xla_gpu_enable_triton_gemm": False}
+  assert step_compiler_options(cublas, mesh_of("cpu")) is None
+  assert step_compiler_options(load_config(TINY, []), mesh_of("cuda")) is None
