@@ -420,6 +420,13 @@ class TrainConfig:
                                     # (chunked jobs on preemptible machines); 0 = run to train.steps
   loss_chunk: int = declare(0, ">=0")   # > 0: logits and cross-entropy this many positions of every row at a time, never
                                     # [tokens, vocab] at once (recomputed in the backward); 0 = all positions at once
+  loss_impl: str = declare("autodiff", choices=choices.LOSS_IMPLS) # the cross-entropy's gradient: autodiff (its
+                                    # backward; with loss_chunk it computes each block's logits again) | fused: formed
+                                    # in the forward pass block by block (softmax - one-hot), so the LM head's logits
+                                    # matmul runs once a step (sinkjax.step.fused_ce_sum; docs/PERF.md, d20)
+  gpu_gemm: str = declare("auto", choices=choices.GPU_GEMMS) # the GPU programs' matmuls: auto (XLA picks Triton or
+                                    # cuBLAS per matmul) | cublas: all through cuBLAS (XLA's xla_gpu_enable_triton_gemm
+                                    # off; sinkjax.train.step_compiler_options). No effect on CPU and TPU
   init_from: str = ""               # fine-tuning: a run dir (e.g. from sinkjax.convert.hf) whose weights start the run
   profile_start: int = declare(0, ">=0") # jax.profiler trace of steps [profile_start, profile_start + profile_steps)
   profile_steps: int = declare(0, ">=0") # into RUN_DIR/profile (TensorBoard's profile plugin, or Perfetto); 0 = off

@@ -14,6 +14,7 @@ from flax import nnx
 
 from sinkjax import analysis, balance
 from sinkjax.config import Config
+from sinkjax.kernels import dense
 from sinkjax.layers import pop_head_importance
 
 TRAIN_FEATURES = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -53,13 +54,103 @@ def chunked_nll(logits_fn, x, targets, chunk: int):
   return nll.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
 
 
-def loss_fn(params, graphdef, rest, batch, total_weight, loss_cfg, shared, num_micro, chunk=0):
+def fused_ce_sum(model, x, targets, weights, chunk: int = 0):
+  """sum(weights * cross-entropy) [] of model.logits(x) ([B,T,D] hidden) against targets [B,T], its gradient formed
+  in the forward pass (train.loss_impl=fused): `chunk` positions of every row at a time (0: all at once), the block's
+  logits, their softmax, and the logits' gradient weights * (softmax - one-hot) * the soft-cap's derivative, then the
+  hidden's and the LM head's gradients from it (dh = dlogits W^T, dW = h^T dlogits, summed over the blocks). The
+  backward only scales them by the loss's cotangent, so the LM head's logits matmul runs once a step, where
+  `chunked_nll` under autodiff runs it again in the backward. Only the final norm stays with autodiff. The same
+  values as model.logits and optax's cross-entropy (the same matmul in model.dtype, float32 from its output on)."""
+  if model.lm_head is None:                             # tied: embed.attend(x) = x @ embedding^T
+    w, dtype = model.embed.embedding[...].T, model.embed.dtype
+  else:
+    w, dtype = model.lm_head.kernel[...], model.lm_head.dtype
+  h = model.final_norm(x)
+  dtype = jnp.dtype(dtype or jnp.result_type(h, w))
+  return _fused_ce(h, w, targets, weights, dtype, model.cfg.vocab_size, float(model.cfg.logit_softcap),
+                   chunk if 0 < chunk < x.shape[1] else x.shape[1])
+
+
+def _blocks(a, n: int, chunk: int):
+  """[B, T, ...] -> [n, B, chunk, ...], T padded with zeros up to n * chunk."""
+  pad = n * chunk - a.shape[1]
+  a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
+  return a.reshape(a.shape[0], n, chunk, *a.shape[2:]).swapaxes(0, 1)
+
+
+def _fused_ce_pass(h, w, targets, weights, dtype, vocab, cap, chunk, grads: bool):
+  """The blocks of `fused_ce_sum`: (loss sum, per-token NLL [B,T], dh [B,T,D], dW) with grads, else (sum, nll)."""
+  B, T, _ = h.shape
+  n = -(-T // chunk)
+  head = lambda hb, w: dense.dot_general(hb.astype(dtype), w, (((2,), (0,)), ((), ())))
+  wc = w.astype(dtype)           # once, not per block (a [D, V] conversion pass each; the blocks' dW sum in float32)
+
+  def block(dw, xs):
+    hb, tb, wb = xs
+    logits, pullback = jax.vjp(head, hb, wc)               # [B, chunk, V padded] in dtype
+    z = logits[..., :vocab].astype(jnp.float32)
+    if cap > 0:              # capped logits lie in [-cap, cap]: exp(z - cap) neither overflows nor vanishes (>= e^-2cap)
+      t = jnp.tanh(z / cap)
+      z, shift = cap * t, jnp.float32(cap)
+    else:
+      shift = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    e = jnp.exp(z - shift)
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == tb[..., None]
+    nll = (shift + jnp.log(s) - jnp.sum(jnp.where(hit, z, 0.0), axis=-1, keepdims=True))[..., 0]
+    if not grads:
+      return dw, nll
+    dz = (e / s - hit) * wb[..., None]
+    if cap > 0:
+      dz = dz * (1 - t * t)
+    dz = jnp.pad(dz, ((0, 0), (0, 0), (0, logits.shape[-1] - vocab))).astype(logits.dtype)
+    dh, dwb = pullback(dz)
+    return dw + dwb.astype(jnp.float32), (nll, dh)
+
+  xs = (_blocks(h, n, chunk), _blocks(targets, n, chunk), _blocks(weights.astype(jnp.float32), n, chunk))
+  dw0 = jnp.zeros(w.shape, jnp.float32) if grads else None
+  dw, out = jax.lax.scan(block, dw0, xs)
+  unblock = lambda a: a.swapaxes(0, 1).reshape(B, n * chunk, *a.shape[3:])[:, :T]
+  nll = unblock(out[0] if grads else out)
+  total = jnp.sum(nll * weights)
+  return (total, nll, unblock(out[1]), dw.astype(w.dtype)) if grads else (total, nll)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused_ce(h, w, targets, weights, dtype, vocab, cap, chunk):
+  return _fused_ce_pass(h, w, targets, weights, dtype, vocab, cap, chunk, grads=False)[0]
+
+
+def _fused_ce_fwd(h, w, targets, weights, dtype, vocab, cap, chunk):
+  total, nll, dh, dw = _fused_ce_pass(h, w, targets, weights, dtype, vocab, cap, chunk, grads=True)
+  return total, (nll, dh, dw)
+
+
+def _fused_ce_bwd(dtype, vocab, cap, chunk, res, g):
+  del dtype, vocab, cap, chunk
+  nll, dh, dw = res
+  return ((g * dh.astype(jnp.float32)).astype(dh.dtype), (g * dw).astype(dw.dtype), None,
+          g * nll)
+
+
+_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
+
+
+def loss_fn(params, graphdef, rest, batch, total_weight, loss_cfg, shared, num_micro, chunk=0, impl="autodiff"):
   """One micro-batch's share of the step loss: CE summed over it / tokens of the whole step + aux / micro-batches.
 
-  Summed over the micro-batches this is the masked mean CE over the global batch plus the mean aux loss.
+  Summed over the micro-batches this is the masked mean CE over the global batch plus the mean aux loss. impl:
+  train.loss_impl (autodiff: `token_losses`; fused: `fused_ce_sum`, the same values).
   """
-  nll, imp = token_losses(nnx.merge(graphdef, params, rest), batch, chunk)
-  ce_sum = jnp.sum(nll * batch["loss_mask"])
+  model = nnx.merge(graphdef, params, rest)
+  if impl == "fused":
+    x = model.hidden(batch["inputs"], segment_ids=batch.get("segment_ids"), positions=batch["positions"])
+    imp = pop_head_importance(model)
+    ce_sum = fused_ce_sum(model, x, batch["targets"], batch["loss_mask"], chunk)
+  else:
+    nll, imp = token_losses(model, batch, chunk)
+    ce_sum = jnp.sum(nll * batch["loss_mask"])
   if loss_cfg.aux_term:            # at every weight, 0 included: lambda = 0 and lambda > 0 run one program
     aux = balance.aux_loss(imp, loss_cfg.aux_weight, loss_cfg.num_shared_heads, shared)
   else:
@@ -89,7 +180,8 @@ def make_train_step(cfg: Config, graphdef, rest, tx: optax.GradientTransformatio
       batch = {k: v for k, v in batch.items() if k != "segment_ids"}
     params = state["params"]
     total = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-    run = lambda mb: grad_fn(params, graphdef, rest, mb, total, cfg.loss, shared, A, cfg.train.loss_chunk)
+    run = lambda mb: grad_fn(params, graphdef, rest, mb, total, cfg.loss, shared, A, cfg.train.loss_chunk,
+                             cfg.train.loss_impl)
     if A == 1:
       (_, (ce_sum, aux, imp)), grads = run(batch)
     else:

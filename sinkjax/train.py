@@ -103,6 +103,17 @@ class TrainedParams:
     return tuple(nnx.split_state(full, self.filter, ...)) if self.cfg.lora.rank else (full, rest_shapes)
 
 
+def step_compiler_options(cfg: Config, mesh) -> dict | None:
+  """The XLA compile options of the train and eval steps on `mesh`: mesh.collective_matmul's on TPU
+  (`sharding.compiler_options`); on a GPU with train.gpu_gemm=cublas, XLA's Triton matmuls off, so every matmul is a
+  cuBLAS call (the d20 step's weight-gradient matmuls ran at 564 TFLOP/s in Triton against cuBLAS's ~709 on an H200;
+  docs/PERF.md, "d20 on one GPU: the step's levers")."""
+  options = sharding_lib.compiler_options(cfg.mesh.collective_matmul, mesh)
+  if cfg.train.gpu_gemm == "cublas" and mesh is not None and sharding_lib.mesh_platform(mesh) == "gpu":
+    options = {**(options or {}), "xla_gpu_enable_triton_gemm": False}
+  return options
+
+
 class JittedSteps:
   """The jitted train and eval steps of a config on a mesh, with the state's shapes and shardings: the part of a run
   that is compiled. `Trainer` runs it; `sinkjax.compile` lowers and compiles the same object for the devices of a
@@ -144,7 +155,7 @@ class JittedSteps:
     self.batch_sh = sharding_lib.batch_sharding(mesh)
     self.donate = (0,) if sharding_lib.mesh_platform(mesh) != "cpu" else ()  # CPU: async checkpoints may alias
     shared = None if self.shared is None else jnp.asarray(self.shared)
-    options = sharding_lib.compiler_options(self.cfg.mesh.collective_matmul, mesh)     # mesh.collective_matmul on TPU
+    options = step_compiler_options(self.cfg, mesh)
     self.train_step = jax.jit(make_train_step(self.cfg, self.graphdef, None, self.tx, shared),
                               in_shardings=(self.state_sh, self.batch_sh, self.rest_sh),
                               out_shardings=(self.state_sh, sharding_lib.replicated(mesh)),

@@ -189,7 +189,7 @@ def _assert_same_step(step_a, state_a, step_b, state_b, batch):
 @pytest.mark.parametrize("memory", [pytest.param(["model.scan_layers=true"], marks=pytest.mark.slow),
                                     pytest.param(["model.remat=true"], marks=pytest.mark.slow), ["train.loss_chunk=7"],
                                     ["model.scan_layers=true", "model.remat=true", "model.remat_policy=dots",
-                                     "train.loss_chunk=16"]])
+                                     "train.loss_chunk=16"], ["train.loss_impl=fused", "train.loss_chunk=7"]])
 def test_memory_settings_change_nothing_but_memory(memory, compile_cache):
   """Scanned layers, rematerialization and the chunked loss (7 does not divide 32 positions: padded blocks) give the
   step of the plain per-layer loop with whole [B,T,V] logits: loss, aux loss, importances and updated weights (gated
