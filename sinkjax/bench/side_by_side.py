@@ -57,8 +57,9 @@ LEVERS = REPO / "launch" / "gpu_levers.txt"
 PEAK_TFLOPS = 989.0   # nanochat's base_train.py (H100 dense bf16); sinkjax.hlo.CHIPS gives the H200 the same
 # configs/d20.yaml made into the GPU d20 of the side by side, where configs/d20_gpu.yaml does not exist yet: one
 # device, the paper's remat policy, cuDNN attention, synthetic byte data (the data does not change the step's work).
-GPU_D20 = ["data.source=default", "data.val_source=", "data.tokenizer=bytes", "mesh.data=1", "mesh.fsdp=1",
-           "model.remat_policy=save_attention", "model.attn_impl=cudnn"]
+# Synthetic byte data for every config (the paper configs read FineWeb-Edu shards a GPU machine does not hold).
+DATA = ["data.source=default", "data.val_source=", "data.tokenizer=bytes"]
+GPU_D20 = [*DATA, "mesh.data=1", "mesh.fsdp=1", "model.remat_policy=save_attention", "model.attn_impl=cudnn"]
 ROWS = {"sinkjax sink+aux": ["model.attention=sink", "loss.aux_weight=0.0001", "loss.aux_term=true"],
         "sinkjax vanilla": ["model.attention=vanilla", "loss.aux_weight=0.0", "loss.aux_term=false"]}
 ROW_ORDER = ("nanochat", "sinkjax sink+aux", "sinkjax vanilla")
@@ -72,6 +73,9 @@ class SideBySideOptions:
                                     "with the GPU d20 overrides)")
   depth: int = declare(20, ">=1", alias="--depth", help="layers of both models (width 64 x depth, heads of 128)")
   batch: int = declare(32, ">=1", alias="--batch", help="rows per step")
+  micro_batch: int = declare(16, ">=1", alias="--micro-batch",
+                             help="sinkjax rows: rows per micro-step (16: d20 unscanned fits an 80 GB GPU with no "
+                                  "matmul recomputed, docs/PERF.md; the step's tokens stay --batch x --seq)")
   seq: int = declare(2048, ">=1", alias="--seq", help="tokens per row")
   vocab: int = declare(65536, ">=1", alias="--vocab", help="vocabulary (nanochat's tokenizer: 65,536)")
   steps: int = declare(4, ">=1", alias="--steps", help="sinkjax rows: steps per timed block")
@@ -102,14 +106,15 @@ COMMAND = options.Command(prog="python -m sinkjax.bench.side_by_side", descripti
 def default_config() -> tuple[str, list[str]]:
   """(config, overrides it needs) of the GPU d20: configs/d20_gpu.yaml, else configs/d20.yaml + GPU_D20."""
   if (REPO / "configs" / "d20_gpu.yaml").is_file():
-    return "configs/d20_gpu.yaml", []
+    return "configs/d20_gpu.yaml", list(DATA)
   return "configs/d20.yaml", list(GPU_D20)
 
 
 def shape_overrides(o: SideBySideOptions) -> list[str]:
   """The sinkjax overrides of nanochat's shape: base_train.py's depth rule (model.depth), rows, T, vocabulary."""
   return [f"model.depth={o.depth}", f"train.batch_size={o.batch}", f"data.seq_len={o.seq}",
-          f"model.max_seq_len={o.seq}", f"model.vocab_size={o.vocab}", "train.grad_accum=1"]
+          f"model.max_seq_len={o.seq}", f"model.vocab_size={o.vocab}",
+          f"train.grad_accum={max(1, o.batch // o.micro_batch)}"]
 
 
 def nanochat_dir(o: SideBySideOptions) -> pathlib.Path:
