@@ -1,5 +1,5 @@
 """docs/ as reference (issue 60): each page says what holds now, and the dated history lives in one journal,
-docs/journal.md. No page but the journal has a heading or a dateline that names a working session ("session 16") or a
+docs/journal.md. No page but the journal has a heading or a dateline that names a working period ("Session N") or a
 GPU visit ("third visit"), nor a heading with a date; the journal's sections are dates, oldest first; and every pointer
 to a section of a page (`docs/PERF.md, "Training step on a CPU"`) names a heading or a bold lead of that page."""
 import pathlib
@@ -61,10 +61,10 @@ def test_reference_pages_have_no_session_or_visit_headings_or_datelines(page):
 
 
 @pytest.mark.parametrize("inserted, why", [
-    ("### Session 21", "heading"),
+    ("### Session" " 21", "heading"),
     ("### On an NVIDIA H100, fourth visit", "heading"),
     ("#### d20 on v5e-32 (issue 49, 2026-11-30)", "heading"),
-    ("**Session 21** (the suite had grown): 930 passed.", "dateline"),
+    ("**Session" " 21** (the suite had grown): 930 passed.", "dateline"),
     ("- **Cuts** (2026-11-30, same libtpu): 170 GB.", "dateline"),
     ("2026-11-30: the suite in 650 s.", "dateline"),
 ])
@@ -74,7 +74,7 @@ def test_the_check_sees_an_inserted_dated_entry(inserted, why):
   text = inserted + "\n\nFigures of that day.\n\n" + (DOCS / "PERF.md").read_text()
   assert dated_lines(text)[:1] == [f"1: {why}: {inserted}"], dated_lines(text)
   assert not dated_lines("Measured 2026-11-22 (commit 3ee5692) on one H100, as the next GPU session\nwill again.\n"
-                         "\n```\n### session 3 visit\n```\n")
+                         "\n```\n### session" " 3 visit\n```\n")
 
 
 def test_the_journal_is_dated_oldest_first():
@@ -115,3 +115,40 @@ def test_section_pointers_name_a_section_of_their_page():
     if not any(name.lower() in h for h in heads) and not any(b.startswith(name.lower()) for b in bolds):
       bad.append(f"{where}: {path.name}, {name!r}")
   assert seen > 20 and not bad, bad
+
+
+# The repository speaks of the project: a measurement names its date, commit, machine and stack, never how the work
+# around it was organised (the tool a GPU came through, its hand-outs, a numbered working period).
+ORGANISATION = re.compile(r"\bdevice`? tool\b|\bloans?\b|\blent\b|\bsessions? \d+", re.IGNORECASE)
+
+
+def tracked_text_files():
+  import subprocess  # pylint: disable=import-outside-toplevel
+  try:
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True,
+                           timeout=60).stdout.decode().split("\0")
+  except (OSError, subprocess.SubprocessError):
+    pytest.skip("not a git checkout: the tracked files are unknown")
+  for name in filter(None, names):
+    path = ROOT / name
+    if path.is_file() and path.stat().st_size < 4_000_000:
+      try:
+        yield name, path.read_text()
+      except UnicodeDecodeError:
+        continue
+
+
+def organisation_words(text: str) -> list[str]:
+  return [f"{n}: {m.group(0)!r}: {line.strip()[:120]}" for n, line in enumerate(text.splitlines(), 1)
+          for m in ORGANISATION.finditer(line)]
+
+
+def test_no_tracked_file_speaks_of_how_the_work_was_organised():
+  found = [f"{name}:{hit}" for name, text in tracked_text_files() for hit in organisation_words(text)]
+  assert not found, "say the date, commit, machine and stack instead:\n" + "\n".join(found)
+
+
+def test_the_organisation_check_finds_each_word():
+  for line in ("one H200 le" "nt through it", "the `device`" " tool's bundle", "the H100 lo" "ans", "measured in sess" "ion 23"):
+    assert organisation_words(line), line
+  assert not organisation_words("the test session's 8 CPU devices; an SSH session; a lenticular loaner")

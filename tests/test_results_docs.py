@@ -743,7 +743,7 @@ def test_the_page_opens_with_the_findings_table(doc):
   flat = " ".join(doc.split())
   for phrase in ("bounds the noise from above", "holds on each source of variance", "the paper's recipe",
                  "leaves the shared heads where", "does not leave the shared heads where", "stronger than its paired",
-                 "# null arm", "exact sign test p = 0.031", "first read as", "At lr 3e-5 eq. 7", "session", "lent ",
+                 "# null arm", "exact sign test p = 0.031", "first read as", "At lr 3e-5 eq. 7",
                  "cost is detected.**", "1.3e-7", "byte-identical", "292 s"):
     assert phrase not in flat, phrase
 
