@@ -73,6 +73,10 @@ ONE_LEG = {
   # stand-in trainer; downloads from a local HTTP server; SFT records
   "test_imports": "py312", "test_launch": "py312", "test_options": "py312", "test_runner": "py312",
   "test_paper_tpu": "py312", "test_fineweb": "py312", "test_sft_corpus": "py312",
+  # the study command's bookkeeping end to end (skip what finished, --report-only, a dose study reusing the grid's
+  # run): its 2-step trainings and evaluations are sinkjax.train's and paper's, tested in process on both legs
+  "test_paper::test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs": "py312",
+  "test_paper::test_report_write_regenerates_the_committed_reports": "py312",
 }
 DEALT = (
   # the attention variants, gate settings and cache layouts against their materialized references
