@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 
 
 def _quiet_libtpu_without_tpu() -> None:
-  """Where libtpu is installed (the `tpu` and `test` extras) but this host has no TPU chip, JAX still starts libtpu,
+  """Where libtpu is installed (the `tpu` extra) but this host has no TPU chip, JAX still starts libtpu,
   which asks the GCE metadata server for the slice's accelerator type and worker hostnames and prints ~5 lines of
   errors when there is none. Naming a one-host slice (env defaults only: a value the user set is kept) silences it;
   compile-only TPU devices (`jax.experimental.topologies`, `sinkjax.compile`) are unaffected. Runs before any JAX

@@ -2,7 +2,7 @@
 Mosaic for every TPU generation, kernels follow the target rather than the host, and `sinkjax.compile` reports what
 the compiler says (memory per chip, fits or not), measuring that rematerialization lowers temporaries.
 
-Needs libtpu (`pip install 'sinkjax[tpu]'`, in the test extra); skipped with the reason where it is absent."""
+Needs libtpu (`pip install 'sinkjax[tpu]'`; .ci/run adds it); skipped with the reason where it is absent."""
 import json
 import os
 import pathlib

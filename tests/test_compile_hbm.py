@@ -3,7 +3,7 @@ the step needs, and the collective-matmul setting (`mesh.collective_matmul`) tha
 
 The default tests read programs recorded from libtpu 0.0.42.1 (a d20-shaped step cut to 2 layers, 8 rows x 2048 per
 chip, FSDP over v5e-32, vocabulary 65,536; both settings), so they take seconds; the slow twin recompiles the default
-one. Needs libtpu (`pip install 'sinkjax[tpu]'`, in the test extra); skipped with the reason where it is absent."""
+one. Needs libtpu (`pip install 'sinkjax[tpu]'`; .ci/run adds it); skipped with the reason where it is absent."""
 import dataclasses
 import gzip
 import os

@@ -2,7 +2,7 @@
 the Pallas kernels' cost estimates reach XLA's cost analysis, the report's FLOPs per step count every layer and loop
 trip and split off recomputation as the remat policy decides, and --search picks the policy a hand count picks.
 
-Needs libtpu (`pip install 'sinkjax[tpu]'`, in the test extra); skipped with the reason where it is absent."""
+Needs libtpu (`pip install 'sinkjax[tpu]'`; .ci/run adds it); skipped with the reason where it is absent."""
 import functools
 import json
 import os

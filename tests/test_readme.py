@@ -7,6 +7,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -31,6 +32,30 @@ def test_the_readme_test_command_is_what_ci_runs():
   ci = (ROOT / ".ci" / "run").read_text()
   ci_cmd = [l.strip() for l in ci.splitlines() if "pytest" in l and not l.lstrip().startswith("#")]
   assert ci_cmd == [test_cmd[0] + ' "$@"'], (ci_cmd, test_cmd)
+
+
+def _extra(name, extras):
+  """The requirements an extra brings, the project's own extras (`sinkjax[train]`) expanded."""
+  out = []
+  for req in extras[name]:
+    own = re.match(r"sinkjax\[([\w,-]+)\]", req)
+    out += [r for e in own.group(1).split(",") for r in _extra(e, extras)] if own else [req]
+  return out
+
+
+def test_the_test_extra_leaves_libtpu_out_and_ci_adds_it():
+  """libtpu in an environment makes plain `import jax; jax.numpy.ones(1)` print libtpu's errors on a machine without a
+  TPU: the README's test install brings none (nor does what it pulls in of ours), and .ci/run adds the `tpu` extra
+  before the README's command so the TPU compile tests still run in CI."""
+  extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+  test = _extra("test", extras)
+  assert not [r for r in test if "tpu" in r.lower()], test
+  assert any(r.startswith("jax[tpu]") for r in _extra("tpu", extras)), extras["tpu"]
+  ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines() if not l.lstrip().startswith("#")]
+  add = [i for i, l in enumerate(ci) if l.startswith('python -m pip install -e ".[test,tpu]"')]
+  readme = [i for i, l in enumerate(ci) if "pytest" in l]
+  assert len(add) == 1 and len(readme) == 1 and add[0] < readme[0], (add, readme)
+  assert '-e ".[test,tpu]"' in README
 
 
 def _git_modes():
