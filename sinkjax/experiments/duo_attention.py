@@ -89,7 +89,7 @@ def optimise(model, batches, opts: DuoOptions, log=None) -> tuple[np.ndarray, li
 
   def hidden(state, tokens, gates):
     m = nnx.merge(graphdef, state)
-    return head_masks.hidden_with(m, tokens, gates, head_masks.gated_attention, **kw)[:, -opts.answer:]
+    return head_masks.hidden_with(m, tokens, gates, head_masks.gated_attention, **kw)[0][:, -opts.answer:]
 
   @jax.jit
   def teacher(state, tokens):
