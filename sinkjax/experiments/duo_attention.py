@@ -3,8 +3,8 @@ the head's full attention with its streaming attention (sinks + window), the mod
 on synthetic passkey retrieval so that the gated model's last hidden states match the all-full model's (distillation)
 while an L1 penalty pushes the gates to 0; the heads with the highest gates keep a full cache.
 
-    python -m sinkjax.experiments.duo_attention --checkpoint RUN --out DIR [--steps 40] [--seq-len 768]
-        [--window 256] [--sinks 4] [--full-heads 0.25] [--l1 0.05] [--lr 0.02] [--seed 0]
+    python -m sinkjax.experiments.duo_attention --checkpoint RUN --out DIR [--steps 30] [--seq-len 512]
+        [--window 256] [--sinks 4] [--full-heads 0.25] [--l1 0.05] [--lr 0.05] [--seed 0]
 
 The data: `seq_len` tokens of a haystack (the standard-library prose docstrings that the far-context ranking is
 calibrated on, `streaming_real.calibration_text`, from a random offset per sample; none of the scored texts) with a
@@ -39,15 +39,15 @@ class DuoOptions:
   """The options of `python -m sinkjax.experiments.duo_attention` (each flag the alias of its key)."""
   checkpoint: str = declare("", alias="--checkpoint", metavar="RUN", required=True, help="an imported model's run dir")
   out: str = declare("", alias="--out", metavar="DIR", required=True, help="where duo_gates.json / duo_map.json go")
-  steps: int = declare(40, ">=1", alias="--steps", help="optimisation steps (one sample each)")
-  seq_len: int = declare(768, ">=16", alias="--seq-len", help="tokens per sample")
+  steps: int = declare(30, ">=1", alias="--steps", help="optimisation steps (one sample each)")
+  seq_len: int = declare(512, ">=2", alias="--seq-len", help="tokens per sample")
   answer: int = declare(24, ">=1", alias="--answer", help="last positions distilled (question and key)")
-  depth: float = declare(0.5, "(0,1]", alias="--depth", help="the needle lies in this first fraction of the text")
+  depth: float = declare(0.4, "(0,1]", alias="--depth", help="the needle lies in this first fraction of the text")
   window: int = declare(256, ">=2", alias="--window", help="W: a streaming head's slots, sinks included")
   sinks: int = declare(4, ">=0", alias="--sinks", help="S")
   full_heads: float = declare(0.25, "(0,1)", alias="--full-heads", help="fraction of each layer's KV heads kept full")
   l1: float = declare(0.05, ">=0", alias="--l1", help="weight of the L1 penalty on the gates")
-  lr: float = declare(0.02, ">0", alias="--lr", help="Adam's learning rate")
+  lr: float = declare(0.05, ">0", alias="--lr", help="Adam's learning rate")
   seed: int = declare(0, alias="--seed", help="the samples' seed")
 
 
