@@ -159,7 +159,7 @@ class HybridScorer:
   under the hybrid cache whose KV head (l, h) is full where full_map[l][h] (sinks + window otherwise), compiled once
   per sequence length (the map is an array argument). Until a query is W tokens in, every cache holds everything:
   the first W tokens' keys, values and NLLs do not depend on the map, so they are computed once per sequence (and
-  kept for its next map) and each map runs only the later tokens."""
+  kept for its later maps) and each map runs only the later tokens."""
 
   def __init__(self, model, *, sink_size: int, window: int):
     check_model(model.cfg)
@@ -168,7 +168,7 @@ class HybridScorer:
     self.cfg = model.cfg
     self.graphdef, self.state = nnx.split(model)
     self.sink_size, self.window = sink_size, window
-    self._prefix_of = None
+    self._prefixes = {}                   # (ids, P) -> (NLL of the first P targets, per-layer k0 / v)
     kw = dict(sink_size=sink_size, window=window)
     L, H = model.cfg.num_layers, model.cfg.num_kv_heads
 
@@ -191,10 +191,10 @@ class HybridScorer:
     ids = np.asarray(ids, np.int32)
     P = min(self.window, len(ids) - 1)
     key = (ids.tobytes(), P)
-    if self._prefix_of is None or self._prefix_of[0] != key:
+    if key not in self._prefixes:
       nll0, kv = self._prefix(self.state, jnp.asarray(ids[None, :P]), jnp.asarray(ids[None, 1:P + 1]))
-      self._prefix_of = (key, np.asarray(nll0, np.float64), kv)
-    _, nll0, kv = self._prefix_of
+      self._prefixes[key] = (np.asarray(nll0, np.float64), kv)
+    nll0, kv = self._prefixes[key]
     if P == len(ids) - 1:
       return nll0
     nll = self._rest(self.state, kv, jnp.asarray(ids[None, P:-1]), jnp.asarray(ids[None, P + 1:]), jnp.asarray(full))
