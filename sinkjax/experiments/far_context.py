@@ -1,7 +1,7 @@
 """The far-context head ranking on several texts, against 99 random maps each: a study file of driver far_context.
 
     python -m sinkjax.experiments.study configs/studies/far_context.yaml [study.run=RUN] [study.out=OUT]
-        [far.tokens=640] ["axes.random_map=[0,...]"]
+        [far.tokens=896] ["axes.random_map=[0,...]"]
 
 One hybrid cache shape (`far.window` slots with `far.sinks` sinks for the streaming heads, round(far.full_heads * Hkv)
 full KV heads in every layer), scored on each text of `far.texts` (none of them the calibration text of the ranking)
@@ -70,7 +70,7 @@ LABEL = {"far_attention": "far-context attention", "importance": "importance (eq
 class FarOptions:
   """The `far:` section of a driver-far_context study file."""
   texts: list[str] = declare(["news", "dialogue", "code"], choices=tuple(TEXTS))   # the scored texts
-  tokens: int = declare(640, ">=2")             # tokens scored per text (the first of each)
+  tokens: int = declare(896, ">=2")             # tokens scored per text (the first of each)
   window: int = declare(256, ">=2")             # W: a streaming head's slots, sinks included
   sinks: int = declare(4, ">=0")                # S
   full_heads: float = declare(0.25, "(0,1)")    # fraction of each layer's KV heads kept full
@@ -215,8 +215,8 @@ def load(out: pathlib.Path, compare_with: str = "") -> dict:
   token sequence per text across both."""
   runs = {}
   for d in [out] + ([runner.REPO / compare_with] if compare_with else []):
-    mine = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(d).glob("*.json"))
-            if p.name != "results.json"}
+    mine = {p.stem: r for p in sorted(pathlib.Path(d).glob("*.json")) if p.name != "results.json"
+            and isinstance(r := json.loads(p.read_text()), dict) and "arm" in r}    # runs (not duo_map.json & co.)
     if not mine:
       raise StudyError(f"{d} holds no raw run files; run the study (study.run) first, or give its study.out")
     runner.one_commit(list(mine.values()))
@@ -298,11 +298,13 @@ def report(out: pathlib.Path, compare_with: str = "") -> dict:
   for a in s["arms"]:
     if a not in RANKED:
       continue
-    lines += ["", f"{LABEL[a]}: share of the NLL gap (mean random map - this map) per {BLOCK}-position block: " + "; ".join(
+    lines += ["", f"{LABEL[a].capitalize()} map: share of the NLL gap (mean random map - this map) per {BLOCK}-position block: " + "; ".join(
         f"{t} " + (", ".join(f"{x:+.2f}" for x in s['per_text'][t]['arms'][a]['nll_gap_share'])
                    if s['per_text'][t]['arms'][a].get('nll_gap_share') else "-") for t in s["texts"])]
   for k, v in s.get("between", {}).items():
-    lines += ["", f"perplexity, {k.replace('-', ' map - ')} map: " + ", ".join(f"{t} {d:+.3f}" for t, d in v.items())]
+    a, b = k.split("-")
+    lines += ["", f"Perplexity, {LABEL[a]} map - {LABEL[b]} map: " + ", ".join(f"{t} {d:+.3f}" for t, d in v.items())
+              + "."]
   (out / "results.md").write_text("\n".join(lines) + "\n")
   runner.write_json(out / "results.json", s)
   print("\n".join(lines))
@@ -315,7 +317,7 @@ def run_plan(plan_: runner.Plan, *, dry_run: bool = False, report_only: bool = F
   for axis in set(plan_.axes) - {"random_map"}:
     raise StudyError(f"{plan_.path}: the far-context study's one axis is random_map (the random maps' seeds), got "
                      f"{axis}")
-  seeds = [int(x) for x in plan_.axes.get("random_map", range(99))]
+  seeds = [int(x) for x in plan_.axes.get("random_map", [])]   # none: named maps only (far.compare_with)
   out = pathlib.Path(plan_.study.out)
   if "duo_attention" in opts.arms and not opts.duo_map:
     raise StudyError("arm duo_attention needs far.duo_map=MAP.json (python -m sinkjax.experiments.duo_attention)")
