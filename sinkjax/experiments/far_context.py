@@ -1,7 +1,7 @@
 """The far-context head ranking on several texts, against 99 random maps each: a study file of driver far_context.
 
     python -m sinkjax.experiments.study configs/studies/far_context.yaml [study.run=RUN] [study.out=OUT]
-        [far.tokens=896] ["axes.random_map=[0,...]"]
+        [far.tokens=640] ["axes.random_map=[0,...]"]
 
 One hybrid cache shape (`far.window` slots with `far.sinks` sinks for the streaming heads, round(far.full_heads * Hkv)
 full KV heads in every layer), scored on each text of `far.texts` (none of them the calibration text of the ranking)
@@ -70,7 +70,7 @@ LABEL = {"far_attention": "far-context attention", "importance": "importance (eq
 class FarOptions:
   """The `far:` section of a driver-far_context study file."""
   texts: list[str] = declare(["news", "dialogue", "code"], choices=tuple(TEXTS))   # the scored texts
-  tokens: int = declare(896, ">=2")             # tokens scored per text (the first of each)
+  tokens: int = declare(640, ">=2")             # tokens scored per text (the first of each)
   window: int = declare(256, ">=2")             # W: a streaming head's slots, sinks included
   sinks: int = declare(4, ">=0")                # S
   full_heads: float = declare(0.25, "(0,1)")    # fraction of each layer's KV heads kept full
