@@ -82,7 +82,8 @@ def test_summary_by_hand():
   assert news["rank"] == 1 and news["p_rank"] == 0.25
   far_code = lp("code", "far_attention")
   assert code["rank"] == 1 + sum(lp("code", f"random{k}") < far_code for k in range(3))
-  assert news["nll_gap_share"] == pytest.approx([0.0, 1.0], abs=1e-12)    # all of the gap after position 256
+  assert news["nll_gap_share"] == pytest.approx([0.0, 0.0, 1.0], abs=1e-12)    # all of the gap after position 256
+  assert news["nll_gap_block_mean"] == pytest.approx([0.0, 0.0, 0.7], abs=1e-12)
   assert news["nll_gap_total"] == pytest.approx(44 * (1.2 - 0.5))
   across = [np.mean([lp(t, f"random{k}") for t in ("news", "code")]) for k in range(3)]
   far = np.mean([lp(t, "far_attention") for t in ("news", "code")])

@@ -3,7 +3,7 @@ the head's full attention with its streaming attention (sinks + window), the mod
 on synthetic passkey retrieval so that the gated model's last hidden states match the all-full model's (distillation)
 while an L1 penalty pushes the gates to 0; the heads with the highest gates keep a full cache.
 
-    python -m sinkjax.experiments.duo_attention --checkpoint RUN --out DIR [--steps 20] [--seq-len 384]
+    python -m sinkjax.experiments.duo_attention --checkpoint RUN --out DIR [--steps 60] [--seq-len 384]
         [--window 256] [--sinks 4] [--full-heads 0.25] [--l1 0.05] [--lr 0.05] [--seed 0]
 
 The data: `seq_len` tokens of a haystack (the standard-library prose docstrings that the far-context ranking is
@@ -39,7 +39,7 @@ class DuoOptions:
   """The options of `python -m sinkjax.experiments.duo_attention` (each flag the alias of its key)."""
   checkpoint: str = declare("", alias="--checkpoint", metavar="RUN", required=True, help="an imported model's run dir")
   out: str = declare("", alias="--out", metavar="DIR", required=True, help="where duo_gates.json / duo_map.json go")
-  steps: int = declare(20, ">=1", alias="--steps", help="optimisation steps (one sample each)")
+  steps: int = declare(60, ">=1", alias="--steps", help="optimisation steps (one sample each)")
   seq_len: int = declare(384, ">=2", alias="--seq-len", help="tokens per sample")
   answer: int = declare(24, ">=1", alias="--answer", help="last positions distilled (question and key)")
   depth: float = declare(0.25, "(0,1]", alias="--depth", help="the needle lies in this first fraction of the text")

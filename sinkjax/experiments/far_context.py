@@ -21,7 +21,7 @@ reads only those (one commit, one token sequence per text). Statistics (`summary
 random maps (p = (1 + #random maps with perplexity <= the map's) / (n + 1), the least n maps allow being 1/(n + 1));
 across texts the same rank on the mean over texts of the per-text log perplexity (the random maps are the same on
 every text, so each map is one draw with one score, and the rank p is exact under "the map is one more random map");
-the share of the NLL gap (mean random map - the map) per block of positions. docs/STREAMING.md, "The far-context
+the NLL gap (mean random map - the map) per block of positions. docs/STREAMING.md, "The far-context
 ranking on three texts".
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ from sinkjax.experiments import runner
 from sinkjax.experiments.runner import StudyError
 from sinkjax.markdown import table
 
-BLOCK = 256                 # positions per block of the gap's breakdown
+BLOCK = 128                 # positions per block of the gap's breakdown
 WHEELS = pathlib.Path("~/.cache/sinkjax").expanduser()
 # name -> (kind, PyPI distribution, version, file inside it, how it is made one text)
 TEXTS = {
@@ -257,9 +257,10 @@ def summary(runs: dict) -> dict:
         nb = -(-len(gap) // BLOCK)
         blocks = [float(math.fsum(gap[i * BLOCK:(i + 1) * BLOCK])) for i in range(nb)]
         total = float(math.fsum(gap))
-        row["arms"][a].update(ppl_gap=math.exp(float(rnd.mean())) - math.exp(log_ppl[(t, a)]),
-                              nll_gap_total=total, nll_gap_blocks=blocks,
-                              nll_gap_share=[b / total for b in blocks] if total else None)
+        sizes = [len(gap[i * BLOCK:(i + 1) * BLOCK]) for i in range(nb)]
+        row["arms"][a].update(nll_gap_total=total, nll_gap_blocks=blocks,
+                              nll_gap_block_mean=[b / n for b, n in zip(blocks, sizes)],
+                              nll_gap_share=[b / total for b in blocks] if total > 0 else None)
     out["per_text"][t] = row
   if seeds:
     stat = lambda a: float(np.mean([log_ppl[(t, a)] for t in texts]))   # mean over texts of log perplexity
@@ -298,9 +299,10 @@ def report(out: pathlib.Path, compare_with: str = "") -> dict:
   for a in s["arms"]:
     if a not in RANKED:
       continue
-    lines += ["", f"{LABEL[a].capitalize()} map: share of the NLL gap (mean random map - this map) per {BLOCK}-position block: " + "; ".join(
-        f"{t} " + (", ".join(f"{x:+.2f}" for x in s['per_text'][t]['arms'][a]['nll_gap_share'])
-                   if s['per_text'][t]['arms'][a].get('nll_gap_share') else "-") for t in s["texts"])]
+    lines += ["", f"{LABEL[a].capitalize()} map: NLL gap (mean random map - this map, nats per position) per "
+              f"{BLOCK}-position block: " + "; ".join(
+                  f"{t} " + ", ".join(f"{x:+.3f}" for x in s['per_text'][t]['arms'][a]['nll_gap_block_mean'])
+                  for t in s["texts"]) + "."]
   for k, v in s.get("between", {}).items():
     a, b = k.split("-")
     lines += ["", f"Perplexity, {LABEL[a]} map - {LABEL[b]} map: " + ", ".join(f"{t} {d:+.3f}" for t, d in v.items())
