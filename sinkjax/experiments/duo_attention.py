@@ -1,7 +1,8 @@
-"""DuoAttention's head identification ([DuoAttention]) on an imported model: a gate alpha in [0, 1] per KV head mixes
-the head's full attention with its streaming attention (sinks + window), the model frozen, and the gates are optimised
-on synthetic passkey retrieval so that the gated model's last hidden states match the all-full model's (distillation)
-while an L1 penalty pushes the gates to 0; the heads with the highest gates keep a full cache.
+"""DuoAttention's head identification (Xiao et al. 2024, arXiv:2410.10819, cited by [Sink-MoE]) on an imported model: a
+gate alpha in [0, 1] per KV head mixes the head's full attention with its streaming attention (sinks + window), the
+model frozen, and the gates are optimised on synthetic passkey retrieval so that the gated model's last hidden states
+match the all-full model's (distillation) while an L1 penalty pushes the gates to 0; the heads with the highest gates
+keep a full cache.
 
     python -m sinkjax.experiments.duo_attention --checkpoint RUN --out DIR [--steps 60] [--seq-len 384]
         [--window 256] [--sinks 4] [--full-heads 0.25] [--l1 0.05] [--lr 0.05] [--seed 0]
@@ -12,8 +13,9 @@ passkey sentence (`sinkjax.data.passkey.NEEDLE`, a random 5-digit key) at a rand
 text, then the question and the key (`passkey.QUESTION`); the distillation loss is the mean squared difference of the
 final hidden states (after the last block, before the final norm) over the last `--answer` positions (the question and
 the key, which need the far needle), as DuoAttention distils over the passkey tokens. Loss = distillation + l1 *
-sum(alpha) (the paper's L1 over every gate); Adam on alpha only (initialised at 1, clipped to [0, 1] after each step, as the paper does). The
-attention is `sinkjax.experiments.head_masks.gated_attention` (exactly the hybrid cache at alpha 0 / 1).
+sum(alpha) (the paper's L1 over every gate); Adam on alpha only (initialised at 1, clipped to [0, 1] after each step,
+as the paper does). The attention is `sinkjax.experiments.head_masks.gated_attention` (exactly the hybrid cache at
+alpha 0 / 1).
 
 Writes DIR/duo_gates.json (alpha [L][Hkv], the loss per step, the options, the commit) and DIR/duo_map.json (the
 [L][Hkv] 0/1 map: per layer the round(full_heads * Hkv) KV heads of highest alpha, ties to the lower index, the

@@ -21,8 +21,8 @@ reads only those (one commit, one token sequence per text). Statistics (`summary
 random maps (p = (1 + #random maps with perplexity <= the map's) / (n + 1), the least n maps allow being 1/(n + 1));
 across texts the same rank on the mean over texts of the per-text log perplexity (the random maps are the same on
 every text, so each map is one draw with one score, and the rank p is exact under "the map is one more random map");
-the NLL gap (mean random map - the map) per block of positions. docs/STREAMING.md, "The far-context
-ranking on three texts".
+the NLL gap (mean random map - the map) per block of positions. docs/STREAMING.md, "On real weights: the
+far-context ranking on three texts".
 """
 from __future__ import annotations
 
@@ -183,7 +183,8 @@ def study(checkpoint: str, out: pathlib.Path, opts: FarOptions, seeds) -> None:
     if len(ids[name]) < opts.tokens:
       raise StudyError(f"text {name} gives {len(ids[name])} tokens, fewer than far.tokens {opts.tokens}")
     meta[name] = {"text": name, "kind": kind, "source": f"{dist} {version}: {member}", "made": how,
-                  "checkpoint": str(checkpoint), "tokens": opts.tokens, "text_chars": len(tok.decode(ids[name].tolist())),
+                  "checkpoint": str(checkpoint), "tokens": opts.tokens,
+                  "text_chars": len(tok.decode(ids[name].tolist())),
                   "ids_sha256": hashlib.sha256(ids[name].tobytes()).hexdigest(), "dtype": "float32",
                   "python": sys.version.split()[0]}
 
