@@ -54,6 +54,8 @@ def test_far_context_other_maps(tmp_path):
 
 
 def test_rank_p_by_hand():
+  assert fc.p_worse(1.0, [2.0, 3.0, 4.0]) == 1.0 and fc.p_worse(5.0, [2.0, 3.0, 4.0]) == 0.25
+  assert fc.p_worse(3.0, [2.0, 3.0, 4.0]) == 0.75
   assert fc.rank_p(1.0, [2.0, 3.0, 4.0]) == (1, 0.25)
   assert fc.rank_p(3.0, [2.0, 3.0, 4.0]) == (2, 0.75)      # a tie counts against the map in p
   assert fc.rank_p(5.0, [2.0, 3.0, 4.0]) == (4, 1.0)

@@ -234,6 +234,12 @@ def rank_p(value: float, randoms) -> tuple[int, float]:
   return 1 + int(np.sum(randoms < value)), (1 + int(np.sum(randoms <= value))) / (len(randoms) + 1)
 
 
+def p_worse(value: float, randoms) -> float:
+  """p for "worse than a random map": (1 + #random >= value) / (n + 1)."""
+  randoms = np.asarray(randoms, np.float64)
+  return (1 + int(np.sum(randoms >= value))) / (len(randoms) + 1)
+
+
 def summary(runs: dict) -> dict:
   """Every number the report quotes, from the raw runs."""
   texts = sorted({r["text"] for r in runs.values()}, key=list(TEXTS).index)
@@ -252,7 +258,8 @@ def summary(runs: dict) -> dict:
     mean_random = np.mean([nll[(t, f"random{s}")] for s in seeds], axis=0) if seeds else None
     for a in named:
       r, p = rank_p(log_ppl[(t, a)], rnd) if a in RANKED and seeds else (None, None)
-      row["arms"][a] = {"ppl": math.exp(log_ppl[(t, a)]), "rank": r, "p_rank": p}
+      row["arms"][a] = {"ppl": math.exp(log_ppl[(t, a)]), "rank": r, "p_rank": p,
+                        "p_worse": p_worse(log_ppl[(t, a)], rnd) if a in RANKED and seeds else None}
       if a in RANKED and seeds:
         gap = mean_random - nll[(t, a)]        # per position: mean random map - this map (nats)
         nb = -(-len(gap) // BLOCK)
@@ -269,7 +276,7 @@ def summary(runs: dict) -> dict:
     for a in named:
       if a in RANKED:
         r, p = rank_p(stat(a), rnd)
-        out["across"][a] = {"mean_log_ppl": stat(a), "rank": r, "p_rank": p,
+        out["across"][a] = {"mean_log_ppl": stat(a), "rank": r, "p_rank": p, "p_worse": p_worse(stat(a), rnd),
                             "texts_below_every_random": sum(out["per_text"][t]["arms"][a]["rank"] == 1 for t in texts)}
     out["across"]["random_mean_log_ppl"] = {"min": min(rnd), "median": float(np.median(rnd)), "max": max(rnd)}
     for a, b in (("duo_attention", "far_attention"), ("importance", "far_attention")):
@@ -300,6 +307,9 @@ def report(out: pathlib.Path, compare_with: str = "") -> dict:
   for a in s["arms"]:
     if a not in RANKED:
       continue
+    lines += ["", f"{LABEL[a].capitalize()} map, p for worse than a random map: " + ", ".join(
+        f"{t} {s['per_text'][t]['arms'][a]['p_worse']:.3f}" for t in s["texts"]) +
+        f", all texts {s['across'][a]['p_worse']:.3f}."]
     lines += ["", f"{LABEL[a].capitalize()} map: NLL gap (mean random map - this map, nats per position) per "
               f"{BLOCK}-position block: " + "; ".join(
                   f"{t} " + ", ".join(f"{x:+.3f}" for x in s['per_text'][t]['arms'][a]['nll_gap_block_mean'])
