@@ -307,10 +307,10 @@ def report(out: pathlib.Path, compare_with: str = "") -> dict:
   for a in s["arms"]:
     if a not in RANKED:
       continue
-    lines += ["", f"{LABEL[a].capitalize()} map, p for worse than a random map: " + ", ".join(
+    lines += ["", f"{LABEL[a][0].upper() + LABEL[a][1:]} map, p for worse than a random map: " + ", ".join(
         f"{t} {s['per_text'][t]['arms'][a]['p_worse']:.3f}" for t in s["texts"]) +
         f", all texts {s['across'][a]['p_worse']:.3f}."]
-    lines += ["", f"{LABEL[a].capitalize()} map: NLL gap (mean random map - this map, nats per position) per "
+    lines += ["", f"{LABEL[a][0].upper() + LABEL[a][1:]} map: NLL gap (mean random map - this map, nats per position) per "
               f"{BLOCK}-position block: " + "; ".join(
                   f"{t} " + ", ".join(f"{x:+.3f}" for x in s['per_text'][t]['arms'][a]['nll_gap_block_mean'])
                   for t in s["texts"]) + "."]
