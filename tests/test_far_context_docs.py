@@ -220,7 +220,7 @@ def test_prose_numbers_are_the_raw_files(runs):
   assert int(m[1]) == rank_all("importance")[0] and abs(float(m[2]) - worse(imp_all, across)) < 5e-3
   m = _nth(text, r"DuoAttention map: (\d+)\w\w, (\d+)\w\w and (\d+)\w\w of 100")
   assert [int(x) for x in m.groups()] == [rank(t, "duo_attention")[0] for t in TEXTS]
-  m = _nth(text, r"on all texts the far-context map is (\d+)\w\w of 100 and DuoAttention's (\d+)\w\w\)")
+  m = _nth(text, r"On all texts the far-context map is (\d+)\w\w of 100 and DuoAttention's (\d+)\w\w\.")
   assert (int(m[1]), int(m[2])) == (rank_all("far_attention")[0], rank_all("duo_attention")[0])
   assert f"worse still (all texts: {rank_all('duo_attention')[0]}th)" in text
   m = _nth(text, r"on news the full cache scores ([0-9.]+) against ([0-9.]+) with no head full, on dialogue ([0-9.]+) "
