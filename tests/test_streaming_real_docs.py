@@ -258,21 +258,11 @@ def test_far_runs_are_one_commit_and_one_token_sequence():
   assert m and runs[0]["commit"].startswith(m[1])
 
 
-def p_text(p: float) -> str:
-  """A p-value as the section prints it: two significant digits, or one decimal of scientific notation below 0.001."""
-  return f"{p:.2g}" if p >= 0.001 else f"{p:.1e}"
-
-
-def _sentence(text: str, start: str) -> str:
-  assert start in text, f"no sentence starting {start!r}"
-  return text.split(start, 1)[1].split("Reading:", 1)[0]
-
-
 @pytest.mark.parametrize("ranking", sorted(FAR_LABELS))
-def test_far_rank_and_paired_tests_are_the_raw_files(ranking):
-  """Per ranked map: its rank among the maps, and the paired tests over the random maps (random - ranked
-  perplexity): mean, per-map differences' count, t and its p (scipy), the exact permutation p (all 2^n sign flips
-  enumerated here) and the sign test, each in the sentence that names this map."""
+def test_far_rank_and_differences_are_the_raw_files(ranking):
+  """Per ranked map: its rank among the maps and its p (the one test 10 random maps carry, at least 1/11), and the
+  per-map differences (random - ranked perplexity: mean, each), in the sentence that names this map; no paired t,
+  sign-flip or sign test is quoted (the differences share the one ranked map, so they are not independent draws)."""
   words = FAR_LABELS[ranking]
   text = " ".join(section(FAR_TITLE).split())
   ranked, randoms = raw(f"hybrid_{ranking}_w256", FAR_RAW), far_randoms()
@@ -281,20 +271,14 @@ def test_far_rank_and_paired_tests_are_the_raw_files(ranking):
   rank = 1 + sum(x < 0 for x in d)
   m = re.search(re.escape(words) + r" map: rank (\d+) of (\d+) maps \(p = (\d+)/(\d+) = ([0-9.]+)", text, re.I)
   assert m and (int(m[1]), int(m[2])) == (rank, k + 1) and abs(float(m[5]) - rank / (k + 1)) < 5e-4
-  s = _sentence(text, f"random map - {words} map:")
+  s = text.split(f"random map - {words} map:", 1)[1]
   m = re.match(r" ([+-][0-9.]+) on average \(per seed ([0-9.,+ -]+);", s)
   assert m and abs(float(m[1]) - sum(d) / k) < 5.01e-4
   assert [abs(float(x) - y) < 5.01e-4 for x, y in zip(m[2].split(","), d)] == [True] * k
-  t = sps.ttest_1samp(d, 0.0)
-  lo, hi = sps.t.interval(0.95, k - 1, loc=sum(d) / k, scale=sps.sem(d))
-  m = re.search(r"95 % t-interval ([+-][0-9.]+) … ([+-][0-9.]+) \(t_(\d+) = ([+-]?[0-9.]+), p = ([0-9.e-]+)\)", s)
-  assert m and abs(float(m[1]) - lo) < 5.01e-4 and abs(float(m[2]) - hi) < 5.01e-4
-  assert int(m[3]) == k - 1 and abs(float(m[4]) - t.statistic) < 0.00501 and m[5] == p_text(t.pvalue)
-  flips = [sum(sg * x for sg, x in zip(signs, d)) for signs in itertools.product((1, -1), repeat=k)]
-  p_perm = sum(abs(f) >= abs(sum(d)) - 1e-12 for f in flips) / len(flips)
-  m = re.search(r"exact permutation p = ([0-9.e-]+), sign test p = ([0-9.e-]+)", s)
-  assert m and m[1] == p_text(p_perm)
-  assert m[2] == p_text(sps.binomtest(sum(x > 0 for x in d), sum(x != 0 for x in d), 0.5).pvalue)
+  m = re.search(r"cannot go below 1/(\d+) = ([0-9.]+)", text)
+  assert m and int(m[1]) == k + 1 and abs(float(m[2]) - 1 / (k + 1)) < 5e-4
+  for claim in ("t-interval", "exact permutation p", "sign test p", "t_9"):
+    assert claim not in text, claim
   n = len(ranked["nll"]) // 512
   block = lambda nll, b: math.fsum(nll[b * 512:(b + 1) * 512]) / 512
   won = [sum(block(ranked["nll"], b) < block(r["nll"], b) for b in range(n)) for r in randoms]

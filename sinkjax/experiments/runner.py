@@ -218,7 +218,7 @@ class Study:
 # ------------------------------------------------------------------------------------------------- study files
 
 STUDY_DRIVERS = ("paper", "dose", "pinning", "pinning_null", "streaming", "passkey", "trigger", "importance",
-               "tpu")
+               "tpu", "far_context")
 
 
 @dataclasses.dataclass

@@ -39,7 +39,7 @@ DRIVERS = {"paper": "sinkjax.experiments.paper", "dose": "sinkjax.experiments.pa
          "pinning": "sinkjax.experiments.heads_pinning", "streaming": "sinkjax.experiments.streaming_real",
          "passkey": "sinkjax.experiments.passkey", "trigger": "sinkjax.experiments.trigger",
          "importance": "sinkjax.experiments.heads_real", "pinning_null": "sinkjax.experiments.heads_pinning",
-         "tpu": "sinkjax.experiments.paper_tpu"}
+         "tpu": "sinkjax.experiments.paper_tpu", "far_context": "sinkjax.experiments.far_context"}
 assert set(DRIVERS) == set(runner.STUDY_DRIVERS)
 
 
