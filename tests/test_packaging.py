@@ -54,8 +54,11 @@ def venv(wheel, tmp_path_factory) -> pathlib.Path:
                            capture_output=True, text=True, check=True).stdout.strip()
   deps = [p for p in site.getsitepackages() if pathlib.Path(p).resolve() != ROOT.resolve()]
   pathlib.Path(purelib, "zz_deps.pth").write_text("\n".join(deps) + "\n")
-  r = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-                      str(wheel)], capture_output=True, text=True, timeout=600)
+  # --ignore-installed: the editable sinkjax of this environment (seen through the .pth, or PYTHONPATH's checkout)
+  # is neither "already installed" there nor uninstalled
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  r = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                      "--ignore-installed", "-q", str(wheel)], capture_output=True, text=True, timeout=600, env=env)
   assert r.returncode == 0, r.stderr[-3000:]
   return python
 
