@@ -97,8 +97,9 @@ def test_each_option_section_is_declared_in_one_module():
   assert passkey.SECTIONS["cache"] is cache_policy.CacheOptions
 
 
-# streaming_real's study declares the one fraction of its hybrid (a float), not the policy's F[,F...] list.
-NOT_THE_POLICY = {"StreamingOptions": ["full_heads"]}
+# streaming_real's and far_context's studies and duo_attention's map declare the one fraction of their hybrid (a
+# float), not the policy's F[,F...] list.
+NOT_THE_POLICY = {"StreamingOptions": ["full_heads"], "FarOptions": ["full_heads"], "DuoOptions": ["full_heads"]}
 
 
 def test_the_shared_cache_policy_is_not_redeclared():

@@ -140,7 +140,7 @@ def test_the_installed_wheel_resolves_its_packaged_names_from_another_directory(
   unknown name list them; `study trigger_quick --dry-run` lists its runs."""
   code = ("import sinkjax, sys; from sinkjax import config as c\n"
           "print(sinkjax.__file__); print(c.configs_dir()); print(c.load_config('paper/d20_sink_aux').model.attention)\n"
-          f"print(any(p and {str(ROOT)!r} in p for p in sys.path))")
+          f"import pathlib; print(any(p and pathlib.Path(p).resolve() == pathlib.Path({str(ROOT)!r}) for p in sys.path))")
   r = _run_installed(venv, ["-c", code], tmp_path)
   assert r.returncode == 0, r.stderr[-3000:]
   module, configs, attention, checkout_on_path = r.stdout.split()
