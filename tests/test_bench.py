@@ -106,6 +106,30 @@ def test_apart_runs_each_arm_in_its_own_process_and_reads_the_ratio(capsys):
       [math.exp(sum(logs) / 2), math.exp(ci.low), math.exp(ci.high)], rel=1e-2, abs=1e-3)
 
 
+def test_apart_runs_nanochat_under_the_torch_python_when_one_is_named(monkeypatch, capsys):
+  """--apart: with $SINKJAX_TORCH_PYTHON set, nanochat's process runs under that interpreter and sinkjax's under this
+  one (each child's command recorded; the children's JSON lines faked); unset, both run under this one."""
+  import subprocess
+  import sys
+  import types
+  calls = []
+
+  def fake_run(cmd, **kw):
+    calls.append((cmd[0], cmd[-1]))
+    return types.SimpleNamespace(returncode=0, stderr="", stdout='{"ms": %s, "cpu_s": 1.0}\n' % (
+        "100.0" if cmd[-1] == "sinkjax" else "110.0"))
+  monkeypatch.setattr(subprocess, "run", fake_run)
+  monkeypatch.setenv("SINKJAX_TORCH_PYTHON", "/opt/torch/bin/python")
+  assert bench.main(["--apart", "2", "--repeats", "1"]) == 0
+  assert calls == [(sys.executable, "sinkjax"), ("/opt/torch/bin/python", "nanochat"),
+                   ("/opt/torch/bin/python", "nanochat"), (sys.executable, "sinkjax")]
+  assert "geometric mean 1.100x" in capsys.readouterr().out
+  calls.clear()
+  monkeypatch.delenv("SINKJAX_TORCH_PYTHON")
+  assert bench.main(["--apart", "2", "--repeats", "1"]) == 0
+  assert {c[0] for c in calls} == {sys.executable}
+
+
 # ------------------------------------------------------------------------------------- sinkjax.bench.attention
 
 ATTN = ["--seq", "16", "--heads", "2", "--head-dim", "8", "--repeats", "1"]

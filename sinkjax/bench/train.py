@@ -35,6 +35,7 @@ torch's thread pools in one process; on 2 cores that costs sinkjax a few per cen
 "Training step on a CPU"). With --apart every round starts a fresh process for sinkjax's sink + aux + AdamW step and
 one for nanochat's (--repeats timed steps each after 3 untimed, the first arm alternating by round) and the per-round
 ratio nanochat / sinkjax is read over the rounds as a paired effect on the log scale (geometric mean, 95 % t-interval).
+nanochat's process runs under $SINKJAX_TORCH_PYTHON when set (a Python with torch, where this one has none).
 
 --preset cpu-peer: the shape of issue 20, the first run a person makes on a CPU (4 layers x 256 wide, 4 heads x 64,
 T 512, batch 8, vocabulary 257, float32).
@@ -333,6 +334,13 @@ def time_child(opts: TrainBenchOptions) -> None:
   print(json.dumps({"arm": opts.child, "ms": wall * 1e3, "cpu_s": cpu, "steps": opts.repeats}), flush=True)
 
 
+def apart_pythons() -> dict:
+  """{arm: the interpreter its --apart process runs}: sinkjax's arm this one; nanochat's $SINKJAX_TORCH_PYTHON when set
+  (a Python with torch and this package's train extra, e.g. the py311 leg's, where this one has no torch), else this
+  one."""
+  return {"sinkjax": sys.executable, "nanochat": os.environ.get("SINKJAX_TORCH_PYTHON") or sys.executable}
+
+
 def measure_apart(opts: TrainBenchOptions) -> None:
   """--apart ROUNDS: each round runs both arms in fresh processes one after the other (order alternating by round) and
   prints their step times; then the ratio nanochat / sinkjax per round, read as a paired effect over rounds on the
@@ -350,10 +358,11 @@ def measure_apart(opts: TrainBenchOptions) -> None:
   print("", *table(["round", "first", "sinkjax (ms)", "sinkjax CPU s", "nanochat (ms)", "nanochat CPU s",
                     "nanochat / sinkjax"]), sep="\n", flush=True)
   ratios = []
+  python = apart_pythons()
   for r in range(opts.apart):
     got = {}
     for arm in APART_ARMS[::1 if r % 2 == 0 else -1]:
-      proc = subprocess.run([sys.executable, "-m", "sinkjax.bench.train", *flags, "--child", arm],
+      proc = subprocess.run([python[arm], "-m", "sinkjax.bench.train", *flags, "--child", arm],
                             capture_output=True, text=True, check=False)
       if proc.returncode:
         raise errors.UserError(f"--apart: the {arm} process failed: {proc.stderr.strip().splitlines()[-1:]}")
