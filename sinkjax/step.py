@@ -39,18 +39,15 @@ def chunked_nll(logits_fn, x, targets, chunk: int):
   logits (the backward recomputes a block's logits, then its gradient). Rows stay whole blocks of the batch axes'
   sharding. Exact: the same per-token values as the whole [B,T,V] computation (T padded up to a multiple of chunk;
   the padding's losses are dropped)."""
-  B, T, D = x.shape
+  B, T, _ = x.shape
   n = -(-T // chunk)
-  pad = n * chunk - T
-  xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, D).swapaxes(0, 1)
-  ts = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
 
   @functools.partial(jax.checkpoint, prevent_cse=False)
   def block(_, xt):
     xb, tb = xt
     return None, optax.softmax_cross_entropy_with_integer_labels(logits_fn(xb), tb)
 
-  _, nll = jax.lax.scan(block, None, (xs, ts))
+  _, nll = jax.lax.scan(block, None, (_blocks(x, n, chunk), _blocks(targets, n, chunk)))
   return nll.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
 
 

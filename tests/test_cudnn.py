@@ -211,13 +211,8 @@ class _EmulatedCudnn:
     return tuple(jnp.where((ids != 0)[:, :, None, None], g, jnp.nan) for g in grads)
 
 
-@pytest.mark.parametrize("kind", ["none", pytest.param("ones", marks=pytest.mark.slow), "docs",
-                                  pytest.param("many_docs", marks=pytest.mark.slow)])
-def test_backend_end_to_end_with_emulated_cudnn(kind, monkeypatch):
-  """The cudnn backend through `flash_attention` (its custom_vjp, routes, packed operands, statistics gather and
-  scatter, padding masks, the O' fold) on the emulated custom calls, against the reference's autodiff: out, lse and
-  dq, dk, dv of a loss through both outputs, GQA 4:2, bf16. `many_docs` takes route 2 (the fallback, here `xla`)."""
-  from sinkjax.bench import kernel_check
+def _emulate_cudnn(monkeypatch):
+  """The cudnn backend's custom calls replaced by `_EmulatedCudnn`, its fallback route by `xla`."""
   from sinkjax.kernels import xla
   emu = _EmulatedCudnn(cudnn.MAX_SEGMENTS)
   monkeypatch.setattr(cudnn, "_fwd_call", lambda q, k, v, causal, scale, packed_operands=None:
@@ -225,6 +220,16 @@ def test_backend_end_to_end_with_emulated_cudnn(kind, monkeypatch):
   monkeypatch.setattr(cudnn, "_bwd_call", lambda q, k, v, stats, out, dout, causal, scale, packed_operands=None:
                       emu.bwd(q, k, v, stats, out, dout, causal, scale, packed_operands))
   monkeypatch.setattr(cudnn, "_fallback", lambda: xla)
+
+
+@pytest.mark.parametrize("kind", ["none", pytest.param("ones", marks=pytest.mark.slow), "docs",
+                                  pytest.param("many_docs", marks=pytest.mark.slow)])
+def test_backend_end_to_end_with_emulated_cudnn(kind, monkeypatch):
+  """The cudnn backend through `flash_attention` (its custom_vjp, routes, packed operands, statistics gather and
+  scatter, padding masks, the O' fold) on the emulated custom calls, against the reference's autodiff: out, lse and
+  dq, dk, dv of a loss through both outputs, GQA 4:2, bf16. `many_docs` takes route 2 (the fallback, here `xla`)."""
+  from sinkjax.bench import kernel_check
+  _emulate_cudnn(monkeypatch)
   B, T, Hq, Hkv, D = 2, 64, 4, 2, 16
   q, k, v, w, u, _ = kernel_check._inputs(B, T, Hq, Hkv, D, jnp.bfloat16)
   seg = kernel_check.segments(kind, B, T)
@@ -272,13 +277,8 @@ def test_float16_large_lse_cotangent_and_nan_padding_with_emulated_cudnn(kind, m
   with packed documents, NaN in the padding rows of q, k and v. Against the reference's autodiff in float32 on the
   same float16 inputs (padding rows zero there), relative to each value's largest."""
   from sinkjax.bench import kernel_check
-  from sinkjax.kernels import reference, xla
-  emu = _EmulatedCudnn(cudnn.MAX_SEGMENTS)
-  monkeypatch.setattr(cudnn, "_fwd_call", lambda q, k, v, causal, scale, packed_operands=None:
-                      emu.fwd(q, k, v, causal, scale, packed_operands))
-  monkeypatch.setattr(cudnn, "_bwd_call", lambda q, k, v, stats, out, dout, causal, scale, packed_operands=None:
-                      emu.bwd(q, k, v, stats, out, dout, causal, scale, packed_operands))
-  monkeypatch.setattr(cudnn, "_fallback", lambda: xla)
+  from sinkjax.kernels import reference
+  _emulate_cudnn(monkeypatch)
   B, T, Hq, Hkv, D = 2, 64, 4, 2, 16
   q, k, v, w, u, _ = kernel_check._inputs(B, T, Hq, Hkv, D, jnp.float16)
   u = u * 300.0                                                 # large g; w is 0 on every 7th row (dO = 0)
