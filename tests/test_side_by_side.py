@@ -369,3 +369,19 @@ def test_the_dry_run_passes_every_stage(tmp_path):
   sbs.validate(doc)
   assert {s["stage"] for s in map(json.loads, (tmp_path / "out" / "stages.jsonl").read_text().splitlines())} >= \
       {"side_by_side", "check", *(f"ab_{n}" for n in sbs.read_levers(REPO / "launch" / "gpu_levers.txt"))}
+
+
+def test_the_sinkjax_rows_are_nanochats_step_on_synthetic_data():
+  """Each sinkjax row's config, as `--row` loads it: nanochat's step (32 rows x 2,048 tokens, depth 20, vocabulary
+  65,536: base_train.py's device_batch_size and max_seq_len) in 16-row micro-steps, on the embedded byte data (a GPU
+  machine holds no FineWeb-Edu shards), the row's variant and aux weight on top of configs/d20_gpu.yaml."""
+  from sinkjax.config import load_config
+  o = sbs.SideBySideOptions()
+  config, base = sbs.default_config()
+  for row, (attention, aux) in {"sinkjax sink+aux": ("sink", 1e-4), "sinkjax vanilla": ("vanilla", 0.0)}.items():
+    cfg = load_config(str(REPO / config), base + sbs.shape_overrides(o) + sbs.ROWS[row])
+    assert (cfg.train.batch_size, cfg.train.grad_accum, cfg.data.seq_len) == (32, 2, 2048)
+    assert (cfg.model.num_layers, cfg.model.vocab_size) == (20, 65536)
+    assert (cfg.data.source, cfg.data.val_source, cfg.data.tokenizer) == ("default", "", "bytes")
+    assert (cfg.model.attention, cfg.loss.aux_weight) == (attention, aux)
+    assert (cfg.train.loss_impl, cfg.model.scan_layers, cfg.mesh.fsdp) == ("fused", False, 1)
