@@ -413,6 +413,8 @@ class TrainConfig:
   muon_momentum_start: float = declare(0.85, "[0,1]") # ... linearly from this value over muon_momentum_warmup steps (nanochat)
   muon_momentum_warmup: int = declare(300, ">=0") # 0 = muon_momentum from the first step
   muon_ns_dtype: str = declare("bfloat16", choices=choices.NS_DTYPES) # dtype of Muon's Newton-Schulz iteration (nanochat: bfloat16)
+  muon_stack: bool = True           # one device: Newton-Schulz on the matrices of one shape stacked, one batched
+                                    # matmul per iteration for all of them; false: one per parameter (sinkjax.optim)
   max_nonfinite: int = declare(5, ">=1") # consecutive non-finite steps (loss, gradient or update) before the run stops
   epochs: int = declare(0, ">=0")       # data.format=sft: stop after this many passes over the training examples, with a
                                     # checkpoint (train.steps 0: the steps those passes make); 0 = no limit

@@ -29,7 +29,9 @@ are orthogonalized distributed, as nanochat's DistMuon does: those of one (wide)
 matrices to a multiple of the device count and split over all devices, so each device runs Newton-Schulz on its
 share only (instead of every device running all of them on row-sharded operands with replicated [m, m] products:
 7.5 GB of HBM traffic per chip and step on d20 over v5e-32, docs/TPU.md); the results go back to the leaves'
-shardings. The same arithmetic per matrix, so the same update up to the matmuls' summation order.
+shardings. The same arithmetic per matrix, so the same update up to the matmuls' summation order. On one device the matrices
+of one shape are stacked the same way (train.muon_stack, on by default): one batched matmul per iteration for all of
+them, where unscanned layers (model.scan_layers false) would otherwise launch one per parameter and layer.
 `train.optimizer: adamw` replaces all of it by plain AdamW at train.adamw_lr on the same schedule.
 """
 from __future__ import annotations
@@ -119,10 +121,11 @@ def _ns_wide(x, steps: int, eps: float):
   return x
 
 
-def _directions(leaves, steps: int, dtype, devices: int, axes: tuple, explicit: bool = False):
-  """`newton_schulz` of every matrix of `leaves` ([..., m, n] each), distributed: the matrices of one wide shape are
-  stacked [N, m, n] (tall ones transposed), padded with zeros to a multiple of `devices` and split over the mesh axes
-  `axes` for the iterations, then unstacked (each leaf back in its own sharding, by XLA's propagation)."""
+def _directions(leaves, steps: int, dtype, devices: int = 1, axes: tuple = (), explicit: bool = False):
+  """`newton_schulz` of every matrix of `leaves` ([..., m, n] each), batched: the matrices of one wide shape are
+  stacked [N, m, n] (tall ones transposed) and orthogonalized together, then unstacked. On several devices the stack
+  is padded with zeros to a multiple of `devices` and split over the mesh axes `axes` for the iterations (each leaf
+  goes back to its own sharding by XLA's propagation)."""
   mats, groups = [], {}
   for i, g in enumerate(leaves):
     x = g.reshape((-1,) + g.shape[-2:]).astype(dtype)
@@ -135,8 +138,9 @@ def _directions(leaves, steps: int, dtype, devices: int, axes: tuple, explicit: 
   for idx in groups.values():
     stack = jnp.concatenate([mats[i][0] for i in idx])
     n = stack.shape[0]
-    stack = jnp.pad(stack, ((0, -n % devices), (0, 0), (0, 0)))
-    stack = jax.sharding.reshard(stack, spec) if explicit else jax.lax.with_sharding_constraint(stack, spec)
+    if devices > 1:
+      stack = jnp.pad(stack, ((0, -n % devices), (0, 0), (0, 0)))
+      stack = jax.sharding.reshard(stack, spec) if explicit else jax.lax.with_sharding_constraint(stack, spec)
     stack = jax.vmap(lambda x: _ns_wide(x, steps, NS_EPS))(stack)
     start = 0
     for i in idx:
@@ -168,11 +172,12 @@ class MuonState(NamedTuple):
   momentum: optax.Updates
 
 
-def scale_by_muon(beta: optax.ScalarOrSchedule = 0.95, ns_steps: int = 5, ns_dtype=jnp.bfloat16
+def scale_by_muon(beta: optax.ScalarOrSchedule = 0.95, ns_steps: int = 5, ns_dtype=jnp.bfloat16, stack: bool = True
                   ) -> optax.GradientTransformation:
   """nanochat's Muon direction (see the module docstring), before the learning rate: orthogonalized Nesterov
   momentum times max(1, fan_out / fan_in) ** 0.5. Leaves with more than 2 dims ([E, in, out] MoE experts) are
-  orthogonalized per leading index."""
+  orthogonalized per leading index. stack: on one device, the matrices of one shape orthogonalized as one batch
+  (several devices always stack them, to split the batch)."""
 
   def init_fn(params):
     return MuonState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
@@ -187,7 +192,7 @@ def scale_by_muon(beta: optax.ScalarOrSchedule = 0.95, ns_steps: int = 5, ns_dty
     mom = jax.tree.map(lambda m, g: b * m + (1 - b) * g, state.momentum, updates)
     nesterov = jax.tree.map(lambda m, g: (1 - b) * g + b * m, mom, updates)
     devices, axes, explicit = _mesh_devices()
-    if devices == 1:
+    if devices == 1 and not stack:
       out = jax.tree.map(lambda g: jax.vmap(direction)(g.reshape((-1,) + g.shape[-2:])).reshape(g.shape), nesterov)
     else:
       leaves, treedef = jax.tree.flatten(nesterov)
@@ -203,7 +208,7 @@ def muon(cfg_train, lr: optax.Schedule) -> optax.GradientTransformation:
   beta = optax.linear_schedule(t.muon_momentum_start, t.muon_momentum, t.muon_momentum_warmup) \
       if t.muon_momentum_warmup > 0 else t.muon_momentum
   decay = [optax.add_decayed_weights(t.weight_decay)] if t.weight_decay else []
-  return optax.chain(scale_by_muon(beta, ns_dtype=jnp.dtype(t.muon_ns_dtype)), *decay,
+  return optax.chain(scale_by_muon(beta, ns_dtype=jnp.dtype(t.muon_ns_dtype), stack=t.muon_stack), *decay,
                      optax.scale_by_learning_rate(lr))
 
 

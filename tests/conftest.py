@@ -80,6 +80,11 @@ ONE_LEG = {
   # configs/tiny.yaml as a command, then its user errors: the loop, the run directory's files, the checkpoints and the
   # errors are each tested in process on both legs (test_train, test_config), and two-process commands run on both
   "test_train::test_cli_smoke_and_user_errors": "py312",
+  # launch/gpu_measure.sh's stages against a stand-in Python and the side by side's result files (nanochat's runner
+  # needs torch: the torch leg); the wheel's contents and its install into a venv; the tokenizer command (tokenizers,
+  # tiktoken); W&B's offline records against metrics.jsonl; Fig. 4's study file writing its analysis and heatmap
+  "test_side_by_side": "py312", "test_side_by_side::test_nanochat_runner_counts_flops_as_estimate_flops": "py311",
+  "test_packaging": "py312", "test_tokenizer_cli": "py312", "test_wandb": "py312", "test_heads_real_analysis": "py312",
 }
 DEALT = (
   # the attention variants, gate settings and cache layouts against their materialized references

@@ -98,8 +98,9 @@ def test_fused_loss_fn_and_step_match_autodiff():
     batch = {k: v for k, v in next(it).items() if k in TRAIN_FEATURES}
     it.close()
     total = jnp.maximum(batch["loss_mask"].sum(), 1.0)
-    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, graphdef, rest, batch, total, cfg.loss,
-                                                                 None, 1, 8, impl)
+    grad_fn = jax.jit(jax.value_and_grad(
+        lambda p, r, b, t: loss_fn(p, graphdef, r, b, t, cfg.loss, None, 1, 8, impl), has_aux=True))
+    (loss, _), grads = grad_fn(params, rest, batch, total)
     tx, _ = optim.build_optimizer(cfg, 10)
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
              "rng": jax.random.PRNGKey(0), "nonfinite": jnp.zeros((), jnp.int32)}

@@ -44,7 +44,9 @@ TEXT = (
     "and the water temperature near the equator alters the weather of many countries, bringing floods to some and "
     "droughts to others. Scientists watch these changes closely, because farmers, fishermen and whole cities depend "
     "on the rain that the ocean sends or withholds.")
-PROMPTS = ("What is the largest ocean on Earth?", "Name the planet closest to the Sun.")
+# One chat prompt: its greedy reply is 24 tokens, then <|im_end|> (a second prompt would add a decode loop of the
+# 30-layer model on both sides and test nothing new)
+PROMPTS = ("What is the largest ocean on Earth?",)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_float32_logits_match_transformers_on_english_text(smol):
 def test_chat_greedy_generation_matches_transformers(smol):
   tok, hf_tok, model = smol["tok"], smol["hf_tok"], smol["model"]
   chats = [prompt_ids(tok, prompt, chat=True) for prompt in PROMPTS]
-  gen = Generator(model, capacity=max(len(ids) for _, ids in chats) + 48)     # one decode step compiled for both
+  gen = Generator(model, capacity=max(len(ids) for _, ids in chats) + 32)
   for prompt, (text, ids) in zip(PROMPTS, chats):
     ref_text = hf_tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                           tokenize=False)
@@ -115,11 +117,11 @@ def test_chat_greedy_generation_matches_transformers(smol):
     ref_ids = hf_tok(ref_text, add_special_tokens=False).input_ids
     assert ids == ref_ids
     with torch.no_grad():
-      out = smol["hf"].generate(torch.tensor([ref_ids]), max_new_tokens=48, do_sample=False)
+      out = smol["hf"].generate(torch.tensor([ref_ids]), max_new_tokens=32, do_sample=False)
     ref_new = out[0, len(ref_ids):].tolist()
-    assert ref_new[-1] == 2 and len(ref_new) < 48                   # transformers stopped at <|im_end|>
+    assert ref_new[-1] == 2 and len(ref_new) < 32                   # transformers stopped at <|im_end|>
     shown = []
-    ours = gen.generate(ids, 48, temperature=0.0, stop_token=tok.stop_ids, on_token=shown.append)
+    ours = gen.generate(ids, 32, temperature=0.0, stop_token=tok.stop_ids, on_token=shown.append)
     assert ours == ref_new[:-1]                                       # the same tokens, stopped at the same EOS
     stream = TextStream(tok, out=open(os.devnull, "w"), skip_special_tokens=False)
     for t in shown:
