@@ -68,7 +68,7 @@ ONE_LEG = {
   # documents, reports and committed results checked as text, with numpy and scipy
   "test_readme": "py312", "test_docs_reference": "py312", "test_results_docs": "py312",
   "test_heads_real_docs": "py312", "test_streaming_real_docs": "py312", "test_heads_real": "py312",
-  "test_paper_report_runs": "py312", "test_stats": "py312",
+  "test_paper_report_runs": "py312", "test_stats": "py312", "test_far_context_docs": "py312",
   # the import graph read with ast; shell scripts and their dry runs; command-line options; toy studies and a
   # stand-in trainer; downloads from a local HTTP server; SFT records
   "test_imports": "py312", "test_launch": "py312", "test_options": "py312", "test_runner": "py312",
@@ -121,6 +121,9 @@ DEALT = (
   "test_data::test_exact_packing_one_epoch", "test_data::test_exact_resume_mid_epoch",
   "test_data::test_second_epoch_prints_one_line_when_it_starts",
   "test_data::test_a_restored_run_encodes_text_as_training_rows_begin",
+  "test_fused_loss::test_fused_matches_materialized_reference",
+  "test_head_masks::test_one_pass_equals_token_by_token_cache",
+  "test_head_masks::test_gated_mix_at_its_ends_is_full_or_streaming",
   # user errors, one line each, and committed tables against their records
   "test_config::test_out_of_range_values_are_refused", "test_generate::test_cli_errors_are_one_line",
   "test_generate::test_the_command_line_before_the_subcommands_is_refused_with_its_new_spelling",
