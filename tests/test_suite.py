@@ -83,3 +83,12 @@ def test_an_unknown_leg_is_refused(monkeypatch):
   monkeypatch.setenv("SINKJAX_CI_LEG", "py313")
   with pytest.raises(pytest.UsageError, match="SINKJAX_CI_LEG=py313"):
     conftest.pytest_collection_modifyitems(_Config(), [])
+
+
+def test_dealt_cases_go_two_to_py312_for_one_to_py311(monkeypatch):
+  """Seven cases of one dealt test: py312, py311, py312, py312, py311, py312, py312 (a two-case test runs on both)."""
+  monkeypatch.setattr(conftest, "ONE_LEG", {})
+  monkeypatch.setattr(conftest, "DEALT", ("test_d::test_p",))
+  items = [_Item(f"tests/test_d.py::test_p[{i}]") for i in range(7)]
+  legs = conftest.ci_legs(items)
+  assert [legs[id(i)] for i in items] == ["py312", "py311", "py312", "py312", "py311", "py312", "py312"]
