@@ -29,9 +29,9 @@ are orthogonalized distributed, as nanochat's DistMuon does: those of one (wide)
 matrices to a multiple of the device count and split over all devices, so each device runs Newton-Schulz on its
 share only (instead of every device running all of them on row-sharded operands with replicated [m, m] products:
 7.5 GB of HBM traffic per chip and step on d20 over v5e-32, docs/TPU.md); the results go back to the leaves'
-shardings. The same arithmetic per matrix, so the same update up to the matmuls' summation order. On one device the matrices
-of one shape are stacked the same way (train.muon_stack, on by default): one batched matmul per iteration for all of
-them, where unscanned layers (model.scan_layers false) would otherwise launch one per parameter and layer.
+shardings. The same arithmetic per matrix, so the same update up to the matmuls' summation order. On one device
+the matrices of one shape are stacked the same way (train.muon_stack, on by default): one batched matmul per
+iteration for all of them, where unscanned layers (model.scan_layers false) would launch one per parameter and layer.
 `train.optimizer: adamw` replaces all of it by plain AdamW at train.adamw_lr on the same schedule.
 """
 from __future__ import annotations

@@ -81,8 +81,9 @@ ONE_LEG = {
   # run): its 2-step trainings and evaluations are sinkjax.train's and paper's, tested in process on both legs
   "test_paper::test_grid_runner_writes_every_artefact_and_a_rerun_skips_finished_runs": "py312",
   "test_paper::test_report_write_regenerates_the_committed_reports": "py312",
-  # configs/tiny.yaml as a command, then its user errors: the loop, the run directory's files, the checkpoints and the
-  # errors are each tested in process on both legs (test_train, test_config), and two-process commands run on both
+  # configs/tiny.yaml as a command, then its user errors: the loop, the run directory's files and the checkpoints are
+  # each tested in process on both legs (test_train), the config errors on py312 (test_config, below), and
+  # two-process commands run on both
   "test_train::test_cli_smoke_and_user_errors": "py312",
   # launch/gpu_measure.sh's stages against a stand-in Python and the side by side's result files (nanochat's runner
   # needs torch: the torch leg); the wheel's contents and its install into a venv; the tokenizer command (tokenizers,
