@@ -281,13 +281,17 @@ class _HloCosts:
   def param_reads(self, body_name: str) -> dict:
     """{parameter number: bytes read} of a fused computation's parameters that it reads only in part: through a
     slice, dynamic-slice or gather (the slice), as the buffer a dynamic-update-slice updates in place (nothing), or
-    through a nested fusion that does one of these. A parameter absent from the result is read whole."""
+    through a nested fusion that does one of these; directly or through bitcasts of it. A parameter absent from the
+    result is read whole."""
     if body_name in self._param_reads:
       return self._param_reads[body_name]
     body = self.comps.get(body_name, {})
     params = {i.name: int(i.args) for i in body.values() if i.opcode == "parameter"}
     uses = {}
     for i in body.values():
+      if i.opcode == "bitcast" and i.operands and i.operands[0] in params:
+        params[i.name] = params[i.operands[0]]      # a bitcast of a parameter is the parameter: its uses are
+        continue                                    # the parameter's (XLA:GPU gathers from [B, T, V] views)
       nested = self.param_reads(i.callees("calls")[0]) if i.opcode == "fusion" and i.callees("calls") else {}
       for pos, o in enumerate(i.operands):
         if o in params:

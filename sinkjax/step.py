@@ -83,22 +83,34 @@ def _fused_ce_pass(h, w, targets, weights, dtype, vocab, cap, chunk, grads: bool
   head = lambda hb, w: dense.dot_general(hb.astype(dtype), w, (((2,), (0,)), ((), ())))
   wc = w.astype(dtype)           # once, not per block (a [D, V] conversion pass each; the blocks' dW sum in float32)
 
+  def capped(logits):                                    # float32 logits, soft-capped: (z, tanh(z / cap) or None)
+    z = logits.astype(jnp.float32)
+    if cap > 0:
+      t = jnp.tanh(z / cap)
+      return cap * t, t
+    return z, None
+
   def block(dw, xs):
     hb, tb, wb = xs
     logits, pullback = jax.vjp(head, hb, wc)               # [B, chunk, V padded] in dtype
-    z = logits[..., :vocab].astype(jnp.float32)
-    if cap > 0:              # capped logits lie in [-cap, cap]: exp(z - cap) neither overflows nor vanishes (>= e^-2cap)
-      t = jnp.tanh(z / cap)
-      z, shift = cap * t, jnp.float32(cap)
-    else:
-      shift = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-    e = jnp.exp(z - shift)
-    s = jnp.sum(e, axis=-1, keepdims=True)
-    hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == tb[..., None]
-    nll = (shift + jnp.log(s) - jnp.sum(jnp.where(hit, z, 0.0), axis=-1, keepdims=True))[..., 0]
+    z, _ = capped(logits[..., :vocab])
+    # capped logits lie in [-cap, cap]: exp(z - cap) neither overflows nor vanishes (>= e^-2cap)
+    shift = jnp.float32(cap) if cap > 0 else jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    s = jnp.sum(jnp.exp(z - shift), axis=-1, keepdims=True)
+    # The target's logit gathered (a target outside [0, vocab) picks 0, as a one-hot of it would), not summed out of
+    # a one-hot mask: then the pass above is the only one that reads every logit before the gradient's.
+    valid = (tb >= 0) & (tb < vocab)
+    picked = jnp.take_along_axis(logits, jnp.where(valid, tb, 0)[..., None], axis=-1)
+    nll = (shift + jnp.log(s) - jnp.where(valid[..., None], capped(picked)[0], 0.0))[..., 0]
     if not grads:
       return dw, nll
-    dz = (e / s - hit) * wb[..., None]
+    # The gradient's pass reads the matmul's logits again and recomputes the soft cap and the exponentials from them:
+    # left to itself XLA:GPU keeps the capped logits in float32 between the two passes (a [rows, V] float32 array
+    # written and read back: twice the logits' bytes), where the barrier leaves it one more read of the logits.
+    logits, s = jax.lax.optimization_barrier((logits, s))
+    z, t = capped(logits[..., :vocab])
+    hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == tb[..., None]
+    dz = (jnp.exp(z - shift) / s - hit) * wb[..., None]
     if cap > 0:
       dz = dz * (1 - t * t)
     dz = jnp.pad(dz, ((0, 0), (0, 0), (0, logits.shape[-1] - vocab))).astype(logits.dtype)

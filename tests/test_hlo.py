@@ -389,3 +389,38 @@ def test_tokamax_mosaic_attention_flops_by_hand():
   costs = hlo.hlo_costs(MOSAIC)
   assert costs["flops"] == 2 * 2 * 4 * 64 * (36 * 2 + 36 * 3 + 64 * 4)
   assert hlo.attention_kernel(MOSAIC, "mosaic_gpu") == "mosaic_gpu"
+
+
+GATHER_HLO = """HloModule gather_view, entry_computation_layout={()->(bf16[4,1]{1,0}, bf16[4,64]{1,0})}
+
+%fused_pick (p0: bf16[4,64], p1: s32[4,1]) -> bf16[4,1] {
+  %p0 = bf16[4,64]{1,0} parameter(0)
+  %p1 = s32[4,1]{1,0} parameter(1)
+  %view = bf16[1,4,64]{2,1,0} bitcast(%p0)
+  %idx = s32[4,2]{1,0} concatenate(%p1, %p1), dimensions={1}
+  ROOT %g = bf16[4,1]{1,0} gather(%view, %idx), offset_dims={1}, collapsed_slice_dims={0,1}, start_index_map={1,2}, index_vector_dim=1, slice_sizes={1,1,1}
+}
+
+%fused_scale (q0: bf16[4,64]) -> bf16[4,64] {
+  %q0 = bf16[4,64]{1,0} parameter(0)
+  %v = bf16[1,4,64]{2,1,0} bitcast(%q0)
+  %two = bf16[1,4,64]{2,1,0} add(%v, %v)
+  ROOT %back = bf16[4,64]{1,0} bitcast(%two)
+}
+
+ENTRY %main (logits: bf16[4,64], targets: s32[4,1]) -> (bf16[4,1], bf16[4,64]) {
+  %logits = bf16[4,64]{1,0} parameter(0)
+  %targets = s32[4,1]{1,0} parameter(1)
+  %pick = bf16[4,1]{1,0} fusion(%logits, %targets), kind=kLoop, calls=%fused_pick
+  %scaled = bf16[4,64]{1,0} fusion(%logits), kind=kLoop, calls=%fused_scale
+  ROOT %out = (bf16[4,1]{1,0}, bf16[4,64]{1,0}) tuple(%pick, %scaled)
+}
+"""
+
+
+def test_a_fusion_gathering_from_a_view_of_its_operand_reads_the_gathered_elements():
+  """The fused loss picks each target's logit with a gather from a [B, T, V] bitcast of the [B*T, V] logits: the
+  fusion reads the 4 gathered bf16 values (8 bytes) and the 4 s32 targets (16), and writes 8; a fusion that uses the
+  same view elementwise reads all of it (512) and writes 512."""
+  costs = hlo.hlo_costs(GATHER_HLO)
+  assert costs["hbm_bytes"] == (8 + 16 + 8) + (512 + 512)
