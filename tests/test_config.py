@@ -235,3 +235,19 @@ def test_attention_config_is_a_view_of_the_model_config():
     c.AttentionConfig.of(48, 6, 4)                          # a standalone layer's errors name its keywords
   with pytest.raises(c.ConfigError, match="^model.num_heads \\(6\\) must be a multiple of model.num_kv_heads"):
     c.ModelConfig(d_model=48, num_heads=6, num_kv_heads=4).attention_config()     # a model's its model.* keys
+
+
+def test_the_one_gpu_d20_command_in_scaling_md_is_d20_gpu_yaml():
+  """docs/SCALING.md's command for a paper d20 run on one GPU adds keys to configs/paper/d20_sink_aux.yaml: with them
+  its model, train, mesh and data sections are configs/d20_gpu.yaml's but for the variant and the aux loss it
+  studies (a change to d20_gpu.yaml that the page does not follow fails here)."""
+  text = (ROOT / "docs" / "SCALING.md").read_text()
+  m = re.search(r"python -m sinkjax\.train --config (configs/paper/d20_sink_aux\.yaml) (.*?)\\\n\s*(.*?)run\.dir=", text)
+  assert m, "SCALING.md: the one-GPU d20 command is gone"
+  overrides = (m.group(2) + " " + m.group(3)).split()
+  paper = load_config(str(ROOT / m.group(1)), overrides)
+  gpu = load_config(str(ROOT / "configs" / "d20_gpu.yaml"), [])
+  differ = {f"{sec}.{k}" for sec in ("model", "train", "mesh", "data")
+            for k, v in dataclasses.asdict(getattr(paper, sec)).items() if v != dataclasses.asdict(getattr(gpu, sec))[k]}
+  assert differ == {"model.attention"}, differ
+  assert paper.loss.aux_weight > 0 and gpu.loss.aux_weight == 0
