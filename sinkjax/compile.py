@@ -360,6 +360,12 @@ def print_breakdown(r: dict, top: int = 12) -> None:
     src = " < ".join(i["source"]) or i["op_name"]
     print(f"    {i['hbm_bytes'] / 1e9:8.2f} GB {i['flops']:9.2e} F  trips {loops:<8} {i['category']:<14.14} "
           f"{i['phase']:<9} {i['opcode']} {i['type'][:60]}  [{src}]")
+  lines = b.get("by_source", [])[:top]
+  if lines:
+    print(f"  top {len(lines)} source lines by HBM bytes (every instruction whose innermost sinkjax line it is):")
+    for i in lines:
+      print(f"    {i['hbm_bytes'] / 1e9:8.2f} GB {i['flops']:9.2e} F  {i['instructions']:5d} instr.  "
+            f"{i['category']:<14.14} {i['phase']:<9} {i['source'] or '(no sinkjax line)'}")
 
 
 def speed_rows(r: dict) -> list:

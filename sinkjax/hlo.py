@@ -525,7 +525,10 @@ def breakdown(costs: "_HloCosts", top: int = 25) -> dict:
   """Where a walked program's HBM bytes and FLOPs go (`hbm_breakdown`): `by_category` {category: {hbm_bytes, flops,
   instructions}} (CATEGORIES), `by_pass` {forward | backward | recompute | other: {hbm_bytes, flops}}, and `top`, the
   `top` unfused instructions of most HBM bytes, each with its fused work's FLOPs, the trips of the loops around it
-  (`loops`: [{trips, body}], outermost first), its output type, JAX's op name and sinkjax's source lines."""
+  (`loops`: [{trips, body}], outermost first), its output type, JAX's op name and sinkjax's source lines; and
+  `by_source`, the `top` (innermost sinkjax source line, pass, category) groups of every instruction by HBM bytes
+  ({source ("" where none), phase, category, hbm_bytes, flops, instructions}): e.g. all of a step's RMSNorm fusions
+  as one line, where `top` shows one instruction of each."""
   cats = {c: dict(hbm_bytes=0.0, flops=0.0, instructions=0, xla_cycles=0.0) for c in CATEGORIES}
   passes = {p: dict(hbm_bytes=0.0, flops=0.0) for p in ("forward", "backward", "recompute", "other")}
   rows = []
@@ -550,10 +553,20 @@ def breakdown(costs: "_HloCosts", top: int = 25) -> dict:
                      category=cat, phase=ps, op_name=op_name,
                      source=_source(costs.frames, int(frame.group(1))) if frame else []))
   rows.sort(key=lambda r: -r["hbm_bytes"])
+  # by the innermost sinkjax source line and pass: the lines whose work moves the most (all instructions, not the top)
+  lines = {}
+  for r in rows:
+    line = lines.setdefault((r["source"][0] if r["source"] else "", r["phase"], r["category"]),
+                            dict(hbm_bytes=0.0, flops=0.0, instructions=0))
+    line["hbm_bytes"] += r["hbm_bytes"]
+    line["flops"] += r["flops"]
+    line["instructions"] += 1
+  by_source = [dict(source=src, phase=ph, category=cat, **v) for (src, ph, cat), v in lines.items()]
+  by_source.sort(key=lambda r: -r["hbm_bytes"])
   # what the core runs one after another: all but the collectives and the async copies / slices (DMAs beside it)
   synchronous = [(r["flops"], r["hbm_bytes"]) for r in rows
                  if r["category"] != "collectives" and not r["opcode"].endswith("-start")]
-  return {"by_category": cats, "by_pass": passes, "top": rows[:top],
+  return {"by_category": cats, "by_pass": passes, "top": rows[:top], "by_source": by_source[:top],
           "xla_cycles": sum(c["xla_cycles"] for c in cats.values()), "synchronous": synchronous}
 
 

@@ -424,3 +424,16 @@ def test_a_fusion_gathering_from_a_view_of_its_operand_reads_the_gathered_elemen
   same view elementwise reads all of it (512) and writes 512."""
   costs = hlo.hlo_costs(GATHER_HLO)
   assert costs["hbm_bytes"] == (8 + 16 + 8) + (512 + 512)
+
+
+def test_by_source_groups_every_instruction_by_its_line_and_pass():
+  """`by_source` adds up every instruction of a line, pass and category (the loop's matmul counts its 3 trips, the
+  instructions without a sinkjax line group under ""), sorted by bytes, and its groups add up to the program."""
+  costs = hlo.hlo_costs(LOOPS)
+  b = costs["breakdown"]
+  groups = {(g["source"], g["phase"], g["category"]): g for g in b["by_source"]}
+  dot = groups["sinkjax/model.py:10 chunked_nll.<locals>.block", "forward", "loss"]
+  assert (dot["hbm_bytes"], dot["flops"], dot["instructions"]) == (3 * (2 * H + W), 3 * MATMUL, 1)
+  assert sum(g["hbm_bytes"] for g in b["by_source"]) == costs["hbm_bytes"]
+  assert sum(g["instructions"] for g in b["by_source"]) == sum(c["instructions"] for c in b["by_category"].values())
+  assert [g["hbm_bytes"] for g in b["by_source"]] == sorted((g["hbm_bytes"] for g in b["by_source"]), reverse=True)
