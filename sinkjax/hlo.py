@@ -455,9 +455,9 @@ def _stack_frames(text: str) -> dict:
 # The per-category table of `hbm_breakdown`, in the order a record is tested against them.
 CATEGORIES = ("attention kernels", "collectives", "loss", "optimizer", "matmuls", "prefetches into VMEM",
               "copies / transposes / slices", "elementwise / other fusions", "other")
-# Functions whose work is the loss (the LM head, the cross-entropy, their chunking; not `token_losses`, which
-# also runs the layers).
-LOSS_FUNCTIONS = ("chunked_nll", "Transformer.logits", "softmax_cross_entropy")
+# Functions whose work is the loss (the LM head, the cross-entropy, their chunking, and the fused loss's blocks,
+# train.loss_impl=fused: `fused_ce_sum`, `_fused_ce*`; not `token_losses`, which also runs the layers).
+LOSS_FUNCTIONS = ("chunked_nll", "Transformer.logits", "softmax_cross_entropy", "fused_ce_sum", "_fused_ce")
 # Instructions that only move or re-arrange data (a fusion of nothing else is a copy).
 _MOVES = {"parameter", "copy", "transpose", "bitcast", "reshape", "tuple", "get-tuple-element", "slice",
           "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "constant", "copy-start", "copy-done",

@@ -26,8 +26,10 @@ from sinkjax.config import MeshConfig, load_config  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HLO = ROOT / "docs" / "results" / "tpu_compile" / "hlo"
+# The recorded programs are of the chunked autodiff loss (configs/d20.yaml's until it took train.loss_impl=fused).
 PROXY = ("configs/paper/d20_sink_aux.yaml", "v5e:4x8", "model.vocab_size=65536", "model.depth=0",
-         "model.num_layers=2", "model.d_model=1280", "model.num_heads=10", "model.num_kv_heads=10", "model.head_dim=128")
+         "model.num_layers=2", "model.d_model=1280", "model.num_heads=10", "model.num_kv_heads=10", "model.head_dim=128",
+         "train.loss_impl=autodiff")
 RECORDED = {"gather": HLO / "d20_sink_aux_2layers_v5e-32_gather.hlo.txt.gz",
             "windowed": HLO / "d20_sink_aux_2layers_v5e-32_windowed.hlo.txt.gz"}
 
