@@ -97,11 +97,11 @@ def _fused_ce_pass(h, w, targets, weights, dtype, vocab, cap, chunk, grads: bool
     # capped logits lie in [-cap, cap]: exp(z - cap) neither overflows nor vanishes (>= e^-2cap)
     shift = jnp.float32(cap) if cap > 0 else jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     s = jnp.sum(jnp.exp(z - shift), axis=-1, keepdims=True)
-    # The target's logit gathered (a target outside [0, vocab) picks 0, as a one-hot of it would), not summed out of
-    # a one-hot mask: then the pass above is the only one that reads every logit before the gradient's.
-    valid = (tb >= 0) & (tb < vocab)
-    picked = jnp.take_along_axis(logits, jnp.where(valid, tb, 0)[..., None], axis=-1)
-    nll = (shift + jnp.log(s) - jnp.where(valid[..., None], capped(picked)[0], 0.0))[..., 0]
+    # The target's logit gathered, not summed out of a one-hot mask: then the pass above is the only one that reads
+    # every logit before the gradient's. (An ignored position's target, outside [0, vocab), is clipped into it: its
+    # weight is 0, and its one-hot below is empty.)
+    picked = jnp.take_along_axis(logits, jnp.clip(tb, 0, vocab - 1)[..., None], axis=-1)
+    nll = (shift + jnp.log(s) - capped(picked)[0])[..., 0]
     if not grads:
       return dw, nll
     # The gradient's pass reads the matmul's logits again and recomputes the soft cap and the exponentials from them:

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from sinkjax.bench import side_by_side as sbs
+from sinkjax.config import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -244,7 +245,6 @@ def test_the_table_gives_each_row_as_a_multiple_of_nanochat(tmp_path, monkeypatc
 def test_the_levers_file_and_its_errors(tmp_path):
   assert sbs.read_levers(REPO / "launch" / "gpu_levers.txt")        # the committed file parses
   # each committed lever's overrides are keys and values of the GPU config (a typo would cost a GPU call)
-  from sinkjax.config import load_config  # pylint: disable=import-outside-toplevel
   for name in ("gpu_levers.txt", "gpu_levers_more.txt"):
     for lever, overrides in sbs.read_levers(REPO / "launch" / name).items():
       assert load_config(str(REPO / "configs" / "d20_gpu.yaml"), overrides), (name, lever)
